@@ -177,13 +177,13 @@ Status ModelImporter::addWeight(SmallVectorImpl<NamedAttribute> &attrs, const st
 StatusOr<RopeAttr> ModelImporter::rope(bool interleaved, bool noRope) {
   if (noRope)
     return RopeAttr::get(&context_, RopeKind::none, RopePairing::interleaved, Real{10000.0},
-                         Real{1.0}, 0, Real{32.0}, Real{1.0}, Real{1.0}, Real{1.0});
+                         Real{1.0}, 0, Real{32.0}, Real{1.0}, Real{1.0}, Real{0.0});
   HYBRID_ASSIGN_OR_RETURN(double theta, config_.getDouble("rope.theta"));
   HYBRID_ASSIGN_OR_RETURN(std::string type, config_.getString("rope.type"));
   RopePairing pairing = interleaved ? RopePairing::interleaved : RopePairing::half_split;
   if (type == "default")
     return RopeAttr::get(&context_, RopeKind::plain, pairing, Real{theta}, Real{1.0}, 0, Real{32.0},
-                         Real{1.0}, Real{1.0}, Real{1.0});
+                         Real{1.0}, Real{1.0}, Real{0.0});
   if (type != "yarn")
     return Status::error(config_.path() + ": rope scaling type '" + type +
                          "' is not supported (default or yarn)");

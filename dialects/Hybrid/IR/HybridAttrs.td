@@ -107,7 +107,8 @@ def Hybrid_RopeAttr : AttrDef<Hybrid_Dialect, "Rope"> {
     `kind = none` is NoPE (Kimi-Linear MLA: the rope slices are concatenated unrotated).
     `plain` rotates by `t * theta^(-2i/d)`; `yarn` blends interpolated and extrapolated frequencies
     (MODEL_SPEC section 3.2) with `factor`, `original_max_position`, `beta_fast`, `beta_slow`, and
-    scales the softmax by `(0.1 * mscale_all_dim * ln(factor) + 1)^2`.
+    scales the softmax by `(0.1 * mscale_all_dim * ln(factor) + 1)^2` (no scaling when
+    `mscale_all_dim` is 0).
     `pairing` says which channels rotate together: `interleaved` (x[2i], x[2i+1]) or `half_split`
     (x[i], x[i + d/2]).
 
@@ -126,7 +127,7 @@ def Hybrid_RopeAttr : AttrDef<Hybrid_Dialect, "Rope"> {
     DefaultValuedParameter<"::hybrid::Real", "::hybrid::Real{32.0}">:$beta_fast,
     DefaultValuedParameter<"::hybrid::Real", "::hybrid::Real{1.0}">:$beta_slow,
     DefaultValuedParameter<"::hybrid::Real", "::hybrid::Real{1.0}">:$mscale,
-    DefaultValuedParameter<"::hybrid::Real", "::hybrid::Real{1.0}">:$mscale_all_dim
+    DefaultValuedParameter<"::hybrid::Real", "::hybrid::Real{0.0}">:$mscale_all_dim
   );
   let assemblyFormat = "`<` struct(params) `>`";
   let genVerifyDecl = 1;
