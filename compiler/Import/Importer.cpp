@@ -75,7 +75,7 @@ private:
                                int64_t layer, Location loc);
   StatusOr<RopeAttr> rope(bool interleaved, bool noRope);
 
-  Status checkAllTensorsUsed() const;
+  Status checkAllTensorsUsed();
   Status verify(ModuleOp module) const;
 
   Location layerLoc(int64_t layer, const std::string &part) {
@@ -521,7 +521,11 @@ StatusOr<OwningOpRef<ModuleOp>> ModelImporter::run() {
   return module;
 }
 
-Status ModelImporter::checkAllTensorsUsed() const {
+Status ModelImporter::checkAllTensorsUsed() {
+  int64_t extraLayers = 0;
+  if (!mapping_.extraLayersSetting.empty()) {
+    HYBRID_ASSIGN_OR_RETURN(extraLayers, config_.getInt(mapping_.extraLayersSetting));
+  }
   std::vector<llvm::Regex> patterns;
   for (const std::string &pattern : mapping_.unreferencedPatterns)
     patterns.emplace_back(pattern);
@@ -533,7 +537,8 @@ Status ModelImporter::checkAllTensorsUsed() const {
     llvm::StringRef rest(name);
     if (!mapping_.extraLayerPrefix.empty() && rest.consume_front(mapping_.extraLayerPrefix)) {
       int64_t index = -1;
-      if (!rest.consumeInteger(10, index) && index >= numLayers_)
+      if (!rest.consumeInteger(10, index) && index >= numLayers_ &&
+          index < numLayers_ + extraLayers)
         continue;
     }
     if (llvm::any_of(patterns, [&](const llvm::Regex &re) { return re.match(name); }))

@@ -105,6 +105,8 @@ StatusOr<ArchitectureMapping> ArchitectureMapping::parse(const llvm::json::Value
   if (const llvm::json::Object *allowed = root->getObject("unreferenced_allowed")) {
     if (std::optional<llvm::StringRef> prefix = allowed->getString("layer_prefix"))
       mapping.extraLayerPrefix = prefix->str();
+    if (std::optional<llvm::StringRef> setting = allowed->getString("extra_layers"))
+      mapping.extraLayersSetting = setting->str();
     if (const llvm::json::Array *patterns = allowed->getArray("patterns"))
       for (const llvm::json::Value &pattern : *patterns)
         if (std::optional<llvm::StringRef> text = pattern.getAsString())
@@ -159,7 +161,7 @@ const llvm::json::Value *ModelConfig::lookup(const std::string &dottedPath) cons
   llvm::StringRef(dottedPath).split(parts, '.');
   const llvm::json::Object *object = &config_;
   const llvm::json::Value *value = nullptr;
-  for (auto [i, part] : llvm::enumerate(parts)) {
+  for (llvm::StringRef part : parts) {
     if (!object)
       return nullptr;
     value = object->get(part);

@@ -33,9 +33,11 @@ struct ArchitectureMapping {
   // group ("model", "layer", "kda", ...) -> role -> name template with {layer} / {expert}
   std::map<std::string, std::map<std::string, std::string>> tensors;
   std::string fp8ScaleSuffix;
-  // Tensors allowed to stay unreferenced: layers past num_layers (multi-token prediction) and
-  // the given regular expressions.
+  // Tensors allowed to stay unreferenced: the multi-token-prediction layers that follow the
+  // decoder (`extraLayerPrefix` + index in [num_layers, num_layers + the `extraLayersSetting`
+  // count)) and the given regular expressions.
   std::string extraLayerPrefix;
+  std::string extraLayersSetting;
   std::vector<std::string> unreferencedPatterns;
 
   static StatusOr<ArchitectureMapping> parse(const llvm::json::Value &json, std::string source);

@@ -7,6 +7,7 @@ usage: mutate_checkpoint.py SRC DST MUTATION [ARGS...]
   truncate FILE BYTES               cut FILE to its first BYTES bytes
   offset-past-end TENSOR            move TENSOR's data_offsets past the end of its shard
   reshape TENSOR D0,D1,...          give TENSOR another shape with the same number of elements
+  retype TENSOR DTYPE D0,D1,...     relabel TENSOR's bytes as another dtype and shape (same byte size)
   drop-tensor TENSOR                remove TENSOR from its shard header and from the index
   set-config KEY JSON               set a (dotted) config.json field, e.g. model_type '"llama"'
   delete-config KEY                 remove a (dotted) config.json field
@@ -79,6 +80,12 @@ def main(argv):
         path = shard_of(dst, args[0])
         header, data = read_shard(path)
         header[args[0]]["shape"] = [int(d) for d in args[1].split(",")]
+        write_shard(path, header, data)
+    elif mutation == "retype":
+        path = shard_of(dst, args[0])
+        header, data = read_shard(path)
+        header[args[0]]["dtype"] = args[1]
+        header[args[0]]["shape"] = [int(d) for d in args[2].split(",")]
         write_shard(path, header, data)
     elif mutation == "drop-tensor":
         path = shard_of(dst, args[0])
