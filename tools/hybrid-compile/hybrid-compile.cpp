@@ -1,4 +1,5 @@
 // hybrid-compile: Hugging Face checkpoint directory -> hybrid IR (and, later, plan + weights).
+#include "compiler/Analysis/ModelSummary.h"
 #include "compiler/Import/Importer.h"
 #include "dialects/Hybrid/IR/HybridDialect.h"
 
@@ -11,11 +12,13 @@
 namespace cl = llvm::cl;
 
 namespace {
-enum class Emit { Mlir };
+enum class Emit { Mlir, Summary };
 
 cl::opt<std::string> modelDir(cl::Positional, cl::desc("<model dir>"), cl::Required);
 cl::opt<Emit> emit("emit", cl::desc("What to produce"),
-                   cl::values(clEnumValN(Emit::Mlir, "mlir", "the imported hybrid IR")),
+                   cl::values(clEnumValN(Emit::Mlir, "mlir", "the imported hybrid IR"),
+                              clEnumValN(Emit::Summary, "summary",
+                                         "layers, parameters, cache and state sizes")),
                    cl::init(Emit::Mlir));
 cl::opt<std::string> outputPath("o", cl::desc("Output file (default: stdout)"),
                                 cl::value_desc("file"), cl::init("-"));
@@ -45,8 +48,13 @@ int main(int argc, char **argv) {
     llvm::errs() << "error: " << error << "\n";
     return 1;
   }
-  (*module)->print(output->os());
-  output->os() << "\n";
+  if (emit == Emit::Summary) {
+    for (auto model : (*module)->getOps<hybrid::ModelOp>())
+      hybrid::analysis::printModelSummary(model, output->os());
+  } else {
+    (*module)->print(output->os());
+    output->os() << "\n";
+  }
   output->keep();
   return 0;
 }
