@@ -13,5 +13,5 @@ if [[ ${HYBRID_SKIP_ASAN:-0} != 1 ]]; then
   CMAKE_BUILD_TYPE=RelWithDebInfo "$root/tools/scripts/build.sh" "$root/build-asan" \
     -DHYBRID_ENABLE_ASAN=ON -DHYBRID_ENABLE_CUDA=OFF
   ASAN_OPTIONS=detect_leaks=1 ctest --test-dir "$root/build-asan" --output-on-failure \
-    -j "$(nproc)" -L asan
+    -j "$(nproc)" -L 'unit|lit'
 fi
