@@ -1,0 +1,318 @@
+// Paged KV cache for the MLA / DSA layers: fixed pages of page_size token rows, one page table per
+// sequence shared by every layer (the vLLM block-table scheme), fp32 rows on the cpu device.
+#include "hybrid/runtime/Memory.h"
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <limits>
+
+namespace hybrid {
+namespace fb = plan::fb;
+namespace {
+
+template <typename Fn> auto catchExceptions(Fn &&fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const std::exception &error) {
+    return Status::error(std::string("KV cache: ") + error.what());
+  } catch (...) {
+    return Status::error("KV cache: unknown exception");
+  }
+}
+
+std::string kvField(size_t index) { return "cache.kv[" + std::to_string(index) + "]"; }
+
+// Validated layer shapes of CacheSpec.kv (the cpu cache stores fp32 rows only).
+StatusOr<std::vector<KvLayerShape>> readKvLayers(const fb::CacheSpec &spec) {
+  std::vector<KvLayerShape> shapes;
+  const auto *kv = spec.kv();
+  if (!kv || kv->size() == 0)
+    return shapes; // page_size may be unset when nothing is cached per token
+  if (spec.page_size() <= 0)
+    return Status::error("cache.page_size = " + std::to_string(spec.page_size()) +
+                         " must be positive");
+  for (flatbuffers::uoffset_t i = 0; i < kv->size(); ++i) {
+    const fb::KvCacheLayer *layer = kv->Get(i);
+    KvLayerShape shape;
+    shape.layer = layer->layer();
+    shape.latentDim = layer->latent_dim();
+    shape.ropeDim = layer->rope_dim();
+    shape.indexKeyDim = layer->index_key_dim();
+    if (shape.latentDim < 0 || shape.ropeDim < 0 || shape.indexKeyDim < 0 ||
+        shape.latentDim + shape.ropeDim == 0)
+      return Status::error(kvField(i) + ": latent_dim " + std::to_string(shape.latentDim) +
+                           ", rope_dim " + std::to_string(shape.ropeDim) + ", index_key_dim " +
+                           std::to_string(shape.indexKeyDim) + " do not describe a KV row");
+    if (layer->dtype() != fb::DType::F32)
+      return Status::error(kvField(i) + ".dtype is " +
+                           std::string(fb::EnumNameDType(layer->dtype())) +
+                           "; the cpu KV cache stores F32");
+    shapes.push_back(shape);
+  }
+  return shapes;
+}
+
+// Bytes of one page of one layer; nullopt on overflow.
+std::optional<uint64_t> pageBytes(const KvLayerShape &shape, int64_t pageSize) {
+  uint64_t bytes = 0;
+  if (__builtin_mul_overflow(static_cast<uint64_t>(pageSize),
+                             static_cast<uint64_t>(shape.rowElements()), &bytes) ||
+      __builtin_mul_overflow(bytes, sizeof(float), &bytes))
+    return std::nullopt;
+  return bytes;
+}
+
+int64_t pagesFor(int64_t tokens, int64_t pageSize) { return (tokens + pageSize - 1) / pageSize; }
+
+} // namespace
+
+//===------------------------------------------------------------------------------------------===//
+// KvSequenceView.
+//===------------------------------------------------------------------------------------------===//
+
+std::span<const float> KvSequenceView::row(int64_t position) const {
+  if (position < 0 || position >= numTokens_)
+    return {};
+  int64_t page = pages_[static_cast<size_t>(position / pageSize_)];
+  int64_t rowIndex = page * pageSize_ + position % pageSize_;
+  return {layerStorage_ + rowIndex * shape_.rowElements(),
+          static_cast<size_t>(shape_.rowElements())};
+}
+
+std::span<const float> KvSequenceView::latent(int64_t position) const {
+  std::span<const float> whole = row(position);
+  if (whole.empty())
+    return {};
+  return whole.first(static_cast<size_t>(shape_.latentDim));
+}
+
+std::span<const float> KvSequenceView::ropeKey(int64_t position) const {
+  std::span<const float> whole = row(position);
+  if (whole.empty())
+    return {};
+  return whole.subspan(static_cast<size_t>(shape_.latentDim), static_cast<size_t>(shape_.ropeDim));
+}
+
+std::span<const float> KvSequenceView::indexKey(int64_t position) const {
+  std::span<const float> whole = row(position);
+  if (whole.empty())
+    return {};
+  return whole.subspan(static_cast<size_t>(shape_.latentDim + shape_.ropeDim),
+                       static_cast<size_t>(shape_.indexKeyDim));
+}
+
+Status KvSequenceView::gather(std::span<float> out, int64_t begin, int64_t count) const {
+  if (out.size() != static_cast<uint64_t>(numTokens_ * count))
+    return Status::error("KV gather: the output holds " + std::to_string(out.size()) +
+                         " floats, " + std::to_string(numTokens_) + " tokens x " +
+                         std::to_string(count) + " need " + std::to_string(numTokens_ * count));
+  for (int64_t position = 0; position < numTokens_; ++position)
+    std::memcpy(out.data() + position * count, row(position).data() + begin,
+                static_cast<size_t>(count) * sizeof(float));
+  return Status::ok();
+}
+
+Status KvSequenceView::gatherRows(std::span<float> out) const {
+  return gather(out, 0, shape_.rowElements());
+}
+Status KvSequenceView::gatherLatents(std::span<float> out) const {
+  return gather(out, 0, shape_.latentDim);
+}
+Status KvSequenceView::gatherRopeKeys(std::span<float> out) const {
+  return gather(out, shape_.latentDim, shape_.ropeDim);
+}
+Status KvSequenceView::gatherIndexKeys(std::span<float> out) const {
+  return gather(out, shape_.latentDim + shape_.ropeDim, shape_.indexKeyDim);
+}
+
+//===------------------------------------------------------------------------------------------===//
+// PagedKvCache.
+//===------------------------------------------------------------------------------------------===//
+
+StatusOr<uint64_t> PagedKvCache::bytesPerPage(const fb::CacheSpec &spec) {
+  return catchExceptions([&]() -> StatusOr<uint64_t> {
+    HYBRID_ASSIGN_OR_RETURN(std::vector<KvLayerShape> shapes, readKvLayers(spec));
+    uint64_t total = 0;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      std::optional<uint64_t> bytes = pageBytes(shapes[i], spec.page_size());
+      if (!bytes || __builtin_add_overflow(total, *bytes, &total))
+        return Status::error(kvField(i) + ": page size overflows");
+    }
+    return total;
+  });
+}
+
+StatusOr<PagedKvCache> PagedKvCache::create(const fb::CacheSpec &spec, int64_t numPages,
+                                            int32_t maxSequences) {
+  return catchExceptions([&]() -> StatusOr<PagedKvCache> {
+    if (numPages < 0 || numPages > std::numeric_limits<int32_t>::max())
+      return Status::error("KV cache: " + std::to_string(numPages) +
+                           " pages requested, expected 0 to 2^31 - 1");
+    if (maxSequences <= 0)
+      return Status::error("KV cache: maxSequences = " + std::to_string(maxSequences) +
+                           " must be positive");
+    HYBRID_ASSIGN_OR_RETURN(std::vector<KvLayerShape> shapes, readKvLayers(spec));
+
+    PagedKvCache cache;
+    cache.pageSize_ = std::max(spec.page_size(), 1); // page_size may be unset without layers
+    cache.numPages_ = numPages;
+    cache.maxSequences_ = maxSequences;
+    // Layers back to back in one allocation, each starting on an Arena::kAlignment boundary.
+    uint64_t totalBytes = 0;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      std::optional<uint64_t> bytes = pageBytes(shapes[i], cache.pageSize_);
+      uint64_t layerBytes = 0;
+      uint64_t end = 0;
+      if (!bytes || __builtin_mul_overflow(*bytes, static_cast<uint64_t>(numPages), &layerBytes) ||
+          __builtin_add_overflow(totalBytes, layerBytes, &end) ||
+          __builtin_add_overflow(end, Arena::kAlignment - 1, &end))
+        return Status::error("KV cache: " + kvField(i) + " with " + std::to_string(numPages) +
+                             " pages overflows");
+      cache.layers_.push_back({shapes[i], totalBytes});
+      totalBytes = end / Arena::kAlignment * Arena::kAlignment;
+    }
+    HYBRID_ASSIGN_OR_RETURN(cache.storage_, Arena::create(totalBytes));
+
+    cache.freePages_.reserve(static_cast<size_t>(numPages));
+    for (int64_t page = numPages - 1; page >= 0; --page)
+      cache.freePages_.push_back(static_cast<int32_t>(page));
+    cache.pageTables_.resize(static_cast<size_t>(maxSequences));
+    cache.lengths_.assign(cache.layers_.size() * static_cast<size_t>(maxSequences), 0);
+    return cache;
+  });
+}
+
+Status PagedKvCache::checkSequence(int32_t sequence) const {
+  if (sequence >= 0 && sequence < maxSequences_)
+    return Status::ok();
+  return Status::error("KV cache: sequence " + std::to_string(sequence) + " is out of range [0, " +
+                       std::to_string(maxSequences_) + ")");
+}
+
+Status PagedKvCache::checkLayer(int32_t kvSlot) const {
+  if (kvSlot >= 0 && kvSlot < numLayers())
+    return Status::ok();
+  return Status::error("KV cache: kv_slot " + std::to_string(kvSlot) + " is out of range [0, " +
+                       std::to_string(numLayers()) + ")");
+}
+
+float *PagedKvCache::rowPointer(int32_t kvSlot, int32_t page, int64_t row) {
+  const Layer &layer = layers_[static_cast<size_t>(kvSlot)];
+  auto *base = reinterpret_cast<float *>(storage_.data() + layer.storageOffset);
+  return base + (static_cast<int64_t>(page) * pageSize_ + row) * layer.shape.rowElements();
+}
+
+Status PagedKvCache::reserve(int32_t sequence, int64_t tokens) {
+  return catchExceptions([&]() -> Status { return reservePages(sequence, tokens); });
+}
+
+Status PagedKvCache::reservePages(int32_t sequence, int64_t tokens) {
+  HYBRID_RETURN_IF_ERROR(checkSequence(sequence));
+  if (tokens < 0)
+    return Status::error("KV cache: cannot reserve " + std::to_string(tokens) + " tokens");
+  if (layers_.empty())
+    return Status::ok(); // nothing is cached per token
+  std::vector<int32_t> &pageTable = pageTables_[static_cast<size_t>(sequence)];
+  int64_t missing = pagesFor(tokens, pageSize_) - static_cast<int64_t>(pageTable.size());
+  if (missing <= 0)
+    return Status::ok();
+  if (missing > freePages())
+    return Status::error("KV cache out of pages: sequence " + std::to_string(sequence) +
+                         " needs " + std::to_string(missing) + " more pages of " +
+                         std::to_string(pageSize_) + " tokens for " + std::to_string(tokens) +
+                         " tokens, " + std::to_string(freePages()) + " of " +
+                         std::to_string(numPages_) + " pages are free");
+  for (int64_t i = 0; i < missing; ++i) {
+    pageTable.push_back(freePages_.back());
+    freePages_.pop_back();
+  }
+  return Status::ok();
+}
+
+Status PagedKvCache::append(int32_t kvSlot, int32_t sequence, std::span<const float> rows) {
+  return catchExceptions([&]() -> Status {
+    HYBRID_RETURN_IF_ERROR(checkLayer(kvSlot));
+    HYBRID_RETURN_IF_ERROR(checkSequence(sequence));
+    const KvLayerShape &shape = layers_[static_cast<size_t>(kvSlot)].shape;
+    auto rowElements = static_cast<uint64_t>(shape.rowElements());
+    if (rows.size() % rowElements != 0)
+      return Status::error("KV cache: append to kv_slot " + std::to_string(kvSlot) + " of " +
+                           std::to_string(rows.size()) + " floats, not a multiple of the " +
+                           std::to_string(rowElements) + "-float row");
+    auto numRows = static_cast<int64_t>(rows.size() / rowElements);
+    int64_t &length = lengthRef(kvSlot, sequence);
+    HYBRID_RETURN_IF_ERROR(reservePages(sequence, length + numRows));
+
+    // Rows within a page are contiguous: copy one page's worth at a time.
+    const std::vector<int32_t> &pageTable = pageTables_[static_cast<size_t>(sequence)];
+    const float *source = rows.data();
+    for (int64_t position = length; position < length + numRows;) {
+      int64_t rowInPage = position % pageSize_;
+      int64_t count = std::min(pageSize_ - rowInPage, length + numRows - position);
+      int32_t page = pageTable[static_cast<size_t>(position / pageSize_)];
+      std::memcpy(rowPointer(kvSlot, page, rowInPage), source,
+                  static_cast<size_t>(count) * rowElements * sizeof(float));
+      source += static_cast<size_t>(count) * rowElements;
+      position += count;
+    }
+    length += numRows;
+    return Status::ok();
+  });
+}
+
+int64_t PagedKvCache::length(int32_t kvSlot, int32_t sequence) const {
+  if (!checkLayer(kvSlot).isOk() || !checkSequence(sequence).isOk())
+    return 0;
+  return lengths_[static_cast<size_t>(kvSlot) * maxSequences_ + sequence];
+}
+
+int64_t PagedKvCache::capacity(int32_t sequence) const {
+  if (!checkSequence(sequence).isOk())
+    return 0;
+  return static_cast<int64_t>(pageTables_[static_cast<size_t>(sequence)].size()) * pageSize_;
+}
+
+StatusOr<KvSequenceView> PagedKvCache::view(int32_t kvSlot, int32_t sequence,
+                                            int64_t numTokens) const {
+  return catchExceptions([&]() -> StatusOr<KvSequenceView> {
+    HYBRID_RETURN_IF_ERROR(checkLayer(kvSlot));
+    HYBRID_RETURN_IF_ERROR(checkSequence(sequence));
+    int64_t written = length(kvSlot, sequence);
+    if (numTokens < 0 || numTokens > written)
+      return Status::error("KV cache: view of " + std::to_string(numTokens) +
+                           " tokens of sequence " + std::to_string(sequence) + " in kv_slot " +
+                           std::to_string(kvSlot) + ", which holds " + std::to_string(written));
+    const Layer &layer = layers_[static_cast<size_t>(kvSlot)];
+    const std::vector<int32_t> &pageTable = pageTables_[static_cast<size_t>(sequence)];
+    KvSequenceView view;
+    view.shape_ = layer.shape;
+    view.layerStorage_ = reinterpret_cast<const float *>(storage_.data() + layer.storageOffset);
+    view.pages_.assign(pageTable.begin(), pageTable.begin() + pagesFor(numTokens, pageSize_));
+    view.pageSize_ = pageSize_;
+    view.numTokens_ = numTokens;
+    return view;
+  });
+}
+
+Status PagedKvCache::truncate(int32_t sequence, int64_t tokens) {
+  HYBRID_RETURN_IF_ERROR(checkSequence(sequence));
+  if (tokens < 0)
+    return Status::error("KV cache: cannot truncate to " + std::to_string(tokens) + " tokens");
+  for (int32_t kvSlot = 0; kvSlot < numLayers(); ++kvSlot) {
+    int64_t &length = lengthRef(kvSlot, sequence);
+    length = std::min(length, tokens);
+  }
+  std::vector<int32_t> &pageTable = pageTables_[static_cast<size_t>(sequence)];
+  auto keep = static_cast<size_t>(pagesFor(tokens, pageSize_));
+  // freePages_ has room: its capacity is numPages and these pages came from it.
+  while (pageTable.size() > keep) {
+    freePages_.push_back(pageTable.back());
+    pageTable.pop_back();
+  }
+  return Status::ok();
+}
+
+Status PagedKvCache::freeSequence(int32_t sequence) { return truncate(sequence, 0); }
+
+} // namespace hybrid

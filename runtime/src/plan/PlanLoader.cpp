@@ -1,0 +1,767 @@
+// Plan loading: size and identifier checks, the FlatBuffers verifier, then semantic checks that
+// make every index in the plan safe to use. Errors are one line: "<file>: <field>: <problem>".
+#include "hybrid/runtime/Plan.h"
+
+#include <algorithm>
+
+#include <cerrno>
+#include <cstring>
+#include <exception>
+#include <fcntl.h>
+#include <flatbuffers/flatbuffers.h>
+#include <set>
+#include <sys/stat.h>
+#include <system_error>
+#include <unistd.h>
+
+namespace hybrid {
+namespace fb = plan::fb;
+namespace {
+
+// Root offset (4 bytes) + file identifier (4 bytes): the smallest buffer worth verifying.
+constexpr size_t kMinPlanBytes = 8;
+// The verifier's limits guard against malicious nesting and sharing; real plans have one table per
+// weight, value and step, so allow far more tables than the FlatBuffers default of one million.
+constexpr flatbuffers::uoffset_t kMaxVerifierDepth = 64;
+constexpr flatbuffers::uoffset_t kMaxVerifierTables = 1u << 26;
+
+// Runs a public entry point, turning an escaping exception (allocation failure) into a Status.
+template <typename Fn> auto catchExceptions(const std::string &context, Fn &&fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const std::exception &error) {
+    return Status::error(context + ": " + error.what());
+  } catch (...) {
+    return Status::error(context + ": unknown exception");
+  }
+}
+
+std::string errnoMessage(int error) { return std::system_category().message(error); }
+
+std::string indexed(std::string_view base, size_t index) {
+  std::string out(base);
+  out += "[";
+  out += std::to_string(index);
+  out += "]";
+  return out;
+}
+
+std::string kernelName(fb::KernelId kernel) {
+  const char *name = fb::EnumNameKernelId(kernel);
+  if (*name)
+    return name;
+  return "KernelId(" + std::to_string(static_cast<int>(kernel)) + ")";
+}
+
+std::string paramsName(fb::KernelParams params) {
+  const char *name = fb::EnumNameKernelParams(params);
+  if (*name)
+    return name;
+  return "KernelParams(" + std::to_string(static_cast<int>(params)) + ")";
+}
+
+// Names from a verified buffer are NUL-terminated but may hold any byte.
+std::string printable(const flatbuffers::String *text) {
+  if (!text)
+    return "";
+  std::string out;
+  for (char c : text->string_view()) {
+    auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x20 || byte >= 0x7f) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof escaped, "\\x%02x", byte);
+      out += escaped;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+template <typename T> size_t lengthOf(const flatbuffers::Vector<T> *vector) {
+  return vector ? vector->size() : 0;
+}
+
+bool isValidDType(fb::DType dtype) { return dtypeByteSize(dtype) != 0; }
+
+std::string formatShape(const flatbuffers::Vector<int64_t> *shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < lengthOf(shape); ++i) {
+    if (i)
+      out += ", ";
+    out += std::to_string(shape->Get(static_cast<flatbuffers::uoffset_t>(i)));
+  }
+  out += "]";
+  return out;
+}
+
+Status outOfRange(const std::string &field, int64_t index, size_t count, std::string_view what) {
+  return Status::error(field + " = " + std::to_string(index) + " is out of range [0, " +
+                       std::to_string(count) + ") of " + std::string(what));
+}
+
+// An index that must name an existing element.
+Status checkIndex(const std::string &field, int64_t index, size_t count, std::string_view what) {
+  if (index >= 0 && static_cast<uint64_t>(index) < count)
+    return Status::ok();
+  return outOfRange(field, index, count, what);
+}
+
+// An index that may also be -1 (absent).
+Status checkOptionalIndex(const std::string &field, int64_t index, size_t count,
+                          std::string_view what) {
+  if (index == -1)
+    return Status::ok();
+  return checkIndex(field, index, count, what);
+}
+
+Status checkPositive(const std::string &field, int64_t value) {
+  if (value > 0)
+    return Status::ok();
+  return Status::error(field + " = " + std::to_string(value) + " must be positive");
+}
+
+Status checkNonNegative(const std::string &field, int64_t value) {
+  if (value >= 0)
+    return Status::ok();
+  return Status::error(field + " = " + std::to_string(value) + " must not be negative");
+}
+
+Status checkDType(const std::string &field, fb::DType dtype) {
+  if (isValidDType(dtype))
+    return Status::ok();
+  return Status::error(field + " has the unknown value " + std::to_string(static_cast<int>(dtype)));
+}
+
+//===------------------------------------------------------------------------------------------===//
+// Semantic checks over a structurally verified plan.
+//===------------------------------------------------------------------------------------------===//
+
+class PlanChecker {
+public:
+  explicit PlanChecker(const fb::Plan &plan) : plan_(plan) {}
+
+  Status run() {
+    HYBRID_RETURN_IF_ERROR(checkVersion());
+    HYBRID_RETURN_IF_ERROR(checkModel());
+    HYBRID_RETURN_IF_ERROR(checkWeightTable());
+    HYBRID_RETURN_IF_ERROR(checkCache());
+    HYBRID_RETURN_IF_ERROR(checkPrograms());
+    return Status::ok();
+  }
+
+private:
+  // What the steps of one program refer to.
+  struct ProgramScope {
+    std::string name; // "programs[0] 'prefill'", for "of ..." in range errors
+    const flatbuffers::Vector<flatbuffers::Offset<fb::Value>> *values = nullptr;
+    size_t numValues = 0;
+    int32_t numStreams = 0;
+    int32_t numEvents = 0;
+  };
+
+  Status checkVersion() {
+    const fb::Version *version = plan_.version();
+    if (!version)
+      return Status::error("version: missing");
+    std::string found = std::to_string(version->major()) + "." + std::to_string(version->minor());
+    std::string supported =
+        std::to_string(kPlanVersionMajor) + "." + std::to_string(kPlanVersionMinor);
+    if (version->major() != kPlanVersionMajor)
+      return Status::error("version: plan format " + found + " has another major version than " +
+                           "this runtime's " + supported + "; recompile the plan");
+    if (version->minor() > kPlanVersionMinor)
+      return Status::error("version: plan format " + found + " is newer than this runtime's " +
+                           supported + "; update the runtime or recompile the plan");
+    return Status::ok();
+  }
+
+  Status checkModel() {
+    const fb::Target *target = plan_.target();
+    if (!target)
+      return Status::error("target: missing");
+    if (!target->device() || target->device()->size() == 0)
+      return Status::error("target.device: missing");
+    HYBRID_RETURN_IF_ERROR(checkPositive("target.world_size", target->world_size()));
+    HYBRID_RETURN_IF_ERROR(checkPositive("hidden_size", plan_.hidden_size()));
+    HYBRID_RETURN_IF_ERROR(checkPositive("vocab_size", plan_.vocab_size()));
+    HYBRID_RETURN_IF_ERROR(checkNonNegative("num_layers", plan_.num_layers()));
+    return Status::ok();
+  }
+
+  Status checkWeightTable() {
+    const auto *weights = plan_.weights();
+    numWeights_ = lengthOf(weights);
+    if (numWeights_ > 0 && !parseArchiveKey(plan_.weight_archive_key()
+                                                ? plan_.weight_archive_key()->string_view()
+                                                : std::string_view()))
+      return Status::error("weight_archive_key: '" + printable(plan_.weight_archive_key()) +
+                           "' is not 32 hex digits");
+    std::set<std::string_view> names;
+    for (size_t i = 0; i < numWeights_; ++i) {
+      const fb::Weight *weight = weights->Get(static_cast<flatbuffers::uoffset_t>(i));
+      std::string field = indexed("weights", i);
+      if (!weight->name() || weight->name()->size() == 0)
+        return Status::error(field + ".name: missing");
+      field += " '" + printable(weight->name()) + "'";
+      if (!names.insert(weight->name()->string_view()).second)
+        return Status::error(field + ": duplicate weight name");
+      HYBRID_RETURN_IF_ERROR(checkDType(field + ".dtype", weight->dtype()));
+      if (weight->layout() > fb::Layout::MAX)
+        return Status::error(field + ".layout has the unknown value " +
+                             std::to_string(static_cast<int>(weight->layout())));
+      if (weight->quant() > fb::QuantKind::MAX)
+        return Status::error(field + ".quant has the unknown value " +
+                             std::to_string(static_cast<int>(weight->quant())));
+
+      // size == product(shape) * dtype size, overflow-checked.
+      uint64_t bytes = dtypeByteSize(weight->dtype());
+      for (size_t axis = 0; axis < lengthOf(weight->shape()); ++axis) {
+        int64_t dim = weight->shape()->Get(static_cast<flatbuffers::uoffset_t>(axis));
+        if (dim < 0)
+          return Status::error(indexed(field + ".shape", axis) + " = " + std::to_string(dim) +
+                               " is negative");
+        if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(dim), &bytes))
+          return Status::error(field + ".shape " + formatShape(weight->shape()) +
+                               " has too many elements");
+      }
+      if (weight->size() != bytes)
+        return Status::error(field + ".size = " + std::to_string(weight->size()) + " but " +
+                             dtypeName(weight->dtype()) + " " + formatShape(weight->shape()) +
+                             " needs " + std::to_string(bytes) + " bytes");
+      uint64_t end = 0;
+      if (__builtin_add_overflow(weight->offset(), weight->size(), &end))
+        return Status::error(field + ".offset + size overflows");
+
+      HYBRID_RETURN_IF_ERROR(
+          checkOptionalIndex(field + ".scale", weight->scale(), numWeights_, "the plan's weights"));
+      if (weight->scale() >= 0 && static_cast<size_t>(weight->scale()) == i)
+        return Status::error(field + ".scale names the weight itself");
+      if (weight->quant() == fb::QuantKind::Fp8Block) {
+        if (weight->scale() < 0)
+          return Status::error(field + ".scale: quant Fp8Block needs a scale weight");
+        if (lengthOf(weight->block()) == 0)
+          return Status::error(field + ".block: quant Fp8Block needs a block shape");
+      }
+      for (size_t axis = 0; axis < lengthOf(weight->block()); ++axis)
+        HYBRID_RETURN_IF_ERROR(checkPositive(indexed(field + ".block", axis),
+                                             weight->block()->Get(axis)));
+    }
+    return Status::ok();
+  }
+
+  Status checkCache() {
+    const fb::CacheSpec *cache = plan_.cache();
+    const auto *kv = cache ? cache->kv() : nullptr;
+    const auto *recurrent = cache ? cache->recurrent() : nullptr;
+    numKvLayers_ = lengthOf(kv);
+    numRecurrentLayers_ = lengthOf(recurrent);
+    if (numKvLayers_ > 0)
+      HYBRID_RETURN_IF_ERROR(checkPositive("cache.page_size", cache->page_size()));
+    for (size_t i = 0; i < numKvLayers_; ++i) {
+      const fb::KvCacheLayer *layer = kv->Get(static_cast<flatbuffers::uoffset_t>(i));
+      std::string field = indexed("cache.kv", i);
+      HYBRID_RETURN_IF_ERROR(
+          checkIndex(field + ".layer", layer->layer(), numLayers(), "the plan's layers"));
+      HYBRID_RETURN_IF_ERROR(checkNonNegative(field + ".latent_dim", layer->latent_dim()));
+      HYBRID_RETURN_IF_ERROR(checkNonNegative(field + ".rope_dim", layer->rope_dim()));
+      HYBRID_RETURN_IF_ERROR(checkNonNegative(field + ".index_key_dim", layer->index_key_dim()));
+      if (int64_t{layer->latent_dim()} + layer->rope_dim() == 0)
+        return Status::error(field + ": latent_dim and rope_dim are both 0");
+      HYBRID_RETURN_IF_ERROR(checkDType(field + ".dtype", layer->dtype()));
+    }
+    for (size_t i = 0; i < numRecurrentLayers_; ++i) {
+      const fb::RecurrentStateLayer *layer = recurrent->Get(static_cast<flatbuffers::uoffset_t>(i));
+      std::string field = indexed("cache.recurrent", i);
+      HYBRID_RETURN_IF_ERROR(
+          checkIndex(field + ".layer", layer->layer(), numLayers(), "the plan's layers"));
+      HYBRID_RETURN_IF_ERROR(checkPositive(field + ".num_heads", layer->num_heads()));
+      HYBRID_RETURN_IF_ERROR(checkPositive(field + ".head_k_dim", layer->head_k_dim()));
+      HYBRID_RETURN_IF_ERROR(checkPositive(field + ".head_v_dim", layer->head_v_dim()));
+      HYBRID_RETURN_IF_ERROR(checkNonNegative(field + ".conv_channels", layer->conv_channels()));
+      HYBRID_RETURN_IF_ERROR(checkPositive(field + ".conv_kernel", layer->conv_kernel()));
+      if (layer->layout() > fb::StateLayout::MAX)
+        return Status::error(field + ".layout has the unknown value " +
+                             std::to_string(static_cast<int>(layer->layout())));
+    }
+    return Status::ok();
+  }
+
+  Status checkPrograms() {
+    const auto *programs = plan_.programs();
+    if (lengthOf(programs) == 0)
+      return Status::error("programs: the plan has no program");
+    std::set<std::string_view> names;
+    for (size_t i = 0; i < programs->size(); ++i) {
+      const fb::Program *program = programs->Get(static_cast<flatbuffers::uoffset_t>(i));
+      std::string field = indexed("programs", i);
+      if (!program->name() || program->name()->size() == 0)
+        return Status::error(field + ".name: missing");
+      if (!names.insert(program->name()->string_view()).second)
+        return Status::error(field + ".name: duplicate program name '" +
+                             printable(program->name()) + "'");
+      HYBRID_RETURN_IF_ERROR(checkProgram(field, *program));
+    }
+    return Status::ok();
+  }
+
+  Status checkProgram(const std::string &field, const fb::Program &program) {
+    ProgramScope scope;
+    scope.name = "program '" + printable(program.name()) + "'";
+    scope.values = program.values();
+    scope.numValues = lengthOf(program.values());
+    scope.numStreams = program.num_streams();
+    scope.numEvents = program.num_events();
+    HYBRID_RETURN_IF_ERROR(checkPositive(field + ".max_tokens", program.max_tokens()));
+    HYBRID_RETURN_IF_ERROR(checkPositive(field + ".num_streams", program.num_streams()));
+    HYBRID_RETURN_IF_ERROR(checkNonNegative(field + ".num_events", program.num_events()));
+
+    std::string valuesOf = "the values of " + scope.name;
+    for (size_t i = 0; i < scope.numValues; ++i)
+      HYBRID_RETURN_IF_ERROR(checkValue(indexed(field + ".values", i), program,
+                                        *scope.values->Get(static_cast<flatbuffers::uoffset_t>(i))));
+
+    HYBRID_RETURN_IF_ERROR(
+        checkIndex(field + ".token_ids", program.token_ids(), scope.numValues, valuesOf));
+    const fb::Value *tokenIds = scope.values->Get(program.token_ids());
+    if (tokenIds->dtype() != fb::DType::I64 || tokenIds->row_elements() != 1)
+      return Status::error(field + ".token_ids = " + std::to_string(program.token_ids()) +
+                           " names a " + dtypeName(tokenIds->dtype()) + " value of " +
+                           std::to_string(tokenIds->row_elements()) +
+                           " elements per row, expected I64 with 1");
+    HYBRID_RETURN_IF_ERROR(
+        checkIndex(field + ".logits", program.logits(), scope.numValues, valuesOf));
+    const fb::Value *logits = scope.values->Get(program.logits());
+    if (logits->dtype() != fb::DType::F32 || logits->row_elements() != plan_.vocab_size())
+      return Status::error(field + ".logits = " + std::to_string(program.logits()) + " names a " +
+                           dtypeName(logits->dtype()) + " value of " +
+                           std::to_string(logits->row_elements()) +
+                           " elements per row, expected F32 with vocab_size " +
+                           std::to_string(plan_.vocab_size()));
+    for (size_t i = 0; i < lengthOf(program.layer_outputs()); ++i)
+      HYBRID_RETURN_IF_ERROR(checkIndex(indexed(field + ".layer_outputs", i),
+                                        program.layer_outputs()->Get(i), scope.numValues,
+                                        valuesOf));
+
+    for (size_t i = 0; i < lengthOf(program.steps()); ++i) {
+      const fb::Step *step = program.steps()->Get(static_cast<flatbuffers::uoffset_t>(i));
+      std::string stepField = indexed(field + ".steps", i);
+      switch (step->op_type()) {
+      case fb::StepOp::Dispatch:
+        if (!step->op_as_Dispatch())
+          return Status::error(stepField + ".op: Dispatch without a table");
+        HYBRID_RETURN_IF_ERROR(checkDispatch(stepField, *step->op_as_Dispatch(), scope));
+        break;
+      case fb::StepOp::Copy:
+        if (!step->op_as_Copy())
+          return Status::error(stepField + ".op: Copy without a table");
+        HYBRID_RETURN_IF_ERROR(checkCopy(stepField, *step->op_as_Copy(), scope));
+        break;
+      default:
+        return Status::error(stepField + ".op: missing or unknown step type " +
+                             std::to_string(static_cast<int>(step->op_type())));
+      }
+    }
+    return Status::ok();
+  }
+
+  // dtype, row size, and the value's rows for max_tokens tokens inside the arena.
+  Status checkValue(const std::string &field, const fb::Program &program, const fb::Value &value) {
+    HYBRID_RETURN_IF_ERROR(checkDType(field + ".dtype", value.dtype()));
+    HYBRID_RETURN_IF_ERROR(checkPositive(field + ".row_elements", value.row_elements()));
+    size_t elementBytes = dtypeByteSize(value.dtype());
+    if (value.arena_offset() % elementBytes != 0)
+      return Status::error(field + ".arena_offset = " + std::to_string(value.arena_offset()) +
+                           " is not aligned to its " + dtypeName(value.dtype()) + " elements");
+    uint64_t bytes = 0;
+    uint64_t end = 0;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(program.max_tokens()),
+                               static_cast<uint64_t>(value.row_elements()), &bytes) ||
+        __builtin_mul_overflow(bytes, elementBytes, &bytes) ||
+        __builtin_add_overflow(value.arena_offset(), bytes, &end) || end > program.arena_bytes())
+      return Status::error(field + ": arena_offset " + std::to_string(value.arena_offset()) +
+                           " + max_tokens " + std::to_string(program.max_tokens()) + " x " +
+                           std::to_string(value.row_elements()) + " " + dtypeName(value.dtype()) +
+                           " reaches past arena_bytes " + std::to_string(program.arena_bytes()));
+    return Status::ok();
+  }
+
+  Status checkValueList(const std::string &field, const flatbuffers::Vector<int32_t> *list,
+                        const ProgramScope &scope) {
+    for (size_t i = 0; i < lengthOf(list); ++i)
+      HYBRID_RETURN_IF_ERROR(checkIndex(indexed(field, i), list->Get(i), scope.numValues,
+                                        "the values of " + scope.name));
+    return Status::ok();
+  }
+
+  Status checkStream(const std::string &field, int32_t stream, const ProgramScope &scope) {
+    return checkIndex(field, stream, static_cast<size_t>(scope.numStreams),
+                      "the streams of " + scope.name);
+  }
+
+  Status checkDispatch(const std::string &field, const fb::Dispatch &dispatch,
+                       const ProgramScope &scope) {
+    fb::KernelId kernel = dispatch.kernel();
+    fb::KernelParams expectedParams = expectedParamsType(kernel);
+    if (expectedParams == fb::KernelParams::NONE)
+      return Status::error(field + ".kernel has the unknown value " +
+                           std::to_string(static_cast<int>(kernel)));
+    std::string context = field + " (" + kernelName(kernel) + ")";
+    if (dispatch.params_type() != expectedParams)
+      return Status::error(context + ".params: kernel " + kernelName(kernel) + " takes " +
+                           paramsName(expectedParams) + ", the plan gives " +
+                           paramsName(dispatch.params_type()));
+    if (!dispatch.params())
+      return Status::error(context + ".params: missing " + paramsName(expectedParams) + " table");
+
+    size_t numInputs = lengthOf(dispatch.inputs());
+    size_t numOutputs = lengthOf(dispatch.outputs());
+    if (numInputs == 0)
+      return Status::error(context + ".inputs: a dispatch needs at least one input");
+    if (numOutputs == 0)
+      return Status::error(context + ".outputs: a dispatch needs at least one output");
+    if (kernel == fb::KernelId::Add && (numInputs != 2 || numOutputs != 1))
+      return Status::error(context + ": Add takes 2 inputs and 1 output, the plan gives " +
+                           std::to_string(numInputs) + " and " + std::to_string(numOutputs));
+    HYBRID_RETURN_IF_ERROR(checkValueList(context + ".inputs", dispatch.inputs(), scope));
+    HYBRID_RETURN_IF_ERROR(checkValueList(context + ".outputs", dispatch.outputs(), scope));
+
+    int64_t numExperts = 0;
+    if (kernel == fb::KernelId::Moe) {
+      numExperts = dispatch.params_as_MoeParams()->num_experts();
+      HYBRID_RETURN_IF_ERROR(checkPositive(context + ".params.num_experts", numExperts));
+    }
+    std::optional<int64_t> weightCount = expectedWeightCount(kernel, numExperts);
+    size_t numWeights = lengthOf(dispatch.weights());
+    if (!weightCount || static_cast<int64_t>(numWeights) != *weightCount)
+      return Status::error(context + ".weights: has " + std::to_string(numWeights) + " entries, " +
+                           kernelName(kernel) + " takes " + std::to_string(weightCount.value_or(0)) +
+                           " in the role order of plan.fbs");
+    for (size_t i = 0; i < numWeights; ++i)
+      HYBRID_RETURN_IF_ERROR(checkOptionalIndex(indexed(context + ".weights", i),
+                                                dispatch.weights()->Get(i), numWeights_,
+                                                "the plan's weights"));
+
+    HYBRID_RETURN_IF_ERROR(checkStream(context + ".stream", dispatch.stream(), scope));
+    std::string eventsOf = "the events of " + scope.name;
+    for (size_t i = 0; i < lengthOf(dispatch.wait_events()); ++i)
+      HYBRID_RETURN_IF_ERROR(checkIndex(indexed(context + ".wait_events", i),
+                                        dispatch.wait_events()->Get(i),
+                                        static_cast<size_t>(scope.numEvents), eventsOf));
+    HYBRID_RETURN_IF_ERROR(checkOptionalIndex(context + ".signal_event", dispatch.signal_event(),
+                                              static_cast<size_t>(scope.numEvents), eventsOf));
+    HYBRID_RETURN_IF_ERROR(checkOptionalIndex(context + ".layer", dispatch.layer(), numLayers(),
+                                              "the plan's layers"));
+    return checkCacheSlots(context, dispatch);
+  }
+
+  Status checkCacheSlots(const std::string &context, const fb::Dispatch &dispatch) {
+    switch (dispatch.params_type()) {
+    case fb::KernelParams::KdaParams:
+      return checkIndex(context + ".params.state_slot",
+                        dispatch.params_as_KdaParams()->state_slot(), numRecurrentLayers_,
+                        "cache.recurrent");
+    case fb::KernelParams::MlaParams:
+      return checkIndex(context + ".params.kv_slot", dispatch.params_as_MlaParams()->kv_slot(),
+                        numKvLayers_, "cache.kv");
+    case fb::KernelParams::DsaIndexerParams:
+      return checkIndex(context + ".params.kv_slot",
+                        dispatch.params_as_DsaIndexerParams()->kv_slot(), numKvLayers_,
+                        "cache.kv");
+    default:
+      return Status::ok();
+    }
+  }
+
+  Status checkCopy(const std::string &field, const fb::Copy &copy, const ProgramScope &scope) {
+    std::string valuesOf = "the values of " + scope.name;
+    HYBRID_RETURN_IF_ERROR(checkIndex(field + ".source", copy.source(), scope.numValues, valuesOf));
+    HYBRID_RETURN_IF_ERROR(
+        checkIndex(field + ".destination", copy.destination(), scope.numValues, valuesOf));
+    HYBRID_RETURN_IF_ERROR(checkStream(field + ".stream", copy.stream(), scope));
+    const fb::Value *source = scope.values->Get(copy.source());
+    const fb::Value *destination = scope.values->Get(copy.destination());
+    if (source->dtype() != destination->dtype() ||
+        source->row_elements() != destination->row_elements())
+      return Status::error(field + ": copies a " + dtypeName(source->dtype()) + " value of " +
+                           std::to_string(source->row_elements()) + " elements per row into a " +
+                           dtypeName(destination->dtype()) + " value of " +
+                           std::to_string(destination->row_elements()));
+    return Status::ok();
+  }
+
+  size_t numLayers() const { return static_cast<size_t>(std::max(plan_.num_layers(), 0)); }
+
+  const fb::Plan &plan_;
+  size_t numWeights_ = 0;
+  size_t numKvLayers_ = 0;
+  size_t numRecurrentLayers_ = 0;
+};
+
+// The three gates over bytes already in an aligned buffer. Errors without the source name.
+Status verifyPlanBytes(const uint8_t *data, size_t size) {
+  if (size < kMinPlanBytes)
+    return Status::error("file is " + std::to_string(size) +
+                         " bytes, too small to be a plan (truncated?)");
+  if (size >= FLATBUFFERS_MAX_BUFFER_SIZE)
+    return Status::error("file is " + std::to_string(size) +
+                         " bytes, larger than a FlatBuffer can be");
+  if (!fb::PlanBufferHasIdentifier(data)) {
+    std::string identifier;
+    for (size_t i = 0; i < flatbuffers::kFileIdentifierLength; ++i) {
+      auto byte = data[sizeof(flatbuffers::uoffset_t) + i];
+      if (byte >= 0x20 && byte < 0x7f) {
+        identifier += static_cast<char>(byte);
+      } else {
+        char escaped[8];
+        std::snprintf(escaped, sizeof escaped, "\\x%02x", byte);
+        identifier += escaped;
+      }
+    }
+    return Status::error("file identifier is '" + identifier + "', expected '" +
+                         fb::PlanIdentifier() + "' (not a hybrid plan)");
+  }
+  flatbuffers::Verifier verifier(data, size, kMaxVerifierDepth, kMaxVerifierTables);
+  if (!fb::VerifyPlanBuffer(verifier))
+    return Status::error("the FlatBuffers verifier rejected the plan (corrupt, truncated, or "
+                         "written with an incompatible schema)");
+  return PlanChecker(*fb::GetPlan(data)).run();
+}
+
+} // namespace
+
+//===------------------------------------------------------------------------------------------===//
+// Kernel metadata.
+//===------------------------------------------------------------------------------------------===//
+
+fb::KernelParams expectedParamsType(fb::KernelId kernel) {
+  using fb::KernelId;
+  using fb::KernelParams;
+  switch (kernel) {
+  case KernelId::Embed:
+    return KernelParams::EmbedParams;
+  case KernelId::RmsNorm:
+    return KernelParams::RmsNormParams;
+  case KernelId::Linear:
+    return KernelParams::LinearParams;
+  case KernelId::Add:
+    return KernelParams::AddParams;
+  case KernelId::KdaChunkPrefill:
+  case KernelId::KdaRecurrentDecode:
+    return KernelParams::KdaParams;
+  case KernelId::MlaPrefill:
+  case KernelId::MlaDecode:
+  case KernelId::SparseMlaPrefill:
+  case KernelId::SparseMlaDecode:
+    return KernelParams::MlaParams;
+  case KernelId::DsaIndexer:
+    return KernelParams::DsaIndexerParams;
+  case KernelId::AttnRes:
+    return KernelParams::AttnResParams;
+  case KernelId::Mlp:
+    return KernelParams::MlpParams;
+  case KernelId::Moe:
+    return KernelParams::MoeParams;
+  case KernelId::LmHead:
+    return KernelParams::LmHeadParams;
+  }
+  return KernelParams::NONE;
+}
+
+std::optional<int64_t> expectedWeightCount(fb::KernelId kernel, int64_t numExperts) {
+  switch (expectedParamsType(kernel)) {
+  case fb::KernelParams::EmbedParams:
+  case fb::KernelParams::RmsNormParams:
+  case fb::KernelParams::LinearParams:
+  case fb::KernelParams::LmHeadParams:
+    return 1;
+  case fb::KernelParams::AddParams:
+    return 0;
+  case fb::KernelParams::KdaParams:
+    return 16;
+  case fb::KernelParams::MlaParams:
+    return 7;
+  case fb::KernelParams::DsaIndexerParams:
+    return 5;
+  case fb::KernelParams::AttnResParams:
+    return 2;
+  case fb::KernelParams::MlpParams:
+    return 3;
+  case fb::KernelParams::MoeParams:
+    // router, correction_bias, shared gate/up/down, then gate/up/down per expert.
+    return 5 + 3 * numExperts;
+  case fb::KernelParams::NONE:
+    break;
+  }
+  return std::nullopt;
+}
+
+//===------------------------------------------------------------------------------------------===//
+// LoadedPlan.
+//===------------------------------------------------------------------------------------------===//
+
+StatusOr<LoadedPlan> LoadedPlan::load(const std::string &path) {
+  return catchExceptions(path, [&]() -> StatusOr<LoadedPlan> {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      int error = errno;
+      return Status::error(path + ": cannot open: " + errnoMessage(error));
+    }
+    struct stat info {};
+    if (::fstat(fd, &info) != 0) {
+      int error = errno;
+      ::close(fd);
+      return Status::error(path + ": cannot stat: " + errnoMessage(error));
+    }
+    auto size = static_cast<uint64_t>(info.st_size);
+    if (size >= FLATBUFFERS_MAX_BUFFER_SIZE) {
+      ::close(fd);
+      return Status::error(path + ": file is " + std::to_string(size) +
+                           " bytes, larger than a FlatBuffer can be");
+    }
+    LoadedPlan plan;
+    plan.path_ = path;
+    plan.size_ = size;
+    plan.storage_.resize((size + sizeof(uint64_t) - 1) / sizeof(uint64_t));
+    auto *cursor = reinterpret_cast<char *>(plan.storage_.data());
+    size_t remaining = size;
+    while (remaining > 0) {
+      ssize_t got = ::read(fd, cursor, remaining);
+      if (got < 0 && errno == EINTR)
+        continue;
+      if (got <= 0) {
+        int error = errno;
+        ::close(fd);
+        return Status::error(path + ": read failed" +
+                             (got < 0 ? ": " + errnoMessage(error) : ": file shrank while read"));
+      }
+      cursor += got;
+      remaining -= static_cast<size_t>(got);
+    }
+    ::close(fd);
+    HYBRID_RETURN_IF_ERROR(
+        verifyPlanBytes(reinterpret_cast<const uint8_t *>(plan.storage_.data()), size)
+            .withContext(path));
+    return plan;
+  });
+}
+
+StatusOr<LoadedPlan> LoadedPlan::fromBytes(std::span<const std::byte> bytes,
+                                           std::string sourceName) {
+  return catchExceptions(sourceName, [&]() -> StatusOr<LoadedPlan> {
+    LoadedPlan plan;
+    plan.path_ = std::move(sourceName);
+    plan.size_ = bytes.size();
+    plan.storage_.resize((bytes.size() + sizeof(uint64_t) - 1) / sizeof(uint64_t));
+    if (!bytes.empty())
+      std::memcpy(plan.storage_.data(), bytes.data(), bytes.size());
+    HYBRID_RETURN_IF_ERROR(
+        verifyPlanBytes(reinterpret_cast<const uint8_t *>(plan.storage_.data()), plan.size_)
+            .withContext(plan.path_));
+    return plan;
+  });
+}
+
+const fb::Plan &LoadedPlan::plan() const { return *fb::GetPlan(storage_.data()); }
+
+std::span<const std::byte> LoadedPlan::bytes() const {
+  return {reinterpret_cast<const std::byte *>(storage_.data()), size_};
+}
+
+const fb::Program *LoadedPlan::findProgram(std::string_view name) const {
+  const auto *programs = plan().programs();
+  for (size_t i = 0; i < lengthOf(programs); ++i) {
+    const fb::Program *program = programs->Get(static_cast<flatbuffers::uoffset_t>(i));
+    if (program->name() && program->name()->string_view() == name)
+      return program;
+  }
+  return nullptr;
+}
+
+//===------------------------------------------------------------------------------------------===//
+// Matching the plan against the device and the weights.
+//===------------------------------------------------------------------------------------------===//
+
+Status checkTarget(const LoadedPlan &loaded, std::string_view device, int worldSize,
+                   std::string_view arch) {
+  return catchExceptions(loaded.path(), [&]() -> Status {
+    const fb::Target &target = *loaded->target(); // load() guarantees it is present
+    std::string_view planDevice = target.device()->string_view();
+    std::string_view planArch = target.arch() ? target.arch()->string_view() : "";
+    auto describe = [](std::string_view name, std::string_view architecture) {
+      std::string out(name);
+      if (!architecture.empty()) {
+        out += " ";
+        out += architecture;
+      }
+      return out;
+    };
+    if (planDevice != device || (!arch.empty() && planArch != arch))
+      return Status::error(loaded.path() + " was compiled for " + describe(planDevice, planArch) +
+                           ", this runtime device is " + describe(device, arch));
+    if (target.world_size() != worldSize)
+      return Status::error(loaded.path() + " was compiled for world size " +
+                           std::to_string(target.world_size()) + ", this runtime runs " +
+                           std::to_string(worldSize) + (worldSize == 1 ? " rank" : " ranks"));
+    return Status::ok();
+  });
+}
+
+Status checkWeights(const LoadedPlan &loaded, const WeightArchive &archive) {
+  return catchExceptions(loaded.path(), [&]() -> Status {
+    const fb::Plan &plan = loaded.plan();
+    std::string both = loaded.path() + " and " + archive.path();
+    std::string_view planKeyText =
+        plan.weight_archive_key() ? plan.weight_archive_key()->string_view() : "";
+    std::optional<ArchiveKey> planKey = parseArchiveKey(planKeyText);
+    if (!planKey || *planKey != archive.key())
+      return Status::error(loaded.path() + " reads the weight archive with key '" +
+                           std::string(planKeyText) + "' but " + archive.path() + " has key " +
+                           formatArchiveKey(archive.key()));
+    // weight_archive_bytes is where the last weight's data ends; the entry table follows it.
+    uint64_t dataEnd = 0;
+    for (const WeightArchiveEntry &entry : archive.entries())
+      dataEnd = std::max(dataEnd, entry.offset + entry.size);
+    if (plan.weight_archive_bytes() != 0 && plan.weight_archive_bytes() != dataEnd)
+      return Status::error(both + ": weight_archive_bytes = " +
+                           std::to_string(plan.weight_archive_bytes()) +
+                           " but the archive's weight data ends at byte " +
+                           std::to_string(dataEnd));
+
+    const auto *weights = plan.weights();
+    for (size_t i = 0; i < lengthOf(weights); ++i) {
+      const fb::Weight *weight = weights->Get(static_cast<flatbuffers::uoffset_t>(i));
+      std::string field = both + ": " + indexed("weights", i) + " '" + printable(weight->name()) + "'";
+      const WeightArchive::Entry *entry = archive.find(weight->name()->string_view());
+      if (!entry)
+        return Status::error(field + ": not in the archive");
+      if (weight->dtype() != entry->dtype)
+        return Status::error(field + ": dtype " + dtypeName(weight->dtype()) +
+                             " but the archive has " + dtypeName(entry->dtype));
+      bool sameShape = lengthOf(weight->shape()) == entry->shape.size();
+      for (size_t axis = 0; sameShape && axis < entry->shape.size(); ++axis)
+        sameShape = weight->shape()->Get(static_cast<flatbuffers::uoffset_t>(axis)) ==
+                    entry->shape[axis];
+      if (!sameShape) {
+        std::string archiveShape = "[";
+        for (size_t axis = 0; axis < entry->shape.size(); ++axis) {
+          if (axis)
+            archiveShape += ", ";
+          archiveShape += std::to_string(entry->shape[axis]);
+        }
+        archiveShape += "]";
+        return Status::error(field + ": shape " + formatShape(weight->shape()) +
+                             " but the archive has " + archiveShape);
+      }
+      if (weight->offset() != entry->offset)
+        return Status::error(field + ": offset " + std::to_string(weight->offset()) +
+                             " but the archive has " + std::to_string(entry->offset));
+      if (weight->size() != entry->size)
+        return Status::error(field + ": size " + std::to_string(weight->size()) +
+                             " but the archive has " + std::to_string(entry->size));
+    }
+    return Status::ok();
+  });
+}
+
+} // namespace hybrid

@@ -1,0 +1,396 @@
+// Tests of the host memory structures: arena views, the paged KV cache (appends across page
+// boundaries, shared page tables, running out of pages, truncation) and the recurrent state pool
+// (zeroed slots, snapshot / restore). Cache specs are built with the FlatBuffers builder.
+#include "hybrid/runtime/Memory.h"
+
+#include <gtest/gtest.h>
+#include <numeric>
+#include <string>
+#include <vector>
+
+namespace hybrid {
+namespace {
+
+using namespace plan::fb;
+
+#define EXPECT_CONTAINS(text, part)                                                                \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) << "message: " << (text)
+
+struct KvLayerSpec {
+  int32_t latentDim;
+  int32_t ropeDim;
+  int32_t indexKeyDim;
+  DType dtype = DType::F32;
+};
+
+struct RecurrentLayerSpec {
+  int32_t numHeads;
+  int32_t headKDim;
+  int32_t headVDim;
+  int32_t convChannels;
+  int32_t convKernel;
+};
+
+// Owns the buffer a CacheSpec table lives in.
+class CacheSpecBuffer {
+public:
+  CacheSpecBuffer(int32_t pageSize, const std::vector<KvLayerSpec> &kvLayers,
+                  const std::vector<RecurrentLayerSpec> &recurrentLayers) {
+    std::vector<flatbuffers::Offset<KvCacheLayer>> kv;
+    for (size_t i = 0; i < kvLayers.size(); ++i)
+      kv.push_back(CreateKvCacheLayer(builder_, static_cast<int32_t>(i), kvLayers[i].latentDim,
+                                      kvLayers[i].ropeDim, kvLayers[i].dtype,
+                                      kvLayers[i].indexKeyDim));
+    std::vector<flatbuffers::Offset<RecurrentStateLayer>> recurrent;
+    for (size_t i = 0; i < recurrentLayers.size(); ++i) {
+      const RecurrentLayerSpec &layer = recurrentLayers[i];
+      recurrent.push_back(CreateRecurrentStateLayer(
+          builder_, static_cast<int32_t>(i), layer.numHeads, layer.headKDim, layer.headVDim,
+          StateLayout::KMajor, layer.convChannels, layer.convKernel));
+    }
+    builder_.Finish(CreateCacheSpecDirect(builder_, pageSize, &kv, &recurrent));
+  }
+  const CacheSpec &spec() const {
+    return *flatbuffers::GetRoot<CacheSpec>(builder_.GetBufferPointer());
+  }
+
+private:
+  flatbuffers::FlatBufferBuilder builder_;
+};
+
+// Rows whose values encode (layer, position, element), so any misplaced row is caught.
+std::vector<float> rowsFor(int layer, int64_t firstPosition, int64_t count, int64_t rowElements) {
+  std::vector<float> rows;
+  for (int64_t position = firstPosition; position < firstPosition + count; ++position)
+    for (int64_t element = 0; element < rowElements; ++element)
+      rows.push_back(static_cast<float>(layer * 10000 + position * 100 + element));
+  return rows;
+}
+
+//===------------------------------------------------------------------------------------------===//
+// Arena.
+//===------------------------------------------------------------------------------------------===//
+
+TEST(Arena, AlignedZeroedAndBoundsChecked) {
+  StatusOr<Arena> created = Arena::create(1000);
+  ASSERT_TRUE(created.isOk()) << created.status().message();
+  Arena arena = std::move(created).value();
+  EXPECT_EQ(arena.size(), 1000u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(arena.data()) % Arena::kAlignment, 0u);
+  for (uint64_t i = 0; i < arena.size(); ++i)
+    ASSERT_EQ(arena.data()[i], std::byte{0});
+
+  StatusOr<std::span<float>> floats = arena.viewAs<float>(64, 10);
+  ASSERT_TRUE(floats.isOk());
+  (*floats)[9] = 3.5f;
+  EXPECT_EQ(arena.viewAs<float>(64, 10).value()[9], 3.5f);
+  EXPECT_TRUE(arena.view(0, 1000).isOk());
+  EXPECT_TRUE(arena.view(1000, 0).isOk());
+
+  EXPECT_CONTAINS(arena.view(990, 11).status().message(), "leaves the 1000-byte arena");
+  EXPECT_FALSE(arena.view(~uint64_t{0}, 2).isOk()); // offset + size overflows
+  EXPECT_CONTAINS(arena.viewAs<float>(66, 1).status().message(), "not aligned");
+  EXPECT_FALSE(arena.viewAs<double>(0, ~uint64_t{0} / 4).isOk());
+
+  arena.clear();
+  EXPECT_EQ(arena.viewAs<float>(64, 10).value()[9], 0.0f);
+
+  Arena moved = std::move(arena);
+  EXPECT_EQ(moved.size(), 1000u);
+  EXPECT_EQ(arena.size(), 0u); // NOLINT(bugprone-use-after-move): moved-from is empty
+}
+
+TEST(Arena, EmptyAndHuge) {
+  StatusOr<Arena> empty = Arena::create(0);
+  ASSERT_TRUE(empty.isOk());
+  EXPECT_EQ(empty->size(), 0u);
+  EXPECT_TRUE(empty->view(0, 0).isOk());
+  EXPECT_FALSE(empty->view(0, 1).isOk());
+#ifndef __SANITIZE_ADDRESS__ // ASan aborts on absurd sizes unless allocator_may_return_null=1
+  // Far beyond any machine: a clean error, not an exception or a crash.
+  StatusOr<Arena> huge = Arena::create(uint64_t{1} << 62);
+  ASSERT_FALSE(huge.isOk());
+  EXPECT_CONTAINS(huge.status().message(), "cannot allocate");
+#endif
+}
+
+//===------------------------------------------------------------------------------------------===//
+// PagedKvCache.
+//===------------------------------------------------------------------------------------------===//
+
+// Two layers: an MLA layer (latent 3 + rope 2) and an MLA+DSA layer (latent 2 + rope 1 + index
+// key 2); pages of 4 tokens.
+CacheSpecBuffer twoLayerKvSpec() { return CacheSpecBuffer(4, {{3, 2, 0}, {2, 1, 2}}, {}); }
+
+TEST(PagedKvCache, ShapesAndSizesComeFromTheSpec) {
+  CacheSpecBuffer spec = twoLayerKvSpec();
+  StatusOr<PagedKvCache> cache = PagedKvCache::create(spec.spec(), 5, 3);
+  ASSERT_TRUE(cache.isOk()) << cache.status().message();
+  EXPECT_EQ(cache->numLayers(), 2);
+  EXPECT_EQ(cache->pageSize(), 4);
+  EXPECT_EQ(cache->numPages(), 5);
+  EXPECT_EQ(cache->freePages(), 5);
+  EXPECT_EQ(cache->layerShape(0).rowElements(), 5);
+  EXPECT_EQ(cache->layerShape(1).rowElements(), 5);
+  EXPECT_EQ(cache->layerShape(1).indexKeyDim, 2);
+  // 4 tokens x (5 + 5) floats x 4 bytes.
+  EXPECT_EQ(PagedKvCache::bytesPerPage(spec.spec()).value(), 160u);
+}
+
+TEST(PagedKvCache, AppendAndViewAcrossPageBoundaries) {
+  CacheSpecBuffer spec = twoLayerKvSpec();
+  PagedKvCache cache = PagedKvCache::create(spec.spec(), 8, 2).value();
+  const int64_t rowElements = cache.layerShape(0).rowElements();
+
+  // Interleave two sequences so their pages are not contiguous.
+  ASSERT_TRUE(cache.append(0, 0, rowsFor(0, 0, 3, rowElements)).isOk());
+  ASSERT_TRUE(cache.append(0, 1, rowsFor(7, 0, 5, rowElements)).isOk());
+  ASSERT_TRUE(cache.append(0, 0, rowsFor(0, 3, 6, rowElements)).isOk()); // crosses two boundaries
+  EXPECT_EQ(cache.length(0, 0), 9);
+  EXPECT_EQ(cache.length(1, 0), 0); // layer 1 has not appended yet
+  EXPECT_EQ(cache.capacity(0), 12);
+  EXPECT_EQ(cache.freePages(), 8 - 3 - 2);
+
+  StatusOr<KvSequenceView> view = cache.view(0, 0, 9);
+  ASSERT_TRUE(view.isOk()) << view.status().message();
+  EXPECT_EQ(view->numTokens(), 9);
+  std::vector<float> expected = rowsFor(0, 0, 9, rowElements);
+  for (int64_t position = 0; position < 9; ++position) {
+    std::span<const float> row = view->row(position);
+    ASSERT_EQ(row.size(), static_cast<size_t>(rowElements));
+    for (int64_t element = 0; element < rowElements; ++element)
+      EXPECT_EQ(row[element], expected[position * rowElements + element]);
+    EXPECT_EQ(view->latent(position).size(), 3u);
+    EXPECT_EQ(view->ropeKey(position)[0], expected[position * rowElements + 3]);
+    EXPECT_TRUE(view->indexKey(position).empty());
+  }
+  EXPECT_TRUE(view->row(9).empty());
+
+  std::vector<float> gathered(9 * rowElements);
+  ASSERT_TRUE(view->gatherRows(gathered).isOk());
+  EXPECT_EQ(gathered, expected);
+  std::vector<float> ropeKeys(9 * 2);
+  ASSERT_TRUE(view->gatherRopeKeys(ropeKeys).isOk());
+  EXPECT_EQ(ropeKeys[2 * 5 + 1], expected[5 * rowElements + 4]);
+  std::vector<float> wrongSize(7);
+  EXPECT_CONTAINS(view->gatherLatents(wrongSize).message(), "9 tokens x 3 need 27");
+
+  // The other sequence is untouched; a prefix view works.
+  StatusOr<KvSequenceView> other = cache.view(0, 1, 2);
+  ASSERT_TRUE(other.isOk());
+  EXPECT_EQ(other->row(1)[0], rowsFor(7, 1, 1, rowElements)[0]);
+}
+
+TEST(PagedKvCache, LayersShareTheSequencePageTable) {
+  CacheSpecBuffer spec = twoLayerKvSpec();
+  PagedKvCache cache = PagedKvCache::create(spec.spec(), 4, 1).value();
+  ASSERT_TRUE(cache.append(0, 0, rowsFor(0, 0, 6, 5)).isOk());
+  EXPECT_EQ(cache.freePages(), 2);
+  ASSERT_TRUE(cache.append(1, 0, rowsFor(1, 0, 6, 5)).isOk());
+  EXPECT_EQ(cache.freePages(), 2) << "layer 1 must reuse the pages layer 0 reserved";
+
+  StatusOr<KvSequenceView> layer1 = cache.view(1, 0, 6);
+  ASSERT_TRUE(layer1.isOk());
+  std::vector<float> indexKeys(6 * 2);
+  ASSERT_TRUE(layer1->gatherIndexKeys(indexKeys).isOk());
+  EXPECT_EQ(indexKeys[5 * 2 + 1], rowsFor(1, 5, 1, 5)[4]);
+  // Layer 0's rows were not overwritten by layer 1's.
+  EXPECT_EQ(cache.view(0, 0, 6).value().row(5)[0], rowsFor(0, 5, 1, 5)[0]);
+}
+
+TEST(PagedKvCache, OutOfPagesFailsCleanly) {
+  CacheSpecBuffer spec = twoLayerKvSpec();
+  PagedKvCache cache = PagedKvCache::create(spec.spec(), 3, 2).value();
+  ASSERT_TRUE(cache.reserve(0, 8).isOk());
+  EXPECT_EQ(cache.freePages(), 1);
+
+  Status status = cache.reserve(1, 9);
+  ASSERT_FALSE(status.isOk());
+  EXPECT_EQ(status.message(), "KV cache out of pages: sequence 1 needs 3 more pages of 4 tokens "
+                              "for 9 tokens, 1 of 3 pages are free");
+  EXPECT_EQ(cache.freePages(), 1) << "a failed reserve must not keep partial pages";
+  EXPECT_EQ(cache.capacity(1), 0);
+
+  // An append that does not fit leaves the length unchanged.
+  Status append = cache.append(0, 1, rowsFor(0, 0, 5, 5));
+  EXPECT_CONTAINS(append.message(), "out of pages");
+  EXPECT_EQ(cache.length(0, 1), 0);
+  EXPECT_TRUE(cache.append(0, 1, rowsFor(0, 0, 4, 5)).isOk());
+  EXPECT_EQ(cache.freePages(), 0);
+}
+
+TEST(PagedKvCache, TruncateAndFreeReturnPages) {
+  CacheSpecBuffer spec = twoLayerKvSpec();
+  PagedKvCache cache = PagedKvCache::create(spec.spec(), 4, 2).value();
+  ASSERT_TRUE(cache.append(0, 0, rowsFor(0, 0, 10, 5)).isOk());
+  ASSERT_TRUE(cache.append(1, 0, rowsFor(1, 0, 10, 5)).isOk());
+  EXPECT_EQ(cache.freePages(), 1);
+
+  // Speculative-decoding rollback: keep 5 tokens.
+  ASSERT_TRUE(cache.truncate(0, 5).isOk());
+  EXPECT_EQ(cache.length(0, 0), 5);
+  EXPECT_EQ(cache.length(1, 0), 5);
+  EXPECT_EQ(cache.freePages(), 2);
+  ASSERT_TRUE(cache.append(0, 0, rowsFor(3, 5, 2, 5)).isOk());
+  EXPECT_EQ(cache.view(0, 0, 7).value().row(6)[0], rowsFor(3, 6, 1, 5)[0]);
+  EXPECT_EQ(cache.view(0, 0, 7).value().row(4)[0], rowsFor(0, 4, 1, 5)[0]);
+
+  ASSERT_TRUE(cache.freeSequence(0).isOk());
+  EXPECT_EQ(cache.freePages(), 4);
+  EXPECT_EQ(cache.length(0, 0), 0);
+  EXPECT_EQ(cache.capacity(0), 0);
+  // The freed pages serve another sequence.
+  EXPECT_TRUE(cache.reserve(1, 16).isOk());
+}
+
+TEST(PagedKvCache, BadArgumentsAreErrors) {
+  CacheSpecBuffer spec = twoLayerKvSpec();
+  PagedKvCache cache = PagedKvCache::create(spec.spec(), 2, 2).value();
+  EXPECT_CONTAINS(cache.append(2, 0, rowsFor(0, 0, 1, 5)).message(), "kv_slot 2 is out of range");
+  EXPECT_CONTAINS(cache.append(0, 2, rowsFor(0, 0, 1, 5)).message(), "sequence 2 is out of range");
+  EXPECT_CONTAINS(cache.append(0, 0, std::vector<float>(7)).message(), "not a multiple");
+  EXPECT_CONTAINS(cache.view(0, 0, 1).status().message(), "which holds 0");
+  EXPECT_FALSE(cache.reserve(0, -1).isOk());
+  EXPECT_FALSE(cache.truncate(-1, 0).isOk());
+  EXPECT_EQ(cache.length(5, 0), 0);
+
+  EXPECT_FALSE(PagedKvCache::create(spec.spec(), -1, 1).isOk());
+  EXPECT_FALSE(PagedKvCache::create(spec.spec(), 1, 0).isOk());
+  CacheSpecBuffer bf16(4, {{3, 2, 0, DType::BF16}}, {});
+  EXPECT_CONTAINS(PagedKvCache::create(bf16.spec(), 1, 1).status().message(),
+                  "cache.kv[0].dtype is BF16; the cpu KV cache stores F32");
+  CacheSpecBuffer noPageSize(0, {{3, 2, 0}}, {});
+  EXPECT_CONTAINS(PagedKvCache::create(noPageSize.spec(), 1, 1).status().message(),
+                  "cache.page_size = 0");
+  CacheSpecBuffer huge(1 << 30, {{1 << 30, 1 << 30, 0}}, {});
+  EXPECT_CONTAINS(PagedKvCache::create(huge.spec(), 1 << 30, 1).status().message(), "overflows");
+}
+
+TEST(PagedKvCache, NoKvLayersNeedsNoPages) {
+  CacheSpecBuffer spec(0, {}, {});
+  PagedKvCache cache = PagedKvCache::create(spec.spec(), 0, 1).value();
+  EXPECT_EQ(cache.numLayers(), 0);
+  EXPECT_TRUE(cache.reserve(0, 1000).isOk());
+  EXPECT_EQ(PagedKvCache::bytesPerPage(spec.spec()).value(), 0u);
+}
+
+//===------------------------------------------------------------------------------------------===//
+// RecurrentStatePool.
+//===------------------------------------------------------------------------------------------===//
+
+// Two KDA layers: 2 heads x 4 x 4 with a 24-channel, kernel-4 conv; 1 head x 3 x 5 with kernel 1
+// (no conv state).
+CacheSpecBuffer twoLayerStateSpec() {
+  return CacheSpecBuffer(16, {}, {{2, 4, 4, 24, 4}, {1, 3, 5, 6, 1}});
+}
+
+TEST(RecurrentStatePool, SlotsStartZeroed) {
+  CacheSpecBuffer spec = twoLayerStateSpec();
+  StatusOr<RecurrentStatePool> created = RecurrentStatePool::create(spec.spec(), 2);
+  ASSERT_TRUE(created.isOk()) << created.status().message();
+  RecurrentStatePool pool = std::move(created).value();
+  EXPECT_EQ(pool.numLayers(), 2);
+  EXPECT_EQ(pool.layerShape(0).stateElements(), 32);
+  EXPECT_EQ(pool.layerShape(0).convStateElements(), 72);
+  EXPECT_EQ(pool.layerShape(1).convStateElements(), 0);
+
+  int32_t slot = pool.allocate().value();
+  EXPECT_TRUE(pool.isAllocated(slot));
+  std::span<float> state = pool.state(0, slot).value();
+  std::span<float> conv = pool.convState(0, slot).value();
+  ASSERT_EQ(state.size(), 32u);
+  ASSERT_EQ(conv.size(), 72u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(state.data()) % Arena::kAlignment, 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(conv.data()) % Arena::kAlignment, 0u);
+  for (float value : state)
+    ASSERT_EQ(value, 0.0f);
+  for (float value : conv)
+    ASSERT_EQ(value, 0.0f);
+
+  // A released slot comes back zeroed for the next sequence.
+  std::fill(state.begin(), state.end(), 7.0f);
+  std::fill(conv.begin(), conv.end(), 7.0f);
+  pool.state(1, slot).value()[14] = 7.0f;
+  ASSERT_TRUE(pool.release(slot).isOk());
+  EXPECT_FALSE(pool.isAllocated(slot));
+  int32_t again = pool.allocate().value();
+  EXPECT_EQ(again, slot);
+  // Spans kept in locals: a range-for over a temporary StatusOr's value() would dangle.
+  std::span<float> stateAgain = pool.state(0, again).value();
+  std::span<float> convAgain = pool.convState(0, again).value();
+  for (float value : stateAgain)
+    ASSERT_EQ(value, 0.0f);
+  for (float value : convAgain)
+    ASSERT_EQ(value, 0.0f);
+  EXPECT_EQ(pool.state(1, again).value()[14], 0.0f);
+}
+
+TEST(RecurrentStatePool, SlotsAreIndependentAndLimited) {
+  CacheSpecBuffer spec = twoLayerStateSpec();
+  RecurrentStatePool pool = RecurrentStatePool::create(spec.spec(), 2).value();
+  int32_t first = pool.allocate().value();
+  int32_t second = pool.allocate().value();
+  EXPECT_NE(first, second);
+  EXPECT_EQ(pool.freeSlots(), 0);
+  EXPECT_CONTAINS(pool.allocate().status().message(), "all 2 sequence slots are in use");
+
+  std::span<float> a = pool.state(1, first).value();
+  std::span<float> b = pool.state(1, second).value();
+  std::fill(a.begin(), a.end(), 1.0f);
+  EXPECT_EQ(b[0], 0.0f);
+  EXPECT_EQ(b[b.size() - 1], 0.0f);
+
+  EXPECT_CONTAINS(pool.state(2, first).status().message(), "state_slot 2 is out of range");
+  EXPECT_CONTAINS(pool.state(0, 5).status().message(), "slot 5 is out of range");
+  ASSERT_TRUE(pool.release(second).isOk());
+  EXPECT_CONTAINS(pool.state(0, second).status().message(), "is not allocated");
+  EXPECT_CONTAINS(pool.release(second).message(), "is not allocated");
+}
+
+TEST(RecurrentStatePool, SnapshotAndRestore) {
+  CacheSpecBuffer spec = twoLayerStateSpec();
+  RecurrentStatePool pool = RecurrentStatePool::create(spec.spec(), 2).value();
+  int32_t slot = pool.allocate().value();
+  auto fill = [&](float base) {
+    for (int32_t layer = 0; layer < pool.numLayers(); ++layer) {
+      std::span<float> state = pool.state(layer, slot).value();
+      std::iota(state.begin(), state.end(), base + 1000.0f * layer);
+      std::span<float> conv = pool.convState(layer, slot).value();
+      std::iota(conv.begin(), conv.end(), base + 1000.0f * layer + 500.0f);
+    }
+  };
+  fill(1.0f);
+  StatusOr<RecurrentStateSnapshot> snapshot = pool.snapshot(slot);
+  ASSERT_TRUE(snapshot.isOk());
+  fill(-50.0f); // speculative tokens advance the state
+  ASSERT_TRUE(pool.restore(slot, *snapshot).isOk());
+  EXPECT_EQ(pool.state(0, slot).value()[0], 1.0f);
+  EXPECT_EQ(pool.state(1, slot).value()[14], 1015.0f);
+  EXPECT_EQ(pool.convState(0, slot).value()[71], 572.0f);
+
+  // A snapshot only fits a pool with the same slot layout.
+  CacheSpecBuffer otherSpec(16, {}, {{1, 2, 2, 0, 1}});
+  RecurrentStatePool other = RecurrentStatePool::create(otherSpec.spec(), 1).value();
+  int32_t otherSlot = other.allocate().value();
+  EXPECT_CONTAINS(other.restore(otherSlot, *snapshot).message(), "the snapshot holds");
+  EXPECT_FALSE(pool.snapshot(1).isOk()); // not allocated
+}
+
+TEST(RecurrentStatePool, SizesAndBadSpecs) {
+  CacheSpecBuffer spec = twoLayerStateSpec();
+  // Layer 0: 32 state + 72 conv floats padded to 16-float lines: 32 + 80; layer 1: 15 -> 16.
+  EXPECT_EQ(RecurrentStatePool::bytesPerSlot(spec.spec()).value(), (32u + 80u + 16u) * 4u);
+  EXPECT_FALSE(RecurrentStatePool::create(spec.spec(), 0).isOk());
+  CacheSpecBuffer bad(16, {}, {{0, 4, 4, 8, 4}});
+  EXPECT_CONTAINS(RecurrentStatePool::create(bad.spec(), 1).status().message(),
+                  "cache.recurrent[0]: num_heads 0");
+  CacheSpecBuffer huge(16, {}, {{1 << 30, 1 << 30, 1 << 30, 0, 1}});
+  EXPECT_CONTAINS(RecurrentStatePool::create(huge.spec(), 1).status().message(), "overflows");
+  CacheSpecBuffer none(16, {}, {});
+  RecurrentStatePool empty = RecurrentStatePool::create(none.spec(), 3).value();
+  EXPECT_EQ(empty.numLayers(), 0);
+  EXPECT_TRUE(empty.allocate().isOk());
+}
+
+} // namespace
+} // namespace hybrid

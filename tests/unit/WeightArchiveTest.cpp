@@ -1,0 +1,550 @@
+// Tests of the weight archive: the shared offset rule, write/open round trips, the writer's
+// argument checks and temp-file cleanup, and every corruption the reader must reject with a
+// one-line error naming the file and the field or entry.
+#include "hybrid/runtime/WeightArchive.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <gtest/gtest.h>
+#include <iterator>
+#include <string>
+#include <vector>
+#include <xxhash.h>
+
+namespace hybrid {
+namespace {
+
+namespace fs = std::filesystem;
+using plan::fb::DType;
+
+constexpr uint64_t kPage = 4096;
+
+ArchiveKey testKey() {
+  ArchiveKey key{};
+  for (size_t i = 0; i < key.size(); ++i)
+    key[i] = static_cast<uint8_t>(0xa0 + i);
+  return key;
+}
+
+// Deterministic, entry-specific bytes, so a misplaced entry cannot compare equal.
+std::vector<std::byte> patternBytes(size_t count, uint8_t seed) {
+  std::vector<std::byte> bytes(count);
+  for (size_t i = 0; i < count; ++i)
+    bytes[i] = static_cast<std::byte>((i * 131 + seed * 17 + (i >> 8)) & 0xff);
+  return bytes;
+}
+
+std::string readWholeFile(const std::string &path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void writeWholeFile(const std::string &path, const std::string &content) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(content.data(), static_cast<std::streamsize>(content.size()));
+  ASSERT_TRUE(out.good()) << path;
+}
+
+uint64_t loadU64(const std::string &bytes, size_t offset) {
+  uint64_t value = 0;
+  std::memcpy(&value, bytes.data() + offset, sizeof value); // the test host is little-endian
+  return value;
+}
+
+void storeU64(std::string &bytes, size_t offset, uint64_t value) {
+  std::memcpy(bytes.data() + offset, &value, sizeof value);
+}
+
+void storeU32(std::string &bytes, size_t offset, uint32_t value) {
+  std::memcpy(bytes.data() + offset, &value, sizeof value);
+}
+
+// Header field offsets from docs/weight-archive.md.
+constexpr size_t kFormatVersionField = 8;
+constexpr size_t kPageSizeField = 12;
+constexpr size_t kEntryCountField = 32;
+constexpr size_t kTableOffsetField = 40;
+constexpr size_t kTableSizeField = 48;
+constexpr size_t kTableHashField = 56;
+constexpr size_t kHeaderHashField = 64;
+
+// Recomputes the table and header hashes after a deliberate edit, so the reader's deeper checks
+// (not just the checksums) are exercised.
+void reseal(std::string &archive) {
+  uint64_t tableOffset = loadU64(archive, kTableOffsetField);
+  uint64_t tableSize = loadU64(archive, kTableSizeField);
+  if (tableOffset + tableSize <= archive.size())
+    storeU64(archive, kTableHashField, XXH3_64bits(archive.data() + tableOffset, tableSize));
+  storeU64(archive, kHeaderHashField, XXH3_64bits(archive.data(), kHeaderHashField));
+}
+
+struct TestEntry {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  std::vector<std::byte> data;
+};
+
+// Sizes deliberately not multiples of the page: 24, 4100, 2, 0 and 8192 + 8 bytes.
+std::vector<TestEntry> sampleEntries() {
+  return {
+      {"model.embed_tokens.weight", DType::F32, {2, 3}, patternBytes(24, 1)},
+      {"model.layers.0.mlp.gate_proj.weight", DType::BF16, {2, 1025}, patternBytes(4100, 2)},
+      {"model.layers.0.self_attn.scale", DType::F8_E4M3, {2}, patternBytes(2, 3)},
+      {"empty", DType::I32, {0, 7}, {}},
+      {"model.norm.weight", DType::I64, {1025}, patternBytes(8200, 5)},
+  };
+}
+
+class WeightArchiveTest : public testing::Test {
+protected:
+  void SetUp() override {
+    std::string pattern = (fs::path(testing::TempDir()) / "hybrid_weights_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr) << pattern;
+    dir_ = pattern;
+  }
+  void TearDown() override {
+    std::error_code ignored;
+    fs::remove_all(dir_, ignored);
+  }
+  std::string pathFor(const std::string &name) const { return (fs::path(dir_) / name).string(); }
+  std::vector<std::string> dirEntries() const {
+    std::vector<std::string> names;
+    for (const auto &entry : fs::directory_iterator(dir_))
+      names.push_back(entry.path().filename().string());
+    return names;
+  }
+
+  // Writes `entries` to `name` and returns the path.
+  std::string writeArchive(const std::string &name, const std::vector<TestEntry> &entries) {
+    std::string path = pathFor(name);
+    StatusOr<WeightArchiveWriter> writer = WeightArchiveWriter::create(path, testKey());
+    EXPECT_TRUE(writer.isOk()) << writer.status().message();
+    if (!writer.isOk())
+      return path;
+    for (const TestEntry &entry : entries) {
+      Status status = writer->add(entry.name, entry.dtype, entry.shape, entry.data);
+      EXPECT_TRUE(status.isOk()) << status.message();
+    }
+    Status status = writer->finish();
+    EXPECT_TRUE(status.isOk()) << status.message();
+    return path;
+  }
+
+  // Opens an archive that must be rejected and returns the message, checking it is one line that
+  // starts with the path.
+  std::string openError(const std::string &path) {
+    StatusOr<WeightArchive> archive = WeightArchive::open(path);
+    EXPECT_FALSE(archive.isOk()) << path << " was accepted";
+    if (archive.isOk())
+      return "";
+    const std::string &message = archive.status().message();
+    EXPECT_EQ(message.rfind(path + ": ", 0), 0u) << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    return message;
+  }
+
+  // Writes the sample archive, applies `edit` to its bytes and returns the open() error.
+  std::string corruptedOpenError(const std::function<void(std::string &)> &edit) {
+    std::string path = writeArchive("sample.hyw", sampleEntries());
+    std::string bytes = readWholeFile(path);
+    edit(bytes);
+    std::string corrupted = pathFor("corrupted.hyw");
+    writeWholeFile(corrupted, bytes);
+    return openError(corrupted);
+  }
+
+  // Offset of the first entry's record fields inside the file (name "model.embed_tokens.weight",
+  // rank 2): name_length u32, name, dtype u8, rank u32, 2 dims, offset, size, data_hash.
+  static size_t firstRecordField(const std::string &archive, const std::string &field) {
+    size_t record = loadU64(archive, kTableOffsetField);
+    size_t name = record + 4;
+    size_t dtype = name + std::string("model.embed_tokens.weight").size();
+    size_t rank = dtype + 1;
+    size_t offset = rank + 4 + 2 * 8;
+    if (field == "dtype")
+      return dtype;
+    if (field == "rank")
+      return rank;
+    if (field == "offset")
+      return offset;
+    if (field == "size")
+      return offset + 8;
+    return record;
+  }
+
+  std::string dir_;
+};
+
+//===------------------------------------------------------------------------------------------===//
+// The offset rule.
+//===------------------------------------------------------------------------------------------===//
+
+TEST(PlanWeightOffsets, FirstEntryAfterTheHeaderPageEachOnTheNextPage) {
+  std::vector<uint64_t> sizes = {1, 4096, 0, 5000, 4097};
+  std::vector<uint64_t> expected = {4096, 8192, 12288, 12288, 20480};
+  EXPECT_EQ(planWeightOffsets(sizes), expected);
+  EXPECT_TRUE(planWeightOffsets({}).empty());
+}
+
+TEST(PlanWeightOffsets, LargerPages) {
+  std::vector<uint64_t> sizes = {65536, 1, 70000};
+  std::vector<uint64_t> expected = {65536, 131072, 196608};
+  EXPECT_EQ(planWeightOffsets(sizes, 65536), expected);
+}
+
+TEST(ArchiveKeyText, FormatsAndParsesHex) {
+  ArchiveKey key = testKey();
+  std::string hex = formatArchiveKey(key);
+  EXPECT_EQ(hex, "a0a1a2a3a4a5a6a7a8a9aaabacadaeaf");
+  EXPECT_EQ(parseArchiveKey(hex), key);
+  EXPECT_EQ(parseArchiveKey("A0A1A2A3A4A5A6A7A8A9AAABACADAEAF"), key);
+  EXPECT_FALSE(parseArchiveKey("a0a1"));
+  EXPECT_FALSE(parseArchiveKey("g0a1a2a3a4a5a6a7a8a9aaabacadaeaf"));
+}
+
+//===------------------------------------------------------------------------------------------===//
+// Round trips.
+//===------------------------------------------------------------------------------------------===//
+
+TEST_F(WeightArchiveTest, RoundTripKeepsEveryEntry) {
+  std::vector<TestEntry> entries = sampleEntries();
+  std::string path = writeArchive("model.hyw", entries);
+  EXPECT_EQ(dirEntries(), std::vector<std::string>{"model.hyw"}) << "temp file left behind";
+
+  StatusOr<WeightArchive> archive = WeightArchive::open(path);
+  ASSERT_TRUE(archive.isOk()) << archive.status().message();
+  EXPECT_EQ(archive->key(), testKey());
+  EXPECT_EQ(archive->pageSize(), kPage);
+  EXPECT_EQ(archive->fileSize(), fs::file_size(path));
+  ASSERT_EQ(archive->entries().size(), entries.size());
+
+  std::vector<uint64_t> sizes;
+  for (const TestEntry &entry : entries)
+    sizes.push_back(entry.data.size());
+  std::vector<uint64_t> offsets = planWeightOffsets(sizes);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const WeightArchive::Entry &entry = archive->entries()[i];
+    SCOPED_TRACE(entry.name);
+    EXPECT_EQ(entry.name, entries[i].name);
+    EXPECT_EQ(entry.dtype, entries[i].dtype);
+    EXPECT_EQ(entry.shape, entries[i].shape);
+    EXPECT_EQ(entry.offset, offsets[i]);
+    EXPECT_EQ(entry.size, entries[i].data.size());
+    const WeightArchive::Entry *found = archive->find(entries[i].name);
+    ASSERT_EQ(found, &entry);
+    std::span<const std::byte> bytes = archive->bytes(entry);
+    EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), entries[i].data.begin(),
+                           entries[i].data.end()));
+    // Page aligned in memory too: the mapping starts on a page.
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(bytes.data()) % kPage, 0u);
+  }
+  EXPECT_EQ(archive->find("missing"), nullptr);
+  Status verified = archive->verifyContents();
+  EXPECT_TRUE(verified.isOk()) << verified.message();
+
+  // The writer reports the same entries and size the reader sees.
+  StatusOr<WeightArchiveWriter> writer = WeightArchiveWriter::create(pathFor("again.hyw"),
+                                                                     testKey());
+  ASSERT_TRUE(writer.isOk());
+  for (const TestEntry &entry : entries)
+    ASSERT_TRUE(writer->add(entry.name, entry.dtype, entry.shape, entry.data).isOk());
+  ASSERT_TRUE(writer->finish().isOk());
+  EXPECT_EQ(writer->fileSize(), archive->fileSize());
+  EXPECT_EQ(writer->entries().size(), entries.size());
+}
+
+TEST_F(WeightArchiveTest, EmptyArchiveRoundTrips) {
+  std::string path = writeArchive("empty.hyw", {});
+  StatusOr<WeightArchive> archive = WeightArchive::open(path);
+  ASSERT_TRUE(archive.isOk()) << archive.status().message();
+  EXPECT_TRUE(archive->entries().empty());
+  EXPECT_EQ(archive->fileSize(), kPage); // the header page, an empty table right after it
+  EXPECT_TRUE(archive->verifyContents().isOk());
+}
+
+TEST_F(WeightArchiveTest, MovedArchiveKeepsItsMapping) {
+  std::string path = writeArchive("model.hyw", sampleEntries());
+  StatusOr<WeightArchive> opened = WeightArchive::open(path);
+  ASSERT_TRUE(opened.isOk());
+  WeightArchive archive = std::move(opened).value();
+  WeightArchive other = std::move(archive);
+  const WeightArchive::Entry *entry = other.find("model.norm.weight");
+  ASSERT_NE(entry, nullptr);
+  EXPECT_EQ(other.bytes(*entry)[5], patternBytes(8200, 5)[5]);
+  EXPECT_TRUE(other.verifyContents().isOk());
+}
+
+//===------------------------------------------------------------------------------------------===//
+// Writer argument checks and cleanup.
+//===------------------------------------------------------------------------------------------===//
+
+TEST_F(WeightArchiveTest, WriterRejectsBadEntriesAndStaysUsable) {
+  std::string path = pathFor("model.hyw");
+  StatusOr<WeightArchiveWriter> writer = WeightArchiveWriter::create(path, testKey());
+  ASSERT_TRUE(writer.isOk());
+  std::vector<std::byte> eight = patternBytes(8, 1);
+
+  Status wrongSize = writer->add("w", DType::F32, {3}, eight);
+  ASSERT_FALSE(wrongSize.isOk());
+  EXPECT_NE(wrongSize.message().find("entry 0 'w'"), std::string::npos) << wrongSize.message();
+  EXPECT_NE(wrongSize.message().find("needs 12"), std::string::npos) << wrongSize.message();
+
+  EXPECT_FALSE(writer->add("", DType::F32, {2}, eight).isOk());
+  EXPECT_FALSE(writer->add("neg", DType::F32, {-2}, eight).isOk());
+  EXPECT_FALSE(writer->add("bad", static_cast<DType>(77), {2}, eight).isOk());
+
+  ASSERT_TRUE(writer->add("w", DType::F32, {2}, eight).isOk());
+  Status duplicate = writer->add("w", DType::F32, {2}, eight);
+  ASSERT_FALSE(duplicate.isOk());
+  EXPECT_NE(duplicate.message().find("duplicate"), std::string::npos) << duplicate.message();
+
+  ASSERT_TRUE(writer->finish().isOk());
+  EXPECT_FALSE(writer->add("late", DType::F32, {2}, eight).isOk());
+  EXPECT_FALSE(writer->finish().isOk());
+
+  StatusOr<WeightArchive> archive = WeightArchive::open(path);
+  ASSERT_TRUE(archive.isOk()) << archive.status().message();
+  ASSERT_EQ(archive->entries().size(), 1u);
+  EXPECT_EQ(archive->entries()[0].offset, kPage);
+}
+
+TEST_F(WeightArchiveTest, WriterRejectsBadPageSize) {
+  for (uint64_t pageSize : {uint64_t{0}, uint64_t{1000}, uint64_t{2048}, uint64_t{4097}}) {
+    StatusOr<WeightArchiveWriter> writer =
+        WeightArchiveWriter::create(pathFor("x.hyw"), testKey(), pageSize);
+    ASSERT_FALSE(writer.isOk()) << pageSize;
+    EXPECT_NE(writer.status().message().find("page size"), std::string::npos);
+  }
+  EXPECT_TRUE(dirEntries().empty());
+}
+
+TEST_F(WeightArchiveTest, LargerPageSizeRoundTrips) {
+  std::string path = pathFor("big_pages.hyw");
+  StatusOr<WeightArchiveWriter> writer = WeightArchiveWriter::create(path, testKey(), 65536);
+  ASSERT_TRUE(writer.isOk());
+  ASSERT_TRUE(writer->add("a", DType::F32, {3}, patternBytes(12, 1)).isOk());
+  ASSERT_TRUE(writer->add("b", DType::F16, {5}, patternBytes(10, 2)).isOk());
+  ASSERT_TRUE(writer->finish().isOk());
+  StatusOr<WeightArchive> archive = WeightArchive::open(path);
+  ASSERT_TRUE(archive.isOk()) << archive.status().message();
+  EXPECT_EQ(archive->pageSize(), 65536u);
+  EXPECT_EQ(archive->entries()[1].offset, 131072u);
+}
+
+TEST_F(WeightArchiveTest, WriterDestroyedWithoutFinishLeavesNothing) {
+  {
+    StatusOr<WeightArchiveWriter> writer = WeightArchiveWriter::create(pathFor("x.hyw"), testKey());
+    ASSERT_TRUE(writer.isOk());
+    ASSERT_TRUE(writer->add("w", DType::F32, {1024}, patternBytes(4096, 1)).isOk());
+    EXPECT_EQ(dirEntries().size(), 1u); // the temp file
+    // Moving transfers ownership of the temp file; the moved-from writer must not delete it.
+    WeightArchiveWriter moved = std::move(writer).value();
+    EXPECT_EQ(dirEntries().size(), 1u);
+  }
+  EXPECT_TRUE(dirEntries().empty());
+}
+
+TEST_F(WeightArchiveTest, FinishReplacesAnExistingFileAtomically) {
+  std::string path = writeArchive("model.hyw", sampleEntries());
+  writeArchive("model.hyw", {{"only", DType::F32, {1}, patternBytes(4, 9)}});
+  StatusOr<WeightArchive> archive = WeightArchive::open(path);
+  ASSERT_TRUE(archive.isOk()) << archive.status().message();
+  ASSERT_EQ(archive->entries().size(), 1u);
+  EXPECT_EQ(dirEntries().size(), 1u);
+}
+
+//===------------------------------------------------------------------------------------------===//
+// Corruption the reader must reject.
+//===------------------------------------------------------------------------------------------===//
+
+TEST_F(WeightArchiveTest, MissingFile) {
+  std::string message = openError(pathFor("absent.hyw"));
+  EXPECT_NE(message.find("cannot open"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, TruncatedArchive) {
+  std::string path = writeArchive("sample.hyw", sampleEntries());
+  std::string bytes = readWholeFile(path);
+  std::string truncated = pathFor("truncated.hyw");
+  for (size_t keep : {size_t{0}, size_t{10}, size_t{71}, size_t{72}, size_t{4096}, size_t{9000},
+                      bytes.size() - 1}) {
+    SCOPED_TRACE(keep);
+    writeWholeFile(truncated, bytes.substr(0, keep));
+    std::string message = openError(truncated);
+    EXPECT_FALSE(message.empty());
+  }
+  writeWholeFile(truncated, bytes.substr(0, 9000));
+  EXPECT_NE(openError(truncated).find("truncated"), std::string::npos);
+}
+
+TEST_F(WeightArchiveTest, TrailingBytes) {
+  std::string message = corruptedOpenError([](std::string &bytes) { bytes += "x"; });
+  EXPECT_NE(message.find("trailing"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, WrongMagic) {
+  std::string message = corruptedOpenError([](std::string &bytes) { bytes[7] = '2'; });
+  EXPECT_NE(message.find("'magic'"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, CorruptHeaderFailsTheHeaderHash) {
+  std::string message =
+      corruptedOpenError([](std::string &bytes) { bytes[kEntryCountField] ^= 0x01; });
+  EXPECT_NE(message.find("'header_hash'"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, CorruptTableFailsTheTableHash) {
+  std::string message = corruptedOpenError([](std::string &bytes) { bytes[bytes.size() - 3] ^= 1; });
+  EXPECT_NE(message.find("'table_hash'"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, CorruptEntryDataFoundByVerifyContents) {
+  std::string path = writeArchive("sample.hyw", sampleEntries());
+  std::string bytes = readWholeFile(path);
+  bytes[8192 + 4000] ^= 0x40; // inside the second entry (offset 8192, 4100 bytes)
+  writeWholeFile(path, bytes);
+  StatusOr<WeightArchive> archive = WeightArchive::open(path); // the table is intact
+  ASSERT_TRUE(archive.isOk()) << archive.status().message();
+  Status verified = archive->verifyContents();
+  ASSERT_FALSE(verified.isOk());
+  EXPECT_EQ(verified.message().rfind(path + ": entry 1 'model.layers.0.mlp.gate_proj.weight'", 0),
+            0u)
+      << verified.message();
+  EXPECT_NE(verified.message().find("corrupt data"), std::string::npos);
+}
+
+TEST_F(WeightArchiveTest, UnsupportedFormatVersion) {
+  std::string message = corruptedOpenError([](std::string &bytes) {
+    storeU32(bytes, kFormatVersionField, 2);
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("'format_version' is 2"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, BadPageSize) {
+  std::string message = corruptedOpenError([](std::string &bytes) {
+    storeU32(bytes, kPageSizeField, 1000);
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("'page_size' is 1000"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, TableOutsideTheFile) {
+  std::string message = corruptedOpenError([](std::string &bytes) {
+    storeU64(bytes, kTableSizeField, loadU64(bytes, kTableSizeField) + 4096);
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("'table_size'"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, EntryCountDisagreesWithTable) {
+  std::string fewer = corruptedOpenError([](std::string &bytes) {
+    storeU64(bytes, kEntryCountField, loadU64(bytes, kEntryCountField) - 1);
+    reseal(bytes);
+  });
+  EXPECT_NE(fewer.find("after its last entry"), std::string::npos) << fewer;
+  std::string more = corruptedOpenError([](std::string &bytes) {
+    storeU64(bytes, kEntryCountField, loadU64(bytes, kEntryCountField) + 1);
+    reseal(bytes);
+  });
+  EXPECT_NE(more.find("entry 5"), std::string::npos) << more;
+  std::string huge = corruptedOpenError([](std::string &bytes) {
+    storeU64(bytes, kEntryCountField, uint64_t{1} << 60);
+    reseal(bytes);
+  });
+  EXPECT_NE(huge.find("'entry_count'"), std::string::npos) << huge;
+}
+
+TEST_F(WeightArchiveTest, MisalignedEntry) {
+  std::string message = corruptedOpenError([](std::string &bytes) {
+    size_t field = firstRecordField(bytes, "offset");
+    storeU64(bytes, field, loadU64(bytes, field) + 8);
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("entry 0 'model.embed_tokens.weight': field 'offset' is 4104"),
+            std::string::npos)
+      << message;
+}
+
+TEST_F(WeightArchiveTest, EntryInTheHeaderPage) {
+  std::string message = corruptedOpenError([](std::string &bytes) {
+    storeU64(bytes, firstRecordField(bytes, "offset"), 0);
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("field 'offset' is 0"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, EntryPastTheTable) {
+  std::string message = corruptedOpenError([](std::string &bytes) {
+    storeU64(bytes, firstRecordField(bytes, "offset"), uint64_t{1} << 40);
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("runs past the entry table"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, OverlappingEntries) {
+  std::string message = corruptedOpenError([](std::string &bytes) {
+    // The first entry moved onto the second one's page.
+    storeU64(bytes, firstRecordField(bytes, "offset"), 8192);
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("overlap"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, SizeInconsistentWithDtypeAndShape) {
+  std::string message = corruptedOpenError([](std::string &bytes) {
+    storeU64(bytes, firstRecordField(bytes, "size"), 20);
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("field 'size' is 20 but F32 [2, 3] needs 24 bytes"), std::string::npos)
+      << message;
+}
+
+TEST_F(WeightArchiveTest, UnknownDtype) {
+  std::string message = corruptedOpenError([](std::string &bytes) {
+    bytes[firstRecordField(bytes, "dtype")] = 99;
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("field 'dtype' has the unknown value 99"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, AbsurdRank) {
+  std::string message = corruptedOpenError([](std::string &bytes) {
+    storeU32(bytes, firstRecordField(bytes, "rank"), 1000000);
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("field 'rank'"), std::string::npos) << message;
+}
+
+TEST_F(WeightArchiveTest, RandomByteFlipsNeverCrash) {
+  std::string path = writeArchive("sample.hyw", sampleEntries());
+  const std::string original = readWholeFile(path);
+  std::string corrupted = pathFor("flipped.hyw");
+  uint64_t tableOffset = loadU64(original, kTableOffsetField);
+  std::srand(1234);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::string bytes = original;
+    // Half the flips land in the header or the table, where the checks are.
+    size_t position = trial % 2 ? static_cast<size_t>(std::rand()) % kWeightArchiveHeaderBytes
+                                : tableOffset + static_cast<size_t>(std::rand()) %
+                                                    (original.size() - tableOffset);
+    bytes[position] ^= static_cast<char>(1 + std::rand() % 255);
+    if (trial % 4 == 3)
+      reseal(bytes); // get past the checksums to the field checks
+    writeWholeFile(corrupted, bytes);
+    StatusOr<WeightArchive> archive = WeightArchive::open(corrupted);
+    if (archive.isOk())
+      (void)archive->verifyContents();
+    else
+      EXPECT_EQ(archive.status().message().rfind(corrupted + ": ", 0), 0u)
+          << archive.status().message();
+  }
+}
+
+} // namespace
+} // namespace hybrid
