@@ -1,31 +1,57 @@
-// hybrid-compile: Hugging Face checkpoint directory -> hybrid IR (and, later, plan + weights).
+// hybrid-compile: Hugging Face checkpoint directory -> execution plan + weight archive.
 #include "compiler/Analysis/ModelSummary.h"
+#include "compiler/Driver/CompileDriver.h"
 #include "compiler/Import/Importer.h"
+#include "compiler/Target/PlanWriter.h"
 #include "dialects/Hybrid/IR/HybridDialect.h"
+#include "dialects/Plan/IR/PlanDialect.h"
 
 #include "mlir/IR/MLIRContext.h"
+#include "mlir/Support/FileUtilities.h"
 #include "llvm/Support/CommandLine.h"
+#include "llvm/Support/Format.h"
 #include "llvm/Support/InitLLVM.h"
 #include "llvm/Support/ToolOutputFile.h"
-#include "mlir/Support/FileUtilities.h"
 
 namespace cl = llvm::cl;
 
 namespace {
-enum class Emit { Mlir, Summary };
+enum class Emit { Plan, Mlir, Summary, PlanMlir, PlanJson };
 
 cl::opt<std::string> modelDir(cl::Positional, cl::desc("<model dir>"), cl::Required);
-cl::opt<Emit> emit("emit", cl::desc("What to produce"),
-                   cl::values(clEnumValN(Emit::Mlir, "mlir", "the imported hybrid IR"),
-                              clEnumValN(Emit::Summary, "summary",
-                                         "layers, parameters, cache and state sizes")),
-                   cl::init(Emit::Mlir));
-cl::opt<std::string> outputPath("o", cl::desc("Output file (default: stdout)"),
-                                cl::value_desc("file"), cl::init("-"));
+cl::opt<Emit> emit(
+    "emit", cl::desc("What to produce"),
+    cl::values(clEnumValN(Emit::Plan, "plan", "plan.hyplan + weights.hyw in the -o directory"),
+               clEnumValN(Emit::Mlir, "mlir", "the imported hybrid IR"),
+               clEnumValN(Emit::Summary, "summary", "layers, parameters, cache and state sizes"),
+               clEnumValN(Emit::PlanMlir, "plan-mlir", "the plan dialect after lowering"),
+               clEnumValN(Emit::PlanJson, "plan-json", "the serialized plan as JSON")),
+    cl::init(Emit::Plan));
+cl::opt<std::string> outputPath("o",
+                                cl::desc("Output directory for --emit=plan, else output file "
+                                         "(default: stdout)"),
+                                cl::value_desc("path"), cl::init("-"));
 cl::opt<std::string> mappingPath("mapping",
                                  cl::desc("Architecture mapping JSON to use instead of the "
                                           "built-in one for the config's model_type"),
                                  cl::value_desc("file"), cl::init(""));
+cl::opt<std::string> device("device", cl::desc("Target device: cpu or cuda"), cl::init("cpu"));
+cl::opt<std::string> arch("arch", cl::desc("Target architecture (sm_90a for cuda)"),
+                          cl::init(""));
+cl::opt<int64_t> prefillTokens("prefill-tokens",
+                               cl::desc("Tokens one prefill step can take (arena size)"),
+                               cl::init(4096));
+cl::opt<std::string> cacheDir("cache-dir",
+                              cl::desc("Compilation cache folder (default $HYBRID_CACHE_DIR, "
+                                       "else ~/.cache/hybrid)"),
+                              cl::init(""));
+cl::opt<bool> noCache("no-cache", cl::desc("Neither read nor write the compilation cache"),
+                      cl::init(false));
+
+int fail(const std::string &message) {
+  llvm::errs() << "error: " << message << "\n";
+  return 1;
+}
 } // namespace
 
 int main(int argc, char **argv) {
@@ -33,27 +59,68 @@ int main(int argc, char **argv) {
   cl::ParseCommandLineOptions(argc, argv, "hybrid ahead-of-time compiler\n");
 
   mlir::MLIRContext context;
-  context.getOrLoadDialect<hybrid::HybridDialect>();
-  hybrid::import::ImportOptions options;
+  context.loadDialect<hybrid::HybridDialect, hybrid::plan::PlanDialect>();
+  hybrid::driver::CompileOptions options;
+  options.modelDir = modelDir;
   options.mappingPath = mappingPath;
-  auto module = hybrid::import::importCheckpoint(context, modelDir, options);
-  if (!module) {
-    llvm::errs() << "error: " << module.status().message() << "\n";
-    return 1;
+  options.device = device;
+  options.arch = arch;
+  options.prefillTokens = prefillTokens;
+  options.cacheDir = cacheDir;
+  options.useCache = !noCache;
+
+  if (emit == Emit::Plan) {
+    if (outputPath == "-")
+      return fail("--emit=plan needs an output directory: -o DIR");
+    auto report = hybrid::driver::compileToDirectory(context, options, outputPath);
+    if (!report)
+      return fail(report.status().message());
+    if (!report->cacheRejected.empty())
+      llvm::errs() << "warning: rejected a bad cache entry and recompiled: "
+                   << report->cacheRejected << "\n";
+    llvm::outs() << "plan     " << report->planPath << " (" << report->planBytes << " bytes, "
+                 << (report->cacheHit ? "cache hit" : "compiled") << ", key "
+                 << report->cacheKey << ")\n"
+                 << "weights  " << report->archivePath << " (" << report->archiveBytes
+                 << " bytes, " << (report->archiveReused ? "reused" : "written") << ")\n"
+                 << llvm::format("time     import %.3f s, plan %.3f s, weights %.3f s\n",
+                                 report->importSeconds, report->planSeconds,
+                                 report->weightSeconds);
+    return 0;
   }
 
   std::string error;
   auto output = mlir::openOutputFile(outputPath, &error);
-  if (!output) {
-    llvm::errs() << "error: " << error << "\n";
-    return 1;
-  }
-  if (emit == Emit::Summary) {
-    for (auto model : (*module)->getOps<hybrid::ModelOp>())
-      hybrid::analysis::printModelSummary(model, output->os());
-  } else {
+  if (!output)
+    return fail(error);
+  if (emit == Emit::PlanJson) {
+    hybrid::driver::CompileReport report;
+    auto bytes = hybrid::driver::compilePlan(context, options, report);
+    if (!bytes)
+      return fail(bytes.status().message());
+    auto json = hybrid::target::planToJson(*bytes, error);
+    if (mlir::failed(json))
+      return fail(modelDir + ": " + error);
+    output->os() << *json;
+  } else if (emit == Emit::PlanMlir) {
+    auto module = hybrid::driver::lowerToPlan(context, options);
+    if (!module)
+      return fail(module.status().message());
     (*module)->print(output->os());
     output->os() << "\n";
+  } else {
+    hybrid::import::ImportOptions importOptions;
+    importOptions.mappingPath = mappingPath;
+    auto module = hybrid::import::importCheckpoint(context, modelDir, importOptions);
+    if (!module)
+      return fail(module.status().message());
+    if (emit == Emit::Summary) {
+      for (auto model : (*module)->getOps<hybrid::ModelOp>())
+        hybrid::analysis::printModelSummary(model, output->os());
+    } else {
+      (*module)->print(output->os());
+      output->os() << "\n";
+    }
   }
   output->keep();
   return 0;

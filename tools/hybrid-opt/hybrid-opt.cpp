@@ -1,6 +1,8 @@
 // hybrid-opt: mlir-opt with the hybrid dialects and passes only (registering every upstream
 // dialect would cost minutes of build time and nothing here uses them).
+#include "compiler/Transforms/Passes.h"
 #include "dialects/Hybrid/IR/HybridDialect.h"
+#include "dialects/Plan/IR/PlanDialect.h"
 
 #include "mlir/Dialect/Arith/IR/Arith.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
@@ -8,7 +10,9 @@
 
 int main(int argc, char **argv) {
   mlir::DialectRegistry registry;
-  registry.insert<hybrid::HybridDialect, mlir::func::FuncDialect, mlir::arith::ArithDialect>();
+  registry.insert<hybrid::HybridDialect, hybrid::plan::PlanDialect, mlir::func::FuncDialect,
+                  mlir::arith::ArithDialect>();
+  hybrid::registerHybridPasses();
   return mlir::asMainReturnCode(
       mlir::MlirOptMain(argc, argv, "hybrid optimizer driver\n", registry));
 }

@@ -1,0 +1,59 @@
+// The compile pipeline behind hybrid-compile: import, look the plan up in the compilation cache
+// (key: model structure, shape buckets, target, compiler identity and options; never weights),
+// lower and verify on a miss, write plan + weight archive into the output directory.
+#pragma once
+
+#include "hybrid/runtime/Status.h"
+
+#include "mlir/IR/BuiltinOps.h"
+#include "mlir/IR/MLIRContext.h"
+#include "mlir/IR/OwningOpRef.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hybrid::driver {
+
+struct CompileOptions {
+  std::string modelDir;
+  std::string mappingPath;      // empty: the built-in mapping of the config's model_type
+  std::string device = "cpu";   // cpu | cuda
+  std::string arch;             // sm_90a for cuda
+  int64_t prefillTokens = 4096; // rows the prefill arena is planned for
+  int32_t pageSize = 64;        // tokens per KV page
+  std::string cacheDir;         // empty: $HYBRID_CACHE_DIR, else ~/.cache/hybrid
+  bool useCache = true;
+};
+
+// The compiler identity in every cache key: version plus a hash of this executable, so any
+// change to the compiler invalidates its cache entries.
+std::string compilerIdentity();
+
+// Imports and lowers to the plan dialect (lower + contract verification), no cache.
+StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &context,
+                                                       const CompileOptions &options);
+
+struct CompileReport {
+  bool cacheHit = false;
+  std::string cacheKey;
+  std::string cacheEntry;       // the cache file
+  std::string cacheRejected;    // why an existing entry was not trusted, if one was
+  std::string planPath;
+  std::string archivePath;
+  uint64_t planBytes = 0;
+  uint64_t archiveBytes = 0;
+  bool archiveReused = false;
+  double importSeconds = 0, planSeconds = 0, weightSeconds = 0;
+};
+
+// The serialized plan for `options`, from the cache when possible.
+StatusOr<std::vector<uint8_t>> compilePlan(mlir::MLIRContext &context,
+                                           const CompileOptions &options, CompileReport &report);
+
+// compilePlan, then writes `outDir/plan.hyplan` and `outDir/weights.hyw`.
+StatusOr<CompileReport> compileToDirectory(mlir::MLIRContext &context,
+                                           const CompileOptions &options,
+                                           const std::string &outDir);
+
+} // namespace hybrid::driver

@@ -1,0 +1,160 @@
+#include "compiler/Target/DType.h"
+#include "compiler/Target/WeightPacker.h"
+
+#include "compiler/Import/Checkpoint.h"
+#include "hybrid/cache/Key.h"
+
+#include "llvm/Support/FileSystem.h"
+#include "llvm/Support/MemoryBuffer.h"
+#include "llvm/Support/Path.h"
+#include "llvm/Support/raw_ostream.h"
+
+#include <set>
+
+namespace hybrid::target {
+namespace {
+
+using namespace mlir;
+
+ArchiveKey toArchiveKey(const cache::CacheKey &key) {
+  ArchiveKey bytes{};
+  for (int i = 0; i < 8; ++i) {
+    bytes[i] = static_cast<uint8_t>(key.high >> (56 - 8 * i));
+    bytes[8 + i] = static_cast<uint8_t>(key.low >> (56 - 8 * i));
+  }
+  return bytes;
+}
+
+std::string readSmallFile(const std::string &path) {
+  auto buffer = llvm::MemoryBuffer::getFile(path);
+  return buffer ? (*buffer)->getBuffer().str() : std::string();
+}
+
+} // namespace
+
+std::vector<WeightPlacement> weightPlacements(plan::PlanOp planOp) {
+  std::vector<WeightPlacement> placements;
+  for (plan::WeightOp weight : planOp.getBodyBlock().getOps<plan::WeightOp>()) {
+    auto type = cast<RankedTensorType>(weight.getType());
+    placements.push_back({weight.getName().str(), toPlanDType(type.getElementType()),
+                          std::vector<int64_t>(type.getShape().begin(), type.getShape().end()),
+                          static_cast<uint64_t>(weight.getOffset()),
+                          static_cast<uint64_t>(weight.getSize()), weight.getNzTiled(),
+                          static_cast<int32_t>(weight.getScale())});
+  }
+  return placements;
+}
+
+std::vector<WeightPlacement> weightPlacements(const plan::fb::Plan &plan) {
+  std::vector<WeightPlacement> placements;
+  if (!plan.weights())
+    return placements;
+  for (const plan::fb::Weight *weight : *plan.weights()) {
+    WeightPlacement placement;
+    placement.name = weight->name() ? weight->name()->str() : std::string();
+    placement.dtype = weight->dtype();
+    if (weight->shape())
+      placement.shape.assign(weight->shape()->begin(), weight->shape()->end());
+    placement.offset = weight->offset();
+    placement.size = weight->size();
+    placement.nzTiled = weight->layout() == plan::fb::Layout::NzTiled;
+    placement.scale = weight->scale();
+    placements.push_back(std::move(placement));
+  }
+  return placements;
+}
+
+ArchiveKey weightLayoutKey(std::span<const WeightPlacement> placements) {
+  cache::KeyBuilder key;
+  key.add("record", "hybrid weight layout v1");
+  for (const WeightPlacement &weight : placements) {
+    key.add("name", weight.name);
+    key.add("dtype", static_cast<int64_t>(weight.dtype));
+    for (int64_t dim : weight.shape)
+      key.add("dim", dim);
+    key.add("offset", weight.offset);
+    key.add("size", weight.size);
+    key.add("nz_tiled", weight.nzTiled);
+    key.add("scale", static_cast<int64_t>(weight.scale));
+  }
+  return toArchiveKey(key.finish());
+}
+
+StatusOr<std::string> checkpointFingerprint(const std::string &checkpointDir) {
+  HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<import::Checkpoint> checkpoint,
+                          import::Checkpoint::open(checkpointDir));
+  cache::KeyBuilder key;
+  key.add("record", "hybrid checkpoint fingerprint v1");
+  key.add("config", readSmallFile(checkpoint->configPath()));
+  std::set<std::string> shards;
+  for (const auto &[name, tensor] : checkpoint->tensors()) {
+    key.add("tensor", name);
+    key.add("dtype", std::string(safetensors::dtypeName(tensor.info->dtype)));
+    for (int64_t dim : tensor.info->shape)
+      key.add("dim", dim);
+    key.add("begin", tensor.info->begin);
+    shards.insert(tensor.shard->path());
+  }
+  for (const std::string &shard : shards) {
+    llvm::sys::fs::file_status status;
+    if (std::error_code error = llvm::sys::fs::status(shard, status))
+      return Status::error(shard + ": cannot stat: " + error.message());
+    key.add("shard", llvm::sys::path::filename(shard).str());
+    key.add("size", static_cast<uint64_t>(status.getSize()));
+    key.add("mtime_ns", static_cast<int64_t>(
+                            status.getLastModificationTime().time_since_epoch().count()));
+  }
+  return key.finish().hex();
+}
+
+StatusOr<PackResult> packWeights(std::span<const WeightPlacement> placements,
+                                 const std::string &checkpointDir,
+                                 const std::string &archivePath) {
+  const ArchiveKey layoutKey = weightLayoutKey(placements);
+  HYBRID_ASSIGN_OR_RETURN(std::string fingerprint, checkpointFingerprint(checkpointDir));
+  const std::string sourcePath = archivePath + ".source";
+  const std::string source = "layout " + formatArchiveKey(layoutKey) + "\ncheckpoint " +
+                             fingerprint + "\n";
+
+  // Reuse an archive packed from the same checkpoint with the same layout, if it still opens.
+  PackResult result;
+  if (readSmallFile(sourcePath) == source) {
+    StatusOr<WeightArchive> existing = WeightArchive::open(archivePath);
+    if (existing && existing->key() == layoutKey) {
+      result.reused = true;
+      result.entries = existing->entries().size();
+      result.bytes = existing->fileSize();
+      return result;
+    }
+  }
+
+  HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<import::Checkpoint> checkpoint,
+                          import::Checkpoint::open(checkpointDir));
+  HYBRID_ASSIGN_OR_RETURN(WeightArchiveWriter writer,
+                          WeightArchiveWriter::create(archivePath, layoutKey));
+  for (const WeightPlacement &weight : placements) {
+    const import::CheckpointTensor *tensor = checkpoint->find(weight.name);
+    if (!tensor)
+      return Status::error(checkpointDir + ": tensor '" + weight.name +
+                           "' the plan needs is not in the checkpoint");
+    if (weight.shape != tensor->info->shape || weight.size != tensor->info->byteSize())
+      return Status::error(tensor->shard->path() + ": tensor '" + weight.name +
+                           "' does not match the plan's shape and size");
+    HYBRID_RETURN_IF_ERROR(
+        writer.add(weight.name, weight.dtype, weight.shape, tensor->shard->bytes(*tensor->info)));
+    ++result.entries;
+  }
+  HYBRID_RETURN_IF_ERROR(writer.finish());
+
+  std::error_code error;
+  llvm::raw_fd_ostream sourceFile(sourcePath, error);
+  if (error)
+    return Status::error(sourcePath + ": cannot write: " + error.message());
+  sourceFile << source;
+  llvm::sys::fs::file_status status;
+  if (!llvm::sys::fs::status(archivePath, status))
+    result.bytes = status.getSize();
+  return result;
+}
+
+} // namespace hybrid::target

@@ -1,0 +1,43 @@
+#ifndef HYBRID_PASSES_TD
+#define HYBRID_PASSES_TD
+
+include "mlir/Pass/PassBase.td"
+
+def LowerHybridToPlan : Pass<"lower-hybrid-to-plan", "mlir::ModuleOp"> {
+  let summary = "Lower each hybrid.model to a plan.plan with prefill and decode programs";
+  let description = [{
+    Makes every execution decision explicit: the weight list with archive offsets (the layout
+    rule of runtime/WeightArchive.h), the KV-cache and recurrent-state specs, and for each
+    program the values (arena slots planned from liveness for `max_tokens` rows) and the kernel
+    dispatches with their parameters and weights in the role order of plan.fbs. Prefill programs
+    use the chunked KDA and prefill attention kernels; decode programs the recurrent ones.
+  }];
+  let dependentDialects = ["::hybrid::plan::PlanDialect"];
+  let options = [
+    Option<"device", "device", "std::string", /*default=*/"\"cpu\"",
+           "Target device: cpu or cuda">,
+    Option<"arch", "arch", "std::string", /*default=*/"\"\"",
+           "Target architecture (sm_90a for cuda, empty for cpu)">,
+    Option<"prefillTokens", "prefill-tokens", "int64_t", /*default=*/"4096",
+           "Rows the prefill program's arena is planned for">,
+    Option<"decodeTokens", "decode-tokens", "int64_t", /*default=*/"1",
+           "Rows the decode program's arena is planned for">,
+    Option<"pageSize", "page-size", "int32_t", /*default=*/"64",
+           "Tokens per KV-cache page">,
+    Option<"compilerId", "compiler-id", "std::string", /*default=*/"\"hybrid-compile\"",
+           "Compiler identity recorded in the plan">
+  ];
+}
+
+def VerifyPlanContract : Pass<"verify-plan-contract", "mlir::ModuleOp"> {
+  let summary = "Check everything the plan writer and the runtime rely on";
+  let description = [{
+    Runs right before serialization so the writer can trust its input: value, weight and
+    cache-slot indices in range; values defined before use and outputs written once per step;
+    weight counts per kernel in plan.fbs role order; params complete for each kernel; arena
+    slots of simultaneously live values disjoint and inside `arena_bytes`; weight offsets page
+    aligned, in order and non-overlapping; scale weights consistent with their block grid.
+  }];
+}
+
+#endif // HYBRID_PASSES_TD

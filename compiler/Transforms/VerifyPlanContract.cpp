@@ -1,0 +1,233 @@
+// --verify-plan-contract: the checks the plan writer and the runtime rely on (see Passes.td).
+#include "compiler/Transforms/Passes.h"
+
+#include "runtime/schema/kernel_signatures.h"
+
+#include "llvm/ADT/DenseSet.h"
+
+namespace hybrid {
+#define GEN_PASS_DEF_VERIFYPLANCONTRACT
+#include "compiler/Transforms/Passes.h.inc"
+} // namespace hybrid
+
+using namespace mlir;
+
+namespace hybrid {
+namespace {
+
+constexpr int64_t kWeightPageSize = 4096;
+
+int64_t elementBytes(Type type) { return std::max<int64_t>(1, type.getIntOrFloatBitWidth() / 8); }
+
+// The params each kernel's table needs (plan.fbs field names).
+ArrayRef<StringRef> requiredParams(plan::KernelId kernel) {
+  static const StringRef kda[] = {"num_heads", "head_dim", "conv_kernel", "gate",
+                                  "gate_lower_bound", "norm_epsilon", "state_layout", "state_slot"};
+  static const StringRef mla[] = {"num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                  "qk_rope_head_dim", "v_head_dim", "rope", "softmax_scale",
+                                  "latent_norm_epsilon", "kv_slot"};
+  static const StringRef indexer[] = {"index_heads", "index_head_dim", "top_k", "rope_head_dim",
+                                      "rope", "norm_epsilon", "kv_slot"};
+  static const StringRef moe[] = {"num_experts", "top_k", "num_groups", "topk_groups",
+                                  "score_function", "renormalize", "routed_scaling_factor",
+                                  "intermediate_size", "num_shared_experts"};
+  static const StringRef norm[] = {"epsilon"};
+  static const StringRef mix[] = {"block_size", "epsilon"};
+  static const StringRef mlp[] = {"activation"};
+  switch (kernel) {
+  case plan::KernelId::rms_norm:
+    return norm;
+  case plan::KernelId::kda_chunk_prefill:
+  case plan::KernelId::kda_recurrent_decode:
+    return kda;
+  case plan::KernelId::mla_prefill:
+  case plan::KernelId::mla_decode:
+  case plan::KernelId::sparse_mla_prefill:
+  case plan::KernelId::sparse_mla_decode:
+    return mla;
+  case plan::KernelId::dsa_indexer:
+    return indexer;
+  case plan::KernelId::attn_res:
+    return mix;
+  case plan::KernelId::mlp:
+    return mlp;
+  case plan::KernelId::moe:
+    return moe;
+  default:
+    return {};
+  }
+}
+
+LogicalResult verifyWeights(plan::PlanOp planOp, SmallVectorImpl<plan::WeightOp> &weights) {
+  int64_t previousEnd = 0;
+  for (plan::WeightOp weight : planOp.getBodyBlock().getOps<plan::WeightOp>())
+    weights.push_back(weight);
+  for (auto [index, weight] : llvm::enumerate(weights)) {
+    auto type = cast<RankedTensorType>(weight.getType());
+    int64_t expectedSize = type.getNumElements() * elementBytes(type.getElementType());
+    if (weight.getSize() != expectedSize)
+      return weight.emitOpError() << "size " << weight.getSize() << " does not match "
+                                  << type << " (" << expectedSize << " bytes)";
+    if (weight.getOffset() % kWeightPageSize != 0 || weight.getOffset() < previousEnd ||
+        weight.getOffset() < kWeightPageSize)
+      return weight.emitOpError() << "offset " << weight.getOffset()
+                                  << " is not page aligned after the previous weight (ends at "
+                                  << previousEnd << ")";
+    previousEnd = weight.getOffset() + weight.getSize();
+    int32_t scale = weight.getScale();
+    if (scale < 0)
+      continue;
+    if (scale >= static_cast<int32_t>(weights.size()) || !weight.getBlock())
+      return weight.emitOpError() << "scale index " << scale << " out of range or no block";
+    auto scaleType = cast<RankedTensorType>(weights[scale].getType());
+    ArrayRef<int32_t> block = *weight.getBlock();
+    if (!scaleType.getElementType().isF32() || scaleType.getRank() != type.getRank() ||
+        static_cast<int64_t>(block.size()) != type.getRank())
+      return weight.emitOpError() << "scale weight " << scale << " is not an f32 block grid";
+    for (int64_t d = 0; d < type.getRank(); ++d)
+      if (block[d] <= 0 || (type.getDimSize(d) + block[d] - 1) / block[d] != scaleType.getDimSize(d))
+        return weight.emitOpError() << "scale grid " << scaleType << " does not cover " << type
+                                    << " in blocks of " << block[d] << " along dim " << d;
+  }
+  if (previousEnd > planOp.getWeightArchiveBytes())
+    return planOp.emitOpError() << "weights end at " << previousEnd
+                                << " past weight_archive_bytes = " << planOp.getWeightArchiveBytes();
+  return success();
+}
+
+LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_t numWeights,
+                            int64_t numKvLayers, int64_t numStateLayers) {
+  SmallVector<plan::ValueOp> values(program.getBodyBlock().getOps<plan::ValueOp>());
+  const int64_t numValues = values.size();
+  auto inRange = [&](int64_t v) { return v >= 0 && v < numValues; };
+  if (!inRange(program.getTokenIds()) || !inRange(program.getLogits()))
+    return program.emitOpError() << "token_ids or logits is not a value index";
+  for (int32_t v : program.getLayerOutputs())
+    if (!inRange(v))
+      return program.emitOpError() << "layer output " << v << " is not a value index";
+
+  // Definitions before uses, and lifetimes for the arena check.
+  SmallVector<int64_t> definedAt(numValues, -1), lastUse(numValues, -1);
+  definedAt[program.getTokenIds()] = 0;
+  int64_t step = 0;
+  for (Operation &op : program.getBodyBlock()) {
+    auto dispatch = dyn_cast<plan::DispatchOp>(op);
+    if (!dispatch) {
+      if (auto copy = dyn_cast<plan::CopyOp>(op)) {
+        if (!inRange(copy.getSource()) || !inRange(copy.getDestination()))
+          return copy.emitOpError() << "copies a value index out of range";
+        lastUse[copy.getSource()] = step;
+        definedAt[copy.getDestination()] = ++step;
+      }
+      continue;
+    }
+    ++step;
+    const plan::KernelSignature *signature =
+        plan::kernelSignature(static_cast<plan::fb::KernelId>(dispatch.getKernel()));
+    if (!signature)
+      return dispatch.emitOpError() << "unknown kernel";
+    int64_t inputs = dispatch.getInputs().size();
+    if (inputs < signature->minInputs ||
+        (signature->maxInputs >= 0 && inputs > signature->maxInputs) ||
+        dispatch.getOutputs().size() != 1)
+      return dispatch.emitOpError() << signature->name << " takes " << signature->minInputs
+                                    << ".." << signature->maxInputs << " inputs and 1 output, got "
+                                    << inputs << " and " << dispatch.getOutputs().size();
+    for (int32_t v : dispatch.getInputs()) {
+      if (!inRange(v) || definedAt[v] < 0)
+        return dispatch.emitOpError() << "reads value " << v << " before it is written";
+      lastUse[v] = step;
+    }
+    for (int32_t v : dispatch.getOutputs()) {
+      if (!inRange(v) || definedAt[v] >= 0)
+        return dispatch.emitOpError() << "writes value " << v << " that is out of range or "
+                                      << "already written";
+      definedAt[v] = step;
+    }
+
+    // Weights in role order.
+    ArrayRef<int32_t> weights = dispatch.getWeights();
+    int64_t expected = signature->fixedWeights;
+    if (signature->perExpertWeights) {
+      auto experts = dispatch.getParams().getAs<IntegerAttr>("num_experts");
+      if (!experts)
+        return dispatch.emitOpError() << "moe params need num_experts";
+      expected += 3 * experts.getInt();
+    }
+    if (static_cast<int64_t>(weights.size()) != expected)
+      return dispatch.emitOpError() << signature->name << " needs " << expected
+                                    << " weights, got " << weights.size();
+    for (auto [role, w] : llvm::enumerate(weights)) {
+      bool optional = role < 32 && (signature->optionalWeights >> role) & 1;
+      if (w == -1 && optional)
+        continue;
+      if (w < 0 || w >= numWeights)
+        return dispatch.emitOpError() << signature->name << " weight role "
+                                      << (role < signature->weightRoles.size() &&
+                                                  !signature->weightRoles[role].empty()
+                                              ? signature->weightRoles[role]
+                                              : std::string_view("expert"))
+                                      << " has index " << w << " (of " << numWeights << ")";
+    }
+    for (StringRef param : requiredParams(dispatch.getKernel()))
+      if (!dispatch.getParams().get(param))
+        return dispatch.emitOpError() << signature->name << " needs param '" << param << "'";
+    if (auto slot = dispatch.getParams().getAs<IntegerAttr>("kv_slot"))
+      if (slot.getInt() < 0 || slot.getInt() >= numKvLayers)
+        return dispatch.emitOpError() << "kv_slot " << slot.getInt() << " out of range";
+    if (auto slot = dispatch.getParams().getAs<IntegerAttr>("state_slot"))
+      if (slot.getInt() < 0 || slot.getInt() >= numStateLayers)
+        return dispatch.emitOpError() << "state_slot " << slot.getInt() << " out of range";
+  }
+  if (definedAt[program.getLogits()] < 0)
+    return program.emitOpError() << "never writes the logits";
+  lastUse[program.getLogits()] = step + 1;
+
+  // Arena: inside arena_bytes, and no two simultaneously live values share bytes.
+  SmallVector<std::pair<int64_t, int64_t>> ranges(numValues);
+  for (auto [v, value] : llvm::enumerate(values)) {
+    int64_t bytes = program.getMaxTokens() * value.getRowElements() * elementBytes(value.getDtype());
+    ranges[v] = {value.getOffset(), value.getOffset() + bytes};
+    if (value.getOffset() < 0 || ranges[v].second > program.getArenaBytes())
+      return value.emitOpError() << "slot [" << ranges[v].first << ", " << ranges[v].second
+                                 << ") exceeds arena_bytes = " << program.getArenaBytes();
+  }
+  for (int64_t a = 0; a < numValues; ++a)
+    for (int64_t b = a + 1; b < numValues; ++b) {
+      if (definedAt[a] < 0 || definedAt[b] < 0)
+        continue;
+      bool liveTogether = definedAt[a] <= std::max(lastUse[b], definedAt[b]) &&
+                          definedAt[b] <= std::max(lastUse[a], definedAt[a]);
+      bool overlap = ranges[a].first < ranges[b].second && ranges[b].first < ranges[a].second;
+      if (liveTogether && overlap)
+        return values[b].emitOpError() << "shares arena bytes with value " << a
+                                       << " while both are live";
+    }
+  return success();
+}
+
+struct VerifyPlanContractPass : impl::VerifyPlanContractBase<VerifyPlanContractPass> {
+  void runOnOperation() override {
+    for (plan::PlanOp planOp : getOperation().getOps<plan::PlanOp>()) {
+      SmallVector<plan::WeightOp> weights;
+      if (failed(verifyWeights(planOp, weights)))
+        return signalPassFailure();
+      Block &body = planOp.getBodyBlock();
+      int64_t kv = llvm::range_size(body.getOps<plan::KvCacheLayerOp>());
+      int64_t states = llvm::range_size(body.getOps<plan::RecurrentStateLayerOp>());
+      int64_t programs = 0;
+      for (plan::ProgramOp program : body.getOps<plan::ProgramOp>()) {
+        ++programs;
+        if (failed(verifyProgram(planOp, program, weights.size(), kv, states)))
+          return signalPassFailure();
+      }
+      if (programs == 0) {
+        planOp.emitOpError() << "has no program";
+        return signalPassFailure();
+      }
+    }
+  }
+};
+
+} // namespace
+} // namespace hybrid
