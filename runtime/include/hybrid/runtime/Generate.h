@@ -1,0 +1,63 @@
+// Greedy generation on a loaded Model and the file formats around it: prompt ids in (a list or a
+// safetensors file with `input_ids`), results out in the layout of the golden files (`logits`
+// [1,T,V] f32, `gen_ids` [1,N] i64, `gen_logits` [N,V] f32, optional `hidden.<i>`), and a
+// comparison against a reference file that names the first layer that diverges.
+#pragma once
+
+#include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Status.h"
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace hybrid {
+
+struct GenerationResult {
+  int64_t vocabSize = 0;
+  std::vector<int64_t> prompt;
+  std::vector<float> promptLogits; // [T, V]
+  std::vector<int64_t> generated;  // greedy ids
+  std::vector<float> generatedLogits; // [N, V]: the logits that chose each generated id
+  HiddenStates hidden;             // filled when asked for
+  double prefillSeconds = 0;       // time to first token
+  double decodeSeconds = 0;        // the remaining N - 1 tokens
+};
+
+struct GenerationOptions {
+  int64_t maxNewTokens = 16;
+  // true: prefill once, then one decode step per token with the caches (serving);
+  // false: every token re-runs the whole sequence from scratch (the golden files' semantics).
+  bool useCaches = true;
+  bool dumpHidden = false;
+  std::vector<int64_t> stopTokens;
+};
+
+StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t> prompt,
+                                          const GenerationOptions &options);
+
+// "1,2,3" or a safetensors file holding an integer tensor `input_ids` ([T] or [1, T]).
+StatusOr<std::vector<int64_t>> readInputIds(const std::string &spec);
+
+// Writes logits / gen_ids / gen_logits (and hidden.<i>, hidden.final) like golden.safetensors.
+Status writeGeneration(const std::string &path, const GenerationResult &result);
+
+struct ComparisonReport {
+  double maxLogitsDiff = 0;       // prompt logits
+  bool genIdsMatch = false;
+  int64_t comparedGenIds = 0;
+  std::string firstDivergingHidden; // empty: all compared hidden states within tolerance
+  double firstDivergingDiff = 0;
+  std::vector<std::string> lines;   // a readable report
+  bool passed = false;
+};
+
+// Compares with a reference file in the golden layout: prompt logits within `tolerance` max abs
+// difference, identical gen_ids on the common prefix, and hidden states layer by layer (when both
+// sides have them). Reference files follow one of two conventions for the last hidden entry: HF's
+// (hidden.<num_layers> is after the final norm) or one entry per layer plus one after the norm.
+StatusOr<ComparisonReport> compareWithReference(const std::string &referencePath,
+                                                const GenerationResult &result, double tolerance);
+
+} // namespace hybrid

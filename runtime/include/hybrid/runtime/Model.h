@@ -1,0 +1,92 @@
+// The runtime's front door: load a compiled model directory (plan.hyplan + weights.hyw), then run
+// sequences through its prefill and decode programs.
+//
+//   auto model = Model::load("out", {});          // verify plan + archive, allocate pools once
+//   auto sequence = (*model)->newSequence();       // a KV-cache page table + a state slot
+//   auto logits = (*sequence)->prefill(promptIds); // [T, vocab]
+//   auto next = (*sequence)->decode(token);        // [vocab]
+//
+// Devices: `cpu` runs every kernel through the reference implementations in kernels/ref (fp32
+// accumulation, all cores); it is the oracle the `cuda` device is checked against. A Model runs
+// one step at a time (its arenas are shared by its sequences); use one Model per thread.
+#pragma once
+
+#include "hybrid/runtime/Status.h"
+#include "runtime/schema/plan_generated.h"
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace hybrid {
+
+struct LoadOptions {
+  std::string device = "cpu";
+  int32_t maxSequences = 4;         // sequences that can be alive at once
+  int64_t maxContextTokens = 8192;  // KV-cache pages are sized for this many tokens per sequence
+  bool verifyWeightContents = false; // re-hash every archive entry at load
+};
+
+// The residual stream after the embedding, after each decoder layer and after the final norm
+// (the plan's layer_outputs), for one prefill: layers[i] holds rows x width floats.
+struct HiddenStates {
+  int64_t rows = 0;
+  int64_t width = 0;
+  std::vector<std::vector<float>> layers;
+};
+
+class Model;
+
+class Sequence {
+public:
+  ~Sequence();
+  Sequence(const Sequence &) = delete;
+  Sequence &operator=(const Sequence &) = delete;
+
+  // Tokens consumed so far (the position of the next token).
+  int64_t length() const { return length_; }
+
+  // Runs the prompt through the prefill program (in chunks of the plan's max_tokens), appending
+  // to the KV cache and recurrent state. Returns logits [tokens.size(), vocab].
+  StatusOr<std::vector<float>> prefill(std::span<const int64_t> tokens,
+                                       HiddenStates *hidden = nullptr);
+  // One token through the decode program; returns logits [vocab].
+  StatusOr<std::vector<float>> decode(int64_t token);
+
+private:
+  friend class Model;
+  Sequence(Model &model, int32_t kvSequence, int32_t stateSlot)
+      : model_(model), kvSequence_(kvSequence), stateSlot_(stateSlot) {}
+
+  Model &model_;
+  int32_t kvSequence_;
+  int32_t stateSlot_;
+  int64_t length_ = 0;
+};
+
+class Model {
+public:
+  static StatusOr<std::unique_ptr<Model>> load(const std::string &dir,
+                                               const LoadOptions &options = {});
+  ~Model();
+  Model(const Model &) = delete;
+  Model &operator=(const Model &) = delete;
+
+  const plan::fb::Plan &plan() const;
+  int64_t vocabSize() const;
+  int64_t hiddenSize() const;
+
+  // A fresh sequence (zero state, empty cache); fails when maxSequences are alive.
+  StatusOr<std::unique_ptr<Sequence>> newSequence();
+
+  struct Impl;
+
+private:
+  friend class Sequence;
+  explicit Model(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+} // namespace hybrid

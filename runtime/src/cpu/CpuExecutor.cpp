@@ -1,0 +1,462 @@
+#include "cpu/CpuExecutor.h"
+
+#include "hybrid/kernels/ref/AttnRes.h"
+#include "hybrid/kernels/ref/Dsa.h"
+#include "hybrid/kernels/ref/Kda.h"
+#include "hybrid/kernels/ref/Linear.h"
+#include "hybrid/kernels/ref/Mla.h"
+#include "hybrid/kernels/ref/Moe.h"
+#include "hybrid/kernels/ref/Norm.h"
+#include "runtime/schema/kernel_signatures.h"
+
+#include <algorithm>
+#include <optional>
+#include <cmath>
+#include <string>
+
+namespace hybrid::cpu {
+namespace {
+
+namespace fb = plan::fb;
+namespace ref = kernels::ref;
+
+std::string kernelName(fb::KernelId kernel) {
+  const plan::KernelSignature *signature = plan::kernelSignature(kernel);
+  return signature ? std::string(signature->name) : "kernel " + std::to_string(int(kernel));
+}
+
+template <typename T>
+StatusOr<std::span<T>> valueAs(const StepContext &context, int32_t index, fb::DType dtype) {
+  const auto *values = context.program->values();
+  if (!values || index < 0 || index >= static_cast<int32_t>(values->size()))
+    return Status::error("value " + std::to_string(index) + " is not in the program");
+  const fb::Value *value = values->Get(index);
+  if (value->dtype() != dtype)
+    return Status::error("value " + std::to_string(index) + " (" +
+                         (value->name() ? value->name()->str() : std::string()) +
+                         ") has dtype " + fb::EnumNameDType(value->dtype()) + ", expected " +
+                         fb::EnumNameDType(dtype));
+  return context.arena->viewAs<T>(value->arena_offset(),
+                                  static_cast<uint64_t>(context.rows * value->row_elements()));
+}
+
+int64_t rowElements(const StepContext &context, int32_t index) {
+  return context.program->values()->Get(index)->row_elements();
+}
+
+// The dispatch's weights, resolved to fp32 spans (empty span for an absent optional weight).
+struct Weights {
+  std::vector<std::span<const float>> spans;
+  std::span<const float> operator[](size_t role) const {
+    return role < spans.size() ? spans[role] : std::span<const float>();
+  }
+  bool has(size_t role) const { return role < spans.size() && !spans[role].empty(); }
+};
+
+Weights resolveWeights(const StepContext &context, const fb::Dispatch &dispatch) {
+  Weights weights;
+  if (!dispatch.weights())
+    return weights;
+  for (int32_t index : *dispatch.weights())
+    weights.spans.push_back(index >= 0 ? std::span<const float>((*context.weights)[index])
+                                       : std::span<const float>());
+  return weights;
+}
+
+std::vector<float> project(std::span<const float> x, std::span<const float> weight, int64_t rows,
+                           int64_t in, int64_t out) {
+  std::vector<float> y(static_cast<size_t>(rows * out));
+  ref::linear(x, weight, y, rows, in, out);
+  return y;
+}
+
+std::vector<int64_t> positions(const StepContext &context) {
+  std::vector<int64_t> result(context.rows);
+  for (int64_t t = 0; t < context.rows; ++t)
+    result[t] = context.firstPosition + t;
+  return result;
+}
+
+ref::RopeLayout ropeLayout(const fb::Rope *rope) {
+  if (!rope || rope->kind() == fb::RopeKind::None)
+    return ref::RopeLayout::None;
+  return rope->pairing() == fb::RopePairing::HalfSplit ? ref::RopeLayout::HalfSplit
+                                                       : ref::RopeLayout::Interleaved;
+}
+
+std::vector<float> ropeFrequencies(const fb::Rope *rope, int64_t rotaryDim) {
+  if (!rope || rope->kind() == fb::RopeKind::None || rotaryDim == 0)
+    return std::vector<float>(rotaryDim / 2, 0.0f);
+  if (rope->kind() == fb::RopeKind::Yarn)
+    return ref::yarnInverseFrequencies(
+        rotaryDim, rope->theta(),
+        ref::YarnConfig{rope->factor(), rope->original_max_position(), rope->beta_fast(),
+                        rope->beta_slow(), rope->mscale(), rope->mscale_all_dim()});
+  return ref::ropeInverseFrequencies(rotaryDim, rope->theta());
+}
+
+// Staged rows of a KV slot for this step: [rows, rowElements], zero-filled on first use.
+std::span<float> staging(const StepContext &context, int32_t kvSlot) {
+  const KvLayerShape &shape = context.kvCache->layerShape(kvSlot);
+  std::vector<float> &rows = (*context.kvStaging)[kvSlot];
+  rows.assign(static_cast<size_t>(context.rows * shape.rowElements()), 0.0f);
+  return rows;
+}
+
+// Past positions of a KV slot followed by this step's staged rows, one part of each row.
+enum class KvPart { Latent, Rope, IndexKey };
+StatusOr<std::vector<float>> pastAndCurrent(const StepContext &context, int32_t kvSlot,
+                                            KvPart part, std::span<const float> staged) {
+  const KvLayerShape &shape = context.kvCache->layerShape(kvSlot);
+  const int64_t past = context.kvCache->length(kvSlot, context.kvSequence);
+  const int64_t begin = part == KvPart::Latent ? 0
+                        : part == KvPart::Rope ? shape.latentDim
+                                               : shape.latentDim + shape.ropeDim;
+  const int64_t width = part == KvPart::Latent ? shape.latentDim
+                        : part == KvPart::Rope ? shape.ropeDim
+                                               : shape.indexKeyDim;
+  std::vector<float> out(static_cast<size_t>((past + context.rows) * width));
+  if (past > 0) {
+    HYBRID_ASSIGN_OR_RETURN(KvSequenceView view,
+                            context.kvCache->view(kvSlot, context.kvSequence, past));
+    std::span<float> head(out.data(), static_cast<size_t>(past * width));
+    Status status = part == KvPart::Latent ? view.gatherLatents(head)
+                    : part == KvPart::Rope ? view.gatherRopeKeys(head)
+                                           : view.gatherIndexKeys(head);
+    HYBRID_RETURN_IF_ERROR(status);
+  }
+  for (int64_t t = 0; t < context.rows; ++t)
+    std::copy_n(staged.data() + t * shape.rowElements() + begin, width,
+                out.data() + (past + t) * width);
+  return out;
+}
+
+Status runEmbed(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  HYBRID_ASSIGN_OR_RETURN(std::span<int64_t> ids, valueAs<int64_t>(c, d.inputs()->Get(0),
+                                                                     fb::DType::I64));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  const int64_t width = rowElements(c, d.outputs()->Get(0));
+  const int64_t vocab = static_cast<int64_t>(w[0].size()) / width;
+  for (int64_t t = 0; t < c.rows; ++t) {
+    if (ids[t] < 0 || ids[t] >= vocab)
+      return Status::error("token id " + std::to_string(ids[t]) + " at position " +
+                           std::to_string(c.firstPosition + t) + " is outside the vocabulary [0, " +
+                           std::to_string(vocab) + ")");
+    std::copy_n(w[0].data() + ids[t] * width, width, out.data() + t * width);
+  }
+  return Status::ok();
+}
+
+Status runKda(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  const fb::KdaParams *p = d.params_as_KdaParams();
+  if (p->state_layout() != fb::StateLayout::KMajor)
+    return Status::error("the cpu device keeps KDA state K-major; this plan asks for V-major");
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  const int64_t T = c.rows, dModel = rowElements(c, d.inputs()->Get(0));
+  const int64_t H = p->num_heads(), K = p->head_dim(), P = H * K, W = p->conv_kernel();
+  enum Role { Q, Kp, V, QConv, KConv, VConv, FA, FB, ALog, DtBias, B, GA, GB, G, ONorm, O };
+
+  // The slot's conv state holds the q, k and v histories one after another, [W - 1, P] each.
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> convState, c.states->convState(p->state_slot(),
+                                                                          c.stateSlot));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> state, c.states->state(p->state_slot(), c.stateSlot));
+  const size_t history = static_cast<size_t>((W - 1) * P);
+  std::vector<float> q(T * P), k(T * P), v(T * P);
+  ref::shortConvSilu(project(x, w[Q], T, dModel, P), w[QConv], convState.subspan(0, history), q,
+                     T, P, W);
+  ref::shortConvSilu(project(x, w[Kp], T, dModel, P), w[KConv],
+                     convState.subspan(history, history), k, T, P, W);
+  ref::shortConvSilu(project(x, w[V], T, dModel, P), w[VConv],
+                     convState.subspan(2 * history, history), v, T, P, W);
+  ref::l2NormalizeRows(q, T * H, K);
+  ref::l2NormalizeRows(k, T * H, K);
+
+  const int64_t gateRank = static_cast<int64_t>(w[FA].size()) / dModel;
+  std::vector<float> f = project(project(x, w[FA], T, dModel, gateRank), w[FB], T, gateRank, P);
+  std::vector<float> g(T * P);
+  std::optional<float> lowerBound;
+  if (p->gate() == fb::KdaGate::LowerBound)
+    lowerBound = p->gate_lower_bound();
+  ref::kdaGate(f, w[ALog], w[DtBias], g, T, H, K, lowerBound);
+  std::vector<float> beta = project(x, w[B], T, dModel, H);
+  ref::kdaBeta(beta);
+
+  std::vector<float> o(T * P);
+  ref::KdaParams core{T, H, K, K, 0.0f, q.data(), k.data(), v.data(), g.data(), beta.data(),
+                      state.data(), o.data()};
+  if (d.kernel() == fb::KernelId::KdaRecurrentDecode)
+    ref::kdaRecurrent(core);
+  else
+    ref::kdaChunked(core, 64);
+
+  std::vector<float> gate;
+  if (w.has(G)) {
+    gate = project(x, w[G], T, dModel, P);
+  } else {
+    const int64_t outRank = static_cast<int64_t>(w[GA].size()) / dModel;
+    gate = project(project(x, w[GA], T, dModel, outRank), w[GB], T, outRank, P);
+  }
+  ref::gatedRmsNorm(o, gate, w[ONorm], o, T * H, K, p->norm_epsilon());
+  ref::linear(o, w[O], out, T, P, dModel);
+  return Status::ok();
+}
+
+Status runDsaIndexer(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  const fb::DsaIndexerParams *p = d.params_as_DsaIndexerParams();
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> latent, floatValue(c, d.inputs()->Get(1)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<int32_t> indices, valueAs<int32_t>(c, d.outputs()->Get(0),
+                                                                       fb::DType::I32));
+  enum Role { WqB, Wk, KNorm, KNormBias, HeadWeights };
+  const int64_t T = c.rows, dModel = rowElements(c, d.inputs()->Get(0));
+  const int64_t rq = rowElements(c, d.inputs()->Get(1));
+  const int64_t Hi = p->index_heads(), Di = p->index_head_dim(), dr = p->rope_head_dim();
+  const int64_t topK = p->top_k();
+
+  std::vector<float> queries = project(latent, w[WqB], T, rq, Hi * Di);
+  std::vector<float> keys = project(x, w[Wk], T, dModel, Di);
+  ref::layerNorm(keys, w[KNorm], w[KNormBias], keys, T, Di, p->norm_epsilon());
+  std::vector<float> headWeights = project(x, w[HeadWeights], T, dModel, Hi);
+  const std::vector<float> frequencies = ropeFrequencies(p->rope(), dr);
+  const ref::RopeLayout layout = ropeLayout(p->rope());
+  const std::vector<int64_t> pos = positions(c);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < Hi; ++j)
+      ref::applyRope({queries.data() + (t * Hi + j) * Di, size_t(dr)}, pos[t], frequencies,
+                     layout);
+    ref::applyRope({keys.data() + t * Di, size_t(dr)}, pos[t], frequencies, layout);
+  }
+
+  // Stage this step's keys beside the layer's latents; score past + current positions.
+  const KvLayerShape &shape = c.kvCache->layerShape(p->kv_slot());
+  if (shape.indexKeyDim != Di)
+    return Status::error("KV slot " + std::to_string(p->kv_slot()) + " stores index keys of " +
+                         std::to_string(shape.indexKeyDim) + " values, the indexer makes " +
+                         std::to_string(Di));
+  std::span<float> staged = staging(c, p->kv_slot());
+  for (int64_t t = 0; t < T; ++t)
+    std::copy_n(keys.data() + t * Di, Di,
+                staged.data() + t * shape.rowElements() + shape.latentDim + shape.ropeDim);
+  HYBRID_ASSIGN_OR_RETURN(std::vector<float> allKeys,
+                          pastAndCurrent(c, p->kv_slot(), KvPart::IndexKey, staged));
+  const int64_t numKeys = static_cast<int64_t>(allKeys.size()) / Di;
+  std::vector<float> scores(static_cast<size_t>(T * numKeys));
+  ref::indexerScores({T, numKeys, Hi, Di, queries.data(), allKeys.data(), headWeights.data(),
+                      pos.data(), scores.data()});
+  ref::topKIndices(scores, T, numKeys, topK, indices);
+  return Status::ok();
+}
+
+Status runMla(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  const fb::MlaParams *p = d.params_as_MlaParams();
+  const bool sparse = d.kernel() == fb::KernelId::SparseMlaPrefill ||
+                      d.kernel() == fb::KernelId::SparseMlaDecode;
+  const auto *inputs = d.inputs();
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, inputs->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  enum Role { QProj, QBProj, KvA, KvALayerNorm, KvB, GateProj, OProj };
+  const int64_t T = c.rows, dModel = rowElements(c, inputs->Get(0));
+  const int64_t H = p->num_heads(), dn = p->qk_nope_head_dim(), dr = p->qk_rope_head_dim();
+  const int64_t dv = p->v_head_dim(), rkv = p->kv_lora_rank(), qkDim = dn + dr;
+
+  std::vector<float> queries;
+  if (p->q_lora_rank() > 0) {
+    const int32_t latentIndex = inputs->Get(sparse ? 2 : 1);
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> latent, floatValue(c, latentIndex));
+    queries = project(latent, w[QBProj], T, p->q_lora_rank(), H * qkDim);
+  } else {
+    queries = project(x, w[QProj], T, dModel, H * qkDim);
+  }
+
+  // This step's cache rows: c = RMSNorm(kv_a latent part), k_r rotated (raw for NoPE).
+  std::vector<float> kvA = project(x, w[KvA], T, dModel, rkv + dr);
+  const std::vector<float> frequencies = ropeFrequencies(p->rope(), dr);
+  const ref::RopeLayout layout = ropeLayout(p->rope());
+  const std::vector<int64_t> pos = positions(c);
+  const KvLayerShape &shape = c.kvCache->layerShape(p->kv_slot());
+  if (shape.latentDim != rkv || shape.ropeDim != dr)
+    return Status::error("KV slot " + std::to_string(p->kv_slot()) + " holds " +
+                         std::to_string(shape.latentDim) + "+" + std::to_string(shape.ropeDim) +
+                         " values per token, the attention makes " + std::to_string(rkv) + "+" +
+                         std::to_string(dr));
+  std::vector<float> &stagedRows = (*c.kvStaging)[p->kv_slot()];
+  std::span<float> staged = stagedRows.size() == size_t(T * shape.rowElements())
+                                ? std::span<float>(stagedRows) // the indexer staged its keys
+                                : staging(c, p->kv_slot());
+  for (int64_t t = 0; t < T; ++t) {
+    float *row = kvA.data() + t * (rkv + dr);
+    ref::rmsNorm({row, size_t(rkv)}, w[KvALayerNorm], {row, size_t(rkv)}, 1, rkv,
+                 p->latent_norm_epsilon());
+    ref::applyRope({row + rkv, size_t(dr)}, pos[t], frequencies, layout);
+    std::copy_n(row, rkv + dr, staged.data() + t * shape.rowElements());
+    for (int64_t h = 0; h < H; ++h)
+      ref::applyRope({queries.data() + (t * H + h) * qkDim + dn, size_t(dr)}, pos[t], frequencies,
+                     layout);
+  }
+  HYBRID_ASSIGN_OR_RETURN(std::vector<float> latents,
+                          pastAndCurrent(c, p->kv_slot(), KvPart::Latent, staged));
+  HYBRID_ASSIGN_OR_RETURN(std::vector<float> ropeKeys,
+                          pastAndCurrent(c, p->kv_slot(), KvPart::Rope, staged));
+
+  ref::MlaAttentionParams attention;
+  attention.numQueries = T;
+  attention.numKeys = static_cast<int64_t>(latents.size()) / rkv;
+  attention.numHeads = H;
+  attention.nopeDim = dn;
+  attention.ropeDim = dr;
+  attention.valueDim = dv;
+  attention.latentDim = rkv;
+  attention.softmaxScale = p->softmax_scale();
+  attention.queries = queries.data();
+  attention.queryPositions = pos.data();
+  attention.latents = latents.data();
+  attention.ropeKeys = ropeKeys.data();
+  attention.kvBProj = w[KvB].data();
+  if (sparse) {
+    const int32_t indicesValue = inputs->Get(1);
+    HYBRID_ASSIGN_OR_RETURN(std::span<int32_t> indices,
+                            valueAs<int32_t>(c, indicesValue, fb::DType::I32));
+    attention.sparseIndices = indices.data();
+    attention.topK = rowElements(c, indicesValue);
+  }
+  std::vector<float> heads(static_cast<size_t>(T * H * dv));
+  attention.out = heads.data();
+  ref::mlaAttention(attention);
+  if (w.has(GateProj)) { // output gate: heads ⊙ σ(g_proj x)
+    std::vector<float> gate = project(x, w[GateProj], T, dModel, H * dv);
+    for (size_t i = 0; i < heads.size(); ++i)
+      heads[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
+  }
+  ref::linear(heads, w[OProj], out, T, H * dv, dModel);
+
+  // The step's rows join the cache only now, so every reader above saw past + current.
+  HYBRID_RETURN_IF_ERROR(c.kvCache->append(p->kv_slot(), c.kvSequence, staged));
+  stagedRows.clear();
+  return Status::ok();
+}
+
+Status runAttnRes(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  const fb::AttnResParams *p = d.params_as_AttnResParams();
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  const int64_t width = rowElements(c, d.outputs()->Get(0));
+  // Plan order: partial first, then the completed blocks; the kernel wants blocks, then partial.
+  std::vector<const float *> candidates;
+  for (size_t i = 1; i < d.inputs()->size(); ++i) {
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> block, floatValue(c, d.inputs()->Get(i)));
+    candidates.push_back(block.data());
+  }
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> partial, floatValue(c, d.inputs()->Get(0)));
+  candidates.push_back(partial.data());
+  ref::attnResMix(candidates, c.rows, width, w[0], w[1], p->epsilon(), out);
+  return Status::ok();
+}
+
+Status runMoe(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  const fb::MoeParams *p = d.params_as_MoeParams();
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  enum Role { Router, Bias, SharedGate, SharedUp, SharedDown, FirstExpert };
+  const int64_t T = c.rows, dModel = rowElements(c, d.inputs()->Get(0));
+  const int64_t E = p->num_experts(), topK = p->top_k(), width = p->intermediate_size();
+
+  std::vector<float> logits = project(x, w[Router], T, dModel, E);
+  ref::RouterParams router;
+  router.numExperts = E;
+  router.topK = topK;
+  router.numGroups = p->num_groups();
+  router.topKGroups = p->topk_groups();
+  router.scoring = p->score_function() == fb::ScoreFunction::Softmax
+                       ? ref::RouterScoring::Softmax
+                       : ref::RouterScoring::Sigmoid;
+  router.correctionBias = w[Bias];
+  router.renormalize = p->renormalize();
+  router.routedScalingFactor = p->routed_scaling_factor();
+  std::vector<int32_t> ids(static_cast<size_t>(T * topK));
+  std::vector<float> weights(static_cast<size_t>(T * topK));
+  ref::routeTokens(logits, T, router, ids, weights);
+
+  std::vector<ref::SwiGluWeights> experts;
+  for (int64_t e = 0; e < E; ++e)
+    experts.push_back({w[FirstExpert + 3 * e], w[FirstExpert + 3 * e + 1],
+                       w[FirstExpert + 3 * e + 2], dModel, width});
+  std::vector<ref::SwiGluWeights> shared;
+  if (p->num_shared_experts() > 0)
+    shared.push_back({w[SharedGate], w[SharedUp], w[SharedDown], dModel,
+                      width * p->num_shared_experts()});
+  ref::moeExperts(x, T, dModel, ids, weights, topK, experts, shared, out);
+  return Status::ok();
+}
+
+} // namespace
+
+StatusOr<std::span<float>> floatValue(const StepContext &context, int32_t index) {
+  return valueAs<float>(context, index, fb::DType::F32);
+}
+
+Status runDispatch(const StepContext &c, const fb::Dispatch &d) {
+  const Weights w = resolveWeights(c, d);
+  auto single = [&](int position) { return floatValue(c, d.inputs()->Get(position)); };
+  Status status = Status::ok();
+  switch (d.kernel()) {
+  case fb::KernelId::Embed:
+    status = runEmbed(c, d, w);
+    break;
+  case fb::KernelId::RmsNorm: {
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> x, single(0));
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> y, floatValue(c, d.outputs()->Get(0)));
+    ref::rmsNorm(x, w[0], y, c.rows, rowElements(c, d.inputs()->Get(0)),
+                 d.params_as_RmsNormParams()->epsilon());
+    break;
+  }
+  case fb::KernelId::Linear:
+  case fb::KernelId::LmHead: {
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> x, single(0));
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> y, floatValue(c, d.outputs()->Get(0)));
+    ref::linear(x, w[0], y, c.rows, rowElements(c, d.inputs()->Get(0)),
+                rowElements(c, d.outputs()->Get(0)));
+    break;
+  }
+  case fb::KernelId::Add: {
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> a, single(0));
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> b, single(1));
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> y, floatValue(c, d.outputs()->Get(0)));
+    for (size_t i = 0; i < y.size(); ++i)
+      y[i] = a[i] + b[i];
+    break;
+  }
+  case fb::KernelId::KdaChunkPrefill:
+  case fb::KernelId::KdaRecurrentDecode:
+    status = runKda(c, d, w);
+    break;
+  case fb::KernelId::MlaPrefill:
+  case fb::KernelId::MlaDecode:
+  case fb::KernelId::SparseMlaPrefill:
+  case fb::KernelId::SparseMlaDecode:
+    status = runMla(c, d, w);
+    break;
+  case fb::KernelId::DsaIndexer:
+    status = runDsaIndexer(c, d, w);
+    break;
+  case fb::KernelId::AttnRes:
+    status = runAttnRes(c, d, w);
+    break;
+  case fb::KernelId::Mlp: {
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> x, single(0));
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> y, floatValue(c, d.outputs()->Get(0)));
+    const int64_t dModel = rowElements(c, d.inputs()->Get(0));
+    const int64_t width = static_cast<int64_t>(w[0].size()) / dModel;
+    ref::swiGluMlp(x, c.rows, {w[0], w[1], w[2], dModel, width}, y);
+    break;
+  }
+  case fb::KernelId::Moe:
+    status = runMoe(c, d, w);
+    break;
+  }
+  if (!status)
+    return Status(status).withContext(kernelName(d.kernel()) + " (layer " +
+                                      std::to_string(d.layer()) + ")");
+  return status;
+}
+
+} // namespace hybrid::cpu

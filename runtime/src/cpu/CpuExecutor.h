@@ -1,0 +1,38 @@
+// The `cpu` device: executes a program's dispatches with the reference kernels (kernels/ref).
+// Internal to the runtime; Model.cpp owns the state it works on.
+#pragma once
+
+#include "hybrid/runtime/Memory.h"
+#include "hybrid/runtime/Status.h"
+#include "runtime/schema/plan_generated.h"
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace hybrid::cpu {
+
+// Everything a step may touch: the program's arena, the fp32 weights, the sequence's caches.
+struct StepContext {
+  const plan::fb::Program *program = nullptr;
+  Arena *arena = nullptr;
+  const std::vector<std::vector<float>> *weights = nullptr; // fp32, per plan weight index
+  PagedKvCache *kvCache = nullptr;
+  RecurrentStatePool *states = nullptr;
+  // Rows of the current step being written per KV slot: the indexer stages its keys, the MLA
+  // its latents, and the MLA appends the full rows to the cache after attending.
+  std::vector<std::vector<float>> *kvStaging = nullptr;
+  int32_t kvSequence = 0;
+  int32_t stateSlot = 0;
+  int64_t rows = 0;         // tokens in this step
+  int64_t firstPosition = 0; // position of the step's first token in the sequence
+  bool decode = false;
+};
+
+// Runs one dispatch; errors name the kernel and the offending value or weight.
+Status runDispatch(const StepContext &context, const plan::fb::Dispatch &dispatch);
+
+// A float view of value `index` for the step's rows (F32 values only).
+StatusOr<std::span<float>> floatValue(const StepContext &context, int32_t index);
+
+} // namespace hybrid::cpu

@@ -1,0 +1,199 @@
+#include "hybrid/runtime/Generate.h"
+
+#include "hybrid/runtime/Safetensors.h"
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+namespace hybrid {
+namespace {
+
+int64_t argmax(std::span<const float> logits) {
+  return std::max_element(logits.begin(), logits.end()) - logits.begin();
+}
+
+double seconds(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+std::span<const std::byte> asBytes(const std::vector<float> &values) {
+  return std::as_bytes(std::span(values));
+}
+
+double maxAbsDiff(std::span<const float> a, std::span<const float> b) {
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])));
+  return worst;
+}
+
+std::string format(double value) {
+  std::ostringstream os;
+  os.precision(3);
+  os << std::scientific << value;
+  return os.str();
+}
+
+} // namespace
+
+StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t> prompt,
+                                          const GenerationOptions &options) {
+  GenerationResult result;
+  result.vocabSize = model.vocabSize();
+  result.prompt.assign(prompt.begin(), prompt.end());
+  const size_t vocab = static_cast<size_t>(result.vocabSize);
+
+  auto start = std::chrono::steady_clock::now();
+  HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> sequence, model.newSequence());
+  HYBRID_ASSIGN_OR_RETURN(result.promptLogits,
+                          sequence->prefill(prompt, options.dumpHidden ? &result.hidden : nullptr));
+  result.prefillSeconds = seconds(start);
+  if (options.maxNewTokens <= 0)
+    return result;
+
+  std::vector<float> last(result.promptLogits.end() - vocab, result.promptLogits.end());
+  start = std::chrono::steady_clock::now();
+  std::vector<int64_t> tokens(prompt.begin(), prompt.end());
+  for (int64_t step = 0; step < options.maxNewTokens; ++step) {
+    const int64_t next = argmax(last);
+    result.generated.push_back(next);
+    result.generatedLogits.insert(result.generatedLogits.end(), last.begin(), last.end());
+    tokens.push_back(next);
+    if (step + 1 == options.maxNewTokens ||
+        std::count(options.stopTokens.begin(), options.stopTokens.end(), next))
+      break;
+    if (options.useCaches) {
+      HYBRID_ASSIGN_OR_RETURN(last, sequence->decode(next));
+    } else {
+      sequence.reset();
+      HYBRID_ASSIGN_OR_RETURN(sequence, model.newSequence());
+      HYBRID_ASSIGN_OR_RETURN(std::vector<float> all, sequence->prefill(tokens));
+      last.assign(all.end() - vocab, all.end());
+    }
+  }
+  result.decodeSeconds = seconds(start);
+  return result;
+}
+
+StatusOr<std::vector<int64_t>> readInputIds(const std::string &spec) {
+  if (spec.find_first_not_of("0123456789, ") == std::string::npos) {
+    std::vector<int64_t> ids;
+    std::stringstream stream(spec);
+    std::string item;
+    while (std::getline(stream, item, ',')) {
+      item.erase(std::remove(item.begin(), item.end(), ' '), item.end());
+      if (item.empty())
+        return Status::error("--input-ids '" + spec + "': empty entry in the list");
+      int64_t id = 0;
+      auto [end, error] = std::from_chars(item.data(), item.data() + item.size(), id);
+      if (error != std::errc() || end != item.data() + item.size())
+        return Status::error("--input-ids: '" + item + "' is not a token id");
+      ids.push_back(id);
+    }
+    if (ids.empty())
+      return Status::error("--input-ids: no token ids given");
+    return ids;
+  }
+  HYBRID_ASSIGN_OR_RETURN(safetensors::File file, safetensors::File::open(spec));
+  const safetensors::TensorInfo *info = file.find("input_ids");
+  if (!info)
+    return Status::error(spec + ": no tensor 'input_ids'");
+  if (!(info->shape.size() == 1 || (info->shape.size() == 2 && info->shape[0] == 1)))
+    return Status::error(spec + ": tensor 'input_ids' must be [T] or [1, T]");
+  HYBRID_ASSIGN_OR_RETURN(std::vector<int64_t> ids, safetensors::readAsInt64(file, *info));
+  if (ids.empty())
+    return Status::error(spec + ": tensor 'input_ids' is empty");
+  return ids;
+}
+
+Status writeGeneration(const std::string &path, const GenerationResult &result) {
+  const int64_t T = static_cast<int64_t>(result.prompt.size());
+  const int64_t N = static_cast<int64_t>(result.generated.size());
+  std::vector<safetensors::TensorView> tensors;
+  tensors.push_back({"logits", safetensors::DType::F32, {1, T, result.vocabSize},
+                     asBytes(result.promptLogits)});
+  tensors.push_back({"gen_ids", safetensors::DType::I64, {1, N},
+                     std::as_bytes(std::span(result.generated))});
+  tensors.push_back({"gen_logits", safetensors::DType::F32, {N, result.vocabSize},
+                     asBytes(result.generatedLogits)});
+  tensors.push_back({"input_ids", safetensors::DType::I64, {1, T},
+                     std::as_bytes(std::span(result.prompt))});
+  const auto &layers = result.hidden.layers;
+  std::vector<std::string> names;
+  for (size_t i = 0; i < layers.size(); ++i)
+    names.push_back(i + 1 == layers.size() ? "hidden.final" : "hidden." + std::to_string(i));
+  for (size_t i = 0; i < layers.size(); ++i)
+    tensors.push_back({names[i], safetensors::DType::F32, {1, T, result.hidden.width},
+                       asBytes(layers[i])});
+  return safetensors::write(path, tensors, {{"format", "hybrid-run"}});
+}
+
+StatusOr<ComparisonReport> compareWithReference(const std::string &referencePath,
+                                                const GenerationResult &result, double tolerance) {
+  HYBRID_ASSIGN_OR_RETURN(safetensors::File reference, safetensors::File::open(referencePath));
+  ComparisonReport report;
+  auto floats = [&](const std::string &name) -> StatusOr<std::vector<float>> {
+    const safetensors::TensorInfo *info = reference.find(name);
+    if (!info)
+      return Status::error(referencePath + ": no tensor '" + name + "'");
+    return safetensors::readAsFloat(reference, *info);
+  };
+
+  HYBRID_ASSIGN_OR_RETURN(std::vector<float> logits, floats("logits"));
+  if (logits.size() != result.promptLogits.size())
+    return Status::error(referencePath + ": tensor 'logits' has " + std::to_string(logits.size()) +
+                         " values, the run made " + std::to_string(result.promptLogits.size()) +
+                         " (same prompt and model?)");
+  report.maxLogitsDiff = maxAbsDiff(logits, result.promptLogits);
+  report.lines.push_back("prompt logits: max abs diff " + format(report.maxLogitsDiff) +
+                         (report.maxLogitsDiff <= tolerance ? " (within " : " (OVER ") +
+                         format(tolerance) + ")");
+
+  report.genIdsMatch = true;
+  if (const safetensors::TensorInfo *info = reference.find("gen_ids")) {
+    HYBRID_ASSIGN_OR_RETURN(std::vector<int64_t> ids, safetensors::readAsInt64(reference, *info));
+    const size_t common = std::min(ids.size(), result.generated.size());
+    report.comparedGenIds = static_cast<int64_t>(common);
+    report.genIdsMatch = std::equal(ids.begin(), ids.begin() + common, result.generated.begin());
+    report.lines.push_back("gen_ids: " + std::to_string(common) + " compared, " +
+                           (report.genIdsMatch ? "identical" : "DIFFERENT"));
+  }
+
+  // Hidden states: ours are hidden.0 (embedding) .. hidden.<L> (each layer) + hidden.final.
+  const auto &ours = result.hidden.layers;
+  if (!ours.empty()) {
+    const size_t numLayers = ours.size() - 2;
+    const bool perLayerPlusFinal = reference.find("hidden." + std::to_string(numLayers + 1));
+    for (size_t i = 0;; ++i) {
+      const std::string name = "hidden." + std::to_string(i);
+      if (!reference.find(name))
+        break;
+      // HF convention: the entry after the last layer is the final-norm output.
+      const size_t mine = (!perLayerPlusFinal && i == numLayers) ? ours.size() - 1
+                          : (perLayerPlusFinal && i == numLayers + 1) ? ours.size() - 1
+                                                                      : i;
+      if (mine >= ours.size())
+        break;
+      HYBRID_ASSIGN_OR_RETURN(std::vector<float> expected, floats(name));
+      const double diff = maxAbsDiff(expected, ours[mine]);
+      if (diff > tolerance && report.firstDivergingHidden.empty()) {
+        report.firstDivergingHidden = name;
+        report.firstDivergingDiff = diff;
+      }
+    }
+    report.lines.push_back(report.firstDivergingHidden.empty()
+                               ? "hidden states: every layer within tolerance"
+                               : "hidden states: first divergence at " +
+                                     report.firstDivergingHidden + " (max abs diff " +
+                                     format(report.firstDivergingDiff) + ")");
+  }
+  report.passed = report.maxLogitsDiff <= tolerance && report.genIdsMatch &&
+                  report.firstDivergingHidden.empty();
+  return report;
+}
+
+} // namespace hybrid

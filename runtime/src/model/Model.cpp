@@ -1,0 +1,265 @@
+#include "hybrid/runtime/Model.h"
+
+#include "cpu/CpuExecutor.h"
+#include "hybrid/runtime/Memory.h"
+#include "hybrid/runtime/Plan.h"
+#include "hybrid/runtime/Safetensors.h"
+#include "hybrid/runtime/WeightArchive.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace hybrid {
+namespace fb = plan::fb;
+
+namespace {
+
+// A program and the arena its values live in (allocated once, at load).
+struct ProgramRunner {
+  const fb::Program *program = nullptr;
+  Arena arena;
+};
+
+// Converts one archive entry to fp32; FP8 block-quantized weights are dequantized with their
+// block scales (W[i, j] = fp8[i, j] * scale[i / block0, j / block1]).
+StatusOr<std::vector<float>> toFloat(const WeightArchive &archive, const fb::Plan &plan,
+                                     int32_t index) {
+  const fb::Weight *weight = plan.weights()->Get(index);
+  const WeightArchiveEntry *entry = archive.find(weight->name()->string_view());
+  if (!entry)
+    return Status::error("weight '" + weight->name()->str() + "' is not in the archive");
+  std::span<const std::byte> bytes = archive.bytes(*entry);
+  const size_t count = bytes.size() / dtypeByteSize(entry->dtype);
+  std::vector<float> values(count);
+  auto load16 = [&](size_t i) {
+    uint16_t bits;
+    std::memcpy(&bits, bytes.data() + 2 * i, 2);
+    return bits;
+  };
+  switch (entry->dtype) {
+  case fb::DType::F32:
+    std::memcpy(values.data(), bytes.data(), count * 4);
+    break;
+  case fb::DType::BF16:
+    for (size_t i = 0; i < count; ++i)
+      values[i] = safetensors::bf16ToFloat(load16(i));
+    break;
+  case fb::DType::F16:
+    for (size_t i = 0; i < count; ++i)
+      values[i] = safetensors::f16ToFloat(load16(i));
+    break;
+  case fb::DType::F8_E4M3:
+    for (size_t i = 0; i < count; ++i)
+      values[i] = safetensors::f8e4m3ToFloat(static_cast<uint8_t>(bytes[i]));
+    break;
+  default:
+    return Status::error("weight '" + weight->name()->str() + "' has dtype " +
+                         fb::EnumNameDType(entry->dtype) + ", which the cpu device cannot use");
+  }
+  if (weight->quant() != fb::QuantKind::Fp8Block)
+    return values;
+
+  if (!weight->shape() || weight->shape()->size() != 2 || !weight->block() ||
+      weight->block()->size() != 2 || weight->scale() < 0)
+    return Status::error("fp8 weight '" + weight->name()->str() +
+                         "' needs a 2-D shape, a 2-D block and a scale");
+  HYBRID_ASSIGN_OR_RETURN(std::vector<float> scales, toFloat(archive, plan, weight->scale()));
+  const int64_t rows = weight->shape()->Get(0), cols = weight->shape()->Get(1);
+  const int64_t blockRows = weight->block()->Get(0), blockCols = weight->block()->Get(1);
+  const int64_t scaleCols = (cols + blockCols - 1) / blockCols;
+  if (static_cast<int64_t>(scales.size()) != ((rows + blockRows - 1) / blockRows) * scaleCols)
+    return Status::error("fp8 weight '" + weight->name()->str() +
+                         "': the scale grid does not match its blocks");
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      values[i * cols + j] *= scales[(i / blockRows) * scaleCols + j / blockCols];
+  return values;
+}
+
+} // namespace
+
+struct Model::Impl {
+  std::string dir;
+  LoadOptions options;
+  LoadedPlan plan;
+  WeightArchive archive;
+  std::vector<std::vector<float>> weights; // fp32, per plan weight index
+  PagedKvCache kvCache;
+  RecurrentStatePool states;
+  std::vector<bool> kvSequenceInUse;
+  ProgramRunner prefill;
+  ProgramRunner decode;
+  std::vector<std::vector<float>> kvStaging;
+
+  Impl(std::string dir, LoadOptions options, LoadedPlan plan, WeightArchive archive,
+       PagedKvCache kvCache, RecurrentStatePool states)
+      : dir(std::move(dir)), options(std::move(options)), plan(std::move(plan)),
+        archive(std::move(archive)), kvCache(std::move(kvCache)), states(std::move(states)) {}
+
+  // Runs `runner`'s program over `tokens` (at most max_tokens of them) for one sequence.
+  Status run(ProgramRunner &runner, Sequence &sequence, int32_t kvSequence, int32_t stateSlot,
+             std::span<const int64_t> tokens, bool decodeStep, float *logitsOut,
+             HiddenStates *hidden);
+};
+
+Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSequence,
+                        int32_t stateSlot, std::span<const int64_t> tokens, bool decodeStep,
+                        float *logitsOut, HiddenStates *hidden) {
+  const fb::Program *program = runner.program;
+  const int64_t rows = static_cast<int64_t>(tokens.size());
+  cpu::StepContext context;
+  context.program = program;
+  context.arena = &runner.arena;
+  context.weights = &weights;
+  context.kvCache = &kvCache;
+  context.states = &states;
+  context.kvStaging = &kvStaging;
+  context.kvSequence = kvSequence;
+  context.stateSlot = stateSlot;
+  context.rows = rows;
+  context.firstPosition = sequence.length();
+  context.decode = decodeStep;
+  for (auto &rowsOfSlot : kvStaging)
+    rowsOfSlot.clear();
+
+  const fb::Value *ids = program->values()->Get(program->token_ids());
+  HYBRID_ASSIGN_OR_RETURN(std::span<int64_t> idSlot,
+                          runner.arena.viewAs<int64_t>(ids->arena_offset(), rows));
+  std::copy(tokens.begin(), tokens.end(), idSlot.begin());
+
+  const auto *layerOutputs = program->layer_outputs();
+  for (const fb::Step *step : *program->steps()) {
+    const fb::Dispatch *dispatch = step->op_as_Dispatch();
+    if (!dispatch)
+      return Status::error(dir + "/plan.hyplan: program '" + program->name()->str() +
+                           "' has a step the cpu device does not run");
+    HYBRID_RETURN_IF_ERROR(cpu::runDispatch(context, *dispatch));
+    if (!hidden || !layerOutputs)
+      continue;
+    // Copy out the residual stream right after the step that makes it (its slot is reused).
+    const int32_t output = dispatch->outputs()->Get(0);
+    for (size_t i = 0; i < layerOutputs->size(); ++i) {
+      if (layerOutputs->Get(i) != output)
+        continue;
+      HYBRID_ASSIGN_OR_RETURN(std::span<float> values, cpu::floatValue(context, output));
+      hidden->layers[i].insert(hidden->layers[i].end(), values.begin(), values.end());
+    }
+  }
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> logits, cpu::floatValue(context, program->logits()));
+  std::copy(logits.begin(), logits.end(), logitsOut);
+  return Status::ok();
+}
+
+StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadOptions &options) {
+  if (options.device != "cpu")
+    return Status::error("device '" + options.device +
+                         "' is not available in this build (available: cpu)");
+  HYBRID_ASSIGN_OR_RETURN(LoadedPlan plan, LoadedPlan::load(dir + "/plan.hyplan"));
+  HYBRID_RETURN_IF_ERROR(checkTarget(plan, options.device, /*worldSize=*/1));
+  HYBRID_ASSIGN_OR_RETURN(WeightArchive archive, WeightArchive::open(dir + "/weights.hyw"));
+  HYBRID_RETURN_IF_ERROR(checkWeights(plan, archive));
+  if (options.verifyWeightContents)
+    HYBRID_RETURN_IF_ERROR(archive.verifyContents());
+  if (options.maxSequences < 1 || options.maxContextTokens < 1)
+    return Status::error("maxSequences and maxContextTokens must be positive");
+
+  const fb::CacheSpec *spec = plan->cache();
+  if (!spec)
+    return Status::error(plan.path() + ": the plan has no cache spec");
+  const int64_t pageSize = std::max<int64_t>(1, spec->page_size());
+  const int64_t pagesPerSequence = (options.maxContextTokens + pageSize - 1) / pageSize;
+  HYBRID_ASSIGN_OR_RETURN(PagedKvCache kvCache,
+                          PagedKvCache::create(*spec, pagesPerSequence * options.maxSequences,
+                                               options.maxSequences));
+  HYBRID_ASSIGN_OR_RETURN(RecurrentStatePool states,
+                          RecurrentStatePool::create(*spec, options.maxSequences));
+
+  auto impl = std::make_unique<Impl>(dir, options, std::move(plan), std::move(archive),
+                                     std::move(kvCache), std::move(states));
+  impl->kvSequenceInUse.assign(options.maxSequences, false);
+  impl->kvStaging.resize(spec->kv() ? spec->kv()->size() : 0);
+
+  const fb::Plan &root = impl->plan.plan();
+  impl->weights.resize(root.weights() ? root.weights()->size() : 0);
+  for (size_t i = 0; i < impl->weights.size(); ++i) {
+    HYBRID_ASSIGN_OR_RETURN(impl->weights[i],
+                            toFloat(impl->archive, root, static_cast<int32_t>(i)));
+  }
+
+  for (auto [name, runner] : {std::pair{"prefill", &impl->prefill}, {"decode", &impl->decode}}) {
+    runner->program = impl->plan.findProgram(name);
+    if (!runner->program)
+      return Status::error(impl->plan.path() + ": the plan has no '" + name + "' program");
+    HYBRID_ASSIGN_OR_RETURN(runner->arena, Arena::create(runner->program->arena_bytes()));
+  }
+  return std::unique_ptr<Model>(new Model(std::move(impl)));
+}
+
+Model::Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Model::~Model() = default;
+
+const fb::Plan &Model::plan() const { return impl_->plan.plan(); }
+int64_t Model::vocabSize() const { return plan().vocab_size(); }
+int64_t Model::hiddenSize() const { return plan().hidden_size(); }
+
+StatusOr<std::unique_ptr<Sequence>> Model::newSequence() {
+  auto free = std::find(impl_->kvSequenceInUse.begin(), impl_->kvSequenceInUse.end(), false);
+  if (free == impl_->kvSequenceInUse.end())
+    return Status::error("all " + std::to_string(impl_->options.maxSequences) +
+                         " sequences are in use (LoadOptions::maxSequences)");
+  HYBRID_ASSIGN_OR_RETURN(int32_t stateSlot, impl_->states.allocate());
+  const int32_t kvSequence = static_cast<int32_t>(free - impl_->kvSequenceInUse.begin());
+  *free = true;
+  return std::unique_ptr<Sequence>(new Sequence(*this, kvSequence, stateSlot));
+}
+
+Sequence::~Sequence() {
+  Model::Impl &impl = *model_.impl_;
+  (void)impl.kvCache.freeSequence(kvSequence_);
+  (void)impl.states.release(stateSlot_);
+  impl.kvSequenceInUse[kvSequence_] = false;
+}
+
+StatusOr<std::vector<float>> Sequence::prefill(std::span<const int64_t> tokens,
+                                               HiddenStates *hidden) {
+  Model::Impl &impl = *model_.impl_;
+  const int64_t vocab = model_.vocabSize();
+  const int64_t chunk = std::max<int64_t>(1, impl.prefill.program->max_tokens());
+  if (tokens.empty())
+    return Status::error("prefill needs at least one token");
+  if (length_ + static_cast<int64_t>(tokens.size()) > impl.options.maxContextTokens)
+    return Status::error("sequence would grow to " +
+                         std::to_string(length_ + static_cast<int64_t>(tokens.size())) +
+                         " tokens, past maxContextTokens = " +
+                         std::to_string(impl.options.maxContextTokens));
+  if (hidden) {
+    const auto *outputs = impl.prefill.program->layer_outputs();
+    hidden->rows = static_cast<int64_t>(tokens.size());
+    hidden->width = model_.hiddenSize();
+    hidden->layers.assign(outputs ? outputs->size() : 0, {});
+  }
+  std::vector<float> logits(tokens.size() * static_cast<size_t>(vocab));
+  for (size_t begin = 0; begin < tokens.size(); begin += static_cast<size_t>(chunk)) {
+    const size_t count = std::min(tokens.size() - begin, static_cast<size_t>(chunk));
+    HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, *this, kvSequence_, stateSlot_,
+                                    tokens.subspan(begin, count), /*decodeStep=*/false,
+                                    logits.data() + begin * vocab, hidden));
+    length_ += static_cast<int64_t>(count);
+  }
+  return logits;
+}
+
+StatusOr<std::vector<float>> Sequence::decode(int64_t token) {
+  Model::Impl &impl = *model_.impl_;
+  if (length_ + 1 > impl.options.maxContextTokens)
+    return Status::error("sequence is full: maxContextTokens = " +
+                         std::to_string(impl.options.maxContextTokens));
+  std::vector<float> logits(static_cast<size_t>(model_.vocabSize()));
+  const int64_t ids[1] = {token};
+  HYBRID_RETURN_IF_ERROR(impl.run(impl.decode, *this, kvSequence_, stateSlot_, ids,
+                                  /*decodeStep=*/true, logits.data(), nullptr));
+  ++length_;
+  return logits;
+}
+
+} // namespace hybrid

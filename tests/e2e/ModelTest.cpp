@@ -1,0 +1,234 @@
+// The runtime on the compiled golden checkpoints: cached decoding against full forwards, chunked
+// prefill, independent sequences, and bad input at run time.
+#include "hybrid/runtime/Generate.h"
+#include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Safetensors.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
+
+namespace hybrid {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string compiledDir(const std::string &model) { return std::string(HYBRID_E2E_DIR) + "/" + model; }
+
+std::vector<int64_t> goldenPrompt(const std::string &model) {
+  auto ids = readInputIds(std::string(HYBRID_TEST_DATA_DIR) + "/" + model + "/golden.safetensors");
+  EXPECT_TRUE(ids.isOk()) << ids.status().message();
+  return ids.isOk() ? *ids : std::vector<int64_t>{};
+}
+
+std::unique_ptr<Model> loadOrDie(const std::string &dir, LoadOptions options = {}) {
+  auto model = Model::load(dir, options);
+  EXPECT_TRUE(model.isOk()) << model.status().message();
+  return model.isOk() ? std::move(*model) : nullptr;
+}
+
+double maxAbsDiff(std::span<const float> a, std::span<const float> b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])));
+  return worst;
+}
+
+class GoldenModelTest : public testing::TestWithParam<std::string> {};
+
+// Prefill of T-1 tokens followed by one decode step equals the full forward on T tokens.
+TEST_P(GoldenModelTest, PrefillThenDecodeEqualsFullForward) {
+  auto model = loadOrDie(compiledDir(GetParam()));
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  const size_t V = static_cast<size_t>(model->vocabSize()), T = prompt.size();
+
+  auto full = model->newSequence();
+  ASSERT_TRUE(full.isOk());
+  auto fullLogits = (*full)->prefill(prompt);
+  ASSERT_TRUE(fullLogits.isOk()) << fullLogits.status().message();
+
+  auto split = model->newSequence();
+  ASSERT_TRUE(split.isOk());
+  auto head = (*split)->prefill(std::span(prompt).first(T - 1));
+  ASSERT_TRUE(head.isOk()) << head.status().message();
+  auto last = (*split)->decode(prompt.back());
+  ASSERT_TRUE(last.isOk()) << last.status().message();
+  EXPECT_EQ((*split)->length(), static_cast<int64_t>(T));
+
+  EXPECT_LE(maxAbsDiff(*head, std::span(*fullLogits).first((T - 1) * V)), 1e-5);
+  EXPECT_LE(maxAbsDiff(*last, std::span(*fullLogits).last(V)), 1e-4);
+}
+
+// A prompt fed in several prefill calls (chunked prefill against the cache) equals one call.
+TEST_P(GoldenModelTest, ChunkedPrefillEqualsOneShot) {
+  auto model = loadOrDie(compiledDir(GetParam()));
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  auto once = model->newSequence();
+  auto oneShot = (*once)->prefill(prompt);
+  ASSERT_TRUE(oneShot.isOk()) << oneShot.status().message();
+
+  auto chunked = model->newSequence();
+  std::vector<float> pieces;
+  for (auto [begin, end] : {std::pair{0, 7}, {7, 30}, {30, 40}}) {
+    auto part = (*chunked)->prefill(std::span(prompt).subspan(begin, end - begin));
+    ASSERT_TRUE(part.isOk()) << part.status().message();
+    pieces.insert(pieces.end(), part->begin(), part->end());
+  }
+  EXPECT_LE(maxAbsDiff(pieces, *oneShot), 1e-4);
+}
+
+// Sequences do not see each other's caches or state.
+TEST_P(GoldenModelTest, SequencesAreIndependent) {
+  auto model = loadOrDie(compiledDir(GetParam()));
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  auto alone = model->newSequence();
+  auto reference = (*alone)->prefill(prompt);
+  ASSERT_TRUE(reference.isOk());
+  alone->reset();
+
+  auto other = model->newSequence();
+  std::vector<int64_t> noise(prompt.rbegin(), prompt.rend());
+  ASSERT_TRUE((*other)->prefill(noise).isOk());
+  auto again = model->newSequence();
+  auto logits = (*again)->prefill(prompt);
+  ASSERT_TRUE(logits.isOk());
+  EXPECT_EQ(maxAbsDiff(*logits, *reference), 0.0);
+}
+
+// Greedy decoding with caches picks the golden ids (the tool-level test compares the logits).
+TEST_P(GoldenModelTest, CachedGreedyMatchesGolden) {
+  auto model = loadOrDie(compiledDir(GetParam()));
+  ASSERT_TRUE(model);
+  GenerationOptions options;
+  options.maxNewTokens = 12;
+  auto result = generateGreedy(*model, goldenPrompt(GetParam()), options);
+  ASSERT_TRUE(result.isOk()) << result.status().message();
+  auto report = compareWithReference(std::string(HYBRID_TEST_DATA_DIR) + "/" + GetParam() +
+                                         "/golden.safetensors",
+                                     *result, 2e-3);
+  ASSERT_TRUE(report.isOk()) << report.status().message();
+  EXPECT_TRUE(report->genIdsMatch);
+  EXPECT_EQ(report->comparedGenIds, 12);
+  EXPECT_LE(report->maxLogitsDiff, 2e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, GoldenModelTest,
+                         testing::Values("kimi_linear_tiny", "deepseek_v32_tiny",
+                                         "kimi_attnres_tiny"));
+
+TEST(ModelErrors, TokenOutsideVocabulary) {
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"));
+  ASSERT_TRUE(model);
+  auto sequence = model->newSequence();
+  const int64_t bad[] = {1, 2, 100000};
+  auto logits = (*sequence)->prefill(bad);
+  ASSERT_FALSE(logits.isOk());
+  EXPECT_NE(logits.status().message().find("token id 100000 at position 2 is outside the "
+                                           "vocabulary [0, 256)"),
+            std::string::npos)
+      << logits.status().message();
+}
+
+TEST(ModelErrors, ContextFull) {
+  LoadOptions options;
+  options.maxContextTokens = 16;
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"), options);
+  ASSERT_TRUE(model);
+  auto sequence = model->newSequence();
+  std::vector<int64_t> prompt(20, 3);
+  auto logits = (*sequence)->prefill(prompt);
+  ASSERT_FALSE(logits.isOk());
+  EXPECT_NE(logits.status().message().find("past maxContextTokens = 16"), std::string::npos);
+}
+
+TEST(ModelErrors, TooManySequences) {
+  LoadOptions options;
+  options.maxSequences = 1;
+  auto model = loadOrDie(compiledDir("deepseek_v32_tiny"), options);
+  ASSERT_TRUE(model);
+  auto first = model->newSequence();
+  ASSERT_TRUE(first.isOk());
+  auto second = model->newSequence();
+  ASSERT_FALSE(second.isOk());
+  EXPECT_NE(second.status().message().find("all 1 sequences are in use"), std::string::npos);
+}
+
+// Damaged or foreign plans and archives are refused at load, never run.
+class DamagedModelTest : public testing::Test {
+protected:
+  void SetUp() override {
+    dir_ = fs::path(testing::TempDir()) / ("hybrid-damaged-" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::copy(compiledDir("kimi_linear_tiny"), dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  void flipByte(const std::string &file, std::streamoff offset) {
+    std::fstream stream(dir_ / file, std::ios::in | std::ios::out | std::ios::binary);
+    stream.seekg(offset);
+    char byte = 0;
+    stream.read(&byte, 1);
+    byte ^= 0x5a;
+    stream.seekp(offset);
+    stream.write(&byte, 1);
+  }
+  std::string loadError() {
+    auto model = Model::load(dir_.string());
+    EXPECT_FALSE(model.isOk());
+    return model.isOk() ? std::string() : model.status().message();
+  }
+  fs::path dir_;
+};
+
+TEST_F(DamagedModelTest, TruncatedPlan) {
+  fs::resize_file(dir_ / "plan.hyplan", 100);
+  EXPECT_NE(loadError().find("plan.hyplan"), std::string::npos);
+}
+
+TEST_F(DamagedModelTest, CorruptedPlanIdentifier) {
+  flipByte("plan.hyplan", 5);
+  EXPECT_NE(loadError().find("plan.hyplan"), std::string::npos);
+}
+
+TEST_F(DamagedModelTest, CorruptedArchiveHeader) {
+  flipByte("weights.hyw", 20);
+  EXPECT_NE(loadError().find("weights.hyw"), std::string::npos);
+}
+
+TEST_F(DamagedModelTest, TruncatedArchive) {
+  fs::resize_file(dir_ / "weights.hyw", fs::file_size(dir_ / "weights.hyw") / 2);
+  EXPECT_NE(loadError().find("weights.hyw"), std::string::npos);
+}
+
+TEST_F(DamagedModelTest, MissingArchive) {
+  fs::remove(dir_ / "weights.hyw");
+  EXPECT_NE(loadError().find("weights.hyw"), std::string::npos);
+}
+
+TEST_F(DamagedModelTest, CorruptedWeightDataCaughtByVerification) {
+  // Flip a byte inside the first entry's data (the first page holds the header).
+  flipByte("weights.hyw", 4096 + 10);
+  LoadOptions verify;
+  verify.verifyWeightContents = true;
+  auto model = Model::load(dir_.string(), verify);
+  ASSERT_FALSE(model.isOk());
+  EXPECT_NE(model.status().message().find("weights.hyw"), std::string::npos)
+      << model.status().message();
+}
+
+TEST(ModelErrors, UnknownDevice) {
+  LoadOptions options;
+  options.device = "tpu";
+  auto model = Model::load(compiledDir("kimi_linear_tiny"), options);
+  ASSERT_FALSE(model.isOk());
+  EXPECT_NE(model.status().message().find("device 'tpu'"), std::string::npos);
+}
+
+} // namespace
+} // namespace hybrid

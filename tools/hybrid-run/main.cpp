@@ -1,0 +1,86 @@
+// hybrid-run: run a compiled model (plan.hyplan + weights.hyw) on a prompt, greedy decoding.
+#include "hybrid/runtime/Generate.h"
+#include "hybrid/runtime/Model.h"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <iostream>
+
+int main(int argc, char **argv) {
+  CLI::App app{"Run a model compiled by hybrid-compile"};
+  std::string modelDir, inputIds, output, compareWith;
+  hybrid::LoadOptions load;
+  hybrid::GenerationOptions generation;
+  bool noCacheDecode = false;
+  double tolerance = 2e-3;
+  app.add_option("model_dir", modelDir, "Directory written by hybrid-compile")->required();
+  app.add_option("--device", load.device, "cpu (reference)")->default_val("cpu");
+  app.add_option("--input-ids", inputIds, "Prompt: a list 1,2,3 or a safetensors file with "
+                                          "input_ids")
+      ->required();
+  app.add_option("--max-new-tokens", generation.maxNewTokens, "Tokens to generate greedily")
+      ->default_val(16)
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--output", output,
+                 "Write logits [1,T,V], gen_ids [1,N], gen_logits [N,V] (golden layout)");
+  app.add_flag("--dump-hidden", generation.dumpHidden,
+               "Also write hidden.<i> (after the embedding and each layer) and hidden.final");
+  app.add_flag("--no-cache-decode", noCacheDecode,
+               "Re-run the whole sequence for every new token instead of decoding with caches");
+  app.add_option("--compare-with", compareWith,
+                 "Reference safetensors (golden layout): report logits diff, gen_ids and the "
+                 "first diverging layer; exit 1 when outside --tolerance");
+  app.add_option("--tolerance", tolerance, "Max abs difference accepted by --compare-with")
+      ->default_val(2e-3);
+  app.add_option("--max-context", load.maxContextTokens, "KV-cache capacity in tokens")
+      ->default_val(8192);
+  app.add_flag("--verify-weights", load.verifyWeightContents,
+               "Re-hash every weight archive entry while loading");
+  CLI11_PARSE(app, argc, argv);
+
+  auto fail = [](const std::string &message) {
+    std::cerr << "error: " << message << "\n";
+    return 1;
+  };
+  generation.useCaches = !noCacheDecode;
+  if (!compareWith.empty())
+    generation.dumpHidden = true;
+
+  auto prompt = hybrid::readInputIds(inputIds);
+  if (!prompt)
+    return fail(prompt.status().message());
+  auto model = hybrid::Model::load(modelDir, load);
+  if (!model)
+    return fail(model.status().message());
+  auto result = hybrid::generateGreedy(**model, *prompt, generation);
+  if (!result)
+    return fail(result.status().message());
+
+  std::cout << "generated:";
+  for (int64_t id : result->generated)
+    std::cout << " " << id;
+  std::cout << "\n";
+  const double decodeTokens = std::max<double>(0, double(result->generated.size()) - 1);
+  std::printf("prompt %zu tokens, time to first token %.1f ms (%.0f tokens/s prefill), "
+              "%.1f tokens/s decode\n",
+              result->prompt.size(), 1e3 * result->prefillSeconds,
+              result->prompt.size() / std::max(result->prefillSeconds, 1e-9),
+              decodeTokens / std::max(result->decodeSeconds, 1e-9));
+
+  if (!output.empty()) {
+    hybrid::Status written = hybrid::writeGeneration(output, *result);
+    if (!written)
+      return fail(written.message());
+  }
+  if (!compareWith.empty()) {
+    auto report = hybrid::compareWithReference(compareWith, *result, tolerance);
+    if (!report)
+      return fail(report.status().message());
+    for (const std::string &line : report->lines)
+      std::cout << line << "\n";
+    std::cout << (report->passed ? "MATCH" : "MISMATCH") << "\n";
+    return report->passed ? 0 : 1;
+  }
+  return 0;
+}
