@@ -80,7 +80,9 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
 }
 
 StatusOr<std::vector<int64_t>> readInputIds(const std::string &spec) {
-  if (spec.find_first_not_of("0123456789, ") == std::string::npos) {
+  // A list when it has a comma or only digits; otherwise a file.
+  if (spec.find(',') != std::string::npos ||
+      spec.find_first_not_of("0123456789 ") == std::string::npos) {
     std::vector<int64_t> ids;
     std::stringstream stream(spec);
     std::string item;
