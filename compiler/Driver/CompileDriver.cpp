@@ -83,13 +83,14 @@ StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &conte
     return mlir::success();
   });
   mlir::PassManager pm(&context);
-  LowerHybridToPlanOptions lowerOptions;
+  LowerToPlanOptions lowerOptions;
   lowerOptions.device = options.device;
   lowerOptions.arch = options.arch;
   lowerOptions.prefillTokens = options.prefillTokens;
   lowerOptions.pageSize = options.pageSize;
   lowerOptions.compilerId = compilerIdentity();
-  pm.addPass(createLowerHybridToPlan(lowerOptions));
+  pm.addPass(createLowerToPlan(lowerOptions));
+  pm.addPass(createPlanMemory());
   pm.addPass(createVerifyPlanContract());
   if (mlir::failed(pm.run(*module)))
     return Status::error(options.modelDir + ": lowering to a plan failed: " + diagnostics);

@@ -1,5 +1,5 @@
 // plan dialect -> the FlatBuffers plan file (runtime/schema/plan.fbs), and the file -> JSON for
-// `--emit=plan-json`. The input has passed --verify-plan-contract, so the writer is a plain walk.
+// `--emit=plan-json`. The input has passed --hybrid-verify-plan-contract, so the writer is a plain walk.
 #pragma once
 
 #include "dialects/Plan/IR/PlanDialect.h"

@@ -3,7 +3,7 @@
 
 include "mlir/Pass/PassBase.td"
 
-def LowerHybridToPlan : Pass<"lower-hybrid-to-plan", "mlir::ModuleOp"> {
+def LowerToPlan : Pass<"hybrid-lower-to-plan", "mlir::ModuleOp"> {
   let summary = "Lower each hybrid.model to a plan.plan with prefill and decode programs";
   let description = [{
     Makes every execution decision explicit: the weight list with archive offsets (the layout
@@ -29,7 +29,18 @@ def LowerHybridToPlan : Pass<"lower-hybrid-to-plan", "mlir::ModuleOp"> {
   ];
 }
 
-def VerifyPlanContract : Pass<"verify-plan-contract", "mlir::ModuleOp"> {
+def PlanMemory : Pass<"hybrid-plan-memory", "mlir::ModuleOp"> {
+  let summary = "Place every program value in its program's activation arena";
+  let description = [{
+    One arena per program (per shape bucket: prefill plans `max_tokens` rows, decode one). A
+    value's slot is reused only once every step that writes or reads it happens before the new
+    writer under the program's stream and event order, so streams never race on arena bytes.
+    Freed neighbours coalesce; allocation is best fit, 64-byte aligned. The logits stay live to
+    the end (the host reads them); the token ids are placed first (the host writes them).
+  }];
+}
+
+def VerifyPlanContract : Pass<"hybrid-verify-plan-contract", "mlir::ModuleOp"> {
   let summary = "Check everything the plan writer and the runtime rely on";
   let description = [{
     Runs right before serialization so the writer can trust its input: value, weight and

@@ -1,6 +1,7 @@
-// --verify-plan-contract: the checks the plan writer and the runtime rely on (see Passes.td).
+// --hybrid-verify-plan-contract: the checks the plan writer and the runtime rely on (see Passes.td).
 #include "compiler/Transforms/Passes.h"
 
+#include "compiler/Transforms/StepOrder.h"
 #include "runtime/schema/kernel_signatures.h"
 
 #include "llvm/ADT/DenseSet.h"
@@ -65,15 +66,15 @@ LogicalResult verifyWeights(plan::PlanOp planOp, SmallVectorImpl<plan::WeightOp>
   for (auto [index, weight] : llvm::enumerate(weights)) {
     auto type = cast<RankedTensorType>(weight.getType());
     int64_t expectedSize = type.getNumElements() * elementBytes(type.getElementType());
-    if (weight.getSize() != expectedSize)
+    if (static_cast<int64_t>(weight.getSize()) != expectedSize)
       return weight.emitOpError() << "size " << weight.getSize() << " does not match "
                                   << type << " (" << expectedSize << " bytes)";
-    if (weight.getOffset() % kWeightPageSize != 0 || weight.getOffset() < previousEnd ||
-        weight.getOffset() < kWeightPageSize)
+    const int64_t offset = static_cast<int64_t>(weight.getOffset());
+    if (offset % kWeightPageSize != 0 || offset < previousEnd || offset < kWeightPageSize)
       return weight.emitOpError() << "offset " << weight.getOffset()
                                   << " is not page aligned after the previous weight (ends at "
                                   << previousEnd << ")";
-    previousEnd = weight.getOffset() + weight.getSize();
+    previousEnd = offset + static_cast<int64_t>(weight.getSize());
     int32_t scale = weight.getScale();
     if (scale < 0)
       continue;
@@ -89,7 +90,7 @@ LogicalResult verifyWeights(plan::PlanOp planOp, SmallVectorImpl<plan::WeightOp>
         return weight.emitOpError() << "scale grid " << scaleType << " does not cover " << type
                                     << " in blocks of " << block[d] << " along dim " << d;
   }
-  if (previousEnd > planOp.getWeightArchiveBytes())
+  if (previousEnd > static_cast<int64_t>(planOp.getWeightArchiveBytes()))
     return planOp.emitOpError() << "weights end at " << previousEnd
                                 << " past weight_archive_bytes = " << planOp.getWeightArchiveBytes();
   return success();
@@ -106,8 +107,8 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
     if (!inRange(v))
       return program.emitOpError() << "layer output " << v << " is not a value index";
 
-  // Definitions before uses, and lifetimes for the arena check.
-  SmallVector<int64_t> definedAt(numValues, -1), lastUse(numValues, -1);
+  // Definitions before uses in program order.
+  SmallVector<int64_t> definedAt(numValues, -1);
   definedAt[program.getTokenIds()] = 0;
   int64_t step = 0;
   for (Operation &op : program.getBodyBlock()) {
@@ -116,7 +117,6 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
       if (auto copy = dyn_cast<plan::CopyOp>(op)) {
         if (!inRange(copy.getSource()) || !inRange(copy.getDestination()))
           return copy.emitOpError() << "copies a value index out of range";
-        lastUse[copy.getSource()] = step;
         definedAt[copy.getDestination()] = ++step;
       }
       continue;
@@ -136,7 +136,6 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
     for (int32_t v : dispatch.getInputs()) {
       if (!inRange(v) || definedAt[v] < 0)
         return dispatch.emitOpError() << "reads value " << v << " before it is written";
-      lastUse[v] = step;
     }
     for (int32_t v : dispatch.getOutputs()) {
       if (!inRange(v) || definedAt[v] >= 0)
@@ -181,25 +180,43 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
   }
   if (definedAt[program.getLogits()] < 0)
     return program.emitOpError() << "never writes the logits";
-  lastUse[program.getLogits()] = step + 1;
 
-  // Arena: inside arena_bytes, and no two simultaneously live values share bytes.
+  // Every read happens after its write in every execution, not just in program order.
+  StepOrder order(program);
+  for (size_t s = 0; s < order.numSteps(); ++s)
+    for (int32_t v : order.reads(s)) {
+      const int64_t writer = order.writer(v);
+      if (writer >= 0 && !order.happensBefore(writer, s))
+        return order.step(s)->emitOpError()
+               << "reads value " << v << " which another stream may not have written yet "
+               << "(no event orders it after step " << writer << ")";
+    }
+
+  // Arena: inside arena_bytes, and no two values share bytes unless one is dead (under the
+  // stream and event order) before the other is written. The logits live to the end.
   SmallVector<std::pair<int64_t, int64_t>> ranges(numValues);
   for (auto [v, value] : llvm::enumerate(values)) {
-    int64_t bytes = program.getMaxTokens() * value.getRowElements() * elementBytes(value.getDtype());
-    ranges[v] = {value.getOffset(), value.getOffset() + bytes};
-    if (value.getOffset() < 0 || ranges[v].second > program.getArenaBytes())
+    const int64_t offset = static_cast<int64_t>(value.getOffset());
+    const int64_t bytes = static_cast<int64_t>(program.getMaxTokens() * value.getRowElements()) *
+                          elementBytes(value.getDtype());
+    ranges[v] = {offset, offset + bytes};
+    if (offset < 0 || ranges[v].second > static_cast<int64_t>(program.getArenaBytes()))
       return value.emitOpError() << "slot [" << ranges[v].first << ", " << ranges[v].second
                                  << ") exceeds arena_bytes = " << program.getArenaBytes();
   }
-  for (int64_t a = 0; a < numValues; ++a)
-    for (int64_t b = a + 1; b < numValues; ++b) {
-      if (definedAt[a] < 0 || definedAt[b] < 0)
+  const int32_t logits = static_cast<int32_t>(program.getLogits());
+  auto used = [&](int64_t v) { return order.writer(v) >= 0 || !order.readers(v).empty(); };
+  // True when `first`'s bytes may be reused by `second`'s writer.
+  auto retiredBefore = [&](int32_t first, int32_t second) {
+    const int64_t writer = order.writer(second);
+    return first != logits && writer >= 0 && order.deadBefore(first, writer);
+  };
+  for (int32_t a = 0; a < numValues; ++a)
+    for (int32_t b = a + 1; b < numValues; ++b) {
+      if (!used(a) || !used(b))
         continue;
-      bool liveTogether = definedAt[a] <= std::max(lastUse[b], definedAt[b]) &&
-                          definedAt[b] <= std::max(lastUse[a], definedAt[a]);
       bool overlap = ranges[a].first < ranges[b].second && ranges[b].first < ranges[a].second;
-      if (liveTogether && overlap)
+      if (overlap && !retiredBefore(a, b) && !retiredBefore(b, a))
         return values[b].emitOpError() << "shares arena bytes with value " << a
                                        << " while both are live";
     }

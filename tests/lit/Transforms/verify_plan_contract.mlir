@@ -1,4 +1,4 @@
-// RUN: hybrid-opt %s --split-input-file --verify-plan-contract --verify-diagnostics | FileCheck %s
+// RUN: hybrid-opt %s --split-input-file --hybrid-verify-plan-contract --verify-diagnostics | FileCheck %s
 
 // A well-formed plan passes unchanged.
 // CHECK-LABEL: plan.plan @ok
@@ -82,5 +82,21 @@ plan.plan @arena_too_small attributes {version = array<i32: 1, 0>, compiler = "t
     // expected-error @+1 {{slot [64, 320) exceeds arena_bytes = 100}}
     plan.value f32 x 16 {offset = 64 : i64, name = "h"}
     plan.dispatch embed [0] -> [1] weights [0] {params = {}, stream = 0 : i32}
+  }
+}
+
+// -----
+
+// Two streams without an event between the write on stream 0 and the read on stream 1.
+plan.plan @unordered_read attributes {version = array<i32: 1, 0>, compiler = "test", model_type = "test", device = "cpu", arch = "", world_size = 1 : i32, hidden_size = 16 : i64, vocab_size = 32 : i64, num_layers = 1 : i32, weight_archive_key = "", weight_archive_bytes = 16384 : i64, page_size = 64 : i32} {
+  plan.weight "embed" : tensor<32x16xbf16> {offset = 4096 : i64, size = 1024 : i64}
+  plan.weight "head" : tensor<32x16xbf16> {offset = 8192 : i64, size = 1024 : i64}
+  plan.program "prefill" attributes {max_tokens = 4 : i64, arena_bytes = 1024 : i64, token_ids = 0 : i32, logits = 2 : i32, layer_outputs = array<i32>, num_streams = 2 : i32, num_events = 0 : i32} {
+    plan.value i64 x 1 {offset = 0 : i64, name = "input_ids"}
+    plan.value f32 x 16 {offset = 64 : i64, name = "h"}
+    plan.value f32 x 32 {offset = 512 : i64, name = "logits"}
+    plan.dispatch embed [0] -> [1] weights [0] {params = {}, stream = 0 : i32}
+    // expected-error @+1 {{reads value 1 which another stream may not have written yet (no event orders it after step 0)}}
+    plan.dispatch lm_head [1] -> [2] weights [1] {params = {}, stream = 1 : i32}
   }
 }

@@ -1,6 +1,6 @@
-// RUN: hybrid-opt %s --lower-hybrid-to-plan | FileCheck %s
-// RUN: hybrid-opt %s --lower-hybrid-to-plan --verify-plan-contract | hybrid-opt --verify-plan-contract | FileCheck %s
-// RUN: hybrid-opt %s --lower-hybrid-to-plan="prefill-tokens=8 device=cuda arch=sm_90a" | FileCheck %s --check-prefix=CUDA
+// RUN: hybrid-opt %s --hybrid-lower-to-plan | FileCheck %s
+// RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-plan-memory --hybrid-verify-plan-contract | hybrid-opt --hybrid-verify-plan-contract | FileCheck %s --check-prefix=PLANNED
+// RUN: hybrid-opt %s --hybrid-lower-to-plan="prefill-tokens=8 device=cuda arch=sm_90a" | FileCheck %s --check-prefix=CUDA
 
 // A two-layer model (KDA + dense MLP, MLA + MoE) lowers to weights at page-aligned archive
 // offsets, cache specs, and prefill/decode programs whose values live in a liveness-planned arena.
@@ -66,9 +66,10 @@ hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, voca
 // CHECK: plan.kv_cache_layer {dtype = f32, index_key_dim = 0 : i32, latent_dim = 8 : i32, layer = 1 : i32, rope_dim = 2 : i32}
 // CHECK-NEXT: plan.recurrent_state_layer {conv_channels = 24 : i32, conv_kernel = 4 : i32, head_k_dim = 4 : i32, head_v_dim = 4 : i32, layer = 0 : i32, num_heads = 2 : i32, v_major = false}
 
-// CHECK: plan.program "prefill" attributes {arena_bytes = [[ARENA:[0-9]+]] : i64, layer_outputs = array<i32: 1, 6, 10, 11>, logits = 12 : i32, max_tokens = 4096 : i64, num_events = 0 : i32, num_streams = 1 : i32, token_ids = 0 : i32}
-// CHECK-NEXT: plan.value i64 x 1 {name = "input_ids", offset = 0 : i64}
-// CHECK-NEXT: plan.value f32 x 16 {name = "model.embed_tokens", offset = 32768 : i64}
+// Arena offsets are left to --hybrid-plan-memory.
+// CHECK: plan.program "prefill" attributes {arena_bytes = 0 : i64, layer_outputs = array<i32: 1, 6, 10, 11>, logits = 12 : i32, max_tokens = 4096 : i64, num_events = 0 : i32, num_streams = 1 : i32, token_ids = 0 : i32}
+// CHECK-NEXT: plan.value i64 x 1 {name = "input_ids", offset = -1 : i64}
+// CHECK-NEXT: plan.value f32 x 16 {name = "model.embed_tokens", offset = -1 : i64}
 // CHECK: plan.dispatch embed [0] -> [1] weights [0] {params = {}, stream = 0 : i32}
 // CHECK-NEXT: plan.dispatch rms_norm [1] -> [2] weights [1] {layer = 0 : i32, params = {epsilon = 9.99999974E-6 : f32}, stream = 0 : i32}
 // CHECK-NEXT: plan.dispatch kda_chunk_prefill [2] -> [3] weights [{{([0-9]+, )+}}-1, {{[0-9]+}}, {{[0-9]+}}]
@@ -94,3 +95,12 @@ hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, voca
 // Activations stay in the model dtype on the GPU.
 // CUDA: plan.program "prefill" attributes {{{.*}}max_tokens = 8 : i64
 // CUDA: plan.value bf16 x 16
+
+// With memory planned: the ids first, the embedding after them (4096 rows x 8 bytes), slots reused
+// once dead (neighbours coalesce), the logits last.
+// PLANNED: plan.program "prefill" attributes {arena_bytes = 819200 : i64
+// PLANNED-NEXT: plan.value i64 x 1 {name = "input_ids", offset = 0 : i64}
+// PLANNED-NEXT: plan.value f32 x 16 {name = "model.embed_tokens", offset = 32768 : i64}
+// PLANNED-NEXT: plan.value f32 x 16 {name = "model.layers.0.input_layernorm", offset = 294912 : i64}
+// PLANNED-NEXT: plan.value f32 x 16 {name = "model.layers.0.self_attn", offset = 557056 : i64}
+// PLANNED-NEXT: plan.value f32 x 16 {name = "model.layers.0.attn_residual", offset = 294912 : i64}

@@ -1,4 +1,4 @@
-// --lower-hybrid-to-plan: hybrid.model -> plan.plan (see Passes.td).
+// --hybrid-lower-to-plan: hybrid.model -> plan.plan (see Passes.td).
 #include "compiler/Transforms/Passes.h"
 
 #include "hybrid/runtime/WeightArchive.h"
@@ -10,7 +10,7 @@
 #include <map>
 
 namespace hybrid {
-#define GEN_PASS_DEF_LOWERHYBRIDTOPLAN
+#define GEN_PASS_DEF_LOWERTOPLAN
 #include "compiler/Transforms/Passes.h.inc"
 } // namespace hybrid
 
@@ -18,12 +18,6 @@ using namespace mlir;
 
 namespace hybrid {
 namespace {
-
-constexpr int64_t kArenaAlignment = 64;
-
-int64_t alignUp(int64_t value, int64_t alignment) {
-  return (value + alignment - 1) / alignment * alignment;
-}
 
 int64_t elementBytes(Type type) { return std::max<int64_t>(1, type.getIntOrFloatBitWidth() / 8); }
 
@@ -56,7 +50,7 @@ struct PlanTables {
 
 class ModelLowering {
 public:
-  ModelLowering(ModelOp model, const LowerHybridToPlanOptions &options)
+  ModelLowering(ModelOp model, const LowerToPlanOptions &options)
       : model_(model), options_(options), builder_(model.getContext()) {}
 
   LogicalResult run();
@@ -85,7 +79,7 @@ private:
   }
 
   ModelOp model_;
-  const LowerHybridToPlanOptions &options_;
+  const LowerToPlanOptions &options_;
   OpBuilder builder_;
   PlanTables tables_;
 };
@@ -318,7 +312,7 @@ ModelLowering::kernelFor(Operation *op, bool decode, SmallVector<int32_t> &weigh
               i32("num_shared_experts", moe.getNumSharedExperts())};
     weights = weightList(op, {"router", "correction_bias", "shared_gate_proj", "shared_up_proj",
                               "shared_down_proj"});
-    for (int64_t e = 0; e < moe.getNumExperts(); ++e) {
+    for (int64_t e = 0; e < static_cast<int64_t>(moe.getNumExperts()); ++e) {
       SmallVector<int32_t> expert =
           weightList({cast<WeightAttr>(moe.getExpertsGateProj()[e]),
                       cast<WeightAttr>(moe.getExpertsUpProj()[e]),
@@ -361,18 +355,7 @@ LogicalResult ModelLowering::emitProgram(plan::PlanOp planOp, StringRef name, in
       addValue(result);
   }
 
-  // Liveness: the step of each value's last use (the logits live to the end).
   auto returnOp = cast<ReturnOp>(modelBlock.getTerminator());
-  SmallVector<int64_t> definedAt(values.size(), -1), lastUse(values.size(), -1);
-  for (auto [step, op] : llvm::enumerate(steps)) {
-    for (Value result : op->getResults())
-      definedAt[valueIndex[result]] = step;
-    for (Value operand : op->getOperands())
-      lastUse[valueIndex[operand]] = step;
-  }
-  lastUse[valueIndex[returnOp.getLogits()]] = static_cast<int64_t>(steps.size());
-
-  // Arena: best-fit over freed slots; a value's slot is free after its last use.
   auto rowBytesOf = [&](Value v) {
     auto type = cast<RankedTensorType>(v.getType());
     Type element = type.getElementType();
@@ -381,55 +364,15 @@ LogicalResult ModelLowering::emitProgram(plan::PlanOp planOp, StringRef name, in
     int64_t rowElements = type.getRank() == 1 ? 1 : type.getDimSize(1);
     return std::make_pair(rowElements, element);
   };
-  struct Slot {
-    int64_t offset, bytes;
-  };
-  SmallVector<Slot> freeSlots;
-  SmallVector<int64_t> offsets(values.size(), 0);
-  int64_t arenaEnd = 0;
-  SmallVector<SmallVector<int32_t>> dyingAfter(steps.size() + 1);
-  for (size_t v = 0; v < values.size(); ++v)
-    if (lastUse[v] >= 0)
-      dyingAfter[lastUse[v]].push_back(static_cast<int32_t>(v));
-  auto allocate = [&](int32_t v) {
-    auto [rowElements, element] = rowBytesOf(values[v]);
-    int64_t bytes = alignUp(maxTokens * rowElements * elementBytes(element), kArenaAlignment);
-    int best = -1;
-    for (auto [i, slot] : llvm::enumerate(freeSlots))
-      if (slot.bytes >= bytes && (best < 0 || slot.bytes < freeSlots[best].bytes))
-        best = static_cast<int>(i);
-    if (best >= 0) {
-      offsets[v] = freeSlots[best].offset;
-      if (freeSlots[best].bytes > bytes)
-        freeSlots[best] = {freeSlots[best].offset + bytes, freeSlots[best].bytes - bytes};
-      else
-        freeSlots.erase(freeSlots.begin() + best);
-    } else {
-      offsets[v] = arenaEnd;
-      arenaEnd += bytes;
-    }
-  };
-  auto release = [&](int32_t v) {
-    auto [rowElements, element] = rowBytesOf(values[v]);
-    freeSlots.push_back(
-        {offsets[v], alignUp(maxTokens * rowElements * elementBytes(element), kArenaAlignment)});
-  };
-  allocate(0);
-  for (auto [step, op] : llvm::enumerate(steps)) {
-    for (Value result : op->getResults())
-      allocate(valueIndex[result]);
-    for (int32_t v : dyingAfter[step])
-      release(v);
-  }
 
-  // Emit values.
+  // Emit values; --hybrid-plan-memory gives them arena offsets (-1: not planned yet).
   builder_.setInsertionPointToEnd(body);
   for (auto [v, value] : llvm::enumerate(values)) {
     auto [rowElements, element] = rowBytesOf(value);
     std::string valueName = v == 0 ? std::string("input_ids") : locationName(value.getDefiningOp());
     builder_.create<plan::ValueOp>(loc, TypeAttr::get(element),
                                    builder_.getI64IntegerAttr(rowElements),
-                                   builder_.getI64IntegerAttr(offsets[v]),
+                                   builder_.getI64IntegerAttr(-1),
                                    builder_.getStringAttr(valueName));
   }
 
@@ -470,7 +413,6 @@ LogicalResult ModelLowering::emitProgram(plan::PlanOp planOp, StringRef name, in
   }
   layerOutputs.push_back(finalNormOutput);
 
-  program.setArenaBytesAttr(builder_.getI64IntegerAttr(arenaEnd));
   program.setTokenIdsAttr(builder_.getI32IntegerAttr(0));
   program.setLogitsAttr(builder_.getI32IntegerAttr(valueIndex[returnOp.getLogits()]));
   program.setLayerOutputsAttr(builder_.getDenseI32ArrayAttr(layerOutputs));
@@ -502,11 +444,11 @@ LogicalResult ModelLowering::run() {
   return success();
 }
 
-struct LowerHybridToPlanPass : impl::LowerHybridToPlanBase<LowerHybridToPlanPass> {
-  using LowerHybridToPlanBase::LowerHybridToPlanBase;
+struct LowerToPlanPass : impl::LowerToPlanBase<LowerToPlanPass> {
+  using LowerToPlanBase::LowerToPlanBase;
 
   void runOnOperation() override {
-    LowerHybridToPlanOptions options{device, arch, prefillTokens, decodeTokens, pageSize,
+    LowerToPlanOptions options{device, arch, prefillTokens, decodeTokens, pageSize,
                                      compilerId};
     SmallVector<ModelOp> models(getOperation().getOps<ModelOp>());
     for (ModelOp model : models) {
