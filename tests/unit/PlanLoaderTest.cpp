@@ -145,6 +145,9 @@ DispatchSpec dispatchOf(KernelId kernel, KernelParams params, std::vector<int32_
   return dispatch;
 }
 
+// MLA weights with the optional roles (q_proj, q_b_proj, g_proj) absent.
+const std::vector<int32_t> kMlaRequiredOnly = {-1, -1, 0, 0, 0, -1, 0};
+
 // Every kernel once, two streams and an event, a copy: the plan the fuzz test corrupts.
 PlanSpec richPlan() {
   PlanSpec plan = minimalPlan();
@@ -159,9 +162,8 @@ PlanSpec richPlan() {
       dispatchOf(KernelId::Embed, KernelParams::EmbedParams, {0}, {0}, {1}),
       dispatchOf(KernelId::RmsNorm, KernelParams::RmsNormParams, {1}),
       dispatchOf(KernelId::KdaChunkPrefill, KernelParams::KdaParams, repeat(16, 0)),
-      dispatchOf(KernelId::DsaIndexer, KernelParams::DsaIndexerParams, repeat(5, 0), {1, 1},
-                 {4}),
-      dispatchOf(KernelId::SparseMlaPrefill, KernelParams::MlaParams, repeat(7, -1), {1, 4}),
+      dispatchOf(KernelId::DsaIndexer, KernelParams::DsaIndexerParams, repeat(5, 0), {1, 1}, {4}),
+      dispatchOf(KernelId::SparseMlaPrefill, KernelParams::MlaParams, kMlaRequiredOnly, {1, 4}),
       dispatchOf(KernelId::MlaDecode, KernelParams::MlaParams, repeat(7, 0)),
       dispatchOf(KernelId::AttnRes, KernelParams::AttnResParams, {0, 1}, {1, 3}),
       dispatchOf(KernelId::Mlp, KernelParams::MlpParams, repeat(3, 0)),
@@ -247,10 +249,9 @@ std::vector<std::byte> buildPlan(const PlanSpec &spec) {
                                     layer.dtype, layer.indexKeyDim));
   std::vector<flatbuffers::Offset<RecurrentStateLayer>> recurrent;
   for (const RecurrentSpec &layer : spec.recurrent)
-    recurrent.push_back(CreateRecurrentStateLayer(builder, layer.layer, layer.numHeads,
-                                                  layer.headKDim, layer.headVDim,
-                                                  StateLayout::KMajor, layer.convChannels,
-                                                  layer.convKernel));
+    recurrent.push_back(CreateRecurrentStateLayer(
+        builder, layer.layer, layer.numHeads, layer.headKDim, layer.headVDim, StateLayout::KMajor,
+        layer.convChannels, layer.convKernel));
   auto cache = CreateCacheSpecDirect(builder, spec.pageSize, &kv, &recurrent);
 
   std::vector<flatbuffers::Offset<Value>> values;
@@ -283,10 +284,10 @@ std::vector<std::byte> buildPlan(const PlanSpec &spec) {
   auto target = spec.withTarget ? CreateTargetDirect(builder, spec.device.c_str(),
                                                      spec.arch.c_str(), spec.worldSize)
                                 : 0;
-  auto plan = CreatePlanDirect(builder, spec.withVersion ? &version : nullptr, "hybrid-test 0.1",
-                               "kimi_linear", target, spec.hiddenSize, spec.vocabSize,
-                               spec.numLayers, &weights, spec.archiveKey.c_str(),
-                               spec.archiveBytes, cache, &programs);
+  auto plan =
+      CreatePlanDirect(builder, spec.withVersion ? &version : nullptr, "hybrid-test 0.1",
+                       "kimi_linear", target, spec.hiddenSize, spec.vocabSize, spec.numLayers,
+                       &weights, spec.archiveKey.c_str(), spec.archiveBytes, cache, &programs);
   FinishPlanBuffer(builder, plan);
   auto *data = reinterpret_cast<const std::byte *>(builder.GetBufferPointer());
   return {data, data + builder.GetSize()};
@@ -352,7 +353,8 @@ TEST(PlanLoader, LoadsFromFile) {
   std::vector<std::byte> bytes = buildPlan(minimalPlan());
   {
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char *>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+    out.write(reinterpret_cast<const char *>(bytes.data()),
+              static_cast<std::streamsize>(bytes.size()));
   }
   StatusOr<LoadedPlan> plan = LoadedPlan::load(path);
   ASSERT_TRUE(plan.isOk()) << plan.status().message();
@@ -575,12 +577,47 @@ TEST(PlanLoader, WeightCountPerKernel) {
 TEST(PlanLoader, WeightIndexOutOfRange) {
   PlanSpec spec = minimalPlan();
   firstDispatch(spec) = dispatchOf(KernelId::Linear, KernelParams::LinearParams, {2});
-  EXPECT_CONTAINS(loadError(spec), "(Linear).weights[0] = 2 is out of range [0, 2) of the plan's "
-                                   "weights");
-  firstDispatch(spec).weights = {-1}; // absent optional weight
-  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(spec), kSource).isOk());
+  EXPECT_CONTAINS(loadError(spec), "(Linear).weights[0] (weight) = 2 is out of range [0, 2) of "
+                                   "the plan's weights");
   firstDispatch(spec).weights = {-2};
-  EXPECT_CONTAINS(loadError(spec), "weights[0] = -2 is out of range");
+  EXPECT_CONTAINS(loadError(spec), "weights[0] (weight) = -2 is out of range");
+}
+
+TEST(PlanLoader, AbsentWeightsOnlyInOptionalRoles) {
+  PlanSpec linear = minimalPlan();
+  firstDispatch(linear) = dispatchOf(KernelId::Linear, KernelParams::LinearParams, {-1});
+  EXPECT_CONTAINS(loadError(linear), "(Linear).weights[0] (weight) = -1, but the role is required");
+
+  PlanSpec mla = minimalPlan();
+  firstDispatch(mla) = dispatchOf(KernelId::MlaDecode, KernelParams::MlaParams, kMlaRequiredOnly);
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(mla), kSource).isOk());
+  firstDispatch(mla).weights[4] = -1;
+  EXPECT_CONTAINS(loadError(mla), "(MlaDecode).weights[4] (kv_b_proj) = -1, but the role is "
+                                  "required");
+
+  PlanSpec moe = minimalPlan();
+  firstDispatch(moe) = dispatchOf(KernelId::Moe, KernelParams::MoeParams, std::vector<int32_t>(11));
+  firstDispatch(moe).weights[1] = -1; // no correction bias: optional
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(moe), kSource).isOk());
+  firstDispatch(moe).weights[9] = -1;
+  EXPECT_CONTAINS(loadError(moe), "(Moe).weights[9] (expert 1 up_proj) = -1, but the role is "
+                                  "required");
+}
+
+TEST(PlanLoader, OperandCountsFollowTheKernelSignature) {
+  PlanSpec mla = minimalPlan();
+  firstDispatch(mla) =
+      dispatchOf(KernelId::MlaDecode, KernelParams::MlaParams, kMlaRequiredOnly, {1, 1, 1});
+  EXPECT_CONTAINS(loadError(mla), "(MlaDecode): MlaDecode takes 1 to 2 inputs and 1 output, the "
+                                  "plan gives 3 and 1");
+  PlanSpec outputs = minimalPlan();
+  firstDispatch(outputs).outputs = {2, 2};
+  EXPECT_CONTAINS(loadError(outputs), "Add takes 2 inputs and 1 output, the plan gives 2 and 2");
+  PlanSpec attnRes = minimalPlan();
+  firstDispatch(attnRes) =
+      dispatchOf(KernelId::AttnRes, KernelParams::AttnResParams, {0, 1}, {}, {1});
+  EXPECT_CONTAINS(loadError(attnRes), "AttnRes takes 1 or more inputs and 1 output, the plan "
+                                      "gives 0 and 1");
 }
 
 TEST(PlanLoader, StreamsEventsAndLayers) {
@@ -604,8 +641,7 @@ TEST(PlanLoader, StreamsEventsAndLayers) {
 
 TEST(PlanLoader, CacheSlots) {
   PlanSpec mla = minimalPlan();
-  firstDispatch(mla) =
-      dispatchOf(KernelId::MlaPrefill, KernelParams::MlaParams, std::vector<int32_t>(7, -1));
+  firstDispatch(mla) = dispatchOf(KernelId::MlaPrefill, KernelParams::MlaParams, kMlaRequiredOnly);
   EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(mla), kSource).isOk());
   firstDispatch(mla).kvSlot = 1;
   EXPECT_CONTAINS(loadError(mla), "(MlaPrefill).params.kv_slot = 1 is out of range [0, 1) of "
@@ -697,7 +733,8 @@ TEST(PlanTarget, OtherDeviceArchOrWorldSizeRefused) {
   cuda.arch = "sm_90a";
   LoadedPlan plan = loadOrDie(cuda);
   Status device = checkTarget(plan, "cpu", 1);
-  EXPECT_EQ(device.message(), "test.hyplan was compiled for cuda sm_90a, this runtime device is cpu");
+  EXPECT_EQ(device.message(),
+            "test.hyplan was compiled for cuda sm_90a, this runtime device is cpu");
   Status arch = checkTarget(plan, "cuda", 1, "sm_100a");
   EXPECT_EQ(arch.message(),
             "test.hyplan was compiled for cuda sm_90a, this runtime device is cuda sm_100a");

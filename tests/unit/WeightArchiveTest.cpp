@@ -238,8 +238,8 @@ TEST_F(WeightArchiveTest, RoundTripKeepsEveryEntry) {
     const WeightArchive::Entry *found = archive->find(entries[i].name);
     ASSERT_EQ(found, &entry);
     std::span<const std::byte> bytes = archive->bytes(entry);
-    EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), entries[i].data.begin(),
-                           entries[i].data.end()));
+    EXPECT_TRUE(
+        std::equal(bytes.begin(), bytes.end(), entries[i].data.begin(), entries[i].data.end()));
     // Page aligned in memory too: the mapping starts on a page.
     EXPECT_EQ(reinterpret_cast<uintptr_t>(bytes.data()) % kPage, 0u);
   }
@@ -248,8 +248,8 @@ TEST_F(WeightArchiveTest, RoundTripKeepsEveryEntry) {
   EXPECT_TRUE(verified.isOk()) << verified.message();
 
   // The writer reports the same entries and size the reader sees.
-  StatusOr<WeightArchiveWriter> writer = WeightArchiveWriter::create(pathFor("again.hyw"),
-                                                                     testKey());
+  StatusOr<WeightArchiveWriter> writer =
+      WeightArchiveWriter::create(pathFor("again.hyw"), testKey());
   ASSERT_TRUE(writer.isOk());
   for (const TestEntry &entry : entries)
     ASSERT_TRUE(writer->add(entry.name, entry.dtype, entry.shape, entry.data).isOk());
@@ -399,7 +399,8 @@ TEST_F(WeightArchiveTest, CorruptHeaderFailsTheHeaderHash) {
 }
 
 TEST_F(WeightArchiveTest, CorruptTableFailsTheTableHash) {
-  std::string message = corruptedOpenError([](std::string &bytes) { bytes[bytes.size() - 3] ^= 1; });
+  std::string message =
+      corruptedOpenError([](std::string &bytes) { bytes[bytes.size() - 3] ^= 1; });
   EXPECT_NE(message.find("'table_hash'"), std::string::npos) << message;
 }
 

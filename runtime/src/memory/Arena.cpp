@@ -12,7 +12,7 @@ StatusOr<Arena> Arena::create(uint64_t bytes) {
   if (bytes == 0)
     return arena;
   // nothrow: the runtime reports allocation failure as a Status, never as an exception.
-  void *memory = ::operator new(bytes, std::align_val_t{kAlignment}, std::nothrow);
+  void *memory = ::operator new (bytes, std::align_val_t{kAlignment}, std::nothrow);
   if (!memory)
     return Status::error("cannot allocate an arena of " + std::to_string(bytes) + " bytes");
   std::memset(memory, 0, bytes);
@@ -27,7 +27,7 @@ Arena::Arena(Arena &&other) noexcept
 Arena &Arena::operator=(Arena &&other) noexcept {
   if (this != &other) {
     if (data_)
-      ::operator delete(data_, std::align_val_t{kAlignment});
+      ::operator delete (data_, std::align_val_t{kAlignment});
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
   }
@@ -36,7 +36,7 @@ Arena &Arena::operator=(Arena &&other) noexcept {
 
 Arena::~Arena() {
   if (data_)
-    ::operator delete(data_, std::align_val_t{kAlignment});
+    ::operator delete (data_, std::align_val_t{kAlignment});
 }
 
 StatusOr<std::span<std::byte>> Arena::view(uint64_t offset, uint64_t bytes) {

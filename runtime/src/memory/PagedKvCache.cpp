@@ -104,9 +104,9 @@ std::span<const float> KvSequenceView::indexKey(int64_t position) const {
 
 Status KvSequenceView::gather(std::span<float> out, int64_t begin, int64_t count) const {
   if (out.size() != static_cast<uint64_t>(numTokens_ * count))
-    return Status::error("KV gather: the output holds " + std::to_string(out.size()) +
-                         " floats, " + std::to_string(numTokens_) + " tokens x " +
-                         std::to_string(count) + " need " + std::to_string(numTokens_ * count));
+    return Status::error("KV gather: the output holds " + std::to_string(out.size()) + " floats, " +
+                         std::to_string(numTokens_) + " tokens x " + std::to_string(count) +
+                         " need " + std::to_string(numTokens_ * count));
   for (int64_t position = 0; position < numTokens_; ++position)
     std::memcpy(out.data() + position * count, row(position).data() + begin,
                 static_cast<size_t>(count) * sizeof(float));
@@ -218,11 +218,11 @@ Status PagedKvCache::reservePages(int32_t sequence, int64_t tokens) {
   if (missing <= 0)
     return Status::ok();
   if (missing > freePages())
-    return Status::error("KV cache out of pages: sequence " + std::to_string(sequence) +
-                         " needs " + std::to_string(missing) + " more pages of " +
-                         std::to_string(pageSize_) + " tokens for " + std::to_string(tokens) +
-                         " tokens, " + std::to_string(freePages()) + " of " +
-                         std::to_string(numPages_) + " pages are free");
+    return Status::error("KV cache out of pages: sequence " + std::to_string(sequence) + " needs " +
+                         std::to_string(missing) + " more pages of " + std::to_string(pageSize_) +
+                         " tokens for " + std::to_string(tokens) + " tokens, " +
+                         std::to_string(freePages()) + " of " + std::to_string(numPages_) +
+                         " pages are free");
   for (int64_t i = 0; i < missing; ++i) {
     pageTable.push_back(freePages_.back());
     freePages_.pop_back();

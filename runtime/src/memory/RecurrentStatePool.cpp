@@ -108,8 +108,7 @@ StatusOr<RecurrentStatePool> RecurrentStatePool::create(const fb::CacheSpec &spe
     uint64_t bytes = 0;
     if (__builtin_mul_overflow(layout.slotElements, sizeof(float), &bytes) ||
         __builtin_mul_overflow(bytes, static_cast<uint64_t>(numSlots), &bytes))
-      return Status::error("recurrent state pool: " + std::to_string(numSlots) +
-                           " slots overflow");
+      return Status::error("recurrent state pool: " + std::to_string(numSlots) + " slots overflow");
 
     RecurrentStatePool pool;
     HYBRID_ASSIGN_OR_RETURN(pool.storage_, Arena::create(bytes));
@@ -185,8 +184,8 @@ StatusOr<std::span<float>> RecurrentStatePool::convState(int32_t stateSlot, int3
 StatusOr<RecurrentStateSnapshot> RecurrentStatePool::snapshot(int32_t slot) const {
   return catchExceptions([&]() -> StatusOr<RecurrentStateSnapshot> {
     HYBRID_RETURN_IF_ERROR(checkSlot(slot));
-    const float *block =
-        reinterpret_cast<const float *>(storage_.data()) + static_cast<uint64_t>(slot) * slotElements_;
+    const float *block = reinterpret_cast<const float *>(storage_.data()) +
+                         static_cast<uint64_t>(slot) * slotElements_;
     RecurrentStateSnapshot snapshot;
     snapshot.values_.assign(block, block + slotElements_);
     return snapshot;

@@ -1,10 +1,11 @@
 // Plan loading: size and identifier checks, the FlatBuffers verifier, then semantic checks that
 // make every index in the plan safe to use. Errors are one line: "<file>: <field>: <problem>".
 #include "hybrid/runtime/Plan.h"
+#include "runtime/schema/kernel_signatures.h"
 
 #include <algorithm>
-
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <fcntl.h>
@@ -58,6 +59,15 @@ std::string paramsName(fb::KernelParams params) {
   if (*name)
     return name;
   return "KernelParams(" + std::to_string(static_cast<int>(params)) + ")";
+}
+
+// The role of weights[role] for error messages; MoE roles past the fixed ones are per expert.
+std::string weightRoleName(const plan::KernelSignature &signature, size_t role) {
+  if (role < static_cast<size_t>(signature.fixedWeights) && role < signature.weightRoles.size())
+    return std::string(signature.weightRoles[role]);
+  size_t expertRole = role - static_cast<size_t>(signature.fixedWeights);
+  static constexpr const char *kExpertRoles[] = {"gate_proj", "up_proj", "down_proj"};
+  return "expert " + std::to_string(expertRole / 3) + " " + kExpertRoles[expertRole % 3];
 }
 
 // Names from a verified buffer are NUL-terminated but may hold any byte.
@@ -192,9 +202,9 @@ private:
   Status checkWeightTable() {
     const auto *weights = plan_.weights();
     numWeights_ = lengthOf(weights);
-    if (numWeights_ > 0 && !parseArchiveKey(plan_.weight_archive_key()
-                                                ? plan_.weight_archive_key()->string_view()
-                                                : std::string_view()))
+    if (numWeights_ > 0 &&
+        !parseArchiveKey(plan_.weight_archive_key() ? plan_.weight_archive_key()->string_view()
+                                                    : std::string_view()))
       return Status::error("weight_archive_key: '" + printable(plan_.weight_archive_key()) +
                            "' is not 32 hex digits");
     std::set<std::string_view> names;
@@ -244,8 +254,8 @@ private:
           return Status::error(field + ".block: quant Fp8Block needs a block shape");
       }
       for (size_t axis = 0; axis < lengthOf(weight->block()); ++axis)
-        HYBRID_RETURN_IF_ERROR(checkPositive(indexed(field + ".block", axis),
-                                             weight->block()->Get(axis)));
+        HYBRID_RETURN_IF_ERROR(
+            checkPositive(indexed(field + ".block", axis), weight->block()->Get(axis)));
     }
     return Status::ok();
   }
@@ -318,8 +328,9 @@ private:
 
     std::string valuesOf = "the values of " + scope.name;
     for (size_t i = 0; i < scope.numValues; ++i)
-      HYBRID_RETURN_IF_ERROR(checkValue(indexed(field + ".values", i), program,
-                                        *scope.values->Get(static_cast<flatbuffers::uoffset_t>(i))));
+      HYBRID_RETURN_IF_ERROR(
+          checkValue(indexed(field + ".values", i), program,
+                     *scope.values->Get(static_cast<flatbuffers::uoffset_t>(i))));
 
     HYBRID_RETURN_IF_ERROR(
         checkIndex(field + ".token_ids", program.token_ids(), scope.numValues, valuesOf));
@@ -333,11 +344,10 @@ private:
         checkIndex(field + ".logits", program.logits(), scope.numValues, valuesOf));
     const fb::Value *logits = scope.values->Get(program.logits());
     if (logits->dtype() != fb::DType::F32 || logits->row_elements() != plan_.vocab_size())
-      return Status::error(field + ".logits = " + std::to_string(program.logits()) + " names a " +
-                           dtypeName(logits->dtype()) + " value of " +
-                           std::to_string(logits->row_elements()) +
-                           " elements per row, expected F32 with vocab_size " +
-                           std::to_string(plan_.vocab_size()));
+      return Status::error(
+          field + ".logits = " + std::to_string(program.logits()) + " names a " +
+          dtypeName(logits->dtype()) + " value of " + std::to_string(logits->row_elements()) +
+          " elements per row, expected F32 with vocab_size " + std::to_string(plan_.vocab_size()));
     for (size_t i = 0; i < lengthOf(program.layer_outputs()); ++i)
       HYBRID_RETURN_IF_ERROR(checkIndex(indexed(field + ".layer_outputs", i),
                                         program.layer_outputs()->Get(i), scope.numValues,
@@ -402,45 +412,57 @@ private:
   Status checkDispatch(const std::string &field, const fb::Dispatch &dispatch,
                        const ProgramScope &scope) {
     fb::KernelId kernel = dispatch.kernel();
-    fb::KernelParams expectedParams = expectedParamsType(kernel);
-    if (expectedParams == fb::KernelParams::NONE)
+    const plan::KernelSignature *signature = plan::kernelSignature(kernel);
+    if (!signature)
       return Status::error(field + ".kernel has the unknown value " +
                            std::to_string(static_cast<int>(kernel)));
     std::string context = field + " (" + kernelName(kernel) + ")";
-    if (dispatch.params_type() != expectedParams)
+    if (dispatch.params_type() != signature->params)
       return Status::error(context + ".params: kernel " + kernelName(kernel) + " takes " +
-                           paramsName(expectedParams) + ", the plan gives " +
+                           paramsName(signature->params) + ", the plan gives " +
                            paramsName(dispatch.params_type()));
     if (!dispatch.params())
-      return Status::error(context + ".params: missing " + paramsName(expectedParams) + " table");
+      return Status::error(context + ".params: missing " + paramsName(signature->params) +
+                           " table");
 
-    size_t numInputs = lengthOf(dispatch.inputs());
+    // Operand counts and value indices.
+    auto numInputs = static_cast<int64_t>(lengthOf(dispatch.inputs()));
     size_t numOutputs = lengthOf(dispatch.outputs());
-    if (numInputs == 0)
-      return Status::error(context + ".inputs: a dispatch needs at least one input");
-    if (numOutputs == 0)
-      return Status::error(context + ".outputs: a dispatch needs at least one output");
-    if (kernel == fb::KernelId::Add && (numInputs != 2 || numOutputs != 1))
-      return Status::error(context + ": Add takes 2 inputs and 1 output, the plan gives " +
-                           std::to_string(numInputs) + " and " + std::to_string(numOutputs));
+    if (numInputs < signature->minInputs ||
+        (signature->maxInputs >= 0 && numInputs > signature->maxInputs) || numOutputs != 1) {
+      std::string inputs = std::to_string(signature->minInputs);
+      if (signature->maxInputs != signature->minInputs)
+        inputs +=
+            signature->maxInputs < 0 ? " or more" : " to " + std::to_string(signature->maxInputs);
+      return Status::error(context + ": " + kernelName(kernel) + " takes " + inputs +
+                           " inputs and 1 output, the plan gives " + std::to_string(numInputs) +
+                           " and " + std::to_string(numOutputs));
+    }
     HYBRID_RETURN_IF_ERROR(checkValueList(context + ".inputs", dispatch.inputs(), scope));
     HYBRID_RETURN_IF_ERROR(checkValueList(context + ".outputs", dispatch.outputs(), scope));
 
+    // Weights in the role order of plan.fbs; -1 only where the role is optional.
     int64_t numExperts = 0;
-    if (kernel == fb::KernelId::Moe) {
+    if (signature->perExpertWeights) {
       numExperts = dispatch.params_as_MoeParams()->num_experts();
       HYBRID_RETURN_IF_ERROR(checkPositive(context + ".params.num_experts", numExperts));
     }
-    std::optional<int64_t> weightCount = expectedWeightCount(kernel, numExperts);
+    int64_t weightCount = *expectedWeightCount(kernel, numExperts);
     size_t numWeights = lengthOf(dispatch.weights());
-    if (!weightCount || static_cast<int64_t>(numWeights) != *weightCount)
+    if (static_cast<int64_t>(numWeights) != weightCount)
       return Status::error(context + ".weights: has " + std::to_string(numWeights) + " entries, " +
-                           kernelName(kernel) + " takes " + std::to_string(weightCount.value_or(0)) +
+                           kernelName(kernel) + " takes " + std::to_string(weightCount) +
                            " in the role order of plan.fbs");
-    for (size_t i = 0; i < numWeights; ++i)
-      HYBRID_RETURN_IF_ERROR(checkOptionalIndex(indexed(context + ".weights", i),
-                                                dispatch.weights()->Get(i), numWeights_,
-                                                "the plan's weights"));
+    for (size_t role = 0; role < numWeights; ++role) {
+      int32_t weight = dispatch.weights()->Get(static_cast<flatbuffers::uoffset_t>(role));
+      std::string roleField = indexed(context + ".weights", role) + " (" +
+                              std::string(weightRoleName(*signature, role)) + ")";
+      bool optional = role < 32 && (signature->optionalWeights >> role & 1u);
+      if (weight == -1 && !optional)
+        return Status::error(roleField + " = -1, but the role is required");
+      HYBRID_RETURN_IF_ERROR(
+          checkOptionalIndex(roleField, weight, numWeights_, "the plan's weights"));
+    }
 
     HYBRID_RETURN_IF_ERROR(checkStream(context + ".stream", dispatch.stream(), scope));
     std::string eventsOf = "the events of " + scope.name;
@@ -450,8 +472,8 @@ private:
                                         static_cast<size_t>(scope.numEvents), eventsOf));
     HYBRID_RETURN_IF_ERROR(checkOptionalIndex(context + ".signal_event", dispatch.signal_event(),
                                               static_cast<size_t>(scope.numEvents), eventsOf));
-    HYBRID_RETURN_IF_ERROR(checkOptionalIndex(context + ".layer", dispatch.layer(), numLayers(),
-                                              "the plan's layers"));
+    HYBRID_RETURN_IF_ERROR(
+        checkOptionalIndex(context + ".layer", dispatch.layer(), numLayers(), "the plan's layers"));
     return checkCacheSlots(context, dispatch);
   }
 
@@ -466,8 +488,7 @@ private:
                         numKvLayers_, "cache.kv");
     case fb::KernelParams::DsaIndexerParams:
       return checkIndex(context + ".params.kv_slot",
-                        dispatch.params_as_DsaIndexerParams()->kv_slot(), numKvLayers_,
-                        "cache.kv");
+                        dispatch.params_as_DsaIndexerParams()->kv_slot(), numKvLayers_, "cache.kv");
     default:
       return Status::ok();
     }
@@ -535,65 +556,16 @@ Status verifyPlanBytes(const uint8_t *data, size_t size) {
 //===------------------------------------------------------------------------------------------===//
 
 fb::KernelParams expectedParamsType(fb::KernelId kernel) {
-  using fb::KernelId;
-  using fb::KernelParams;
-  switch (kernel) {
-  case KernelId::Embed:
-    return KernelParams::EmbedParams;
-  case KernelId::RmsNorm:
-    return KernelParams::RmsNormParams;
-  case KernelId::Linear:
-    return KernelParams::LinearParams;
-  case KernelId::Add:
-    return KernelParams::AddParams;
-  case KernelId::KdaChunkPrefill:
-  case KernelId::KdaRecurrentDecode:
-    return KernelParams::KdaParams;
-  case KernelId::MlaPrefill:
-  case KernelId::MlaDecode:
-  case KernelId::SparseMlaPrefill:
-  case KernelId::SparseMlaDecode:
-    return KernelParams::MlaParams;
-  case KernelId::DsaIndexer:
-    return KernelParams::DsaIndexerParams;
-  case KernelId::AttnRes:
-    return KernelParams::AttnResParams;
-  case KernelId::Mlp:
-    return KernelParams::MlpParams;
-  case KernelId::Moe:
-    return KernelParams::MoeParams;
-  case KernelId::LmHead:
-    return KernelParams::LmHeadParams;
-  }
-  return KernelParams::NONE;
+  const plan::KernelSignature *signature = plan::kernelSignature(kernel);
+  return signature ? signature->params : fb::KernelParams::NONE;
 }
 
 std::optional<int64_t> expectedWeightCount(fb::KernelId kernel, int64_t numExperts) {
-  switch (expectedParamsType(kernel)) {
-  case fb::KernelParams::EmbedParams:
-  case fb::KernelParams::RmsNormParams:
-  case fb::KernelParams::LinearParams:
-  case fb::KernelParams::LmHeadParams:
-    return 1;
-  case fb::KernelParams::AddParams:
-    return 0;
-  case fb::KernelParams::KdaParams:
-    return 16;
-  case fb::KernelParams::MlaParams:
-    return 7;
-  case fb::KernelParams::DsaIndexerParams:
-    return 5;
-  case fb::KernelParams::AttnResParams:
-    return 2;
-  case fb::KernelParams::MlpParams:
-    return 3;
-  case fb::KernelParams::MoeParams:
-    // router, correction_bias, shared gate/up/down, then gate/up/down per expert.
-    return 5 + 3 * numExperts;
-  case fb::KernelParams::NONE:
-    break;
-  }
-  return std::nullopt;
+  const plan::KernelSignature *signature = plan::kernelSignature(kernel);
+  if (!signature)
+    return std::nullopt;
+  // MoE: router, correction_bias, shared gate/up/down, then gate/up/down per expert.
+  return signature->fixedWeights + (signature->perExpertWeights ? 3 * numExperts : 0);
 }
 
 //===------------------------------------------------------------------------------------------===//
@@ -723,15 +695,15 @@ Status checkWeights(const LoadedPlan &loaded, const WeightArchive &archive) {
     for (const WeightArchiveEntry &entry : archive.entries())
       dataEnd = std::max(dataEnd, entry.offset + entry.size);
     if (plan.weight_archive_bytes() != 0 && plan.weight_archive_bytes() != dataEnd)
-      return Status::error(both + ": weight_archive_bytes = " +
-                           std::to_string(plan.weight_archive_bytes()) +
-                           " but the archive's weight data ends at byte " +
-                           std::to_string(dataEnd));
+      return Status::error(
+          both + ": weight_archive_bytes = " + std::to_string(plan.weight_archive_bytes()) +
+          " but the archive's weight data ends at byte " + std::to_string(dataEnd));
 
     const auto *weights = plan.weights();
     for (size_t i = 0; i < lengthOf(weights); ++i) {
       const fb::Weight *weight = weights->Get(static_cast<flatbuffers::uoffset_t>(i));
-      std::string field = both + ": " + indexed("weights", i) + " '" + printable(weight->name()) + "'";
+      std::string field =
+          both + ": " + indexed("weights", i) + " '" + printable(weight->name()) + "'";
       const WeightArchive::Entry *entry = archive.find(weight->name()->string_view());
       if (!entry)
         return Status::error(field + ": not in the archive");
@@ -740,8 +712,8 @@ Status checkWeights(const LoadedPlan &loaded, const WeightArchive &archive) {
                              " but the archive has " + dtypeName(entry->dtype));
       bool sameShape = lengthOf(weight->shape()) == entry->shape.size();
       for (size_t axis = 0; sameShape && axis < entry->shape.size(); ++axis)
-        sameShape = weight->shape()->Get(static_cast<flatbuffers::uoffset_t>(axis)) ==
-                    entry->shape[axis];
+        sameShape =
+            weight->shape()->Get(static_cast<flatbuffers::uoffset_t>(axis)) == entry->shape[axis];
       if (!sameShape) {
         std::string archiveShape = "[";
         for (size_t axis = 0; axis < entry->shape.size(); ++axis) {

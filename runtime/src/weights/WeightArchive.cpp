@@ -346,8 +346,8 @@ Status parseEntry(TableReader &reader, size_t index, const ParsedHeader &header,
   if (!reader.readU32(rank))
     return truncated("rank");
   if (rank > kMaxRank)
-    return Status::error(context + ": field 'rank' is " + std::to_string(rank) +
-                         ", at most " + std::to_string(kMaxRank) + " supported");
+    return Status::error(context + ": field 'rank' is " + std::to_string(rank) + ", at most " +
+                         std::to_string(kMaxRank) + " supported");
   entry.shape.resize(rank);
   for (uint32_t axis = 0; axis < rank; ++axis) {
     uint64_t dim = 0;
@@ -545,18 +545,18 @@ void WeightArchiveWriter::abandon() {
   tempPath_.clear();
 }
 
-Status WeightArchiveWriter::add(std::string name, plan::fb::DType dtype,
-                                std::vector<int64_t> shape, std::span<const std::byte> data) {
+Status WeightArchiveWriter::add(std::string name, plan::fb::DType dtype, std::vector<int64_t> shape,
+                                std::span<const std::byte> data) {
   return catchExceptions(path_, [&]() -> Status {
-    std::string context = path_ + ": entry " + std::to_string(entries_.size()) + " '" +
-                          printable(name) + "'";
+    std::string context =
+        path_ + ": entry " + std::to_string(entries_.size()) + " '" + printable(name) + "'";
     if (finished_)
       return Status::error(context + ": the archive is already finished");
     if (failed_ || fd_ < 0)
       return Status::error(context + ": an earlier write failed");
     if (name.empty() || name.size() > kMaxNameBytes)
-      return Status::error(context + ": the name must have 1 to " +
-                           std::to_string(kMaxNameBytes) + " bytes");
+      return Status::error(context + ": the name must have 1 to " + std::to_string(kMaxNameBytes) +
+                           " bytes");
     if (index_.count(name))
       return Status::error(context + ": duplicate name");
     if (dtypeByteSize(dtype) == 0)
@@ -732,13 +732,13 @@ std::span<const std::byte> WeightArchive::bytes(const Entry &entry) const {
 Status WeightArchive::verifyContents() const {
   return catchExceptions(path_, [&]() -> Status {
     for (size_t i = 0; i < entries_.size(); ++i) {
-    const Entry &entry = entries_[i];
-    std::span<const std::byte> data = bytes(entry);
-    uint64_t actual = XXH3_64bits(data.data(), data.size());
-    if (actual != entry.dataHash)
-      return Status::error(path_ + ": " + entryContext(i, entry.name) + ": data hashes to " +
-                           hex64(actual) + " but the table records " + hex64(entry.dataHash) +
-                           " (corrupt data)");
+      const Entry &entry = entries_[i];
+      std::span<const std::byte> data = bytes(entry);
+      uint64_t actual = XXH3_64bits(data.data(), data.size());
+      if (actual != entry.dataHash)
+        return Status::error(path_ + ": " + entryContext(i, entry.name) + ": data hashes to " +
+                             hex64(actual) + " but the table records " + hex64(entry.dataHash) +
+                             " (corrupt data)");
     }
     return Status::ok();
   });

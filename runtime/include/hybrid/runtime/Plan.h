@@ -3,7 +3,8 @@
 //   1. size and file identifier ("HYPL"),
 //   2. the FlatBuffers verifier (every offset, vector and string inside the buffer),
 //   3. semantic checks: version, indices (values, weights, streams, events, cache slots) in range,
-//      arena bounds, params type and weight count matching each kernel, weight sizes.
+//      arena bounds, params type, operand counts and weight roles matching each kernel's
+//      signature (runtime/schema/kernel_signatures.h), weight sizes.
 // After a successful load every index in the plan can be used without further bounds checks.
 // checkTarget and checkWeights then match the plan against the device and the weight archive.
 #pragma once
@@ -26,8 +27,9 @@ namespace hybrid {
 inline constexpr uint16_t kPlanVersionMajor = 1;
 inline constexpr uint16_t kPlanVersionMinor = 0;
 
-// The params table a kernel takes (MlaPrefill, MlaDecode, SparseMla* -> MlaParams);
-// KernelParams::NONE for a value outside the enum.
+// Shorthands over the kernel table of runtime/schema/kernel_signatures.h, which the compiler's
+// contract verifier reads too. The params table a kernel takes (MlaPrefill, MlaDecode,
+// SparseMla* -> MlaParams); KernelParams::NONE for a value outside the enum.
 plan::fb::KernelParams expectedParamsType(plan::fb::KernelId kernel);
 // Number of entries in a dispatch's `weights` (role order in plan.fbs): KDA 16, MLA 7,
 // DsaIndexer 5, MoE 5 + 3 * numExperts, AttnRes 2, Mlp 3, Embed/RmsNorm/Linear/LmHead 1, Add 0.
@@ -66,8 +68,8 @@ Status checkTarget(const LoadedPlan &plan, std::string_view device, int worldSiz
                    std::string_view arch = {});
 
 // Checks that `archive` is the one the plan was compiled against: the archive key equals the plan's
-// weight_archive_key, the archive size equals weight_archive_bytes (when that is non-zero), and
-// every plan weight's name, dtype, shape, offset and size equals its archive entry.
+// weight_archive_key, weight_archive_bytes (when non-zero) equals where the archive's last entry
+// ends, and every plan weight's name, dtype, shape, offset and size equals its archive entry.
 Status checkWeights(const LoadedPlan &plan, const WeightArchive &archive);
 
 } // namespace hybrid

@@ -82,7 +82,7 @@ public:
   Status finish();
 
   const std::vector<WeightArchiveEntry> &entries() const { return entries_; }
-  // The archive's total size in bytes once finish() succeeded (Plan.weight_archive_bytes).
+  // The archive's total size in bytes (data and entry table) once finish() succeeded.
   uint64_t fileSize() const { return fileSize_; }
 
 private:
