@@ -98,7 +98,9 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
                                 p.i32("kv_slot"))
                 .Union()};
   }
-  case plan::KernelId::dsa_indexer: {
+  case plan::KernelId::dsa_indexer:
+  case plan::KernelId::indexer_query:
+  case plan::KernelId::indexer_key: {
     auto rope = writeRope(b, p.dict("rope"));
     return {fb::KernelParams::DsaIndexerParams,
             fb::CreateDsaIndexerParams(b, p.i32("index_heads"), p.i32("index_head_dim"),
@@ -113,7 +115,8 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
                 .Union()};
   case plan::KernelId::mlp:
     return {fb::KernelParams::MlpParams, fb::CreateMlpParams(b, fb::Activation::Silu).Union()};
-  case plan::KernelId::moe:
+  case plan::KernelId::moe_experts:
+  case plan::KernelId::router_topk:
     return {fb::KernelParams::MoeParams,
             fb::CreateMoeParams(b, p.i32("num_experts"), p.i32("top_k"), p.i32("num_groups"),
                                 p.i32("topk_groups"),

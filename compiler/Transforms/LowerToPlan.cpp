@@ -48,6 +48,59 @@ struct PlanTables {
   llvm::DenseMap<Operation *, int32_t> stateSlot;  // kda -> slot
 };
 
+// The values and steps of one program while it is being built.
+class ProgramBuilder {
+public:
+  struct ValueSpec {
+    Type dtype;
+    int64_t rowElements;
+    std::string name;
+  };
+  struct StepSpec {
+    plan::KernelId kernel;
+    DictionaryAttr params;
+    SmallVector<int32_t> inputs, outputs, weights;
+    int32_t layer;
+    Location loc;
+  };
+
+  ProgramBuilder(OpBuilder &builder, bool fp32Activations)
+      : builder_(builder), fp32Activations_(fp32Activations) {}
+
+  int32_t addValue(Type dtype, int64_t rowElements, std::string name) {
+    values_.push_back({dtype, rowElements, std::move(name)});
+    return static_cast<int32_t>(values_.size() - 1);
+  }
+  void bind(Value value, int32_t index) { index_[value] = index; }
+  int32_t valueOf(Value value) const { return index_.lookup(value); }
+  // A plan value for an op result, named after the op.
+  int32_t resultOf(Value result) {
+    int32_t index = addValue(activationType(result), rowElementsOf(result),
+                             locationName(result.getDefiningOp()));
+    bind(result, index);
+    return index;
+  }
+  // Activations compute in fp32 on the CPU reference and keep the model dtype elsewhere.
+  Type activationType(Value value) const {
+    Type element = cast<RankedTensorType>(value.getType()).getElementType();
+    return isa<FloatType>(element) && fp32Activations_ ? Type(builder_.getF32Type()) : element;
+  }
+  int64_t rowElementsOf(Value value) const {
+    auto type = cast<RankedTensorType>(value.getType());
+    return type.getRank() == 1 ? 1 : type.getDimSize(1);
+  }
+  void addStep(StepSpec step) { steps_.push_back(std::move(step)); }
+  ArrayRef<ValueSpec> values() const { return values_; }
+  ArrayRef<StepSpec> steps() const { return steps_; }
+
+private:
+  OpBuilder &builder_;
+  bool fp32Activations_;
+  SmallVector<ValueSpec> values_;
+  SmallVector<StepSpec> steps_;
+  llvm::DenseMap<Value, int32_t> index_;
+};
+
 class ModelLowering {
 public:
   ModelLowering(ModelOp model, const LowerToPlanOptions &options)
@@ -65,8 +118,8 @@ private:
   SmallVector<int32_t> weightList(ArrayRef<WeightAttr> weights);
   SmallVector<int32_t> weightList(Operation *op, ArrayRef<StringRef> roles);
   DictionaryAttr ropeParams(RopeAttr rope);
-  FailureOr<std::pair<plan::KernelId, DictionaryAttr>> kernelFor(Operation *op, bool decode,
-                                                                 SmallVector<int32_t> &weights);
+  // Appends the dispatches computing `op` (one or several) to `program`.
+  LogicalResult expand(Operation *op, bool decode, ProgramBuilder &program);
 
   NamedAttribute i32(StringRef name, int64_t value) {
     return builder_.getNamedAttr(name, builder_.getI32IntegerAttr(static_cast<int32_t>(value)));
@@ -232,10 +285,22 @@ DictionaryAttr ModelLowering::ropeParams(RopeAttr rope) {
   return builder_.getDictionaryAttr(attrs);
 }
 
-FailureOr<std::pair<plan::KernelId, DictionaryAttr>>
-ModelLowering::kernelFor(Operation *op, bool decode, SmallVector<int32_t> &weights) {
+LogicalResult ModelLowering::expand(Operation *op, bool decode, ProgramBuilder &program) {
   SmallVector<NamedAttribute> params;
-  plan::KernelId kernel;
+  const int32_t layer = layerOf(op);
+  const std::string name = locationName(op);
+  auto inputsOf = [&]() {
+    SmallVector<int32_t> inputs;
+    for (Value operand : op->getOperands())
+      inputs.push_back(program.valueOf(operand));
+    return inputs;
+  };
+  // The common case: one dispatch reading the op's operands and writing its result.
+  auto single = [&](plan::KernelId kernel, SmallVector<int32_t> weights) {
+    program.addStep({kernel, builder_.getDictionaryAttr(params), inputsOf(),
+                     {program.resultOf(op->getResult(0))}, std::move(weights), layer, op->getLoc()});
+    return success();
+  };
   auto mlaParams = [&](auto mla) {
     params = {i32("num_heads", mla.getNumHeads()),
               i32("q_lora_rank", mla.getQLoraRank().value_or(0)),
@@ -247,24 +312,23 @@ ModelLowering::kernelFor(Operation *op, bool decode, SmallVector<int32_t> &weigh
               f32("softmax_scale", mla.getSoftmaxScale().convertToDouble()),
               f32("latent_norm_epsilon", mla.getLatentNormEpsilon().convertToDouble()),
               i32("kv_slot", tables_.kvSlot.lookup(mla))};
-    weights = weightList(op, {"q_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
-                              "kv_b_proj", "g_proj", "o_proj"});
+    return weightList(op, {"q_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                           "kv_b_proj", "g_proj", "o_proj"});
   };
 
-  if (auto embed = dyn_cast<EmbedOp>(op)) {
-    kernel = plan::KernelId::embed;
-    weights = weightList({embed.getWeight()});
-  } else if (auto norm = dyn_cast<RmsNormOp>(op)) {
-    kernel = plan::KernelId::rms_norm;
+  if (auto embed = dyn_cast<EmbedOp>(op))
+    return single(plan::KernelId::embed, weightList({embed.getWeight()}));
+  if (auto norm = dyn_cast<RmsNormOp>(op)) {
     params = {f32("epsilon", norm.getEpsilon().convertToDouble())};
-    weights = weightList({norm.getWeight()});
-  } else if (auto linear = dyn_cast<LinearOp>(op)) {
-    kernel = plan::KernelId::linear;
-    weights = weightList({linear.getWeight()});
-  } else if (isa<AddOp>(op)) {
-    kernel = plan::KernelId::add;
-  } else if (auto kda = dyn_cast<KdaOp>(op)) {
-    kernel = decode ? plan::KernelId::kda_recurrent_decode : plan::KernelId::kda_chunk_prefill;
+    return single(plan::KernelId::rms_norm, weightList({norm.getWeight()}));
+  }
+  if (auto linear = dyn_cast<LinearOp>(op))
+    return single(plan::KernelId::linear, weightList({linear.getWeight()}));
+  if (isa<AddOp>(op))
+    return single(plan::KernelId::add, {});
+  if (auto head = dyn_cast<LmHeadOp>(op))
+    return single(plan::KernelId::lm_head, weightList({head.getWeight()}));
+  if (auto kda = dyn_cast<KdaOp>(op)) {
     params = {i32("num_heads", kda.getNumHeads()), i32("head_dim", kda.getHeadDim()),
               i32("conv_kernel", kda.getConvKernel()),
               str("gate", stringifyKdaGateKind(kda.getGateKind())),
@@ -273,36 +337,67 @@ ModelLowering::kernelFor(Operation *op, bool decode, SmallVector<int32_t> &weigh
               f32("norm_epsilon", kda.getNormEpsilon().convertToDouble()),
               str("state_layout", stringifyStateLayout(kda.getStateLayout())),
               i32("state_slot", tables_.stateSlot.lookup(op))};
-    weights = weightList(op, {"q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d",
-                              "f_a_proj", "f_b_proj", "A_log", "dt_bias", "b_proj", "g_a_proj",
-                              "g_b_proj", "g_proj", "o_norm", "o_proj"});
-  } else if (auto mla = dyn_cast<MlaOp>(op)) {
-    kernel = decode ? plan::KernelId::mla_decode : plan::KernelId::mla_prefill;
-    mlaParams(mla);
-  } else if (auto sparse = dyn_cast<SparseMlaOp>(op)) {
-    kernel = decode ? plan::KernelId::sparse_mla_decode : plan::KernelId::sparse_mla_prefill;
-    mlaParams(sparse);
-  } else if (auto indexer = dyn_cast<DsaIndexerOp>(op)) {
-    kernel = plan::KernelId::dsa_indexer;
-    params = {i32("index_heads", indexer.getIndexHeads()),
-              i32("index_head_dim", indexer.getIndexHeadDim()), i32("top_k", indexer.getTopK()),
-              i32("rope_head_dim", indexer.getRopeHeadDim()),
-              builder_.getNamedAttr("rope", ropeParams(indexer.getRope())),
-              f32("norm_epsilon", indexer.getNormEpsilon().convertToDouble()),
-              i32("kv_slot", tables_.kvSlot.lookup(op))};
-    weights = weightList({indexer.getWqB(), indexer.getWk(), indexer.getKNorm(),
-                          indexer.getKNormBias(), indexer.getWeightsProj()});
-  } else if (auto mix = dyn_cast<AttnResOp>(op)) {
-    kernel = plan::KernelId::attn_res;
+    return single(decode ? plan::KernelId::kda_recurrent_decode
+                         : plan::KernelId::kda_chunk_prefill,
+                  weightList(op, {"q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d",
+                                  "v_conv1d", "f_a_proj", "f_b_proj", "A_log", "dt_bias",
+                                  "b_proj", "g_a_proj", "g_b_proj", "g_proj", "o_norm",
+                                  "o_proj"}));
+  }
+  if (auto mla = dyn_cast<MlaOp>(op)) {
+    SmallVector<int32_t> weights = mlaParams(mla);
+    return single(decode ? plan::KernelId::mla_decode : plan::KernelId::mla_prefill, weights);
+  }
+  if (auto sparse = dyn_cast<SparseMlaOp>(op)) {
+    SmallVector<int32_t> weights = mlaParams(sparse);
+    return single(decode ? plan::KernelId::sparse_mla_decode : plan::KernelId::sparse_mla_prefill,
+                  weights);
+  }
+  if (auto mix = dyn_cast<AttnResOp>(op)) {
     params = {i32("block_size", mix.getBlockSize()),
               f32("epsilon", mix.getEpsilon().convertToDouble())};
-    weights = weightList({mix.getNorm(), mix.getProj()});
-  } else if (auto mlp = dyn_cast<MlpOp>(op)) {
-    kernel = plan::KernelId::mlp;
+    return single(plan::KernelId::attn_res, weightList({mix.getNorm(), mix.getProj()}));
+  }
+  if (auto mlp = dyn_cast<MlpOp>(op)) {
     params = {str("activation", stringifyActivation(mlp.getActivation()))};
-    weights = weightList({mlp.getGateProj(), mlp.getUpProj(), mlp.getDownProj()});
-  } else if (auto moe = dyn_cast<MoeOp>(op)) {
-    kernel = plan::KernelId::moe;
+    return single(plan::KernelId::mlp,
+                  weightList({mlp.getGateProj(), mlp.getUpProj(), mlp.getDownProj()}));
+  }
+
+  if (auto indexer = dyn_cast<DsaIndexerOp>(op)) {
+    // Three independent prologs (query from the latent, key from the input, head weights from
+    // the input), then one fused kernel scoring every cached key, weighting heads and taking the
+    // top-k: the scores [tokens, context] never materialize.
+    const int64_t heads = indexer.getIndexHeads(), headDim = indexer.getIndexHeadDim();
+    SmallVector<NamedAttribute> common = {
+        i32("index_heads", heads), i32("index_head_dim", headDim),
+        i32("top_k", indexer.getTopK()), i32("rope_head_dim", indexer.getRopeHeadDim()),
+        builder_.getNamedAttr("rope", ropeParams(indexer.getRope())),
+        f32("norm_epsilon", indexer.getNormEpsilon().convertToDouble()),
+        i32("kv_slot", tables_.kvSlot.lookup(op))};
+    DictionaryAttr shared = builder_.getDictionaryAttr(common);
+    Type f32Type = builder_.getF32Type();
+    Type activation = program.activationType(indexer.getInput());
+    int32_t query = program.addValue(activation, heads * headDim, name + ".query");
+    int32_t key = program.addValue(activation, headDim, name + ".key");
+    int32_t headWeights = program.addValue(f32Type, heads, name + ".head_weights");
+    int32_t x = program.valueOf(indexer.getInput());
+    program.addStep({plan::KernelId::indexer_query, shared,
+                     {program.valueOf(indexer.getQLatent())}, {query},
+                     weightList({indexer.getWqB()}), layer, op->getLoc()});
+    program.addStep({plan::KernelId::indexer_key, shared, {x}, {key},
+                     weightList({indexer.getWk(), indexer.getKNorm(), indexer.getKNormBias()}),
+                     layer, op->getLoc()});
+    program.addStep({plan::KernelId::linear, builder_.getDictionaryAttr({}), {x}, {headWeights},
+                     weightList({indexer.getWeightsProj()}), layer, op->getLoc()});
+    program.addStep({plan::KernelId::dsa_indexer, shared, {query, key, headWeights},
+                     {program.resultOf(indexer.getResult())}, {}, layer, op->getLoc()});
+    return success();
+  }
+
+  if (auto moe = dyn_cast<MoeOp>(op)) {
+    // Router + grouped top-k, the routed experts, and the always-on shared expert as a separate
+    // SwiGLU so it can overlap the routed ones; their sum is the layer's output.
     params = {i32("num_experts", moe.getNumExperts()), i32("top_k", moe.getTopK()),
               i32("num_groups", moe.getNumGroups()), i32("topk_groups", moe.getTopkGroups()),
               str("score_function", stringifyScoreFunction(moe.getScoreFunction())),
@@ -310,22 +405,42 @@ ModelLowering::kernelFor(Operation *op, bool decode, SmallVector<int32_t> &weigh
               f32("routed_scaling_factor", moe.getRoutedScalingFactor().convertToDouble()),
               i32("intermediate_size", moe.getIntermediateSize()),
               i32("num_shared_experts", moe.getNumSharedExperts())};
-    weights = weightList(op, {"router", "correction_bias", "shared_gate_proj", "shared_up_proj",
-                              "shared_down_proj"});
+    DictionaryAttr moeParams = builder_.getDictionaryAttr(params);
+    const int64_t topK = moe.getTopK();
+    int32_t x = program.valueOf(moe.getInput());
+    int32_t expertIds = program.addValue(builder_.getI32Type(), topK, name + ".expert_ids");
+    int32_t expertWeights =
+        program.addValue(builder_.getF32Type(), topK, name + ".expert_weights");
+    program.addStep({plan::KernelId::router_topk, moeParams, {x}, {expertIds, expertWeights},
+                     weightList(op, {"router", "correction_bias"}), layer, op->getLoc()});
+    SmallVector<int32_t> expertWeightIds;
     for (int64_t e = 0; e < static_cast<int64_t>(moe.getNumExperts()); ++e) {
-      SmallVector<int32_t> expert =
-          weightList({cast<WeightAttr>(moe.getExpertsGateProj()[e]),
-                      cast<WeightAttr>(moe.getExpertsUpProj()[e]),
-                      cast<WeightAttr>(moe.getExpertsDownProj()[e])});
-      weights.append(expert.begin(), expert.end());
+      SmallVector<int32_t> expert = weightList({cast<WeightAttr>(moe.getExpertsGateProj()[e]),
+                                                cast<WeightAttr>(moe.getExpertsUpProj()[e]),
+                                                cast<WeightAttr>(moe.getExpertsDownProj()[e])});
+      expertWeightIds.append(expert.begin(), expert.end());
     }
-  } else if (auto head = dyn_cast<LmHeadOp>(op)) {
-    kernel = plan::KernelId::lm_head;
-    weights = weightList({head.getWeight()});
-  } else {
-    return op->emitOpError() << "has no kernel in the plan";
+    const int32_t output = program.resultOf(moe.getResult());
+    if (moe.getNumSharedExperts() == 0) {
+      program.addStep({plan::KernelId::moe_experts, moeParams, {x, expertIds, expertWeights},
+                       {output}, expertWeightIds, layer, op->getLoc()});
+      return success();
+    }
+    Type activation = program.activationType(moe.getInput());
+    const int64_t width = program.rowElementsOf(moe.getInput());
+    int32_t routed = program.addValue(activation, width, name + ".routed");
+    int32_t sharedOut = program.addValue(activation, width, name + ".shared");
+    program.addStep({plan::KernelId::moe_experts, moeParams, {x, expertIds, expertWeights},
+                     {routed}, expertWeightIds, layer, op->getLoc()});
+    program.addStep({plan::KernelId::mlp,
+                     builder_.getDictionaryAttr({str("activation", "silu")}), {x}, {sharedOut},
+                     weightList(op, {"shared_gate_proj", "shared_up_proj", "shared_down_proj"}),
+                     layer, op->getLoc()});
+    program.addStep({plan::KernelId::add, builder_.getDictionaryAttr({}), {routed, sharedOut},
+                     {output}, {}, layer, op->getLoc()});
+    return success();
   }
-  return std::make_pair(kernel, builder_.getDictionaryAttr(params));
+  return op->emitOpError() << "has no kernel in the plan";
 }
 
 LogicalResult ModelLowering::emitProgram(plan::PlanOp planOp, StringRef name, int64_t maxTokens,
@@ -339,82 +454,53 @@ LogicalResult ModelLowering::emitProgram(plan::PlanOp planOp, StringRef name, in
       builder_.getI32IntegerAttr(0));
   Block *body = builder_.createBlock(&program.getBody());
 
-  // Values: the token ids, then every op result, in program order.
+  // The token ids first, then the ops' results and the intermediates their expansions need.
   Block &modelBlock = model_.getBodyBlock();
-  llvm::DenseMap<Value, int32_t> valueIndex;
-  SmallVector<Value> values;
-  auto addValue = [&](Value v) {
-    valueIndex[v] = static_cast<int32_t>(values.size());
-    values.push_back(v);
-  };
-  addValue(modelBlock.getArgument(0));
-  SmallVector<Operation *> steps;
-  for (Operation &op : modelBlock.without_terminator()) {
-    steps.push_back(&op);
-    for (Value result : op.getResults())
-      addValue(result);
-  }
-
-  auto returnOp = cast<ReturnOp>(modelBlock.getTerminator());
-  auto rowBytesOf = [&](Value v) {
-    auto type = cast<RankedTensorType>(v.getType());
-    Type element = type.getElementType();
-    if (isa<FloatType>(element) && options_.device == "cpu")
-      element = builder_.getF32Type(); // the CPU reference computes in fp32
-    int64_t rowElements = type.getRank() == 1 ? 1 : type.getDimSize(1);
-    return std::make_pair(rowElements, element);
-  };
-
-  // Emit values; --hybrid-plan-memory gives them arena offsets (-1: not planned yet).
-  builder_.setInsertionPointToEnd(body);
-  for (auto [v, value] : llvm::enumerate(values)) {
-    auto [rowElements, element] = rowBytesOf(value);
-    std::string valueName = v == 0 ? std::string("input_ids") : locationName(value.getDefiningOp());
-    builder_.create<plan::ValueOp>(loc, TypeAttr::get(element),
-                                   builder_.getI64IntegerAttr(rowElements),
-                                   builder_.getI64IntegerAttr(-1),
-                                   builder_.getStringAttr(valueName));
-  }
-
-  // Emit steps; the residual stream after each layer is the result of the layer's last op.
-  std::map<int32_t, int32_t> layerOutput;
-  int32_t embedOutput = -1, finalNormOutput = -1;
-  for (Operation *op : steps) {
-    SmallVector<int32_t> weights;
-    FailureOr<std::pair<plan::KernelId, DictionaryAttr>> kernel = kernelFor(op, decode, weights);
-    if (failed(kernel))
+  ProgramBuilder values(builder_, options_.device == "cpu");
+  const int32_t tokenIds = values.addValue(builder_.getI64Type(), 1, "input_ids");
+  values.bind(modelBlock.getArgument(0), tokenIds);
+  for (Operation &op : modelBlock.without_terminator())
+    if (failed(expand(&op, decode, values)))
       return failure();
-    SmallVector<int32_t> inputs, outputs;
-    for (Value operand : op->getOperands())
-      inputs.push_back(valueIndex[operand]);
-    for (Value result : op->getResults())
-      outputs.push_back(valueIndex[result]);
-    int32_t layer = layerOf(op);
+
+  // Values, then steps; --hybrid-plan-memory gives the values arena offsets (-1: not yet).
+  builder_.setInsertionPointToEnd(body);
+  for (const ProgramBuilder::ValueSpec &value : values.values())
+    builder_.create<plan::ValueOp>(loc, TypeAttr::get(value.dtype),
+                                   builder_.getI64IntegerAttr(value.rowElements),
+                                   builder_.getI64IntegerAttr(-1),
+                                   builder_.getStringAttr(value.name));
+  // The residual stream after each layer is the last value the layer writes.
+  auto returnOp = cast<ReturnOp>(modelBlock.getTerminator());
+  std::map<int32_t, int32_t> layerOutput;
+  for (const ProgramBuilder::StepSpec &step : values.steps()) {
     builder_.create<plan::DispatchOp>(
-        op->getLoc(), plan::KernelIdAttr::get(builder_.getContext(), kernel->first),
-        builder_.getDenseI32ArrayAttr(inputs), builder_.getDenseI32ArrayAttr(outputs),
-        builder_.getDenseI32ArrayAttr(weights), kernel->second, builder_.getI32IntegerAttr(0),
+        step.loc, plan::KernelIdAttr::get(builder_.getContext(), step.kernel),
+        builder_.getDenseI32ArrayAttr(step.inputs), builder_.getDenseI32ArrayAttr(step.outputs),
+        builder_.getDenseI32ArrayAttr(step.weights), step.params, builder_.getI32IntegerAttr(0),
         builder_.getDenseI32ArrayAttr({}), builder_.getI32IntegerAttr(-1),
-        builder_.getI32IntegerAttr(layer));
-    if (layer >= 0)
-      layerOutput[layer] = outputs.front();
-    if (isa<EmbedOp>(op))
-      embedOutput = outputs.front();
-    if (isa<RmsNormOp>(op) && returnOp.getLogits().getDefiningOp() &&
-        returnOp.getLogits().getDefiningOp()->getOperand(0) == op->getResult(0))
-      finalNormOutput = outputs.front();
+        builder_.getI32IntegerAttr(step.layer));
+    if (step.layer >= 0)
+      layerOutput[step.layer] = step.outputs.back();
   }
-  SmallVector<int32_t> layerOutputs = {embedOutput};
+  Operation *head = returnOp.getLogits().getDefiningOp();
+  Operation *embed = nullptr;
+  for (Operation &op : modelBlock)
+    if (isa<EmbedOp>(op))
+      embed = &op;
+  if (!embed || !head)
+    return model_.emitOpError() << "needs an embedding and an LM head to lower";
+  SmallVector<int32_t> layerOutputs = {values.valueOf(embed->getResult(0))};
   for (int32_t layer = 0; layer < static_cast<int32_t>(model_.getNumLayers()); ++layer) {
     auto it = layerOutput.find(layer);
     if (it == layerOutput.end())
       return model_.emitOpError() << "layer " << layer << " has no ops";
     layerOutputs.push_back(it->second);
   }
-  layerOutputs.push_back(finalNormOutput);
+  layerOutputs.push_back(values.valueOf(head->getOperand(0)));
 
-  program.setTokenIdsAttr(builder_.getI32IntegerAttr(0));
-  program.setLogitsAttr(builder_.getI32IntegerAttr(valueIndex[returnOp.getLogits()]));
+  program.setTokenIdsAttr(builder_.getI32IntegerAttr(tokenIds));
+  program.setLogitsAttr(builder_.getI32IntegerAttr(values.valueOf(returnOp.getLogits())));
   program.setLayerOutputsAttr(builder_.getDenseI32ArrayAttr(layerOutputs));
   return success();
 }

@@ -47,12 +47,15 @@ ArrayRef<StringRef> requiredParams(plan::KernelId kernel) {
   case plan::KernelId::sparse_mla_decode:
     return mla;
   case plan::KernelId::dsa_indexer:
+  case plan::KernelId::indexer_query:
+  case plan::KernelId::indexer_key:
     return indexer;
   case plan::KernelId::attn_res:
     return mix;
   case plan::KernelId::mlp:
     return mlp;
-  case plan::KernelId::moe:
+  case plan::KernelId::moe_experts:
+  case plan::KernelId::router_topk:
     return moe;
   default:
     return {};
@@ -129,10 +132,11 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
     int64_t inputs = dispatch.getInputs().size();
     if (inputs < signature->minInputs ||
         (signature->maxInputs >= 0 && inputs > signature->maxInputs) ||
-        dispatch.getOutputs().size() != 1)
+        static_cast<int>(dispatch.getOutputs().size()) != signature->numOutputs)
       return dispatch.emitOpError() << signature->name << " takes " << signature->minInputs
-                                    << ".." << signature->maxInputs << " inputs and 1 output, got "
-                                    << inputs << " and " << dispatch.getOutputs().size();
+                                    << ".." << signature->maxInputs << " inputs and "
+                                    << signature->numOutputs << " outputs, got " << inputs
+                                    << " and " << dispatch.getOutputs().size();
     for (int32_t v : dispatch.getInputs()) {
       if (!inRange(v) || definedAt[v] < 0)
         return dispatch.emitOpError() << "reads value " << v << " before it is written";

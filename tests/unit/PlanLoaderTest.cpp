@@ -162,12 +162,14 @@ PlanSpec richPlan() {
       dispatchOf(KernelId::Embed, KernelParams::EmbedParams, {0}, {0}, {1}),
       dispatchOf(KernelId::RmsNorm, KernelParams::RmsNormParams, {1}),
       dispatchOf(KernelId::KdaChunkPrefill, KernelParams::KdaParams, repeat(16, 0)),
-      dispatchOf(KernelId::DsaIndexer, KernelParams::DsaIndexerParams, repeat(5, 0), {1, 1}, {4}),
+      dispatchOf(KernelId::IndexerQuery, KernelParams::DsaIndexerParams, {0}, {1}, {2}),
+      dispatchOf(KernelId::DsaIndexer, KernelParams::DsaIndexerParams, {}, {1, 1, 1}, {4}),
       dispatchOf(KernelId::SparseMlaPrefill, KernelParams::MlaParams, kMlaRequiredOnly, {1, 4}),
       dispatchOf(KernelId::MlaDecode, KernelParams::MlaParams, repeat(7, 0)),
       dispatchOf(KernelId::AttnRes, KernelParams::AttnResParams, {0, 1}, {1, 3}),
       dispatchOf(KernelId::Mlp, KernelParams::MlpParams, repeat(3, 0)),
-      dispatchOf(KernelId::Moe, KernelParams::MoeParams, repeat(11, 0)),
+      dispatchOf(KernelId::RouterTopK, KernelParams::MoeParams, {0, -1}, {1}, {2, 3}),
+      dispatchOf(KernelId::MoeExperts, KernelParams::MoeParams, repeat(6, 0), {1, 2, 3}),
       dispatchOf(KernelId::Linear, KernelParams::LinearParams, {0}),
       dispatchOf(KernelId::LmHead, KernelParams::LmHeadParams, {0}, {1}, {2}),
   };
@@ -345,7 +347,7 @@ TEST(PlanLoader, MinimalPlanLoads) {
 TEST(PlanLoader, EveryKernelLoads) {
   StatusOr<LoadedPlan> plan = LoadedPlan::fromBytes(buildPlan(richPlan()), kSource);
   ASSERT_TRUE(plan.isOk()) << plan.status().message();
-  EXPECT_EQ(plan->plan().programs()->Get(0)->steps()->size(), 12u);
+  EXPECT_EQ(plan->plan().programs()->Get(0)->steps()->size(), 14u);
 }
 
 TEST(PlanLoader, LoadsFromFile) {
@@ -382,8 +384,10 @@ TEST(PlanLoader, KernelMetadata) {
   EXPECT_EQ(expectedParamsType(static_cast<KernelId>(999)), KernelParams::NONE);
   EXPECT_EQ(expectedWeightCount(KernelId::KdaChunkPrefill), 16);
   EXPECT_EQ(expectedWeightCount(KernelId::MlaPrefill), 7);
-  EXPECT_EQ(expectedWeightCount(KernelId::DsaIndexer), 5);
-  EXPECT_EQ(expectedWeightCount(KernelId::Moe, 4), 17);
+  EXPECT_EQ(expectedWeightCount(KernelId::DsaIndexer), 0);
+  EXPECT_EQ(expectedWeightCount(KernelId::IndexerKey), 3);
+  EXPECT_EQ(expectedWeightCount(KernelId::RouterTopK), 2);
+  EXPECT_EQ(expectedWeightCount(KernelId::MoeExperts, 4), 12);
   EXPECT_EQ(expectedWeightCount(KernelId::AttnRes), 2);
   EXPECT_EQ(expectedWeightCount(KernelId::Mlp), 3);
   EXPECT_EQ(expectedWeightCount(KernelId::LmHead), 1);
@@ -562,12 +566,13 @@ TEST(PlanLoader, WeightCountPerKernel) {
   EXPECT_CONTAINS(loadError(kda), "has 15 entries, KdaRecurrentDecode takes 16");
 
   PlanSpec moe = minimalPlan();
-  firstDispatch(moe) = dispatchOf(KernelId::Moe, KernelParams::MoeParams, std::vector<int32_t>(10));
-  EXPECT_CONTAINS(loadError(moe), "has 10 entries, Moe takes 11");
+  firstDispatch(moe) = dispatchOf(KernelId::MoeExperts, KernelParams::MoeParams,
+                                  std::vector<int32_t>(5), {1, 1, 1});
+  EXPECT_CONTAINS(loadError(moe), "has 5 entries, MoeExperts takes 6");
   firstDispatch(moe).weights.push_back(0);
   EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(moe), kSource).isOk());
   firstDispatch(moe).numExperts = 0;
-  EXPECT_CONTAINS(loadError(moe), "(Moe).params.num_experts = 0 must be positive");
+  EXPECT_CONTAINS(loadError(moe), "(MoeExperts).params.num_experts = 0 must be positive");
 
   PlanSpec add = minimalPlan();
   firstDispatch(add).weights = {0};
@@ -595,13 +600,20 @@ TEST(PlanLoader, AbsentWeightsOnlyInOptionalRoles) {
   EXPECT_CONTAINS(loadError(mla), "(MlaDecode).weights[4] (kv_b_proj) = -1, but the role is "
                                   "required");
 
+  PlanSpec router = minimalPlan();
+  firstDispatch(router) =
+      dispatchOf(KernelId::RouterTopK, KernelParams::MoeParams, {0, -1}, {1}, {1, 1});
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(router), kSource).isOk()); // no correction bias
+  firstDispatch(router).weights = {-1, 0};
+  EXPECT_CONTAINS(loadError(router), "(RouterTopK).weights[0] (router) = -1, but the role is "
+                                     "required");
+
   PlanSpec moe = minimalPlan();
-  firstDispatch(moe) = dispatchOf(KernelId::Moe, KernelParams::MoeParams, std::vector<int32_t>(11));
-  firstDispatch(moe).weights[1] = -1; // no correction bias: optional
-  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(moe), kSource).isOk());
-  firstDispatch(moe).weights[9] = -1;
-  EXPECT_CONTAINS(loadError(moe), "(Moe).weights[9] (expert 1 up_proj) = -1, but the role is "
-                                  "required");
+  firstDispatch(moe) = dispatchOf(KernelId::MoeExperts, KernelParams::MoeParams,
+                                  std::vector<int32_t>(6), {1, 1, 1});
+  firstDispatch(moe).weights[4] = -1;
+  EXPECT_CONTAINS(loadError(moe), "(MoeExperts).weights[4] (expert 1 up_proj) = -1, but the role "
+                                  "is required");
 }
 
 TEST(PlanLoader, OperandCountsFollowTheKernelSignature) {

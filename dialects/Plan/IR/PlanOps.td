@@ -19,8 +19,11 @@ def Plan_KernelId : I32EnumAttr<"KernelId", "kernel to dispatch (plan.fbs Kernel
     I32EnumAttrCase<"sparse_mla_decode", 10>,
     I32EnumAttrCase<"attn_res", 11>,
     I32EnumAttrCase<"mlp", 12>,
-    I32EnumAttrCase<"moe", 13>,
-    I32EnumAttrCase<"lm_head", 14>
+    I32EnumAttrCase<"moe_experts", 13>,
+    I32EnumAttrCase<"lm_head", 14>,
+    I32EnumAttrCase<"indexer_query", 15>,
+    I32EnumAttrCase<"indexer_key", 16>,
+    I32EnumAttrCase<"router_topk", 17>
   ]> {
   let cppNamespace = "::hybrid::plan";
   let genSpecializedAttr = 0;
@@ -135,7 +138,8 @@ def Plan_ValueOp : Plan_Op<"value", [HasParent<"ProgramOp">]> {
 def Plan_DispatchOp : Plan_Op<"dispatch", [HasParent<"ProgramOp">]> {
   let summary = "a kernel dispatch (plan.fbs `Dispatch`)";
   let description = [{
-    Runs `kernel` on the input values, writing the output values; `weights` are weight indices in
+    Runs `kernel` on the input values, writing the output values (most kernels write one;
+    router_topk writes the expert ids and weights); `weights` are weight indices in
     the kernel's role order (plan.fbs), -1 for an absent optional weight; `params` holds the
     kernel's parameters by their plan.fbs field names.
 

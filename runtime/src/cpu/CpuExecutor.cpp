@@ -202,33 +202,48 @@ Status runKda(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
   return Status::ok();
 }
 
-Status runDsaIndexer(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+// The indexer's query heads: wq_b on the MLA query latent, rope on each head's leading dims.
+Status runIndexerQuery(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
   const fb::DsaIndexerParams *p = d.params_as_DsaIndexerParams();
-  HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
-  HYBRID_ASSIGN_OR_RETURN(std::span<float> latent, floatValue(c, d.inputs()->Get(1)));
-  HYBRID_ASSIGN_OR_RETURN(std::span<int32_t> indices, valueAs<int32_t>(c, d.outputs()->Get(0),
-                                                                       fb::DType::I32));
-  enum Role { WqB, Wk, KNorm, KNormBias, HeadWeights };
-  const int64_t T = c.rows, dModel = rowElements(c, d.inputs()->Get(0));
-  const int64_t rq = rowElements(c, d.inputs()->Get(1));
-  const int64_t Hi = p->index_heads(), Di = p->index_head_dim(), dr = p->rope_head_dim();
-  const int64_t topK = p->top_k();
-
-  std::vector<float> queries = project(latent, w[WqB], T, rq, Hi * Di);
-  std::vector<float> keys = project(x, w[Wk], T, dModel, Di);
-  ref::layerNorm(keys, w[KNorm], w[KNormBias], keys, T, Di, p->norm_epsilon());
-  std::vector<float> headWeights = project(x, w[HeadWeights], T, dModel, Hi);
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> latent, floatValue(c, d.inputs()->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> query, floatValue(c, d.outputs()->Get(0)));
+  const int64_t T = c.rows, Hi = p->index_heads(), Di = p->index_head_dim();
+  const int64_t dr = p->rope_head_dim(), rq = rowElements(c, d.inputs()->Get(0));
+  ref::linear(latent, w[0], query, T, rq, Hi * Di);
   const std::vector<float> frequencies = ropeFrequencies(p->rope(), dr);
   const ref::RopeLayout layout = ropeLayout(p->rope());
-  const std::vector<int64_t> pos = positions(c);
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < Hi; ++j)
-      ref::applyRope({queries.data() + (t * Hi + j) * Di, size_t(dr)}, pos[t], frequencies,
-                     layout);
-    ref::applyRope({keys.data() + t * Di, size_t(dr)}, pos[t], frequencies, layout);
-  }
+      ref::applyRope({query.data() + (t * Hi + j) * Di, size_t(dr)}, c.firstPosition + t,
+                     frequencies, layout);
+  return Status::ok();
+}
 
-  // Stage this step's keys beside the layer's latents; score past + current positions.
+// The indexer's key of each token: wk, LayerNorm with bias, rope on the leading dims.
+Status runIndexerKey(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  const fb::DsaIndexerParams *p = d.params_as_DsaIndexerParams();
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> key, floatValue(c, d.outputs()->Get(0)));
+  const int64_t T = c.rows, Di = p->index_head_dim(), dr = p->rope_head_dim();
+  ref::linear(x, w[0], key, T, rowElements(c, d.inputs()->Get(0)), Di);
+  ref::layerNorm(key, w[1], w[2], key, T, Di, p->norm_epsilon());
+  const std::vector<float> frequencies = ropeFrequencies(p->rope(), dr);
+  for (int64_t t = 0; t < T; ++t)
+    ref::applyRope({key.data() + t * Di, size_t(dr)}, c.firstPosition + t, frequencies,
+                   ropeLayout(p->rope()));
+  return Status::ok();
+}
+
+// Fused: stage the step's keys in the layer's index-key cache, score every causal position
+// (ReLU(q·k) weighted per head), keep the top-k.
+Status runDsaIndexer(const StepContext &c, const fb::Dispatch &d) {
+  const fb::DsaIndexerParams *p = d.params_as_DsaIndexerParams();
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> queries, floatValue(c, d.inputs()->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> keys, floatValue(c, d.inputs()->Get(1)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> headWeights, floatValue(c, d.inputs()->Get(2)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<int32_t> indices, valueAs<int32_t>(c, d.outputs()->Get(0),
+                                                                       fb::DType::I32));
+  const int64_t T = c.rows, Hi = p->index_heads(), Di = p->index_head_dim();
   const KvLayerShape &shape = c.kvCache->layerShape(p->kv_slot());
   if (shape.indexKeyDim != Di)
     return Status::error("KV slot " + std::to_string(p->kv_slot()) + " stores index keys of " +
@@ -241,10 +256,11 @@ Status runDsaIndexer(const StepContext &c, const fb::Dispatch &d, const Weights 
   HYBRID_ASSIGN_OR_RETURN(std::vector<float> allKeys,
                           pastAndCurrent(c, p->kv_slot(), KvPart::IndexKey, staged));
   const int64_t numKeys = static_cast<int64_t>(allKeys.size()) / Di;
+  const std::vector<int64_t> pos = positions(c);
   std::vector<float> scores(static_cast<size_t>(T * numKeys));
   ref::indexerScores({T, numKeys, Hi, Di, queries.data(), allKeys.data(), headWeights.data(),
                       pos.data(), scores.data()});
-  ref::topKIndices(scores, T, numKeys, topK, indices);
+  ref::topKIndices(scores, T, numKeys, p->top_k(), indices);
   return Status::ok();
 }
 
@@ -352,39 +368,44 @@ Status runAttnRes(const StepContext &c, const fb::Dispatch &d, const Weights &w)
   return Status::ok();
 }
 
-Status runMoe(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+// Fused router: logits, scores, grouped top-k, renormalized and scaled weights.
+Status runRouterTopK(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
   const fb::MoeParams *p = d.params_as_MoeParams();
   HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
-  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
-  enum Role { Router, Bias, SharedGate, SharedUp, SharedDown, FirstExpert };
-  const int64_t T = c.rows, dModel = rowElements(c, d.inputs()->Get(0));
-  const int64_t E = p->num_experts(), topK = p->top_k(), width = p->intermediate_size();
-
-  std::vector<float> logits = project(x, w[Router], T, dModel, E);
+  HYBRID_ASSIGN_OR_RETURN(std::span<int32_t> ids, valueAs<int32_t>(c, d.outputs()->Get(0),
+                                                                   fb::DType::I32));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> weights, floatValue(c, d.outputs()->Get(1)));
+  const int64_t T = c.rows, dModel = rowElements(c, d.inputs()->Get(0)), E = p->num_experts();
+  std::vector<float> logits = project(x, w[0], T, dModel, E);
   ref::RouterParams router;
   router.numExperts = E;
-  router.topK = topK;
+  router.topK = p->top_k();
   router.numGroups = p->num_groups();
   router.topKGroups = p->topk_groups();
   router.scoring = p->score_function() == fb::ScoreFunction::Softmax
                        ? ref::RouterScoring::Softmax
                        : ref::RouterScoring::Sigmoid;
-  router.correctionBias = w[Bias];
+  router.correctionBias = w[1];
   router.renormalize = p->renormalize();
   router.routedScalingFactor = p->routed_scaling_factor();
-  std::vector<int32_t> ids(static_cast<size_t>(T * topK));
-  std::vector<float> weights(static_cast<size_t>(T * topK));
   ref::routeTokens(logits, T, router, ids, weights);
+  return Status::ok();
+}
 
+// The routed experts: Σ_k weight_k · SwiGLU_{id_k}(x) per token (the shared expert is its own
+// dispatch).
+Status runMoeExperts(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  const fb::MoeParams *p = d.params_as_MoeParams();
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<int32_t> ids, valueAs<int32_t>(c, d.inputs()->Get(1),
+                                                                   fb::DType::I32));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> weights, floatValue(c, d.inputs()->Get(2)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  const int64_t dModel = rowElements(c, d.inputs()->Get(0)), width = p->intermediate_size();
   std::vector<ref::SwiGluWeights> experts;
-  for (int64_t e = 0; e < E; ++e)
-    experts.push_back({w[FirstExpert + 3 * e], w[FirstExpert + 3 * e + 1],
-                       w[FirstExpert + 3 * e + 2], dModel, width});
-  std::vector<ref::SwiGluWeights> shared;
-  if (p->num_shared_experts() > 0)
-    shared.push_back({w[SharedGate], w[SharedUp], w[SharedDown], dModel,
-                      width * p->num_shared_experts()});
-  ref::moeExperts(x, T, dModel, ids, weights, topK, experts, shared, out);
+  for (int64_t e = 0; e < p->num_experts(); ++e)
+    experts.push_back({w[3 * e], w[3 * e + 1], w[3 * e + 2], dModel, width});
+  ref::moeExperts(x, c.rows, dModel, ids, weights, p->top_k(), experts, {}, out);
   return Status::ok();
 }
 
@@ -435,8 +456,14 @@ Status runDispatch(const StepContext &c, const fb::Dispatch &d) {
   case fb::KernelId::SparseMlaDecode:
     status = runMla(c, d, w);
     break;
+  case fb::KernelId::IndexerQuery:
+    status = runIndexerQuery(c, d, w);
+    break;
+  case fb::KernelId::IndexerKey:
+    status = runIndexerKey(c, d, w);
+    break;
   case fb::KernelId::DsaIndexer:
-    status = runDsaIndexer(c, d, w);
+    status = runDsaIndexer(c, d);
     break;
   case fb::KernelId::AttnRes:
     status = runAttnRes(c, d, w);
@@ -449,8 +476,11 @@ Status runDispatch(const StepContext &c, const fb::Dispatch &d) {
     ref::swiGluMlp(x, c.rows, {w[0], w[1], w[2], dModel, width}, y);
     break;
   }
-  case fb::KernelId::Moe:
-    status = runMoe(c, d, w);
+  case fb::KernelId::RouterTopK:
+    status = runRouterTopK(c, d, w);
+    break;
+  case fb::KernelId::MoeExperts:
+    status = runMoeExperts(c, d, w);
     break;
   }
   if (!status)

@@ -429,14 +429,17 @@ private:
     auto numInputs = static_cast<int64_t>(lengthOf(dispatch.inputs()));
     size_t numOutputs = lengthOf(dispatch.outputs());
     if (numInputs < signature->minInputs ||
-        (signature->maxInputs >= 0 && numInputs > signature->maxInputs) || numOutputs != 1) {
+        (signature->maxInputs >= 0 && numInputs > signature->maxInputs) ||
+        static_cast<int>(numOutputs) != signature->numOutputs) {
       std::string inputs = std::to_string(signature->minInputs);
       if (signature->maxInputs != signature->minInputs)
         inputs +=
             signature->maxInputs < 0 ? " or more" : " to " + std::to_string(signature->maxInputs);
       return Status::error(context + ": " + kernelName(kernel) + " takes " + inputs +
-                           " inputs and 1 output, the plan gives " + std::to_string(numInputs) +
-                           " and " + std::to_string(numOutputs));
+                           " inputs and " + std::to_string(signature->numOutputs) +
+                           (signature->numOutputs == 1 ? " output" : " outputs") +
+                           ", the plan gives " + std::to_string(numInputs) + " and " +
+                           std::to_string(numOutputs));
     }
     HYBRID_RETURN_IF_ERROR(checkValueList(context + ".inputs", dispatch.inputs(), scope));
     HYBRID_RETURN_IF_ERROR(checkValueList(context + ".outputs", dispatch.outputs(), scope));
@@ -564,7 +567,7 @@ std::optional<int64_t> expectedWeightCount(fb::KernelId kernel, int64_t numExper
   const plan::KernelSignature *signature = plan::kernelSignature(kernel);
   if (!signature)
     return std::nullopt;
-  // MoE: router, correction_bias, shared gate/up/down, then gate/up/down per expert.
+  // MoeExperts: gate/up/down per expert.
   return signature->fixedWeights + (signature->perExpertWeights ? 3 * numExperts : 0);
 }
 

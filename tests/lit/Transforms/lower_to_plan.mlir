@@ -67,7 +67,7 @@ hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, voca
 // CHECK-NEXT: plan.recurrent_state_layer {conv_channels = 24 : i32, conv_kernel = 4 : i32, head_k_dim = 4 : i32, head_v_dim = 4 : i32, layer = 0 : i32, num_heads = 2 : i32, v_major = false}
 
 // Arena offsets are left to --hybrid-plan-memory.
-// CHECK: plan.program "prefill" attributes {arena_bytes = 0 : i64, layer_outputs = array<i32: 1, 6, 10, 11>, logits = 12 : i32, max_tokens = 4096 : i64, num_events = 0 : i32, num_streams = 1 : i32, token_ids = 0 : i32}
+// CHECK: plan.program "prefill" attributes {arena_bytes = 0 : i64, layer_outputs = array<i32: 1, 6, 12, 13>, logits = 14 : i32, max_tokens = 4096 : i64, num_events = 0 : i32, num_streams = 1 : i32, token_ids = 0 : i32}
 // CHECK-NEXT: plan.value i64 x 1 {name = "input_ids", offset = -1 : i64}
 // CHECK-NEXT: plan.value f32 x 16 {name = "model.embed_tokens", offset = -1 : i64}
 // CHECK: plan.dispatch embed [0] -> [1] weights [0] {params = {}, stream = 0 : i32}
@@ -78,12 +78,14 @@ hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, voca
 // CHECK-NEXT: plan.dispatch mlp [4] -> [5]
 // CHECK-NEXT: plan.dispatch add [4, 5] -> [6]
 // CHECK-NEXT: plan.dispatch mla_prefill [6] -> [7] weights [{{[0-9]+}}, -1, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}, -1, {{[0-9]+}}] {layer = 1 : i32, params = {kv_lora_rank = 8 : i32, kv_slot = 0 : i32, latent_norm_epsilon = 9.99999997E-7 : f32, num_heads = 2 : i32, q_lora_rank = 0 : i32, qk_nope_head_dim = 4 : i32, qk_rope_head_dim = 2 : i32, rope = {beta_fast = 3.200000e+01 : f64, beta_slow = 1.000000e+00 : f64, factor = 1.000000e+00 : f64, kind = "none", mscale = 1.000000e+00 : f64, mscale_all_dim = 0.000000e+00 : f64, original_max_position = 0 : i64, pairing = "interleaved", theta = 1.000000e+04 : f64}, softmax_scale = 4.080000e-01 : f32, v_head_dim = 4 : i32}
-// MoE weights: router, no bias, no shared experts, then (gate, up, down) per expert.
+// MoE: the router + grouped top-k writes expert ids and weights (no correction bias here), the
+// routed experts read them (gate, up, down per expert); no shared expert in this layer.
 // CHECK-NEXT: plan.dispatch add [6, 7] -> [8]
-// CHECK-NEXT: plan.dispatch moe [8] -> [9] weights [{{[0-9]+}}, -1, -1, -1, -1, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}]
-// CHECK-NEXT: plan.dispatch add [8, 9] -> [10]
-// CHECK-NEXT: plan.dispatch rms_norm [10] -> [11]
-// CHECK-NEXT: plan.dispatch lm_head [11] -> [12]
+// CHECK-NEXT: plan.dispatch router_topk [8] -> [9, 10] weights [{{[0-9]+}}, -1]
+// CHECK-NEXT: plan.dispatch moe_experts [8, 9, 10] -> [11] weights [{{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}]
+// CHECK-NEXT: plan.dispatch add [8, 11] -> [12]
+// CHECK-NEXT: plan.dispatch rms_norm [12] -> [13]
+// CHECK-NEXT: plan.dispatch lm_head [13] -> [14]
 
 // The decode program runs the recurrent kernels with a one-token arena.
 // CHECK: plan.program "decode" attributes {{{.*}}max_tokens = 1 : i64
