@@ -83,6 +83,8 @@ StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &conte
     return mlir::success();
   });
   mlir::PassManager pm(&context);
+  if (mlir::failed(mlir::applyPassManagerCLOptions(pm)))
+    return Status::error("invalid pass manager options");
   LowerToPlanOptions lowerOptions;
   lowerOptions.device = options.device;
   lowerOptions.arch = options.arch;
@@ -90,6 +92,7 @@ StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &conte
   lowerOptions.pageSize = options.pageSize;
   lowerOptions.compilerId = compilerIdentity();
   pm.addPass(createLowerToPlan(lowerOptions));
+  pm.addPass(createAssignStreams());
   pm.addPass(createPlanMemory());
   pm.addPass(createVerifyPlanContract());
   if (mlir::failed(pm.run(*module)))

@@ -29,13 +29,30 @@ def LowerToPlan : Pass<"hybrid-lower-to-plan", "mlir::ModuleOp"> {
   ];
 }
 
+def AssignStreams : Pass<"hybrid-assign-streams", "mlir::ModuleOp"> {
+  let summary = "Put independent steps on separate streams and join them with events";
+  let description = [{
+    Builds each program's dependency graph (value writers, and program order between steps on the
+    same KV slot or recurrent state) and walks it in program order: a step continues the lowest
+    stream whose last step it already depends on, so nothing is serialized that need not be, and
+    a step independent of every stream's tail opens a new stream (up to `max-streams`). The
+    indexer's three prologs (query, key, head weights) land on three streams and the shared
+    expert overlaps the routed ones. Every cross-stream dependency that the stream order does not
+    already imply gets an event: the producer signals it, the consumer waits for it.
+  }];
+  let options = [
+    Option<"maxStreams", "max-streams", "int32_t", /*default=*/"3", "Streams to use at most">
+  ];
+}
+
 def PlanMemory : Pass<"hybrid-plan-memory", "mlir::ModuleOp"> {
   let summary = "Place every program value in its program's activation arena";
   let description = [{
     One arena per program (per shape bucket: prefill plans `max_tokens` rows, decode one). A
     value's slot is reused only once every step that writes or reads it happens before the new
-    writer under the program's stream and event order, so streams never race on arena bytes.
-    Freed neighbours coalesce; allocation is best fit, 64-byte aligned. The logits stay live to
+    writer under the program's stream and event order, so streams never race on arena bytes;
+    freedom is decided per writing step (a slot free for one stream may still be busy for
+    another). Allocation is best fit among the gaps between busy slots, 64-byte aligned. The logits stay live to
     the end (the host reads them); the token ids are placed first (the host writes them).
   }];
 }

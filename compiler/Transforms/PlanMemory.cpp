@@ -23,47 +23,6 @@ int64_t alignUp(int64_t value) {
   return (value + kArenaAlignment - 1) / kArenaAlignment * kArenaAlignment;
 }
 
-struct Slot {
-  int64_t offset;
-  int64_t bytes;
-};
-
-// Free slots, kept sorted and coalesced so freed neighbours form one larger slot.
-class FreeList {
-public:
-  void release(Slot slot) {
-    slots_.push_back(slot);
-    std::sort(slots_.begin(), slots_.end(),
-              [](const Slot &a, const Slot &b) { return a.offset < b.offset; });
-    SmallVector<Slot> merged;
-    for (const Slot &s : slots_) {
-      if (!merged.empty() && merged.back().offset + merged.back().bytes == s.offset)
-        merged.back().bytes += s.bytes;
-      else
-        merged.push_back(s);
-    }
-    slots_ = std::move(merged);
-  }
-  // Best fit; nullopt when no free slot is large enough.
-  std::optional<int64_t> take(int64_t bytes) {
-    int best = -1;
-    for (auto [i, slot] : llvm::enumerate(slots_))
-      if (slot.bytes >= bytes && (best < 0 || slot.bytes < slots_[best].bytes))
-        best = static_cast<int>(i);
-    if (best < 0)
-      return std::nullopt;
-    int64_t offset = slots_[best].offset;
-    slots_[best].offset += bytes;
-    slots_[best].bytes -= bytes;
-    if (slots_[best].bytes == 0)
-      slots_.erase(slots_.begin() + best);
-    return offset;
-  }
-
-private:
-  SmallVector<Slot> slots_;
-};
-
 void planProgram(plan::ProgramOp program) {
   Builder builder(program.getContext());
   SmallVector<plan::ValueOp> values(program.getBodyBlock().getOps<plan::ValueOp>());
@@ -75,37 +34,45 @@ void planProgram(plan::ProgramOp program) {
   };
 
   SmallVector<int64_t> offsets(values.size(), 0);
-  SmallVector<int32_t> live; // allocated, not yet reclaimed
-  FreeList free;
+  SmallVector<int32_t> placed; // values with a slot, in placement order
   int64_t arenaEnd = 0;
-  auto allocate = [&](int32_t v) {
-    const int64_t bytes = bytesOf(values[v]);
-    if (std::optional<int64_t> offset = free.take(bytes)) {
-      offsets[v] = *offset;
-    } else {
-      offsets[v] = arenaEnd;
-      arenaEnd += bytes;
+  const int32_t logits = static_cast<int32_t>(program.getLogits());
+
+  // Places `v`, written by step `step` (or by the host before the program when step < 0), in the
+  // best-fitting gap between the slots still in use. A slot is in use when the step might overlap
+  // any of its value's uses: freedom is relative to the writing step's stream and events, so it is
+  // decided per allocation, not once for all later steps. The logits stay in use to the end.
+  auto place = [&](int32_t v, int64_t step) {
+    SmallVector<std::pair<int64_t, int64_t>> busy;
+    for (int32_t other : placed) {
+      bool free = step >= 0 && other != logits && order.deadBefore(other, step);
+      if (!free)
+        busy.push_back({offsets[other], offsets[other] + bytesOf(values[other])});
     }
-    live.push_back(v);
+    llvm::sort(busy);
+    const int64_t bytes = bytesOf(values[v]);
+    int64_t best = -1, bestGap = 0, cursor = 0;
+    for (auto [begin, end] : busy) {
+      if (begin - cursor >= bytes && (best < 0 || begin - cursor < bestGap)) {
+        best = cursor;
+        bestGap = begin - cursor;
+      }
+      cursor = std::max(cursor, end);
+    }
+    if (best < 0 && arenaEnd - cursor >= bytes)
+      best = cursor;
+    offsets[v] = best >= 0 ? best : cursor;
+    arenaEnd = std::max(arenaEnd, offsets[v] + bytes);
+    placed.push_back(v);
   };
 
   // Values the host writes before the program runs (the token ids) come first.
   for (auto [v, value] : llvm::enumerate(values))
     if (order.writer(static_cast<int32_t>(v)) < 0 && !order.readers(v).empty())
-      allocate(static_cast<int32_t>(v));
-  const int32_t logits = static_cast<int32_t>(program.getLogits());
-  for (size_t step = 0; step < order.numSteps(); ++step) {
-    // Reclaim what no stream can still touch when this step starts; the host reads the logits
-    // after the program, so they stay.
-    llvm::erase_if(live, [&](int32_t v) {
-      if (v == logits || !order.deadBefore(v, step))
-        return false;
-      free.release({offsets[v], bytesOf(values[v])});
-      return true;
-    });
+      place(static_cast<int32_t>(v), -1);
+  for (size_t step = 0; step < order.numSteps(); ++step)
     for (int32_t v : order.writes(step))
-      allocate(v);
-  }
+      place(v, static_cast<int64_t>(step));
 
   for (auto [v, value] : llvm::enumerate(values))
     value.setOffsetAttr(builder.getI64IntegerAttr(offsets[v]));

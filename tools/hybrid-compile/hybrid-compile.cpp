@@ -5,13 +5,19 @@
 #include "compiler/Target/PlanWriter.h"
 #include "dialects/Hybrid/IR/HybridDialect.h"
 #include "dialects/Plan/IR/PlanDialect.h"
+#include "hybrid/runtime/Plan.h"
+#include "hybrid/runtime/PlanReport.h"
 
+#include "mlir/IR/AsmState.h"
 #include "mlir/IR/MLIRContext.h"
+#include "mlir/Pass/PassManager.h"
 #include "mlir/Support/FileUtilities.h"
 #include "llvm/Support/CommandLine.h"
 #include "llvm/Support/Format.h"
 #include "llvm/Support/InitLLVM.h"
 #include "llvm/Support/ToolOutputFile.h"
+
+#include <sstream>
 
 namespace cl = llvm::cl;
 
@@ -47,6 +53,10 @@ cl::opt<std::string> cacheDir("cache-dir",
                               cl::init(""));
 cl::opt<bool> noCache("no-cache", cl::desc("Neither read nor write the compilation cache"),
                       cl::init(false));
+cl::opt<bool> report("report",
+                     cl::desc("With --emit=plan: print the plan's arena sizes, fused kernels, "
+                              "streams, events and weight bytes per dtype"),
+                     cl::init(false));
 
 int fail(const std::string &message) {
   llvm::errs() << "error: " << message << "\n";
@@ -56,6 +66,10 @@ int fail(const std::string &message) {
 
 int main(int argc, char **argv) {
   llvm::InitLLVM initLLVM(argc, argv);
+  // --mlir-print-ir-after-all, --mlir-print-debuginfo and friends work as in mlir-opt.
+  mlir::registerAsmPrinterCLOptions();
+  mlir::registerMLIRContextCLOptions();
+  mlir::registerPassManagerCLOptions();
   cl::ParseCommandLineOptions(argc, argv, "hybrid ahead-of-time compiler\n");
 
   mlir::MLIRContext context;
@@ -86,6 +100,14 @@ int main(int argc, char **argv) {
                  << llvm::format("time     import %.3f s, plan %.3f s, weights %.3f s\n",
                                  report->importSeconds, report->planSeconds,
                                  report->weightSeconds);
+    if (::report) {
+      auto plan = hybrid::LoadedPlan::load(report->planPath);
+      if (!plan)
+        return fail(plan.status().message());
+      std::ostringstream text;
+      hybrid::printPlanReport(plan->plan(), text);
+      llvm::outs() << text.str();
+    }
     return 0;
   }
 

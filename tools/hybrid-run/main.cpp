@@ -35,6 +35,10 @@ int main(int argc, char **argv) {
       ->default_val(2e-3);
   app.add_option("--max-context", load.maxContextTokens, "KV-cache capacity in tokens")
       ->default_val(8192);
+  app.add_option("--schedule-seed", load.scheduleSeed,
+                 "cpu: run steps in a random order that respects the plan's streams and events "
+                 "(0: program order)")
+      ->default_val(0);
   app.add_flag("--verify-weights", load.verifyWeightContents,
                "Re-hash every weight archive entry while loading");
   CLI11_PARSE(app, argc, argv);

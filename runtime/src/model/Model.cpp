@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <random>
 
 namespace hybrid {
 namespace fb = plan::fb;
@@ -78,6 +79,64 @@ StatusOr<std::vector<float>> toFloat(const WeightArchive &archive, const fb::Pla
 
 } // namespace
 
+// An execution order of the program's steps: program order, or a random interleaving of its
+// streams in which every step still follows its stream's earlier steps and the latest earlier
+// signal of each event it waits for.
+std::vector<size_t> stepOrder(const fb::Program &program, uint64_t seed) {
+  const auto *steps = program.steps();
+  const size_t n = steps ? steps->size() : 0;
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i)
+    order[i] = i;
+  if (seed == 0 || n == 0)
+    return order;
+
+  std::vector<std::vector<size_t>> queues;    // per stream, in program order
+  std::vector<std::vector<size_t>> waitsFor(n); // signalling steps each step waits for
+  std::vector<int64_t> lastSignal;
+  for (size_t i = 0; i < n; ++i) {
+    const fb::Dispatch *dispatch = steps->Get(i)->op_as_Dispatch();
+    const size_t stream = dispatch ? static_cast<size_t>(std::max(0, dispatch->stream())) : 0;
+    if (queues.size() <= stream)
+      queues.resize(stream + 1);
+    queues[stream].push_back(i);
+    if (!dispatch)
+      continue;
+    if (dispatch->wait_events())
+      for (int32_t event : *dispatch->wait_events())
+        if (event >= 0 && static_cast<size_t>(event) < lastSignal.size() &&
+            lastSignal[event] >= 0)
+          waitsFor[i].push_back(static_cast<size_t>(lastSignal[event]));
+    if (dispatch->signal_event() >= 0) {
+      if (lastSignal.size() <= static_cast<size_t>(dispatch->signal_event()))
+        lastSignal.resize(dispatch->signal_event() + 1, -1);
+      lastSignal[dispatch->signal_event()] = static_cast<int64_t>(i);
+    }
+  }
+  std::mt19937_64 random(seed);
+  std::vector<bool> done(n, false);
+  std::vector<size_t> head(queues.size(), 0);
+  order.clear();
+  while (order.size() < n) {
+    std::vector<size_t> ready;
+    for (size_t q = 0; q < queues.size(); ++q) {
+      if (head[q] == queues[q].size())
+        continue;
+      const size_t step = queues[q][head[q]];
+      if (std::all_of(waitsFor[step].begin(), waitsFor[step].end(),
+                      [&](size_t s) { return done[s]; }))
+        ready.push_back(q);
+    }
+    if (ready.empty()) // a wait on a later signal: the loader rejects such plans; stay in order
+      return stepOrder(program, 0);
+    const size_t q = ready[std::uniform_int_distribution<size_t>(0, ready.size() - 1)(random)];
+    const size_t step = queues[q][head[q]++];
+    done[step] = true;
+    order.push_back(step);
+  }
+  return order;
+}
+
 struct Model::Impl {
   std::string dir;
   LoadOptions options;
@@ -128,8 +187,8 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   std::copy(tokens.begin(), tokens.end(), idSlot.begin());
 
   const auto *layerOutputs = program->layer_outputs();
-  for (const fb::Step *step : *program->steps()) {
-    const fb::Dispatch *dispatch = step->op_as_Dispatch();
+  for (size_t index : stepOrder(*program, options.scheduleSeed)) {
+    const fb::Dispatch *dispatch = program->steps()->Get(index)->op_as_Dispatch();
     if (!dispatch)
       return Status::error(dir + "/plan.hyplan: program '" + program->name()->str() +
                            "' has a step the cpu device does not run");

@@ -99,8 +99,8 @@ hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, voca
 // CUDA: plan.value bf16 x 16
 
 // With memory planned: the ids first, the embedding after them (4096 rows x 8 bytes), slots reused
-// once dead (neighbours coalesce), the logits last.
-// PLANNED: plan.program "prefill" attributes {arena_bytes = 819200 : i64
+// once dead, the logits last.
+// PLANNED: plan.program "prefill" attributes {arena_bytes = 1048576 : i64
 // PLANNED-NEXT: plan.value i64 x 1 {name = "input_ids", offset = 0 : i64}
 // PLANNED-NEXT: plan.value f32 x 16 {name = "model.embed_tokens", offset = 32768 : i64}
 // PLANNED-NEXT: plan.value f32 x 16 {name = "model.layers.0.input_layernorm", offset = 294912 : i64}

@@ -2,14 +2,14 @@
 
 // One stream: a slot is reused as soon as its last reader has run.
 // CHECK-LABEL: plan.plan @one_stream
-// CHECK: plan.program "prefill" attributes {arena_bytes = 960 : i64
+// CHECK: plan.program "prefill" attributes {arena_bytes = 640 : i64
 // CHECK-NEXT: plan.value i64 x 1 {name = "ids", offset = 0 : i64}
 // CHECK-NEXT: plan.value f32 x 16 {name = "h", offset = 64 : i64}
 // CHECK-NEXT: plan.value f32 x 16 {name = "x", offset = 320 : i64}
-// The ids' 64 bytes and h's 256 are free when y is written: they coalesce into y's slot.
+// The ids' 64 bytes and h's 256 are free when y is written: y takes the first 256 of them.
 // CHECK-NEXT: plan.value f32 x 16 {name = "y", offset = 0 : i64}
-// 320 free bytes remain below x's old slot, too few for the 384-byte logits: the arena grows.
-// CHECK-NEXT: plan.value f32 x 24 {name = "logits", offset = 576 : i64}
+// The logits (384 bytes) start right after y: x's freed slot plus a grown arena tail.
+// CHECK-NEXT: plan.value f32 x 24 {name = "logits", offset = 256 : i64}
 plan.plan @one_stream attributes {version = array<i32: 1, 0>, compiler = "test", model_type = "test", device = "cpu", arch = "", world_size = 1 : i32, hidden_size = 16 : i64, vocab_size = 24 : i64, num_layers = 1 : i32, weight_archive_key = "", weight_archive_bytes = 16384 : i64, page_size = 64 : i32} {
   plan.weight "embed" : tensor<24x16xbf16> {offset = 4096 : i64, size = 768 : i64}
   plan.weight "norm" : tensor<16xbf16> {offset = 8192 : i64, size = 32 : i64}

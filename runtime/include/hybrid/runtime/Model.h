@@ -27,6 +27,10 @@ struct LoadOptions {
   int32_t maxSequences = 4;         // sequences that can be alive at once
   int64_t maxContextTokens = 8192;  // KV-cache pages are sized for this many tokens per sequence
   bool verifyWeightContents = false; // re-hash every archive entry at load
+  // cpu device: 0 runs steps in program order; any other value runs them in a random order drawn
+  // from this seed that respects the plan's streams and events. Results must not change: this is
+  // how tests check that the compiler's stream assignment and memory plan are race free.
+  uint64_t scheduleSeed = 0;
 };
 
 // The residual stream after the embedding, after each decoder layer and after the final norm
