@@ -129,7 +129,8 @@ struct AssignStreamsPass : impl::AssignStreamsBase<AssignStreamsPass> {
   using AssignStreamsBase::AssignStreamsBase;
   void runOnOperation() override {
     if (maxStreams < 1) {
-      getOperation().emitError() << "max-streams must be at least 1, got " << maxStreams;
+      getOperation().emitError() << "max-streams must be at least 1, got "
+                                 << static_cast<int64_t>(maxStreams);
       return signalPassFailure();
     }
     getOperation().walk([&](plan::ProgramOp program) { assignProgram(program, maxStreams); });
