@@ -68,13 +68,32 @@ std::string compilerIdentity() {
   return identity;
 }
 
+std::optional<Phase> parsePhase(const std::string &name) {
+  if (name == "import")
+    return Phase::Import;
+  if (name == "lower")
+    return Phase::Lower;
+  if (name == "streams")
+    return Phase::Streams;
+  if (name == "memory")
+    return Phase::Memory;
+  if (name == "verify")
+    return Phase::Verify;
+  return std::nullopt;
+}
+
+const char *phaseNames() { return "import, lower, streams, memory, verify"; }
+
 StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &context,
-                                                       const CompileOptions &options) {
+                                                       const CompileOptions &options,
+                                                       Phase stopAfter) {
   import::ImportOptions importOptions;
   importOptions.mappingPath = options.mappingPath;
   HYBRID_ASSIGN_OR_RETURN(mlir::OwningOpRef<mlir::ModuleOp> module,
                           import::importCheckpoint(context, options.modelDir, importOptions));
   context.getOrLoadDialect<plan::PlanDialect>();
+  if (stopAfter == Phase::Import)
+    return module;
 
   std::string diagnostics;
   mlir::ScopedDiagnosticHandler handler(&context, [&](mlir::Diagnostic &diag) {
@@ -92,9 +111,12 @@ StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &conte
   lowerOptions.pageSize = options.pageSize;
   lowerOptions.compilerId = compilerIdentity();
   pm.addPass(createLowerToPlan(lowerOptions));
-  pm.addPass(createAssignStreams());
-  pm.addPass(createPlanMemory());
-  pm.addPass(createVerifyPlanContract());
+  if (stopAfter >= Phase::Streams)
+    pm.addPass(createAssignStreams());
+  if (stopAfter >= Phase::Memory)
+    pm.addPass(createPlanMemory());
+  if (stopAfter >= Phase::Verify)
+    pm.addPass(createVerifyPlanContract());
   if (mlir::failed(pm.run(*module)))
     return Status::error(options.modelDir + ": lowering to a plan failed: " + diagnostics);
 

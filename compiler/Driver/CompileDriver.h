@@ -10,6 +10,7 @@
 #include "mlir/IR/OwningOpRef.h"
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,9 +31,17 @@ struct CompileOptions {
 // change to the compiler invalidates its cache entries.
 std::string compilerIdentity();
 
-// Imports and lowers to the plan dialect (lower + contract verification), no cache.
+// The phases of the pipeline, in order; `--compile-to=<phase>` stops after one.
+enum class Phase { Import, Lower, Streams, Memory, Verify };
+// "import", "lower", "streams", "memory", "verify"; nullopt for another name.
+std::optional<Phase> parsePhase(const std::string &name);
+const char *phaseNames();
+
+// Imports and runs the pipeline up to and including `stopAfter` (Verify: the whole pipeline, the
+// plan the writer takes), no cache.
 StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &context,
-                                                       const CompileOptions &options);
+                                                       const CompileOptions &options,
+                                                       Phase stopAfter = Phase::Verify);
 
 struct CompileReport {
   bool cacheHit = false;

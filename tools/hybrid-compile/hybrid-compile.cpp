@@ -51,6 +51,11 @@ cl::opt<std::string> cacheDir("cache-dir",
                               cl::desc("Compilation cache folder (default $HYBRID_CACHE_DIR, "
                                        "else ~/.cache/hybrid)"),
                               cl::init(""));
+cl::opt<std::string> compileTo(
+    "compile-to",
+    cl::desc("Stop after a pipeline phase and print the IR: import, lower, streams, memory, "
+             "verify"),
+    cl::value_desc("phase"), cl::init(""));
 cl::opt<bool> noCache("no-cache", cl::desc("Neither read nor write the compilation cache"),
                       cl::init(false));
 cl::opt<bool> report("report",
@@ -82,6 +87,24 @@ int main(int argc, char **argv) {
   options.prefillTokens = prefillTokens;
   options.cacheDir = cacheDir;
   options.useCache = !noCache;
+
+  if (!compileTo.empty()) {
+    std::optional<hybrid::driver::Phase> phase = hybrid::driver::parsePhase(compileTo);
+    if (!phase)
+      return fail("--compile-to=" + compileTo + " is not a phase (" +
+                  hybrid::driver::phaseNames() + ")");
+    std::string error;
+    auto output = mlir::openOutputFile(outputPath, &error);
+    if (!output)
+      return fail(error);
+    auto module = hybrid::driver::lowerToPlan(context, options, *phase);
+    if (!module)
+      return fail(module.status().message());
+    (*module)->print(output->os());
+    output->os() << "\n";
+    output->keep();
+    return 0;
+  }
 
   if (emit == Emit::Plan) {
     if (outputPath == "-")
