@@ -73,6 +73,8 @@ std::optional<Phase> parsePhase(const std::string &name) {
     return Phase::Import;
   if (name == "lower")
     return Phase::Lower;
+  if (name == "fuse")
+    return Phase::Fuse;
   if (name == "streams")
     return Phase::Streams;
   if (name == "memory")
@@ -82,7 +84,7 @@ std::optional<Phase> parsePhase(const std::string &name) {
   return std::nullopt;
 }
 
-const char *phaseNames() { return "import, lower, streams, memory, verify"; }
+const char *phaseNames() { return "import, lower, fuse, streams, memory, verify"; }
 
 StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &context,
                                                        const CompileOptions &options,
@@ -111,6 +113,8 @@ StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &conte
   lowerOptions.pageSize = options.pageSize;
   lowerOptions.compilerId = compilerIdentity();
   pm.addPass(createLowerToPlan(lowerOptions));
+  if (stopAfter >= Phase::Fuse && options.fuse)
+    pm.addPass(createFuseSuperKernels());
   if (stopAfter >= Phase::Streams)
     pm.addPass(createAssignStreams());
   if (stopAfter >= Phase::Memory)
@@ -148,7 +152,8 @@ StatusOr<std::vector<uint8_t>> compilePlan(mlir::MLIRContext &context,
       .add("arch", options.arch)
       .add("prefill_tokens", options.prefillTokens)
       .add("decode_tokens", int64_t{1})
-      .add("page_size", static_cast<int64_t>(options.pageSize));
+      .add("page_size", static_cast<int64_t>(options.pageSize))
+      .add("fuse", options.fuse);
   cache::CacheKey cacheKey = key.finish();
   report.cacheKey = cacheKey.hex();
 

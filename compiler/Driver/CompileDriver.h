@@ -25,6 +25,7 @@ struct CompileOptions {
   int32_t pageSize = 64;        // tokens per KV page
   std::string cacheDir;         // empty: $HYBRID_CACHE_DIR, else ~/.cache/hybrid
   bool useCache = true;
+  bool fuse = true;             // --hybrid-fuse-super-kernels (off: the unfused reference path)
 };
 
 // The compiler identity in every cache key: version plus a hash of this executable, so any
@@ -32,8 +33,8 @@ struct CompileOptions {
 std::string compilerIdentity();
 
 // The phases of the pipeline, in order; `--compile-to=<phase>` stops after one.
-enum class Phase { Import, Lower, Streams, Memory, Verify };
-// "import", "lower", "streams", "memory", "verify"; nullopt for another name.
+enum class Phase { Import, Lower, Fuse, Streams, Memory, Verify };
+// "import", "lower", "fuse", "streams", "memory", "verify"; nullopt for another name.
 std::optional<Phase> parsePhase(const std::string &name);
 const char *phaseNames();
 

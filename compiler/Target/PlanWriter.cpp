@@ -66,6 +66,7 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
   case plan::KernelId::embed:
     return {fb::KernelParams::EmbedParams, fb::CreateEmbedParams(b).Union()};
   case plan::KernelId::rms_norm:
+  case plan::KernelId::add_rms_norm:
     return {fb::KernelParams::RmsNormParams,
             fb::CreateRmsNormParams(b, static_cast<float>(p.real("epsilon"))).Union()};
   case plan::KernelId::linear:
@@ -110,8 +111,10 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
                 .Union()};
   }
   case plan::KernelId::attn_res:
+  case plan::KernelId::attn_res_rms_norm:
     return {fb::KernelParams::AttnResParams,
-            fb::CreateAttnResParams(b, p.i32("block_size"), static_cast<float>(p.real("epsilon")))
+            fb::CreateAttnResParams(b, p.i32("block_size"), static_cast<float>(p.real("epsilon")),
+                                    static_cast<float>(p.real("output_norm_epsilon")))
                 .Union()};
   case plan::KernelId::mlp:
     return {fb::KernelParams::MlpParams, fb::CreateMlpParams(b, fb::Activation::Silu).Union()};

@@ -29,6 +29,20 @@ def LowerToPlan : Pass<"hybrid-lower-to-plan", "mlir::ModuleOp"> {
   ];
 }
 
+def FuseSuperKernels : Pass<"hybrid-fuse-super-kernels", "mlir::ModuleOp"> {
+  let summary = "Rewrite groups of plan steps into fused kernels";
+  let description = [{
+    Folds each RMSNorm into the step producing its input when that step is a residual add
+    (`add_rms_norm`) or an AttnRes mix (`attn_res_rms_norm`): one kernel writes both the sum, which
+    the residual chain keeps reading, and its normalised form, while the sum is still in registers
+    or cache. The other fusions of the kernel library are already single kernels when lowered:
+    the KDA prolog (short conv, SiLU, L2 norm, gate, beta) and the gated RMSNorm with its output
+    gate live inside `kda_*`; the indexer's scoring, head weighting and top-k inside `dsa_indexer`
+    (an unfused form would materialize a tokens x context score matrix); router logits and grouped
+    top-k inside `router_topk`; SwiGLU inside `mlp` and `moe_experts`.
+  }];
+}
+
 def AssignStreams : Pass<"hybrid-assign-streams", "mlir::ModuleOp"> {
   let summary = "Put independent steps on separate streams and join them with events";
   let description = [{

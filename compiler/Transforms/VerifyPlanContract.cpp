@@ -34,10 +34,14 @@ ArrayRef<StringRef> requiredParams(plan::KernelId kernel) {
                                   "intermediate_size", "num_shared_experts"};
   static const StringRef norm[] = {"epsilon"};
   static const StringRef mix[] = {"block_size", "epsilon"};
+  static const StringRef mixNorm[] = {"block_size", "epsilon", "output_norm_epsilon"};
   static const StringRef mlp[] = {"activation"};
   switch (kernel) {
   case plan::KernelId::rms_norm:
+  case plan::KernelId::add_rms_norm:
     return norm;
+  case plan::KernelId::attn_res_rms_norm:
+    return mixNorm;
   case plan::KernelId::kda_chunk_prefill:
   case plan::KernelId::kda_recurrent_decode:
     return kda;

@@ -223,6 +223,10 @@ inline constexpr KernelSignature kKernelSignatures[] = {
      false,
      {"router", "correction_bias"},
      "router logits + scores + grouped top-k + renormalize"},
+    {fb::KernelId::AddRmsNorm, "add_rms_norm", 2, 2, 2, fb::KernelParams::RmsNormParams, 1, 0,
+     false, {"weight"}, "residual add + RMSNorm of the sum"},
+    {fb::KernelId::AttnResRmsNorm, "attn_res_rms_norm", 1, -1, 2, fb::KernelParams::AttnResParams,
+     3, 0, false, {"norm", "proj", "output_norm"}, "AttnRes mix + RMSNorm of the mix"},
 };
 
 // nullptr for an id outside the table (a corrupted or newer plan).

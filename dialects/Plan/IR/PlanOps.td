@@ -23,7 +23,9 @@ def Plan_KernelId : I32EnumAttr<"KernelId", "kernel to dispatch (plan.fbs Kernel
     I32EnumAttrCase<"lm_head", 14>,
     I32EnumAttrCase<"indexer_query", 15>,
     I32EnumAttrCase<"indexer_key", 16>,
-    I32EnumAttrCase<"router_topk", 17>
+    I32EnumAttrCase<"router_topk", 17>,
+    I32EnumAttrCase<"add_rms_norm", 18>,
+    I32EnumAttrCase<"attn_res_rms_norm", 19>
   ]> {
   let cppNamespace = "::hybrid::plan";
   let genSpecializedAttr = 0;

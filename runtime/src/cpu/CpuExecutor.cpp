@@ -355,6 +355,7 @@ Status runMla(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
 Status runAttnRes(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
   const fb::AttnResParams *p = d.params_as_AttnResParams();
   HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  const bool withNorm = d.kernel() == fb::KernelId::AttnResRmsNorm;
   const int64_t width = rowElements(c, d.outputs()->Get(0));
   // Plan order: partial first, then the completed blocks; the kernel wants blocks, then partial.
   std::vector<const float *> candidates;
@@ -365,6 +366,10 @@ Status runAttnRes(const StepContext &c, const fb::Dispatch &d, const Weights &w)
   HYBRID_ASSIGN_OR_RETURN(std::span<float> partial, floatValue(c, d.inputs()->Get(0)));
   candidates.push_back(partial.data());
   ref::attnResMix(candidates, c.rows, width, w[0], w[1], p->epsilon(), out);
+  if (withNorm) { // fused: the RMSNorm that reads the mix, while it is hot
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> normed, floatValue(c, d.outputs()->Get(1)));
+    ref::rmsNorm(out, w[2], normed, c.rows, width, p->output_norm_epsilon());
+  }
   return Status::ok();
 }
 
@@ -466,8 +471,20 @@ Status runDispatch(const StepContext &c, const fb::Dispatch &d) {
     status = runDsaIndexer(c, d);
     break;
   case fb::KernelId::AttnRes:
+  case fb::KernelId::AttnResRmsNorm:
     status = runAttnRes(c, d, w);
     break;
+  case fb::KernelId::AddRmsNorm: { // fused: the sum and its RMSNorm in one pass
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> a, single(0));
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> b, single(1));
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> sum, floatValue(c, d.outputs()->Get(0)));
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> normed, floatValue(c, d.outputs()->Get(1)));
+    for (size_t i = 0; i < sum.size(); ++i)
+      sum[i] = a[i] + b[i];
+    ref::rmsNorm(sum, w[0], normed, c.rows, rowElements(c, d.outputs()->Get(0)),
+                 d.params_as_RmsNormParams()->epsilon());
+    break;
+  }
   case fb::KernelId::Mlp: {
     HYBRID_ASSIGN_OR_RETURN(std::span<float> x, single(0));
     HYBRID_ASSIGN_OR_RETURN(std::span<float> y, floatValue(c, d.outputs()->Get(0)));

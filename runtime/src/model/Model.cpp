@@ -196,13 +196,13 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
     if (!hidden || !layerOutputs)
       continue;
     // Copy out the residual stream right after the step that makes it (its slot is reused).
-    const int32_t output = dispatch->outputs()->Get(0);
-    for (size_t i = 0; i < layerOutputs->size(); ++i) {
-      if (layerOutputs->Get(i) != output)
-        continue;
-      HYBRID_ASSIGN_OR_RETURN(std::span<float> values, cpu::floatValue(context, output));
-      hidden->layers[i].insert(hidden->layers[i].end(), values.begin(), values.end());
-    }
+    for (int32_t output : *dispatch->outputs())
+      for (size_t i = 0; i < layerOutputs->size(); ++i) {
+        if (layerOutputs->Get(i) != output)
+          continue;
+        HYBRID_ASSIGN_OR_RETURN(std::span<float> values, cpu::floatValue(context, output));
+        hidden->layers[i].insert(hidden->layers[i].end(), values.begin(), values.end());
+      }
   }
   HYBRID_ASSIGN_OR_RETURN(std::span<float> logits, cpu::floatValue(context, program->logits()));
   std::copy(logits.begin(), logits.end(), logitsOut);

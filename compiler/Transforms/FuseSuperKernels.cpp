@@ -1,0 +1,66 @@
+// --hybrid-fuse-super-kernels: groups of plan steps into the fused kernels the kernel library
+// provides (Passes.td).
+#include "compiler/Transforms/Passes.h"
+
+#include "mlir/IR/Builders.h"
+#include "llvm/ADT/DenseMap.h"
+
+namespace hybrid {
+#define GEN_PASS_DEF_FUSESUPERKERNELS
+#include "compiler/Transforms/Passes.h.inc"
+} // namespace hybrid
+
+using namespace mlir;
+
+namespace hybrid {
+namespace {
+
+// Folds every RMSNorm into the residual add or AttnRes mix that produces its input: the fused
+// kernel writes both the sum (still read by the residual chain) and its normalised form.
+void fuseNormsIntoProducers(plan::ProgramOp program) {
+  Builder builder(program.getContext());
+  llvm::DenseMap<int32_t, plan::DispatchOp> writerOf;
+  SmallVector<plan::DispatchOp> fusedNorms;
+  for (plan::DispatchOp dispatch : program.getBodyBlock().getOps<plan::DispatchOp>()) {
+    if (dispatch.getKernel() == plan::KernelId::rms_norm) {
+      auto producer = writerOf.lookup(dispatch.getInputs().front());
+      const bool fusable = producer && producer.getOutputs().size() == 1 &&
+                           (producer.getKernel() == plan::KernelId::add ||
+                            producer.getKernel() == plan::KernelId::attn_res);
+      if (fusable) {
+        const int32_t normed = dispatch.getOutputs().front();
+        auto epsilon = dispatch.getParams().get("epsilon");
+        SmallVector<int32_t> outputs = {producer.getOutputs().front(), normed};
+        SmallVector<int32_t> weights(producer.getWeights());
+        weights.push_back(dispatch.getWeights().front());
+        SmallVector<NamedAttribute> params(producer.getParams().getValue());
+        if (producer.getKernel() == plan::KernelId::add) {
+          producer.setKernel(plan::KernelId::add_rms_norm);
+          params.push_back(builder.getNamedAttr("epsilon", epsilon));
+        } else {
+          producer.setKernel(plan::KernelId::attn_res_rms_norm);
+          params.push_back(builder.getNamedAttr("output_norm_epsilon", epsilon));
+        }
+        producer.setOutputsAttr(builder.getDenseI32ArrayAttr(outputs));
+        producer.setWeightsAttr(builder.getDenseI32ArrayAttr(weights));
+        producer.setParamsAttr(builder.getDictionaryAttr(params));
+        writerOf[normed] = producer;
+        fusedNorms.push_back(dispatch);
+        continue;
+      }
+    }
+    for (int32_t output : dispatch.getOutputs())
+      writerOf[output] = dispatch;
+  }
+  for (plan::DispatchOp norm : fusedNorms)
+    norm.erase();
+}
+
+struct FuseSuperKernelsPass : impl::FuseSuperKernelsBase<FuseSuperKernelsPass> {
+  void runOnOperation() override {
+    getOperation().walk([](plan::ProgramOp program) { fuseNormsIntoProducers(program); });
+  }
+};
+
+} // namespace
+} // namespace hybrid
