@@ -17,4 +17,7 @@ cmake -S "$root" -B "$build_dir" -G Ninja \
   -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
   -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache \
   "$@"
-cmake --build "$build_dir" -j "$jobs"
+# HYBRID_BUILD_TARGETS limits the build to some targets (space separated).
+targets=()
+for target in ${HYBRID_BUILD_TARGETS:-}; do targets+=(--target "$target"); done
+cmake --build "$build_dir" -j "$jobs" "${targets[@]}"
