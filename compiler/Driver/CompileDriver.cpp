@@ -75,6 +75,8 @@ std::optional<Phase> parsePhase(const std::string &name) {
     return Phase::Lower;
   if (name == "fuse")
     return Phase::Fuse;
+  if (name == "layout")
+    return Phase::Layout;
   if (name == "streams")
     return Phase::Streams;
   if (name == "memory")
@@ -84,7 +86,7 @@ std::optional<Phase> parsePhase(const std::string &name) {
   return std::nullopt;
 }
 
-const char *phaseNames() { return "import, lower, fuse, streams, memory, verify"; }
+const char *phaseNames() { return "import, lower, fuse, layout, streams, memory, verify"; }
 
 StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &context,
                                                        const CompileOptions &options,
@@ -115,6 +117,8 @@ StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &conte
   pm.addPass(createLowerToPlan(lowerOptions));
   if (stopAfter >= Phase::Fuse && options.fuse)
     pm.addPass(createFuseSuperKernels());
+  if (stopAfter >= Phase::Layout && options.tileWeights)
+    pm.addPass(createAssignWeightLayout());
   if (stopAfter >= Phase::Streams)
     pm.addPass(createAssignStreams());
   if (stopAfter >= Phase::Memory)
@@ -153,7 +157,8 @@ StatusOr<std::vector<uint8_t>> compilePlan(mlir::MLIRContext &context,
       .add("prefill_tokens", options.prefillTokens)
       .add("decode_tokens", int64_t{1})
       .add("page_size", static_cast<int64_t>(options.pageSize))
-      .add("fuse", options.fuse);
+      .add("fuse", options.fuse)
+      .add("tile_weights", options.tileWeights);
   cache::CacheKey cacheKey = key.finish();
   report.cacheKey = cacheKey.hex();
 

@@ -26,6 +26,7 @@ struct CompileOptions {
   std::string cacheDir;         // empty: $HYBRID_CACHE_DIR, else ~/.cache/hybrid
   bool useCache = true;
   bool fuse = true;             // --hybrid-fuse-super-kernels (off: the unfused reference path)
+  bool tileWeights = true;      // --hybrid-assign-weight-layout (off: every weight row-major)
 };
 
 // The compiler identity in every cache key: version plus a hash of this executable, so any
@@ -33,8 +34,8 @@ struct CompileOptions {
 std::string compilerIdentity();
 
 // The phases of the pipeline, in order; `--compile-to=<phase>` stops after one.
-enum class Phase { Import, Lower, Fuse, Streams, Memory, Verify };
-// "import", "lower", "fuse", "streams", "memory", "verify"; nullopt for another name.
+enum class Phase { Import, Lower, Fuse, Layout, Streams, Memory, Verify };
+// "import", "lower", "fuse", "layout", "streams", "memory", "verify"; nullopt otherwise.
 std::optional<Phase> parsePhase(const std::string &name);
 const char *phaseNames();
 

@@ -149,9 +149,11 @@ FailureOr<std::vector<uint8_t>> serializePlan(plan::PlanOp planOp) {
   for (plan::WeightOp weight : body.getOps<plan::WeightOp>()) {
     auto type = cast<RankedTensorType>(weight.getType());
     std::vector<int64_t> shape(type.getShape().begin(), type.getShape().end());
-    std::vector<int32_t> block;
+    std::vector<int32_t> block, tile;
     if (auto dims = weight.getBlock())
       block = toVector(*dims);
+    if (auto dims = weight.getTile())
+      tile = toVector(*dims);
     const int32_t scale = static_cast<int32_t>(weight.getScale());
     const bool quantized = scale >= 0;
     weights.push_back(fb::CreateWeightDirect(
@@ -159,7 +161,7 @@ FailureOr<std::vector<uint8_t>> serializePlan(plan::PlanOp planOp) {
         static_cast<uint64_t>(weight.getOffset()), static_cast<uint64_t>(weight.getSize()),
         weight.getNzTiled() ? fb::Layout::NzTiled : fb::Layout::RowMajor,
         quantized ? fb::QuantKind::Fp8Block : fb::QuantKind::None, quantized ? &block : nullptr,
-        scale));
+        scale, weight.getNzTiled() ? &tile : nullptr));
   }
 
   std::vector<flatbuffers::Offset<fb::KvCacheLayer>> kv;

@@ -3,6 +3,7 @@
 
 #include "compiler/Import/Checkpoint.h"
 #include "hybrid/cache/Key.h"
+#include "hybrid/kernels/ref/TiledLayout.h"
 
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/MemoryBuffer.h"
@@ -30,17 +31,43 @@ std::string readSmallFile(const std::string &path) {
   return buffer ? (*buffer)->getBuffer().str() : std::string();
 }
 
+struct TiledWeight {
+  std::vector<int64_t> shape; // padded to whole tiles
+  std::vector<std::byte> bytes;
+};
+
+// Row-major checkpoint bytes -> the tiled layout the plan names (kernels/ref/TiledLayout.h).
+StatusOr<TiledWeight> retile(const WeightPlacement &weight, std::span<const std::byte> rowMajor) {
+  const int64_t elementBytes = static_cast<int64_t>(dtypeByteSize(weight.dtype));
+  if (weight.shape.size() != 2 || weight.tile.size() != 2 || weight.tile[0] <= 0 ||
+      weight.tile[1] <= 0 || (elementBytes != 1 && elementBytes != 2 && elementBytes != 4))
+    return Status::error("weight '" + weight.name + "' cannot be tiled (needs a 2-D shape, a "
+                                                    "2-D tile and 1-, 2- or 4-byte elements)");
+  kernels::ref::TiledLayout layout{weight.shape[0], weight.shape[1],
+                                   {weight.tile[0], weight.tile[1]}};
+  if (static_cast<int64_t>(rowMajor.size()) != weight.shape[0] * weight.shape[1] * elementBytes ||
+      static_cast<uint64_t>(layout.tiledBytes(elementBytes)) != weight.size)
+    return Status::error("weight '" + weight.name + "': tiled size does not match the plan");
+  TiledWeight tiled{{layout.paddedRows(), layout.paddedCols()},
+                    std::vector<std::byte>(static_cast<size_t>(weight.size))};
+  kernels::ref::packTiled(rowMajor, tiled.bytes, layout, elementBytes);
+  return tiled;
+}
+
 } // namespace
 
 std::vector<WeightPlacement> weightPlacements(plan::PlanOp planOp) {
   std::vector<WeightPlacement> placements;
   for (plan::WeightOp weight : planOp.getBodyBlock().getOps<plan::WeightOp>()) {
     auto type = cast<RankedTensorType>(weight.getType());
+    std::vector<int32_t> tile;
+    if (auto dims = weight.getTile())
+      tile.assign(dims->begin(), dims->end());
     placements.push_back({weight.getName().str(), toPlanDType(type.getElementType()),
                           std::vector<int64_t>(type.getShape().begin(), type.getShape().end()),
                           static_cast<uint64_t>(weight.getOffset()),
                           static_cast<uint64_t>(weight.getSize()), weight.getNzTiled(),
-                          static_cast<int32_t>(weight.getScale())});
+                          std::move(tile), static_cast<int32_t>(weight.getScale())});
   }
   return placements;
 }
@@ -58,6 +85,8 @@ std::vector<WeightPlacement> weightPlacements(const plan::fb::Plan &plan) {
     placement.offset = weight->offset();
     placement.size = weight->size();
     placement.nzTiled = weight->layout() == plan::fb::Layout::NzTiled;
+    if (weight->tile())
+      placement.tile.assign(weight->tile()->begin(), weight->tile()->end());
     placement.scale = weight->scale();
     placements.push_back(std::move(placement));
   }
@@ -75,6 +104,8 @@ ArchiveKey weightLayoutKey(std::span<const WeightPlacement> placements) {
     key.add("offset", weight.offset);
     key.add("size", weight.size);
     key.add("nz_tiled", weight.nzTiled);
+    for (int32_t dim : weight.tile)
+      key.add("tile", static_cast<int64_t>(dim));
     key.add("scale", static_cast<int64_t>(weight.scale));
   }
   return toArchiveKey(key.finish());
@@ -137,11 +168,20 @@ StatusOr<PackResult> packWeights(std::span<const WeightPlacement> placements,
     if (!tensor)
       return Status::error(checkpointDir + ": tensor '" + weight.name +
                            "' the plan needs is not in the checkpoint");
-    if (weight.shape != tensor->info->shape || weight.size != tensor->info->byteSize())
+    if (weight.shape != tensor->info->shape)
       return Status::error(tensor->shard->path() + ": tensor '" + weight.name +
-                           "' does not match the plan's shape and size");
-    HYBRID_RETURN_IF_ERROR(
-        writer.add(weight.name, weight.dtype, weight.shape, tensor->shard->bytes(*tensor->info)));
+                           "' does not match the plan's shape");
+    std::span<const std::byte> data = tensor->shard->bytes(*tensor->info);
+    if (!weight.nzTiled) {
+      if (weight.size != data.size())
+        return Status::error(tensor->shard->path() + ": tensor '" + weight.name +
+                             "' does not match the plan's size");
+      HYBRID_RETURN_IF_ERROR(writer.add(weight.name, weight.dtype, weight.shape, data));
+    } else {
+      // Re-tiled once, here; the runtime reads the tiles as stored.
+      HYBRID_ASSIGN_OR_RETURN(TiledWeight tiled, retile(weight, data));
+      HYBRID_RETURN_IF_ERROR(writer.add(weight.name, weight.dtype, tiled.shape, tiled.bytes));
+    }
     ++result.entries;
   }
   HYBRID_RETURN_IF_ERROR(writer.finish());

@@ -21,6 +21,7 @@ struct WeightPlacement {
   uint64_t offset = 0;
   uint64_t size = 0;
   bool nzTiled = false;
+  std::vector<int32_t> tile; // nzTiled: [rows, cols]
   int32_t scale = -1;
 };
 

@@ -198,7 +198,7 @@ void ModelLowering::emitHeader(plan::PlanOp planOp) {
         loc, builder_.getStringAttr(name), TypeAttr::get(type),
         builder_.getI64IntegerAttr(static_cast<int64_t>(offsets[i])),
         builder_.getI64IntegerAttr(static_cast<int64_t>(sizes[i])), builder_.getBoolAttr(false),
-        DenseI32ArrayAttr(), builder_.getI32IntegerAttr(-1));
+        DenseI32ArrayAttr(), builder_.getI32IntegerAttr(-1), DenseI32ArrayAttr());
     auto weight = tables_.weights.lookup(name);
     if (weight && !weight.getScaleName().empty()) {
       // Block dims: how many weight elements one scale covers along each axis.

@@ -43,6 +43,18 @@ def FuseSuperKernels : Pass<"hybrid-fuse-super-kernels", "mlir::ModuleOp"> {
   }];
 }
 
+def AssignWeightLayout : Pass<"hybrid-assign-weight-layout", "mlir::ModuleOp"> {
+  let summary = "Tile the weights GEMM kernels read into the blocks they load";
+  let description = [{
+    A weight becomes `nz_tiled` with the tile of `defaultTileFor` (128 bytes of K per tile row:
+    64x64 bf16, 64x128 fp8, 32x32 fp32; smaller for small matrices) when every dispatch reading it
+    reads that role as a tiled GEMM operand (`tiledWeights` in kernel_signatures.h). Its size
+    becomes the tiled size (padded to whole tiles) and the archive is laid out again. The weight
+    packer re-tiles once, at compile time; the runtime never converts layouts. Block-quantized
+    weights stay row-major for now (their scale grid is indexed row-major).
+  }];
+}
+
 def AssignStreams : Pass<"hybrid-assign-streams", "mlir::ModuleOp"> {
   let summary = "Put independent steps on separate streams and join them with events";
   let description = [{

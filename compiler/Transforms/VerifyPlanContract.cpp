@@ -73,6 +73,14 @@ LogicalResult verifyWeights(plan::PlanOp planOp, SmallVectorImpl<plan::WeightOp>
   for (auto [index, weight] : llvm::enumerate(weights)) {
     auto type = cast<RankedTensorType>(weight.getType());
     int64_t expectedSize = type.getNumElements() * elementBytes(type.getElementType());
+    if (weight.getNzTiled()) { // stored padded to whole tiles
+      auto tile = weight.getTile();
+      if (type.getRank() != 2 || !tile || tile->size() != 2 || (*tile)[0] <= 0 || (*tile)[1] <= 0)
+        return weight.emitOpError() << "is nz_tiled without a 2-D shape and a positive 2-D tile";
+      auto padded = [](int64_t dim, int64_t t) { return (dim + t - 1) / t * t; };
+      expectedSize = padded(type.getDimSize(0), (*tile)[0]) *
+                     padded(type.getDimSize(1), (*tile)[1]) * elementBytes(type.getElementType());
+    }
     if (static_cast<int64_t>(weight.getSize()) != expectedSize)
       return weight.emitOpError() << "size " << weight.getSize() << " does not match "
                                   << type << " (" << expectedSize << " bytes)";

@@ -53,12 +53,15 @@ cl::opt<std::string> cacheDir("cache-dir",
                               cl::init(""));
 cl::opt<std::string> compileTo(
     "compile-to",
-    cl::desc("Stop after a pipeline phase and print the IR: import, lower, fuse, streams, "
-             "memory, verify"),
+    cl::desc("Stop after a pipeline phase and print the IR: import, lower, fuse, layout, "
+             "streams, memory, verify"),
     cl::value_desc("phase"), cl::init(""));
 cl::opt<bool> noFuse("no-fuse",
                      cl::desc("Skip --hybrid-fuse-super-kernels (the unfused reference path)"),
                      cl::init(false));
+cl::opt<bool> rowMajorWeights("row-major-weights",
+                              cl::desc("Skip --hybrid-assign-weight-layout: no tiled weights"),
+                              cl::init(false));
 cl::opt<bool> noCache("no-cache", cl::desc("Neither read nor write the compilation cache"),
                       cl::init(false));
 cl::opt<bool> report("report",
@@ -91,6 +94,7 @@ int main(int argc, char **argv) {
   options.cacheDir = cacheDir;
   options.useCache = !noCache;
   options.fuse = !noFuse;
+  options.tileWeights = !rowMajorWeights;
 
   if (!compileTo.empty()) {
     std::optional<hybrid::driver::Phase> phase = hybrid::driver::parsePhase(compileTo);

@@ -66,11 +66,15 @@ def Plan_WeightOp : Plan_Op<"weight", [HasParent<"PlanOp">]> {
     ```mlir
     plan.weight "model.layers.3.mlp.experts.0.up_proj.weight" : tensor<2048x7168xf8E4M3FN>
         {offset = 8192 : i64, size = 14680064 : i64, block = array<i32: 128, 128>, scale = 7 : i32}
+    plan.weight "model.layers.0.self_attn.q_proj.weight" : tensor<4096x2304xbf16>
+        {offset = 4096 : i64, size = 18874368 : i64, nz_tiled = true, tile = array<i32: 64, 64>}
     ```
+    A tiled weight (`nz_tiled`, `tile`) is stored padded to whole tiles: `size` counts the padding.
   }];
   let arguments = (ins StrAttr:$name, TypeAttrOf<AnyRankedTensor>:$type, I64Attr:$offset,
                        I64Attr:$size, DefaultValuedAttr<BoolAttr, "false">:$nz_tiled,
-                       OptionalAttr<DenseI32ArrayAttr>:$block, DefaultValuedAttr<I32Attr, "-1">:$scale);
+                       OptionalAttr<DenseI32ArrayAttr>:$block, DefaultValuedAttr<I32Attr, "-1">:$scale,
+                       OptionalAttr<DenseI32ArrayAttr>:$tile);
   let assemblyFormat = "$name `:` $type attr-dict";
 }
 

@@ -44,11 +44,22 @@ int64_t rowElements(const StepContext &context, int32_t index) {
   return context.program->values()->Get(index)->row_elements();
 }
 
+// A GEMM operand: the fp32 weight as stored (row-major or tiled) and its layout.
+struct GemmWeight {
+  std::span<const float> data;
+  const WeightLayout *layout = nullptr;
+};
+
 // The dispatch's weights, resolved to fp32 spans (empty span for an absent optional weight).
 struct Weights {
   std::vector<std::span<const float>> spans;
+  std::vector<const WeightLayout *> layouts;
+  // Row-major use (norm weights, conv taps, tables).
   std::span<const float> operator[](size_t role) const {
     return role < spans.size() ? spans[role] : std::span<const float>();
+  }
+  GemmWeight gemm(size_t role) const {
+    return role < spans.size() ? GemmWeight{spans[role], layouts[role]} : GemmWeight{};
   }
   bool has(size_t role) const { return role < spans.size() && !spans[role].empty(); }
 };
@@ -57,16 +68,27 @@ Weights resolveWeights(const StepContext &context, const fb::Dispatch &dispatch)
   Weights weights;
   if (!dispatch.weights())
     return weights;
-  for (int32_t index : *dispatch.weights())
+  for (int32_t index : *dispatch.weights()) {
     weights.spans.push_back(index >= 0 ? std::span<const float>((*context.weights)[index])
                                        : std::span<const float>());
+    weights.layouts.push_back(index >= 0 ? &(*context.weightLayouts)[index] : nullptr);
+  }
   return weights;
 }
 
-std::vector<float> project(std::span<const float> x, std::span<const float> weight, int64_t rows,
-                           int64_t in, int64_t out) {
+// y = x Wᵀ reading W as the plan stores it: tiled weights go straight to the tiled GEMM.
+void linear(std::span<const float> x, GemmWeight weight, std::span<float> y, int64_t rows,
+            int64_t in, int64_t out) {
+  if (weight.layout && weight.layout->tiled)
+    ref::linearTiled(x, weight.data, y, rows, *weight.layout->tiled);
+  else
+    ref::linear(x, weight.data, y, rows, in, out);
+}
+
+std::vector<float> project(std::span<const float> x, GemmWeight weight, int64_t rows, int64_t in,
+                           int64_t out) {
   std::vector<float> y(static_cast<size_t>(rows * out));
-  ref::linear(x, weight, y, rows, in, out);
+  linear(x, weight, y, rows, in, out);
   return y;
 }
 
@@ -163,23 +185,24 @@ Status runKda(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
   HYBRID_ASSIGN_OR_RETURN(std::span<float> state, c.states->state(p->state_slot(), c.stateSlot));
   const size_t history = static_cast<size_t>((W - 1) * P);
   std::vector<float> q(T * P), k(T * P), v(T * P);
-  ref::shortConvSilu(project(x, w[Q], T, dModel, P), w[QConv], convState.subspan(0, history), q,
+  ref::shortConvSilu(project(x, w.gemm(Q), T, dModel, P), w[QConv], convState.subspan(0, history), q,
                      T, P, W);
-  ref::shortConvSilu(project(x, w[Kp], T, dModel, P), w[KConv],
+  ref::shortConvSilu(project(x, w.gemm(Kp), T, dModel, P), w[KConv],
                      convState.subspan(history, history), k, T, P, W);
-  ref::shortConvSilu(project(x, w[V], T, dModel, P), w[VConv],
+  ref::shortConvSilu(project(x, w.gemm(V), T, dModel, P), w[VConv],
                      convState.subspan(2 * history, history), v, T, P, W);
   ref::l2NormalizeRows(q, T * H, K);
   ref::l2NormalizeRows(k, T * H, K);
 
-  const int64_t gateRank = static_cast<int64_t>(w[FA].size()) / dModel;
-  std::vector<float> f = project(project(x, w[FA], T, dModel, gateRank), w[FB], T, gateRank, P);
+  const int64_t gateRank = w.gemm(FA).layout->rows;
+  std::vector<float> f =
+      project(project(x, w.gemm(FA), T, dModel, gateRank), w.gemm(FB), T, gateRank, P);
   std::vector<float> g(T * P);
   std::optional<float> lowerBound;
   if (p->gate() == fb::KdaGate::LowerBound)
     lowerBound = p->gate_lower_bound();
   ref::kdaGate(f, w[ALog], w[DtBias], g, T, H, K, lowerBound);
-  std::vector<float> beta = project(x, w[B], T, dModel, H);
+  std::vector<float> beta = project(x, w.gemm(B), T, dModel, H);
   ref::kdaBeta(beta);
 
   std::vector<float> o(T * P);
@@ -192,13 +215,13 @@ Status runKda(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
 
   std::vector<float> gate;
   if (w.has(G)) {
-    gate = project(x, w[G], T, dModel, P);
+    gate = project(x, w.gemm(G), T, dModel, P);
   } else {
-    const int64_t outRank = static_cast<int64_t>(w[GA].size()) / dModel;
-    gate = project(project(x, w[GA], T, dModel, outRank), w[GB], T, outRank, P);
+    const int64_t outRank = w.gemm(GA).layout->rows;
+    gate = project(project(x, w.gemm(GA), T, dModel, outRank), w.gemm(GB), T, outRank, P);
   }
   ref::gatedRmsNorm(o, gate, w[ONorm], o, T * H, K, p->norm_epsilon());
-  ref::linear(o, w[O], out, T, P, dModel);
+  linear(o, w.gemm(O), out, T, P, dModel);
   return Status::ok();
 }
 
@@ -209,7 +232,7 @@ Status runIndexerQuery(const StepContext &c, const fb::Dispatch &d, const Weight
   HYBRID_ASSIGN_OR_RETURN(std::span<float> query, floatValue(c, d.outputs()->Get(0)));
   const int64_t T = c.rows, Hi = p->index_heads(), Di = p->index_head_dim();
   const int64_t dr = p->rope_head_dim(), rq = rowElements(c, d.inputs()->Get(0));
-  ref::linear(latent, w[0], query, T, rq, Hi * Di);
+  linear(latent, w.gemm(0), query, T, rq, Hi * Di);
   const std::vector<float> frequencies = ropeFrequencies(p->rope(), dr);
   const ref::RopeLayout layout = ropeLayout(p->rope());
   for (int64_t t = 0; t < T; ++t)
@@ -225,7 +248,7 @@ Status runIndexerKey(const StepContext &c, const fb::Dispatch &d, const Weights 
   HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
   HYBRID_ASSIGN_OR_RETURN(std::span<float> key, floatValue(c, d.outputs()->Get(0)));
   const int64_t T = c.rows, Di = p->index_head_dim(), dr = p->rope_head_dim();
-  ref::linear(x, w[0], key, T, rowElements(c, d.inputs()->Get(0)), Di);
+  linear(x, w.gemm(0), key, T, rowElements(c, d.inputs()->Get(0)), Di);
   ref::layerNorm(key, w[1], w[2], key, T, Di, p->norm_epsilon());
   const std::vector<float> frequencies = ropeFrequencies(p->rope(), dr);
   for (int64_t t = 0; t < T; ++t)
@@ -280,13 +303,13 @@ Status runMla(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
   if (p->q_lora_rank() > 0) {
     const int32_t latentIndex = inputs->Get(sparse ? 2 : 1);
     HYBRID_ASSIGN_OR_RETURN(std::span<float> latent, floatValue(c, latentIndex));
-    queries = project(latent, w[QBProj], T, p->q_lora_rank(), H * qkDim);
+    queries = project(latent, w.gemm(QBProj), T, p->q_lora_rank(), H * qkDim);
   } else {
-    queries = project(x, w[QProj], T, dModel, H * qkDim);
+    queries = project(x, w.gemm(QProj), T, dModel, H * qkDim);
   }
 
   // This step's cache rows: c = RMSNorm(kv_a latent part), k_r rotated (raw for NoPE).
-  std::vector<float> kvA = project(x, w[KvA], T, dModel, rkv + dr);
+  std::vector<float> kvA = project(x, w.gemm(KvA), T, dModel, rkv + dr);
   const std::vector<float> frequencies = ropeFrequencies(p->rope(), dr);
   const ref::RopeLayout layout = ropeLayout(p->rope());
   const std::vector<int64_t> pos = positions(c);
@@ -340,11 +363,11 @@ Status runMla(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
   attention.out = heads.data();
   ref::mlaAttention(attention);
   if (w.has(GateProj)) { // output gate: heads ⊙ σ(g_proj x)
-    std::vector<float> gate = project(x, w[GateProj], T, dModel, H * dv);
+    std::vector<float> gate = project(x, w.gemm(GateProj), T, dModel, H * dv);
     for (size_t i = 0; i < heads.size(); ++i)
       heads[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
   }
-  ref::linear(heads, w[OProj], out, T, H * dv, dModel);
+  linear(heads, w.gemm(OProj), out, T, H * dv, dModel);
 
   // The step's rows join the cache only now, so every reader above saw past + current.
   HYBRID_RETURN_IF_ERROR(c.kvCache->append(p->kv_slot(), c.kvSequence, staged));
@@ -381,7 +404,7 @@ Status runRouterTopK(const StepContext &c, const fb::Dispatch &d, const Weights 
                                                                    fb::DType::I32));
   HYBRID_ASSIGN_OR_RETURN(std::span<float> weights, floatValue(c, d.outputs()->Get(1)));
   const int64_t T = c.rows, dModel = rowElements(c, d.inputs()->Get(0)), E = p->num_experts();
-  std::vector<float> logits = project(x, w[0], T, dModel, E);
+  std::vector<float> logits = project(x, w.gemm(0), T, dModel, E);
   ref::RouterParams router;
   router.numExperts = E;
   router.topK = p->top_k();
@@ -439,8 +462,8 @@ Status runDispatch(const StepContext &c, const fb::Dispatch &d) {
   case fb::KernelId::LmHead: {
     HYBRID_ASSIGN_OR_RETURN(std::span<float> x, single(0));
     HYBRID_ASSIGN_OR_RETURN(std::span<float> y, floatValue(c, d.outputs()->Get(0)));
-    ref::linear(x, w[0], y, c.rows, rowElements(c, d.inputs()->Get(0)),
-                rowElements(c, d.outputs()->Get(0)));
+    linear(x, w.gemm(0), y, c.rows, rowElements(c, d.inputs()->Get(0)),
+           rowElements(c, d.outputs()->Get(0)));
     break;
   }
   case fb::KernelId::Add: {

@@ -2,21 +2,32 @@
 // Internal to the runtime; Model.cpp owns the state it works on.
 #pragma once
 
+#include "hybrid/kernels/ref/TiledLayout.h"
 #include "hybrid/runtime/Memory.h"
 #include "hybrid/runtime/Status.h"
 #include "runtime/schema/plan_generated.h"
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
 namespace hybrid::cpu {
+
+// How a weight is laid out: its logical [rows, cols] and, for a tiled weight, the tiling the
+// GEMM reads directly (the runtime never converts layouts).
+struct WeightLayout {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  std::optional<kernels::ref::TiledLayout> tiled;
+};
 
 // Everything a step may touch: the program's arena, the fp32 weights, the sequence's caches.
 struct StepContext {
   const plan::fb::Program *program = nullptr;
   Arena *arena = nullptr;
   const std::vector<std::vector<float>> *weights = nullptr; // fp32, per plan weight index
+  const std::vector<WeightLayout> *weightLayouts = nullptr; // per plan weight index
   PagedKvCache *kvCache = nullptr;
   RecurrentStatePool *states = nullptr;
   // Rows of the current step being written per KV slot: the indexer stages its keys, the MLA

@@ -142,7 +142,8 @@ struct Model::Impl {
   LoadOptions options;
   LoadedPlan plan;
   WeightArchive archive;
-  std::vector<std::vector<float>> weights; // fp32, per plan weight index
+  std::vector<std::vector<float>> weights; // fp32, per plan weight index, as stored
+  std::vector<cpu::WeightLayout> weightLayouts;
   PagedKvCache kvCache;
   RecurrentStatePool states;
   std::vector<bool> kvSequenceInUse;
@@ -170,6 +171,7 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   context.program = program;
   context.arena = &runner.arena;
   context.weights = &weights;
+  context.weightLayouts = &weightLayouts;
   context.kvCache = &kvCache;
   context.states = &states;
   context.kvStaging = &kvStaging;
@@ -240,9 +242,20 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
 
   const fb::Plan &root = impl->plan.plan();
   impl->weights.resize(root.weights() ? root.weights()->size() : 0);
+  impl->weightLayouts.resize(impl->weights.size());
   for (size_t i = 0; i < impl->weights.size(); ++i) {
     HYBRID_ASSIGN_OR_RETURN(impl->weights[i],
                             toFloat(impl->archive, root, static_cast<int32_t>(i)));
+    // Converted element by element; a tiled weight stays tiled for the tiled GEMM.
+    const fb::Weight *weight = root.weights()->Get(static_cast<flatbuffers::uoffset_t>(i));
+    cpu::WeightLayout &layout = impl->weightLayouts[i];
+    if (weight->shape() && weight->shape()->size() == 2) {
+      layout.rows = weight->shape()->Get(0);
+      layout.cols = weight->shape()->Get(1);
+    }
+    if (weight->layout() == fb::Layout::NzTiled)
+      layout.tiled = kernels::ref::TiledLayout{
+          layout.rows, layout.cols, {weight->tile()->Get(0), weight->tile()->Get(1)}};
   }
 
   for (auto [name, runner] : {std::pair{"prefill", &impl->prefill}, {"decode", &impl->decode}}) {

@@ -224,17 +224,27 @@ private:
         return Status::error(field + ".quant has the unknown value " +
                              std::to_string(static_cast<int>(weight->quant())));
 
-      // size == product(shape) * dtype size, overflow-checked.
-      uint64_t bytes = dtypeByteSize(weight->dtype());
+      // size == product(stored shape) * dtype size, overflow-checked.
       for (size_t axis = 0; axis < lengthOf(weight->shape()); ++axis) {
-        int64_t dim = weight->shape()->Get(static_cast<flatbuffers::uoffset_t>(axis));
+        const int64_t dim = weight->shape()->Get(static_cast<flatbuffers::uoffset_t>(axis));
         if (dim < 0)
           return Status::error(indexed(field + ".shape", axis) + " = " + std::to_string(dim) +
                                " is negative");
+      }
+      if (weight->layout() == fb::Layout::NzTiled) {
+        if (lengthOf(weight->shape()) != 2 || lengthOf(weight->tile()) != 2 ||
+            weight->tile()->Get(0) <= 0 || weight->tile()->Get(1) <= 0)
+          return Status::error(field + ": layout NzTiled needs a 2-D shape and a positive 2-D "
+                                       "tile");
+        if (weight->quant() != fb::QuantKind::None)
+          return Status::error(field + ": block-quantized weights are stored row-major");
+      }
+      const std::vector<int64_t> stored = storedShape(*weight);
+      uint64_t bytes = dtypeByteSize(weight->dtype());
+      for (int64_t dim : stored)
         if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(dim), &bytes))
           return Status::error(field + ".shape " + formatShape(weight->shape()) +
                                " has too many elements");
-      }
       if (weight->size() != bytes)
         return Status::error(field + ".size = " + std::to_string(weight->size()) + " but " +
                              dtypeName(weight->dtype()) + " " + formatShape(weight->shape()) +
@@ -558,6 +568,22 @@ Status verifyPlanBytes(const uint8_t *data, size_t size) {
 // Kernel metadata.
 //===------------------------------------------------------------------------------------------===//
 
+std::vector<int64_t> storedShape(const fb::Weight &weight) {
+  std::vector<int64_t> shape;
+  if (weight.shape())
+    shape.assign(weight.shape()->begin(), weight.shape()->end());
+  if (weight.layout() != fb::Layout::NzTiled)
+    return shape;
+  if (shape.size() != 2 || !weight.tile() || weight.tile()->size() != 2 ||
+      weight.tile()->Get(0) <= 0 || weight.tile()->Get(1) <= 0)
+    return {};
+  for (size_t axis = 0; axis < 2; ++axis) {
+    const int64_t tile = weight.tile()->Get(static_cast<flatbuffers::uoffset_t>(axis));
+    shape[axis] = (shape[axis] + tile - 1) / tile * tile;
+  }
+  return shape;
+}
+
 fb::KernelParams expectedParamsType(fb::KernelId kernel) {
   const plan::KernelSignature *signature = plan::kernelSignature(kernel);
   return signature ? signature->params : fb::KernelParams::NONE;
@@ -713,10 +739,8 @@ Status checkWeights(const LoadedPlan &loaded, const WeightArchive &archive) {
       if (weight->dtype() != entry->dtype)
         return Status::error(field + ": dtype " + dtypeName(weight->dtype()) +
                              " but the archive has " + dtypeName(entry->dtype));
-      bool sameShape = lengthOf(weight->shape()) == entry->shape.size();
-      for (size_t axis = 0; sameShape && axis < entry->shape.size(); ++axis)
-        sameShape =
-            weight->shape()->Get(static_cast<flatbuffers::uoffset_t>(axis)) == entry->shape[axis];
+      // Tiled weights are stored padded to whole tiles.
+      bool sameShape = storedShape(*weight) == entry->shape;
       if (!sameShape) {
         std::string archiveShape = "[";
         for (size_t axis = 0; axis < entry->shape.size(); ++axis) {

@@ -33,17 +33,22 @@ void printPlanReport(const plan::fb::Plan &plan, std::ostream &os) {
   os << "\n";
 
   std::map<std::string, uint64_t> weightBytes;
-  uint64_t totalWeights = 0;
+  uint64_t totalWeights = 0, tiledBytes = 0;
+  size_t tiled = 0;
   if (plan.weights())
     for (const fb::Weight *weight : *plan.weights()) {
       weightBytes[fb::EnumNameDType(weight->dtype())] += weight->size();
       totalWeights += weight->size();
+      if (weight->layout() == fb::Layout::NzTiled) {
+        ++tiled;
+        tiledBytes += weight->size();
+      }
     }
   os << "weights  " << (plan.weights() ? plan.weights()->size() : 0) << " tensors, "
      << bytes(double(totalWeights));
   for (const auto &[dtype, size] : weightBytes)
     os << ", " << dtype << " " << bytes(double(size));
-  os << "\n";
+  os << "; " << tiled << " tiled (" << bytes(double(tiledBytes)) << ")\n";
 
   if (const fb::CacheSpec *cache = plan.cache()) {
     uint64_t kvPerToken = 0, statePerSequence = 0;

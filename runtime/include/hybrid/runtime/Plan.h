@@ -38,6 +38,10 @@ std::optional<int64_t> expectedWeightCount(plan::fb::KernelId kernel, int64_t nu
 
 // A verified plan. Owns its bytes (8-byte aligned, as FlatBuffers requires); movable, and the
 // tables returned by plan() stay valid across moves.
+// The shape a weight is stored with in the archive: its shape, or for an NzTiled weight the
+// shape padded to whole tiles. Empty when an NzTiled weight lacks a 2-D shape or tile.
+std::vector<int64_t> storedShape(const plan::fb::Weight &weight);
+
 class LoadedPlan {
 public:
   // Reads and verifies a plan file.
