@@ -75,6 +75,8 @@ std::optional<Phase> parsePhase(const std::string &name) {
     return Phase::Lower;
   if (name == "fuse")
     return Phase::Fuse;
+  if (name == "quantize")
+    return Phase::Quantize;
   if (name == "layout")
     return Phase::Layout;
   if (name == "streams")
@@ -86,7 +88,9 @@ std::optional<Phase> parsePhase(const std::string &name) {
   return std::nullopt;
 }
 
-const char *phaseNames() { return "import, lower, fuse, layout, streams, memory, verify"; }
+const char *phaseNames() {
+  return "import, lower, fuse, quantize, layout, streams, memory, verify";
+}
 
 StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &context,
                                                        const CompileOptions &options,
@@ -117,6 +121,11 @@ StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &conte
   pm.addPass(createLowerToPlan(lowerOptions));
   if (stopAfter >= Phase::Fuse && options.fuse)
     pm.addPass(createFuseSuperKernels());
+  if (stopAfter >= Phase::Quantize) {
+    AnnotateQuantizationOptions quantization;
+    quantization.policy = options.quantization;
+    pm.addPass(createAnnotateQuantization(quantization));
+  }
   if (stopAfter >= Phase::Layout && options.tileWeights)
     pm.addPass(createAssignWeightLayout());
   if (stopAfter >= Phase::Streams)
@@ -158,7 +167,13 @@ StatusOr<std::vector<uint8_t>> compilePlan(mlir::MLIRContext &context,
       .add("decode_tokens", int64_t{1})
       .add("page_size", static_cast<int64_t>(options.pageSize))
       .add("fuse", options.fuse)
-      .add("tile_weights", options.tileWeights);
+      .add("tile_weights", options.tileWeights)
+      .add("quantization", options.quantization);
+  // A policy file counts by its contents, not its name.
+  if (options.quantization != "default" && options.quantization != "none") {
+    auto policy = llvm::MemoryBuffer::getFile(options.quantization);
+    key.add("quantization_policy", policy ? (*policy)->getBuffer().str() : std::string());
+  }
   cache::CacheKey cacheKey = key.finish();
   report.cacheKey = cacheKey.hex();
 

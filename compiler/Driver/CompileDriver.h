@@ -27,6 +27,7 @@ struct CompileOptions {
   bool useCache = true;
   bool fuse = true;             // --hybrid-fuse-super-kernels (off: the unfused reference path)
   bool tileWeights = true;      // --hybrid-assign-weight-layout (off: every weight row-major)
+  std::string quantization = "default"; // --hybrid-annotate-quantization policy
 };
 
 // The compiler identity in every cache key: version plus a hash of this executable, so any
@@ -34,8 +35,9 @@ struct CompileOptions {
 std::string compilerIdentity();
 
 // The phases of the pipeline, in order; `--compile-to=<phase>` stops after one.
-enum class Phase { Import, Lower, Fuse, Layout, Streams, Memory, Verify };
-// "import", "lower", "fuse", "layout", "streams", "memory", "verify"; nullopt otherwise.
+enum class Phase { Import, Lower, Fuse, Quantize, Layout, Streams, Memory, Verify };
+// "import", "lower", "fuse", "quantize", "layout", "streams", "memory", "verify"; nullopt
+// otherwise.
 std::optional<Phase> parsePhase(const std::string &name);
 const char *phaseNames();
 

@@ -107,7 +107,9 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
             fb::CreateDsaIndexerParams(b, p.i32("index_heads"), p.i32("index_head_dim"),
                                        p.i32("top_k"), p.i32("rope_head_dim"), rope,
                                        static_cast<float>(p.real("norm_epsilon")),
-                                       p.i32("kv_slot"))
+                                       p.i32("kv_slot"),
+                                       p.text("quantize") == "mxfp8" ? fb::ActivationQuant::Mxfp8
+                                                                     : fb::ActivationQuant::None)
                 .Union()};
   }
   case plan::KernelId::attn_res:
@@ -166,9 +168,11 @@ FailureOr<std::vector<uint8_t>> serializePlan(plan::PlanOp planOp) {
 
   std::vector<flatbuffers::Offset<fb::KvCacheLayer>> kv;
   for (plan::KvCacheLayerOp layer : body.getOps<plan::KvCacheLayerOp>())
-    kv.push_back(fb::CreateKvCacheLayer(b, layer.getLayer(), layer.getLatentDim(),
-                                        layer.getRopeDim(), toPlanDType(layer.getDtype()),
-                                        layer.getIndexKeyDim()));
+    kv.push_back(fb::CreateKvCacheLayer(
+        b, layer.getLayer(), layer.getLatentDim(), layer.getRopeDim(),
+        toPlanDType(layer.getDtype()), layer.getIndexKeyDim(),
+        layer.getQuant() == "fp8_tiles" ? fb::KvQuant::Fp8Tiles : fb::KvQuant::None,
+        layer.getQuantTile()));
   std::vector<flatbuffers::Offset<fb::RecurrentStateLayer>> recurrent;
   for (plan::RecurrentStateLayerOp layer : body.getOps<plan::RecurrentStateLayerOp>())
     recurrent.push_back(fb::CreateRecurrentStateLayer(

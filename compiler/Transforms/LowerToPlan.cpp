@@ -238,7 +238,8 @@ void ModelLowering::emitHeader(plan::PlanOp planOp) {
         op->getLoc(), builder_.getI32IntegerAttr(layerOf(op)),
         builder_.getI32IntegerAttr(static_cast<int32_t>(latent)),
         builder_.getI32IntegerAttr(static_cast<int32_t>(rope)), TypeAttr::get(cacheType),
-        builder_.getI32IntegerAttr(static_cast<int32_t>(indexKey)));
+        builder_.getI32IntegerAttr(static_cast<int32_t>(indexKey)), builder_.getStringAttr("none"),
+        builder_.getI32IntegerAttr(128));
   }
   for (Operation *op : stateOps) {
     auto kda = cast<KdaOp>(op);

@@ -43,6 +43,23 @@ def FuseSuperKernels : Pass<"hybrid-fuse-super-kernels", "mlir::ModuleOp"> {
   }];
 }
 
+def AnnotateQuantization : Pass<"hybrid-annotate-quantization", "mlir::ModuleOp"> {
+  let summary = "Attach precisions by role from a policy given as data";
+  let description = [{
+    The policy is `default`, `none` or a JSON file (docs/quantization.md). The default is the
+    DeepSeek-style hierarchy: the DSA indexer's query and key activations in MXFP8 (E4M3
+    elements, one E8M0 scale per 32, round-up scale rule), the sparse-attention KV cache's latent
+    in FP8 E4M3 with one power-of-two fp32 scale per token and 128-element tile (FlashMLA's V32
+    layout, rope part in bf16), projections in BF16 (the checkpoint's precision). Each decision is
+    a field of the plan (`quantize` on the indexer prologs, `quant` on the KV layer); the cpu
+    device quantizes and dequantizes bit-exactly to those definitions.
+  }];
+  let options = [
+    Option<"policy", "policy", "std::string", /*default=*/"\"default\"",
+           "default, none, or a JSON policy file">
+  ];
+}
+
 def AssignWeightLayout : Pass<"hybrid-assign-weight-layout", "mlir::ModuleOp"> {
   let summary = "Tile the weights GEMM kernels read into the blocks they load";
   let description = [{

@@ -53,8 +53,8 @@ cl::opt<std::string> cacheDir("cache-dir",
                               cl::init(""));
 cl::opt<std::string> compileTo(
     "compile-to",
-    cl::desc("Stop after a pipeline phase and print the IR: import, lower, fuse, layout, "
-             "streams, memory, verify"),
+    cl::desc("Stop after a pipeline phase and print the IR: import, lower, fuse, quantize, "
+             "layout, streams, memory, verify"),
     cl::value_desc("phase"), cl::init(""));
 cl::opt<bool> noFuse("no-fuse",
                      cl::desc("Skip --hybrid-fuse-super-kernels (the unfused reference path)"),
@@ -62,6 +62,11 @@ cl::opt<bool> noFuse("no-fuse",
 cl::opt<bool> rowMajorWeights("row-major-weights",
                               cl::desc("Skip --hybrid-assign-weight-layout: no tiled weights"),
                               cl::init(false));
+cl::opt<std::string> quantization(
+    "quantization",
+    cl::desc("Precision policy: default (DeepSeek-style: MXFP8 indexer Q/K, FP8 sparse KV cache, "
+             "BF16 projections), none, or a JSON policy file"),
+    cl::value_desc("policy"), cl::init("default"));
 cl::opt<bool> noCache("no-cache", cl::desc("Neither read nor write the compilation cache"),
                       cl::init(false));
 cl::opt<bool> report("report",
@@ -95,6 +100,7 @@ int main(int argc, char **argv) {
   options.useCache = !noCache;
   options.fuse = !noFuse;
   options.tileWeights = !rowMajorWeights;
+  options.quantization = quantization;
 
   if (!compileTo.empty()) {
     std::optional<hybrid::driver::Phase> phase = hybrid::driver::parsePhase(compileTo);

@@ -83,10 +83,16 @@ def Plan_KvCacheLayerOp : Plan_Op<"kv_cache_layer", [HasParent<"PlanOp">]> {
   let description = [{
     ```mlir
     plan.kv_cache_layer {layer = 3 : i32, latent_dim = 64 : i32, rope_dim = 32 : i32, dtype = f32, index_key_dim = 0 : i32}
+    plan.kv_cache_layer {layer = 0 : i32, latent_dim = 512 : i32, rope_dim = 64 : i32, dtype = f32,
+        index_key_dim = 128 : i32, quant = "fp8_tiles", quant_tile = 128 : i32}
     ```
+    `quant = "fp8_tiles"` stores the latent as E4M3 with a power-of-two scale per token and
+    `quant_tile` elements (on `cpu` the values are quantized and kept dequantized in fp32).
   }];
   let arguments = (ins I32Attr:$layer, I32Attr:$latent_dim, I32Attr:$rope_dim, TypeAttr:$dtype,
-                       I32Attr:$index_key_dim);
+                       I32Attr:$index_key_dim,
+                       DefaultValuedAttr<StrAttr, "\"none\"">:$quant,
+                       DefaultValuedAttr<I32Attr, "128">:$quant_tile);
   let assemblyFormat = "attr-dict";
 }
 

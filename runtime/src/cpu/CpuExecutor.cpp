@@ -7,6 +7,7 @@
 #include "hybrid/kernels/ref/Mla.h"
 #include "hybrid/kernels/ref/Moe.h"
 #include "hybrid/kernels/ref/Norm.h"
+#include "hybrid/kernels/ref/Quant.h"
 #include "runtime/schema/kernel_signatures.h"
 
 #include <algorithm>
@@ -115,6 +116,30 @@ std::vector<float> ropeFrequencies(const fb::Rope *rope, int64_t rotaryDim) {
         ref::YarnConfig{rope->factor(), rope->original_max_position(), rope->beta_fast(),
                         rope->beta_slow(), rope->mscale(), rope->mscale_all_dim()});
   return ref::ropeInverseFrequencies(rotaryDim, rope->theta());
+}
+
+// MXFP8 round trip of rows of `cols` values: the values a kernel reading the E4M3 elements and
+// E8M0 scales sees, bit-exact to the definitions in kernels/ref/Quant.h.
+Status roundTripMxfp8(std::span<float> values, int64_t rows, int64_t cols) {
+  std::vector<uint8_t> elements(values.size()), scales(values.size() / ref::kMxBlockSize);
+  if (!ref::quantizeMxfp8(values, rows, cols, elements, scales, ref::MxScaleRule::RoundUp) ||
+      !ref::dequantizeMxfp8(elements, scales, rows, cols, values))
+    return Status::error("MXFP8 needs rows of a multiple of 32 values, got " +
+                         std::to_string(cols));
+  return Status::ok();
+}
+
+// FP8 KV row round trip (FlashMLA V32 layout): the latent as E4M3 with a power-of-two scale per
+// tile, the rope key as bf16.
+Status roundTripFp8KvRow(std::span<float> latent, std::span<float> rope, int64_t tile) {
+  std::vector<uint8_t> row(static_cast<size_t>(
+      ref::kvRowBytes(static_cast<int64_t>(latent.size()), static_cast<int64_t>(rope.size()),
+                      tile)));
+  if (!ref::packFp8KvRow(latent, rope, row, tile) || !ref::unpackFp8KvRow(row, latent, rope, tile))
+    return Status::error("cannot quantize a KV row of " + std::to_string(latent.size()) + "+" +
+                         std::to_string(rope.size()) + " values in tiles of " +
+                         std::to_string(tile));
+  return Status::ok();
 }
 
 // Staged rows of a KV slot for this step: [rows, rowElements], zero-filled on first use.
@@ -239,6 +264,8 @@ Status runIndexerQuery(const StepContext &c, const fb::Dispatch &d, const Weight
     for (int64_t j = 0; j < Hi; ++j)
       ref::applyRope({query.data() + (t * Hi + j) * Di, size_t(dr)}, c.firstPosition + t,
                      frequencies, layout);
+  if (p->quantize() == fb::ActivationQuant::Mxfp8) // per head row
+    return roundTripMxfp8(query, T * Hi, Di);
   return Status::ok();
 }
 
@@ -254,6 +281,8 @@ Status runIndexerKey(const StepContext &c, const fb::Dispatch &d, const Weights 
   for (int64_t t = 0; t < T; ++t)
     ref::applyRope({key.data() + t * Di, size_t(dr)}, c.firstPosition + t, frequencies,
                    ropeLayout(p->rope()));
+  if (p->quantize() == fb::ActivationQuant::Mxfp8)
+    return roundTripMxfp8(key, T, Di);
   return Status::ok();
 }
 
@@ -319,6 +348,10 @@ Status runMla(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
                          std::to_string(shape.latentDim) + "+" + std::to_string(shape.ropeDim) +
                          " values per token, the attention makes " + std::to_string(rkv) + "+" +
                          std::to_string(dr));
+  const fb::KvCacheLayer *quant =
+      c.cacheSpec && c.cacheSpec->kv() && p->kv_slot() < int32_t(c.cacheSpec->kv()->size())
+          ? c.cacheSpec->kv()->Get(p->kv_slot())
+          : nullptr;
   std::vector<float> &stagedRows = (*c.kvStaging)[p->kv_slot()];
   std::span<float> staged = stagedRows.size() == size_t(T * shape.rowElements())
                                 ? std::span<float>(stagedRows) // the indexer staged its keys
@@ -328,6 +361,9 @@ Status runMla(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
     ref::rmsNorm({row, size_t(rkv)}, w[KvALayerNorm], {row, size_t(rkv)}, 1, rkv,
                  p->latent_norm_epsilon());
     ref::applyRope({row + rkv, size_t(dr)}, pos[t], frequencies, layout);
+    if (quant && quant->quant() == fb::KvQuant::Fp8Tiles) // what the cache will hold
+      HYBRID_RETURN_IF_ERROR(roundTripFp8KvRow({row, size_t(rkv)}, {row + rkv, size_t(dr)},
+                                               quant->quant_tile()));
     std::copy_n(row, rkv + dr, staged.data() + t * shape.rowElements());
     for (int64_t h = 0; h < H; ++h)
       ref::applyRope({queries.data() + (t * H + h) * qkDim + dn, size_t(dr)}, pos[t], frequencies,

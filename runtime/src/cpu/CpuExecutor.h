@@ -29,6 +29,7 @@ struct StepContext {
   const std::vector<std::vector<float>> *weights = nullptr; // fp32, per plan weight index
   const std::vector<WeightLayout> *weightLayouts = nullptr; // per plan weight index
   PagedKvCache *kvCache = nullptr;
+  const plan::fb::CacheSpec *cacheSpec = nullptr; // precision of each KV layer
   RecurrentStatePool *states = nullptr;
   // Rows of the current step being written per KV slot: the indexer stages its keys, the MLA
   // its latents, and the MLA appends the full rows to the cache after attending.

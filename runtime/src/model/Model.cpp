@@ -173,6 +173,7 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   context.weights = &weights;
   context.weightLayouts = &weightLayouts;
   context.kvCache = &kvCache;
+  context.cacheSpec = plan->cache();
   context.states = &states;
   context.kvStaging = &kvStaging;
   context.kvSequence = kvSequence;

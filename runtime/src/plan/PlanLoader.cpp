@@ -286,6 +286,11 @@ private:
       HYBRID_RETURN_IF_ERROR(checkNonNegative(field + ".latent_dim", layer->latent_dim()));
       HYBRID_RETURN_IF_ERROR(checkNonNegative(field + ".rope_dim", layer->rope_dim()));
       HYBRID_RETURN_IF_ERROR(checkNonNegative(field + ".index_key_dim", layer->index_key_dim()));
+      if (layer->quant() > fb::KvQuant::MAX)
+        return Status::error(field + ".quant has the unknown value " +
+                             std::to_string(static_cast<int>(layer->quant())));
+      if (layer->quant() == fb::KvQuant::Fp8Tiles)
+        HYBRID_RETURN_IF_ERROR(checkPositive(field + ".quant_tile", layer->quant_tile()));
       if (int64_t{layer->latent_dim()} + layer->rope_dim() == 0)
         return Status::error(field + ": latent_dim and rope_dim are both 0");
       HYBRID_RETURN_IF_ERROR(checkDType(field + ".dtype", layer->dtype()));
