@@ -1,5 +1,7 @@
 #include "compiler/Analysis/ModelSummary.h"
 
+#include "hybrid/runtime/PlanReport.h"
+
 #include "llvm/ADT/StringExtras.h"
 #include "llvm/Support/Format.h"
 #include "llvm/Support/FormatVariadic.h"
@@ -10,28 +12,6 @@ using namespace mlir;
 
 namespace hybrid::analysis {
 namespace {
-
-// "model.layers.3.self_attn" -> 3; -1 for model-level ops.
-int64_t layerOf(Operation *op) {
-  auto name = dyn_cast<NameLoc>(op->getLoc());
-  if (!name)
-    return -1;
-  StringRef rest = name.getName().getValue();
-  int64_t layer = -1;
-  if (!rest.consume_front("model.layers.") || rest.consumeInteger(10, layer))
-    return -1;
-  return layer;
-}
-
-std::string bytes(double count) {
-  const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int unit = 0;
-  while (count >= 1024 && unit < 4) {
-    count /= 1024;
-    ++unit;
-  }
-  return llvm::formatv("{0:F1} {1}", count, units[unit]).str();
-}
 
 std::string count(double n) {
   if (n >= 1e9)
@@ -88,18 +68,19 @@ void printModelSummary(ModelOp model, llvm::raw_ostream &os) {
     }
   });
 
-  os << "model " << model.getSymName() << " (" << model.getModelType() << "): "
-     << model.getNumLayers() << " layers, hidden " << model.getHiddenSize() << ", vocab "
-     << model.getVocabSize() << ", " << count(parameters) << " parameters (" << bytes(weightBytes)
-     << ")\n";
+  os << "model " << model.getSymName() << " (" << model.getModelType()
+     << "): " << model.getNumLayers() << " layers, hidden " << model.getHiddenSize() << ", vocab "
+     << model.getVocabSize() << ", " << count(parameters) << " parameters ("
+     << formatBytes(weightBytes) << ")\n";
   os << "layer  ops\n";
   for (const auto &[layer, row] : layers)
     os << llvm::format("%5lld  ", static_cast<long long>(layer)) << llvm::join(row.kinds, " + ")
        << "\n";
-  os << "KV cache per token: " << kvLayers << " attention layers, " << bytes(kvBytesPerToken)
+  os << "KV cache per token: " << kvLayers << " attention layers, " << formatBytes(kvBytesPerToken)
      << " (bf16)\n";
   os << "recurrent state per sequence: " << recurrentLayers << " KDA layers, "
-     << bytes(recurrentBytes) << " fp32 state + " << bytes(convBytes) << " conv state (bf16)\n";
+     << formatBytes(recurrentBytes) << " fp32 state + " << formatBytes(convBytes)
+     << " conv state (bf16)\n";
 }
 
 } // namespace hybrid::analysis

@@ -21,18 +21,6 @@ namespace {
 
 int64_t elementBytes(Type type) { return std::max<int64_t>(1, type.getIntOrFloatBitWidth() / 8); }
 
-// "model.layers.3.self_attn" -> 3; -1 for model-level ops.
-int32_t layerOf(Operation *op) {
-  auto name = dyn_cast<NameLoc>(op->getLoc());
-  if (!name)
-    return -1;
-  StringRef rest = name.getName().getValue();
-  int32_t layer = -1;
-  if (!rest.consume_front("model.layers.") || rest.consumeInteger(10, layer))
-    return -1;
-  return layer;
-}
-
 std::string locationName(Operation *op) {
   if (auto name = dyn_cast<NameLoc>(op->getLoc()))
     return name.getName().str();

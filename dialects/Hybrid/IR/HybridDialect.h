@@ -48,3 +48,9 @@ template <> struct FieldParser<hybrid::Real> {
 
 #define GET_OP_CLASSES
 #include "dialects/Hybrid/IR/HybridOps.h.inc"
+
+namespace hybrid {
+// The decoder layer an op belongs to, from its `model.layers.<i>.…` name location (the importer
+// names every op after its checkpoint module); -1 for model-level ops.
+int32_t layerOf(mlir::Operation *op);
+} // namespace hybrid

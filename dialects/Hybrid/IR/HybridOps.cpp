@@ -488,5 +488,16 @@ LogicalResult MoeOp::verify() {
                         eq("num_shared_experts * intermediate_size", ns * width));
 }
 
+int32_t hybrid::layerOf(Operation *op) {
+  auto name = dyn_cast<NameLoc>(op->getLoc());
+  if (!name)
+    return -1;
+  StringRef rest = name.getName().getValue();
+  int32_t layer = -1;
+  if (!rest.consume_front("model.layers.") || rest.consumeInteger(10, layer))
+    return -1;
+  return layer;
+}
+
 #define GET_OP_CLASSES
 #include "dialects/Hybrid/IR/HybridOps.cpp.inc"

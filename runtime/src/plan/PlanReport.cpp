@@ -8,9 +8,7 @@
 #include <string>
 
 namespace hybrid {
-namespace {
-
-std::string bytes(double count) {
+std::string formatBytes(double count) {
   const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int unit = 0;
   while (count >= 1024 && unit < 4) {
@@ -21,8 +19,6 @@ std::string bytes(double count) {
   std::snprintf(text, sizeof text, "%.1f %s", count, units[unit]);
   return text;
 }
-
-} // namespace
 
 void printPlanReport(const plan::fb::Plan &plan, std::ostream &os) {
   namespace fb = plan::fb;
@@ -45,10 +41,10 @@ void printPlanReport(const plan::fb::Plan &plan, std::ostream &os) {
       }
     }
   os << "weights  " << (plan.weights() ? plan.weights()->size() : 0) << " tensors, "
-     << bytes(double(totalWeights));
+     << formatBytes(double(totalWeights));
   for (const auto &[dtype, size] : weightBytes)
-    os << ", " << dtype << " " << bytes(double(size));
-  os << "; " << tiled << " tiled (" << bytes(double(tiledBytes)) << ")\n";
+    os << ", " << dtype << " " << formatBytes(double(size));
+  os << "; " << tiled << " tiled (" << formatBytes(double(tiledBytes)) << ")\n";
 
   if (const fb::CacheSpec *cache = plan.cache()) {
     uint64_t kvPerToken = 0, statePerSequence = 0;
@@ -62,9 +58,9 @@ void printPlanReport(const plan::fb::Plan &plan, std::ostream &os) {
             4ull * (uint64_t(layer->num_heads()) * layer->head_k_dim() * layer->head_v_dim() +
                     uint64_t(layer->conv_channels()) * (layer->conv_kernel() - 1));
     os << "cache    KV " << (cache->kv() ? cache->kv()->size() : 0) << " layers, "
-       << bytes(double(kvPerToken)) << " per token; recurrent "
+       << formatBytes(double(kvPerToken)) << " per token; recurrent "
        << (cache->recurrent() ? cache->recurrent()->size() : 0) << " layers, "
-       << bytes(double(statePerSequence)) << " per sequence\n";
+       << formatBytes(double(statePerSequence)) << " per sequence\n";
   }
 
   if (!plan.programs())
@@ -85,8 +81,8 @@ void printPlanReport(const plan::fb::Plan &plan, std::ostream &os) {
       }
     os << "program  " << (program->name() ? program->name()->str() : "?") << ": "
        << program->max_tokens() << " tokens, " << steps << " steps (" << fused << " fused), "
-       << program->num_streams() << " streams, " << program->num_events()
-       << " events, arena " << bytes(double(program->arena_bytes())) << "\n";
+       << program->num_streams() << " streams, " << program->num_events() << " events, arena "
+       << formatBytes(double(program->arena_bytes())) << "\n";
     for (const auto &[kind, count] : fusedKinds)
       os << "           " << count << " x " << kind << "\n";
   }

@@ -5,9 +5,13 @@
 #include "runtime/schema/plan_generated.h"
 
 #include <ostream>
+#include <string>
 
 namespace hybrid {
 
 void printPlanReport(const plan::fb::Plan &plan, std::ostream &os);
+
+// "1.5 MiB": a byte count with a binary unit and one decimal.
+std::string formatBytes(double count);
 
 } // namespace hybrid
