@@ -1,0 +1,133 @@
+#include "hybrid/kernels/cuda/KdaBench.h"
+#include "hybrid/kernels/cuda/KdaDecode.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <random>
+
+namespace hybrid::kernels::cuda {
+namespace {
+
+#define BENCH_CHECK(call)                                                                         \
+  do {                                                                                            \
+    cudaError_t status_ = (call);                                                                 \
+    if (status_ != cudaSuccess) {                                                                 \
+      error = std::string(#call) + ": " + cudaGetErrorString(status_);                            \
+      return {};                                                                                  \
+    }                                                                                             \
+  } while (0)
+
+float *deviceRandom(size_t n, float scale, float offset, std::mt19937 &rng, std::string &error) {
+  std::vector<float> host(n);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float &v : host)
+    v = offset + scale * normal(rng);
+  float *device = nullptr;
+  if (cudaMalloc(&device, n * sizeof(float)) != cudaSuccess ||
+      cudaMemcpy(device, host.data(), n * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) {
+    error = "cannot allocate or fill " + std::to_string(n) + " floats on the device";
+    cudaFree(device);
+    return nullptr;
+  }
+  return device;
+}
+
+// Median over `repeats` timings of `iterations` calls of `body`, in microseconds per call.
+template <typename Body>
+double medianMicroseconds(cudaStream_t stream, int iterations, Body &&body) {
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<float> times;
+  for (int repeat = 0; repeat < 7; ++repeat) {
+    cudaEventRecord(start, stream);
+    for (int i = 0; i < iterations; ++i)
+      body();
+    cudaEventRecord(stop, stream);
+    cudaEventSynchronize(stop);
+    float milliseconds = 0;
+    cudaEventElapsedTime(&milliseconds, start, stop);
+    times.push_back(1e3f * milliseconds / iterations);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+} // namespace
+
+std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &batches,
+                                                 int32_t heads, int32_t headDim,
+                                                 int32_t iterations, std::string &error) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    error = "no CUDA device";
+    return {};
+  }
+  std::vector<KdaDecodeBenchResult> results;
+  std::mt19937 rng(7);
+  for (int32_t batch : batches) {
+    const size_t P = size_t(heads) * headDim, W = 4;
+    std::vector<float *> buffers;
+    auto make = [&](size_t n, float scale, float offset = 0.0f) {
+      float *buffer = deviceRandom(n, scale, offset, rng, error);
+      buffers.push_back(buffer);
+      return buffer;
+    };
+    KdaDecodeParams p;
+    p.batch = batch;
+    p.heads = heads;
+    p.headDim = headDim;
+    p.convKernel = int32_t(W);
+    p.qkv = make(size_t(batch) * 3 * P, 1.0f);
+    p.convWeight = make(3 * P * W, 0.5f);
+    p.forget = make(size_t(batch) * P, 1.0f);
+    p.aLog = make(size_t(heads), 0.3f, 0.5f);
+    p.dtBias = make(P, 0.5f);
+    p.betaLogits = make(size_t(batch) * heads, 1.0f);
+    p.outputGate = make(size_t(batch) * P, 1.0f);
+    p.normWeight = make(size_t(headDim), 0.1f, 1.0f);
+    p.convState = make(size_t(batch) * 3 * (W - 1) * P, 1.0f);
+    p.state = make(size_t(batch) * heads * headDim * headDim, 0.05f);
+    p.out = make(size_t(batch) * P, 1.0f);
+    if (!error.empty())
+      return {};
+
+    cudaStream_t stream;
+    BENCH_CHECK(cudaStreamCreate(&stream));
+    for (int i = 0; i < 10; ++i) // warm-up
+      BENCH_CHECK(static_cast<cudaError_t>(launchKdaFusedDecode(p, stream)));
+    BENCH_CHECK(cudaStreamSynchronize(stream));
+    KdaDecodeBenchResult result;
+    result.batch = batch;
+    result.heads = heads;
+    result.headDim = headDim;
+    result.eagerMicroseconds =
+        medianMicroseconds(stream, iterations, [&] { launchKdaFusedDecode(p, stream); });
+
+    // One step captured as a graph and replayed: what the runtime's decode graphs do.
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    launchKdaFusedDecode(p, stream);
+    BENCH_CHECK(cudaStreamEndCapture(stream, &graph));
+    BENCH_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    result.graphMicroseconds =
+        medianMicroseconds(stream, iterations, [&] { cudaGraphLaunch(exec, stream); });
+    BENCH_CHECK(cudaStreamSynchronize(stream));
+    result.stateBytes = 2.0 * 4.0 * double(batch) * heads * headDim * headDim;
+    result.graphStateTbPerSecond = result.stateBytes / (result.graphMicroseconds * 1e-6) / 1e12;
+    results.push_back(result);
+
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    for (float *buffer : buffers)
+      cudaFree(buffer);
+  }
+  return results;
+}
+
+} // namespace hybrid::kernels::cuda

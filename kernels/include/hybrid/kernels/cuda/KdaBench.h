@@ -1,0 +1,25 @@
+// Benchmarks of the CUDA KDA kernels (hybrid-bench kda-decode): CUDA events, warm-up, the median
+// of repeated measurements, random (never zero) data.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hybrid::kernels::cuda {
+
+struct KdaDecodeBenchResult {
+  int32_t batch = 0, heads = 0, headDim = 0;
+  double eagerMicroseconds = 0; // one launch per step from the host
+  double graphMicroseconds = 0; // the step replayed from a CUDA graph
+  double stateBytes = 0;        // fp32 state read + written per step
+  double graphStateTbPerSecond = 0;
+};
+
+// Runs the fused decode step for each batch size; `error` is set (and the list empty) when CUDA
+// is unavailable or a call fails.
+std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &batches,
+                                                 int32_t heads, int32_t headDim,
+                                                 int32_t iterations, std::string &error);
+
+} // namespace hybrid::kernels::cuda

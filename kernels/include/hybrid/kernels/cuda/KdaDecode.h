@@ -1,0 +1,39 @@
+// The fused KDA decode step on CUDA (sm_90a): one token per sequence through the short
+// convolution (with its state), SiLU, L2 norm of q and k, the forget gate and beta, the delta-rule
+// update of the fp32 state (read once, written once), the output and the gated RMSNorm.
+// CUDA-free header: the runtime and the tests include it without nvcc.
+#pragma once
+
+#include <cstdint>
+
+namespace hybrid::kernels::cuda {
+
+struct KdaDecodeParams {
+  int32_t batch = 0;
+  int32_t heads = 0;
+  int32_t headDim = 0;      // K = V; 128 (Kimi-Linear) is the compiled size
+  int32_t convKernel = 4;   // W; the conv state keeps W - 1 inputs per channel
+  // Inputs of this step, fp32, channel c = head * headDim + i:
+  const float *qkv = nullptr;        // [batch, 3, heads * headDim]: q, k, v projections before the conv
+  const float *convWeight = nullptr; // [3, heads * headDim, W] (the checkpoint's [P, 1, W] per projection)
+  const float *forget = nullptr;     // [batch, heads * headDim]: f_b_proj(f_a_proj(x))
+  const float *aLog = nullptr;       // [heads]
+  const float *dtBias = nullptr;     // [heads * headDim]
+  const float *betaLogits = nullptr; // [batch, heads]: b_proj(x)
+  const float *outputGate = nullptr; // [batch, heads * headDim]: pre-sigmoid output gate
+  const float *normWeight = nullptr; // [headDim], shared by the heads
+  float normEpsilon = 1e-5f;
+  bool lowerBoundGate = false;       // Kimi K3: g = lowerBound * sigmoid(exp(A_log) * (f + dt_bias))
+  float lowerBound = -5.0f;
+  // State, updated in place:
+  float *convState = nullptr;        // [batch, 3, W - 1, heads * headDim], oldest input first
+  float *state = nullptr;            // [batch, heads, K, V] fp32 (K-major)
+  // Output:
+  float *out = nullptr;              // [batch, heads * headDim]: gated-normed attention output
+};
+
+// Launches on `stream` (a cudaStream_t, null for the default stream). Returns 0 or the CUDA error
+// code (cudaError_t); an unsupported headDim returns cudaErrorInvalidValue (1).
+int launchKdaFusedDecode(const KdaDecodeParams &params, void *stream);
+
+} // namespace hybrid::kernels::cuda

@@ -1,0 +1,53 @@
+// hybrid-bench: kernel benchmarks on the GPU, a table on stdout and JSON for the record.
+#include "hybrid/kernels/cuda/KdaBench.h"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+int main(int argc, char **argv) {
+  CLI::App app{"hybrid kernel benchmarks (CUDA events, warm-up, median of 7)"};
+  app.require_subcommand(1);
+  std::vector<int32_t> batches = {1, 32, 128};
+  int32_t heads = 32, headDim = 128, iterations = 200;
+  std::string jsonPath;
+  CLI::App *kdaDecode = app.add_subcommand("kda-decode", "fused KDA decode step");
+  kdaDecode->add_option("--batch", batches, "Batch sizes")->delimiter(',');
+  kdaDecode->add_option("--heads", heads, "KDA heads")->check(CLI::PositiveNumber);
+  kdaDecode->add_option("--head-dim", headDim, "Head dimension (64 or 128)");
+  kdaDecode->add_option("--iterations", iterations, "Calls per timing")
+      ->check(CLI::PositiveNumber);
+  kdaDecode->add_option("--json", jsonPath, "Write the results as JSON");
+  CLI11_PARSE(app, argc, argv);
+
+  std::string error;
+  auto results = hybrid::kernels::cuda::benchKdaDecode(batches, heads, headDim, iterations, error);
+  if (!error.empty()) {
+    std::cerr << "error: kda-decode: " << error << "\n";
+    return 1;
+  }
+  // 4.28 TB/s: the H200's measured copy bandwidth (PERF_TARGETS.md), the ceiling for state traffic.
+  constexpr double kCopyTbPerSecond = 4.28;
+  std::printf("%-10s %6s %6s %5s %12s %12s %14s %10s\n", "kernel", "batch", "heads", "dim",
+              "eager us", "graph us", "state TB/s", "% of copy");
+  for (const auto &r : results)
+    std::printf("%-10s %6d %6d %5d %12.2f %12.2f %14.2f %9.0f%%\n", "kda-decode", r.batch, r.heads,
+                r.headDim, r.eagerMicroseconds, r.graphMicroseconds, r.graphStateTbPerSecond,
+                100.0 * r.graphStateTbPerSecond / kCopyTbPerSecond);
+  if (!jsonPath.empty()) {
+    std::ofstream json(jsonPath);
+    json << "[\n";
+    for (size_t i = 0; i < results.size(); ++i) {
+      const auto &r = results[i];
+      json << "  {\"kernel\": \"kda-decode\", \"batch\": " << r.batch << ", \"heads\": " << r.heads
+           << ", \"head_dim\": " << r.headDim << ", \"eager_us\": " << r.eagerMicroseconds
+           << ", \"graph_us\": " << r.graphMicroseconds << ", \"state_bytes\": " << r.stateBytes
+           << ", \"state_tb_per_s\": " << r.graphStateTbPerSecond << "}"
+           << (i + 1 < results.size() ? ",\n" : "\n");
+    }
+    json << "]\n";
+  }
+  return 0;
+}
