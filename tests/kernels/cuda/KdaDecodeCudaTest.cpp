@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace hybrid::kernels {
@@ -146,7 +147,13 @@ TEST_P(KdaDecodeCuda, MatchesReferenceOverSteps) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, KdaDecodeCuda,
                          testing::Values(Case{1, 2, 128, false}, Case{3, 4, 128, true},
-                                         Case{5, 3, 64, false}, Case{2, 32, 128, false}));
+                                         Case{5, 3, 64, false}, Case{2, 32, 128, false}),
+                         [](const testing::TestParamInfo<Case> &info) {
+                           const Case &c = info.param;
+                           return "B" + std::to_string(c.batch) + "_H" + std::to_string(c.heads) +
+                                  "_D" + std::to_string(c.headDim) +
+                                  (c.lowerBound ? "_lower_bound" : "_softplus");
+                         });
 
 TEST(KdaDecodeCudaErrors, UnsupportedHeadDim) {
   cuda::KdaDecodeParams params;
