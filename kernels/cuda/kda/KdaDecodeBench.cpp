@@ -94,6 +94,13 @@ std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &bat
     p.out = make(size_t(batch) * P, 1.0f);
     if (!error.empty())
       return {};
+    const size_t workspaceBytes = kdaDecodeWorkspaceBytes(p);
+    if (workspaceBytes > 0) {
+      float *workspace = nullptr;
+      BENCH_CHECK(cudaMalloc(&workspace, workspaceBytes));
+      buffers.push_back(workspace);
+      p.workspace = workspace;
+    }
 
     cudaStream_t stream;
     BENCH_CHECK(cudaStreamCreate(&stream));
@@ -119,6 +126,13 @@ std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &bat
     BENCH_CHECK(cudaStreamSynchronize(stream));
     result.stateBytes = 2.0 * 4.0 * double(batch) * heads * headDim * headDim;
     result.graphStateTbPerSecond = result.stateBytes / (result.graphMicroseconds * 1e-6) / 1e12;
+    const double convStateBytes = 2.0 * 4.0 * double(batch) * 3 * (W - 1) * P;
+    const double activationBytes = 4.0 * double(batch) * (3 * P + P + heads + P + P);
+    const double weightBytes = 4.0 * (3 * P * W + P + heads + headDim);
+    result.trafficBytes = result.stateBytes + convStateBytes + activationBytes + weightBytes;
+    result.graphTrafficTbPerSecond =
+        result.trafficBytes / (result.graphMicroseconds * 1e-6) / 1e12;
+    result.split = workspaceBytes > 0;
     results.push_back(result);
 
     cudaGraphExecDestroy(exec);

@@ -1,6 +1,12 @@
-// Fused KDA decode step (see KdaDecode.h). One block per (head, sequence); the threads of a block
-// keep the head's K x V state in registers (each a slice of one value column), so the state is
-// read and written exactly once and every access is coalesced across a warp (row-major [K][V]).
+// KDA decode step (see KdaDecode.h). Either path keeps each value column's slice of the K x V state
+// in registers, so the state is read and written exactly once and every access is coalesced across
+// a warp (row-major [K][V]).
+//  - fused: one block per (head, sequence) does everything; fewest launches, best for small batches.
+//  - split: a prolog kernel does the conv (which shifts the conv state: one owner per channel, so
+//    it cannot be spread over the state kernel's blocks), the norms and the gates; the state
+//    kernel runs 4 blocks per head of 32 columns each and issues its state loads before waiting
+//    on the prolog (programmatic dependent launch), and its last block per head does the norm.
+//    Smaller, independent blocks keep more loads in flight once there are several waves of work.
 #include "hybrid/kernels/cuda/KdaDecode.h"
 
 #include <cuda_runtime.h>
@@ -122,24 +128,201 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
   }
 }
 
+// Split path. Per (sequence, head) the prolog writes [query K][key K][decay K][value V][beta, pad 3].
+template <int kDim> constexpr int kPreparedFloats = 4 * kDim + 4;
+
+template <int kDim> size_t splitWorkspaceBytes(int64_t pairs) {
+  // prepared rows, then the raw (pre-norm) outputs, then one arrival counter per pair
+  return size_t(pairs) * ((kPreparedFloats<kDim> + kDim) * sizeof(float) + sizeof(unsigned));
+}
+
+template <int kDim>
+__global__ void __launch_bounds__(kDim)
+    kdaDecodePrologKernel(KdaDecodeParams p, float *prepared, unsigned *arrivals) {
+  // The state kernel may launch now: it only loads state until it waits on this grid.
+  asm volatile("griddepcontrol.launch_dependents;");
+  const int head = blockIdx.x, sequence = blockIdx.y, i = threadIdx.x;
+  const int channels = p.heads * kDim, channel = head * kDim + i;
+  const int history = p.convKernel - 1;
+  __shared__ float scratch[kDim / 32];
+  float qkv[3];
+#pragma unroll
+  for (int projection = 0; projection < 3; ++projection) {
+    const float input = p.qkv[(size_t(sequence) * 3 + projection) * channels + channel];
+    const float *taps = p.convWeight + (size_t(projection) * channels + channel) * p.convKernel;
+    float *past = p.convState + size_t(sequence * 3 + projection) * history * channels + channel;
+    float acc = taps[history] * input;
+    for (int j = 0; j < history; ++j)
+      acc += taps[j] * past[size_t(j) * channels];
+    for (int j = 0; j + 1 < history; ++j)
+      past[size_t(j) * channels] = past[size_t(j + 1) * channels];
+    if (history > 0)
+      past[size_t(history - 1) * channels] = input;
+    qkv[projection] = acc * sigmoid(acc);
+  }
+  const float qNorm = rsqrtf(blockSum<kDim>(qkv[0] * qkv[0], scratch) + 1e-6f);
+  const float kNorm = rsqrtf(blockSum<kDim>(qkv[1] * qkv[1], scratch) + 1e-6f);
+  const size_t pair = size_t(sequence) * p.heads + head;
+  float *row = prepared + pair * kPreparedFloats<kDim>;
+  row[i] = qkv[0] * qNorm * rsqrtf(float(kDim));
+  row[kDim + i] = qkv[1] * kNorm;
+  const float f = p.forget[size_t(sequence) * channels + channel] + p.dtBias[channel];
+  const float scaleA = __expf(p.aLog[head]);
+  const float g = p.lowerBoundGate ? p.lowerBound * sigmoid(scaleA * f) : -scaleA * softplus(f);
+  row[2 * kDim + i] = __expf(g);
+  row[3 * kDim + i] = qkv[2];
+  if (i == 0) {
+    row[4 * kDim] = sigmoid(p.betaLogits[pair]);
+    arrivals[pair] = 0;
+  }
+}
+
+template <int kDim, int kColumns, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps)
+    kdaDecodeStateKernel(KdaDecodeParams p, const float *prepared, unsigned *arrivals,
+                         float *rawOut) {
+  constexpr int kThreads = 32 * kWarps, kGroups = kThreads / kColumns, kRows = kDim / kGroups;
+  constexpr int kTiles = kDim / kColumns;
+  const int head = blockIdx.y, sequence = blockIdx.z;
+  const int column = threadIdx.x % kColumns, group = threadIdx.x / kColumns;
+  const int v = blockIdx.x * kColumns + column, firstRow = group * kRows;
+  const size_t pair = size_t(sequence) * p.heads + head;
+  float *stateColumn = p.state + pair * kDim * kDim + size_t(firstRow) * kDim + v;
+  float s[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+    s[r] = stateColumn[size_t(r) * kDim];
+  asm volatile("griddepcontrol.wait;" ::: "memory"); // the prolog's writes are visible after this
+
+  __shared__ float gates[3 * kDim], partial[kGroups][kColumns], update[kColumns], scratch[kWarps];
+  __shared__ bool lastOfHead;
+  const float *row = prepared + pair * kPreparedFloats<kDim>;
+  for (int i = threadIdx.x; i < 3 * kDim; i += kThreads)
+    gates[i] = row[i];
+  const float beta = row[4 * kDim];
+  __syncthreads();
+  const float *query = gates, *key = gates + kDim, *decay = gates + 2 * kDim;
+
+  // The same delta rule as the fused kernel, on this block's columns.
+  float predicted = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    s[r] *= decay[firstRow + r];
+    predicted += s[r] * key[firstRow + r];
+  }
+  partial[group][column] = predicted;
+  __syncthreads();
+  if (group == 0) {
+    float total = 0.0f;
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g)
+      total += partial[g][column];
+    update[column] = beta * (row[3 * kDim + v] - total);
+  }
+  __syncthreads();
+  const float u = update[column];
+  float o = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    s[r] += key[firstRow + r] * u;
+    o += s[r] * query[firstRow + r];
+    stateColumn[size_t(r) * kDim] = s[r];
+  }
+  partial[group][column] = o; // every group has read `partial` for the prediction before the sync above
+  __syncthreads();
+  float *headOut = rawOut + pair * kDim;
+  if (group == 0) {
+    float total = 0.0f;
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g)
+      total += partial[g][column];
+    headOut[v] = total;
+    __threadfence(); // publish before arriving, so the last block sees every column
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    lastOfHead = atomicAdd(&arrivals[pair], 1u) == kTiles - 1;
+  __syncthreads();
+  if (!lastOfHead)
+    return;
+
+  // Last block of the head: gated RMSNorm over all V outputs (read past L1, written by peers).
+  __threadfence();
+  float squares = 0.0f;
+  for (int i = threadIdx.x; i < kDim; i += kThreads) {
+    const float x = __ldcg(headOut + i);
+    squares += x * x;
+  }
+  const float rstd = rsqrtf(blockSum<kThreads>(squares, scratch) / kDim + p.normEpsilon);
+  const size_t base = size_t(sequence) * p.heads * kDim + size_t(head) * kDim;
+  for (int i = threadIdx.x; i < kDim; i += kThreads)
+    p.out[base + i] = __ldcg(headOut + i) * rstd * p.normWeight[i] * sigmoid(p.outputGate[base + i]);
+}
+
+template <int kDim> int launchFused(const KdaDecodeParams &params, cudaStream_t stream) {
+  constexpr int kSplit = 4;
+  const dim3 grid(params.heads, params.batch);
+  kdaFusedDecodeKernel<kDim, kSplit><<<grid, kDim * kSplit, 0, stream>>>(params);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <int kDim> int launchSplit(const KdaDecodeParams &params, cudaStream_t stream) {
+  constexpr int kColumns = 32, kWarps = 4;
+  const int64_t pairs = int64_t(params.batch) * params.heads;
+  auto *prepared = static_cast<float *>(params.workspace);
+  float *rawOut = prepared + pairs * kPreparedFloats<kDim>;
+  auto *arrivals = reinterpret_cast<unsigned *>(rawOut + pairs * kDim);
+  kdaDecodePrologKernel<kDim><<<dim3(params.heads, params.batch), kDim, 0, stream>>>(
+      params, prepared, arrivals);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(kDim / kColumns, params.heads, params.batch);
+  config.blockDim = dim3(32 * kWarps);
+  config.stream = stream;
+  cudaLaunchAttribute dependent[1];
+  dependent[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = dependent;
+  config.numAttrs = 1;
+  const cudaError_t status =
+      cudaLaunchKernelEx(&config, kdaDecodeStateKernel<kDim, kColumns, kWarps>, params,
+                         static_cast<const float *>(prepared), arrivals, rawOut);
+  return static_cast<int>(status != cudaSuccess ? status : cudaGetLastError());
+}
+
+bool useSplit(const KdaDecodeParams &params) {
+  return int64_t(params.batch) * params.heads >= kKdaDecodeSplitPairs;
+}
+
 } // namespace
+
+size_t kdaDecodeWorkspaceBytes(const KdaDecodeParams &params) {
+  if (params.batch <= 0 || params.heads <= 0 || !useSplit(params))
+    return 0;
+  const int64_t pairs = int64_t(params.batch) * params.heads;
+  switch (params.headDim) {
+  case 64:
+    return splitWorkspaceBytes<64>(pairs);
+  case 128:
+    return splitWorkspaceBytes<128>(pairs);
+  default:
+    return 0;
+  }
+}
 
 int launchKdaFusedDecode(const KdaDecodeParams &params, void *stream) {
   if (params.batch <= 0 || params.heads <= 0 || params.convKernel < 1)
     return cudaErrorInvalidValue;
-  const dim3 grid(params.heads, params.batch);
-  auto cudaStream = static_cast<cudaStream_t>(stream);
-  switch (params.headDim) {
-  case 64:
-    kdaFusedDecodeKernel<64, 4><<<grid, 64 * 4, 0, cudaStream>>>(params);
-    break;
-  case 128:
-    kdaFusedDecodeKernel<128, 4><<<grid, 128 * 4, 0, cudaStream>>>(params);
-    break;
-  default:
+  if (params.headDim != 64 && params.headDim != 128)
     return cudaErrorInvalidValue;
+  auto cudaStream = static_cast<cudaStream_t>(stream);
+  if (useSplit(params)) {
+    if (params.workspace == nullptr)
+      return cudaErrorInvalidValue;
+    return params.headDim == 64 ? launchSplit<64>(params, cudaStream)
+                                : launchSplit<128>(params, cudaStream);
   }
-  return static_cast<int>(cudaGetLastError());
+  return params.headDim == 64 ? launchFused<64>(params, cudaStream)
+                              : launchFused<128>(params, cudaStream);
 }
 
 } // namespace hybrid::kernels::cuda

@@ -106,6 +106,9 @@ TEST_P(KdaDecodeCuda, MatchesReferenceOverSteps) {
     params.convState = dConvState.data;
     params.state = dState.data;
     params.out = dOut.data;
+    DeviceBuffer<unsigned char> workspace(
+        std::vector<unsigned char>(cuda::kdaDecodeWorkspaceBytes(params), 0xff));
+    params.workspace = workspace.data;
     ASSERT_EQ(cuda::launchKdaFusedDecode(params, nullptr), 0);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -147,7 +150,9 @@ TEST_P(KdaDecodeCuda, MatchesReferenceOverSteps) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, KdaDecodeCuda,
                          testing::Values(Case{1, 2, 128, false}, Case{3, 4, 128, true},
-                                         Case{5, 3, 64, false}, Case{2, 32, 128, false}),
+                                         Case{5, 3, 64, false}, Case{2, 32, 128, false},
+                                         // from kKdaDecodeSplitPairs pairs on: the split path
+                                         Case{16, 32, 128, false}, Case{9, 64, 64, true}),
                          [](const testing::TestParamInfo<Case> &info) {
                            const Case &c = info.param;
                            return "B" + std::to_string(c.batch) + "_H" + std::to_string(c.heads) +
@@ -161,6 +166,17 @@ TEST(KdaDecodeCudaErrors, UnsupportedHeadDim) {
   params.heads = 1;
   params.headDim = 96;
   EXPECT_EQ(cuda::launchKdaFusedDecode(params, nullptr), int(cudaErrorInvalidValue));
+}
+
+TEST(KdaDecodeCudaErrors, SplitPathNeedsWorkspace) {
+  cuda::KdaDecodeParams params;
+  params.batch = int32_t(cuda::kKdaDecodeSplitPairs);
+  params.heads = 1;
+  params.headDim = 128;
+  EXPECT_GT(cuda::kdaDecodeWorkspaceBytes(params), 0u);
+  EXPECT_EQ(cuda::launchKdaFusedDecode(params, nullptr), int(cudaErrorInvalidValue));
+  params.batch = 1;
+  EXPECT_EQ(cuda::kdaDecodeWorkspaceBytes(params), 0u); // the fused path needs none
 }
 
 } // namespace

@@ -14,6 +14,9 @@ struct KdaDecodeBenchResult {
   double graphMicroseconds = 0; // the step replayed from a CUDA graph
   double stateBytes = 0;        // fp32 state read + written per step
   double graphStateTbPerSecond = 0;
+  double trafficBytes = 0;      // everything the step must move: state, conv state, inputs, output
+  double graphTrafficTbPerSecond = 0;
+  bool split = false;           // the prolog + state kernel path (KdaDecode.h)
 };
 
 // Runs the fused decode step for each batch size; `error` is set (and the list empty) when CUDA

@@ -4,6 +4,7 @@
 // CUDA-free header: the runtime and the tests include it without nvcc.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace hybrid::kernels::cuda {
@@ -30,10 +31,21 @@ struct KdaDecodeParams {
   float *state = nullptr;            // [batch, heads, K, V] fp32 (K-major)
   // Output:
   float *out = nullptr;              // [batch, heads * headDim]: gated-normed attention output
+  // Device scratch of kdaDecodeWorkspaceBytes(*this) bytes, 16-byte aligned; may be null when
+  // that is 0. Not shared between launches that may run concurrently.
+  void *workspace = nullptr;
 };
 
+// Small batches run as one fused kernel; from kKdaDecodeSplitPairs (sequence, head) pairs on, a
+// prolog kernel (conv, norms, gates) feeds a state kernel of 4x more, smaller blocks launched with
+// programmatic dependent launch, whose last block per head applies the gated RMSNorm. The split
+// path needs this much workspace; 0 for the fused path. Measured on the H200: docs/performance.md.
+constexpr int64_t kKdaDecodeSplitPairs = 512;
+size_t kdaDecodeWorkspaceBytes(const KdaDecodeParams &params);
+
 // Launches on `stream` (a cudaStream_t, null for the default stream). Returns 0 or the CUDA error
-// code (cudaError_t); an unsupported headDim returns cudaErrorInvalidValue (1).
+// code (cudaError_t); an unsupported headDim, or a missing workspace, returns
+// cudaErrorInvalidValue (1).
 int launchKdaFusedDecode(const KdaDecodeParams &params, void *stream);
 
 } // namespace hybrid::kernels::cuda
