@@ -1,5 +1,6 @@
 #include "hybrid/kernels/cuda/KdaBench.h"
 #include "hybrid/kernels/cuda/KdaDecode.h"
+#include "hybrid/kernels/cuda/LaunchFloor.h"
 
 #include <cuda_runtime.h>
 
@@ -124,6 +125,20 @@ std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &bat
     result.graphMicroseconds =
         medianMicroseconds(stream, iterations, [&] { cudaGraphLaunch(exec, stream); });
     BENCH_CHECK(cudaStreamSynchronize(stream));
+
+    // The floor: the same number of launches of an empty kernel, replayed the same way.
+    cudaGraph_t floorGraph;
+    cudaGraphExec_t floorExec;
+    BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int launch = 0; launch < (workspaceBytes > 0 ? 2 : 1); ++launch)
+      launchEmptyKernel(batch * heads, 128, stream);
+    BENCH_CHECK(cudaStreamEndCapture(stream, &floorGraph));
+    BENCH_CHECK(cudaGraphInstantiate(&floorExec, floorGraph, 0));
+    result.graphFloorMicroseconds =
+        medianMicroseconds(stream, iterations, [&] { cudaGraphLaunch(floorExec, stream); });
+    BENCH_CHECK(cudaStreamSynchronize(stream));
+    cudaGraphExecDestroy(floorExec);
+    cudaGraphDestroy(floorGraph);
     result.stateBytes = 2.0 * 4.0 * double(batch) * heads * headDim * headDim;
     result.graphStateTbPerSecond = result.stateBytes / (result.graphMicroseconds * 1e-6) / 1e12;
     const double convStateBytes = 2.0 * 4.0 * double(batch) * 3 * (W - 1) * P;

@@ -17,6 +17,32 @@ namespace {
 __device__ inline float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ inline float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
 
+// Short causal conv + SiLU of one channel of one projection (0 q, 1 k, 2 v) for this step, shifting
+// the channel's conv history by one input. One thread owns a channel's history.
+__device__ inline float convolveAndShift(const KdaDecodeParams &p, int sequence, int projection,
+                                         int channel) {
+  const int channels = p.heads * p.headDim, history = p.convKernel - 1;
+  const float input = p.qkv[(size_t(sequence) * 3 + projection) * channels + channel];
+  const float *taps = p.convWeight + (size_t(projection) * channels + channel) * p.convKernel;
+  float *past = p.convState + size_t(sequence * 3 + projection) * history * channels + channel;
+  float acc = taps[history] * input;
+  for (int j = 0; j < history; ++j)
+    acc += taps[j] * past[size_t(j) * channels];
+  for (int j = 0; j + 1 < history; ++j)
+    past[size_t(j) * channels] = past[size_t(j + 1) * channels];
+  if (history > 0)
+    past[size_t(history - 1) * channels] = input;
+  return acc * sigmoid(acc);
+}
+
+// The forget gate of key channel `channel` as a decay factor exp(g).
+__device__ inline float decayOf(const KdaDecodeParams &p, int sequence, int head, int channel) {
+  const float f = p.forget[size_t(sequence) * p.heads * p.headDim + channel] + p.dtBias[channel];
+  const float scaleA = __expf(p.aLog[head]);
+  const float g = p.lowerBoundGate ? p.lowerBound * sigmoid(scaleA * f) : -scaleA * softplus(f);
+  return __expf(g);
+}
+
 // Sum over the block; every thread gets the total. `scratch` holds one float per warp.
 template <int kThreads> __device__ inline float blockSum(float value, float *scratch) {
   constexpr int kWarps = kThreads / 32;
@@ -42,7 +68,6 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
   const int head = blockIdx.x, sequence = blockIdx.y;
   const int v = threadIdx.x % kDim, group = threadIdx.x / kDim;
   const int channels = p.heads * kDim, channel = head * kDim + v;
-  const int history = p.convKernel - 1;
   __shared__ float query[kDim], key[kDim], decay[kDim], update[kDim];
   __shared__ float partial[kSplit][kDim], scratch[kThreads / 32];
 
@@ -50,19 +75,8 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
   float qkv[3] = {0.0f, 0.0f, 0.0f};
   if (group == 0) {
 #pragma unroll
-    for (int projection = 0; projection < 3; ++projection) {
-      const float input = p.qkv[(size_t(sequence) * 3 + projection) * channels + channel];
-      const float *taps = p.convWeight + (size_t(projection) * channels + channel) * p.convKernel;
-      float *past = p.convState + size_t(sequence * 3 + projection) * history * channels + channel;
-      float acc = taps[history] * input;
-      for (int j = 0; j < history; ++j)
-        acc += taps[j] * past[size_t(j) * channels];
-      for (int j = 0; j + 1 < history; ++j)
-        past[size_t(j) * channels] = past[size_t(j + 1) * channels];
-      if (history > 0)
-        past[size_t(history - 1) * channels] = input;
-      qkv[projection] = acc * sigmoid(acc);
-    }
+    for (int projection = 0; projection < 3; ++projection)
+      qkv[projection] = convolveAndShift(p, sequence, projection, channel);
   }
 
   // L2 norm of q and k over the head (eps on the sum of squares), q scaled by K^-1/2.
@@ -73,10 +87,7 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
     query[v] = qkv[0] * qNorm * rsqrtf(float(kDim));
     key[v] = qkv[1] * kNorm;
     // Forget gate of key channel v, as a decay factor.
-    const float f = p.forget[size_t(sequence) * channels + channel] + p.dtBias[channel];
-    const float scaleA = __expf(p.aLog[head]);
-    const float g = p.lowerBoundGate ? p.lowerBound * sigmoid(scaleA * f) : -scaleA * softplus(f);
-    decay[v] = __expf(g);
+    decay[v] = decayOf(p, sequence, head, channel);
   }
   __syncthreads();
 
@@ -142,34 +153,19 @@ __global__ void __launch_bounds__(kDim)
   // The state kernel may launch now: it only loads state until it waits on this grid.
   asm volatile("griddepcontrol.launch_dependents;");
   const int head = blockIdx.x, sequence = blockIdx.y, i = threadIdx.x;
-  const int channels = p.heads * kDim, channel = head * kDim + i;
-  const int history = p.convKernel - 1;
+  const int channel = head * kDim + i;
   __shared__ float scratch[kDim / 32];
   float qkv[3];
 #pragma unroll
-  for (int projection = 0; projection < 3; ++projection) {
-    const float input = p.qkv[(size_t(sequence) * 3 + projection) * channels + channel];
-    const float *taps = p.convWeight + (size_t(projection) * channels + channel) * p.convKernel;
-    float *past = p.convState + size_t(sequence * 3 + projection) * history * channels + channel;
-    float acc = taps[history] * input;
-    for (int j = 0; j < history; ++j)
-      acc += taps[j] * past[size_t(j) * channels];
-    for (int j = 0; j + 1 < history; ++j)
-      past[size_t(j) * channels] = past[size_t(j + 1) * channels];
-    if (history > 0)
-      past[size_t(history - 1) * channels] = input;
-    qkv[projection] = acc * sigmoid(acc);
-  }
+  for (int projection = 0; projection < 3; ++projection)
+    qkv[projection] = convolveAndShift(p, sequence, projection, channel);
   const float qNorm = rsqrtf(blockSum<kDim>(qkv[0] * qkv[0], scratch) + 1e-6f);
   const float kNorm = rsqrtf(blockSum<kDim>(qkv[1] * qkv[1], scratch) + 1e-6f);
   const size_t pair = size_t(sequence) * p.heads + head;
   float *row = prepared + pair * kPreparedFloats<kDim>;
   row[i] = qkv[0] * qNorm * rsqrtf(float(kDim));
   row[kDim + i] = qkv[1] * kNorm;
-  const float f = p.forget[size_t(sequence) * channels + channel] + p.dtBias[channel];
-  const float scaleA = __expf(p.aLog[head]);
-  const float g = p.lowerBoundGate ? p.lowerBound * sigmoid(scaleA * f) : -scaleA * softplus(f);
-  row[2 * kDim + i] = __expf(g);
+  row[2 * kDim + i] = decayOf(p, sequence, head, channel);
   row[3 * kDim + i] = qkv[2];
   if (i == 0) {
     row[4 * kDim] = sigmoid(p.betaLogits[pair]);

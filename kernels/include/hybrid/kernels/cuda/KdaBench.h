@@ -12,6 +12,7 @@ struct KdaDecodeBenchResult {
   int32_t batch = 0, heads = 0, headDim = 0;
   double eagerMicroseconds = 0; // one launch per step from the host
   double graphMicroseconds = 0; // the step replayed from a CUDA graph
+  double graphFloorMicroseconds = 0; // as many empty kernels as the step launches, same graph use
   double stateBytes = 0;        // fp32 state read + written per step
   double graphStateTbPerSecond = 0;
   double trafficBytes = 0;      // everything the step must move: state, conv state, inputs, output
