@@ -17,22 +17,42 @@ namespace {
 __device__ inline float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ inline float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
 
-// Short causal conv + SiLU of one channel of one projection (0 q, 1 k, 2 v) for this step, shifting
-// the channel's conv history by one input. One thread owns a channel's history.
-__device__ inline float convolveAndShift(const KdaDecodeParams &p, int sequence, int projection,
-                                         int channel) {
+// Short causal conv + SiLU of one channel of q, k and v for this step, shifting the channel's conv
+// histories by one input. One thread owns a channel's histories. Every load is issued before the
+// first store: the stores may alias the loads as far as the compiler knows, so shifting in place
+// would otherwise be a chain of dependent L2 round trips.
+__device__ inline void convolveAndShift(const KdaDecodeParams &p, int sequence, int channel,
+                                        float out[3]) {
   const int channels = p.heads * p.headDim, history = p.convKernel - 1;
-  const float input = p.qkv[(size_t(sequence) * 3 + projection) * channels + channel];
-  const float *taps = p.convWeight + (size_t(projection) * channels + channel) * p.convKernel;
-  float *past = p.convState + size_t(sequence * 3 + projection) * history * channels + channel;
-  float acc = taps[history] * input;
-  for (int j = 0; j < history; ++j)
-    acc += taps[j] * past[size_t(j) * channels];
-  for (int j = 0; j + 1 < history; ++j)
-    past[size_t(j) * channels] = past[size_t(j + 1) * channels];
-  if (history > 0)
-    past[size_t(history - 1) * channels] = input;
-  return acc * sigmoid(acc);
+  float input[3], past[3][kKdaMaxConvKernel - 1], taps[3][kKdaMaxConvKernel];
+#pragma unroll
+  for (int projection = 0; projection < 3; ++projection) {
+    input[projection] = p.qkv[(size_t(sequence) * 3 + projection) * channels + channel];
+    const float *weights = p.convWeight + (size_t(projection) * channels + channel) * p.convKernel;
+    const float *pastIn = p.convState + size_t(sequence * 3 + projection) * history * channels + channel;
+#pragma unroll
+    for (int j = 0; j < kKdaMaxConvKernel; ++j)
+      taps[projection][j] = j < p.convKernel ? weights[j] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kKdaMaxConvKernel - 1; ++j)
+      past[projection][j] = j < history ? pastIn[size_t(j) * channels] : 0.0f;
+  }
+#pragma unroll
+  for (int projection = 0; projection < 3; ++projection) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kKdaMaxConvKernel - 1; ++j)
+      acc += j < history ? taps[projection][j] * past[projection][j] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kKdaMaxConvKernel; ++j)
+      acc += j == history ? taps[projection][j] * input[projection] : 0.0f;
+    out[projection] = acc * sigmoid(acc);
+    float *pastOut = p.convState + size_t(sequence * 3 + projection) * history * channels + channel;
+#pragma unroll
+    for (int j = 0; j < kKdaMaxConvKernel - 1; ++j)
+      if (j < history)
+        pastOut[size_t(j) * channels] = j + 1 < history ? past[projection][j + 1] : input[projection];
+  }
 }
 
 // The forget gate of key channel `channel` as a decay factor exp(g).
@@ -71,23 +91,25 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
   __shared__ float query[kDim], key[kDim], decay[kDim], update[kDim];
   __shared__ float partial[kSplit][kDim], scratch[kThreads / 32];
 
-  // Short causal conv + SiLU of q, k, v for channel v (first group), shifting the conv state.
+  // Loads that do not depend on the conv go out before its stores (which may alias them).
+  const float beta = sigmoid(p.betaLogits[size_t(sequence) * p.heads + head]);
+  float channelDecay = 0.0f, gateLogit = 0.0f, normWeight = 0.0f;
   float qkv[3] = {0.0f, 0.0f, 0.0f};
   if (group == 0) {
-#pragma unroll
-    for (int projection = 0; projection < 3; ++projection)
-      qkv[projection] = convolveAndShift(p, sequence, projection, channel);
+    channelDecay = decayOf(p, sequence, head, channel);
+    gateLogit = p.outputGate[size_t(sequence) * channels + channel];
+    normWeight = p.normWeight[v];
+    // Short causal conv + SiLU of q, k, v for channel v, shifting the conv state.
+    convolveAndShift(p, sequence, channel, qkv);
   }
 
   // L2 norm of q and k over the head (eps on the sum of squares), q scaled by K^-1/2.
   const float qNorm = rsqrtf(blockSum<kThreads>(qkv[0] * qkv[0], scratch) + 1e-6f);
   const float kNorm = rsqrtf(blockSum<kThreads>(qkv[1] * qkv[1], scratch) + 1e-6f);
-  const float beta = sigmoid(p.betaLogits[size_t(sequence) * p.heads + head]);
   if (group == 0) {
     query[v] = qkv[0] * qNorm * rsqrtf(float(kDim));
     key[v] = qkv[1] * kNorm;
-    // Forget gate of key channel v, as a decay factor.
-    decay[v] = decayOf(p, sequence, head, channel);
+    decay[v] = channelDecay; // the forget gate of key channel v, as a decay factor
   }
   __syncthreads();
 
@@ -134,8 +156,7 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
   const float sumSquares = blockSum<kThreads>(group == 0 ? o * o : 0.0f, scratch);
   if (group == 0) {
     const float rstd = rsqrtf(sumSquares / kDim + p.normEpsilon);
-    p.out[size_t(sequence) * channels + channel] =
-        o * rstd * p.normWeight[v] * sigmoid(p.outputGate[size_t(sequence) * channels + channel]);
+    p.out[size_t(sequence) * channels + channel] = o * rstd * normWeight * sigmoid(gateLogit);
   }
 }
 
@@ -155,20 +176,20 @@ __global__ void __launch_bounds__(kDim)
   const int head = blockIdx.x, sequence = blockIdx.y, i = threadIdx.x;
   const int channel = head * kDim + i;
   __shared__ float scratch[kDim / 32];
+  const size_t pair = size_t(sequence) * p.heads + head;
+  const float channelDecay = decayOf(p, sequence, head, channel); // before the conv's stores
+  const float betaLogit = p.betaLogits[pair];
   float qkv[3];
-#pragma unroll
-  for (int projection = 0; projection < 3; ++projection)
-    qkv[projection] = convolveAndShift(p, sequence, projection, channel);
+  convolveAndShift(p, sequence, channel, qkv);
   const float qNorm = rsqrtf(blockSum<kDim>(qkv[0] * qkv[0], scratch) + 1e-6f);
   const float kNorm = rsqrtf(blockSum<kDim>(qkv[1] * qkv[1], scratch) + 1e-6f);
-  const size_t pair = size_t(sequence) * p.heads + head;
   float *row = prepared + pair * kPreparedFloats<kDim>;
   row[i] = qkv[0] * qNorm * rsqrtf(float(kDim));
   row[kDim + i] = qkv[1] * kNorm;
-  row[2 * kDim + i] = decayOf(p, sequence, head, channel);
+  row[2 * kDim + i] = channelDecay;
   row[3 * kDim + i] = qkv[2];
   if (i == 0) {
-    row[4 * kDim] = sigmoid(p.betaLogits[pair]);
+    row[4 * kDim] = sigmoid(betaLogit);
     arrivals[pair] = 0;
   }
 }
@@ -306,7 +327,8 @@ size_t kdaDecodeWorkspaceBytes(const KdaDecodeParams &params) {
 }
 
 int launchKdaFusedDecode(const KdaDecodeParams &params, void *stream) {
-  if (params.batch <= 0 || params.heads <= 0 || params.convKernel < 1)
+  if (params.batch <= 0 || params.heads <= 0 || params.convKernel < 1 ||
+      params.convKernel > kKdaMaxConvKernel)
     return cudaErrorInvalidValue;
   if (params.headDim != 64 && params.headDim != 128)
     return cudaErrorInvalidValue;

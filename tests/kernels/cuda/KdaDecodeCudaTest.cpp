@@ -58,6 +58,7 @@ double relativeRms(const std::vector<float> &a, const std::vector<float> &b) {
 struct Case {
   int batch, heads, headDim;
   bool lowerBound;
+  int convKernel = 4;
 };
 
 class KdaDecodeCuda : public testing::TestWithParam<Case> {};
@@ -65,8 +66,8 @@ class KdaDecodeCuda : public testing::TestWithParam<Case> {};
 TEST_P(KdaDecodeCuda, MatchesReferenceOverSteps) {
   if (!gpuPresent())
     GTEST_SKIP() << "no CUDA device";
-  const auto [B, H, D, lowerBound] = GetParam();
-  const int W = 4, P = H * D;
+  const auto [B, H, D, lowerBound, W] = GetParam();
+  const int P = H * D;
   std::mt19937 rng(B * 131 + H * 7 + D);
   std::vector<float> convWeight = random(size_t(3) * P * W, rng, 0.5f);
   std::vector<float> aLog = random(H, rng, 0.3f, 0.5f);
@@ -152,12 +153,24 @@ INSTANTIATE_TEST_SUITE_P(Shapes, KdaDecodeCuda,
                          testing::Values(Case{1, 2, 128, false}, Case{3, 4, 128, true},
                                          Case{5, 3, 64, false}, Case{2, 32, 128, false},
                                          // from kKdaDecodeSplitPairs pairs on: the split path
-                                         Case{16, 32, 128, false}, Case{9, 64, 64, true}),
+                                         Case{16, 32, 128, false}, Case{9, 64, 64, true},
+                                         // shorter convolutions, on both paths
+                                         Case{2, 3, 128, false, 2}, Case{8, 64, 128, true, 3}),
                          [](const testing::TestParamInfo<Case> &info) {
                            const Case &c = info.param;
-                           return "B" + std::to_string(c.batch) + "_H" + std::to_string(c.heads) +
-                                  "_D" + std::to_string(c.headDim) +
-                                  (c.lowerBound ? "_lower_bound" : "_softplus");
+                           // appends only: GCC 12 warns falsely on "literal" + std::string
+                           std::string name = "B";
+                           name += std::to_string(c.batch);
+                           name += "_H";
+                           name += std::to_string(c.heads);
+                           name += "_D";
+                           name += std::to_string(c.headDim);
+                           name += c.lowerBound ? "_lower_bound" : "_softplus";
+                           if (c.convKernel != 4) {
+                             name += "_W";
+                             name += std::to_string(c.convKernel);
+                           }
+                           return name;
                          });
 
 TEST(KdaDecodeCudaErrors, UnsupportedHeadDim) {
@@ -165,6 +178,15 @@ TEST(KdaDecodeCudaErrors, UnsupportedHeadDim) {
   params.batch = 1;
   params.heads = 1;
   params.headDim = 96;
+  EXPECT_EQ(cuda::launchKdaFusedDecode(params, nullptr), int(cudaErrorInvalidValue));
+}
+
+TEST(KdaDecodeCudaErrors, ConvolutionLongerThanSupported) {
+  cuda::KdaDecodeParams params;
+  params.batch = 1;
+  params.heads = 1;
+  params.headDim = 128;
+  params.convKernel = cuda::kKdaMaxConvKernel + 1;
   EXPECT_EQ(cuda::launchKdaFusedDecode(params, nullptr), int(cudaErrorInvalidValue));
 }
 

@@ -41,10 +41,12 @@ struct KdaDecodeParams {
 // programmatic dependent launch, whose last block per head applies the gated RMSNorm. The split
 // path needs this much workspace; 0 for the fused path. Measured on the H200: docs/performance.md.
 constexpr int64_t kKdaDecodeSplitPairs = 512;
+// The longest short convolution the kernels take (Kimi-Linear uses 4).
+constexpr int32_t kKdaMaxConvKernel = 4;
 size_t kdaDecodeWorkspaceBytes(const KdaDecodeParams &params);
 
 // Launches on `stream` (a cudaStream_t, null for the default stream). Returns 0 or the CUDA error
-// code (cudaError_t); an unsupported headDim, or a missing workspace, returns
+// code (cudaError_t); an unsupported headDim or convKernel, or a missing workspace, returns
 // cudaErrorInvalidValue (1).
 int launchKdaFusedDecode(const KdaDecodeParams &params, void *stream);
 
