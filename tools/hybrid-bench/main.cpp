@@ -20,10 +20,18 @@ int main(int argc, char **argv) {
   kdaDecode->add_option("--iterations", iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   kdaDecode->add_option("--json", jsonPath, "Write the results as JSON");
+  std::string path = "auto";
+  kdaDecode->add_option("--path", path, "Kernels: auto (by batch), fused or split")
+      ->check(CLI::IsMember({"auto", "fused", "split"}));
   CLI11_PARSE(app, argc, argv);
 
   std::string error;
-  auto results = hybrid::kernels::cuda::benchKdaDecode(batches, heads, headDim, iterations, error);
+  auto results = hybrid::kernels::cuda::benchKdaDecode(
+      batches, heads, headDim, iterations,
+      path == "fused"   ? hybrid::kernels::cuda::KdaDecodePath::Fused
+      : path == "split" ? hybrid::kernels::cuda::KdaDecodePath::Split
+                        : hybrid::kernels::cuda::KdaDecodePath::Auto,
+      error);
   if (!error.empty()) {
     std::cerr << "error: kda-decode: " << error << "\n";
     return 1;

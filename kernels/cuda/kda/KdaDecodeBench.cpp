@@ -61,7 +61,8 @@ double medianMicroseconds(cudaStream_t stream, int iterations, Body &&body) {
 
 std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &batches,
                                                  int32_t heads, int32_t headDim,
-                                                 int32_t iterations, std::string &error) {
+                                                 int32_t iterations, KdaDecodePath path,
+                                                 std::string &error) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     error = "no CUDA device";
@@ -93,6 +94,7 @@ std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &bat
     p.convState = make(size_t(batch) * 3 * (W - 1) * P, 1.0f);
     p.state = make(size_t(batch) * heads * headDim * headDim, 0.05f);
     p.out = make(size_t(batch) * P, 1.0f);
+    p.path = path;
     if (!error.empty())
       return {};
     const size_t workspaceBytes = kdaDecodeWorkspaceBytes(p);

@@ -1,12 +1,12 @@
 // KDA decode step (see KdaDecode.h). Either path keeps each value column's slice of the K x V state
 // in registers, so the state is read and written exactly once and every access is coalesced across
 // a warp (row-major [K][V]).
-//  - fused: one block per (head, sequence) does everything; fewest launches, best for small batches.
+//  - fused: one block per (head, sequence) does everything in one launch; the default.
 //  - split: a prolog kernel does the conv (which shifts the conv state: one owner per channel, so
 //    it cannot be spread over the state kernel's blocks), the norms and the gates; the state
 //    kernel runs 4 blocks per head of 32 columns each and issues its state loads before waiting
 //    on the prolog (programmatic dependent launch), and its last block per head does the norm.
-//    Smaller, independent blocks keep more loads in flight once there are several waves of work.
+//    Smaller, independent blocks keep more loads in flight; it wins only with many waves of work.
 #include "hybrid/kernels/cuda/KdaDecode.h"
 
 #include <cuda_runtime.h>
@@ -307,7 +307,9 @@ template <int kDim> int launchSplit(const KdaDecodeParams &params, cudaStream_t 
 }
 
 bool useSplit(const KdaDecodeParams &params) {
-  return int64_t(params.batch) * params.heads >= kKdaDecodeSplitPairs;
+  if (params.path != KdaDecodePath::Auto)
+    return params.path == KdaDecodePath::Split;
+  return params.headDim == 128 && int64_t(params.batch) * params.heads >= kKdaDecodeSplitPairs;
 }
 
 } // namespace

@@ -61,12 +61,9 @@ struct Case {
   int convKernel = 4;
 };
 
-class KdaDecodeCuda : public testing::TestWithParam<Case> {};
-
-TEST_P(KdaDecodeCuda, MatchesReferenceOverSteps) {
-  if (!gpuPresent())
-    GTEST_SKIP() << "no CUDA device";
-  const auto [B, H, D, lowerBound, W] = GetParam();
+// Runs 3 carried steps on `path` and on the cpu reference from the same random start.
+void expectMatchesReference(const Case &shape, cuda::KdaDecodePath path) {
+  const auto [B, H, D, lowerBound, W] = shape;
   const int P = H * D;
   std::mt19937 rng(B * 131 + H * 7 + D);
   std::vector<float> convWeight = random(size_t(3) * P * W, rng, 0.5f);
@@ -107,6 +104,7 @@ TEST_P(KdaDecodeCuda, MatchesReferenceOverSteps) {
     params.convState = dConvState.data;
     params.state = dState.data;
     params.out = dOut.data;
+    params.path = path;
     DeviceBuffer<unsigned char> workspace(
         std::vector<unsigned char>(cuda::kdaDecodeWorkspaceBytes(params), 0xff));
     params.workspace = workspace.data;
@@ -149,10 +147,22 @@ TEST_P(KdaDecodeCuda, MatchesReferenceOverSteps) {
   }
 }
 
+class KdaDecodeCuda : public testing::TestWithParam<Case> {};
+
+// Every shape on both paths, whichever Auto would pick.
+TEST_P(KdaDecodeCuda, MatchesReferenceOverSteps) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  for (auto path : {cuda::KdaDecodePath::Fused, cuda::KdaDecodePath::Split}) {
+    SCOPED_TRACE(path == cuda::KdaDecodePath::Fused ? "fused path" : "split path");
+    expectMatchesReference(GetParam(), path);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, KdaDecodeCuda,
                          testing::Values(Case{1, 2, 128, false}, Case{3, 4, 128, true},
                                          Case{5, 3, 64, false}, Case{2, 32, 128, false},
-                                         // from kKdaDecodeSplitPairs pairs on: the split path
+                                         // larger: several waves of blocks on either path
                                          Case{16, 32, 128, false}, Case{9, 64, 64, true},
                                          // shorter convolutions, on both paths
                                          Case{2, 3, 128, false, 2}, Case{8, 64, 128, true, 3}),

@@ -2,6 +2,8 @@
 // of repeated measurements, random (never zero) data.
 #pragma once
 
+#include "hybrid/kernels/cuda/KdaDecode.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -24,6 +26,7 @@ struct KdaDecodeBenchResult {
 // is unavailable or a call fails.
 std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &batches,
                                                  int32_t heads, int32_t headDim,
-                                                 int32_t iterations, std::string &error);
+                                                 int32_t iterations, KdaDecodePath path,
+                                                 std::string &error);
 
 } // namespace hybrid::kernels::cuda

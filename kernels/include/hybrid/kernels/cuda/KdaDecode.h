@@ -9,6 +9,9 @@
 
 namespace hybrid::kernels::cuda {
 
+// Which kernels run the step (see kKdaDecodeSplitPairs); tests and benchmarks force one.
+enum class KdaDecodePath : int32_t { Auto, Fused, Split };
+
 struct KdaDecodeParams {
   int32_t batch = 0;
   int32_t heads = 0;
@@ -34,13 +37,16 @@ struct KdaDecodeParams {
   // Device scratch of kdaDecodeWorkspaceBytes(*this) bytes, 16-byte aligned; may be null when
   // that is 0. Not shared between launches that may run concurrently.
   void *workspace = nullptr;
+  KdaDecodePath path = KdaDecodePath::Auto;
 };
 
-// Small batches run as one fused kernel; from kKdaDecodeSplitPairs (sequence, head) pairs on, a
-// prolog kernel (conv, norms, gates) feeds a state kernel of 4x more, smaller blocks launched with
-// programmatic dependent launch, whose last block per head applies the gated RMSNorm. The split
-// path needs this much workspace; 0 for the fused path. Measured on the H200: docs/performance.md.
-constexpr int64_t kKdaDecodeSplitPairs = 512;
+// With KdaDecodePath::Auto, a step runs as one fused kernel unless headDim is 128 and there are at
+// least kKdaDecodeSplitPairs (sequence, head) pairs: then a prolog kernel (conv, norms, gates)
+// feeds a state kernel of 4x more, smaller blocks launched with programmatic dependent launch,
+// whose last block per head applies the gated RMSNorm (3-5% faster there on the H200; slower
+// below, and at headDim 64 everywhere: docs/performance.md). The split path needs
+// kdaDecodeWorkspaceBytes() of workspace; the fused path none (0).
+constexpr int64_t kKdaDecodeSplitPairs = 4096;
 // The longest short convolution the kernels take (Kimi-Linear uses 4).
 constexpr int32_t kKdaMaxConvKernel = 4;
 size_t kdaDecodeWorkspaceBytes(const KdaDecodeParams &params);
