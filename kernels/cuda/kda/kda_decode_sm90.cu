@@ -63,20 +63,32 @@ __device__ inline float decayOf(const KdaDecodeParams &p, int sequence, int head
   return __expf(g);
 }
 
-// Sum over the block; every thread gets the total. `scratch` holds one float per warp.
-template <int kThreads> __device__ inline float blockSum(float value, float *scratch) {
-  constexpr int kWarps = kThreads / 32;
+__device__ inline float warpSum(float value) {
   for (int offset = 16; offset > 0; offset /= 2)
     value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+__device__ inline float2 warpSum(float2 value) { return {warpSum(value.x), warpSum(value.y)}; }
+__device__ inline void accumulate(float &total, float value) { total += value; }
+__device__ inline void accumulate(float2 &total, float2 value) {
+  total.x += value.x;
+  total.y += value.y;
+}
+
+// Sum over the block (a float, or two at once as a float2 to share the barriers); every thread gets
+// the total. `scratch` holds one T per warp.
+template <int kThreads, typename T> __device__ inline T blockSum(T value, T *scratch) {
+  constexpr int kWarps = kThreads / 32;
+  value = warpSum(value);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __syncthreads(); // scratch may still be read by a previous reduction
   if (lane == 0)
     scratch[warp] = value;
   __syncthreads();
-  float total = 0.0f;
+  T total{};
 #pragma unroll
   for (int w = 0; w < kWarps; ++w)
-    total += scratch[w];
+    accumulate(total, scratch[w]);
   return total;
 }
 
@@ -90,6 +102,7 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
   const int channels = p.heads * kDim, channel = head * kDim + v;
   __shared__ float query[kDim], key[kDim], decay[kDim], update[kDim];
   __shared__ float partial[kSplit][kDim], scratch[kThreads / 32];
+  __shared__ float2 pairScratch[kThreads / 32];
 
   // Loads that do not depend on the conv go out before its stores (which may alias them).
   const float beta = sigmoid(p.betaLogits[size_t(sequence) * p.heads + head]);
@@ -104,8 +117,9 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
   }
 
   // L2 norm of q and k over the head (eps on the sum of squares), q scaled by K^-1/2.
-  const float qNorm = rsqrtf(blockSum<kThreads>(qkv[0] * qkv[0], scratch) + 1e-6f);
-  const float kNorm = rsqrtf(blockSum<kThreads>(qkv[1] * qkv[1], scratch) + 1e-6f);
+  const float2 squares =
+      blockSum<kThreads>(make_float2(qkv[0] * qkv[0], qkv[1] * qkv[1]), pairScratch);
+  const float qNorm = rsqrtf(squares.x + 1e-6f), kNorm = rsqrtf(squares.y + 1e-6f);
   if (group == 0) {
     query[v] = qkv[0] * qNorm * rsqrtf(float(kDim));
     key[v] = qkv[1] * kNorm;
@@ -175,14 +189,15 @@ __global__ void __launch_bounds__(kDim)
   asm volatile("griddepcontrol.launch_dependents;");
   const int head = blockIdx.x, sequence = blockIdx.y, i = threadIdx.x;
   const int channel = head * kDim + i;
-  __shared__ float scratch[kDim / 32];
+  __shared__ float2 pairScratch[kDim / 32];
   const size_t pair = size_t(sequence) * p.heads + head;
   const float channelDecay = decayOf(p, sequence, head, channel); // before the conv's stores
   const float betaLogit = p.betaLogits[pair];
   float qkv[3];
   convolveAndShift(p, sequence, channel, qkv);
-  const float qNorm = rsqrtf(blockSum<kDim>(qkv[0] * qkv[0], scratch) + 1e-6f);
-  const float kNorm = rsqrtf(blockSum<kDim>(qkv[1] * qkv[1], scratch) + 1e-6f);
+  const float2 squares =
+      blockSum<kDim>(make_float2(qkv[0] * qkv[0], qkv[1] * qkv[1]), pairScratch);
+  const float qNorm = rsqrtf(squares.x + 1e-6f), kNorm = rsqrtf(squares.y + 1e-6f);
   float *row = prepared + pair * kPreparedFloats<kDim>;
   row[i] = qkv[0] * qNorm * rsqrtf(float(kDim));
   row[kDim + i] = qkv[1] * kNorm;
