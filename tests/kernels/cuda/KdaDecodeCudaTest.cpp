@@ -165,7 +165,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, KdaDecodeCuda,
                                          // larger: several waves of blocks on either path
                                          Case{16, 32, 128, false}, Case{9, 64, 64, true},
                                          // shorter convolutions, on both paths
-                                         Case{2, 3, 128, false, 2}, Case{8, 64, 128, true, 3}),
+                                         Case{2, 3, 128, false, 2}, Case{8, 64, 128, true, 3},
+                                         Case{3, 5, 64, false, 1}),
                          [](const testing::TestParamInfo<Case> &info) {
                            const Case &c = info.param;
                            // appends only: GCC 12 warns falsely on "literal" + std::string
