@@ -7,6 +7,52 @@
 #include <fstream>
 #include <iostream>
 
+namespace {
+
+int runKdaPrefill(const std::vector<std::string> &shapeTexts, int32_t heads, int32_t headDim,
+                  int32_t iterations, const std::string &jsonPath) {
+  std::vector<std::pair<int32_t, int32_t>> shapes;
+  for (const std::string &text : shapeTexts) {
+    int sequences = 0, length = 0;
+    char trailing = 0;
+    if (std::sscanf(text.c_str(), "%dx%d%c", &sequences, &length, &trailing) != 2 ||
+        sequences <= 0 || length <= 0) {
+      std::cerr << "error: kda-prefill: --shapes: '" << text
+                << "' is not SEQUENCESxLENGTH with both positive\n";
+      return 1;
+    }
+    shapes.emplace_back(sequences, length);
+  }
+  std::string error;
+  auto results = hybrid::kernels::cuda::benchKdaRecurrentPrefill(shapes, heads, headDim,
+                                                                 iterations, error);
+  if (!error.empty()) {
+    std::cerr << "error: kda-prefill: " << error << "\n";
+    return 1;
+  }
+  std::printf("%-18s %9s %7s %6s %5s %12s %14s\n", "kernel", "sequences", "length", "heads",
+              "dim", "graph ms", "Mtokens/s");
+  for (const auto &r : results)
+    std::printf("%-18s %9d %7d %6d %5d %12.3f %14.2f\n", "kda-prefill-recur", r.sequences,
+                r.length, r.heads, r.headDim, r.milliseconds, r.tokensPerSecond / 1e6);
+  if (!jsonPath.empty()) {
+    std::ofstream json(jsonPath);
+    json << "[\n";
+    for (size_t i = 0; i < results.size(); ++i) {
+      const auto &r = results[i];
+      json << "  {\"kernel\": \"kda-prefill-recurrent\", \"sequences\": " << r.sequences
+           << ", \"length\": " << r.length << ", \"heads\": " << r.heads
+           << ", \"head_dim\": " << r.headDim << ", \"graph_ms\": " << r.milliseconds
+           << ", \"tokens_per_s\": " << r.tokensPerSecond << "}"
+           << (i + 1 < results.size() ? ",\n" : "\n");
+    }
+    json << "]\n";
+  }
+  return 0;
+}
+
+} // namespace
+
 int main(int argc, char **argv) {
   CLI::App app{"hybrid kernel benchmarks (CUDA events, warm-up, median of 7)"};
   app.require_subcommand(1);
@@ -23,7 +69,20 @@ int main(int argc, char **argv) {
   std::string path = "auto";
   kdaDecode->add_option("--path", path, "Kernels: auto (by batch), fused or split")
       ->check(CLI::IsMember({"auto", "fused", "split"}));
+  std::vector<std::string> prefillShapes = {"1x8192", "8x1024"};
+  int32_t prefillIterations = 3;
+  CLI::App *kdaPrefill =
+      app.add_subcommand("kda-prefill", "KDA prefill (recurrent baseline), varlen, with states");
+  kdaPrefill->add_option("--shapes", prefillShapes, "SEQUENCESxLENGTH, comma-separated")
+      ->delimiter(',');
+  kdaPrefill->add_option("--heads", heads, "KDA heads")->check(CLI::PositiveNumber);
+  kdaPrefill->add_option("--head-dim", headDim, "Head dimension (64 or 128)");
+  kdaPrefill->add_option("--iterations", prefillIterations, "Calls per timing")
+      ->check(CLI::PositiveNumber);
+  kdaPrefill->add_option("--json", jsonPath, "Write the results as JSON");
   CLI11_PARSE(app, argc, argv);
+  if (kdaPrefill->parsed())
+    return runKdaPrefill(prefillShapes, heads, headDim, prefillIterations, jsonPath);
 
   std::string error;
   auto results = hybrid::kernels::cuda::benchKdaDecode(

@@ -8,14 +8,13 @@
 //    on the prolog (programmatic dependent launch), and its last block per head does the norm.
 //    Smaller, independent blocks keep more loads in flight; it wins only with many waves of work.
 #include "hybrid/kernels/cuda/KdaDecode.h"
+#include "kda_device_math.cuh"
 
 #include <cuda_runtime.h>
 
 namespace hybrid::kernels::cuda {
 namespace {
-
-__device__ inline float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
-__device__ inline float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
+using namespace kda_math;
 
 // Short causal conv + SiLU of one channel of q, k and v for this step, shifting the channel's conv
 // histories by one input. One thread owns a channel's histories. Every load is issued before the
@@ -63,34 +62,6 @@ __device__ inline float decayOf(const KdaDecodeParams &p, int sequence, int head
   return __expf(g);
 }
 
-__device__ inline float warpSum(float value) {
-  for (int offset = 16; offset > 0; offset /= 2)
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
-}
-__device__ inline float2 warpSum(float2 value) { return {warpSum(value.x), warpSum(value.y)}; }
-__device__ inline void accumulate(float &total, float value) { total += value; }
-__device__ inline void accumulate(float2 &total, float2 value) {
-  total.x += value.x;
-  total.y += value.y;
-}
-
-// Sum over the block (a float, or two at once as a float2 to share the barriers); every thread gets
-// the total. `scratch` holds one T per warp.
-template <int kThreads, typename T> __device__ inline T blockSum(T value, T *scratch) {
-  constexpr int kWarps = kThreads / 32;
-  value = warpSum(value);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads(); // scratch may still be read by a previous reduction
-  if (lane == 0)
-    scratch[warp] = value;
-  __syncthreads();
-  T total{};
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w)
-    accumulate(total, scratch[w]);
-  return total;
-}
 
 // kSplit threads share a value column, each holding kDim / kSplit of its rows: the state stays
 // in registers without spilling and four times more warps keep loads in flight.

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace hybrid::kernels::cuda {
@@ -28,5 +29,17 @@ std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &bat
                                                  int32_t heads, int32_t headDim,
                                                  int32_t iterations, KdaDecodePath path,
                                                  std::string &error);
+
+struct KdaPrefillBenchResult {
+  int32_t sequences = 0, length = 0, heads = 0, headDim = 0;
+  double milliseconds = 0;     // one launch over the whole varlen batch, from a CUDA graph
+  double tokensPerSecond = 0;
+};
+
+// Times the recurrent prefill (KdaPrefill.h) on `sequences` sequences of `length` tokens each,
+// with initial and final states, for each (sequences, length) pair.
+std::vector<KdaPrefillBenchResult>
+benchKdaRecurrentPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes, int32_t heads,
+                         int32_t headDim, int32_t iterations, std::string &error);
 
 } // namespace hybrid::kernels::cuda

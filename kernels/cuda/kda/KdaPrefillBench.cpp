@@ -1,0 +1,85 @@
+#include "../common/bench_support.h"
+#include "hybrid/kernels/cuda/KdaBench.h"
+#include "hybrid/kernels/cuda/KdaPrefill.h"
+
+#include <cuda_runtime.h>
+
+namespace hybrid::kernels::cuda {
+using namespace bench;
+
+std::vector<KdaPrefillBenchResult>
+benchKdaRecurrentPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes, int32_t heads,
+                         int32_t headDim, int32_t iterations, std::string &error) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    error = "no CUDA device";
+    return {};
+  }
+  std::vector<KdaPrefillBenchResult> results;
+  std::mt19937 rng(11);
+  for (const auto &[sequences, length] : shapes) {
+    const size_t P = size_t(heads) * headDim, W = 4, T = size_t(sequences) * length;
+    std::vector<float *> buffers;
+    auto make = [&](size_t n, float scale, float offset = 0.0f) {
+      float *buffer = deviceRandom(n, scale, offset, rng, error);
+      buffers.push_back(buffer);
+      return buffer;
+    };
+    KdaPrefillParams p;
+    p.sequences = sequences;
+    p.heads = heads;
+    p.headDim = headDim;
+    p.convKernel = int32_t(W);
+    p.qkv = make(T * 3 * P, 1.0f);
+    p.convWeight = make(3 * P * W, 0.5f);
+    p.forget = make(T * P, 1.0f);
+    p.aLog = make(size_t(heads), 0.3f, 0.5f);
+    p.dtBias = make(P, 0.5f);
+    p.betaLogits = make(T * heads, 1.0f);
+    p.outputGate = make(T * P, 1.0f);
+    p.normWeight = make(size_t(headDim), 0.1f, 1.0f);
+    p.convState = make(size_t(sequences) * 3 * (W - 1) * P, 1.0f);
+    p.state = make(size_t(sequences) * heads * headDim * headDim, 0.05f);
+    p.out = make(T * P, 1.0f);
+    if (!error.empty())
+      return {};
+    std::vector<int32_t> cuSeqlens(size_t(sequences) + 1);
+    for (int32_t i = 0; i <= sequences; ++i)
+      cuSeqlens[i] = i * length;
+    int32_t *deviceCuSeqlens = nullptr;
+    BENCH_CHECK(cudaMalloc(&deviceCuSeqlens, cuSeqlens.size() * sizeof(int32_t)));
+    BENCH_CHECK(cudaMemcpy(deviceCuSeqlens, cuSeqlens.data(), cuSeqlens.size() * sizeof(int32_t),
+                           cudaMemcpyHostToDevice));
+    p.cuSeqlens = deviceCuSeqlens;
+
+    cudaStream_t stream;
+    BENCH_CHECK(cudaStreamCreate(&stream));
+    BENCH_CHECK(static_cast<cudaError_t>(launchKdaRecurrentPrefill(p, stream))); // warm-up
+    BENCH_CHECK(cudaStreamSynchronize(stream));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    launchKdaRecurrentPrefill(p, stream);
+    BENCH_CHECK(cudaStreamEndCapture(stream, &graph));
+    BENCH_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    KdaPrefillBenchResult result;
+    result.sequences = sequences;
+    result.length = length;
+    result.heads = heads;
+    result.headDim = headDim;
+    result.milliseconds =
+        medianMicroseconds(stream, iterations, [&] { cudaGraphLaunch(exec, stream); }) / 1e3;
+    BENCH_CHECK(cudaStreamSynchronize(stream));
+    result.tokensPerSecond = double(T) / (result.milliseconds * 1e-3);
+    results.push_back(result);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    cudaFree(deviceCuSeqlens);
+    for (float *buffer : buffers)
+      cudaFree(buffer);
+  }
+  return results;
+}
+
+} // namespace hybrid::kernels::cuda
