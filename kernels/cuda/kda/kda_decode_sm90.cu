@@ -98,44 +98,16 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
   }
   __syncthreads();
 
-  // Delta rule on column v, rows [group * kRows, (group + 1) * kRows):
-  // S <- diag(decay) S; u = v - S^T k; S += beta k u^T; o = S^T q.
+  // Delta rule on column v, rows [group * kRows, (group + 1) * kRows).
   const int firstRow = group * kRows;
   float *column = p.state + (size_t(sequence) * p.heads + head) * kDim * kDim +
                   size_t(firstRow) * kDim + v;
   float s[kRows];
-  float predicted = 0.0f;
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    s[r] = column[size_t(r) * kDim] * decay[firstRow + r];
-    predicted += s[r] * key[firstRow + r];
-  }
-  partial[group][v] = predicted;
-  __syncthreads();
-  if (group == 0) {
-    float total = 0.0f;
-#pragma unroll
-    for (int g = 0; g < kSplit; ++g)
-      total += partial[g][v];
-    update[v] = beta * (qkv[2] - total);
-  }
-  __syncthreads();
-  const float u = update[v];
-  float o = 0.0f;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    s[r] += key[firstRow + r] * u;
-    o += s[r] * query[firstRow + r];
-    column[size_t(r) * kDim] = s[r];
-  }
-  partial[group][v] = o; // every group has read `partial` for the prediction before the sync above
-  __syncthreads();
-  if (group == 0) {
-    o = 0.0f;
-#pragma unroll
-    for (int g = 0; g < kSplit; ++g)
-      o += partial[g][v];
-  }
+  for (int r = 0; r < kRows; ++r)
+    s[r] = column[size_t(r) * kDim];
+  const float o = deltaRuleColumn<kRows, kSplit, kDim, true>(s, query, key, decay, beta, qkv[2], firstRow,
+                                                       group, v, partial, update, column, kDim);
 
   // Gated RMSNorm over the head's outputs, sigmoid output gate.
   const float sumSquares = blockSum<kThreads>(group == 0 ? o * o : 0.0f, scratch);
@@ -206,40 +178,12 @@ __global__ void __launch_bounds__(32 * kWarps)
   __syncthreads();
   const float *query = gates, *key = gates + kDim, *decay = gates + 2 * kDim;
 
-  // The same delta rule as the fused kernel, on this block's columns.
-  float predicted = 0.0f;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    s[r] *= decay[firstRow + r];
-    predicted += s[r] * key[firstRow + r];
-  }
-  partial[group][column] = predicted;
-  __syncthreads();
-  if (group == 0) {
-    float total = 0.0f;
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g)
-      total += partial[g][column];
-    update[column] = beta * (row[3 * kDim + v] - total);
-  }
-  __syncthreads();
-  const float u = update[column];
-  float o = 0.0f;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    s[r] += key[firstRow + r] * u;
-    o += s[r] * query[firstRow + r];
-    stateColumn[size_t(r) * kDim] = s[r];
-  }
-  partial[group][column] = o; // every group has read `partial` for the prediction before the sync above
-  __syncthreads();
+  const float o = deltaRuleColumn<kRows, kGroups, kColumns, true>(
+      s, query, key, decay, beta, group == 0 ? row[3 * kDim + v] : 0.0f, firstRow, group, column,
+      partial, update, stateColumn, kDim);
   float *headOut = rawOut + pair * kDim;
   if (group == 0) {
-    float total = 0.0f;
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g)
-      total += partial[g][column];
-    headOut[v] = total;
+    headOut[v] = o;
     __threadfence(); // publish before arriving, so the last block sees every column
   }
   __syncthreads();

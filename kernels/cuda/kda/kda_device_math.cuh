@@ -37,4 +37,52 @@ template <int kThreads, typename T> __device__ inline T blockSum(T value, T *scr
   return total;
 }
 
+// One token's delta rule on one value column of a head's state, the column's rows split over
+// kGroups threads (rows [firstRow, firstRow + kRows) in `s`, in registers):
+//   S <- diag(decay) S;  u = beta (v - S^T k);  S += k u^T;  o = S^T q.
+// query/key/decay are the head's K values (shared memory); `value` is needed in group 0 only.
+// `partial` [kGroups][kColumns] and `update` [kColumns] are shared scratch. With kStoreState the
+// updated rows are stored to `stateColumn` (stride `rowStride`) as soon as they are final. Returns
+// o for the column in group 0 (0 elsewhere). Contains block barriers: call from every thread.
+template <int kRows, int kGroups, int kColumns, bool kStoreState>
+__device__ inline float deltaRuleColumn(float (&s)[kRows], const float *query, const float *key,
+                                        const float *decay, float beta, float value, int firstRow,
+                                        int group, int column, float (*partial)[kColumns],
+                                        float *update, float *stateColumn, int rowStride) {
+  float predicted = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    s[r] *= decay[firstRow + r];
+    predicted += s[r] * key[firstRow + r];
+  }
+  partial[group][column] = predicted;
+  __syncthreads();
+  if (group == 0) {
+    float total = 0.0f;
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g)
+      total += partial[g][column];
+    update[column] = beta * (value - total);
+  }
+  __syncthreads();
+  const float u = update[column];
+  float o = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    s[r] += key[firstRow + r] * u;
+    o += s[r] * query[firstRow + r];
+    if constexpr (kStoreState)
+      stateColumn[size_t(r) * rowStride] = s[r];
+  }
+  partial[group][column] = o; // every group read `partial` for the prediction before the sync above
+  __syncthreads();
+  if (group != 0)
+    return 0.0f;
+  o = 0.0f;
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g)
+    o += partial[g][column];
+  return o;
+}
+
 } // namespace hybrid::kernels::cuda::kda_math

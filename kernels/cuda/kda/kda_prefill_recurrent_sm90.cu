@@ -90,38 +90,10 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaRecurrentPrefillKernel(KdaPre
     }
     __syncthreads();
 
-    // S <- diag(decay) S; u = beta (v - S^T k); S += k u^T; o = S^T q.
-    float predicted = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      s[r] *= decay[firstRow + r];
-      predicted += s[r] * key[firstRow + r];
-    }
-    partial[group][v] = predicted;
-    __syncthreads();
-    if (group == 0) {
-      float total = 0.0f;
-#pragma unroll
-      for (int g = 0; g < kSplit; ++g)
-        total += partial[g][v];
-      update[v] = beta * (qkv[2] - total);
-    }
-    __syncthreads();
-    const float u = update[v];
-    float o = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      s[r] += key[firstRow + r] * u;
-      o += s[r] * query[firstRow + r];
-    }
-    partial[group][v] = o; // every group has read `partial` for the prediction before the sync above
-    __syncthreads();
-    if (group == 0) {
-      o = 0.0f;
-#pragma unroll
-      for (int g = 0; g < kSplit; ++g)
-        o += partial[g][v];
-    }
+    // The state is stored once, after the last token.
+    const float o = deltaRuleColumn<kRows, kSplit, kDim, false>(s, query, key, decay, beta, qkv[2],
+                                                         firstRow, group, v, partial, update,
+                                                         nullptr, kDim);
     const float sumSquares = blockSum<kThreads>(group == 0 ? o * o : 0.0f, scratch);
     if (group == 0)
       p.out[size_t(t) * channels + channel] =
