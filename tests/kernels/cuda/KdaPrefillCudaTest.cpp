@@ -8,6 +8,7 @@
 #include "CudaTestSupport.h"
 
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -127,6 +128,123 @@ INSTANTIATE_TEST_SUITE_P(
       name += std::to_string(info.param.convKernel);
       return name;
     });
+
+// Prefill of all but the last token, then one decode step (either path), equals prefill of
+// every token: the two kernels hand the recurrent and conv state over exactly.
+TEST(KdaPrefillCudaComposition, PrefillThenDecodeEqualsPrefill) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  const std::vector<int32_t> lengths = {4, 9, 1, 6};
+  const int N = int(lengths.size()), H = 4, D = 128, W = 4, P = H * D;
+  std::vector<int32_t> full = {0}, shorter = {0};
+  for (int32_t length : lengths) {
+    full.push_back(full.back() + length);
+    shorter.push_back(shorter.back() + length - 1);
+  }
+  const int T = full.back();
+  std::mt19937 rng(5);
+  // Per-token inputs, in packed token order: {values per token, tensor}.
+  std::vector<std::pair<int, std::vector<float>>> tokens = {
+      {3 * P, random(size_t(T) * 3 * P, rng, 1.0f)}, // qkv
+      {P, random(size_t(T) * P, rng, 1.0f)},         // forget
+      {H, random(size_t(T) * H, rng, 1.0f)},         // beta logits
+      {P, random(size_t(T) * P, rng, 1.0f)}};        // output gate
+  std::vector<float> convWeight = random(size_t(3) * P * W, rng, 0.5f);
+  std::vector<float> aLog = random(H, rng, 0.3f, 0.5f), dtBias = random(P, rng, 0.5f);
+  std::vector<float> normWeight = random(D, rng, 0.1f, 1.0f);
+  std::vector<float> convState = random(size_t(N) * 3 * (W - 1) * P, rng, 1.0f);
+  std::vector<float> state = random(size_t(N) * H * D * D, rng, 0.05f);
+  // Rows [first, first + count) of every sequence, packed.
+  auto gather = [&](const std::pair<int, std::vector<float>> &tensor, bool lastOnly) {
+    std::vector<float> rows;
+    for (int b = 0; b < N; ++b) {
+      const int first = lastOnly ? full[b + 1] - 1 : full[b];
+      const int count = lastOnly ? 1 : lengths[b] - 1;
+      rows.insert(rows.end(), tensor.second.begin() + size_t(first) * tensor.first,
+                  tensor.second.begin() + size_t(first + count) * tensor.first);
+    }
+    return rows;
+  };
+  DeviceBuffer<float> dConvWeight(convWeight), dALog(aLog), dDtBias(dtBias), dNorm(normWeight);
+  auto prefill = [&](const std::vector<int32_t> &cuSeqlens, const std::vector<float> *inputs,
+                     DeviceBuffer<float> &dConvState, DeviceBuffer<float> &dState,
+                     DeviceBuffer<float> &dOut) {
+    DeviceBuffer<int32_t> dCu(cuSeqlens);
+    DeviceBuffer<float> dQkv(inputs[0]), dForget(inputs[1]), dBeta(inputs[2]), dGate(inputs[3]);
+    cuda::KdaPrefillParams params;
+    params.sequences = N;
+    params.heads = H;
+    params.headDim = D;
+    params.convKernel = W;
+    params.cuSeqlens = dCu.data;
+    params.qkv = dQkv.data;
+    params.convWeight = dConvWeight.data;
+    params.forget = dForget.data;
+    params.aLog = dALog.data;
+    params.dtBias = dDtBias.data;
+    params.betaLogits = dBeta.data;
+    params.outputGate = dGate.data;
+    params.normWeight = dNorm.data;
+    params.convState = dConvState.data;
+    params.state = dState.data;
+    params.out = dOut.data;
+    ASSERT_EQ(cuda::launchKdaRecurrentPrefill(params, nullptr), 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  };
+
+  std::vector<float> allInputs[4];
+  for (int i = 0; i < 4; ++i)
+    allInputs[i] = tokens[i].second;
+  DeviceBuffer<float> wholeConv(convState), wholeState(state),
+      wholeOut(std::vector<float>(size_t(T) * P));
+  prefill(full, allInputs, wholeConv, wholeState, wholeOut);
+  std::vector<float> lastOfWhole;
+  {
+    const std::vector<float> out = wholeOut.download();
+    for (int b = 0; b < N; ++b)
+      lastOfWhole.insert(lastOfWhole.end(), out.begin() + size_t(full[b + 1] - 1) * P,
+                         out.begin() + size_t(full[b + 1]) * P);
+  }
+
+  for (auto path : {cuda::KdaDecodePath::Fused, cuda::KdaDecodePath::Split}) {
+    SCOPED_TRACE(path == cuda::KdaDecodePath::Fused ? "fused decode" : "split decode");
+    std::vector<float> headInputs[4], lastInputs[4];
+    for (int i = 0; i < 4; ++i) {
+      headInputs[i] = gather(tokens[i], false);
+      lastInputs[i] = gather(tokens[i], true);
+    }
+    DeviceBuffer<float> conv(convState), recurrent(state),
+        headOut(std::vector<float>(size_t(shorter.back()) * P));
+    prefill(shorter, headInputs, conv, recurrent, headOut);
+    DeviceBuffer<float> dQkv(lastInputs[0]), dForget(lastInputs[1]), dBeta(lastInputs[2]),
+        dGate(lastInputs[3]), dOut(std::vector<float>(size_t(N) * P));
+    cuda::KdaDecodeParams step;
+    step.batch = N;
+    step.heads = H;
+    step.headDim = D;
+    step.convKernel = W;
+    step.qkv = dQkv.data;
+    step.convWeight = dConvWeight.data;
+    step.forget = dForget.data;
+    step.aLog = dALog.data;
+    step.dtBias = dDtBias.data;
+    step.betaLogits = dBeta.data;
+    step.outputGate = dGate.data;
+    step.normWeight = dNorm.data;
+    step.convState = conv.data;
+    step.state = recurrent.data;
+    step.out = dOut.data;
+    step.path = path;
+    DeviceBuffer<unsigned char> workspace(
+        std::vector<unsigned char>(cuda::kdaDecodeWorkspaceBytes(step), 0));
+    step.workspace = workspace.data;
+    ASSERT_EQ(cuda::launchKdaFusedDecode(step, nullptr), 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_LT(relativeRms(dOut.download(), lastOfWhole), 1e-6) << "last token's output";
+    EXPECT_LT(relativeRms(recurrent.download(), wholeState.download()), 1e-6) << "state";
+    EXPECT_LT(relativeRms(conv.download(), wholeConv.download()), 1e-7) << "conv state";
+  }
+}
 
 TEST(KdaPrefillCudaErrors, RejectsBadShapes) {
   cuda::KdaPrefillParams params;
