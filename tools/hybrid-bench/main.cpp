@@ -30,11 +30,12 @@ int runKdaPrefill(const std::vector<std::string> &shapeTexts, int32_t heads, int
     std::cerr << "error: kda-prefill: " << error << "\n";
     return 1;
   }
-  std::printf("%-18s %9s %7s %6s %5s %12s %14s\n", "kernel", "sequences", "length", "heads",
-              "dim", "graph ms", "Mtokens/s");
+  std::printf("%-18s %9s %7s %6s %5s %12s %14s  %s\n", "kernel", "sequences", "length", "heads",
+              "dim", "graph ms", "Mtokens/s", "target (H200)");
   for (const auto &r : results)
-    std::printf("%-18s %9d %7d %6d %5d %12.3f %14.2f\n", "kda-prefill-recur", r.sequences,
-                r.length, r.heads, r.headDim, r.milliseconds, r.tokensPerSecond / 1e6);
+    std::printf("%-18s %9d %7d %6d %5d %12.3f %14.2f  %s\n", "kda-prefill-recur", r.sequences,
+                r.length, r.heads, r.headDim, r.milliseconds, r.tokensPerSecond / 1e6,
+                hybrid::kernels::cuda::kdaPrefillTargetVerdict(r).c_str());
   if (!jsonPath.empty()) {
     std::ofstream json(jsonPath);
     json << "[\n";
@@ -43,7 +44,8 @@ int runKdaPrefill(const std::vector<std::string> &shapeTexts, int32_t heads, int
       json << "  {\"kernel\": \"kda-prefill-recurrent\", \"sequences\": " << r.sequences
            << ", \"length\": " << r.length << ", \"heads\": " << r.heads
            << ", \"head_dim\": " << r.headDim << ", \"graph_ms\": " << r.milliseconds
-           << ", \"tokens_per_s\": " << r.tokensPerSecond << "}"
+           << ", \"tokens_per_s\": " << r.tokensPerSecond << ", \"target\": \""
+           << hybrid::kernels::cuda::kdaPrefillTargetVerdict(r) << "\"}"
            << (i + 1 < results.size() ? ",\n" : "\n");
     }
     json << "]\n";
@@ -97,15 +99,16 @@ int main(int argc, char **argv) {
   }
   // 4.28 TB/s: the H200's measured copy bandwidth (PERF_TARGETS.md), the ceiling for state traffic.
   constexpr double kCopyTbPerSecond = 4.28;
-  std::printf("%-10s %6s %6s %5s %6s %10s %10s %10s %11s %11s %10s\n", "kernel", "batch",
+  std::printf("%-10s %6s %6s %5s %6s %10s %10s %10s %11s %11s %10s  %s\n", "kernel", "batch",
               "heads", "dim", "path", "eager us", "graph us", "floor us", "state TB/s", "all TB/s",
-              "% of copy");
+              "% of copy", "target (H200)");
   for (const auto &r : results)
-    std::printf("%-10s %6d %6d %5d %6s %10.2f %10.2f %10.2f %11.2f %11.2f %9.0f%%\n",
+    std::printf("%-10s %6d %6d %5d %6s %10.2f %10.2f %10.2f %11.2f %11.2f %9.0f%%  %s\n",
                 "kda-decode", r.batch, r.heads, r.headDim, r.split ? "split" : "fused",
                 r.eagerMicroseconds, r.graphMicroseconds, r.graphFloorMicroseconds,
                 r.graphStateTbPerSecond, r.graphTrafficTbPerSecond,
-                100.0 * r.graphTrafficTbPerSecond / kCopyTbPerSecond);
+                100.0 * r.graphTrafficTbPerSecond / kCopyTbPerSecond,
+                hybrid::kernels::cuda::kdaDecodeTargetVerdict(r).c_str());
   if (!jsonPath.empty()) {
     std::ofstream json(jsonPath);
     json << "[\n";
@@ -118,7 +121,8 @@ int main(int argc, char **argv) {
            << ", \"state_tb_per_s\": " << r.graphStateTbPerSecond
            << ", \"traffic_bytes\": " << r.trafficBytes
            << ", \"traffic_tb_per_s\": " << r.graphTrafficTbPerSecond
-           << ", \"path\": \"" << (r.split ? "split" : "fused") << "\"}"
+           << ", \"path\": \"" << (r.split ? "split" : "fused") << "\", \"target\": \""
+           << hybrid::kernels::cuda::kdaDecodeTargetVerdict(r) << "\"}"
            << (i + 1 < results.size() ? ",\n" : "\n");
     }
     json << "]\n";

@@ -42,4 +42,10 @@ std::vector<KdaPrefillBenchResult>
 benchKdaRecurrentPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes, int32_t heads,
                          int32_t headDim, int32_t iterations, std::string &error);
 
+// The targets on the H200 (../shared/docs/PERF_TARGETS.md) for the shapes that have one,
+// as the benchmark's verdict column: "<= 3 us: 1.90x over", ">= 4.0 TB/s: met", ... Empty for
+// shapes without a target. Pure functions of the result, so they are tested without a GPU.
+std::string kdaDecodeTargetVerdict(const KdaDecodeBenchResult &result);
+std::string kdaPrefillTargetVerdict(const KdaPrefillBenchResult &result);
+
 } // namespace hybrid::kernels::cuda

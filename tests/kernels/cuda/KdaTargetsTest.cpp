@@ -1,0 +1,67 @@
+// The benchmark's verdicts against the H200 targets: pure functions, no GPU needed.
+#include "hybrid/kernels/cuda/KdaBench.h"
+
+#include <gtest/gtest.h>
+
+namespace hybrid::kernels::cuda {
+namespace {
+
+TEST(KdaTargets, DecodeLatencyAtBatchOne) {
+  KdaDecodeBenchResult r;
+  r.batch = 1;
+  r.heads = 32;
+  r.headDim = 128;
+  r.graphMicroseconds = 5.7;
+  EXPECT_EQ(kdaDecodeTargetVerdict(r), "<= 3 us: 1.90x over");
+  r.graphMicroseconds = 2.9;
+  EXPECT_EQ(kdaDecodeTargetVerdict(r), "<= 3 us: met");
+}
+
+TEST(KdaTargets, DecodeBandwidthAtBatch128) {
+  KdaDecodeBenchResult r;
+  r.batch = 128;
+  r.heads = 32;
+  r.headDim = 128;
+  r.graphStateTbPerSecond = 3.2;
+  EXPECT_EQ(kdaDecodeTargetVerdict(r), ">= 4.0 TB/s state: 80% of it");
+  r.graphStateTbPerSecond = 4.1;
+  EXPECT_EQ(kdaDecodeTargetVerdict(r), ">= 4.0 TB/s state: met");
+}
+
+TEST(KdaTargets, ShapesWithoutTargetsHaveNoVerdict) {
+  KdaDecodeBenchResult decode;
+  decode.batch = 8;
+  decode.heads = 32;
+  decode.headDim = 128;
+  EXPECT_EQ(kdaDecodeTargetVerdict(decode), "");
+  decode.batch = 1;
+  decode.headDim = 64;
+  EXPECT_EQ(kdaDecodeTargetVerdict(decode), "");
+  KdaPrefillBenchResult prefill;
+  prefill.sequences = 2;
+  prefill.length = 8192;
+  prefill.heads = 32;
+  prefill.headDim = 128;
+  EXPECT_EQ(kdaPrefillTargetVerdict(prefill), "");
+}
+
+TEST(KdaTargets, PrefillOneLongSequenceAndVarlen) {
+  KdaPrefillBenchResult r;
+  r.sequences = 1;
+  r.length = 8192;
+  r.heads = 32;
+  r.headDim = 128;
+  r.milliseconds = 21.5;
+  EXPECT_EQ(kdaPrefillTargetVerdict(r), "<= 0.43 ms: 50.00x over");
+  r.heads = 96;
+  r.milliseconds = 1.0;
+  EXPECT_EQ(kdaPrefillTargetVerdict(r), "<= 1.16 ms: met");
+  r.sequences = 8;
+  r.length = 1024;
+  r.heads = 32;
+  r.milliseconds = 0.736;
+  EXPECT_EQ(kdaPrefillTargetVerdict(r), "<= 0.37 ms: 2.00x over");
+}
+
+} // namespace
+} // namespace hybrid::kernels::cuda
