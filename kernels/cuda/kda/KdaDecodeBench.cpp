@@ -36,13 +36,13 @@ std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &bat
     p.headDim = headDim;
     p.convKernel = int32_t(W);
     p.qkv = make(size_t(batch) * 3 * P, 1.0f);
-    p.convWeight = make(3 * P * W, 0.5f);
+    p.weights.convWeight = make(3 * P * W, 0.5f);
     p.forget = make(size_t(batch) * P, 1.0f);
-    p.aLog = make(size_t(heads), 0.3f, 0.5f);
-    p.dtBias = make(P, 0.5f);
+    p.weights.aLog = make(size_t(heads), 0.3f, 0.5f);
+    p.weights.dtBias = make(P, 0.5f);
     p.betaLogits = make(size_t(batch) * heads, 1.0f);
     p.outputGate = make(size_t(batch) * P, 1.0f);
-    p.normWeight = make(size_t(headDim), 0.1f, 1.0f);
+    p.weights.normWeight = make(size_t(headDim), 0.1f, 1.0f);
     p.convState = make(size_t(batch) * 3 * (W - 1) * P, 1.0f);
     p.state = make(size_t(batch) * heads * headDim * headDim, 0.05f);
     p.out = make(size_t(batch) * P, 1.0f);

@@ -31,13 +31,13 @@ benchKdaRecurrentPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes,
     p.headDim = headDim;
     p.convKernel = int32_t(W);
     p.qkv = make(T * 3 * P, 1.0f);
-    p.convWeight = make(3 * P * W, 0.5f);
+    p.weights.convWeight = make(3 * P * W, 0.5f);
     p.forget = make(T * P, 1.0f);
-    p.aLog = make(size_t(heads), 0.3f, 0.5f);
-    p.dtBias = make(P, 0.5f);
+    p.weights.aLog = make(size_t(heads), 0.3f, 0.5f);
+    p.weights.dtBias = make(P, 0.5f);
     p.betaLogits = make(T * heads, 1.0f);
     p.outputGate = make(T * P, 1.0f);
-    p.normWeight = make(size_t(headDim), 0.1f, 1.0f);
+    p.weights.normWeight = make(size_t(headDim), 0.1f, 1.0f);
     p.convState = make(size_t(sequences) * 3 * (W - 1) * P, 1.0f);
     p.state = make(size_t(sequences) * heads * headDim * headDim, 0.05f);
     p.out = make(T * P, 1.0f);

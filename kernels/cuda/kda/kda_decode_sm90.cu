@@ -27,7 +27,7 @@ __device__ inline void convolveAndShift(const KdaDecodeParams &p, int sequence, 
 #pragma unroll
   for (int projection = 0; projection < 3; ++projection) {
     input[projection] = p.qkv[(size_t(sequence) * 3 + projection) * channels + channel];
-    const float *weights = p.convWeight + (size_t(projection) * channels + channel) * p.convKernel;
+    const float *weights = p.weights.convWeight + (size_t(projection) * channels + channel) * p.convKernel;
     const float *pastIn = p.convState + size_t(sequence * 3 + projection) * history * channels + channel;
 #pragma unroll
     for (int j = 0; j < kKdaMaxConvKernel; ++j)
@@ -56,9 +56,9 @@ __device__ inline void convolveAndShift(const KdaDecodeParams &p, int sequence, 
 
 // The forget gate of key channel `channel` as a decay factor exp(g).
 __device__ inline float decayOf(const KdaDecodeParams &p, int sequence, int head, int channel) {
-  const float f = p.forget[size_t(sequence) * p.heads * p.headDim + channel] + p.dtBias[channel];
-  const float scaleA = __expf(p.aLog[head]);
-  const float g = p.lowerBoundGate ? p.lowerBound * sigmoid(scaleA * f) : -scaleA * softplus(f);
+  const float f = p.forget[size_t(sequence) * p.heads * p.headDim + channel] + p.weights.dtBias[channel];
+  const float scaleA = __expf(p.weights.aLog[head]);
+  const float g = p.weights.lowerBoundGate ? p.weights.lowerBound * sigmoid(scaleA * f) : -scaleA * softplus(f);
   return __expf(g);
 }
 
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
   if (group == 0) {
     channelDecay = decayOf(p, sequence, head, channel);
     gateLogit = p.outputGate[size_t(sequence) * channels + channel];
-    normWeight = p.normWeight[v];
+    normWeight = p.weights.normWeight[v];
     // Short causal conv + SiLU of q, k, v for channel v, shifting the conv state.
     convolveAndShift(p, sequence, channel, qkv);
   }
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
   // Gated RMSNorm over the head's outputs, sigmoid output gate.
   const float sumSquares = blockSum<kThreads>(group == 0 ? o * o : 0.0f, scratch);
   if (group == 0) {
-    const float rstd = rsqrtf(sumSquares / kDim + p.normEpsilon);
+    const float rstd = rsqrtf(sumSquares / kDim + p.weights.normEpsilon);
     p.out[size_t(sequence) * channels + channel] = o * rstd * normWeight * sigmoid(gateLogit);
   }
 }
@@ -200,10 +200,10 @@ __global__ void __launch_bounds__(32 * kWarps)
     const float x = __ldcg(headOut + i);
     squares += x * x;
   }
-  const float rstd = rsqrtf(blockSum<kThreads>(squares, scratch) / kDim + p.normEpsilon);
+  const float rstd = rsqrtf(blockSum<kThreads>(squares, scratch) / kDim + p.weights.normEpsilon);
   const size_t base = size_t(sequence) * p.heads * kDim + size_t(head) * kDim;
   for (int i = threadIdx.x; i < kDim; i += kThreads)
-    p.out[base + i] = __ldcg(headOut + i) * rstd * p.normWeight[i] * sigmoid(p.outputGate[base + i]);
+    p.out[base + i] = __ldcg(headOut + i) * rstd * p.weights.normWeight[i] * sigmoid(p.outputGate[base + i]);
 }
 
 template <int kDim> int launchFused(const KdaDecodeParams &params, cudaStream_t stream) {

@@ -37,16 +37,16 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaRecurrentPrefillKernel(KdaPre
       for (int j = 0; j < kKdaMaxConvKernel; ++j)
         if (j < p.convKernel)
           taps[projection][j] =
-              p.convWeight[(size_t(projection) * channels + channel) * p.convKernel + j];
+              p.weights.convWeight[(size_t(projection) * channels + channel) * p.convKernel + j];
 #pragma unroll
       for (int j = 0; j < kHistory; ++j)
         if (j < history)
           past[projection][j] = convState[(size_t(projection) * history + j) * channels];
     }
-    dtBias = p.dtBias[channel];
-    normWeight = p.normWeight[v];
+    dtBias = p.weights.dtBias[channel];
+    normWeight = p.weights.normWeight[v];
   }
-  const float scaleA = __expf(p.aLog[head]);
+  const float scaleA = __expf(p.weights.aLog[head]);
 
   const int firstRow = group * kRows;
   float *column = p.state + (size_t(sequence) * p.heads + head) * kDim * kDim +
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaRecurrentPrefillKernel(KdaPre
             past[projection][j] = j + 1 < history ? past[projection][j + 1] : input;
       }
       const float f = p.forget[size_t(t) * channels + channel] + dtBias;
-      const float g = p.lowerBoundGate ? p.lowerBound * sigmoid(scaleA * f) : -scaleA * softplus(f);
+      const float g = p.weights.lowerBoundGate ? p.weights.lowerBound * sigmoid(scaleA * f) : -scaleA * softplus(f);
       channelDecay = __expf(g);
       gateLogit = p.outputGate[size_t(t) * channels + channel];
     }
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaRecurrentPrefillKernel(KdaPre
     const float sumSquares = blockSum<kThreads>(group == 0 ? o * o : 0.0f, scratch);
     if (group == 0)
       p.out[size_t(t) * channels + channel] =
-          o * rsqrtf(sumSquares / kDim + p.normEpsilon) * normWeight * sigmoid(gateLogit);
+          o * rsqrtf(sumSquares / kDim + p.weights.normEpsilon) * normWeight * sigmoid(gateLogit);
   }
 
 #pragma unroll

@@ -55,14 +55,14 @@ TEST_P(KdaPrefillCuda, MatchesReference) {
   params.convKernel = W;
   params.cuSeqlens = dCu.data;
   params.qkv = dQkv.data;
-  params.convWeight = dConvWeight.data;
+  params.weights.convWeight = dConvWeight.data;
   params.forget = dForget.data;
-  params.aLog = dALog.data;
-  params.dtBias = dDtBias.data;
+  params.weights.aLog = dALog.data;
+  params.weights.dtBias = dDtBias.data;
   params.betaLogits = dBeta.data;
   params.outputGate = dGate.data;
-  params.normWeight = dNorm.data;
-  params.lowerBoundGate = c.lowerBound;
+  params.weights.normWeight = dNorm.data;
+  params.weights.lowerBoundGate = c.lowerBound;
   params.convState = dConvState.data;
   params.state = dState.data;
   params.out = dOut.data;
@@ -166,6 +166,11 @@ TEST(KdaPrefillCudaComposition, PrefillThenDecodeEqualsPrefill) {
     return rows;
   };
   DeviceBuffer<float> dConvWeight(convWeight), dALog(aLog), dDtBias(dtBias), dNorm(normWeight);
+  cuda::KdaLayerWeights weights;
+  weights.convWeight = dConvWeight.data;
+  weights.aLog = dALog.data;
+  weights.dtBias = dDtBias.data;
+  weights.normWeight = dNorm.data;
   auto prefill = [&](const std::vector<int32_t> &cuSeqlens, const std::vector<float> *inputs,
                      DeviceBuffer<float> &dConvState, DeviceBuffer<float> &dState,
                      DeviceBuffer<float> &dOut) {
@@ -176,15 +181,12 @@ TEST(KdaPrefillCudaComposition, PrefillThenDecodeEqualsPrefill) {
     params.heads = H;
     params.headDim = D;
     params.convKernel = W;
+    params.weights = weights;
     params.cuSeqlens = dCu.data;
     params.qkv = dQkv.data;
-    params.convWeight = dConvWeight.data;
     params.forget = dForget.data;
-    params.aLog = dALog.data;
-    params.dtBias = dDtBias.data;
     params.betaLogits = dBeta.data;
     params.outputGate = dGate.data;
-    params.normWeight = dNorm.data;
     params.convState = dConvState.data;
     params.state = dState.data;
     params.out = dOut.data;
@@ -223,14 +225,11 @@ TEST(KdaPrefillCudaComposition, PrefillThenDecodeEqualsPrefill) {
     step.heads = H;
     step.headDim = D;
     step.convKernel = W;
+    step.weights = weights;
     step.qkv = dQkv.data;
-    step.convWeight = dConvWeight.data;
     step.forget = dForget.data;
-    step.aLog = dALog.data;
-    step.dtBias = dDtBias.data;
     step.betaLogits = dBeta.data;
     step.outputGate = dGate.data;
-    step.normWeight = dNorm.data;
     step.convState = conv.data;
     step.state = recurrent.data;
     step.out = dOut.data;

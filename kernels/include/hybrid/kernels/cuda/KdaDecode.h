@@ -9,6 +9,17 @@
 
 namespace hybrid::kernels::cuda {
 
+// A KDA layer's own parameters (not per call), fp32 on the device; shared by decode and prefill.
+struct KdaLayerWeights {
+  const float *convWeight = nullptr; // [3, heads * headDim, W] (the checkpoint's [P, 1, W] per projection)
+  const float *aLog = nullptr;       // [heads]
+  const float *dtBias = nullptr;     // [heads * headDim]
+  const float *normWeight = nullptr; // [headDim], shared by the heads
+  float normEpsilon = 1e-5f;
+  bool lowerBoundGate = false;       // Kimi K3: g = lowerBound * sigmoid(exp(A_log) * (f + dt_bias))
+  float lowerBound = -5.0f;
+};
+
 // Which kernels run the step (see kKdaDecodeSplitPairs); tests and benchmarks force one.
 enum class KdaDecodePath : int32_t { Auto, Fused, Split };
 
@@ -17,18 +28,12 @@ struct KdaDecodeParams {
   int32_t heads = 0;
   int32_t headDim = 0;      // K = V; 128 (Kimi-Linear) is the compiled size
   int32_t convKernel = 4;   // W; the conv state keeps W - 1 inputs per channel
+  KdaLayerWeights weights;
   // Inputs of this step, fp32, channel c = head * headDim + i:
   const float *qkv = nullptr;        // [batch, 3, heads * headDim]: q, k, v projections before the conv
-  const float *convWeight = nullptr; // [3, heads * headDim, W] (the checkpoint's [P, 1, W] per projection)
   const float *forget = nullptr;     // [batch, heads * headDim]: f_b_proj(f_a_proj(x))
-  const float *aLog = nullptr;       // [heads]
-  const float *dtBias = nullptr;     // [heads * headDim]
   const float *betaLogits = nullptr; // [batch, heads]: b_proj(x)
   const float *outputGate = nullptr; // [batch, heads * headDim]: pre-sigmoid output gate
-  const float *normWeight = nullptr; // [headDim], shared by the heads
-  float normEpsilon = 1e-5f;
-  bool lowerBoundGate = false;       // Kimi K3: g = lowerBound * sigmoid(exp(A_log) * (f + dt_bias))
-  float lowerBound = -5.0f;
   // State, updated in place:
   float *convState = nullptr;        // [batch, 3, W - 1, heads * headDim], oldest input first
   float *state = nullptr;            // [batch, heads, K, V] fp32 (K-major)

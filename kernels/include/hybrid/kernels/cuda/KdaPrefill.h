@@ -6,6 +6,8 @@
 // is the fast path still to come (docs/cuda-kernels.md). CUDA-free header.
 #pragma once
 
+#include "hybrid/kernels/cuda/KdaDecode.h"
+
 #include <cstdint>
 
 namespace hybrid::kernels::cuda {
@@ -15,19 +17,13 @@ struct KdaPrefillParams {
   int32_t heads = 0;
   int32_t headDim = 0;      // K = V: 64 or 128
   int32_t convKernel = 4;   // W, 1..kKdaMaxConvKernel (KdaDecode.h)
+  KdaLayerWeights weights;
   const int32_t *cuSeqlens = nullptr; // device [sequences + 1], non-decreasing, cuSeqlens[0] = 0
   // Per token t (rows of the packed batch), fp32, channel c = head * headDim + i:
   const float *qkv = nullptr;        // [tokens, 3, heads * headDim]
-  const float *convWeight = nullptr; // [3, heads * headDim, W]
   const float *forget = nullptr;     // [tokens, heads * headDim]
-  const float *aLog = nullptr;       // [heads]
-  const float *dtBias = nullptr;     // [heads * headDim]
   const float *betaLogits = nullptr; // [tokens, heads]
   const float *outputGate = nullptr; // [tokens, heads * headDim]
-  const float *normWeight = nullptr; // [headDim]
-  float normEpsilon = 1e-5f;
-  bool lowerBoundGate = false;
-  float lowerBound = -5.0f;
   // Per sequence, read as the state before its first token and overwritten with the state after
   // its last (untouched for an empty sequence):
   float *convState = nullptr;        // [sequences, 3, W - 1, heads * headDim]
