@@ -56,13 +56,33 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaRecurrentPrefillKernel(KdaPre
   for (int r = 0; r < kRows; ++r)
     s[r] = column[size_t(r) * kDim];
 
+  // A token's inputs, loaded one token ahead so their latency overlaps the previous token's work.
+  struct TokenInputs {
+    float qkv[3], forget, gate, betaLogit;
+  };
+  auto load = [&](int t) {
+    TokenInputs in{};
+    in.betaLogit = p.betaLogits[size_t(t) * p.heads + head];
+    if (group == 0) {
+#pragma unroll
+      for (int projection = 0; projection < 3; ++projection)
+        in.qkv[projection] = p.qkv[(size_t(t) * 3 + projection) * channels + channel];
+      in.forget = p.forget[size_t(t) * channels + channel];
+      in.gate = p.outputGate[size_t(t) * channels + channel];
+    }
+    return in;
+  };
+  TokenInputs next = load(begin);
   for (int t = begin; t < end; ++t) {
-    const float beta = sigmoid(p.betaLogits[size_t(t) * p.heads + head]);
+    const TokenInputs current = next;
+    if (t + 1 < end)
+      next = load(t + 1);
+    const float beta = sigmoid(current.betaLogit);
     float qkv[3] = {0.0f, 0.0f, 0.0f}, gateLogit = 0.0f, channelDecay = 0.0f;
     if (group == 0) {
 #pragma unroll
       for (int projection = 0; projection < 3; ++projection) {
-        const float input = p.qkv[(size_t(t) * 3 + projection) * channels + channel];
+        const float input = current.qkv[projection];
         float acc = 0.0f;
 #pragma unroll
         for (int j = 0; j < kHistory; ++j)
@@ -76,10 +96,11 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaRecurrentPrefillKernel(KdaPre
           if (j < history)
             past[projection][j] = j + 1 < history ? past[projection][j + 1] : input;
       }
-      const float f = p.forget[size_t(t) * channels + channel] + dtBias;
-      const float g = p.weights.lowerBoundGate ? p.weights.lowerBound * sigmoid(scaleA * f) : -scaleA * softplus(f);
+      const float f = current.forget + dtBias;
+      const float g = p.weights.lowerBoundGate ? p.weights.lowerBound * sigmoid(scaleA * f)
+                                               : -scaleA * softplus(f);
       channelDecay = __expf(g);
-      gateLogit = p.outputGate[size_t(t) * channels + channel];
+      gateLogit = current.gate;
     }
     const float2 squares =
         blockSum<kThreads>(make_float2(qkv[0] * qkv[0], qkv[1] * qkv[1]), pairScratch);
