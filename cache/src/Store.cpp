@@ -1,6 +1,7 @@
 // The on-disk store: POSIX calls for the atomic write (temporary file, fsync, rename, fsync of the
 // folder) and for reading an entry back. Every failure becomes a Status naming the path.
 #include "hybrid/cache/Store.h"
+#include "hybrid/runtime/StatusHelpers.h"
 
 #include "Buffer.h"
 
@@ -18,7 +19,6 @@ namespace {
 
 using Payload = std::vector<std::byte>;
 
-std::string errnoMessage(int error) { return std::generic_category().message(error); }
 
 Status errnoStatus(const std::string &path, std::string_view action, int error) {
   return Status::error(path + ": " + std::string(action) + ": " + errnoMessage(error));

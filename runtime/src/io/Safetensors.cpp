@@ -2,6 +2,7 @@
 // -fno-exceptions: every public function catches what nlohmann::json or the standard library may
 // throw and turns it into a Status, so no exception ever leaves this translation unit.
 #include "hybrid/runtime/Safetensors.h"
+#include "hybrid/runtime/StatusHelpers.h"
 
 #include <algorithm>
 #include <bit>
@@ -62,28 +63,8 @@ const DTypeDescription *describe(DType dtype) {
   return index < std::size(kDTypes) ? &kDTypes[index] : nullptr;
 }
 
-std::string errnoMessage(int error) { return std::system_category().message(error); }
-
-// Escapes bytes as \xNN so an error stays one printable line: control characters always, and
-// non-ASCII bytes too when the text may be invalid UTF-8 (parser messages quote raw input).
-std::string escapeBytes(std::string_view text, bool escapeNonAscii) {
-  std::string out;
-  out.reserve(text.size());
-  for (char c : text) {
-    auto byte = static_cast<unsigned char>(c);
-    if (byte < 0x20 || byte == 0x7f || (escapeNonAscii && byte >= 0x80)) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof escaped, "\\x%02x", byte);
-      out += escaped;
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
 // Names from a parsed header are valid UTF-8 but may hold control characters.
-std::string printable(std::string_view text) { return escapeBytes(text, false); }
+std::string printable(std::string_view text) { return escapeBytes(text, NonAscii::Keep); }
 
 std::string tensorContext(std::string_view name) { return "tensor '" + printable(name) + "'"; }
 
@@ -527,7 +508,7 @@ StatusOr<File> File::open(const std::string &path) {
       header = Json::parse(headerText, headerText + headerLength);
     } catch (const Json::exception &error) {
       // parse_error for bad syntax, out_of_range for a number beyond double.
-      return fail("header is not valid JSON: " + escapeBytes(error.what(), true));
+      return fail("header is not valid JSON: " + escapeBytes(error.what(), NonAscii::Escape));
     }
     if (!header.is_object())
       return fail(std::string("header must be a JSON object, got ") + header.type_name());

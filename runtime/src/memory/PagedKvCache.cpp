@@ -1,6 +1,7 @@
 // Paged KV cache for the MLA / DSA layers: fixed pages of page_size token rows, one page table per
 // sequence shared by every layer (the vLLM block-table scheme), fp32 rows on the cpu device.
 #include "hybrid/runtime/Memory.h"
+#include "hybrid/runtime/StatusHelpers.h"
 
 #include <algorithm>
 #include <cstring>
@@ -10,16 +11,6 @@
 namespace hybrid {
 namespace fb = plan::fb;
 namespace {
-
-template <typename Fn> auto catchExceptions(Fn &&fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const std::exception &error) {
-    return Status::error(std::string("KV cache: ") + error.what());
-  } catch (...) {
-    return Status::error("KV cache: unknown exception");
-  }
-}
 
 std::string kvField(size_t index) { return "cache.kv[" + std::to_string(index) + "]"; }
 
@@ -131,7 +122,7 @@ Status KvSequenceView::gatherIndexKeys(std::span<float> out) const {
 //===------------------------------------------------------------------------------------------===//
 
 StatusOr<uint64_t> PagedKvCache::bytesPerPage(const fb::CacheSpec &spec) {
-  return catchExceptions([&]() -> StatusOr<uint64_t> {
+  return catchExceptions("KV cache", [&]() -> StatusOr<uint64_t> {
     HYBRID_ASSIGN_OR_RETURN(std::vector<KvLayerShape> shapes, readKvLayers(spec));
     uint64_t total = 0;
     for (size_t i = 0; i < shapes.size(); ++i) {
@@ -145,7 +136,7 @@ StatusOr<uint64_t> PagedKvCache::bytesPerPage(const fb::CacheSpec &spec) {
 
 StatusOr<PagedKvCache> PagedKvCache::create(const fb::CacheSpec &spec, int64_t numPages,
                                             int32_t maxSequences) {
-  return catchExceptions([&]() -> StatusOr<PagedKvCache> {
+  return catchExceptions("KV cache", [&]() -> StatusOr<PagedKvCache> {
     if (numPages < 0 || numPages > std::numeric_limits<int32_t>::max())
       return Status::error("KV cache: " + std::to_string(numPages) +
                            " pages requested, expected 0 to 2^31 - 1");
@@ -204,7 +195,7 @@ float *PagedKvCache::rowPointer(int32_t kvSlot, int32_t page, int64_t row) {
 }
 
 Status PagedKvCache::reserve(int32_t sequence, int64_t tokens) {
-  return catchExceptions([&]() -> Status { return reservePages(sequence, tokens); });
+  return catchExceptions("KV cache", [&]() -> Status { return reservePages(sequence, tokens); });
 }
 
 Status PagedKvCache::reservePages(int32_t sequence, int64_t tokens) {
@@ -231,7 +222,7 @@ Status PagedKvCache::reservePages(int32_t sequence, int64_t tokens) {
 }
 
 Status PagedKvCache::append(int32_t kvSlot, int32_t sequence, std::span<const float> rows) {
-  return catchExceptions([&]() -> Status {
+  return catchExceptions("KV cache", [&]() -> Status {
     HYBRID_RETURN_IF_ERROR(checkLayer(kvSlot));
     HYBRID_RETURN_IF_ERROR(checkSequence(sequence));
     const KvLayerShape &shape = layers_[static_cast<size_t>(kvSlot)].shape;
@@ -275,7 +266,7 @@ int64_t PagedKvCache::capacity(int32_t sequence) const {
 
 StatusOr<KvSequenceView> PagedKvCache::view(int32_t kvSlot, int32_t sequence,
                                             int64_t numTokens) const {
-  return catchExceptions([&]() -> StatusOr<KvSequenceView> {
+  return catchExceptions("KV cache", [&]() -> StatusOr<KvSequenceView> {
     HYBRID_RETURN_IF_ERROR(checkLayer(kvSlot));
     HYBRID_RETURN_IF_ERROR(checkSequence(sequence));
     int64_t written = length(kvSlot, sequence);

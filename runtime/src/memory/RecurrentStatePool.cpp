@@ -1,6 +1,7 @@
 // Recurrent state pool for the KDA layers: per sequence slot, every layer's fp32 state
 // [H, K, V] and short-conv state [conv_kernel - 1, conv_channels], in one contiguous block.
 #include "hybrid/runtime/Memory.h"
+#include "hybrid/runtime/StatusHelpers.h"
 
 #include <algorithm>
 #include <cstring>
@@ -12,16 +13,6 @@ namespace {
 
 // Each layer's state and conv state start on an Arena::kAlignment boundary inside the slot block.
 constexpr uint64_t kAlignmentFloats = Arena::kAlignment / sizeof(float);
-
-template <typename Fn> auto catchExceptions(Fn &&fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const std::exception &error) {
-    return Status::error(std::string("recurrent state pool: ") + error.what());
-  } catch (...) {
-    return Status::error("recurrent state pool: unknown exception");
-  }
-}
 
 std::string recurrentField(size_t index) {
   return "cache.recurrent[" + std::to_string(index) + "]";
@@ -89,7 +80,7 @@ StatusOr<SlotLayout> planSlotLayout(const fb::CacheSpec &spec) {
 } // namespace
 
 StatusOr<uint64_t> RecurrentStatePool::bytesPerSlot(const fb::CacheSpec &spec) {
-  return catchExceptions([&]() -> StatusOr<uint64_t> {
+  return catchExceptions("recurrent state pool", [&]() -> StatusOr<uint64_t> {
     HYBRID_ASSIGN_OR_RETURN(SlotLayout layout, planSlotLayout(spec));
     uint64_t bytes = 0;
     if (__builtin_mul_overflow(layout.slotElements, sizeof(float), &bytes))
@@ -100,7 +91,7 @@ StatusOr<uint64_t> RecurrentStatePool::bytesPerSlot(const fb::CacheSpec &spec) {
 
 StatusOr<RecurrentStatePool> RecurrentStatePool::create(const fb::CacheSpec &spec,
                                                         int32_t numSlots) {
-  return catchExceptions([&]() -> StatusOr<RecurrentStatePool> {
+  return catchExceptions("recurrent state pool", [&]() -> StatusOr<RecurrentStatePool> {
     if (numSlots <= 0)
       return Status::error("recurrent state pool: numSlots = " + std::to_string(numSlots) +
                            " must be positive");
@@ -182,7 +173,7 @@ StatusOr<std::span<float>> RecurrentStatePool::convState(int32_t stateSlot, int3
 }
 
 StatusOr<RecurrentStateSnapshot> RecurrentStatePool::snapshot(int32_t slot) const {
-  return catchExceptions([&]() -> StatusOr<RecurrentStateSnapshot> {
+  return catchExceptions("recurrent state pool", [&]() -> StatusOr<RecurrentStateSnapshot> {
     HYBRID_RETURN_IF_ERROR(checkSlot(slot));
     const float *block = reinterpret_cast<const float *>(storage_.data()) +
                          static_cast<uint64_t>(slot) * slotElements_;

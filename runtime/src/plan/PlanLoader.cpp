@@ -1,6 +1,7 @@
 // Plan loading: size and identifier checks, the FlatBuffers verifier, then semantic checks that
 // make every index in the plan safe to use. Errors are one line: "<file>: <field>: <problem>".
 #include "hybrid/runtime/Plan.h"
+#include "hybrid/runtime/StatusHelpers.h"
 #include "runtime/schema/kernel_signatures.h"
 
 #include <algorithm>
@@ -25,19 +26,6 @@ constexpr size_t kMinPlanBytes = 8;
 // weight, value and step, so allow far more tables than the FlatBuffers default of one million.
 constexpr flatbuffers::uoffset_t kMaxVerifierDepth = 64;
 constexpr flatbuffers::uoffset_t kMaxVerifierTables = 1u << 26;
-
-// Runs a public entry point, turning an escaping exception (allocation failure) into a Status.
-template <typename Fn> auto catchExceptions(const std::string &context, Fn &&fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const std::exception &error) {
-    return Status::error(context + ": " + error.what());
-  } catch (...) {
-    return Status::error(context + ": unknown exception");
-  }
-}
-
-std::string errnoMessage(int error) { return std::system_category().message(error); }
 
 std::string indexed(std::string_view base, size_t index) {
   std::string out(base);
@@ -72,20 +60,7 @@ std::string weightRoleName(const plan::KernelSignature &signature, size_t role) 
 
 // Names from a verified buffer are NUL-terminated but may hold any byte.
 std::string printable(const flatbuffers::String *text) {
-  if (!text)
-    return "";
-  std::string out;
-  for (char c : text->string_view()) {
-    auto byte = static_cast<unsigned char>(c);
-    if (byte < 0x20 || byte >= 0x7f) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof escaped, "\\x%02x", byte);
-      out += escaped;
-    } else {
-      out += c;
-    }
-  }
-  return out;
+  return text ? escapeBytes(text->string_view(), NonAscii::Escape) : "";
 }
 
 template <typename T> size_t lengthOf(const flatbuffers::Vector<T> *vector) {

@@ -2,6 +2,7 @@
 // which is built with -fno-exceptions, so every public function catches what the standard library
 // may throw (allocation failures) and reports a Status instead.
 #include "hybrid/runtime/WeightArchive.h"
+#include "hybrid/runtime/StatusHelpers.h"
 
 #include <algorithm>
 #include <bit>
@@ -45,19 +46,6 @@ constexpr uint64_t kMinEntryRecordBytes = 4 + 1 + 4 + 8 + 8 + 8;
 // Small helpers.
 //===------------------------------------------------------------------------------------------===//
 
-// Runs a public entry point, turning an escaping exception (allocation failure) into a Status.
-template <typename Fn> auto catchExceptions(const std::string &context, Fn &&fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const std::exception &error) {
-    return Status::error(context + ": " + error.what());
-  } catch (...) {
-    return Status::error(context + ": unknown exception");
-  }
-}
-
-std::string errnoMessage(int error) { return std::system_category().message(error); }
-
 std::string hex64(uint64_t value) {
   char text[24];
   std::snprintf(text, sizeof text, "0x%016llx", static_cast<unsigned long long>(value));
@@ -65,20 +53,7 @@ std::string hex64(uint64_t value) {
 }
 
 // Names read from a file may hold any byte; escape so every error stays one printable line.
-std::string printable(std::string_view text) {
-  std::string out;
-  for (char c : text) {
-    auto byte = static_cast<unsigned char>(c);
-    if (byte < 0x20 || byte >= 0x7f) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof escaped, "\\x%02x", byte);
-      out += escaped;
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
+std::string printable(std::string_view text) { return escapeBytes(text, NonAscii::Escape); }
 
 std::string entryContext(size_t index, std::string_view name) {
   std::string out = "entry ";
