@@ -2,6 +2,7 @@
 // folder) and for reading an entry back. Every failure becomes a Status naming the path.
 #include "hybrid/cache/Store.h"
 #include "hybrid/runtime/StatusHelpers.h"
+#include "hybrid/runtime/UniqueFd.h"
 
 #include "Buffer.h"
 
@@ -23,30 +24,6 @@ using Payload = std::vector<std::byte>;
 Status errnoStatus(const std::string &path, std::string_view action, int error) {
   return Status::error(path + ": " + std::string(action) + ": " + errnoMessage(error));
 }
-
-// Closes the descriptor on every path out of a function.
-class FileDescriptor {
-public:
-  explicit FileDescriptor(int fd) : fd_(fd) {}
-  ~FileDescriptor() {
-    if (fd_ >= 0)
-      ::close(fd_);
-  }
-  FileDescriptor(const FileDescriptor &) = delete;
-  FileDescriptor &operator=(const FileDescriptor &) = delete;
-
-  int get() const { return fd_; }
-  bool isOpen() const { return fd_ >= 0; }
-  // Closes now, reporting the error that close() may carry for a file just written.
-  int close() {
-    int result = ::close(fd_);
-    fd_ = -1;
-    return result;
-  }
-
-private:
-  int fd_;
-};
 
 // Removes a temporary file unless it was renamed into place.
 class TemporaryFileGuard {
@@ -97,7 +74,7 @@ Status readAll(int fd, std::span<std::byte> buffer, const std::string &path) {
 // Makes a rename or a new folder entry durable: without it a crash may forget the name even
 // though the file's data reached the disk.
 Status syncDirectory(const std::string &path) {
-  FileDescriptor dir(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  UniqueFd dir(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!dir.isOpen())
     return errnoStatus(path, "cannot open folder to sync it", errno);
   if (::fsync(dir.get()) != 0)
@@ -136,7 +113,7 @@ struct EntryFileRead {
 
 StatusOr<EntryFileRead> readEntryFile(const std::string &path) {
   EntryFileRead result;
-  FileDescriptor file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  UniqueFd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!file.isOpen()) {
     if (errno == ENOENT || errno == ENOTDIR) {
       result.missing = true;
@@ -237,7 +214,7 @@ Status CacheStore::put(const CacheKey &key, EntryKind kind, std::span<const std:
 
   std::string temporaryPath = temporaryPathFor(shardDir, key.hex());
   // O_EXCL: a name left by a crashed process with a recycled pid is never shared.
-  FileDescriptor file(::open(temporaryPath.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  UniqueFd file(::open(temporaryPath.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
   if (!file.isOpen())
     return errnoStatus(temporaryPath, "cannot create", errno);
   TemporaryFileGuard removeUnlessRenamed(temporaryPath);
@@ -245,7 +222,7 @@ Status CacheStore::put(const CacheKey &key, EntryKind kind, std::span<const std:
   HYBRID_RETURN_IF_ERROR(writeAll(file.get(), entry, temporaryPath));
   if (::fsync(file.get()) != 0)
     return errnoStatus(temporaryPath, "cannot sync", errno);
-  if (file.close() != 0)
+  if (file.closeNow() != 0)
     return errnoStatus(temporaryPath, "cannot close", errno);
 
   std::string path = pathFor(key);

@@ -3,6 +3,7 @@
 // throw and turns it into a Status, so no exception ever leaves this translation unit.
 #include "hybrid/runtime/Safetensors.h"
 #include "hybrid/runtime/StatusHelpers.h"
+#include "hybrid/runtime/UniqueFd.h"
 
 #include <algorithm>
 #include <bit>
@@ -102,28 +103,6 @@ std::optional<uint64_t> checkedByteSize(int64_t numElements, DType dtype) {
     return std::nullopt;
   return bytes;
 }
-
-// Closes a file descriptor on scope exit.
-class UniqueFd {
-public:
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(const UniqueFd &) = delete;
-  UniqueFd &operator=(const UniqueFd &) = delete;
-  ~UniqueFd() {
-    if (fd_ >= 0)
-      ::close(fd_);
-  }
-  int get() const { return fd_; }
-  // Closes now and reports the error, which for a written file may be a deferred write error.
-  int closeNow() {
-    int result = ::close(fd_);
-    fd_ = -1;
-    return result;
-  }
-
-private:
-  int fd_;
-};
 
 //===------------------------------------------------------------------------------------------===//
 // Header parsing. Errors are phrased without the path; File::open prefixes it.
@@ -335,14 +314,6 @@ StatusOr<std::string> buildHeader(const std::vector<TensorView> &tensors,
   size_t padding = (kDataAlignment - text.size() % kDataAlignment) % kDataAlignment;
   text.append(padding, ' ');
   return text;
-}
-
-// Makes the rename itself durable. Best effort: some file systems refuse fsync on folders.
-void syncParentDirectory(const std::string &path) {
-  std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  UniqueFd dir(::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dir.get() >= 0)
-    ::fsync(dir.get());
 }
 
 Status writeImpl(const std::string &path, const std::vector<TensorView> &tensors,

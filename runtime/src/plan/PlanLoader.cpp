@@ -2,6 +2,7 @@
 // make every index in the plan safe to use. Errors are one line: "<file>: <field>: <problem>".
 #include "hybrid/runtime/Plan.h"
 #include "hybrid/runtime/StatusHelpers.h"
+#include "hybrid/runtime/UniqueFd.h"
 #include "runtime/schema/kernel_signatures.h"
 
 #include <algorithm>
@@ -583,20 +584,18 @@ std::optional<int64_t> expectedWeightCount(fb::KernelId kernel, int64_t numExper
 
 StatusOr<LoadedPlan> LoadedPlan::load(const std::string &path) {
   return catchExceptions(path, [&]() -> StatusOr<LoadedPlan> {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.isOpen()) {
       int error = errno;
       return Status::error(path + ": cannot open: " + errnoMessage(error));
     }
     struct stat info {};
-    if (::fstat(fd, &info) != 0) {
+    if (::fstat(fd.get(), &info) != 0) {
       int error = errno;
-      ::close(fd);
       return Status::error(path + ": cannot stat: " + errnoMessage(error));
     }
     auto size = static_cast<uint64_t>(info.st_size);
     if (size >= FLATBUFFERS_MAX_BUFFER_SIZE) {
-      ::close(fd);
       return Status::error(path + ": file is " + std::to_string(size) +
                            " bytes, larger than a FlatBuffer can be");
     }
@@ -607,19 +606,18 @@ StatusOr<LoadedPlan> LoadedPlan::load(const std::string &path) {
     auto *cursor = reinterpret_cast<char *>(plan.storage_.data());
     size_t remaining = size;
     while (remaining > 0) {
-      ssize_t got = ::read(fd, cursor, remaining);
+      ssize_t got = ::read(fd.get(), cursor, remaining);
       if (got < 0 && errno == EINTR)
         continue;
       if (got <= 0) {
         int error = errno;
-        ::close(fd);
         return Status::error(path + ": read failed" +
                              (got < 0 ? ": " + errnoMessage(error) : ": file shrank while read"));
       }
       cursor += got;
       remaining -= static_cast<size_t>(got);
     }
-    ::close(fd);
+    fd.closeNow();
     HYBRID_RETURN_IF_ERROR(
         verifyPlanBytes(reinterpret_cast<const uint8_t *>(plan.storage_.data()), size)
             .withContext(path));

@@ -3,6 +3,7 @@
 // may throw (allocation failures) and reports a Status instead.
 #include "hybrid/runtime/WeightArchive.h"
 #include "hybrid/runtime/StatusHelpers.h"
+#include "hybrid/runtime/UniqueFd.h"
 
 #include <algorithm>
 #include <bit>
@@ -203,16 +204,6 @@ Status writeAllAt(int fd, const void *data, size_t size, uint64_t offset) {
     offset += static_cast<uint64_t>(written);
   }
   return Status::ok();
-}
-
-// Makes a rename durable. Best effort: some file systems refuse fsync on folders.
-void syncParentDirectory(const std::string &path) {
-  std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  int fd = ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
 }
 
 //===------------------------------------------------------------------------------------------===//
@@ -619,30 +610,28 @@ Status WeightArchiveWriter::finish() {
 
 StatusOr<WeightArchive> WeightArchive::open(const std::string &path) {
   return catchExceptions(path, [&]() -> StatusOr<WeightArchive> {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.isOpen()) {
       int error = errno;
       return Status::error(path + ": cannot open: " + errnoMessage(error));
     }
     struct stat info {};
-    if (::fstat(fd, &info) != 0) {
+    if (::fstat(fd.get(), &info) != 0) {
       int error = errno;
-      ::close(fd);
       return Status::error(path + ": cannot stat: " + errnoMessage(error));
     }
     WeightArchive archive;
     archive.path_ = path;
     archive.fileSize_ = static_cast<uint64_t>(info.st_size);
     if (archive.fileSize_ > 0) {
-      void *mapping = ::mmap(nullptr, archive.fileSize_, PROT_READ, MAP_PRIVATE, fd, 0);
+      void *mapping = ::mmap(nullptr, archive.fileSize_, PROT_READ, MAP_PRIVATE, fd.get(), 0);
       if (mapping == MAP_FAILED) {
         int error = errno;
-        ::close(fd);
         return Status::error(path + ": cannot mmap: " + errnoMessage(error));
       }
       archive.mapping_ = static_cast<const std::byte *>(mapping);
     }
-    ::close(fd); // the mapping keeps the file alive
+    fd.closeNow(); // the mapping keeps the file alive
 
     std::span<const std::byte> file(archive.mapping_, archive.fileSize_);
     StatusOr<ParsedHeader> header = parseHeader(file);
