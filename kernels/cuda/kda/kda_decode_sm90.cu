@@ -57,11 +57,8 @@ __device__ inline void convolveAndShift(const KdaDecodeParams &p, int sequence, 
 // The forget gate of key channel `channel` as a decay factor exp(g).
 __device__ inline float decayOf(const KdaDecodeParams &p, int sequence, int head, int channel) {
   const float f = p.forget[size_t(sequence) * p.heads * p.headDim + channel] + p.weights.dtBias[channel];
-  const float scaleA = __expf(p.weights.aLog[head]);
-  const float g = p.weights.lowerBoundGate ? p.weights.lowerBound * sigmoid(scaleA * f) : -scaleA * softplus(f);
-  return __expf(g);
+  return forgetDecay(f, __expf(p.weights.aLog[head]), p.weights);
 }
-
 
 // kSplit threads share a value column, each holding kDim / kSplit of its rows: the state stays
 // in registers without spilling and four times more warps keep loads in flight.

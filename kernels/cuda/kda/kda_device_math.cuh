@@ -1,12 +1,22 @@
 // Device helpers shared by the KDA kernels: activations and block reductions.
 #pragma once
 
+#include "hybrid/kernels/cuda/KdaDecode.h"
+
 #include <cuda_runtime.h>
 
 namespace hybrid::kernels::cuda::kda_math {
 
 __device__ inline float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ inline float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
+
+// The forget gate of one key channel as a decay factor exp(g), from f + dt_bias and
+// scaleA = exp(A_log[head]): softplus form or Kimi K3's lower-bound form.
+__device__ inline float forgetDecay(float shiftedForget, float scaleA, const KdaLayerWeights &w) {
+  const float g = w.lowerBoundGate ? w.lowerBound * sigmoid(scaleA * shiftedForget)
+                                   : -scaleA * softplus(shiftedForget);
+  return __expf(g);
+}
 
 __device__ inline float warpSum(float value) {
   for (int offset = 16; offset > 0; offset /= 2)

@@ -96,10 +96,7 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaRecurrentPrefillKernel(KdaPre
           if (j < history)
             past[projection][j] = j + 1 < history ? past[projection][j + 1] : input;
       }
-      const float f = current.forget + dtBias;
-      const float g = p.weights.lowerBoundGate ? p.weights.lowerBound * sigmoid(scaleA * f)
-                                               : -scaleA * softplus(f);
-      channelDecay = __expf(g);
+      channelDecay = forgetDecay(current.forget + dtBias, scaleA, p.weights);
       gateLogit = current.gate;
     }
     const float2 squares =
