@@ -10,7 +10,7 @@
 namespace {
 
 int runKdaPrefill(const std::vector<std::string> &shapeTexts, int32_t heads, int32_t headDim,
-                  int32_t iterations, const std::string &jsonPath) {
+                  int32_t iterations, const std::string &pathName, const std::string &jsonPath) {
   std::vector<std::pair<int32_t, int32_t>> shapes;
   for (const std::string &text : shapeTexts) {
     int sequences = 0, length = 0;
@@ -24,8 +24,12 @@ int runKdaPrefill(const std::vector<std::string> &shapeTexts, int32_t heads, int
     shapes.emplace_back(sequences, length);
   }
   std::string error;
-  auto results = hybrid::kernels::cuda::benchKdaRecurrentPrefill(shapes, heads, headDim,
-                                                                 iterations, error);
+  using hybrid::kernels::cuda::KdaPrefillPath;
+  const KdaPrefillPath path = pathName == "recurrent" ? KdaPrefillPath::Recurrent
+                              : pathName == "chunked" ? KdaPrefillPath::Chunked
+                                                      : KdaPrefillPath::Auto;
+  auto results =
+      hybrid::kernels::cuda::benchKdaPrefill(shapes, heads, headDim, iterations, path, error);
   if (!error.empty()) {
     std::cerr << "error: kda-prefill: " << error << "\n";
     return 1;
@@ -33,7 +37,8 @@ int runKdaPrefill(const std::vector<std::string> &shapeTexts, int32_t heads, int
   std::printf("%-18s %9s %7s %6s %5s %12s %14s  %s\n", "kernel", "sequences", "length", "heads",
               "dim", "graph ms", "Mtokens/s", "target (H200)");
   for (const auto &r : results)
-    std::printf("%-18s %9d %7d %6d %5d %12.3f %14.2f  %s\n", "kda-prefill-recur", r.sequences,
+    std::printf("%-18s %9d %7d %6d %5d %12.3f %14.2f  %s\n",
+                r.chunked ? "kda-prefill-chunk" : "kda-prefill-recur", r.sequences,
                 r.length, r.heads, r.headDim, r.milliseconds, r.tokensPerSecond / 1e6,
                 hybrid::kernels::cuda::kdaPrefillTargetVerdict(r).c_str());
   if (!jsonPath.empty()) {
@@ -41,7 +46,8 @@ int runKdaPrefill(const std::vector<std::string> &shapeTexts, int32_t heads, int
     json << "[\n";
     for (size_t i = 0; i < results.size(); ++i) {
       const auto &r = results[i];
-      json << "  {\"kernel\": \"kda-prefill-recurrent\", \"sequences\": " << r.sequences
+      json << "  {\"kernel\": \"" << (r.chunked ? "kda-prefill-chunked" : "kda-prefill-recurrent")
+           << "\", \"sequences\": " << r.sequences
            << ", \"length\": " << r.length << ", \"heads\": " << r.heads
            << ", \"head_dim\": " << r.headDim << ", \"graph_ms\": " << r.milliseconds
            << ", \"tokens_per_s\": " << r.tokensPerSecond << ", \"target\": \""
@@ -74,7 +80,7 @@ int main(int argc, char **argv) {
   std::vector<std::string> prefillShapes = {"1x8192", "8x1024"};
   int32_t prefillIterations = 3;
   CLI::App *kdaPrefill =
-      app.add_subcommand("kda-prefill", "KDA prefill (recurrent baseline), varlen, with states");
+      app.add_subcommand("kda-prefill", "KDA prefill, varlen, with initial and final states");
   kdaPrefill->add_option("--shapes", prefillShapes, "SEQUENCESxLENGTH, comma-separated")
       ->delimiter(',');
   kdaPrefill->add_option("--heads", heads, "KDA heads")->check(CLI::PositiveNumber);
@@ -82,9 +88,13 @@ int main(int argc, char **argv) {
   kdaPrefill->add_option("--iterations", prefillIterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   kdaPrefill->add_option("--json", jsonPath, "Write the results as JSON");
+  std::string prefillPath = "auto";
+  kdaPrefill->add_option("--path", prefillPath, "Kernels: auto (chunked at head dim 128), "
+                                                "recurrent or chunked")
+      ->check(CLI::IsMember({"auto", "recurrent", "chunked"}));
   CLI11_PARSE(app, argc, argv);
   if (kdaPrefill->parsed())
-    return runKdaPrefill(prefillShapes, heads, headDim, prefillIterations, jsonPath);
+    return runKdaPrefill(prefillShapes, heads, headDim, prefillIterations, prefillPath, jsonPath);
 
   std::string error;
   auto results = hybrid::kernels::cuda::benchKdaDecode(

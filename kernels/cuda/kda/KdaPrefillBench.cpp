@@ -8,8 +8,8 @@ namespace hybrid::kernels::cuda {
 using namespace bench;
 
 std::vector<KdaPrefillBenchResult>
-benchKdaRecurrentPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes, int32_t heads,
-                         int32_t headDim, int32_t iterations, std::string &error) {
+benchKdaPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes, int32_t heads,
+                int32_t headDim, int32_t iterations, KdaPrefillPath path, std::string &error) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     error = "no CUDA device";
@@ -51,15 +51,21 @@ benchKdaRecurrentPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes,
     BENCH_CHECK(cudaMemcpy(deviceCuSeqlens, cuSeqlens.data(), cuSeqlens.size() * sizeof(int32_t),
                            cudaMemcpyHostToDevice));
     p.cuSeqlens = deviceCuSeqlens;
+    p.tokens = int32_t(T);
+    p.path = path;
+    void *workspace = nullptr;
+    if (const size_t bytes = kdaPrefillWorkspaceBytes(p))
+      BENCH_CHECK(cudaMalloc(&workspace, bytes));
+    p.workspace = workspace;
 
     cudaStream_t stream;
     BENCH_CHECK(cudaStreamCreate(&stream));
-    BENCH_CHECK(static_cast<cudaError_t>(launchKdaRecurrentPrefill(p, stream))); // warm-up
+    BENCH_CHECK(static_cast<cudaError_t>(launchKdaPrefill(p, stream))); // warm-up
     BENCH_CHECK(cudaStreamSynchronize(stream));
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    launchKdaRecurrentPrefill(p, stream);
+    launchKdaPrefill(p, stream);
     BENCH_CHECK(cudaStreamEndCapture(stream, &graph));
     BENCH_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     KdaPrefillBenchResult result;
@@ -67,6 +73,7 @@ benchKdaRecurrentPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes,
     result.length = length;
     result.heads = heads;
     result.headDim = headDim;
+    result.chunked = resolveKdaPrefillPath(p) == KdaPrefillPath::Chunked;
     result.milliseconds =
         medianMicroseconds(stream, iterations, [&] { cudaGraphLaunch(exec, stream); }) / 1e3;
     BENCH_CHECK(cudaStreamSynchronize(stream));
@@ -76,6 +83,7 @@ benchKdaRecurrentPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes,
     cudaGraphDestroy(graph);
     cudaStreamDestroy(stream);
     cudaFree(deviceCuSeqlens);
+    cudaFree(workspace);
     for (float *buffer : buffers)
       cudaFree(buffer);
   }

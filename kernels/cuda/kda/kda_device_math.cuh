@@ -10,12 +10,16 @@ namespace hybrid::kernels::cuda::kda_math {
 __device__ inline float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ inline float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
 
-// The forget gate of one key channel as a decay factor exp(g), from f + dt_bias and
+// The forget gate of one key channel as a log decay g <= 0, from f + dt_bias and
 // scaleA = exp(A_log[head]): softplus form or Kimi K3's lower-bound form.
+__device__ inline float forgetLogDecay(float shiftedForget, float scaleA,
+                                       const KdaLayerWeights &w) {
+  return w.lowerBoundGate ? w.lowerBound * sigmoid(scaleA * shiftedForget)
+                          : -scaleA * softplus(shiftedForget);
+}
+// The same gate as the decay factor exp(g).
 __device__ inline float forgetDecay(float shiftedForget, float scaleA, const KdaLayerWeights &w) {
-  const float g = w.lowerBoundGate ? w.lowerBound * sigmoid(scaleA * shiftedForget)
-                                   : -scaleA * softplus(shiftedForget);
-  return __expf(g);
+  return __expf(forgetLogDecay(shiftedForget, scaleA, w));
 }
 
 __device__ inline float warpSum(float value) {

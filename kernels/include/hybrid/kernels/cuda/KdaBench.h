@@ -3,6 +3,7 @@
 #pragma once
 
 #include "hybrid/kernels/cuda/KdaDecode.h"
+#include "hybrid/kernels/cuda/KdaPrefill.h"
 
 #include <cstdint>
 #include <string>
@@ -32,15 +33,16 @@ std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &bat
 
 struct KdaPrefillBenchResult {
   int32_t sequences = 0, length = 0, heads = 0, headDim = 0;
+  bool chunked = false;
   double milliseconds = 0;     // one launch over the whole varlen batch, from a CUDA graph
   double tokensPerSecond = 0;
 };
 
-// Times the recurrent prefill (KdaPrefill.h) on `sequences` sequences of `length` tokens each,
-// with initial and final states, for each (sequences, length) pair.
+// Times the prefill (KdaPrefill.h, the given path) on `sequences` sequences of `length` tokens
+// each, with initial and final states, for each (sequences, length) pair.
 std::vector<KdaPrefillBenchResult>
-benchKdaRecurrentPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes, int32_t heads,
-                         int32_t headDim, int32_t iterations, std::string &error);
+benchKdaPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes, int32_t heads,
+                int32_t headDim, int32_t iterations, KdaPrefillPath path, std::string &error);
 
 // The targets on the H200 (../shared/docs/PERF_TARGETS.md) for the shapes that have one,
 // as the benchmark's verdict column: "<= 3 us: 1.90x over", ">= 4.0 TB/s: met", ... Empty for

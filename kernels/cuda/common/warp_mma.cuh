@@ -1,0 +1,65 @@
+// Warp-level tensor-core helpers: mma.sync m16n8k16 (bf16 in, fp32 accumulate) with fragments
+// loaded from shared memory, and cp.async for staging tiles. Fragment layouts are those of the PTX
+// ISA ("Matrix Fragments for mma.m16n8k16"): lane = 4 * group + pair.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace hybrid::kernels::cuda::mma {
+
+// d += a * b for one 16x16 (A, row-major) by 16x8 (B, column-major) tile.
+__device__ inline void mma16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ inline uint32_t load32(const __nv_bfloat16 *p) {
+  return *reinterpret_cast<const uint32_t *>(p);
+}
+
+// The A fragment of the 16x16 tile at `tile` of a row-major bf16 matrix (`stride` elements per
+// row; the k index is contiguous). `stride` / 2 should be 4 mod 32 words for conflict-free loads.
+__device__ inline void loadA(uint32_t (&a)[4], const __nv_bfloat16 *tile, int stride) {
+  const int lane = threadIdx.x % 32;
+  const __nv_bfloat16 *p = tile + (lane / 4) * stride + 2 * (lane % 4);
+  a[0] = load32(p);
+  a[1] = load32(p + 8 * stride);
+  a[2] = load32(p + 8);
+  a[3] = load32(p + 8 * stride + 8);
+}
+
+// The B fragment of the 16(k)x8(n) tile at `tile` of a matrix stored n-major: row n holds the k
+// values contiguously (`stride` elements per row).
+__device__ inline void loadB(uint32_t (&b)[2], const __nv_bfloat16 *tile, int stride) {
+  const int lane = threadIdx.x % 32;
+  const __nv_bfloat16 *p = tile + (lane / 4) * stride + 2 * (lane % 4);
+  b[0] = load32(p);
+  b[1] = load32(p + 8);
+}
+
+// The (row, column) of accumulator element e (0..3) of this lane within its 16x8 tile.
+__device__ inline int accRow(int e) { return (threadIdx.x % 32) / 4 + (e >= 2 ? 8 : 0); }
+__device__ inline int accColumn(int e) { return 2 * (threadIdx.x % 4) + (e & 1); }
+
+__device__ inline uint32_t packBf16(float low, float high) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+  return *reinterpret_cast<const uint32_t *>(&pair);
+}
+
+// 16-byte global -> shared copy that bypasses the registers; completes at waitAsyncCopies.
+__device__ inline void copyAsync16(void *shared, const void *global) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global));
+}
+__device__ inline void commitAsyncCopies() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most `kPending` committed groups are still in flight.
+template <int kPending> __device__ inline void waitAsyncCopies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+} // namespace hybrid::kernels::cuda::mma
