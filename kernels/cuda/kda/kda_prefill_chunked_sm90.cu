@@ -3,8 +3,8 @@
 //   T = (I + A)^-1,  w = T (beta k e^G),  u = T (beta v),  kg = k e^(G_last - G),  qg = q e^G,
 //   v_new = u - w S,  O = qg S + Aqk v_new,  S <- e^G_last S + kg^T v_new.
 // Only v_new, O and S depend on the state, so three kernels:
-//  1. chunkFactorsKernel, one block per (chunk, head), all chunks at once: conv, SiLU, norms, gates,
-//     A and Aqk, the inverse, w, u, qg, kg^T; written to the workspace in bf16.
+//  1. chunkFactorsKernel, one block per (chunk, head), all chunks at once: conv, SiLU, norms,
+//     gates, A and Aqk, the inverse, w, u, qg, kg^T; written to the workspace in bf16.
 //  2. stateChainKernel, one block per (sequence, head, 32 value columns): walks the sequence's
 //     chunks with the fp32 state as tensor-core accumulators, writes the raw output.
 //  3. gatedNormKernel: the gated RMSNorm over each (token, head) in place.
@@ -26,20 +26,20 @@ using bf16 = __nv_bfloat16;
 constexpr int kChunk = kKdaPrefillChunk, kDim = 128, kBlock = 16, kSlice = 32;
 constexpr int kSlices = kDim / kSlice;
 // Row strides (elements) of shared tiles, padded so that fragment loads hit distinct banks.
-constexpr int kWideStride = kDim + 8;       // bf16 rows of 128
-constexpr int kNarrowStride = kChunk + 8;   // bf16 rows of 64
-constexpr int kSliceStride = kSlice + 8;    // bf16 rows of 32
-constexpr int kFloatStride = kDim + 8;      // fp32 [token][channel]
-constexpr int kSquareStride = kChunk + 1;   // fp32 [64][64]
+constexpr int kWideStride = kDim + 8;     // bf16 rows of 128
+constexpr int kNarrowStride = kChunk + 8; // bf16 rows of 64
+constexpr int kSliceStride = kSlice + 8;  // bf16 rows of 32
+constexpr int kFloatStride = kDim + 8;    // fp32 [token][channel]
+constexpr int kSquareStride = kChunk + 1; // fp32 [64][64]
 
 // The workspace: one block of each per (chunk, head), chunk-major.
 struct ChunkFactors {
-  bf16 *w;     // [64][128]  T (beta k e^G)
-  bf16 *u;     // [64][128]  T (beta v)
-  bf16 *qg;    // [64][128]  q e^G / sqrt(K)
-  bf16 *kgT;   // [128][64]  (k e^(G_last - G))^T
-  bf16 *aqk;   // [64][64]   (q k^T masked j <= i, decays applied) / sqrt(K)
-  float *gam;  // [128]      e^G_last
+  bf16 *w;    // [64][128]  T (beta k e^G)
+  bf16 *u;    // [64][128]  T (beta v)
+  bf16 *qg;   // [64][128]  q e^G / sqrt(K)
+  bf16 *kgT;  // [128][64]  (k e^(G_last - G))^T
+  bf16 *aqk;  // [64][64]   (q k^T masked j <= i, decays applied) / sqrt(K)
+  float *gam; // [128]      e^G_last
 };
 
 size_t alignUp(size_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -99,18 +99,28 @@ __device__ bool locateChunk(const int32_t *cuSeqlens, int sequences, int chunk,
 
 constexpr int kFactorThreads = 512;
 
+// Largest in-block decay span (nats, max over channels of G_first - G_last) for which a diagonal
+// block uses a mid-row reference on the tensor cores: every factor is then within e^(+-80), so
+// nothing flushes to zero (below e^-87) and even the masked upper-triangle sums stay finite
+// (128 e^80 = 7e36 < 3.4e38). Wider spans take the exact path (one e^(G_i - G_j) per term).
+constexpr float kMidReferenceSpan = 80.0f;
+
 struct FactorShared {
   float q[kChunk][kFloatStride]; // SiLU(conv), then L2-normed and scaled by K^-1/2
   float k[kChunk][kFloatStride]; // SiLU(conv), then L2-normed
-  float G[kChunk][kFloatStride]; // log decays, then their in-chunk inclusive cumsum
+  float G[kChunk][kFloatStride]; // in-chunk inclusive cumsum of the log decays
   union {
-    float decay[kChunk][kFloatStride]; // e^g per token, for the exact diagonal blocks
-    struct {
-      bf16 left[2][kBlock][kWideStride]; // k, q rows of a block row, relative to its first row
-      bf16 right[kChunk - kBlock][kWideStride]; // earlier k rows, relative to the same row
+    struct { // rows relative to their block's middle row: the diagonal blocks
+      bf16 keyLeft[kChunk][kWideStride], queryLeft[kChunk][kWideStride];
+      bf16 keyRight[kChunk][kWideStride];
+    } diagonal;
+    struct { // rows of block rows 1-3 relative to the block row's first row: the rest
+      bf16 keyLeft[kChunk - kBlock][kWideStride], queryLeft[kChunk - kBlock][kWideStride];
+      bf16 keyRight[kBlock * (1 + 2 + 3)][kWideStride]; // earlier rows for block rows 1, 2, 3
     } offDiagonal;
-    float inverse[kChunk][kSquareStride]; // T in fp32
-    bf16 keysT[kDim][kNarrowStride];      // (beta k e^G)^T, the B operand of w
+    float inverse[kChunk][kSquareStride];   // T in fp32
+    bf16 keysT[kDim][kNarrowStride];        // (beta k e^G)^T, the B operand of w
+    bf16 decayedKeysT[kDim][kNarrowStride]; // kg^T, staged for coalesced stores
   } scratch;
   bf16 valuesT[kDim][kNarrowStride]; // (beta v)^T, the B operand of u
   float a[kChunk][kSquareStride];    // A, strictly lower
@@ -118,8 +128,10 @@ struct FactorShared {
   float partialInverse[3][kBlock][kBlock + 1];
   bf16 inverse16[kChunk][kNarrowStride];
   float beta[kChunk];
+  float blockSpan[kFactorThreads / 32][kChunk / kBlock]; // per gate warp: max_c G_first - G_last
 };
 
+template <int kConv>
 __global__ void __launch_bounds__(kFactorThreads)
     chunkFactorsKernel(KdaPrefillParams p, ChunkFactors factors) {
   extern __shared__ __align__(16) unsigned char sharedBytes[];
@@ -128,62 +140,60 @@ __global__ void __launch_bounds__(kFactorThreads)
   ChunkLocation chunk;
   if (!locateChunk(p.cuSeqlens, p.sequences, blockIdx.x, chunk))
     return;
-  const int channels = p.heads * kDim, history = p.convKernel - 1;
+  const int channels = p.heads * kDim;
   const size_t block = size_t(blockIdx.x) * p.heads + head;
+  constexpr int kBlocks = kChunk / kBlock, kWarps = kFactorThreads / 32;
 
-  // Phase 1: beta, then one thread per (stream, channel) walks the chunk's tokens: conv + SiLU of
-  // q, k or v with the last W - 1 inputs in registers (each input read once), or the log decays
-  // with their running in-chunk sum. Loads are issued 8 tokens at a time. Zeros past the tokens.
+  // Phase 1: beta, then one thread per (stream, channel): all of the chunk's inputs of its channel
+  // are loaded at once into registers (one memory round trip), then walked in order: conv + SiLU
+  // of q, k or v with the last W - 1 inputs in registers, or the log decays with their running
+  // sum and the per-block span of that sum. Zeros past the chunk's tokens.
   if (tid < kChunk)
     sh.beta[tid] = tid < chunk.count
-                       ? sigmoid(p.betaLogits[size_t(chunk.begin + tid) * p.heads + head])
+                       ? fastSigmoid(p.betaLogits[size_t(chunk.begin + tid) * p.heads + head])
                        : 0.0f;
   __syncthreads();
   {
-    constexpr int kBatch = 8, kHistory = kKdaMaxConvKernel - 1;
+    static_assert(kFactorThreads == 4 * kDim, "a thread per (stream, channel)");
     const int c = tid % kDim, stream = tid / kDim, channel = head * kDim + c;
+    constexpr int kBatch = kChunk / 2; // inputs in flight per thread, as registers allow
+    float x[kBatch];
     if (stream < 3) {
       const int projection = stream;
-      float taps[kKdaMaxConvKernel], window[kHistory];
+      const size_t tokenStride = size_t(3) * channels;
+      const float *input =
+          p.qkv + size_t(chunk.begin) * tokenStride + projection * channels + channel;
+      float taps[kConv], window[kConv]; // window[kConv - 1] is the current input
+      const float *tap = p.weights.convWeight + (size_t(projection) * channels + channel) * kConv;
 #pragma unroll
-      for (int j = 0; j < kKdaMaxConvKernel; ++j)
-        taps[j] = j < p.convKernel ? p.weights.convWeight[(size_t(projection) * channels + channel) *
-                                                              p.convKernel +
-                                                          j]
-                                   : 0.0f;
+      for (int j = 0; j < kConv; ++j)
+        taps[j] = tap[j];
+      const float *history = p.convState +
+                             (size_t(chunk.sequence) * 3 + projection) * (kConv - 1) * channels +
+                             channel;
 #pragma unroll
-      for (int j = 0; j < kHistory; ++j) {
-        const int position = chunk.begin - history + j;
-        window[j] = j >= history ? 0.0f
-                    : position >= chunk.sequenceBegin
-                        ? p.qkv[(size_t(position) * 3 + projection) * channels + channel]
-                        : p.convState[((size_t(chunk.sequence) * 3 + projection) * history +
-                                       (position - chunk.sequenceBegin + history)) *
-                                          channels +
-                                      channel];
+      for (int j = 0; j < kConv - 1; ++j) {
+        const int position = chunk.begin - (kConv - 1) + j;
+        window[j] = position >= chunk.sequenceBegin
+                        ? input[(j - (kConv - 1)) * int64_t(tokenStride)]
+                        : history[size_t(position - chunk.sequenceBegin + kConv - 1) * channels];
       }
       for (int first = 0; first < kChunk; first += kBatch) {
-        float x[kBatch];
 #pragma unroll
         for (int b = 0; b < kBatch; ++b)
-          x[b] = first + b < chunk.count
-                     ? p.qkv[(size_t(chunk.begin + first + b) * 3 + projection) * channels + channel]
-                     : 0.0f;
+          x[b] = first + b < chunk.count ? input[(first + b) * tokenStride] : 0.0f;
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           const int i = first + b;
+          window[kConv - 1] = x[b];
           float acc = 0.0f;
 #pragma unroll
-          for (int j = 0; j < kHistory; ++j)
-            acc += j < history ? taps[j] * window[j] : 0.0f;
+          for (int j = 0; j < kConv; ++j)
+            acc += taps[j] * window[j];
 #pragma unroll
-          for (int j = 0; j < kKdaMaxConvKernel; ++j)
-            acc += j == history ? taps[j] * x[b] : 0.0f;
-#pragma unroll
-          for (int j = 0; j < kHistory; ++j)
-            if (j < history)
-              window[j] = j + 1 < history ? window[j + 1] : x[b];
-          const float out = i < chunk.count ? acc * sigmoid(acc) : 0.0f;
+          for (int j = 0; j + 1 < kConv; ++j)
+            window[j] = window[j + 1];
+          const float out = i < chunk.count ? acc * fastSigmoid(acc) : 0.0f;
           if (projection == 0)
             sh.q[i][c] = out;
           else if (projection == 1)
@@ -193,22 +203,27 @@ __global__ void __launch_bounds__(kFactorThreads)
         }
       }
     } else {
+      const float *forget = p.forget + size_t(chunk.begin) * channels + channel;
       const float scaleA = __expf(p.weights.aLog[head]), dtBias = p.weights.dtBias[channel];
-      float sum = 0.0f;
+      float sum = 0.0f, blockFirst = 0.0f;
       for (int first = 0; first < kChunk; first += kBatch) {
-        float f[kBatch];
 #pragma unroll
         for (int b = 0; b < kBatch; ++b)
-          f[b] = first + b < chunk.count
-                     ? p.forget[size_t(chunk.begin + first + b) * channels + channel]
-                     : 0.0f;
+          x[b] = first + b < chunk.count ? forget[size_t(first + b) * channels] : 0.0f;
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           const int i = first + b;
-          const float g = i < chunk.count ? forgetLogDecay(f[b] + dtBias, scaleA, p.weights) : 0.0f;
-          sum += g;
+          sum += i < chunk.count ? forgetLogDecay<true>(x[b] + dtBias, scaleA, p.weights) : 0.0f;
           sh.G[i][c] = sum;
-          sh.scratch.decay[i][c] = __expf(g);
+          if (i % kBlock == 0)
+            blockFirst = sum;
+          if (i % kBlock == kBlock - 1) {
+            float span = blockFirst - sum;
+#pragma unroll
+            for (int offset = 16; offset > 0; offset /= 2)
+              span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, offset));
+            sh.blockSpan[warp][i / kBlock] = span;
+          }
         }
       }
     }
@@ -216,7 +231,7 @@ __global__ void __launch_bounds__(kFactorThreads)
   __syncthreads();
 
   // Phase 2: L2 norms per token, a warp per token.
-  for (int i = warp; i < kChunk; i += kFactorThreads / 32) {
+  for (int i = warp; i < kChunk; i += kWarps) {
     float q[4], k[4], qq = 0.0f, kk = 0.0f;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -234,81 +249,136 @@ __global__ void __launch_bounds__(kFactorThreads)
     }
   }
   __syncthreads();
+  bool midReference[kBlocks];
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b) {
+    float span = 0.0f;
+#pragma unroll
+    for (int w = 3 * kWarps / 4; w < kWarps; ++w) // the gate stream's warps
+      span = fmaxf(span, sh.blockSpan[w][b]);
+    midReference[b] = span <= kMidReferenceSpan;
+  }
 
-  // Phase 3: the four diagonal 16x16 blocks of A and Aqk, exactly: e^(G_i - G_j) as the running
-  // product of the decays from token j + 1 to i. Thread = (block, column j, channel part).
+  // Phase 3: the diagonal 16x16 blocks of A and Aqk. On tensor cores relative to the block's
+  // middle row m: (k_i e^(G_i - G_m)) . (k_j e^(G_m - G_j)); a block whose decay span is too wide
+  // for that is summed exactly, one e^(G_i - G_j) per term.
+  for (int index = tid; index < kChunk * kDim / 2; index += kFactorThreads) {
+    const int i = index / (kDim / 2), c = 2 * (index % (kDim / 2));
+    const int middle = (i / kBlock) * kBlock + kBlock / 2;
+    const float2 g = *reinterpret_cast<const float2 *>(&sh.G[i][c]);
+    const float2 gm = *reinterpret_cast<const float2 *>(&sh.G[middle][c]);
+    const float2 k = *reinterpret_cast<const float2 *>(&sh.k[i][c]);
+    const float2 q = *reinterpret_cast<const float2 *>(&sh.q[i][c]);
+    const float left0 = __expf(g.x - gm.x), left1 = __expf(g.y - gm.y);
+    const float right0 = __expf(gm.x - g.x), right1 = __expf(gm.y - g.y);
+    *reinterpret_cast<uint32_t *>(&sh.scratch.diagonal.keyLeft[i][c]) =
+        packBf16(k.x * left0, k.y * left1);
+    *reinterpret_cast<uint32_t *>(&sh.scratch.diagonal.queryLeft[i][c]) =
+        packBf16(q.x * left0, q.y * left1);
+    *reinterpret_cast<uint32_t *>(&sh.scratch.diagonal.keyRight[i][c]) =
+        packBf16(k.x * right0, k.y * right1);
+  }
+  __syncthreads();
   {
-    constexpr int kParts = kFactorThreads / (kChunk / kBlock) / kBlock;
-    const int b = tid / (kBlock * kParts), j = (tid / kParts) % kBlock, part = tid % kParts;
-    const int base = b * kBlock;
-    float accA[kBlock], accQ[kBlock];
+    // 16 jobs, one per warp: (block, A or Aqk, 8-column tile).
+    static_assert(kWarps == kBlocks * 2 * 2, "one diagonal job per warp");
+    const int b = warp / 4, which = (warp / 2) % 2, nTile = warp % 2, base = b * kBlock;
+    if (midReference[b]) {
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const bf16(*left)[kWideStride] =
+          which == 0 ? sh.scratch.diagonal.keyLeft : sh.scratch.diagonal.queryLeft;
 #pragma unroll
-    for (int i = 0; i < kBlock; ++i)
-      accA[i] = accQ[i] = 0.0f;
-    for (int cc = 0; cc < kDim / kParts; ++cc) {
-      const int c = cc * kParts + part;
-      const float kj = sh.k[base + j][c];
-      float f = kj;
+      for (int ks = 0; ks < kDim / 16; ++ks) {
+        uint32_t aFragment[4], bFragment[2];
+        loadA(aFragment, &left[base][16 * ks], kWideStride);
+        loadB(bFragment, &sh.scratch.diagonal.keyRight[base + 8 * nTile][16 * ks], kWideStride);
+        mma16816(acc, aFragment, bFragment);
+      }
 #pragma unroll
-      for (int i = 0; i < kBlock; ++i) {
-        if (i > j) {
-          f *= sh.scratch.decay[base + i][c];
-          accA[i] += sh.k[base + i][c] * f;
-        }
-        if (i >= j)
-          accQ[i] += sh.q[base + i][c] * f;
+      for (int e = 0; e < 4; ++e) {
+        const int i = accRow(e), j = 8 * nTile + accColumn(e);
+        if (which == 0)
+          sh.a[base + i][base + j] = i > j ? acc[e] : 0.0f;
+        else
+          sh.aqk[base + i][base + j] = i >= j ? acc[e] : 0.0f;
       }
     }
+  }
+  for (int b = 0; b < kBlocks; ++b) {
+    if (midReference[b])
+      continue; // uniform over the block
+    const int base = b * kBlock;
+    for (int pair = warp; pair < kBlock * kBlock; pair += kWarps) {
+      const int i = pair / kBlock, j = pair % kBlock;
+      float sumA = 0.0f, sumQ = 0.0f;
+      if (j <= i)
 #pragma unroll
-    for (int i = 0; i < kBlock; ++i) {
-#pragma unroll
-      for (int offset = 1; offset < kParts; offset *= 2) {
-        accA[i] += __shfl_xor_sync(0xffffffffu, accA[i], offset);
-        accQ[i] += __shfl_xor_sync(0xffffffffu, accQ[i], offset);
-      }
-      if (part == 0) {
-        sh.a[base + i][base + j] = i > j ? accA[i] : 0.0f;
-        sh.aqk[base + i][base + j] = i >= j ? accQ[i] : 0.0f;
+        for (int m = 0; m < kDim / 32; ++m) {
+          const int c = lane + 32 * m;
+          const float term = sh.k[base + j][c] * __expf(sh.G[base + i][c] - sh.G[base + j][c]);
+          sumA += sh.k[base + i][c] * term;
+          sumQ += sh.q[base + i][c] * term;
+        }
+      sumA = warpSum(sumA);
+      sumQ = warpSum(sumQ);
+      if (lane == 0) {
+        sh.a[base + i][base + j] = j < i ? sumA : 0.0f;
+        sh.aqk[base + i][base + j] = sumQ; // 0 above the diagonal
       }
     }
   }
   __syncthreads();
 
-  // Phase 4: the off-diagonal blocks on tensor cores, block row by block row. Relative to the
-  // block row's first token r, both factors are at most 1: k_i e^(G_i - G_r) (i >= r) and
-  // k_j e^(G_r - G_j) (j < r).
-  for (int blockRow = 1; blockRow < kChunk / kBlock; ++blockRow) {
-    const int r = blockRow * kBlock;
-    for (int index = tid; index < kBlock * kDim; index += kFactorThreads) {
-      const int i = index / kDim, c = index % kDim;
-      const float toReference = __expf(sh.G[r + i][c] - sh.G[r][c]);
-      sh.scratch.offDiagonal.left[0][i][c] = __float2bfloat16(sh.k[r + i][c] * toReference);
-      sh.scratch.offDiagonal.left[1][i][c] = __float2bfloat16(sh.q[r + i][c] * toReference);
-    }
-    for (int index = tid; index < r * kDim; index += kFactorThreads) {
-      const int j = index / kDim, c = index % kDim;
-      sh.scratch.offDiagonal.right[j][c] =
-          __float2bfloat16(sh.k[j][c] * __expf(sh.G[r][c] - sh.G[j][c]));
-    }
-    __syncthreads();
-    const int jobs = 2 * (r / 8); // (A or Aqk) x 8-column tiles
-    for (int job = warp; job < jobs; job += kFactorThreads / 32) {
-      const int which = job % 2, nTile = job / 2;
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int ks = 0; ks < kDim / 16; ++ks) {
-        uint32_t aFragment[4], bFragment[2];
-        loadA(aFragment, &sh.scratch.offDiagonal.left[which][0][16 * ks], kWideStride);
-        loadB(bFragment, &sh.scratch.offDiagonal.right[8 * nTile][16 * ks], kWideStride);
-        mma16816(acc, aFragment, bFragment);
-      }
-      float(*target)[kSquareStride] = which == 0 ? sh.a : sh.aqk;
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        target[r + accRow(e)][8 * nTile + accColumn(e)] = acc[e];
-    }
-    __syncthreads();
+  // Phase 4: the blocks left of the diagonal, relative to the block row's first token r, where
+  // both factors are at most 1 for any gate: k_i e^(G_i - G_r) (i >= r), k_j e^(G_r - G_j) (j < r).
+  for (int index = tid; index < (kChunk - kBlock) * kDim / 2; index += kFactorThreads) {
+    const int i = kBlock + index / (kDim / 2), c = 2 * (index % (kDim / 2));
+    const int first = (i / kBlock) * kBlock;
+    const float2 g = *reinterpret_cast<const float2 *>(&sh.G[i][c]);
+    const float2 gr = *reinterpret_cast<const float2 *>(&sh.G[first][c]);
+    const float2 k = *reinterpret_cast<const float2 *>(&sh.k[i][c]);
+    const float2 q = *reinterpret_cast<const float2 *>(&sh.q[i][c]);
+    const float left0 = __expf(g.x - gr.x), left1 = __expf(g.y - gr.y);
+    *reinterpret_cast<uint32_t *>(&sh.scratch.offDiagonal.keyLeft[i - kBlock][c]) =
+        packBf16(k.x * left0, k.y * left1);
+    *reinterpret_cast<uint32_t *>(&sh.scratch.offDiagonal.queryLeft[i - kBlock][c]) =
+        packBf16(q.x * left0, q.y * left1);
   }
+  // keyRight rows: block row 1 at 0 (16 rows), 2 at 16 (32 rows), 3 at 48 (48 rows).
+  for (int index = tid; index < kBlock * (1 + 2 + 3) * kDim / 2; index += kFactorThreads) {
+    const int row = index / (kDim / 2), c = 2 * (index % (kDim / 2));
+    const int blockRow = row < kBlock ? 1 : row < 3 * kBlock ? 2 : 3;
+    const int j = row - kBlock * (blockRow * (blockRow - 1) / 2), r = blockRow * kBlock;
+    const float2 g = *reinterpret_cast<const float2 *>(&sh.G[j][c]);
+    const float2 gr = *reinterpret_cast<const float2 *>(&sh.G[r][c]);
+    const float2 k = *reinterpret_cast<const float2 *>(&sh.k[j][c]);
+    *reinterpret_cast<uint32_t *>(&sh.scratch.offDiagonal.keyRight[row][c]) =
+        packBf16(k.x * __expf(gr.x - g.x), k.y * __expf(gr.y - g.y));
+  }
+  __syncthreads();
+  // 24 jobs: (block row, A or Aqk, 8-column tile left of the diagonal).
+  for (int job = warp; job < 2 * (2 + 4 + 6); job += kWarps) {
+    const int which = job % 2, tile = job / 2;
+    const int blockRow = tile < 2 ? 1 : tile < 6 ? 2 : 3;
+    const int nTile = tile - 2 * (blockRow * (blockRow - 1) / 2);
+    const int rightBase = kBlock * (blockRow * (blockRow - 1) / 2);
+    const bf16(*left)[kWideStride] =
+        which == 0 ? sh.scratch.offDiagonal.keyLeft : sh.scratch.offDiagonal.queryLeft;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int ks = 0; ks < kDim / 16; ++ks) {
+      uint32_t aFragment[4], bFragment[2];
+      loadA(aFragment, &left[(blockRow - 1) * kBlock][16 * ks], kWideStride);
+      loadB(bFragment, &sh.scratch.offDiagonal.keyRight[rightBase + 8 * nTile][16 * ks],
+            kWideStride);
+      mma16816(acc, aFragment, bFragment);
+    }
+    float(*target)[kSquareStride] = which == 0 ? sh.a : sh.aqk;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      target[blockRow * kBlock + accRow(e)][8 * nTile + accColumn(e)] = acc[e];
+  }
+  __syncthreads();
 
   // Phase 5: T = (I + diag(beta) A)^-1 by 16x16 blocks: the diagonal blocks by substitution,
   // then T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj diagonal by diagonal.
@@ -318,7 +388,7 @@ __global__ void __launch_bounds__(kFactorThreads)
     sh.scratch.inverse[i][j] = 0.0f;
   }
   __syncthreads();
-  if (warp < 4 && lane < kBlock) {
+  if (warp < kBlocks && lane < kBlock) {
     const int base = warp * kBlock, j = lane;
     float x[kBlock];
 #pragma unroll
@@ -332,32 +402,31 @@ __global__ void __launch_bounds__(kFactorThreads)
     }
   }
   __syncthreads();
-  {
-    const bool active = tid < kBlock * kBlock;
-    const int row = (tid / kBlock) % kBlock, column = tid % kBlock;
-    for (int distance = 1; distance < kChunk / kBlock; ++distance) {
-      const int blocks = active ? kChunk / kBlock - distance : 0;
-      for (int b = 0; b < blocks; ++b) {
-        const int i = b + distance, j = b;
-        float y = 0.0f;
-        for (int m = j; m < i; ++m)
-#pragma unroll
-          for (int x = 0; x < kBlock; ++x)
-            y += sh.a[kBlock * i + row][kBlock * m + x] *
-                 sh.scratch.inverse[kBlock * m + x][kBlock * j + column];
-        sh.partialInverse[b][row][column] = y;
-      }
-      __syncthreads();
-      for (int b = 0; b < blocks; ++b) {
-        const int i = b + distance, j = b;
-        float t = 0.0f;
+  // Each level's blocks are independent: all threads share their elements.
+  for (int distance = 1; distance < kBlocks; ++distance) {
+    const int elements = (kBlocks - distance) * kBlock * kBlock;
+    for (int index = tid; index < elements; index += kFactorThreads) {
+      const int b = index / (kBlock * kBlock), row = (index / kBlock) % kBlock;
+      const int column = index % kBlock, i = b + distance, j = b;
+      float y = 0.0f;
+      for (int m = j; m < i; ++m)
 #pragma unroll
         for (int x = 0; x < kBlock; ++x)
-          t -= sh.scratch.inverse[kBlock * i + row][kBlock * i + x] * sh.partialInverse[b][x][column];
-        sh.scratch.inverse[kBlock * i + row][kBlock * j + column] = t;
-      }
-      __syncthreads();
+          y += sh.a[kBlock * i + row][kBlock * m + x] *
+               sh.scratch.inverse[kBlock * m + x][kBlock * j + column];
+      sh.partialInverse[b][row][column] = y;
     }
+    __syncthreads();
+    for (int index = tid; index < elements; index += kFactorThreads) {
+      const int b = index / (kBlock * kBlock), row = (index / kBlock) % kBlock;
+      const int column = index % kBlock, i = b + distance, j = b;
+      float t = 0.0f;
+#pragma unroll
+      for (int x = 0; x < kBlock; ++x)
+        t -= sh.scratch.inverse[kBlock * i + row][kBlock * i + x] * sh.partialInverse[b][x][column];
+      sh.scratch.inverse[kBlock * i + row][kBlock * j + column] = t;
+    }
+    __syncthreads();
   }
   for (int index = tid; index < kChunk * kChunk; index += kFactorThreads) {
     const int i = index / kChunk, j = index % kChunk;
@@ -366,14 +435,16 @@ __global__ void __launch_bounds__(kFactorThreads)
   __syncthreads();
 
   // Phase 6: w = T (beta k e^G) and u = T (beta v) on tensor cores; warp = (row tile, a quarter
-  // of the column tiles).
-  for (int index = tid; index < kChunk * kDim; index += kFactorThreads) {
-    const int c = index / kChunk, j = index % kChunk;
-    sh.scratch.keysT[c][j] = __float2bfloat16(sh.beta[j] * sh.k[j][c] * __expf(sh.G[j][c]));
+  // of the column tiles). The operand is built two tokens per thread, lanes along the channels.
+  for (int index = tid; index < kChunk * kDim / 2; index += kFactorThreads) {
+    const int c = index % kDim, j = 2 * (index / kDim);
+    *reinterpret_cast<uint32_t *>(&sh.scratch.keysT[c][j]) =
+        packBf16(sh.beta[j] * sh.k[j][c] * __expf(sh.G[j][c]),
+                 sh.beta[j + 1] * sh.k[j + 1][c] * __expf(sh.G[j + 1][c]));
   }
   __syncthreads();
   {
-    constexpr int kColumnTiles = kDim / 8 / (kFactorThreads / 32 / 4);
+    constexpr int kColumnTiles = kDim / 8 / (kWarps / 4);
     const int rowTile = warp % 4, firstColumnTile = (warp / 4) * kColumnTiles;
     uint32_t aFragments[kChunk / 16][4];
 #pragma unroll
@@ -394,30 +465,45 @@ __global__ void __launch_bounds__(kFactorThreads)
       }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const size_t at = size_t(16 * rowTile + accRow(2 * half)) * kDim + 8 * columnTile +
-                          accColumn(2 * half);
+        const size_t at =
+            size_t(16 * rowTile + accRow(2 * half)) * kDim + 8 * columnTile + accColumn(2 * half);
         *reinterpret_cast<uint32_t *>(w + at) = packBf16(accW[2 * half], accW[2 * half + 1]);
         *reinterpret_cast<uint32_t *>(u + at) = packBf16(accU[2 * half], accU[2 * half + 1]);
       }
     }
   }
+  __syncthreads(); // keysT is read by the w products above
 
-  // Phase 7: qg, kg^T, Aqk and e^G_last (G of padding tokens is the last real one's).
+  // Phase 7: qg, kg^T (staged in shared memory, then stored 16 bytes per thread), Aqk and
+  // e^G_last (G of padding tokens is the last real one's).
   {
     bf16 *qg = factors.qg + block * kChunk * kDim, *kgT = factors.kgT + block * kDim * kChunk;
     bf16 *aqk = factors.aqk + block * kChunk * kChunk;
-    for (int index = tid; index < kChunk * kDim; index += kFactorThreads) {
-      const int i = index / kDim, c = index % kDim;
-      qg[index] = __float2bfloat16(sh.q[i][c] * __expf(sh.G[i][c]));
-      const int c2 = index / kChunk, i2 = index % kChunk;
-      kgT[index] = __float2bfloat16(sh.k[i2][c2] * __expf(sh.G[kChunk - 1][c2] - sh.G[i2][c2]));
+    for (int index = tid; index < kChunk * kDim / 2; index += kFactorThreads) {
+      const int i = index / (kDim / 2), c = 2 * (index % (kDim / 2));
+      const float2 q = *reinterpret_cast<const float2 *>(&sh.q[i][c]);
+      const float2 g = *reinterpret_cast<const float2 *>(&sh.G[i][c]);
+      *reinterpret_cast<uint32_t *>(qg + size_t(i) * kDim + c) =
+          packBf16(q.x * __expf(g.x), q.y * __expf(g.y));
+      const int c2 = index % kDim, i2 = 2 * (index / kDim);
+      const float last = sh.G[kChunk - 1][c2];
+      *reinterpret_cast<uint32_t *>(&sh.scratch.decayedKeysT[c2][i2]) =
+          packBf16(sh.k[i2][c2] * __expf(last - sh.G[i2][c2]),
+                   sh.k[i2 + 1][c2] * __expf(last - sh.G[i2 + 1][c2]));
     }
-    for (int index = tid; index < kChunk * kChunk; index += kFactorThreads) {
-      const int i = index / kChunk, j = index % kChunk;
-      aqk[index] = __float2bfloat16(j <= i ? sh.aqk[i][j] : 0.0f);
+    for (int index = tid; index < kChunk * kChunk / 2; index += kFactorThreads) {
+      const int i = index / (kChunk / 2), j = 2 * (index % (kChunk / 2));
+      *reinterpret_cast<uint32_t *>(aqk + size_t(i) * kChunk + j) =
+          packBf16(j <= i ? sh.aqk[i][j] : 0.0f, j + 1 <= i ? sh.aqk[i][j + 1] : 0.0f);
     }
     if (tid < kDim)
       factors.gam[block * kDim + tid] = __expf(sh.G[kChunk - 1][tid]);
+    __syncthreads();
+    for (int index = tid; index < kDim * kChunk / 8; index += kFactorThreads) {
+      const int c = index / (kChunk / 8), part = index % (kChunk / 8);
+      *reinterpret_cast<uint4 *>(kgT + size_t(c) * kChunk + 8 * part) =
+          *reinterpret_cast<const uint4 *>(&sh.scratch.decayedKeysT[c][8 * part]);
+    }
   }
 }
 
@@ -436,7 +522,7 @@ struct ChainStage {
 };
 struct ChainShared {
   ChainStage stage[2];
-  bf16 stateT[kSlice][kWideStride];      // S^T of the slice in bf16: [value][key]
+  bf16 stateT[kSlice][kWideStride];       // S^T of the slice in bf16: [value][key]
   bf16 newValuesT[kSlice][kNarrowStride]; // v_new^T: [value][token]
 };
 
@@ -499,8 +585,7 @@ __global__ void __launch_bounds__(kChainThreads)
   commitAsyncCopies();
   for (int c = 0; c < chunks; ++c) {
     if (c + 1 < chunks)
-      loadChunk(sh.stage[(c + 1) % 2], factors, size_t(firstChunk + c + 1) * p.heads + head,
-                slice);
+      loadChunk(sh.stage[(c + 1) % 2], factors, size_t(firstChunk + c + 1) * p.heads + head, slice);
     commitAsyncCopies();
     waitAsyncCopies<1>();
     ChainStage &st = sh.stage[c % 2];
@@ -661,7 +746,7 @@ __global__ void __launch_bounds__(kNormThreads) gatedNormKernel(KdaPrefillParams
 #pragma unroll
   for (int m = 0; m < 4; ++m)
     out[lane + 32 * m] =
-        o[m] * scale * p.weights.normWeight[lane + 32 * m] * sigmoid(gate[lane + 32 * m]);
+        o[m] * scale * p.weights.normWeight[lane + 32 * m] * fastSigmoid(gate[lane + 32 * m]);
 }
 
 } // namespace
@@ -683,27 +768,31 @@ int launchKdaChunkedPrefill(const KdaPrefillParams &params, void *stream) {
     return cudaErrorInvalidValue;
   const WorkspaceLayout layout = workspaceLayout(params);
   auto *base = static_cast<unsigned char *>(params.workspace);
-  const ChunkFactors factors{reinterpret_cast<bf16 *>(base + layout.w),
-                             reinterpret_cast<bf16 *>(base + layout.u),
-                             reinterpret_cast<bf16 *>(base + layout.qg),
-                             reinterpret_cast<bf16 *>(base + layout.kgT),
-                             reinterpret_cast<bf16 *>(base + layout.aqk),
-                             reinterpret_cast<float *>(base + layout.gam)};
+  const ChunkFactors factors{
+      reinterpret_cast<bf16 *>(base + layout.w),   reinterpret_cast<bf16 *>(base + layout.u),
+      reinterpret_cast<bf16 *>(base + layout.qg),  reinterpret_cast<bf16 *>(base + layout.kgT),
+      reinterpret_cast<bf16 *>(base + layout.aqk), reinterpret_cast<float *>(base + layout.gam)};
+  // The conv width is a template parameter: the factors kernel is instruction-bound.
+  void (*factorsKernel)(KdaPrefillParams, ChunkFactors) =
+      params.convKernel == 1   ? chunkFactorsKernel<1>
+      : params.convKernel == 2 ? chunkFactorsKernel<2>
+      : params.convKernel == 3 ? chunkFactorsKernel<3>
+                               : chunkFactorsKernel<4>;
   cudaError_t status = cudaFuncSetAttribute(
-      chunkFactorsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(FactorShared));
+      factorsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(FactorShared));
   if (status == cudaSuccess)
     status = cudaFuncSetAttribute(stateChainKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   sizeof(ChainShared));
   if (status != cudaSuccess)
     return status;
   auto cudaStream = static_cast<cudaStream_t>(stream);
-  chunkFactorsKernel<<<dim3(unsigned(maxChunks(params)), params.heads), kFactorThreads,
-                       sizeof(FactorShared), cudaStream>>>(params, factors);
+  factorsKernel<<<dim3(unsigned(maxChunks(params)), params.heads), kFactorThreads,
+                  sizeof(FactorShared), cudaStream>>>(params, factors);
   stateChainKernel<<<dim3(kSlices, params.heads, params.sequences), kChainThreads,
                      sizeof(ChainShared), cudaStream>>>(params, factors);
   const int64_t rows = int64_t(params.tokens) * params.heads;
-  gatedNormKernel<<<unsigned((rows + kNormThreads / 32 - 1) / (kNormThreads / 32)), kNormThreads,
-                    0, cudaStream>>>(params);
+  gatedNormKernel<<<unsigned((rows + kNormThreads / 32 - 1) / (kNormThreads / 32)), kNormThreads, 0,
+                    cudaStream>>>(params);
   return static_cast<int>(cudaGetLastError());
 }
 
