@@ -1,0 +1,84 @@
+// Embedding gather, residual add and silu(gate) * up on CUDA (see Elementwise.h): grid-stride
+// loops over the elements.
+#include "hybrid/kernels/cuda/Elementwise.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+namespace hybrid::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+unsigned blocksFor(int64_t n) {
+  return unsigned(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, 8192));
+}
+
+template <typename T>
+__global__ void embedKernel(const int64_t *ids, int64_t rows, const T *table, int64_t width,
+                            float *out) {
+  const int64_t total = rows * width;
+  for (int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; index < total;
+       index += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = index / width, column = index % width;
+    if constexpr (sizeof(T) == 2)
+      out[index] = __bfloat162float(table[ids[row] * width + column]);
+    else
+      out[index] = table[ids[row] * width + column];
+  }
+}
+
+__global__ void addKernel(const float *a, const float *b, float *y, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = a[i] + b[i];
+}
+
+__global__ void siluMulKernel(const float *gate, const float *up, int64_t rows, int64_t width,
+                              int64_t stride, float *out) {
+  const int64_t total = rows * width;
+  for (int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; index < total;
+       index += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = index / width, column = index % width;
+    const float g = gate[row * stride + column];
+    out[index] = g / (1.0f + expf(-g)) * up[row * stride + column];
+  }
+}
+
+int finish() { return static_cast<int>(cudaGetLastError()); }
+
+} // namespace
+
+int launchEmbed(const int64_t *ids, int64_t rows, const void *table, TableType type,
+                int64_t vocab, int64_t width, float *out, void *stream) {
+  if (rows <= 0 || width <= 0 || vocab <= 0 || !ids || !table || !out)
+    return cudaErrorInvalidValue;
+  auto s = static_cast<cudaStream_t>(stream);
+  if (type == TableType::BF16)
+    embedKernel<<<blocksFor(rows * width), kThreads, 0, s>>>(
+        ids, rows, static_cast<const __nv_bfloat16 *>(table), width, out);
+  else
+    embedKernel<<<blocksFor(rows * width), kThreads, 0, s>>>(
+        ids, rows, static_cast<const float *>(table), width, out);
+  return finish();
+}
+
+int launchAdd(const float *a, const float *b, float *y, int64_t n, void *stream) {
+  if (n <= 0 || !a || !b || !y)
+    return cudaErrorInvalidValue;
+  addKernel<<<blocksFor(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, b, y, n);
+  return finish();
+}
+
+int launchSiluMul(const float *gate, const float *up, int64_t rows, int64_t width,
+                  int64_t inputStride, float *out, void *stream) {
+  if (rows <= 0 || width <= 0 || inputStride < width || !gate || !up || !out)
+    return cudaErrorInvalidValue;
+  siluMulKernel<<<blocksFor(rows * width), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      gate, up, rows, width, inputStride, out);
+  return finish();
+}
+
+} // namespace hybrid::kernels::cuda

@@ -1,0 +1,152 @@
+// Linear layers through cuBLASLt (see Linear.h). Row-major y[rows, out] = x W^T is the
+// column-major y^T[out, rows] = W^T' x^T: A = W viewed column-major [in, out] and transposed,
+// B = x viewed column-major [in, rows], D = y viewed column-major [out, rows] (the "TN" GEMM).
+#include "hybrid/kernels/cuda/Linear.h"
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace hybrid::kernels::cuda {
+namespace {
+
+constexpr int kCublasBase = 1000;
+
+int cublasCode(cublasStatus_t status) {
+  return status == CUBLAS_STATUS_SUCCESS ? 0 : kCublasBase + int(status);
+}
+
+// x [rows, in] (row stride) -> contiguous bf16, round to nearest even.
+__global__ void roundRowsToBf16(const float *x, int64_t stride, int64_t rows, int64_t in,
+                                __nv_bfloat16 *out) {
+  const int64_t total = rows * in;
+  for (int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; index < total;
+       index += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = index / in, column = index % in;
+    out[index] = __float2bfloat16(x[row * stride + column]);
+  }
+}
+
+} // namespace
+
+struct LinearContext::Algorithm {
+  cublasLtMatmulDesc_t operation = nullptr;
+  cublasLtMatrixLayout_t weight = nullptr, x = nullptr, y = nullptr;
+  cublasLtMatmulAlgo_t algorithm{};
+  ~Algorithm() {
+    if (y)
+      cublasLtMatrixLayoutDestroy(y);
+    if (x)
+      cublasLtMatrixLayoutDestroy(x);
+    if (weight)
+      cublasLtMatrixLayoutDestroy(weight);
+    if (operation)
+      cublasLtMatmulDescDestroy(operation);
+  }
+};
+
+LinearContext::~LinearContext() {
+  for (auto &[shape, algorithm] : algorithms_)
+    delete algorithm;
+  if (workspace_)
+    cudaFree(workspace_);
+  if (handle_)
+    cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
+}
+
+int LinearContext::init(size_t workspaceBytes) {
+  if (handle_)
+    return 0;
+  cublasLtHandle_t handle = nullptr;
+  if (int code = cublasCode(cublasLtCreate(&handle)))
+    return code;
+  handle_ = handle;
+  if (workspaceBytes > 0) {
+    if (cudaError_t status = cudaMalloc(&workspace_, workspaceBytes))
+      return int(status);
+    workspaceBytes_ = workspaceBytes;
+  }
+  return 0;
+}
+
+int LinearContext::algorithmFor(int64_t rows, int64_t in, int64_t out, int64_t weightStride,
+                                int64_t yStride, Algorithm *&result) {
+  const auto key = std::make_tuple(rows, in, out, weightStride, yStride);
+  if (auto found = algorithms_.find(key); found != algorithms_.end()) {
+    result = found->second;
+    return 0;
+  }
+  auto *algorithm = new Algorithm;
+  auto fail = [&](int code) {
+    delete algorithm;
+    return code;
+  };
+  if (int code = cublasCode(
+          cublasLtMatmulDescCreate(&algorithm->operation, CUBLAS_COMPUTE_32F, CUDA_R_32F)))
+    return fail(code);
+  const cublasOperation_t transpose = CUBLAS_OP_T;
+  if (int code = cublasCode(cublasLtMatmulDescSetAttribute(
+          algorithm->operation, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof transpose)))
+    return fail(code);
+  if (int code = cublasCode(cublasLtMatrixLayoutCreate(&algorithm->weight, CUDA_R_16BF, in, out,
+                                                       weightStride)))
+    return fail(code);
+  if (int code = cublasCode(cublasLtMatrixLayoutCreate(&algorithm->x, CUDA_R_16BF, in, rows, in)))
+    return fail(code);
+  if (int code =
+          cublasCode(cublasLtMatrixLayoutCreate(&algorithm->y, CUDA_R_32F, out, rows, yStride)))
+    return fail(code);
+  cublasLtMatmulPreference_t preference = nullptr;
+  if (int code = cublasCode(cublasLtMatmulPreferenceCreate(&preference)))
+    return fail(code);
+  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                       &workspaceBytes_, sizeof workspaceBytes_);
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      static_cast<cublasLtHandle_t>(handle_), algorithm->operation, algorithm->weight,
+      algorithm->x, algorithm->y, algorithm->y, preference, 1, &heuristic, &found);
+  cublasLtMatmulPreferenceDestroy(preference);
+  if (status != CUBLAS_STATUS_SUCCESS)
+    return fail(cublasCode(status));
+  if (found == 0)
+    return fail(kCublasBase + int(CUBLAS_STATUS_NOT_SUPPORTED));
+  algorithm->algorithm = heuristic.algo;
+  algorithms_.emplace(key, algorithm);
+  result = algorithm;
+  return 0;
+}
+
+int LinearContext::run(const LinearParams &p, void *stream) {
+  const int64_t xStride = p.xStride ? p.xStride : p.in;
+  const int64_t weightStride = p.weightStride ? p.weightStride : p.in;
+  const int64_t yStride = p.yStride ? p.yStride : p.out;
+  if (!handle_ || p.rows <= 0 || p.in <= 0 || p.out <= 0 || xStride < p.in ||
+      weightStride < p.in || yStride < p.out || !p.x || !p.weight || !p.y || !p.xScratch)
+    return cudaErrorInvalidValue;
+  auto cudaStream = static_cast<cudaStream_t>(stream);
+  const int64_t total = p.rows * p.in;
+  const int threads = 256;
+  const int blocks = int(std::min<int64_t>((total + threads - 1) / threads, 4096));
+  roundRowsToBf16<<<blocks, threads, 0, cudaStream>>>(
+      p.x, xStride, p.rows, p.in, static_cast<__nv_bfloat16 *>(p.xScratch));
+  if (cudaError_t status = cudaGetLastError())
+    return int(status);
+  Algorithm *algorithm = nullptr;
+  if (int code = algorithmFor(p.rows, p.in, p.out, weightStride, yStride, algorithm))
+    return code;
+  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
+  return cublasCode(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), algorithm->operation,
+                                   &alpha, p.weight, algorithm->weight, p.xScratch, algorithm->x,
+                                   &beta, p.y, algorithm->y, p.y, algorithm->y,
+                                   &algorithm->algorithm, workspace_, workspaceBytes_,
+                                   cudaStream));
+}
+
+const char *linearErrorText(int code) {
+  if (code >= kCublasBase)
+    return cublasLtGetStatusName(static_cast<cublasStatus_t>(code - kCublasBase));
+  return cudaGetErrorName(static_cast<cudaError_t>(code));
+}
+
+} // namespace hybrid::kernels::cuda

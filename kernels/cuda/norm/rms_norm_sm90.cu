@@ -1,0 +1,56 @@
+// RMSNorm (+ residual add) on CUDA (see Norm.h): one block per row, the row's squares summed in
+// fp32 by the block, then each element normalised and scaled.
+#include "hybrid/kernels/cuda/Norm.h"
+
+#include <cuda_runtime.h>
+
+namespace hybrid::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormParams p) {
+  __shared__ float warpSums[kThreads / 32];
+  const int64_t row = blockIdx.x;
+  const float *x = p.x + row * p.dim;
+  const float *addend = p.addend ? p.addend + row * p.dim : nullptr;
+  float *sum = p.addend ? p.sum + row * p.dim : nullptr;
+  float *y = p.y + row * p.dim;
+  float squares = 0.0f;
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
+    float value = x[i];
+    if (addend) {
+      value += addend[i];
+      sum[i] = value;
+    }
+    squares += value * value;
+  }
+  for (int offset = 16; offset > 0; offset /= 2)
+    squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+  if (threadIdx.x % 32 == 0)
+    warpSums[threadIdx.x / 32] = squares;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w)
+    total += warpSums[w];
+  const float scale = rsqrtf(total / float(p.dim) + p.epsilon);
+  // Each thread reads back what it wrote itself (sum), so no barrier is needed before this pass.
+  const float *source = addend ? sum : x;
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
+    const float normalised = source[i] * scale;
+    y[i] = p.weight ? p.weight[i] * normalised : normalised;
+  }
+}
+
+} // namespace
+
+int launchRmsNorm(const RmsNormParams &params, void *stream) {
+  if (params.rows <= 0 || params.dim <= 0 || !params.x || !params.y ||
+      (params.addend && !params.sum) || params.rows > 0x7fffffff)
+    return cudaErrorInvalidValue;
+  rmsNormKernel<<<unsigned(params.rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(params);
+  return static_cast<int>(cudaGetLastError());
+}
+
+} // namespace hybrid::kernels::cuda

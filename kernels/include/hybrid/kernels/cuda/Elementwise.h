@@ -1,0 +1,26 @@
+// Small CUDA kernels a model's plan needs between the big ones: the embedding gather, the
+// residual add and SwiGLU's silu(gate) * up. fp32 activations; tables in bf16 or fp32 as the
+// weight archive stores them. CUDA-free header. Every launch returns 0 or the CUDA error code
+// (cudaErrorInvalidValue for bad shapes or missing pointers).
+#pragma once
+
+#include <cstdint>
+
+namespace hybrid::kernels::cuda {
+
+enum class TableType : int32_t { F32, BF16 };
+
+// out[t] = table[ids[t]] for t < rows; the ids are device int64 and must be in [0, vocab) (the
+// caller checks them on the host, where it has them, and names the bad one).
+int launchEmbed(const int64_t *ids, int64_t rows, const void *table, TableType type,
+                int64_t vocab, int64_t width, float *out, void *stream);
+
+// y = a + b over n elements (y may alias a or b).
+int launchAdd(const float *a, const float *b, float *y, int64_t n, void *stream);
+
+// out[r, i] = silu(gate[r, i]) * up[r, i] for i < width; gate and up rows have their own strides
+// (they may be the two halves of one [rows, 2 * width] projection).
+int launchSiluMul(const float *gate, const float *up, int64_t rows, int64_t width,
+                  int64_t inputStride, float *out, void *stream);
+
+} // namespace hybrid::kernels::cuda

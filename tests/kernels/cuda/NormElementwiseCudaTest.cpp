@@ -1,0 +1,136 @@
+// RMSNorm (+ add), the embedding gather, add and silu(gate) * up on CUDA against the cpu
+// reference, fp32 throughout. Labelled `gpu`; skipped where no GPU is present.
+#include "hybrid/kernels/cuda/Elementwise.h"
+#include "hybrid/kernels/cuda/Norm.h"
+#include "hybrid/kernels/ref/Norm.h"
+#include "hybrid/kernels/ref/Quant.h"
+#include "CudaTestSupport.h"
+
+#include <cmath>
+#include <vector>
+
+namespace hybrid::kernels {
+namespace {
+
+struct NormCase {
+  int64_t rows, dim;
+  bool add, weighted, inPlace;
+};
+
+class RmsNormCuda : public testing::TestWithParam<NormCase> {};
+
+TEST_P(RmsNormCuda, MatchesReference) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  const NormCase c = GetParam();
+  std::mt19937 rng(int(c.rows * 17 + c.dim));
+  const size_t n = size_t(c.rows * c.dim);
+  std::vector<float> x = random(n, rng, 2.0f), addend = random(n, rng, 1.0f);
+  std::vector<float> weight = random(size_t(c.dim), rng, 0.1f, 1.0f);
+  std::vector<float> sum = x;
+  if (c.add)
+    for (size_t i = 0; i < n; ++i)
+      sum[i] = x[i] + addend[i];
+  std::vector<float> expected(n);
+  ref::rmsNorm(sum, c.weighted ? weight : std::vector<float>(), expected, c.rows, c.dim, 1e-6f);
+
+  DeviceBuffer<float> dX(x), dAddend(addend), dWeight(weight), dSum{std::vector<float>(n)},
+      dY{std::vector<float>(n)};
+  cuda::RmsNormParams p;
+  p.rows = c.rows;
+  p.dim = c.dim;
+  p.epsilon = 1e-6f;
+  p.x = dX.data;
+  p.addend = c.add ? dAddend.data : nullptr;
+  p.sum = c.add ? (c.inPlace ? dX.data : dSum.data) : nullptr;
+  p.weight = c.weighted ? dWeight.data : nullptr;
+  p.y = c.inPlace ? dX.data : dY.data;
+  ASSERT_EQ(cuda::launchRmsNorm(p, nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_LT(relativeRms(c.inPlace ? dX.download() : dY.download(), expected), 1e-6);
+  if (c.add && !c.inPlace) {
+    EXPECT_LT(relativeRms(dSum.download(), sum), 1e-7);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormCuda,
+                         testing::Values(NormCase{3, 2304, false, true, false},
+                                         NormCase{1, 7, true, true, false},
+                                         NormCase{5, 1000, true, false, false},
+                                         NormCase{2, 7168, false, true, true},
+                                         NormCase{4, 300, true, true, true}));
+
+TEST(RmsNormCudaErrors, RejectsBadShapes) {
+  cuda::RmsNormParams p;
+  float dummy = 0;
+  p.x = p.y = &dummy;
+  p.rows = 0;
+  p.dim = 4;
+  EXPECT_EQ(cuda::launchRmsNorm(p, nullptr), int(cudaErrorInvalidValue));
+  p.rows = 1;
+  p.addend = &dummy; // an add needs somewhere to put the sum
+  EXPECT_EQ(cuda::launchRmsNorm(p, nullptr), int(cudaErrorInvalidValue));
+}
+
+TEST(ElementwiseCuda, EmbedGathersRowsOfBothTableTypes) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  const int64_t vocab = 50, width = 36, rows = 5;
+  std::mt19937 rng(3);
+  std::vector<float> table = random(size_t(vocab * width), rng, 1.0f);
+  std::vector<uint16_t> bits(table.size());
+  for (size_t i = 0; i < table.size(); ++i)
+    bits[i] = ref::floatToBf16(table[i]);
+  const std::vector<int64_t> ids = {0, 49, 7, 7, 23};
+  DeviceBuffer<int64_t> dIds(ids);
+  DeviceBuffer<float> dTable(table), out(std::vector<float>(size_t(rows * width)));
+  DeviceBuffer<uint16_t> dBits(bits);
+  for (auto type : {cuda::TableType::F32, cuda::TableType::BF16}) {
+    const void *source = type == cuda::TableType::F32 ? static_cast<const void *>(dTable.data)
+                                                       : static_cast<const void *>(dBits.data);
+    ASSERT_EQ(cuda::launchEmbed(dIds.data, rows, source, type, vocab, width, out.data, nullptr), 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> got = out.download();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < width; ++i) {
+        const float value = table[ids[r] * width + i];
+        const float expected = type == cuda::TableType::F32
+                                   ? value
+                                   : ref::bf16ToFloat(ref::floatToBf16(value));
+        ASSERT_EQ(got[r * width + i], expected) << "row " << r << " column " << i;
+      }
+  }
+  EXPECT_EQ(cuda::launchEmbed(dIds.data, 0, dTable.data, cuda::TableType::F32, vocab, width,
+                              out.data, nullptr),
+            int(cudaErrorInvalidValue));
+}
+
+TEST(ElementwiseCuda, AddAndSiluMulMatchTheReference) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  const int64_t rows = 3, width = 1000, stride = 2 * width; // gate and up: halves of one row
+  std::mt19937 rng(9);
+  std::vector<float> a = random(size_t(rows * stride), rng, 3.0f), b = random(a.size(), rng, 1.0f);
+  std::vector<float> sum(a.size()), product(size_t(rows * width));
+  for (size_t i = 0; i < a.size(); ++i)
+    sum[i] = a[i] + b[i];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = a[r * stride + i], u = a[r * stride + width + i];
+      product[r * width + i] = g / (1.0f + std::exp(-g)) * u;
+    }
+  DeviceBuffer<float> dA(a), dB(b), dSum(std::vector<float>(a.size())),
+      dProduct(std::vector<float>(product.size()));
+  ASSERT_EQ(cuda::launchAdd(dA.data, dB.data, dSum.data, int64_t(a.size()), nullptr), 0);
+  ASSERT_EQ(cuda::launchSiluMul(dA.data, dA.data + width, rows, width, stride, dProduct.data,
+                                nullptr),
+            0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(relativeRms(dSum.download(), sum), 0.0);
+  EXPECT_LT(relativeRms(dProduct.download(), product), 1e-6);
+  EXPECT_EQ(cuda::launchSiluMul(dA.data, dA.data, rows, width, width - 1, dProduct.data, nullptr),
+            int(cudaErrorInvalidValue));
+}
+
+} // namespace
+} // namespace hybrid::kernels
