@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
 #include <vector>
 
 namespace hybrid::kernels {
@@ -90,7 +91,18 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearCuda,
                          testing::Values(Shape{1, 64, 96, 0, 0, 0, false},
                                          Shape{7, 2304, 512, 8, 0, 16, false},
                                          Shape{64, 128, 4096, 0, 8, 0, true},
-                                         Shape{3, 72, 40, 4, 8, 4, true}));
+                                         Shape{3, 72, 40, 4, 8, 4, true}),
+                         [](const testing::TestParamInfo<Shape> &info) {
+                           const Shape &s = info.param;
+                           std::string name = std::to_string(s.rows);
+                           name += "x";
+                           name += std::to_string(s.in);
+                           name += "x";
+                           name += std::to_string(s.out);
+                           name += s.xPad || s.weightPad || s.yPad ? "_strided" : "";
+                           name += s.accumulate ? "_accumulate" : "";
+                           return name;
+                         });
 
 TEST(LinearCudaErrors, RejectsBadShapesAndUninitializedContext) {
   cuda::LinearContext context;

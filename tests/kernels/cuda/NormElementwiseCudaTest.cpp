@@ -7,6 +7,7 @@
 #include "CudaTestSupport.h"
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 namespace hybrid::kernels {
@@ -58,7 +59,18 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormCuda,
                                          NormCase{1, 7, true, true, false},
                                          NormCase{5, 1000, true, false, false},
                                          NormCase{2, 7168, false, true, true},
-                                         NormCase{4, 300, true, true, true}));
+                                         NormCase{4, 300, true, true, true}),
+                         [](const testing::TestParamInfo<NormCase> &info) {
+                           const NormCase &c = info.param;
+                           std::string name = "rows";
+                           name += std::to_string(c.rows);
+                           name += "_dim";
+                           name += std::to_string(c.dim);
+                           name += c.add ? "_add" : "";
+                           name += c.weighted ? "_weighted" : "";
+                           name += c.inPlace ? "_in_place" : "";
+                           return name;
+                         });
 
 TEST(RmsNormCudaErrors, RejectsBadShapes) {
   cuda::RmsNormParams p;
