@@ -22,6 +22,9 @@ namespace {
 int64_t elementBytes(Type type) { return std::max<int64_t>(1, type.getIntOrFloatBitWidth() / 8); }
 
 void assignLayouts(plan::PlanOp planOp) {
+  // The cuda device's GEMMs (cuBLASLt) read the checkpoint's row-major [out, in] weights.
+  if (planOp.getDevice() == "cuda")
+    return;
   Builder builder(planOp.getContext());
   SmallVector<plan::WeightOp> weights(planOp.getBodyBlock().getOps<plan::WeightOp>());
 

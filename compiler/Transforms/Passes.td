@@ -68,7 +68,8 @@ def AssignWeightLayout : Pass<"hybrid-assign-weight-layout", "mlir::ModuleOp"> {
     reads that role as a tiled GEMM operand (`tiledWeights` in kernel_signatures.h). Its size
     becomes the tiled size (padded to whole tiles) and the archive is laid out again. The weight
     packer re-tiles once, at compile time; the runtime never converts layouts. Block-quantized
-    weights stay row-major for now (their scale grid is indexed row-major).
+    weights stay row-major for now (their scale grid is indexed row-major). Plans for the cuda
+    device keep every weight row-major: its GEMMs (cuBLASLt) read the checkpoint's layout.
   }];
 }
 

@@ -42,3 +42,16 @@ plan.plan @layouts attributes {version = array<i32: 1, 0>, compiler = "test", mo
     plan.dispatch lm_head [2] -> [6] weights [6] {params = {}, stream = 0 : i32}
   }
 }
+
+// A plan for the cuda device keeps every weight row-major (cuBLASLt reads [out, in] as stored).
+// CHECK-LABEL: plan.plan @cuda_layouts
+// CHECK-SAME: weight_archive_bytes = 7296 : i64
+// CHECK-NEXT: plan.weight "proj" : tensor<100x16xbf16> {offset = 4096 : i64, size = 3200 : i64}
+plan.plan @cuda_layouts attributes {version = array<i32: 1, 0>, compiler = "test", model_type = "test", device = "cuda", arch = "sm_90a", world_size = 1 : i32, hidden_size = 16 : i64, vocab_size = 24 : i64, num_layers = 1 : i32, weight_archive_key = "", weight_archive_bytes = 7296 : i64, page_size = 64 : i32} {
+  plan.weight "proj" : tensor<100x16xbf16> {offset = 4096 : i64, size = 3200 : i64}
+  plan.program "prefill" attributes {max_tokens = 4 : i64, arena_bytes = 0 : i64, token_ids = 0 : i32, logits = 1 : i32, layer_outputs = array<i32>, num_streams = 1 : i32, num_events = 0 : i32} {
+    plan.value i64 x 1 {offset = -1 : i64, name = "ids"}
+    plan.value f32 x 100 {offset = -1 : i64, name = "logits"}
+    plan.dispatch lm_head [0] -> [1] weights [0] {params = {}, stream = 0 : i32}
+  }
+}

@@ -94,9 +94,10 @@ hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, voca
 
 // CUDA: plan.plan @tiny attributes {arch = "sm_90a"
 // CUDA-SAME: device = "cuda"
-// Activations stay in the model dtype on the GPU.
+// Activations are fp32 on the GPU too, for now: the cuda device runs what it has no kernel for
+// with the cpu reference on the same values (docs/runtime.md).
 // CUDA: plan.program "prefill" attributes {{{.*}}max_tokens = 8 : i64
-// CUDA: plan.value bf16 x 16
+// CUDA: plan.value f32 x 16
 
 // With memory planned: the ids first, the embedding after them (4096 rows x 8 bytes), slots reused
 // once dead, the logits last.
