@@ -15,7 +15,9 @@ int main(int argc, char **argv) {
   bool noCacheDecode = false;
   double tolerance = 2e-3;
   app.add_option("model_dir", modelDir, "Directory written by hybrid-compile")->required();
-  app.add_option("--device", load.device, "cpu (reference)")->default_val("cpu");
+  app.add_option("--device", load.device,
+                 "cpu (the reference), or cuda for a plan compiled with --device=cuda")
+      ->default_val("cpu");
   app.add_option("--input-ids", inputIds, "Prompt: a list 1,2,3 or a safetensors file with "
                                           "input_ids")
       ->required();
@@ -39,6 +41,8 @@ int main(int argc, char **argv) {
                  "cpu: run steps in a random order that respects the plan's streams and events "
                  "(0: program order)")
       ->default_val(0);
+  app.add_flag("--bf16-gemm-inputs", load.bf16GemmInputs,
+               "cuda: round GEMM inputs to bf16 instead of splitting them into two bf16 halves");
   app.add_flag("--verify-weights", load.verifyWeightContents,
                "Re-hash every weight archive entry while loading");
   CLI11_PARSE(app, argc, argv);
@@ -57,6 +61,8 @@ int main(int argc, char **argv) {
   auto model = hybrid::Model::load(modelDir, load);
   if (!model)
     return fail(model.status().message());
+  if (const std::string placement = (*model)->placementReport(); !placement.empty())
+    std::cerr << placement;
   auto result = hybrid::generateGreedy(**model, *prompt, generation);
   if (!result)
     return fail(result.status().message());

@@ -16,15 +16,42 @@ int cublasCode(cublasStatus_t status) {
   return status == CUBLAS_STATUS_SUCCESS ? 0 : kCublasBase + int(status);
 }
 
-// x [rows, in] (row stride) -> contiguous bf16, round to nearest even.
+// x [rows, in] (row stride) -> contiguous bf16, round to nearest even; with `split`, also the
+// remainders x - bf16(x) in bf16 as rows [rows, 2 rows).
 __global__ void roundRowsToBf16(const float *x, int64_t stride, int64_t rows, int64_t in,
-                                __nv_bfloat16 *out) {
+                                bool split, __nv_bfloat16 *out) {
   const int64_t total = rows * in;
   for (int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; index < total;
        index += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = index / in, column = index % in;
-    out[index] = __float2bfloat16(x[row * stride + column]);
+    const float value = x[row * stride + column];
+    const __nv_bfloat16 high = __float2bfloat16(value);
+    out[index] = high;
+    if (split)
+      out[total + index] = __float2bfloat16(value - __bfloat162float(high));
   }
+}
+
+// y[r] = (accumulate ? y[r] : 0) + products[r] + products[rows + r]: the hi and lo halves.
+__global__ void sumSplitProducts(const float *products, int64_t rows, int64_t out, float *y,
+                                 int64_t yStride, bool accumulate) {
+  const int64_t total = rows * out;
+  for (int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; index < total;
+       index += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = index / out, column = index % out;
+    const float sum = products[index] + products[total + index];
+    float &target = y[row * yStride + column];
+    target = accumulate ? target + sum : sum;
+  }
+}
+
+// The largest power of two (up to 256) dividing the address: what cuBLASLt may assume.
+int alignmentOf(const void *pointer) {
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  int alignment = 256;
+  while (alignment > 1 && address % alignment != 0)
+    alignment /= 2;
+  return alignment;
 }
 
 } // namespace
@@ -69,9 +96,8 @@ int LinearContext::init(size_t workspaceBytes) {
   return 0;
 }
 
-int LinearContext::algorithmFor(int64_t rows, int64_t in, int64_t out, int64_t weightStride,
-                                int64_t yStride, Algorithm *&result) {
-  const auto key = std::make_tuple(rows, in, out, weightStride, yStride);
+int LinearContext::algorithmFor(const Key &key, Algorithm *&result) {
+  const auto [rows, in, out, weightStride, yStride, weightAlignment, xAlignment, yAlignment] = key;
   if (auto found = algorithms_.find(key); found != algorithms_.end()) {
     result = found->second;
     return 0;
@@ -101,6 +127,16 @@ int LinearContext::algorithmFor(int64_t rows, int64_t in, int64_t out, int64_t w
     return fail(code);
   cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                        &workspaceBytes_, sizeof workspaceBytes_);
+  const uint32_t alignments[3] = {uint32_t(weightAlignment), uint32_t(xAlignment),
+                                  uint32_t(yAlignment)};
+  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                       &alignments[0], sizeof(uint32_t));
+  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                       &alignments[1], sizeof(uint32_t));
+  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                       &alignments[2], sizeof(uint32_t));
+  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                       &alignments[2], sizeof(uint32_t));
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
@@ -122,25 +158,39 @@ int LinearContext::run(const LinearParams &p, void *stream) {
   const int64_t weightStride = p.weightStride ? p.weightStride : p.in;
   const int64_t yStride = p.yStride ? p.yStride : p.out;
   if (!handle_ || p.rows <= 0 || p.in <= 0 || p.out <= 0 || xStride < p.in ||
-      weightStride < p.in || yStride < p.out || !p.x || !p.weight || !p.y || !p.xScratch)
+      weightStride < p.in || yStride < p.out || !p.x || !p.weight || !p.y || !p.xScratch ||
+      (p.splitInput && !p.splitOutput))
     return cudaErrorInvalidValue;
   auto cudaStream = static_cast<cudaStream_t>(stream);
   const int64_t total = p.rows * p.in;
   const int threads = 256;
   const int blocks = int(std::min<int64_t>((total + threads - 1) / threads, 4096));
   roundRowsToBf16<<<blocks, threads, 0, cudaStream>>>(
-      p.x, xStride, p.rows, p.in, static_cast<__nv_bfloat16 *>(p.xScratch));
+      p.x, xStride, p.rows, p.in, p.splitInput, static_cast<__nv_bfloat16 *>(p.xScratch));
   if (cudaError_t status = cudaGetLastError())
     return int(status);
+  // Split: one GEMM over the stacked halves into the scratch, then their sum into y.
+  const int64_t gemmRows = p.splitInput ? 2 * p.rows : p.rows;
+  float *gemmY = p.splitInput ? p.splitOutput : p.y;
+  const int64_t gemmYStride = p.splitInput ? p.out : yStride;
   Algorithm *algorithm = nullptr;
-  if (int code = algorithmFor(p.rows, p.in, p.out, weightStride, yStride, algorithm))
+  if (int code = algorithmFor(Key{gemmRows, p.in, p.out, weightStride, gemmYStride,
+                                  alignmentOf(p.weight), alignmentOf(p.xScratch),
+                                  alignmentOf(gemmY)},
+                              algorithm))
     return code;
-  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
-  return cublasCode(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), algorithm->operation,
-                                   &alpha, p.weight, algorithm->weight, p.xScratch, algorithm->x,
-                                   &beta, p.y, algorithm->y, p.y, algorithm->y,
-                                   &algorithm->algorithm, workspace_, workspaceBytes_,
-                                   cudaStream));
+  const float alpha = 1.0f, beta = p.accumulate && !p.splitInput ? 1.0f : 0.0f;
+  if (int code = cublasCode(cublasLtMatmul(
+          static_cast<cublasLtHandle_t>(handle_), algorithm->operation, &alpha, p.weight,
+          algorithm->weight, p.xScratch, algorithm->x, &beta, gemmY, algorithm->y, gemmY,
+          algorithm->y, &algorithm->algorithm, workspace_, workspaceBytes_, cudaStream)))
+    return code;
+  if (!p.splitInput)
+    return 0;
+  const int64_t outputs = p.rows * p.out;
+  sumSplitProducts<<<int(std::min<int64_t>((outputs + threads - 1) / threads, 4096)), threads, 0,
+                     cudaStream>>>(p.splitOutput, p.rows, p.out, p.y, yStride, p.accumulate);
+  return int(cudaGetLastError());
 }
 
 const char *linearErrorText(int code) {

@@ -172,6 +172,16 @@ StatusOr<std::span<float>> RecurrentStatePool::convState(int32_t stateSlot, int3
                           static_cast<size_t>(layer.shape.convStateElements()));
 }
 
+StatusOr<uint64_t> RecurrentStatePool::stateOffset(int32_t stateSlot, int32_t slot) const {
+  HYBRID_RETURN_IF_ERROR(checkLayerAndSlot(stateSlot, slot));
+  return static_cast<uint64_t>(slot) * slotElements_ + layers_[stateSlot].stateOffset;
+}
+
+StatusOr<uint64_t> RecurrentStatePool::convStateOffset(int32_t stateSlot, int32_t slot) const {
+  HYBRID_RETURN_IF_ERROR(checkLayerAndSlot(stateSlot, slot));
+  return static_cast<uint64_t>(slot) * slotElements_ + layers_[stateSlot].convOffset;
+}
+
 StatusOr<RecurrentStateSnapshot> RecurrentStatePool::snapshot(int32_t slot) const {
   return catchExceptions("recurrent state pool", [&]() -> StatusOr<RecurrentStateSnapshot> {
     HYBRID_RETURN_IF_ERROR(checkSlot(slot));

@@ -1,6 +1,9 @@
 #include "hybrid/runtime/Model.h"
 
 #include "cpu/CpuExecutor.h"
+#ifdef HYBRID_HAS_CUDA_DEVICE
+#include "cuda/CudaExecutor.h"
+#endif
 #include "hybrid/runtime/Memory.h"
 #include "hybrid/runtime/Plan.h"
 #include "hybrid/runtime/Safetensors.h"
@@ -150,6 +153,10 @@ struct Model::Impl {
   ProgramRunner prefill;
   ProgramRunner decode;
   std::vector<std::vector<float>> kvStaging;
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  // The cuda device; the members above still serve the dispatches it runs on the cpu reference.
+  std::unique_ptr<cudadev::CudaExecutor> cuda;
+#endif
 
   Impl(std::string dir, LoadOptions options, LoadedPlan plan, WeightArchive archive,
        PagedKvCache kvCache, RecurrentStatePool states)
@@ -184,6 +191,10 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   for (auto &rowsOfSlot : kvStaging)
     rowsOfSlot.clear();
 
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (cuda)
+    return cuda->run(context, tokens, logitsOut, hidden);
+#endif
   const fb::Value *ids = program->values()->Get(program->token_ids());
   HYBRID_ASSIGN_OR_RETURN(std::span<int64_t> idSlot,
                           runner.arena.viewAs<int64_t>(ids->arena_offset(), rows));
@@ -212,10 +223,21 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   return Status::ok();
 }
 
+#ifdef HYBRID_HAS_CUDA_DEVICE
+constexpr const char *kDevices = "cpu, cuda";
+#else
+constexpr const char *kDevices = "cpu";
+#endif
+
 StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadOptions &options) {
+  const bool cudaDevice = options.device == "cuda";
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (options.device != "cpu" && !cudaDevice)
+#else
   if (options.device != "cpu")
+#endif
     return Status::error("device '" + options.device +
-                         "' is not available in this build (available: cpu)");
+                         "' is not available in this build (available: " + kDevices + ")");
   HYBRID_ASSIGN_OR_RETURN(LoadedPlan plan, LoadedPlan::load(dir + "/plan.hyplan"));
   HYBRID_RETURN_IF_ERROR(checkTarget(plan, options.device, /*worldSize=*/1));
   HYBRID_ASSIGN_OR_RETURN(WeightArchive archive, WeightArchive::open(dir + "/weights.hyw"));
@@ -265,6 +287,17 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
       return Status::error(impl->plan.path() + ": the plan has no '" + name + "' program");
     HYBRID_ASSIGN_OR_RETURN(runner->arena, Arena::create(runner->program->arena_bytes()));
   }
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (cudaDevice) {
+    auto cuda = cudadev::CudaExecutor::create(dir, root, impl->archive, impl->weights,
+                                              impl->states, options.bf16GemmInputs);
+    if (!cuda)
+      return Status(cuda.status()).withContext("cuda device");
+    impl->cuda = std::move(*cuda);
+  }
+#else
+  (void)cudaDevice;
+#endif
   return std::unique_ptr<Model>(new Model(std::move(impl)));
 }
 
@@ -275,12 +308,27 @@ const fb::Plan &Model::plan() const { return impl_->plan.plan(); }
 int64_t Model::vocabSize() const { return plan().vocab_size(); }
 int64_t Model::hiddenSize() const { return plan().hidden_size(); }
 
+std::string Model::placementReport() const {
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (impl_->cuda)
+    return impl_->cuda->placementReport();
+#endif
+  return {};
+}
+
 StatusOr<std::unique_ptr<Sequence>> Model::newSequence() {
   auto free = std::find(impl_->kvSequenceInUse.begin(), impl_->kvSequenceInUse.end(), false);
   if (free == impl_->kvSequenceInUse.end())
     return Status::error("all " + std::to_string(impl_->options.maxSequences) +
                          " sequences are in use (LoadOptions::maxSequences)");
   HYBRID_ASSIGN_OR_RETURN(int32_t stateSlot, impl_->states.allocate());
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (impl_->cuda)
+    if (Status reset = impl_->cuda->resetSlot(stateSlot); !reset) {
+      (void)impl_->states.release(stateSlot);
+      return reset;
+    }
+#endif
   const int32_t kvSequence = static_cast<int32_t>(free - impl_->kvSequenceInUse.begin());
   *free = true;
   return std::unique_ptr<Sequence>(new Sequence(*this, kvSequence, stateSlot));

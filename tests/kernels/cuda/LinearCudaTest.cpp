@@ -30,6 +30,7 @@ std::vector<uint16_t> bf16Bits(const std::vector<float> &values) {
 struct Shape {
   int64_t rows, in, out, xPad, weightPad, yPad;
   bool accumulate;
+  bool split = false; // x as two bf16 halves: compared with the unrounded x
 };
 
 class LinearCuda : public testing::TestWithParam<Shape> {};
@@ -53,14 +54,16 @@ TEST_P(LinearCuda, MatchesReferenceOnBf16Operands) {
     for (int64_t k = 0; k < s.in; ++k)
       wRows[n * s.in + k] = weight[n * wStride + k];
   std::vector<float> product(size_t(s.rows * s.out));
-  ref::linear(roundedToBf16(xRows), wRows, product, s.rows, s.in, s.out);
+  // Split inputs carry ~16 significant bits: the reference takes x as it is.
+  ref::linear(s.split ? xRows : roundedToBf16(xRows), wRows, product, s.rows, s.in, s.out);
   std::vector<float> expected = y;
   for (int64_t r = 0; r < s.rows; ++r)
     for (int64_t n = 0; n < s.out; ++n)
       expected[r * yStride + n] = product[r * s.out + n] + (s.accumulate ? y[r * yStride + n] : 0);
 
   DeviceBuffer<float> dX(x), dY(y);
-  DeviceBuffer<uint16_t> dW(bf16Bits(weight)), scratch(std::vector<uint16_t>(s.rows * s.in));
+  DeviceBuffer<uint16_t> dW(bf16Bits(weight)), scratch(std::vector<uint16_t>(2 * s.rows * s.in));
+  DeviceBuffer<float> splitOutput(std::vector<float>(size_t(2 * s.rows * s.out)));
   cuda::LinearContext context;
   ASSERT_EQ(context.init(), 0);
   cuda::LinearParams p;
@@ -75,6 +78,10 @@ TEST_P(LinearCuda, MatchesReferenceOnBf16Operands) {
   p.yStride = yStride;
   p.accumulate = s.accumulate;
   p.xScratch = scratch.data;
+  p.splitInput = s.split;
+  p.splitOutput = splitOutput.data;
+  // bf16 inputs: only the summation order differs. Split inputs: x - hi - lo is below 2^-18 |x|.
+  const double bound = s.split ? 2e-5 : 1e-5;
   for (int call = 0; call < 2; ++call) { // the second call reuses the cached algorithm
     if (call == 1) {
       ASSERT_EQ(cudaMemcpy(dY.data, y.data(), y.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
@@ -83,7 +90,7 @@ TEST_P(LinearCuda, MatchesReferenceOnBf16Operands) {
     ASSERT_EQ(code, 0) << cuda::linearErrorText(code);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     // Padding columns of y are untouched; the rest matches up to fp32 summation order.
-    EXPECT_LT(relativeRms(dY.download(), expected), 1e-5) << "call " << call;
+    EXPECT_LT(relativeRms(dY.download(), expected), bound) << "call " << call;
   }
 }
 
@@ -91,7 +98,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearCuda,
                          testing::Values(Shape{1, 64, 96, 0, 0, 0, false},
                                          Shape{7, 2304, 512, 8, 0, 16, false},
                                          Shape{64, 128, 4096, 0, 8, 0, true},
-                                         Shape{3, 72, 40, 4, 8, 4, true}),
+                                         Shape{3, 72, 40, 4, 8, 4, true},
+                                         Shape{1, 256, 128, 0, 0, 0, false, true},
+                                         Shape{9, 2304, 512, 8, 0, 16, true, true}),
                          [](const testing::TestParamInfo<Shape> &info) {
                            const Shape &s = info.param;
                            std::string name = std::to_string(s.rows);
@@ -101,6 +110,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearCuda,
                            name += std::to_string(s.out);
                            name += s.xPad || s.weightPad || s.yPad ? "_strided" : "";
                            name += s.accumulate ? "_accumulate" : "";
+                           name += s.split ? "_split" : "";
                            return name;
                          });
 

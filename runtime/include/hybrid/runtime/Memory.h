@@ -228,6 +228,13 @@ public:
   StatusOr<std::span<float>> state(int32_t stateSlot, int32_t slot);
   StatusOr<std::span<float>> convState(int32_t stateSlot, int32_t slot);
 
+  // Where those start, in floats from the pool's first slot, and the pool's size in floats: a
+  // device mirror of the pool (the cuda device's) uses the same layout.
+  StatusOr<uint64_t> stateOffset(int32_t stateSlot, int32_t slot) const;
+  StatusOr<uint64_t> convStateOffset(int32_t stateSlot, int32_t slot) const;
+  uint64_t slotElements() const { return slotElements_; }
+  uint64_t totalElements() const { return slotElements_ * static_cast<uint64_t>(numSlots_); }
+
   // Copies a slot's state out / back in (all layers).
   StatusOr<RecurrentStateSnapshot> snapshot(int32_t slot) const;
   Status restore(int32_t slot, const RecurrentStateSnapshot &snapshot);

@@ -7,8 +7,10 @@
 //   auto next = (*sequence)->decode(token);        // [vocab]
 //
 // Devices: `cpu` runs every kernel through the reference implementations in kernels/ref (fp32
-// accumulation, all cores); it is the oracle the `cuda` device is checked against. A Model runs
-// one step at a time (its arenas are shared by its sequences); use one Model per thread.
+// accumulation, all cores); it is the oracle the `cuda` device is checked against. `cuda` (in
+// builds with CUDA) runs the plan's dispatches on the GPU, and those it has no GPU kernel for yet
+// on the cpu reference (placementReport says which). A Model runs one step at a time (its arenas
+// are shared by its sequences); use one Model per thread.
 #pragma once
 
 #include "hybrid/runtime/Status.h"
@@ -23,7 +25,7 @@
 namespace hybrid {
 
 struct LoadOptions {
-  std::string device = "cpu";
+  std::string device = "cpu"; // "cpu", or "cuda" for a plan compiled with --device=cuda
   int32_t maxSequences = 4;         // sequences that can be alive at once
   int64_t maxContextTokens = 8192;  // KV-cache pages are sized for this many tokens per sequence
   bool verifyWeightContents = false; // re-hash every archive entry at load
@@ -31,6 +33,9 @@ struct LoadOptions {
   // from this seed that respects the plan's streams and events. Results must not change: this is
   // how tests check that the compiler's stream assignment and memory plan are race free.
   uint64_t scheduleSeed = 0;
+  // cuda device: round GEMM inputs to bf16 (faster) instead of splitting them into two bf16
+  // halves (about 16 significant bits, what comparisons with the fp32 oracle need).
+  bool bf16GemmInputs = false;
 };
 
 // The residual stream after the embedding, after each decoder layer and after the final norm
@@ -81,6 +86,9 @@ public:
   const plan::fb::Plan &plan() const;
   int64_t vocabSize() const;
   int64_t hiddenSize() const;
+  // Which kernels run on the GPU and which on the cpu reference, a line per program (cuda
+  // device); empty on the cpu device.
+  std::string placementReport() const;
 
   // A fresh sequence (zero state, empty cache); fails when maxSequences are alive.
   StatusOr<std::unique_ptr<Sequence>> newSequence();

@@ -1,7 +1,10 @@
 // Linear layers on CUDA through cuBLASLt: y[rows, out] = x[rows, in] W^T (+ y), with W the
 // checkpoint's nn.Linear weight [out, in], row-major, in bf16 (the "BF16 projections" role of the
-// quantization policy) and x, y the runtime's fp32 activations. x is rounded to bf16 once, in a
-// caller-provided scratch, and the products accumulate in fp32. CUDA-free header.
+// quantization policy) and x, y the runtime's fp32 activations; products accumulate in fp32.
+// x reaches the tensor cores either rounded to bf16 (8 significant bits), or split into
+// hi = bf16(x) and lo = bf16(x - hi) (about 16 bits, close to the fp32 oracle): the two halves
+// are stacked as 2 x rows rows of one GEMM, so the weights are still read once, and summed.
+// CUDA-free header.
 #pragma once
 
 #include <cstddef>
@@ -22,7 +25,9 @@ struct LinearParams {
   float *y = nullptr;            // [rows, out], row stride yStride (>= out)
   int64_t yStride = 0;           // 0: out
   bool accumulate = false;       // y += x W^T instead of y = x W^T
-  void *xScratch = nullptr;      // bf16 [rows, in], contiguous: x rounded to bf16
+  void *xScratch = nullptr;      // bf16 [rows, in] ([2 rows, in] when split): x in bf16
+  bool splitInput = false;       // x as hi + lo (see above)
+  float *splitOutput = nullptr;  // split only: fp32 [2 rows, out] scratch for the two products
 };
 
 // Owns a cuBLASLt handle, its workspace and the algorithms chosen per shape. Not thread-safe;
@@ -42,13 +47,15 @@ public:
 
 private:
   struct Algorithm;
-  int algorithmFor(int64_t rows, int64_t in, int64_t out, int64_t weightStride, int64_t yStride,
-                   Algorithm *&algorithm);
+  // One cuBLASLt problem: shapes, strides and the alignment (bytes, up to 256) of each pointer,
+  // which decides the algorithms allowed.
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int>;
+  int algorithmFor(const Key &key, Algorithm *&algorithm);
 
   void *handle_ = nullptr;
   void *workspace_ = nullptr;
   size_t workspaceBytes_ = 0;
-  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>, Algorithm *> algorithms_;
+  std::map<Key, Algorithm *> algorithms_;
 };
 
 // The name of a code returned above: a CUDA error or a cuBLASLt status.

@@ -1,0 +1,663 @@
+#include "cuda/CudaExecutor.h"
+
+#include "hybrid/kernels/cuda/Elementwise.h"
+#include "hybrid/kernels/cuda/KdaDecode.h"
+#include "hybrid/kernels/cuda/KdaPrefill.h"
+#include "hybrid/kernels/cuda/Linear.h"
+#include "hybrid/kernels/cuda/Norm.h"
+#include "hybrid/runtime/Memory.h"
+#include "runtime/schema/kernel_signatures.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+namespace hybrid::cudadev {
+namespace fb = plan::fb;
+namespace kc = kernels::cuda;
+
+namespace {
+
+std::string kernelName(fb::KernelId kernel) {
+  const plan::KernelSignature *signature = plan::kernelSignature(kernel);
+  return signature ? std::string(signature->name) : "kernel " + std::to_string(int(kernel));
+}
+
+Status cudaStatus(cudaError_t status, const std::string &what) {
+  if (status == cudaSuccess)
+    return Status::ok();
+  return Status::error(what + ": cuda: " + cudaGetErrorName(status) + " (" +
+                       cudaGetErrorString(status) + ")");
+}
+
+// A kernel launcher's int result (a cudaError_t, or a cuBLASLt status for GEMMs) as a Status.
+Status launchStatus(int code, const char *what) {
+  if (code == 0)
+    return Status::ok();
+  return Status::error(std::string(what) + ": " + kc::linearErrorText(code));
+}
+
+#define CUDA_RETURN_IF_ERROR(expr, what) HYBRID_RETURN_IF_ERROR(cudaStatus((expr), (what)))
+#define LAUNCH_RETURN_IF_ERROR(expr, what) HYBRID_RETURN_IF_ERROR(launchStatus((expr), (what)))
+
+// KDA weight roles (KdaParams in plan.fbs).
+enum KdaRole { Q, Kp, V, QConv, KConv, VConv, FA, FB, ALog, DtBias, B, GA, GB, G, ONorm, O };
+
+size_t alignUp(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+} // namespace
+
+// Per stream: its own cuBLASLt workspace and scratch, so steps on different streams never share
+// a buffer.
+struct StreamResources {
+  cudaStream_t stream = nullptr;
+  kc::LinearContext linear;
+  void *xBf16 = nullptr; // GEMM inputs in bf16 (both halves when split)
+  float *splitOutput = nullptr; // the two halves' products of a split GEMM
+  float *scratch = nullptr;
+  void *kdaWorkspace = nullptr;
+  int32_t *cuSeqlens = nullptr; // {0, rows} for a one-sequence prefill
+};
+
+struct CudaExecutor::Impl {
+  std::string dir;
+  const fb::Plan *plan = nullptr;
+  std::vector<const fb::Program *> programs;
+  unsigned char *weights = nullptr; // the archive's data region, at the plan's offsets
+  std::vector<fb::DType> weightTypes;
+  std::map<int32_t, float *> fp32Weights;          // small weights the kernels read as fp32
+  std::map<const fb::Dispatch *, float *> kdaConvTaps; // [3, P, W]: q, k, v taps together
+  unsigned char *pool = nullptr;                   // the one allocation of everything else
+  std::vector<unsigned char *> arenas;             // per program
+  float *states = nullptr;                         // mirror of the RecurrentStatePool
+  uint64_t slotElements = 0;
+  std::vector<std::unique_ptr<StreamResources>> streams;
+  std::vector<cudaEvent_t> events;
+  std::set<const fb::Dispatch *> onCpu;
+  size_t scratchFloats = 0, xBf16Elements = 0, kdaWorkspaceBytes = 0, gemmOutputs = 0;
+  bool splitGemmInputs = true;
+
+  ~Impl() {
+    for (cudaEvent_t event : events)
+      cudaEventDestroy(event);
+    for (auto &resources : streams)
+      if (resources->stream)
+        cudaStreamDestroy(resources->stream);
+    for (auto &[index, pointer] : fp32Weights)
+      cudaFree(pointer);
+    for (auto &[dispatch, pointer] : kdaConvTaps)
+      cudaFree(pointer);
+    cudaFree(pool);
+    cudaFree(weights);
+  }
+
+  const void *weight(int32_t index) const {
+    return weights + plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->offset();
+  }
+  bool gemmWeight(int32_t index) const {
+    return index >= 0 && weightTypes[static_cast<size_t>(index)] == fb::DType::BF16 &&
+           plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->layout() ==
+               fb::Layout::RowMajor;
+  }
+  int64_t weightRows(int32_t index) const {
+    return plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->shape()->Get(0);
+  }
+  bool runsOnGpu(const fb::Dispatch &dispatch) const;
+  Status runOnGpu(const fb::Program &program, const fb::Dispatch &dispatch,
+                  StreamResources &resources, const cpu::StepContext &host);
+  Status runOnCpu(const fb::Program &program, const fb::Dispatch &dispatch, unsigned char *arena,
+                  const cpu::StepContext &host);
+  Status runKda(const fb::Program &program, const fb::Dispatch &dispatch,
+                StreamResources &resources, const cpu::StepContext &host);
+  Status gemm(StreamResources &resources, const float *x, int64_t xStride, int32_t weightIndex,
+              float *y, int64_t yStride, int64_t rows, int64_t in, int64_t out);
+};
+
+namespace {
+
+const fb::Value &valueOf(const fb::Program &program, int32_t index) {
+  return *program.values()->Get(static_cast<flatbuffers::uoffset_t>(index));
+}
+
+uint64_t valueBytes(const fb::Value &value, int64_t rows) {
+  return static_cast<uint64_t>(rows * value.row_elements()) * dtypeByteSize(value.dtype());
+}
+
+} // namespace
+
+bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
+  auto weightAt = [&](int role) {
+    return d.weights() && role < static_cast<int>(d.weights()->size()) ? d.weights()->Get(role)
+                                                                        : -1;
+  };
+  switch (d.kernel()) {
+  case fb::KernelId::Embed: {
+    const int32_t table = weightAt(0);
+    return table >= 0 && (weightTypes[table] == fb::DType::BF16 ||
+                          weightTypes[table] == fb::DType::F32);
+  }
+  case fb::KernelId::RmsNorm:
+  case fb::KernelId::AddRmsNorm:
+  case fb::KernelId::Add:
+    return true;
+  case fb::KernelId::Linear:
+  case fb::KernelId::LmHead:
+    return gemmWeight(weightAt(0));
+  case fb::KernelId::Mlp:
+    return gemmWeight(weightAt(0)) && gemmWeight(weightAt(1)) && gemmWeight(weightAt(2));
+  case fb::KernelId::KdaChunkPrefill:
+  case fb::KernelId::KdaRecurrentDecode: {
+    const fb::KdaParams *p = d.params_as_KdaParams();
+    if (!p || p->state_layout() != fb::StateLayout::KMajor || p->conv_kernel() < 1 ||
+        p->conv_kernel() > kc::kKdaMaxConvKernel || (p->head_dim() != 64 && p->head_dim() != 128))
+      return false;
+    for (int role : {Q, Kp, V, FA, FB, B, O})
+      if (!gemmWeight(weightAt(role)))
+        return false;
+    if (weightAt(G) >= 0)
+      return gemmWeight(weightAt(G));
+    return gemmWeight(weightAt(GA)) && gemmWeight(weightAt(GB));
+  }
+  default:
+    return false; // MLA, DSA, MoE, AttnRes: the cpu reference until their kernels land
+  }
+}
+
+Status CudaExecutor::Impl::gemm(StreamResources &r, const float *x, int64_t xStride,
+                                int32_t weightIndex, float *y, int64_t yStride, int64_t rows,
+                                int64_t in, int64_t out) {
+  kc::LinearParams p;
+  p.rows = rows;
+  p.in = in;
+  p.out = out;
+  p.x = x;
+  p.xStride = xStride;
+  p.weight = weight(weightIndex);
+  p.y = y;
+  p.yStride = yStride;
+  p.xScratch = r.xBf16;
+  p.splitInput = splitGemmInputs;
+  p.splitOutput = r.splitOutput;
+  const fb::Weight *w = plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(weightIndex));
+  if (static_cast<size_t>(rows * in) > xBf16Elements ||
+      static_cast<size_t>(rows * out) > gemmOutputs)
+    return Status::error("GEMM of " + std::to_string(rows) + "x" + std::to_string(in) + "x" +
+                         std::to_string(out) + " is larger than the scratch planned at load");
+  LAUNCH_RETURN_IF_ERROR(r.linear.run(p, r.stream), ("GEMM with '" + w->name()->str() + "'").c_str());
+  return Status::ok();
+}
+
+Status CudaExecutor::Impl::runKda(const fb::Program &program, const fb::Dispatch &d,
+                                  StreamResources &r, const cpu::StepContext &host) {
+  const fb::KdaParams *p = d.params_as_KdaParams();
+  unsigned char *arena = arenas[program.name()->str() == "prefill" ? 0 : 1];
+  const int64_t T = host.rows;
+  const fb::Value &in = valueOf(program, d.inputs()->Get(0));
+  const float *x = reinterpret_cast<const float *>(arena + in.arena_offset());
+  float *out = reinterpret_cast<float *>(
+      arena + valueOf(program, d.outputs()->Get(0)).arena_offset());
+  const int64_t dModel = in.row_elements(), H = p->num_heads(), K = p->head_dim(), P = H * K;
+  const int64_t W = p->conv_kernel();
+  auto role = [&](int index) { return d.weights()->Get(index); };
+  const int64_t rankF = weightRows(role(FA));
+  const int64_t rankG = role(G) >= 0 ? 0 : weightRows(role(GA));
+
+  // Scratch, each 256-byte aligned: qkv [T, 3P], forget [T, P], beta [T, H], gate [T, P],
+  // o [T, P], low-rank [T, r].
+  float *next = r.scratch;
+  auto carve = [&](int64_t floats) {
+    float *start = next;
+    next += (floats + 63) / 64 * 64;
+    return start;
+  };
+  float *qkv = carve(T * 3 * P), *forget = carve(T * P), *beta = carve(T * H);
+  float *gate = carve(T * P), *o = carve(T * P), *lowRank = next;
+  HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(Q), qkv, 3 * P, T, dModel, P));
+  HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(Kp), qkv + P, 3 * P, T, dModel, P));
+  HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(V), qkv + 2 * P, 3 * P, T, dModel, P));
+  HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(FA), lowRank, rankF, T, dModel, rankF));
+  HYBRID_RETURN_IF_ERROR(gemm(r, lowRank, rankF, role(FB), forget, P, T, rankF, P));
+  HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(B), beta, H, T, dModel, H));
+  if (role(G) >= 0) {
+    HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(G), gate, P, T, dModel, P));
+  } else {
+    HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(GA), lowRank, rankG, T, dModel, rankG));
+    HYBRID_RETURN_IF_ERROR(gemm(r, lowRank, rankG, role(GB), gate, P, T, rankG, P));
+  }
+
+  kc::KdaLayerWeights weights;
+  weights.convWeight = kdaConvTaps.at(&d);
+  weights.aLog = fp32Weights.at(role(ALog));
+  weights.dtBias = fp32Weights.at(role(DtBias));
+  weights.normWeight = fp32Weights.at(role(ONorm));
+  weights.normEpsilon = p->norm_epsilon();
+  weights.lowerBoundGate = p->gate() == fb::KdaGate::LowerBound;
+  weights.lowerBound = p->gate_lower_bound();
+  // RecurrentStatePool (host) checks the slot and hands out the layout; the device mirror has it.
+  HYBRID_ASSIGN_OR_RETURN(uint64_t stateOffset,
+                          host.states->stateOffset(p->state_slot(), host.stateSlot));
+  HYBRID_ASSIGN_OR_RETURN(uint64_t convOffset,
+                          host.states->convStateOffset(p->state_slot(), host.stateSlot));
+  if (d.kernel() == fb::KernelId::KdaRecurrentDecode) {
+    if (T != 1)
+      return Status::error("the decode kernel runs one token per sequence, this step has " +
+                           std::to_string(T));
+    kc::KdaDecodeParams step;
+    step.batch = 1;
+    step.heads = static_cast<int32_t>(H);
+    step.headDim = static_cast<int32_t>(K);
+    step.convKernel = static_cast<int32_t>(W);
+    step.weights = weights;
+    step.qkv = qkv;
+    step.forget = forget;
+    step.betaLogits = beta;
+    step.outputGate = gate;
+    step.convState = states + convOffset;
+    step.state = states + stateOffset;
+    step.out = o;
+    step.workspace = r.kdaWorkspace;
+    if (kc::kdaDecodeWorkspaceBytes(step) > kdaWorkspaceBytes)
+      return Status::error("KDA decode workspace larger than planned at load");
+    LAUNCH_RETURN_IF_ERROR(kc::launchKdaFusedDecode(step, r.stream), "KDA decode step");
+  } else {
+    const int32_t cuSeqlens[2] = {0, static_cast<int32_t>(T)};
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(r.cuSeqlens, cuSeqlens, sizeof cuSeqlens,
+                                         cudaMemcpyHostToDevice, r.stream),
+                         "cu_seqlens upload");
+    kc::KdaPrefillParams prefill;
+    prefill.sequences = 1;
+    prefill.heads = static_cast<int32_t>(H);
+    prefill.headDim = static_cast<int32_t>(K);
+    prefill.convKernel = static_cast<int32_t>(W);
+    prefill.weights = weights;
+    prefill.cuSeqlens = r.cuSeqlens;
+    prefill.qkv = qkv;
+    prefill.forget = forget;
+    prefill.betaLogits = beta;
+    prefill.outputGate = gate;
+    prefill.convState = states + convOffset;
+    prefill.state = states + stateOffset;
+    prefill.out = o;
+    prefill.tokens = static_cast<int32_t>(T);
+    prefill.workspace = r.kdaWorkspace;
+    if (kc::kdaPrefillWorkspaceBytes(prefill) > kdaWorkspaceBytes)
+      return Status::error("KDA prefill workspace larger than planned at load");
+    LAUNCH_RETURN_IF_ERROR(kc::launchKdaPrefill(prefill, r.stream), "KDA prefill");
+  }
+  return gemm(r, o, P, role(O), out, dModel, T, P, dModel);
+}
+
+Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, const fb::Dispatch &d,
+                                    StreamResources &r, const cpu::StepContext &host) {
+  unsigned char *arena = arenas[program.name()->str() == "prefill" ? 0 : 1];
+  const int64_t rows = host.rows;
+  auto input = [&](int position) {
+    return reinterpret_cast<float *>(arena + valueOf(program, d.inputs()->Get(position)).arena_offset());
+  };
+  auto output = [&](int position) {
+    return reinterpret_cast<float *>(arena + valueOf(program, d.outputs()->Get(position)).arena_offset());
+  };
+  auto width = [&](int32_t value) { return valueOf(program, value).row_elements(); };
+  auto role = [&](int index) {
+    return d.weights() && index < static_cast<int>(d.weights()->size()) ? d.weights()->Get(index)
+                                                                        : -1;
+  };
+  auto normWeight = [&]() -> const float * {
+    return role(0) >= 0 ? fp32Weights.at(role(0)) : nullptr;
+  };
+  switch (d.kernel()) {
+  case fb::KernelId::Embed: {
+    const int32_t table = role(0);
+    const int64_t vocab = weightRows(table), dim = width(d.outputs()->Get(0));
+    const auto *ids = reinterpret_cast<const int64_t *>(
+        arena + valueOf(program, d.inputs()->Get(0)).arena_offset());
+    LAUNCH_RETURN_IF_ERROR(kc::launchEmbed(ids, rows, weight(table),
+                                           weightTypes[table] == fb::DType::BF16
+                                               ? kc::TableType::BF16
+                                               : kc::TableType::F32,
+                                           vocab, dim, output(0), r.stream),
+                           "embedding gather");
+    return Status::ok();
+  }
+  case fb::KernelId::RmsNorm:
+  case fb::KernelId::AddRmsNorm: {
+    const bool add = d.kernel() == fb::KernelId::AddRmsNorm;
+    kc::RmsNormParams p;
+    p.rows = rows;
+    p.dim = width(d.inputs()->Get(0));
+    p.epsilon = d.params_as_RmsNormParams()->epsilon();
+    p.x = input(0);
+    p.addend = add ? input(1) : nullptr;
+    p.sum = add ? output(0) : nullptr;
+    p.weight = normWeight();
+    p.y = add ? output(1) : output(0);
+    LAUNCH_RETURN_IF_ERROR(kc::launchRmsNorm(p, r.stream), "RMSNorm");
+    return Status::ok();
+  }
+  case fb::KernelId::Add:
+    LAUNCH_RETURN_IF_ERROR(kc::launchAdd(input(0), input(1), output(0),
+                                         rows * width(d.outputs()->Get(0)), r.stream),
+                           "add");
+    return Status::ok();
+  case fb::KernelId::Linear:
+  case fb::KernelId::LmHead: {
+    const int64_t in = width(d.inputs()->Get(0)), out = width(d.outputs()->Get(0));
+    return gemm(r, input(0), in, role(0), output(0), out, rows, in, out);
+  }
+  case fb::KernelId::Mlp: {
+    const int64_t dModel = width(d.inputs()->Get(0)), inner = weightRows(role(0));
+    float *gateUp = r.scratch, *hidden = gateUp + (rows * 2 * inner + 63) / 64 * 64;
+    HYBRID_RETURN_IF_ERROR(gemm(r, input(0), dModel, role(0), gateUp, 2 * inner, rows, dModel,
+                                inner));
+    HYBRID_RETURN_IF_ERROR(gemm(r, input(0), dModel, role(1), gateUp + inner, 2 * inner, rows,
+                                dModel, inner));
+    LAUNCH_RETURN_IF_ERROR(
+        kc::launchSiluMul(gateUp, gateUp + inner, rows, inner, 2 * inner, hidden, r.stream),
+        "silu(gate) * up");
+    return gemm(r, hidden, inner, role(2), output(0), dModel, rows, inner, dModel);
+  }
+  case fb::KernelId::KdaChunkPrefill:
+  case fb::KernelId::KdaRecurrentDecode:
+    return runKda(program, d, r, host);
+  default:
+    return Status::error("no GPU kernel (placement error)");
+  }
+}
+
+Status CudaExecutor::Impl::runOnCpu(const fb::Program &program, const fb::Dispatch &d,
+                                    unsigned char *arena, const cpu::StepContext &host) {
+  // Everything before this step has finished; its inputs go down, its outputs come back up.
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), "before a cpu step");
+  HYBRID_ASSIGN_OR_RETURN(std::span<std::byte> hostArena,
+                          host.arena->view(0, program.arena_bytes()));
+  for (int32_t index : *d.inputs()) {
+    const fb::Value &value = valueOf(program, index);
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(hostArena.data() + value.arena_offset(),
+                                    arena + value.arena_offset(), valueBytes(value, host.rows),
+                                    cudaMemcpyDeviceToHost),
+                         "download of a cpu step's input");
+  }
+  HYBRID_RETURN_IF_ERROR(cpu::runDispatch(host, d));
+  for (int32_t index : *d.outputs()) {
+    const fb::Value &value = valueOf(program, index);
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(arena + value.arena_offset(),
+                                    hostArena.data() + value.arena_offset(),
+                                    valueBytes(value, host.rows), cudaMemcpyHostToDevice),
+                         "upload of a cpu step's output");
+  }
+  return Status::ok();
+}
+
+StatusOr<std::unique_ptr<CudaExecutor>>
+CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightArchive &archive,
+                     const std::vector<std::vector<float>> &hostWeights,
+                     const RecurrentStatePool &states, bool bf16GemmInputs) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
+    return Status::error("no CUDA device");
+  auto impl = std::make_unique<Impl>();
+  impl->dir = dir;
+  impl->plan = &plan;
+  impl->splitGemmInputs = !bf16GemmInputs;
+  for (const char *name : {"prefill", "decode"}) {
+    const fb::Program *program = nullptr;
+    for (const fb::Program *candidate : *plan.programs())
+      if (candidate->name()->string_view() == name)
+        program = candidate;
+    if (!program)
+      return Status::error(dir + "/plan.hyplan: no '" + name + "' program");
+    impl->programs.push_back(program);
+  }
+
+  // Weights: the archive's entries at the plan's offsets, as stored.
+  const auto *weights = plan.weights();
+  const size_t numWeights = weights ? weights->size() : 0;
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->weights, std::max<uint64_t>(1, plan.weight_archive_bytes())),
+                       "weights (" + std::to_string(plan.weight_archive_bytes()) + " bytes)");
+  for (size_t i = 0; i < numWeights; ++i) {
+    const fb::Weight *weight = weights->Get(static_cast<flatbuffers::uoffset_t>(i));
+    const WeightArchiveEntry *entry = archive.find(weight->name()->string_view());
+    if (!entry)
+      return Status::error("weight '" + weight->name()->str() + "' is not in the archive");
+    std::span<const std::byte> bytes = archive.bytes(*entry);
+    if (weight->offset() + bytes.size() > plan.weight_archive_bytes())
+      return Status::error("weight '" + weight->name()->str() + "' ends past the archive");
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(impl->weights + weight->offset(), bytes.data(), bytes.size(),
+                                    cudaMemcpyHostToDevice),
+                         "upload of '" + weight->name()->str() + "'");
+    impl->weightTypes.push_back(entry->dtype);
+  }
+  auto uploadFloats = [&](const std::vector<float> &values, float *&device) -> Status {
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&device, std::max<size_t>(1, values.size()) * sizeof(float)),
+                         "small weights");
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(device, values.data(), values.size() * sizeof(float),
+                                    cudaMemcpyHostToDevice),
+                         "small weights");
+    return Status::ok();
+  };
+
+  // Placement, scratch sizes and fp32 copies of the small weights the GPU kernels read.
+  int32_t maxStreams = 1, maxEvents = 0;
+  int64_t maxRows = 1;
+  std::string report;
+  for (const fb::Program *program : impl->programs) {
+    const int64_t rows = std::max<int64_t>(1, program->max_tokens());
+    maxRows = std::max(maxRows, rows);
+    maxStreams = std::max(maxStreams, program->num_streams());
+    maxEvents = std::max(maxEvents, program->num_events());
+    std::map<std::string, int> gpu, cpuKernels;
+    for (const fb::Step *step : *program->steps()) {
+      const fb::Dispatch *d = step->op_as_Dispatch();
+      if (!d)
+        return Status::error(dir + "/plan.hyplan: program '" + program->name()->str() +
+                             "' has a step the cuda device does not run");
+      auto width = [&](int32_t value) { return valueOf(*program, value).row_elements(); };
+      if (!impl->runsOnGpu(*d)) {
+        impl->onCpu.insert(d);
+        ++cpuKernels[kernelName(d->kernel())];
+        continue;
+      }
+      ++gpu[kernelName(d->kernel())];
+      auto role = [&](int index) { return d->weights()->Get(index); };
+      size_t floats = 0, xWidth = 0, outWidth = 0;
+      switch (d->kernel()) {
+      case fb::KernelId::RmsNorm:
+      case fb::KernelId::AddRmsNorm:
+        if (d->weights() && d->weights()->size() > 0 && role(0) >= 0 &&
+            !impl->fp32Weights.count(role(0)))
+          HYBRID_RETURN_IF_ERROR(uploadFloats(hostWeights[role(0)], impl->fp32Weights[role(0)]));
+        break;
+      case fb::KernelId::Linear:
+      case fb::KernelId::LmHead:
+        xWidth = width(d->inputs()->Get(0));
+        outWidth = width(d->outputs()->Get(0));
+        break;
+      case fb::KernelId::Mlp: {
+        const int64_t inner = impl->weightRows(role(0));
+        floats = static_cast<size_t>(rows * 3 * inner + 64);
+        xWidth = outWidth = std::max<size_t>(width(d->inputs()->Get(0)), inner);
+        break;
+      }
+      case fb::KernelId::KdaChunkPrefill:
+      case fb::KernelId::KdaRecurrentDecode: {
+        const fb::KdaParams *p = d->params_as_KdaParams();
+        const int64_t H = p->num_heads(), P = H * p->head_dim(), W = p->conv_kernel();
+        const int64_t rankF = impl->weightRows(role(FA));
+        const int64_t rankG = role(G) >= 0 ? 0 : impl->weightRows(role(GA));
+        floats = static_cast<size_t>(rows * (3 * P + P + H + P + P + std::max(rankF, rankG)) +
+                                     6 * 64); // each part 256-byte aligned
+        xWidth = outWidth = std::max<size_t>({static_cast<size_t>(width(d->inputs()->Get(0))),
+                                              static_cast<size_t>(P), static_cast<size_t>(rankF),
+                                              static_cast<size_t>(rankG)});
+        for (int small : {ALog, DtBias, ONorm})
+          if (!impl->fp32Weights.count(role(small)))
+            HYBRID_RETURN_IF_ERROR(
+                uploadFloats(hostWeights[role(small)], impl->fp32Weights[role(small)]));
+        std::vector<float> taps;
+        for (int conv : {QConv, KConv, VConv}) {
+          const std::vector<float> &source = hostWeights[role(conv)];
+          if (static_cast<int64_t>(source.size()) != P * W)
+            return Status::error("weight '" +
+                                 plan.weights()->Get(role(conv))->name()->str() + "' has " +
+                                 std::to_string(source.size()) + " values, expected " +
+                                 std::to_string(P * W) + " conv taps");
+          taps.insert(taps.end(), source.begin(), source.end());
+        }
+        HYBRID_RETURN_IF_ERROR(uploadFloats(taps, impl->kdaConvTaps[d]));
+        kc::KdaPrefillParams prefill;
+        prefill.sequences = 1;
+        prefill.heads = static_cast<int32_t>(H);
+        prefill.headDim = p->head_dim();
+        prefill.tokens = static_cast<int32_t>(rows);
+        kc::KdaDecodeParams step;
+        step.batch = 1;
+        step.heads = static_cast<int32_t>(H);
+        step.headDim = p->head_dim();
+        impl->kdaWorkspaceBytes = std::max({impl->kdaWorkspaceBytes,
+                                            kc::kdaPrefillWorkspaceBytes(prefill),
+                                            kc::kdaDecodeWorkspaceBytes(step)});
+        break;
+      }
+      default:
+        break;
+      }
+      impl->scratchFloats = std::max(impl->scratchFloats, floats);
+      impl->xBf16Elements = std::max(impl->xBf16Elements, static_cast<size_t>(rows) * xWidth);
+      impl->gemmOutputs = std::max(impl->gemmOutputs, static_cast<size_t>(rows) * outWidth);
+    }
+    auto list = [](const std::map<std::string, int> &kernels) {
+      std::string text;
+      for (const auto &[name, count] : kernels)
+        text += (text.empty() ? "" : ", ") + name + " x" + std::to_string(count);
+      return text.empty() ? std::string("none") : text;
+    };
+    report += "cuda " + program->name()->str() + ": GPU: " + list(gpu) +
+              "; cpu reference: " + list(cpuKernels) + "\n";
+  }
+
+  // One allocation: the arenas, the state mirror, then per stream its scratch.
+  size_t bytes = 0;
+  std::vector<size_t> arenaOffsets;
+  for (const fb::Program *program : impl->programs) {
+    arenaOffsets.push_back(bytes);
+    bytes += alignUp(std::max<uint64_t>(1, program->arena_bytes()));
+  }
+  const size_t statesOffset = bytes;
+  impl->slotElements = states.slotElements();
+  bytes += alignUp(std::max<uint64_t>(1, states.totalElements()) * sizeof(float));
+  const size_t halves = impl->splitGemmInputs ? 2 : 1;
+  const size_t perStream = alignUp(std::max<size_t>(1, impl->xBf16Elements) * 2 * halves) +
+                           alignUp(std::max<size_t>(1, impl->gemmOutputs) * 4 * halves) +
+                           alignUp(std::max<size_t>(1, impl->scratchFloats) * sizeof(float)) +
+                           alignUp(std::max<size_t>(1, impl->kdaWorkspaceBytes)) +
+                           alignUp(2 * sizeof(int32_t));
+  const size_t streamsOffset = bytes;
+  bytes += perStream * static_cast<size_t>(maxStreams);
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->pool, bytes),
+                       "device pools (" + std::to_string(bytes) + " bytes)");
+  CUDA_RETURN_IF_ERROR(cudaMemset(impl->pool, 0, bytes), "device pools");
+  for (size_t offset : arenaOffsets)
+    impl->arenas.push_back(impl->pool + offset);
+  impl->states = reinterpret_cast<float *>(impl->pool + statesOffset);
+
+  for (int32_t s = 0; s < maxStreams; ++s) {
+    impl->streams.push_back(std::make_unique<StreamResources>());
+    StreamResources &r = *impl->streams.back();
+    CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking), "streams");
+    LAUNCH_RETURN_IF_ERROR(r.linear.init(), "cuBLASLt");
+    unsigned char *base = impl->pool + streamsOffset + perStream * static_cast<size_t>(s);
+    r.xBf16 = base;
+    base += alignUp(std::max<size_t>(1, impl->xBf16Elements) * 2 * halves);
+    r.splitOutput = reinterpret_cast<float *>(base);
+    base += alignUp(std::max<size_t>(1, impl->gemmOutputs) * 4 * halves);
+    r.scratch = reinterpret_cast<float *>(base);
+    base += alignUp(std::max<size_t>(1, impl->scratchFloats) * sizeof(float));
+    r.kdaWorkspace = base;
+    base += alignUp(std::max<size_t>(1, impl->kdaWorkspaceBytes));
+    r.cuSeqlens = reinterpret_cast<int32_t *>(base);
+  }
+  impl->events.resize(static_cast<size_t>(maxEvents));
+  for (cudaEvent_t &event : impl->events)
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "events");
+  auto executor = std::unique_ptr<CudaExecutor>(new CudaExecutor(std::move(impl)));
+  executor->report_ = std::move(report);
+  return executor;
+}
+
+CudaExecutor::CudaExecutor(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaExecutor::~CudaExecutor() = default;
+
+Status CudaExecutor::resetSlot(int32_t slot) {
+  CUDA_RETURN_IF_ERROR(cudaMemset(impl_->states + static_cast<uint64_t>(slot) * impl_->slotElements,
+                                  0, impl_->slotElements * sizeof(float)),
+                       "recurrent state reset");
+  return Status::ok();
+}
+
+Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> tokens,
+                         float *logitsOut, HiddenStates *hidden) {
+  Impl &impl = *impl_;
+  const fb::Program &program = *host.program;
+  const bool prefill = program.name()->str() == "prefill";
+  unsigned char *arena = impl.arenas[prefill ? 0 : 1];
+  const int64_t rows = host.rows;
+
+  const fb::Value &ids = valueOf(program, program.token_ids());
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(arena + ids.arena_offset(), tokens.data(),
+                                  tokens.size() * sizeof(int64_t), cudaMemcpyHostToDevice),
+                       "token ids upload");
+  const auto *layerOutputs = program.layer_outputs();
+  for (const fb::Step *step : *program.steps()) {
+    const fb::Dispatch &d = *step->op_as_Dispatch();
+    const std::string where = kernelName(d.kernel()) + " (layer " + std::to_string(d.layer()) + ")";
+    if (d.kernel() == fb::KernelId::Embed) {
+      // The ids are on the host: check them here, with the cpu device's words.
+      const int64_t vocab = impl.weightRows(d.weights()->Get(0));
+      for (size_t t = 0; t < tokens.size(); ++t)
+        if (tokens[t] < 0 || tokens[t] >= vocab)
+          return Status::error(where + ": token id " + std::to_string(tokens[t]) +
+                               " at position " + std::to_string(host.firstPosition + t) +
+                               " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    }
+    if (impl.onCpu.count(&d)) {
+      HYBRID_RETURN_IF_ERROR(
+          impl.runOnCpu(program, d, arena, host).withContext(where + " on the cpu reference"));
+    } else {
+      StreamResources &r = *impl.streams[static_cast<size_t>(std::max(0, d.stream())) %
+                                         impl.streams.size()];
+      if (d.wait_events())
+        for (int32_t event : *d.wait_events())
+          CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(r.stream, impl.events.at(event), 0), where);
+      HYBRID_RETURN_IF_ERROR(impl.runOnGpu(program, d, r, host).withContext(where));
+      if (d.signal_event() >= 0)
+        CUDA_RETURN_IF_ERROR(cudaEventRecord(impl.events.at(d.signal_event()), r.stream), where);
+      if (cudaError_t status = cudaPeekAtLastError(); status != cudaSuccess)
+        return cudaStatus(status, where);
+    }
+    if (!hidden || !layerOutputs)
+      continue;
+    // The residual stream, right after the step that makes it (its slot is reused later).
+    for (int32_t output : *d.outputs())
+      for (size_t i = 0; i < layerOutputs->size(); ++i) {
+        if (layerOutputs->Get(i) != output)
+          continue;
+        CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), where);
+        const fb::Value &value = valueOf(program, output);
+        std::vector<float> values(static_cast<size_t>(rows * value.row_elements()));
+        CUDA_RETURN_IF_ERROR(cudaMemcpy(values.data(), arena + value.arena_offset(),
+                                        values.size() * sizeof(float), cudaMemcpyDeviceToHost),
+                             where);
+        hidden->layers[i].insert(hidden->layers[i].end(), values.begin(), values.end());
+      }
+  }
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), program.name()->str() + " program");
+  const fb::Value &logits = valueOf(program, program.logits());
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(logitsOut, arena + logits.arena_offset(),
+                                  valueBytes(logits, rows), cudaMemcpyDeviceToHost),
+                       "logits download");
+  return Status::ok();
+}
+
+} // namespace hybrid::cudadev

@@ -1,0 +1,53 @@
+// The `cuda` device: runs a program's dispatches on the GPU (kernels/cuda) on the plan's streams
+// and events. Dispatches it has no GPU kernel for yet (MLA, DSA, MoE, AttnRes: issues 6 and 7) or
+// whose weights it cannot read on the GPU (anything but bf16 GEMM weights) run on the cpu
+// reference, on copies of exactly their input and output values; which ones do is decided once,
+// at load, and reported (placementReport). Internal to the runtime; built when CUDA is found.
+#pragma once
+
+#include "cpu/CpuExecutor.h"
+#include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Status.h"
+#include "hybrid/runtime/WeightArchive.h"
+#include "runtime/schema/plan_generated.h"
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace hybrid::cudadev {
+
+class CudaExecutor {
+public:
+  // Uploads the weights (GEMM weights as stored, small ones as fp32 from `hostWeights`) and makes
+  // one device allocation for the programs' arenas, a mirror of `states`, and the scratch every
+  // stream needs. GEMM inputs go to the tensor cores split into two bf16 halves (close to the fp32
+  // oracle) unless `bf16GemmInputs` (Linear.h). Fails with "no CUDA device" where there is no GPU.
+  static StatusOr<std::unique_ptr<CudaExecutor>>
+  create(const std::string &dir, const plan::fb::Plan &plan, const WeightArchive &archive,
+         const std::vector<std::vector<float>> &hostWeights, const RecurrentStatePool &states,
+         bool bf16GemmInputs);
+  ~CudaExecutor();
+  CudaExecutor(const CudaExecutor &) = delete;
+  CudaExecutor &operator=(const CudaExecutor &) = delete;
+
+  // Runs `program` over `tokens` for the sequence in `host` (whose arena, fp32 weights and caches
+  // serve the dispatches that run on the cpu reference); writes logits [rows, vocab].
+  Status run(const cpu::StepContext &host, std::span<const int64_t> tokens, float *logits,
+             HiddenStates *hidden);
+  // A fresh sequence in `slot`: its recurrent and conv states are zeroed on the device.
+  Status resetSlot(int32_t slot);
+  // Which kernels run where, one line per program.
+  const std::string &placementReport() const { return report_; }
+
+  struct Impl;
+
+private:
+  explicit CudaExecutor(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  std::string report_;
+};
+
+} // namespace hybrid::cudadev
