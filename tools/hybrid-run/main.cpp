@@ -43,6 +43,10 @@ int main(int argc, char **argv) {
       ->default_val(0);
   app.add_flag("--bf16-gemm-inputs", load.bf16GemmInputs,
                "cuda: round GEMM inputs to bf16 instead of splitting them into two bf16 halves");
+  app.add_option("--kda-prefill", load.kdaPrefill,
+                 "cuda: KDA prefill kernel: auto, chunked (bf16 tensor cores) or recurrent (fp32)")
+      ->default_val("auto")
+      ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
   app.add_flag("--verify-weights", load.verifyWeightContents,
                "Re-hash every weight archive entry while loading");
   CLI11_PARSE(app, argc, argv);

@@ -10,21 +10,40 @@ namespace hybrid::kernels::cuda::kda_math {
 __device__ inline float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ inline float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
 
-// Approximate forms (hardware exp, log and reciprocal; relative error ~1e-7, no IEEE division
-// with its slow-path call) for kernels whose other rounding is far larger: the chunked prefill's
-// bf16 operands. A fraction of the exact forms' instructions.
-__device__ inline float fastSigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
-__device__ inline float fastSoftplus(float x) { return x > 20.0f ? x : __logf(1.0f + __expf(x)); }
+// Approximate forms for kernels whose other rounding is far larger (the chunked prefill's bf16
+// operands): the hardware exp2 / log2 with denormals flushed to zero (ex2.approx.ftz: one
+// instruction, where __expf without -ftz adds a denormal rescue around it) and a reciprocal
+// instead of an IEEE division. Relative error ~1e-7; results below 1e-38 become 0.
+__device__ inline float fastExp(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+__device__ inline float fastLog(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y * 0.6931471805599453f;
+}
+__device__ inline float fastSigmoid(float x) { return __fdividef(1.0f, 1.0f + fastExp(-x)); }
+// log(1 + e^x) = max(x, 0) + log(1 + e^-|x|): no branch, no overflow.
+__device__ inline float fastSoftplus(float x) {
+  return fmaxf(x, 0.0f) + fastLog(1.0f + fastExp(-fabsf(x)));
+}
 
 // The forget gate of one key channel as a log decay g <= 0, from f + dt_bias and
 // scaleA = exp(A_log[head]): softplus form or Kimi K3's lower-bound form.
-template <bool kFastMath = false>
 __device__ inline float forgetLogDecay(float shiftedForget, float scaleA,
                                        const KdaLayerWeights &w) {
-  if (w.lowerBoundGate)
-    return w.lowerBound *
-           (kFastMath ? fastSigmoid(scaleA * shiftedForget) : sigmoid(scaleA * shiftedForget));
-  return -scaleA * (kFastMath ? fastSoftplus(shiftedForget) : softplus(shiftedForget));
+  return w.lowerBoundGate ? w.lowerBound * sigmoid(scaleA * shiftedForget)
+                          : -scaleA * softplus(shiftedForget);
+}
+// The same with the approximate forms and the gate kind known at compile time.
+template <bool kLowerBound>
+__device__ inline float fastForgetLogDecay(float shiftedForget, float scaleA, float lowerBound) {
+  if constexpr (kLowerBound)
+    return lowerBound * fastSigmoid(scaleA * shiftedForget);
+  else
+    return -scaleA * fastSoftplus(shiftedForget);
 }
 // The same gate as the decay factor exp(g).
 __device__ inline float forgetDecay(float shiftedForget, float scaleA, const KdaLayerWeights &w) {

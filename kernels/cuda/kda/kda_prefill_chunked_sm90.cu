@@ -131,7 +131,7 @@ struct FactorShared {
   float blockSpan[kFactorThreads / 32][kChunk / kBlock]; // per gate warp: max_c G_first - G_last
 };
 
-template <int kConv>
+template <int kConv, bool kLowerBound>
 __global__ void __launch_bounds__(kFactorThreads)
     chunkFactorsKernel(KdaPrefillParams p, ChunkFactors factors) {
   extern __shared__ __align__(16) unsigned char sharedBytes[];
@@ -204,7 +204,8 @@ __global__ void __launch_bounds__(kFactorThreads)
       }
     } else {
       const float *forget = p.forget + size_t(chunk.begin) * channels + channel;
-      const float scaleA = __expf(p.weights.aLog[head]), dtBias = p.weights.dtBias[channel];
+      const float scaleA = fastExp(p.weights.aLog[head]), dtBias = p.weights.dtBias[channel];
+      const float lowerBound = p.weights.lowerBound;
       float sum = 0.0f, blockFirst = 0.0f;
       for (int first = 0; first < kChunk; first += kBatch) {
 #pragma unroll
@@ -213,7 +214,9 @@ __global__ void __launch_bounds__(kFactorThreads)
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           const int i = first + b;
-          sum += i < chunk.count ? forgetLogDecay<true>(x[b] + dtBias, scaleA, p.weights) : 0.0f;
+          // Computed for padding tokens too (finite), then masked: no branch per token.
+        const float g = fastForgetLogDecay<kLowerBound>(x[b] + dtBias, scaleA, lowerBound);
+        sum += i < chunk.count ? g : 0.0f;
           sh.G[i][c] = sum;
           if (i % kBlock == 0)
             blockFirst = sum;
@@ -269,8 +272,8 @@ __global__ void __launch_bounds__(kFactorThreads)
     const float2 gm = *reinterpret_cast<const float2 *>(&sh.G[middle][c]);
     const float2 k = *reinterpret_cast<const float2 *>(&sh.k[i][c]);
     const float2 q = *reinterpret_cast<const float2 *>(&sh.q[i][c]);
-    const float left0 = __expf(g.x - gm.x), left1 = __expf(g.y - gm.y);
-    const float right0 = __expf(gm.x - g.x), right1 = __expf(gm.y - g.y);
+    const float left0 = fastExp(g.x - gm.x), left1 = fastExp(g.y - gm.y);
+    const float right0 = fastExp(gm.x - g.x), right1 = fastExp(gm.y - g.y);
     *reinterpret_cast<uint32_t *>(&sh.scratch.diagonal.keyLeft[i][c]) =
         packBf16(k.x * left0, k.y * left1);
     *reinterpret_cast<uint32_t *>(&sh.scratch.diagonal.queryLeft[i][c]) =
@@ -315,7 +318,7 @@ __global__ void __launch_bounds__(kFactorThreads)
 #pragma unroll
         for (int m = 0; m < kDim / 32; ++m) {
           const int c = lane + 32 * m;
-          const float term = sh.k[base + j][c] * __expf(sh.G[base + i][c] - sh.G[base + j][c]);
+          const float term = sh.k[base + j][c] * fastExp(sh.G[base + i][c] - sh.G[base + j][c]);
           sumA += sh.k[base + i][c] * term;
           sumQ += sh.q[base + i][c] * term;
         }
@@ -338,7 +341,7 @@ __global__ void __launch_bounds__(kFactorThreads)
     const float2 gr = *reinterpret_cast<const float2 *>(&sh.G[first][c]);
     const float2 k = *reinterpret_cast<const float2 *>(&sh.k[i][c]);
     const float2 q = *reinterpret_cast<const float2 *>(&sh.q[i][c]);
-    const float left0 = __expf(g.x - gr.x), left1 = __expf(g.y - gr.y);
+    const float left0 = fastExp(g.x - gr.x), left1 = fastExp(g.y - gr.y);
     *reinterpret_cast<uint32_t *>(&sh.scratch.offDiagonal.keyLeft[i - kBlock][c]) =
         packBf16(k.x * left0, k.y * left1);
     *reinterpret_cast<uint32_t *>(&sh.scratch.offDiagonal.queryLeft[i - kBlock][c]) =
@@ -353,7 +356,7 @@ __global__ void __launch_bounds__(kFactorThreads)
     const float2 gr = *reinterpret_cast<const float2 *>(&sh.G[r][c]);
     const float2 k = *reinterpret_cast<const float2 *>(&sh.k[j][c]);
     *reinterpret_cast<uint32_t *>(&sh.scratch.offDiagonal.keyRight[row][c]) =
-        packBf16(k.x * __expf(gr.x - g.x), k.y * __expf(gr.y - g.y));
+        packBf16(k.x * fastExp(gr.x - g.x), k.y * fastExp(gr.y - g.y));
   }
   __syncthreads();
   // 24 jobs: (block row, A or Aqk, 8-column tile left of the diagonal).
@@ -439,8 +442,8 @@ __global__ void __launch_bounds__(kFactorThreads)
   for (int index = tid; index < kChunk * kDim / 2; index += kFactorThreads) {
     const int c = index % kDim, j = 2 * (index / kDim);
     *reinterpret_cast<uint32_t *>(&sh.scratch.keysT[c][j]) =
-        packBf16(sh.beta[j] * sh.k[j][c] * __expf(sh.G[j][c]),
-                 sh.beta[j + 1] * sh.k[j + 1][c] * __expf(sh.G[j + 1][c]));
+        packBf16(sh.beta[j] * sh.k[j][c] * fastExp(sh.G[j][c]),
+                 sh.beta[j + 1] * sh.k[j + 1][c] * fastExp(sh.G[j + 1][c]));
   }
   __syncthreads();
   {
@@ -484,12 +487,12 @@ __global__ void __launch_bounds__(kFactorThreads)
       const float2 q = *reinterpret_cast<const float2 *>(&sh.q[i][c]);
       const float2 g = *reinterpret_cast<const float2 *>(&sh.G[i][c]);
       *reinterpret_cast<uint32_t *>(qg + size_t(i) * kDim + c) =
-          packBf16(q.x * __expf(g.x), q.y * __expf(g.y));
+          packBf16(q.x * fastExp(g.x), q.y * fastExp(g.y));
       const int c2 = index % kDim, i2 = 2 * (index / kDim);
       const float last = sh.G[kChunk - 1][c2];
       *reinterpret_cast<uint32_t *>(&sh.scratch.decayedKeysT[c2][i2]) =
-          packBf16(sh.k[i2][c2] * __expf(last - sh.G[i2][c2]),
-                   sh.k[i2 + 1][c2] * __expf(last - sh.G[i2 + 1][c2]));
+          packBf16(sh.k[i2][c2] * fastExp(last - sh.G[i2][c2]),
+                   sh.k[i2 + 1][c2] * fastExp(last - sh.G[i2 + 1][c2]));
     }
     for (int index = tid; index < kChunk * kChunk / 2; index += kFactorThreads) {
       const int i = index / (kChunk / 2), j = 2 * (index % (kChunk / 2));
@@ -497,7 +500,7 @@ __global__ void __launch_bounds__(kFactorThreads)
           packBf16(j <= i ? sh.aqk[i][j] : 0.0f, j + 1 <= i ? sh.aqk[i][j + 1] : 0.0f);
     }
     if (tid < kDim)
-      factors.gam[block * kDim + tid] = __expf(sh.G[kChunk - 1][tid]);
+      factors.gam[block * kDim + tid] = fastExp(sh.G[kChunk - 1][tid]);
     __syncthreads();
     for (int index = tid; index < kDim * kChunk / 8; index += kFactorThreads) {
       const int c = index / (kChunk / 8), part = index % (kChunk / 8);
@@ -772,12 +775,16 @@ int launchKdaChunkedPrefill(const KdaPrefillParams &params, void *stream) {
       reinterpret_cast<bf16 *>(base + layout.w),   reinterpret_cast<bf16 *>(base + layout.u),
       reinterpret_cast<bf16 *>(base + layout.qg),  reinterpret_cast<bf16 *>(base + layout.kgT),
       reinterpret_cast<bf16 *>(base + layout.aqk), reinterpret_cast<float *>(base + layout.gam)};
-  // The conv width is a template parameter: the factors kernel is instruction-bound.
-  void (*factorsKernel)(KdaPrefillParams, ChunkFactors) =
-      params.convKernel == 1   ? chunkFactorsKernel<1>
-      : params.convKernel == 2 ? chunkFactorsKernel<2>
-      : params.convKernel == 3 ? chunkFactorsKernel<3>
-                               : chunkFactorsKernel<4>;
+  // The conv width and the gate kind are template parameters: the factors kernel is
+  // instruction-bound.
+  using FactorsKernel = void (*)(KdaPrefillParams, ChunkFactors);
+  constexpr FactorsKernel kFactorsKernels[2][kKdaMaxConvKernel] = {
+      {chunkFactorsKernel<1, false>, chunkFactorsKernel<2, false>, chunkFactorsKernel<3, false>,
+       chunkFactorsKernel<4, false>},
+      {chunkFactorsKernel<1, true>, chunkFactorsKernel<2, true>, chunkFactorsKernel<3, true>,
+       chunkFactorsKernel<4, true>}};
+  const FactorsKernel factorsKernel =
+      kFactorsKernels[params.weights.lowerBoundGate ? 1 : 0][params.convKernel - 1];
   cudaError_t status = cudaFuncSetAttribute(
       factorsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(FactorShared));
   if (status == cudaSuccess)

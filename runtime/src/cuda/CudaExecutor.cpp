@@ -78,6 +78,7 @@ struct CudaExecutor::Impl {
   std::set<const fb::Dispatch *> onCpu;
   size_t scratchFloats = 0, xBf16Elements = 0, kdaWorkspaceBytes = 0, gemmOutputs = 0;
   bool splitGemmInputs = true;
+  kc::KdaPrefillPath kdaPrefillPath = kc::KdaPrefillPath::Auto;
 
   ~Impl() {
     for (cudaEvent_t event : events)
@@ -151,7 +152,8 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
   case fb::KernelId::KdaRecurrentDecode: {
     const fb::KdaParams *p = d.params_as_KdaParams();
     if (!p || p->state_layout() != fb::StateLayout::KMajor || p->conv_kernel() < 1 ||
-        p->conv_kernel() > kc::kKdaMaxConvKernel || (p->head_dim() != 64 && p->head_dim() != 128))
+        p->conv_kernel() > kc::kKdaMaxConvKernel || (p->head_dim() != 64 && p->head_dim() != 128) ||
+        (kdaPrefillPath == kc::KdaPrefillPath::Chunked && p->head_dim() != 128))
       return false;
     for (int role : {Q, Kp, V, FA, FB, B, O})
       if (!gemmWeight(weightAt(role)))
@@ -282,6 +284,7 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, const fb::Dispatch
     prefill.out = o;
     prefill.tokens = static_cast<int32_t>(T);
     prefill.workspace = r.kdaWorkspace;
+    prefill.path = kdaPrefillPath;
     if (kc::kdaPrefillWorkspaceBytes(prefill) > kdaWorkspaceBytes)
       return Status::error("KDA prefill workspace larger than planned at load");
     LAUNCH_RETURN_IF_ERROR(kc::launchKdaPrefill(prefill, r.stream), "KDA prefill");
@@ -393,14 +396,21 @@ Status CudaExecutor::Impl::runOnCpu(const fb::Program &program, const fb::Dispat
 StatusOr<std::unique_ptr<CudaExecutor>>
 CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightArchive &archive,
                      const std::vector<std::vector<float>> &hostWeights,
-                     const RecurrentStatePool &states, bool bf16GemmInputs) {
+                     const RecurrentStatePool &states, const LoadOptions &options) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
     return Status::error("no CUDA device");
   auto impl = std::make_unique<Impl>();
   impl->dir = dir;
   impl->plan = &plan;
-  impl->splitGemmInputs = !bf16GemmInputs;
+  impl->splitGemmInputs = !options.bf16GemmInputs;
+  if (options.kdaPrefill == "recurrent")
+    impl->kdaPrefillPath = kc::KdaPrefillPath::Recurrent;
+  else if (options.kdaPrefill == "chunked")
+    impl->kdaPrefillPath = kc::KdaPrefillPath::Chunked;
+  else if (options.kdaPrefill != "auto")
+    return Status::error("kdaPrefill '" + options.kdaPrefill +
+                         "' is not one of auto, chunked, recurrent");
   for (const char *name : {"prefill", "decode"}) {
     const fb::Program *program = nullptr;
     for (const fb::Program *candidate : *plan.programs())
@@ -511,6 +521,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         prefill.heads = static_cast<int32_t>(H);
         prefill.headDim = p->head_dim();
         prefill.tokens = static_cast<int32_t>(rows);
+        prefill.path = impl->kdaPrefillPath;
         kc::KdaDecodeParams step;
         step.batch = 1;
         step.heads = static_cast<int32_t>(H);

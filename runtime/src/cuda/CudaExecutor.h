@@ -24,11 +24,12 @@ public:
   // Uploads the weights (GEMM weights as stored, small ones as fp32 from `hostWeights`) and makes
   // one device allocation for the programs' arenas, a mirror of `states`, and the scratch every
   // stream needs. GEMM inputs go to the tensor cores split into two bf16 halves (close to the fp32
-  // oracle) unless `bf16GemmInputs` (Linear.h). Fails with "no CUDA device" where there is no GPU.
+  // oracle) unless options.bf16GemmInputs (Linear.h); options.kdaPrefill picks the KDA prefill
+  // kernel. Fails with "no CUDA device" where there is no GPU.
   static StatusOr<std::unique_ptr<CudaExecutor>>
   create(const std::string &dir, const plan::fb::Plan &plan, const WeightArchive &archive,
          const std::vector<std::vector<float>> &hostWeights, const RecurrentStatePool &states,
-         bool bf16GemmInputs);
+         const LoadOptions &options);
   ~CudaExecutor();
   CudaExecutor(const CudaExecutor &) = delete;
   CudaExecutor &operator=(const CudaExecutor &) = delete;

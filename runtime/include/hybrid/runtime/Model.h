@@ -36,6 +36,9 @@ struct LoadOptions {
   // cuda device: round GEMM inputs to bf16 (faster) instead of splitting them into two bf16
   // halves (about 16 significant bits, what comparisons with the fp32 oracle need).
   bool bf16GemmInputs = false;
+  // cuda device: the KDA prefill kernel, "auto" (chunked where compiled, docs/cuda-kernels.md),
+  // "chunked" or "recurrent" (fp32 throughout: comparisons with the oracle at fp32 tolerance).
+  std::string kdaPrefill = "auto";
 };
 
 // The residual stream after the embedding, after each decoder layer and after the final norm
