@@ -166,27 +166,36 @@ StatusOr<ComparisonReport> compareWithReference(const std::string &referencePath
   }
 
   // Hidden states: ours are hidden.0 (embedding) .. hidden.<L> (each layer) + hidden.final.
+  // References come as ours (hybrid-run --output --dump-hidden: those names), as L + 2 numbered
+  // entries (the last is the final norm's output), or in the HF convention: L + 1 numbered
+  // entries, the one after the last layer being the final norm's output.
   const auto &ours = result.hidden.layers;
   if (!ours.empty()) {
     const size_t numLayers = ours.size() - 2;
+    const bool namedFinal = reference.find("hidden.final") != nullptr;
     const bool perLayerPlusFinal = reference.find("hidden." + std::to_string(numLayers + 1));
-    for (size_t i = 0;; ++i) {
-      const std::string name = "hidden." + std::to_string(i);
-      if (!reference.find(name))
-        break;
-      // HF convention: the entry after the last layer is the final-norm output.
-      const size_t mine = (!perLayerPlusFinal && i == numLayers) ? ours.size() - 1
-                          : (perLayerPlusFinal && i == numLayers + 1) ? ours.size() - 1
-                                                                      : i;
-      if (mine >= ours.size())
-        break;
+    auto compare = [&](const std::string &name, size_t mine) -> Status {
       HYBRID_ASSIGN_OR_RETURN(std::vector<float> expected, floats(name));
       const double diff = maxAbsDiff(expected, ours[mine]);
       if (diff > tolerance && report.firstDivergingHidden.empty()) {
         report.firstDivergingHidden = name;
         report.firstDivergingDiff = diff;
       }
+      return Status::ok();
+    };
+    for (size_t i = 0;; ++i) {
+      const std::string name = "hidden." + std::to_string(i);
+      if (!reference.find(name))
+        break;
+      const bool isFinal = !namedFinal && ((!perLayerPlusFinal && i == numLayers) ||
+                                           (perLayerPlusFinal && i == numLayers + 1));
+      const size_t mine = isFinal ? ours.size() - 1 : i;
+      if (mine >= ours.size() || (!isFinal && mine == ours.size() - 1))
+        break;
+      HYBRID_RETURN_IF_ERROR(compare(name, mine));
     }
+    if (namedFinal)
+      HYBRID_RETURN_IF_ERROR(compare("hidden.final", ours.size() - 1));
     report.lines.push_back(report.firstDivergingHidden.empty()
                                ? "hidden states: every layer within tolerance"
                                : "hidden states: first divergence at " +
