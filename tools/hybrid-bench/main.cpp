@@ -34,13 +34,21 @@ int runKdaPrefill(const std::vector<std::string> &shapeTexts, int32_t heads, int
     std::cerr << "error: kda-prefill: " << error << "\n";
     return 1;
   }
-  std::printf("%-18s %9s %7s %6s %5s %12s %14s  %s\n", "kernel", "sequences", "length", "heads",
-              "dim", "graph ms", "Mtokens/s", "target (H200)");
-  for (const auto &r : results)
-    std::printf("%-18s %9d %7d %6d %5d %12.3f %14.2f  %s\n",
-                r.chunked ? "kda-prefill-chunk" : "kda-prefill-recur", r.sequences,
-                r.length, r.heads, r.headDim, r.milliseconds, r.tokensPerSecond / 1e6,
+  using hybrid::kernels::cuda::kH200Bf16DenseTflops;
+  using hybrid::kernels::cuda::kH200CopyTbPerSecond;
+  std::printf("%-18s %9s %7s %6s %5s %10s %10s %9s %7s %9s %7s  %s\n", "kernel", "sequences",
+              "length", "heads", "dim", "graph ms", "Mtok/s", "TB/s", "% copy", "TFLOP/s",
+              "% bf16", "target (H200)");
+  for (const auto &r : results) {
+    const double tbPerSecond = r.bytes / (r.milliseconds * 1e-3) / 1e12;
+    const double tflops = r.flops / (r.milliseconds * 1e-3) / 1e12;
+    std::printf("%-18s %9d %7d %6d %5d %10.3f %10.2f %9.2f %6.1f%% %9.1f %6.1f%%  %s\n",
+                r.chunked ? "kda-prefill-chunk" : "kda-prefill-recur", r.sequences, r.length,
+                r.heads, r.headDim, r.milliseconds, r.tokensPerSecond / 1e6, tbPerSecond,
+                100.0 * tbPerSecond / kH200CopyTbPerSecond, tflops,
+                100.0 * tflops / kH200Bf16DenseTflops,
                 hybrid::kernels::cuda::kdaPrefillTargetVerdict(r).c_str());
+  }
   if (!jsonPath.empty()) {
     std::ofstream json(jsonPath);
     json << "[\n";
@@ -50,7 +58,8 @@ int runKdaPrefill(const std::vector<std::string> &shapeTexts, int32_t heads, int
            << "\", \"sequences\": " << r.sequences
            << ", \"length\": " << r.length << ", \"heads\": " << r.heads
            << ", \"head_dim\": " << r.headDim << ", \"graph_ms\": " << r.milliseconds
-           << ", \"tokens_per_s\": " << r.tokensPerSecond << ", \"target\": \""
+           << ", \"tokens_per_s\": " << r.tokensPerSecond << ", \"bytes\": " << r.bytes
+           << ", \"flops\": " << r.flops << ", \"target\": \""
            << hybrid::kernels::cuda::kdaPrefillTargetVerdict(r) << "\"}"
            << (i + 1 < results.size() ? ",\n" : "\n");
     }

@@ -78,6 +78,9 @@ benchKdaPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes, int32_t 
         medianMicroseconds(stream, iterations, [&] { cudaGraphLaunch(exec, stream); }) / 1e3;
     BENCH_CHECK(cudaStreamSynchronize(stream));
     result.tokensPerSecond = double(T) / (result.milliseconds * 1e-3);
+    const KdaPrefillWork work = kdaPrefillWork(sequences, length, heads, headDim);
+    result.bytes = work.bytes;
+    result.flops = work.flops;
     results.push_back(result);
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);

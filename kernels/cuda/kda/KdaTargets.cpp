@@ -1,5 +1,6 @@
 #include "hybrid/kernels/cuda/KdaBench.h"
 
+#include <cmath>
 #include <cstdio>
 
 namespace hybrid::kernels::cuda {
@@ -33,6 +34,17 @@ std::string kdaDecodeTargetVerdict(const KdaDecodeBenchResult &r) {
     return text;
   }
   return {};
+}
+
+KdaPrefillWork kdaPrefillWork(int32_t sequences, int32_t length, int32_t heads, int32_t headDim) {
+  const double tokens = double(sequences) * length, P = double(heads) * headDim, D = headDim;
+  KdaPrefillWork work;
+  // Per token: q, k, v, forget, gate in and the output out (6 P floats), beta (H floats).
+  work.bytes = tokens * (6 * P + heads) * 4 + double(sequences) * heads * D * D * 4 * 2;
+  constexpr double kChunk = 64;
+  const double chunks = double(sequences) * std::ceil(double(length) / kChunk);
+  work.flops = chunks * heads * (10 * kChunk * kChunk * D + 6 * kChunk * D * D);
+  return work;
 }
 
 std::string kdaPrefillTargetVerdict(const KdaPrefillBenchResult &r) {

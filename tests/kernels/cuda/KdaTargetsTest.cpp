@@ -63,5 +63,16 @@ TEST(KdaTargets, PrefillOneLongSequenceAndVarlen) {
   EXPECT_EQ(kdaPrefillTargetVerdict(r), "<= 0.37 ms: 2.00x over");
 }
 
+TEST(KdaTargets, PrefillWorkCountsTheContractAndTheChunkedProducts) {
+  // 1 x 8192 tokens, 32 heads of 128: 6 fp32 rows of 4096 + 32 betas per token, the 64 KiB state
+  // of each head read and written; 128 chunks x 32 heads x (10 * 64^2 * 128 + 6 * 64 * 128^2).
+  const KdaPrefillWork work = kdaPrefillWork(1, 8192, 32, 128);
+  EXPECT_DOUBLE_EQ(work.bytes, 8192.0 * (6 * 4096 + 32) * 4 + 32.0 * 128 * 128 * 4 * 2);
+  EXPECT_DOUBLE_EQ(work.flops, 128.0 * 32 * (10.0 * 64 * 64 * 128 + 6.0 * 64 * 128 * 128));
+  // A partial chunk counts as a whole one (the kernel pads it); sequences multiply.
+  EXPECT_DOUBLE_EQ(kdaPrefillWork(3, 65, 2, 64).flops,
+                   3 * 2.0 * 2 * (10.0 * 64 * 64 * 64 + 6.0 * 64 * 64 * 64));
+}
+
 } // namespace
 } // namespace hybrid::kernels::cuda

@@ -36,7 +36,23 @@ struct KdaPrefillBenchResult {
   bool chunked = false;
   double milliseconds = 0;     // one launch over the whole varlen batch, from a CUDA graph
   double tokensPerSecond = 0;
+  double bytes = 0;            // kdaPrefillWork: what the contract must move
+  double flops = 0;            // kdaPrefillWork: the chunked form's matrix products
 };
+
+// The work of one prefill call, for achieved-rate columns. bytes: the contract's minimum HBM
+// traffic, fp32 per token q, k, v (before the conv), forget, output gate and output, beta per head,
+// plus each (sequence, head) state read and written. flops: the chunked form's matrix products per
+// 64-token chunk and head (A and Aqk, w and u: 2 C^2 D each; w S, the state update and q S:
+// 2 C D^2 each; Aqk v_new: 2 C^2 D), i.e. 10 C^2 D + 6 C D^2, whichever kernel ran.
+struct KdaPrefillWork {
+  double bytes = 0, flops = 0;
+};
+KdaPrefillWork kdaPrefillWork(int32_t sequences, int32_t length, int32_t heads, int32_t headDim);
+
+// The H200's measured ceilings (../shared/docs/PERF_TARGETS.md).
+constexpr double kH200CopyTbPerSecond = 4.28;      // device-to-device copy, read + write
+constexpr double kH200Bf16DenseTflops = 790.0;     // cuBLAS bf16 GEMM 8192^3
 
 // Times the prefill (KdaPrefill.h, the given path) on `sequences` sequences of `length` tokens
 // each, with initial and final states, for each (sequences, length) pair.
