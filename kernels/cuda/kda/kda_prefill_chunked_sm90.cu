@@ -558,6 +558,24 @@ __device__ inline void loadChunk(ChainStage &stage, const ChunkFactors &factors,
     copyAsync16(&stage.gam[4 * tid], factors.gam + block * kDim + 4 * tid);
 }
 
+// One warp's share of a chain-step product: acc[nt] += A B^T over kSteps 16-wide k-steps, A the
+// 16-row tile at `a` (k contiguous), B the slice's four 8-column tiles at `b` (stored n-major).
+template <int kSteps>
+__device__ __forceinline__ void mmaRowTileBySlice(float (&acc)[4][4], const bf16 *a, int aStride,
+                                                  const bf16 *b, int bStride) {
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    uint32_t aFragment[4];
+    loadA(aFragment, a + 16 * ks, aStride);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      uint32_t bFragment[2];
+      loadB(bFragment, b + 8 * nt * bStride + 16 * ks, bStride);
+      mma16816(acc[nt], aFragment, bFragment);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kChainThreads)
     stateChainKernel(KdaPrefillParams p, ChunkFactors factors) {
   extern __shared__ __align__(16) unsigned char sharedBytes[];
@@ -605,17 +623,8 @@ __global__ void __launch_bounds__(kChainThreads)
     // v_new = u - w S for this warp's 16 tokens.
     {
       float product[4][4] = {};
-#pragma unroll
-      for (int ks = 0; ks < kDim / 16; ++ks) {
-        uint32_t aFragment[4];
-        loadA(aFragment, &st.w[16 * warp][16 * ks], kWideStride);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          uint32_t bFragment[2];
-          loadB(bFragment, &sh.stateT[8 * nt][16 * ks], kWideStride);
-          mma16816(product[nt], aFragment, bFragment);
-        }
-      }
+      mmaRowTileBySlice<kDim / 16>(product, &st.w[16 * warp][0], kWideStride, &sh.stateT[0][0],
+                                   kWideStride);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -640,41 +649,18 @@ __global__ void __launch_bounds__(kChainThreads)
 #pragma unroll
     for (int ks = 0; ks < kChunk / 16; ++ks)
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        uint32_t aFragment[4];
-        loadA(aFragment, &st.kgT[32 * warp + 16 * mt][16 * ks], kNarrowStride);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          uint32_t bFragment[2];
-          loadB(bFragment, &sh.newValuesT[8 * nt][16 * ks], kNarrowStride);
-          mma16816(s[mt][nt], aFragment, bFragment);
-        }
-      }
+      for (int mt = 0; mt < 2; ++mt)
+        mmaRowTileBySlice<1>(s[mt], &st.kgT[32 * warp + 16 * mt][16 * ks], kNarrowStride,
+                             &sh.newValuesT[0][16 * ks], kNarrowStride);
 
     // O = qg S + Aqk v_new for this warp's 16 tokens (causal: token blocks up to its own).
     {
       float o[4][4] = {};
-#pragma unroll
-      for (int ks = 0; ks < kDim / 16; ++ks) {
-        uint32_t aFragment[4];
-        loadA(aFragment, &st.qg[16 * warp][16 * ks], kWideStride);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          uint32_t bFragment[2];
-          loadB(bFragment, &sh.stateT[8 * nt][16 * ks], kWideStride);
-          mma16816(o[nt], aFragment, bFragment);
-        }
-      }
-      for (int ks = 0; ks <= warp; ++ks) {
-        uint32_t aFragment[4];
-        loadA(aFragment, &st.aqk[16 * warp][16 * ks], kNarrowStride);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          uint32_t bFragment[2];
-          loadB(bFragment, &sh.newValuesT[8 * nt][16 * ks], kNarrowStride);
-          mma16816(o[nt], aFragment, bFragment);
-        }
-      }
+      mmaRowTileBySlice<kDim / 16>(o, &st.qg[16 * warp][0], kWideStride, &sh.stateT[0][0],
+                                   kWideStride);
+      for (int ks = 0; ks <= warp; ++ks) // causal: token blocks up to the warp's own
+        mmaRowTileBySlice<1>(o, &st.aqk[16 * warp][16 * ks], kNarrowStride,
+                             &sh.newValuesT[0][16 * ks], kNarrowStride);
       const int chunkBegin = begin + c * kChunk, count = min(kChunk, length - c * kChunk);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
