@@ -62,7 +62,6 @@ struct StreamResources {
 };
 
 struct CudaExecutor::Impl {
-  std::string dir;
   const fb::Plan *plan = nullptr;
   std::vector<const fb::Program *> programs;
   unsigned char *weights = nullptr; // the archive's data region, at the plan's offsets
@@ -106,11 +105,11 @@ struct CudaExecutor::Impl {
     return plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->shape()->Get(0);
   }
   bool runsOnGpu(const fb::Dispatch &dispatch) const;
-  Status runOnGpu(const fb::Program &program, const fb::Dispatch &dispatch,
+  Status runOnGpu(const fb::Program &program, unsigned char *arena, const fb::Dispatch &dispatch,
                   StreamResources &resources, const cpu::StepContext &host);
   Status runOnCpu(const fb::Program &program, const fb::Dispatch &dispatch, unsigned char *arena,
                   const cpu::StepContext &host);
-  Status runKda(const fb::Program &program, const fb::Dispatch &dispatch,
+  Status runKda(const fb::Program &program, unsigned char *arena, const fb::Dispatch &dispatch,
                 StreamResources &resources, const cpu::StepContext &host);
   Status gemm(StreamResources &resources, const float *x, int64_t xStride, int32_t weightIndex,
               float *y, int64_t yStride, int64_t rows, int64_t in, int64_t out);
@@ -191,10 +190,10 @@ Status CudaExecutor::Impl::gemm(StreamResources &r, const float *x, int64_t xStr
   return Status::ok();
 }
 
-Status CudaExecutor::Impl::runKda(const fb::Program &program, const fb::Dispatch &d,
-                                  StreamResources &r, const cpu::StepContext &host) {
+Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *arena,
+                                  const fb::Dispatch &d, StreamResources &r,
+                                  const cpu::StepContext &host) {
   const fb::KdaParams *p = d.params_as_KdaParams();
-  unsigned char *arena = arenas[program.name()->str() == "prefill" ? 0 : 1];
   const int64_t T = host.rows;
   const fb::Value &in = valueOf(program, d.inputs()->Get(0));
   const float *x = reinterpret_cast<const float *>(arena + in.arena_offset());
@@ -292,9 +291,9 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, const fb::Dispatch
   return gemm(r, o, P, role(O), out, dModel, T, P, dModel);
 }
 
-Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, const fb::Dispatch &d,
-                                    StreamResources &r, const cpu::StepContext &host) {
-  unsigned char *arena = arenas[program.name()->str() == "prefill" ? 0 : 1];
+Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *arena,
+                                    const fb::Dispatch &d, StreamResources &r,
+                                    const cpu::StepContext &host) {
   const int64_t rows = host.rows;
   auto input = [&](int position) {
     return reinterpret_cast<float *>(arena + valueOf(program, d.inputs()->Get(position)).arena_offset());
@@ -363,7 +362,7 @@ Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, const fb::Dispat
   }
   case fb::KernelId::KdaChunkPrefill:
   case fb::KernelId::KdaRecurrentDecode:
-    return runKda(program, d, r, host);
+    return runKda(program, arena, d, r, host);
   default:
     return Status::error("no GPU kernel (placement error)");
   }
@@ -401,7 +400,6 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
     return Status::error("no CUDA device");
   auto impl = std::make_unique<Impl>();
-  impl->dir = dir;
   impl->plan = &plan;
   impl->splitGemmInputs = !options.bf16GemmInputs;
   if (options.kdaPrefill == "recurrent")
@@ -611,7 +609,7 @@ Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> 
                          float *logitsOut, HiddenStates *hidden) {
   Impl &impl = *impl_;
   const fb::Program &program = *host.program;
-  const bool prefill = program.name()->str() == "prefill";
+  const bool prefill = program.name()->string_view() == "prefill";
   unsigned char *arena = impl.arenas[prefill ? 0 : 1];
   const int64_t rows = host.rows;
 
@@ -641,7 +639,7 @@ Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> 
       if (d.wait_events())
         for (int32_t event : *d.wait_events())
           CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(r.stream, impl.events.at(event), 0), where);
-      HYBRID_RETURN_IF_ERROR(impl.runOnGpu(program, d, r, host).withContext(where));
+      HYBRID_RETURN_IF_ERROR(impl.runOnGpu(program, arena, d, r, host).withContext(where));
       if (d.signal_event() >= 0)
         CUDA_RETURN_IF_ERROR(cudaEventRecord(impl.events.at(d.signal_event()), r.stream), where);
       if (cudaError_t status = cudaPeekAtLastError(); status != cudaSuccess)
