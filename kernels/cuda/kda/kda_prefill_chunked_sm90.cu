@@ -576,6 +576,19 @@ __device__ __forceinline__ void mmaRowTileBySlice(float (&acc)[4][4], const bf16
   }
 }
 
+// Calls f(element, key row, value column) for each of the warp's state elements: its 32 key rows
+// of the slice's K x 32 state, held as s[row tile][column tile][accumulator element].
+template <typename F>
+__device__ __forceinline__ void forEachStateElement(float (&s)[2][4][4], int warp, F f) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        f(s[mt][nt][e], 32 * warp + 16 * mt + accRow(e), 8 * nt + accColumn(e));
+}
+
 __global__ void __launch_bounds__(kChainThreads)
     stateChainKernel(KdaPrefillParams p, ChunkFactors factors) {
   extern __shared__ __align__(16) unsigned char sharedBytes[];
@@ -590,17 +603,12 @@ __global__ void __launch_bounds__(kChainThreads)
     firstChunk += chunksOf(p.cuSeqlens, s);
   const int chunks = (length + kChunk - 1) / kChunk, channels = p.heads * kDim;
 
-  // This warp's 32 key rows of the slice's K x 32 state: s[row tile][column tile][element].
+  // This warp's 32 key rows of the slice's K x 32 state (forEachStateElement).
   float *state = p.state + (size_t(sequence) * p.heads + head) * kDim * kDim + slice * kSlice;
   float s[2][4][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        s[mt][nt][e] =
-            state[size_t(32 * warp + 16 * mt + accRow(e)) * kDim + 8 * nt + accColumn(e)];
+  forEachStateElement(s, warp, [&](float &element, int row, int column) {
+    element = state[size_t(row) * kDim + column];
+  });
 
   loadChunk(sh.stage[0], factors, size_t(firstChunk) * p.heads + head, slice);
   commitAsyncCopies();
@@ -610,14 +618,9 @@ __global__ void __launch_bounds__(kChainThreads)
     commitAsyncCopies();
     waitAsyncCopies<1>();
     ChainStage &st = sh.stage[c % 2];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          sh.stateT[8 * nt + accColumn(e)][32 * warp + 16 * mt + accRow(e)] =
-              __float2bfloat16(s[mt][nt][e]);
+    forEachStateElement(s, warp, [&](float &element, int row, int column) {
+      sh.stateT[column][row] = __float2bfloat16(element);
+    });
     __syncthreads();
 
     // v_new = u - w S for this warp's 16 tokens.
@@ -677,14 +680,9 @@ __global__ void __launch_bounds__(kChainThreads)
     __syncthreads(); // the stage, stateT and newValuesT are free for the next chunk
   }
 
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        state[size_t(32 * warp + 16 * mt + accRow(e)) * kDim + 8 * nt + accColumn(e)] =
-            s[mt][nt][e];
+  forEachStateElement(s, warp, [&](float &element, int row, int column) {
+    state[size_t(row) * kDim + column] = element;
+  });
 
   // The conv state after the sequence: its last W - 1 inputs, older ones from the old state
   // when the sequence is shorter (the factors kernel, which read the old state, has finished).
