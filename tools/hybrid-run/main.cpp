@@ -44,9 +44,9 @@ int main(int argc, char **argv) {
   app.add_flag("--bf16-gemm-inputs", load.bf16GemmInputs,
                "cuda: round GEMM inputs to bf16 instead of splitting them into two bf16 halves");
   app.add_option("--kda-prefill", load.kdaPrefill,
-                 "cuda: KDA prefill kernel: recurrent (fp32, the default), chunked (bf16 tensor "
-                 "cores) or auto (chunked where compiled)")
-      ->default_val("recurrent")
+                 "cuda: KDA prefill kernel: auto (chunked where compiled, the default), chunked "
+                 "(bf16 tensor cores) or recurrent (fp32)")
+      ->default_val("auto")
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
   app.add_flag("--verify-weights", load.verifyWeightContents,
                "Re-hash every weight archive entry while loading");
