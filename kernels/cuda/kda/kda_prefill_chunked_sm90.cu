@@ -127,9 +127,112 @@ struct FactorShared {
   float aqk[kChunk][kSquareStride];  // Aqk, lower with the diagonal
   float partialInverse[3][kBlock][kBlock + 1];
   bf16 inverse16[kChunk][kNarrowStride];
-  float beta[kChunk];
+  alignas(16) float beta[kChunk];
   float blockSpan[kFactorThreads / 32][kChunk / kBlock]; // per gate warp: max_c G_first - G_last
 };
+
+// Phase 1 of the factors kernel for one thread: stream tid / 128 (q, k, v or the gate) of
+// channel tid % 128 over the chunk's tokens. kFull: the chunk has all 64 tokens (no bounds checks).
+template <int kConv, bool kLowerBound, bool kFull>
+__device__ __forceinline__ void chunkInputs(const KdaPrefillParams &p, const ChunkLocation &chunk,
+                                            FactorShared &sh, int head) {
+  static_assert(kFactorThreads == 4 * kDim, "a thread per (stream, channel)");
+  const int tid = threadIdx.x, c = tid % kDim, stream = tid / kDim, channel = head * kDim + c;
+  const int channels = p.heads * kDim, warp = tid / 32;
+  auto inChunk = [&](int i) { return kFull || i < chunk.count; };
+  constexpr int kBatch = kChunk / 2; // inputs in flight per thread, as registers allow
+  float x[kBatch];
+  if (stream < 3) {
+    const int projection = stream;
+    const size_t tokenStride = size_t(3) * channels;
+    const float *input =
+        p.qkv + size_t(chunk.begin) * tokenStride + projection * channels + channel;
+    float taps[kConv], window[kConv]; // window[kConv - 1] is the current input
+    const float *tap = p.weights.convWeight + (size_t(projection) * channels + channel) * kConv;
+#pragma unroll
+    for (int j = 0; j < kConv; ++j)
+      taps[j] = tap[j];
+    const float *history = p.convState +
+                           (size_t(chunk.sequence) * 3 + projection) * (kConv - 1) * channels +
+                           channel;
+#pragma unroll
+    for (int j = 0; j < kConv - 1; ++j) {
+      const int position = chunk.begin - (kConv - 1) + j;
+      window[j] = position >= chunk.sequenceBegin
+                      ? input[(j - (kConv - 1)) * int64_t(tokenStride)]
+                      : history[size_t(position - chunk.sequenceBegin + kConv - 1) * channels];
+    }
+    const float *at = input;
+#pragma unroll
+    for (int first = 0; first < kChunk; first += kBatch) {
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b, at += tokenStride)
+        x[b] = inChunk(first + b) ? *at : 0.0f;
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        window[kConv - 1] = x[b];
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kConv; ++j)
+          acc += taps[j] * window[j];
+#pragma unroll
+        for (int j = 0; j + 1 < kConv; ++j)
+          window[j] = window[j + 1];
+        x[b] = inChunk(first + b) ? acc * fastSigmoid(acc) : 0.0f;
+      }
+      if (projection == 0) {
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+          sh.q[first + b][c] = x[b];
+      } else if (projection == 1) {
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+          sh.k[first + b][c] = x[b];
+      } else {
+        // beta v transposed, 8 tokens per 16-byte store: rows c..c+7 of a quarter warp start 4
+        // banks apart, so the stores are conflict-free.
+#pragma unroll
+        for (int b = 0; b < kBatch; b += 8) {
+          const float4 beta0 = *reinterpret_cast<const float4 *>(&sh.beta[first + b]);
+          const float4 beta1 = *reinterpret_cast<const float4 *>(&sh.beta[first + b + 4]);
+          *reinterpret_cast<uint4 *>(&sh.valuesT[c][first + b]) =
+              make_uint4(packBf16(beta0.x * x[b], beta0.y * x[b + 1]),
+                         packBf16(beta0.z * x[b + 2], beta0.w * x[b + 3]),
+                         packBf16(beta1.x * x[b + 4], beta1.y * x[b + 5]),
+                         packBf16(beta1.z * x[b + 6], beta1.w * x[b + 7]));
+        }
+      }
+    }
+  } else {
+    const float *at = p.forget + size_t(chunk.begin) * channels + channel;
+    const float scaleA = fastExp(p.weights.aLog[head]), dtBias = p.weights.dtBias[channel];
+    const float lowerBound = p.weights.lowerBound;
+    float sum = 0.0f, blockFirst = 0.0f;
+#pragma unroll
+    for (int first = 0; first < kChunk; first += kBatch) {
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b, at += channels)
+        x[b] = inChunk(first + b) ? *at : 0.0f;
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int i = first + b;
+        // Computed for padding tokens too (finite), then masked: no branch per token.
+        const float g = fastForgetLogDecay<kLowerBound>(x[b] + dtBias, scaleA, lowerBound);
+        sum += inChunk(i) ? g : 0.0f;
+        sh.G[i][c] = sum;
+        if (i % kBlock == 0)
+          blockFirst = sum;
+        if (i % kBlock == kBlock - 1) {
+          float span = blockFirst - sum;
+#pragma unroll
+          for (int offset = 16; offset > 0; offset /= 2)
+            span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, offset));
+          sh.blockSpan[warp][i / kBlock] = span;
+        }
+      }
+    }
+  }
+}
 
 template <int kConv, bool kLowerBound>
 __global__ void __launch_bounds__(kFactorThreads)
@@ -140,101 +243,30 @@ __global__ void __launch_bounds__(kFactorThreads)
   ChunkLocation chunk;
   if (!locateChunk(p.cuSeqlens, p.sequences, blockIdx.x, chunk))
     return;
-  const int channels = p.heads * kDim;
   const size_t block = size_t(blockIdx.x) * p.heads + head;
   constexpr int kBlocks = kChunk / kBlock, kWarps = kFactorThreads / 32;
 
   // Phase 1: beta, then one thread per (stream, channel): all of the chunk's inputs of its channel
   // are loaded at once into registers (one memory round trip), then walked in order: conv + SiLU
   // of q, k or v with the last W - 1 inputs in registers, or the log decays with their running
-  // sum and the per-block span of that sum. Zeros past the chunk's tokens.
+  // sum and the per-block span of that sum. Zeros past the chunk's tokens. Every loop is unrolled
+  // so that shared addresses are constant offsets; a full chunk (the common case) takes a copy of
+  // the loop without the per-token bounds checks.
   if (tid < kChunk)
     sh.beta[tid] = tid < chunk.count
                        ? fastSigmoid(p.betaLogits[size_t(chunk.begin + tid) * p.heads + head])
                        : 0.0f;
   __syncthreads();
-  {
-    static_assert(kFactorThreads == 4 * kDim, "a thread per (stream, channel)");
-    const int c = tid % kDim, stream = tid / kDim, channel = head * kDim + c;
-    constexpr int kBatch = kChunk / 2; // inputs in flight per thread, as registers allow
-    float x[kBatch];
-    if (stream < 3) {
-      const int projection = stream;
-      const size_t tokenStride = size_t(3) * channels;
-      const float *input =
-          p.qkv + size_t(chunk.begin) * tokenStride + projection * channels + channel;
-      float taps[kConv], window[kConv]; // window[kConv - 1] is the current input
-      const float *tap = p.weights.convWeight + (size_t(projection) * channels + channel) * kConv;
-#pragma unroll
-      for (int j = 0; j < kConv; ++j)
-        taps[j] = tap[j];
-      const float *history = p.convState +
-                             (size_t(chunk.sequence) * 3 + projection) * (kConv - 1) * channels +
-                             channel;
-#pragma unroll
-      for (int j = 0; j < kConv - 1; ++j) {
-        const int position = chunk.begin - (kConv - 1) + j;
-        window[j] = position >= chunk.sequenceBegin
-                        ? input[(j - (kConv - 1)) * int64_t(tokenStride)]
-                        : history[size_t(position - chunk.sequenceBegin + kConv - 1) * channels];
-      }
-      for (int first = 0; first < kChunk; first += kBatch) {
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b)
-          x[b] = first + b < chunk.count ? input[(first + b) * tokenStride] : 0.0f;
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int i = first + b;
-          window[kConv - 1] = x[b];
-          float acc = 0.0f;
-#pragma unroll
-          for (int j = 0; j < kConv; ++j)
-            acc += taps[j] * window[j];
-#pragma unroll
-          for (int j = 0; j + 1 < kConv; ++j)
-            window[j] = window[j + 1];
-          const float out = i < chunk.count ? acc * fastSigmoid(acc) : 0.0f;
-          if (projection == 0)
-            sh.q[i][c] = out;
-          else if (projection == 1)
-            sh.k[i][c] = out;
-          else
-            sh.valuesT[c][i] = __float2bfloat16(sh.beta[i] * out);
-        }
-      }
-    } else {
-      const float *forget = p.forget + size_t(chunk.begin) * channels + channel;
-      const float scaleA = fastExp(p.weights.aLog[head]), dtBias = p.weights.dtBias[channel];
-      const float lowerBound = p.weights.lowerBound;
-      float sum = 0.0f, blockFirst = 0.0f;
-      for (int first = 0; first < kChunk; first += kBatch) {
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b)
-          x[b] = first + b < chunk.count ? forget[size_t(first + b) * channels] : 0.0f;
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int i = first + b;
-          // Computed for padding tokens too (finite), then masked: no branch per token.
-        const float g = fastForgetLogDecay<kLowerBound>(x[b] + dtBias, scaleA, lowerBound);
-        sum += i < chunk.count ? g : 0.0f;
-          sh.G[i][c] = sum;
-          if (i % kBlock == 0)
-            blockFirst = sum;
-          if (i % kBlock == kBlock - 1) {
-            float span = blockFirst - sum;
-#pragma unroll
-            for (int offset = 16; offset > 0; offset /= 2)
-              span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, offset));
-            sh.blockSpan[warp][i / kBlock] = span;
-          }
-        }
-      }
-    }
-  }
+  if (chunk.count == kChunk)
+    chunkInputs<kConv, kLowerBound, true>(p, chunk, sh, head);
+  else
+    chunkInputs<kConv, kLowerBound, false>(p, chunk, sh, head);
   __syncthreads();
 
   // Phase 2: L2 norms per token, a warp per token.
-  for (int i = warp; i < kChunk; i += kWarps) {
+#pragma unroll
+  for (int it = 0; it < kChunk / kWarps; ++it) {
+    const int i = warp + kWarps * it;
     float q[4], k[4], qq = 0.0f, kk = 0.0f;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -252,22 +284,29 @@ __global__ void __launch_bounds__(kFactorThreads)
     }
   }
   __syncthreads();
-  bool midReference[kBlocks];
-#pragma unroll
-  for (int b = 0; b < kBlocks; ++b) {
+  // Whether diagonal block b is narrow enough for the mid-row reference (max over the gate
+  // stream's warps of their spans).
+  auto midReference = [&](int b) {
     float span = 0.0f;
 #pragma unroll
-    for (int w = 3 * kWarps / 4; w < kWarps; ++w) // the gate stream's warps
+    for (int w = 3 * kWarps / 4; w < kWarps; ++w)
       span = fmaxf(span, sh.blockSpan[w][b]);
-    midReference[b] = span <= kMidReferenceSpan;
-  }
+    return span <= kMidReferenceSpan;
+  };
+
+  // The element-wise loops below give each thread a fixed column pair (or column) and rows
+  // r + 8 it (r = tid / 64), so every shared address is a constant offset from the thread's own.
+  constexpr int kPairs = kDim / 2, kRowStep = kFactorThreads / kPairs;
+  static_assert(kRowStep == 8 && kBlock % kRowStep == 0, "two row steps per 16-row block");
+  const int pairColumn = 2 * (tid % kPairs), rowInStep = tid / kPairs;
 
   // Phase 3: the diagonal 16x16 blocks of A and Aqk. On tensor cores relative to the block's
   // middle row m: (k_i e^(G_i - G_m)) . (k_j e^(G_m - G_j)); a block whose decay span is too wide
-  // for that is summed exactly, one e^(G_i - G_j) per term.
-  for (int index = tid; index < kChunk * kDim / 2; index += kFactorThreads) {
-    const int i = index / (kDim / 2), c = 2 * (index % (kDim / 2));
-    const int middle = (i / kBlock) * kBlock + kBlock / 2;
+  // for that is summed exactly, one e^(G_i - G_j) per term. A is stored times beta_i.
+#pragma unroll
+  for (int it = 0; it < kChunk / kRowStep; ++it) {
+    const int i = rowInStep + kRowStep * it, c = pairColumn;
+    const int middle = kBlock * (it / 2) + kBlock / 2;
     const float2 g = *reinterpret_cast<const float2 *>(&sh.G[i][c]);
     const float2 gm = *reinterpret_cast<const float2 *>(&sh.G[middle][c]);
     const float2 k = *reinterpret_cast<const float2 *>(&sh.k[i][c]);
@@ -286,7 +325,7 @@ __global__ void __launch_bounds__(kFactorThreads)
     // 16 jobs, one per warp: (block, A or Aqk, 8-column tile).
     static_assert(kWarps == kBlocks * 2 * 2, "one diagonal job per warp");
     const int b = warp / 4, which = (warp / 2) % 2, nTile = warp % 2, base = b * kBlock;
-    if (midReference[b]) {
+    if (midReference(b)) {
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const bf16(*left)[kWideStride] =
           which == 0 ? sh.scratch.diagonal.keyLeft : sh.scratch.diagonal.queryLeft;
@@ -301,14 +340,15 @@ __global__ void __launch_bounds__(kFactorThreads)
       for (int e = 0; e < 4; ++e) {
         const int i = accRow(e), j = 8 * nTile + accColumn(e);
         if (which == 0)
-          sh.a[base + i][base + j] = i > j ? acc[e] : 0.0f;
+          sh.a[base + i][base + j] = i > j ? acc[e] * sh.beta[base + i] : 0.0f;
         else
           sh.aqk[base + i][base + j] = i >= j ? acc[e] : 0.0f;
       }
     }
   }
+#pragma unroll
   for (int b = 0; b < kBlocks; ++b) {
-    if (midReference[b])
+    if (midReference(b))
       continue; // uniform over the block
     const int base = b * kBlock;
     for (int pair = warp; pair < kBlock * kBlock; pair += kWarps) {
@@ -325,7 +365,7 @@ __global__ void __launch_bounds__(kFactorThreads)
       sumA = warpSum(sumA);
       sumQ = warpSum(sumQ);
       if (lane == 0) {
-        sh.a[base + i][base + j] = j < i ? sumA : 0.0f;
+        sh.a[base + i][base + j] = j < i ? sumA * sh.beta[base + i] : 0.0f;
         sh.aqk[base + i][base + j] = sumQ; // 0 above the diagonal
       }
     }
@@ -334,9 +374,10 @@ __global__ void __launch_bounds__(kFactorThreads)
 
   // Phase 4: the blocks left of the diagonal, relative to the block row's first token r, where
   // both factors are at most 1 for any gate: k_i e^(G_i - G_r) (i >= r), k_j e^(G_r - G_j) (j < r).
-  for (int index = tid; index < (kChunk - kBlock) * kDim / 2; index += kFactorThreads) {
-    const int i = kBlock + index / (kDim / 2), c = 2 * (index % (kDim / 2));
-    const int first = (i / kBlock) * kBlock;
+#pragma unroll
+  for (int it = 0; it < (kChunk - kBlock) / kRowStep; ++it) {
+    const int i = kBlock + rowInStep + kRowStep * it, c = pairColumn;
+    const int first = kBlock * (1 + it / 2);
     const float2 g = *reinterpret_cast<const float2 *>(&sh.G[i][c]);
     const float2 gr = *reinterpret_cast<const float2 *>(&sh.G[first][c]);
     const float2 k = *reinterpret_cast<const float2 *>(&sh.k[i][c]);
@@ -348,9 +389,10 @@ __global__ void __launch_bounds__(kFactorThreads)
         packBf16(q.x * left0, q.y * left1);
   }
   // keyRight rows: block row 1 at 0 (16 rows), 2 at 16 (32 rows), 3 at 48 (48 rows).
-  for (int index = tid; index < kBlock * (1 + 2 + 3) * kDim / 2; index += kFactorThreads) {
-    const int row = index / (kDim / 2), c = 2 * (index % (kDim / 2));
-    const int blockRow = row < kBlock ? 1 : row < 3 * kBlock ? 2 : 3;
+#pragma unroll
+  for (int it = 0; it < kBlock * (1 + 2 + 3) / kRowStep; ++it) {
+    const int row = rowInStep + kRowStep * it, c = pairColumn;
+    const int blockRow = it < 2 ? 1 : it < 6 ? 2 : 3; // row < 16, < 48, else
     const int j = row - kBlock * (blockRow * (blockRow - 1) / 2), r = blockRow * kBlock;
     const float2 g = *reinterpret_cast<const float2 *>(&sh.G[j][c]);
     const float2 gr = *reinterpret_cast<const float2 *>(&sh.G[r][c]);
@@ -376,21 +418,20 @@ __global__ void __launch_bounds__(kFactorThreads)
             kWideStride);
       mma16816(acc, aFragment, bFragment);
     }
-    float(*target)[kSquareStride] = which == 0 ? sh.a : sh.aqk;
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      target[blockRow * kBlock + accRow(e)][8 * nTile + accColumn(e)] = acc[e];
+    for (int e = 0; e < 4; ++e) {
+      const int i = blockRow * kBlock + accRow(e), j = 8 * nTile + accColumn(e);
+      if (which == 0)
+        sh.a[i][j] = acc[e] * sh.beta[i];
+      else
+        sh.aqk[i][j] = acc[e];
+    }
   }
   __syncthreads();
 
   // Phase 5: T = (I + diag(beta) A)^-1 by 16x16 blocks: the diagonal blocks by substitution,
-  // then T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj diagonal by diagonal.
-  for (int index = tid; index < kChunk * kChunk; index += kFactorThreads) {
-    const int i = index / kChunk, j = index % kChunk;
-    sh.a[i][j] *= sh.beta[i];
-    sh.scratch.inverse[i][j] = 0.0f;
-  }
-  __syncthreads();
+  // then T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj diagonal by diagonal. Only the blocks on and below
+  // the diagonal are written; the bf16 copy zeroes the rest.
   if (warp < kBlocks && lane < kBlock) {
     const int base = warp * kBlock, j = lane;
     float x[kBlock];
@@ -406,44 +447,57 @@ __global__ void __launch_bounds__(kFactorThreads)
   }
   __syncthreads();
   // Each level's blocks are independent: all threads share their elements.
-  for (int distance = 1; distance < kBlocks; ++distance) {
-    const int elements = (kBlocks - distance) * kBlock * kBlock;
-    for (int index = tid; index < elements; index += kFactorThreads) {
-      const int b = index / (kBlock * kBlock), row = (index / kBlock) % kBlock;
-      const int column = index % kBlock, i = b + distance, j = b;
-      float y = 0.0f;
-      for (int m = j; m < i; ++m)
 #pragma unroll
-        for (int x = 0; x < kBlock; ++x)
-          y += sh.a[kBlock * i + row][kBlock * m + x] *
-               sh.scratch.inverse[kBlock * m + x][kBlock * j + column];
+  for (int distance = 1; distance < kBlocks; ++distance) {
+    constexpr int kElements = kBlock * kBlock;
+    const int elements = (kBlocks - distance) * kElements;
+    for (int index = tid; index < elements; index += kFactorThreads) {
+      const int b = index / kElements, row = (index / kBlock) % kBlock;
+      const int column = index % kBlock, i = b + distance, j = b;
+      const float *aRow = &sh.a[kBlock * i + row][kBlock * j];
+      const float *tColumn = &sh.scratch.inverse[kBlock * j][kBlock * j + column];
+      float y = 0.0f;
+#pragma unroll
+      for (int x = 0; x < kBlock * distance; ++x)
+        y += aRow[x] * tColumn[x * kSquareStride];
       sh.partialInverse[b][row][column] = y;
     }
     __syncthreads();
     for (int index = tid; index < elements; index += kFactorThreads) {
-      const int b = index / (kBlock * kBlock), row = (index / kBlock) % kBlock;
+      const int b = index / kElements, row = (index / kBlock) % kBlock;
       const int column = index % kBlock, i = b + distance, j = b;
+      const float *tRow = &sh.scratch.inverse[kBlock * i + row][kBlock * i];
       float t = 0.0f;
 #pragma unroll
       for (int x = 0; x < kBlock; ++x)
-        t -= sh.scratch.inverse[kBlock * i + row][kBlock * i + x] * sh.partialInverse[b][x][column];
+        t -= tRow[x] * sh.partialInverse[b][x][column];
       sh.scratch.inverse[kBlock * i + row][kBlock * j + column] = t;
     }
     __syncthreads();
   }
-  for (int index = tid; index < kChunk * kChunk; index += kFactorThreads) {
-    const int i = index / kChunk, j = index % kChunk;
-    sh.inverse16[i][j] = __float2bfloat16(sh.scratch.inverse[i][j]);
+#pragma unroll
+  for (int it = 0; it < kChunk * kChunk / kFactorThreads; ++it) {
+    const int i = tid / kChunk + (kFactorThreads / kChunk) * it, j = tid % kChunk;
+    sh.inverse16[i][j] = __float2bfloat16(j / kBlock <= i / kBlock ? sh.scratch.inverse[i][j] : 0.0f);
   }
   __syncthreads();
 
   // Phase 6: w = T (beta k e^G) and u = T (beta v) on tensor cores; warp = (row tile, a quarter
-  // of the column tiles). The operand is built two tokens per thread, lanes along the channels.
-  for (int index = tid; index < kChunk * kDim / 2; index += kFactorThreads) {
-    const int c = index % kDim, j = 2 * (index / kDim);
-    *reinterpret_cast<uint32_t *>(&sh.scratch.keysT[c][j]) =
-        packBf16(sh.beta[j] * sh.k[j][c] * fastExp(sh.G[j][c]),
-                 sh.beta[j + 1] * sh.k[j + 1][c] * fastExp(sh.G[j + 1][c]));
+  // of the column tiles). The transposed operand is built 8 tokens of one channel per thread, one
+  // 16-byte store each (conflict-free, as for valuesT).
+  constexpr int kTokenGroups = kFactorThreads / kDim; // 8-token groups in flight
+  const int ownChannel = tid % kDim, ownGroup = tid / kDim;
+#pragma unroll
+  for (int it = 0; it < kChunk / 8 / kTokenGroups; ++it) {
+    const int j0 = 8 * (ownGroup + kTokenGroups * it), c = ownChannel;
+    uint32_t packed[4];
+#pragma unroll
+    for (int t = 0; t < 8; t += 2)
+      packed[t / 2] = packBf16(sh.beta[j0 + t] * sh.k[j0 + t][c] * fastExp(sh.G[j0 + t][c]),
+                               sh.beta[j0 + t + 1] * sh.k[j0 + t + 1][c] *
+                                   fastExp(sh.G[j0 + t + 1][c]));
+    *reinterpret_cast<uint4 *>(&sh.scratch.keysT[c][j0]) =
+        make_uint4(packed[0], packed[1], packed[2], packed[3]);
   }
   __syncthreads();
   {
@@ -482,27 +536,39 @@ __global__ void __launch_bounds__(kFactorThreads)
   {
     bf16 *qg = factors.qg + block * kChunk * kDim, *kgT = factors.kgT + block * kDim * kChunk;
     bf16 *aqk = factors.aqk + block * kChunk * kChunk;
-    for (int index = tid; index < kChunk * kDim / 2; index += kFactorThreads) {
-      const int i = index / (kDim / 2), c = 2 * (index % (kDim / 2));
+#pragma unroll
+    for (int it = 0; it < kChunk / kRowStep; ++it) {
+      const int i = rowInStep + kRowStep * it, c = pairColumn;
       const float2 q = *reinterpret_cast<const float2 *>(&sh.q[i][c]);
       const float2 g = *reinterpret_cast<const float2 *>(&sh.G[i][c]);
       *reinterpret_cast<uint32_t *>(qg + size_t(i) * kDim + c) =
           packBf16(q.x * fastExp(g.x), q.y * fastExp(g.y));
-      const int c2 = index % kDim, i2 = 2 * (index / kDim);
-      const float last = sh.G[kChunk - 1][c2];
-      *reinterpret_cast<uint32_t *>(&sh.scratch.decayedKeysT[c2][i2]) =
-          packBf16(sh.k[i2][c2] * fastExp(last - sh.G[i2][c2]),
-                   sh.k[i2 + 1][c2] * fastExp(last - sh.G[i2 + 1][c2]));
     }
-    for (int index = tid; index < kChunk * kChunk / 2; index += kFactorThreads) {
-      const int i = index / (kChunk / 2), j = 2 * (index % (kChunk / 2));
+    const float last = sh.G[kChunk - 1][ownChannel];
+#pragma unroll
+    for (int it = 0; it < kChunk / 8 / kTokenGroups; ++it) {
+      const int j0 = 8 * (ownGroup + kTokenGroups * it), c = ownChannel;
+      uint32_t packed[4];
+#pragma unroll
+      for (int t = 0; t < 8; t += 2)
+        packed[t / 2] = packBf16(sh.k[j0 + t][c] * fastExp(last - sh.G[j0 + t][c]),
+                                 sh.k[j0 + t + 1][c] * fastExp(last - sh.G[j0 + t + 1][c]));
+      *reinterpret_cast<uint4 *>(&sh.scratch.decayedKeysT[c][j0]) =
+          make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
+    constexpr int kAqkRowStep = kFactorThreads / (kChunk / 2);
+#pragma unroll
+    for (int it = 0; it < kChunk / kAqkRowStep; ++it) {
+      const int i = tid / (kChunk / 2) + kAqkRowStep * it, j = 2 * (tid % (kChunk / 2));
       *reinterpret_cast<uint32_t *>(aqk + size_t(i) * kChunk + j) =
           packBf16(j <= i ? sh.aqk[i][j] : 0.0f, j + 1 <= i ? sh.aqk[i][j + 1] : 0.0f);
     }
     if (tid < kDim)
       factors.gam[block * kDim + tid] = fastExp(sh.G[kChunk - 1][tid]);
     __syncthreads();
-    for (int index = tid; index < kDim * kChunk / 8; index += kFactorThreads) {
+#pragma unroll
+    for (int it = 0; it < kDim * kChunk / 8 / kFactorThreads; ++it) {
+      const int index = tid + kFactorThreads * it;
       const int c = index / (kChunk / 8), part = index % (kChunk / 8);
       *reinterpret_cast<uint4 *>(kgT + size_t(c) * kChunk + 8 * part) =
           *reinterpret_cast<const uint4 *>(&sh.scratch.decayedKeysT[c][8 * part]);
