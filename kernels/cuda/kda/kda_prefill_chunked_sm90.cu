@@ -589,39 +589,51 @@ struct ChainStage {
   bf16 u[kChunk][kSliceStride];
   float gam[kDim];
 };
+// One stage, refilled part by part as the chunk's computation frees it (w and u once v_new is
+// computed, the rest at the end of the chunk): 81 KB, so two blocks share an SM.
 struct ChainShared {
-  ChainStage stage[2];
+  ChainStage stage;
   bf16 stateT[kSlice][kWideStride];       // S^T of the slice in bf16: [value][key]
   bf16 newValuesT[kSlice][kNarrowStride]; // v_new^T: [value][token]
 };
 
-// Starts the asynchronous copy of one chunk's factors (this block's value slice of u).
+// Asynchronous copies of one chunk's factors in two parts: the operands of v_new (w and this
+// block's value slice of u), then the rest (kg^T, e^G_last, qg, Aqk).
+enum class ChunkPart { NewValues, Rest };
+template <ChunkPart kPart>
 __device__ inline void loadChunk(ChainStage &stage, const ChunkFactors &factors, size_t block,
                                  int slice) {
   const int tid = threadIdx.x;
-  const bf16 *w = factors.w + block * kChunk * kDim, *qg = factors.qg + block * kChunk * kDim;
-  const bf16 *kgT = factors.kgT + block * kDim * kChunk;
-  const bf16 *aqk = factors.aqk + block * kChunk * kChunk;
-  const bf16 *u = factors.u + block * kChunk * kDim + slice * kSlice;
-  for (int index = tid; index < kChunk * kDim / 8; index += kChainThreads) {
-    const int row = index / (kDim / 8), part = index % (kDim / 8);
-    copyAsync16(&stage.w[row][8 * part], w + row * kDim + 8 * part);
-    copyAsync16(&stage.qg[row][8 * part], qg + row * kDim + 8 * part);
+  if constexpr (kPart == ChunkPart::NewValues) {
+    const bf16 *w = factors.w + block * kChunk * kDim;
+    const bf16 *u = factors.u + block * kChunk * kDim + slice * kSlice;
+    for (int index = tid; index < kChunk * kDim / 8; index += kChainThreads) {
+      const int row = index / (kDim / 8), part = index % (kDim / 8);
+      copyAsync16(&stage.w[row][8 * part], w + row * kDim + 8 * part);
+    }
+    for (int index = tid; index < kChunk * kSlice / 8; index += kChainThreads) {
+      const int row = index / (kSlice / 8), part = index % (kSlice / 8);
+      copyAsync16(&stage.u[row][8 * part], u + row * kDim + 8 * part);
+    }
+  } else {
+    const bf16 *qg = factors.qg + block * kChunk * kDim;
+    const bf16 *kgT = factors.kgT + block * kDim * kChunk;
+    const bf16 *aqk = factors.aqk + block * kChunk * kChunk;
+    for (int index = tid; index < kDim * kChunk / 8; index += kChainThreads) {
+      const int row = index / (kChunk / 8), part = index % (kChunk / 8);
+      copyAsync16(&stage.kgT[row][8 * part], kgT + row * kChunk + 8 * part);
+    }
+    for (int index = tid; index < kChunk * kDim / 8; index += kChainThreads) {
+      const int row = index / (kDim / 8), part = index % (kDim / 8);
+      copyAsync16(&stage.qg[row][8 * part], qg + row * kDim + 8 * part);
+    }
+    for (int index = tid; index < kChunk * kChunk / 8; index += kChainThreads) {
+      const int row = index / (kChunk / 8), part = index % (kChunk / 8);
+      copyAsync16(&stage.aqk[row][8 * part], aqk + row * kChunk + 8 * part);
+    }
+    if (tid < kDim / 4)
+      copyAsync16(&stage.gam[4 * tid], factors.gam + block * kDim + 4 * tid);
   }
-  for (int index = tid; index < kDim * kChunk / 8; index += kChainThreads) {
-    const int row = index / (kChunk / 8), part = index % (kChunk / 8);
-    copyAsync16(&stage.kgT[row][8 * part], kgT + row * kChunk + 8 * part);
-  }
-  for (int index = tid; index < kChunk * kChunk / 8; index += kChainThreads) {
-    const int row = index / (kChunk / 8), part = index % (kChunk / 8);
-    copyAsync16(&stage.aqk[row][8 * part], aqk + row * kChunk + 8 * part);
-  }
-  for (int index = tid; index < kChunk * kSlice / 8; index += kChainThreads) {
-    const int row = index / (kSlice / 8), part = index % (kSlice / 8);
-    copyAsync16(&stage.u[row][8 * part], u + row * kDim + 8 * part);
-  }
-  if (tid < kDim / 4)
-    copyAsync16(&stage.gam[4 * tid], factors.gam + block * kDim + 4 * tid);
 }
 
 // One warp's share of a chain-step product: acc[nt] += A B^T over kSteps 16-wide k-steps, A the
@@ -676,14 +688,15 @@ __global__ void __launch_bounds__(kChainThreads)
     element = state[size_t(row) * kDim + column];
   });
 
-  loadChunk(sh.stage[0], factors, size_t(firstChunk) * p.heads + head, slice);
+  // Copy groups in flight at the top of each chunk: its NewValues part, then its Rest part.
+  ChainStage &st = sh.stage;
+  loadChunk<ChunkPart::NewValues>(st, factors, size_t(firstChunk) * p.heads + head, slice);
+  commitAsyncCopies();
+  loadChunk<ChunkPart::Rest>(st, factors, size_t(firstChunk) * p.heads + head, slice);
   commitAsyncCopies();
   for (int c = 0; c < chunks; ++c) {
-    if (c + 1 < chunks)
-      loadChunk(sh.stage[(c + 1) % 2], factors, size_t(firstChunk + c + 1) * p.heads + head, slice);
-    commitAsyncCopies();
-    waitAsyncCopies<1>();
-    ChainStage &st = sh.stage[c % 2];
+    const size_t next = size_t(firstChunk + c + 1) * p.heads + head;
+    waitAsyncCopies<1>(); // this thread's NewValues copies
     forEachStateElement(s, warp, [&](float &element, int row, int column) {
       sh.stateT[column][row] = __float2bfloat16(element);
     });
@@ -703,7 +716,11 @@ __global__ void __launch_bounds__(kChainThreads)
               __float2bfloat16(__bfloat162float(st.u[row][column]) - product[nt][e]);
         }
     }
-    __syncthreads();
+    waitAsyncCopies<0>(); // this thread's Rest copies (issued a whole v_new earlier)
+    __syncthreads();      // every thread's copies and v_new are visible; w and u are free
+    if (c + 1 < chunks)
+      loadChunk<ChunkPart::NewValues>(st, factors, next, slice);
+    commitAsyncCopies();
 
     // S <- e^G_last S + kg^T v_new for this warp's 32 key rows.
 #pragma unroll
@@ -743,7 +760,10 @@ __global__ void __launch_bounds__(kChainThreads)
         }
       }
     }
-    __syncthreads(); // the stage, stateT and newValuesT are free for the next chunk
+    __syncthreads(); // the rest of the stage, stateT and newValuesT are free for the next chunk
+    if (c + 1 < chunks)
+      loadChunk<ChunkPart::Rest>(st, factors, next, slice);
+    commitAsyncCopies();
   }
 
   forEachStateElement(s, warp, [&](float &element, int row, int column) {
