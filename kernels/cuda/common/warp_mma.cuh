@@ -18,28 +18,43 @@ __device__ inline void mma16816(float (&d)[4], const uint32_t (&a)[4], const uin
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ inline uint32_t load32(const __nv_bfloat16 *p) {
-  return *reinterpret_cast<const uint32_t *>(p);
+__device__ inline unsigned sharedAddress(const void *p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// The A fragment of the 16x16 tile at `tile` of a row-major bf16 matrix (`stride` elements per
-// row; the k index is contiguous). `stride` / 2 should be 4 mod 32 words for conflict-free loads.
+// The A fragment of the 16x16 tile at `tile` of a row-major bf16 matrix in shared memory (`stride`
+// elements per row, a multiple of 8; the k index is contiguous): one ldmatrix.x4, lanes 0-15
+// naming rows 0-15 at k 0 and lanes 16-31 the same rows at k 8. Rows start (stride / 2) mod 32
+// words apart; 4 mod 32 (or any step that spreads 8 rows over distinct 4-bank groups) is
+// conflict-free.
 __device__ inline void loadA(uint32_t (&a)[4], const __nv_bfloat16 *tile, int stride) {
   const int lane = threadIdx.x % 32;
-  const __nv_bfloat16 *p = tile + (lane / 4) * stride + 2 * (lane % 4);
-  a[0] = load32(p);
-  a[1] = load32(p + 8 * stride);
-  a[2] = load32(p + 8);
-  a[3] = load32(p + 8 * stride + 8);
+  const __nv_bfloat16 *p = tile + (lane % 16) * stride + (lane / 16) * 8;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(sharedAddress(p)));
 }
 
-// The B fragment of the 16(k)x8(n) tile at `tile` of a matrix stored n-major: row n holds the k
-// values contiguously (`stride` elements per row).
+// The B fragment of the 16(k)x8(n) tile at `tile` of a matrix in shared memory stored n-major:
+// row n holds the k values contiguously (`stride` elements per row, a multiple of 8). One
+// ldmatrix.x2: lanes 0-7 name rows 0-7 at k 0, lanes 8-15 at k 8.
 __device__ inline void loadB(uint32_t (&b)[2], const __nv_bfloat16 *tile, int stride) {
   const int lane = threadIdx.x % 32;
-  const __nv_bfloat16 *p = tile + (lane / 4) * stride + 2 * (lane % 4);
-  b[0] = load32(p);
-  b[1] = load32(p + 8);
+  const __nv_bfloat16 *p = tile + (lane % 8) * stride + ((lane / 8) % 2) * 8;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(b[0]), "=r"(b[1])
+               : "r"(sharedAddress(p)));
+}
+
+// The B fragments of two adjacent 8-column tiles (rows 0-7 and 8-15 of the n-major storage at
+// `tile`): one ldmatrix.x4.
+__device__ inline void loadBPair(uint32_t (&first)[2], uint32_t (&second)[2],
+                                 const __nv_bfloat16 *tile, int stride) {
+  const int lane = threadIdx.x % 32;
+  const __nv_bfloat16 *p = tile + (lane % 8 + 8 * (lane / 16)) * stride + ((lane / 8) % 2) * 8;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(first[0]), "=r"(first[1]), "=r"(second[0]), "=r"(second[1])
+               : "r"(sharedAddress(p)));
 }
 
 // The (row, column) of accumulator element e (0..3) of this lane within its 16x8 tile.
@@ -53,8 +68,8 @@ __device__ inline uint32_t packBf16(float low, float high) {
 
 // 16-byte global -> shared copy that bypasses the registers; completes at waitAsyncCopies.
 __device__ inline void copyAsync16(void *shared, const void *global) {
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sharedAddress(shared)),
+               "l"(global));
 }
 __device__ inline void commitAsyncCopies() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most `kPending` committed groups are still in flight.

@@ -646,10 +646,11 @@ __device__ __forceinline__ void mmaRowTileBySlice(float (&acc)[4][4], const bf16
     uint32_t aFragment[4];
     loadA(aFragment, a + 16 * ks, aStride);
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      uint32_t bFragment[2];
-      loadB(bFragment, b + 8 * nt * bStride + 16 * ks, bStride);
-      mma16816(acc[nt], aFragment, bFragment);
+    for (int nt = 0; nt < 4; nt += 2) {
+      uint32_t bFragments[2][2];
+      loadBPair(bFragments[0], bFragments[1], b + 8 * nt * bStride + 16 * ks, bStride);
+      mma16816(acc[nt], aFragment, bFragments[0]);
+      mma16816(acc[nt + 1], aFragment, bFragments[1]);
     }
   }
 }
