@@ -480,11 +480,30 @@ __global__ void __launch_bounds__(kFactorThreads)
     const int i = tid / kChunk + (kFactorThreads / kChunk) * it, j = tid % kChunk;
     sh.inverse16[i][j] = __float2bfloat16(j / kBlock <= i / kBlock ? sh.scratch.inverse[i][j] : 0.0f);
   }
+  {
+    // Aqk goes out now: its shared copy stages u below.
+    bf16 *aqk = factors.aqk + block * kChunk * kChunk;
+    constexpr int kAqkRowStep = kFactorThreads / (kChunk / 2);
+#pragma unroll
+    for (int it = 0; it < kChunk / kAqkRowStep; ++it) {
+      const int i = tid / (kChunk / 2) + kAqkRowStep * it, j = 2 * (tid % (kChunk / 2));
+      *reinterpret_cast<uint32_t *>(aqk + size_t(i) * kChunk + j) =
+          packBf16(j <= i ? sh.aqk[i][j] : 0.0f, j + 1 <= i ? sh.aqk[i][j + 1] : 0.0f);
+    }
+  }
   __syncthreads();
 
   // Phase 6: w = T (beta k e^G) and u = T (beta v) on tensor cores; warp = (row tile, a quarter
   // of the column tiles). The transposed operand is built 8 tokens of one channel per thread, one
   // 16-byte store each (conflict-free, as for valuesT).
+  // w and u are staged in bf16 in the shared copies of A and Aqk (both spent by now), 16-byte
+  // chunk c of row r at chunk c ^ (r % 8): the fragment-order writes of 8 rows then hit distinct
+  // banks, and the copy-out stores whole rows, 16 bytes per thread.
+  static_assert(sizeof(sh.a) >= kChunk * kDim * sizeof(bf16), "w fits the spent A");
+  static_assert(sizeof(sh.aqk) >= kChunk * kDim * sizeof(bf16), "u fits the spent Aqk");
+  bf16 *stagedW = reinterpret_cast<bf16 *>(&sh.a[0][0]);
+  bf16 *stagedU = reinterpret_cast<bf16 *>(&sh.aqk[0][0]);
+  auto stagedOffset = [](int row, int chunk) { return row * kDim + 8 * (chunk ^ (row % 8)); };
   constexpr int kTokenGroups = kFactorThreads / kDim; // 8-token groups in flight
   const int ownChannel = tid % kDim, ownGroup = tid / kDim;
 #pragma unroll
@@ -507,7 +526,6 @@ __global__ void __launch_bounds__(kFactorThreads)
 #pragma unroll
     for (int ks = 0; ks < kChunk / 16; ++ks)
       loadA(aFragments[ks], &sh.inverse16[16 * rowTile][16 * ks], kNarrowStride);
-    bf16 *w = factors.w + block * kChunk * kDim, *u = factors.u + block * kChunk * kDim;
 #pragma unroll
     for (int nt = 0; nt < kColumnTiles; ++nt) {
       const int columnTile = firstColumnTile + nt;
@@ -522,20 +540,20 @@ __global__ void __launch_bounds__(kFactorThreads)
       }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const size_t at =
-            size_t(16 * rowTile + accRow(2 * half)) * kDim + 8 * columnTile + accColumn(2 * half);
-        *reinterpret_cast<uint32_t *>(w + at) = packBf16(accW[2 * half], accW[2 * half + 1]);
-        *reinterpret_cast<uint32_t *>(u + at) = packBf16(accU[2 * half], accU[2 * half + 1]);
+        const int row = 16 * rowTile + accRow(2 * half);
+        const int at = stagedOffset(row, columnTile) + accColumn(2 * half);
+        *reinterpret_cast<uint32_t *>(stagedW + at) = packBf16(accW[2 * half], accW[2 * half + 1]);
+        *reinterpret_cast<uint32_t *>(stagedU + at) = packBf16(accU[2 * half], accU[2 * half + 1]);
       }
     }
   }
   __syncthreads(); // keysT is read by the w products above
 
-  // Phase 7: qg, kg^T (staged in shared memory, then stored 16 bytes per thread), Aqk and
-  // e^G_last (G of padding tokens is the last real one's).
+  // Phase 7: qg, kg^T (staged in shared memory, then stored 16 bytes per thread), e^G_last (G of
+  // padding tokens is the last real one's), then the staged w and u, 16 bytes per thread.
   {
     bf16 *qg = factors.qg + block * kChunk * kDim, *kgT = factors.kgT + block * kDim * kChunk;
-    bf16 *aqk = factors.aqk + block * kChunk * kChunk;
+    bf16 *w = factors.w + block * kChunk * kDim, *u = factors.u + block * kChunk * kDim;
 #pragma unroll
     for (int it = 0; it < kChunk / kRowStep; ++it) {
       const int i = rowInStep + kRowStep * it, c = pairColumn;
@@ -556,13 +574,6 @@ __global__ void __launch_bounds__(kFactorThreads)
       *reinterpret_cast<uint4 *>(&sh.scratch.decayedKeysT[c][j0]) =
           make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
-    constexpr int kAqkRowStep = kFactorThreads / (kChunk / 2);
-#pragma unroll
-    for (int it = 0; it < kChunk / kAqkRowStep; ++it) {
-      const int i = tid / (kChunk / 2) + kAqkRowStep * it, j = 2 * (tid % (kChunk / 2));
-      *reinterpret_cast<uint32_t *>(aqk + size_t(i) * kChunk + j) =
-          packBf16(j <= i ? sh.aqk[i][j] : 0.0f, j + 1 <= i ? sh.aqk[i][j + 1] : 0.0f);
-    }
     if (tid < kDim)
       factors.gam[block * kDim + tid] = fastExp(sh.G[kChunk - 1][tid]);
     __syncthreads();
@@ -572,6 +583,16 @@ __global__ void __launch_bounds__(kFactorThreads)
       const int c = index / (kChunk / 8), part = index % (kChunk / 8);
       *reinterpret_cast<uint4 *>(kgT + size_t(c) * kChunk + 8 * part) =
           *reinterpret_cast<const uint4 *>(&sh.scratch.decayedKeysT[c][8 * part]);
+    }
+#pragma unroll
+    for (int it = 0; it < kChunk * kDim / 8 / kFactorThreads; ++it) {
+      const int index = tid + kFactorThreads * it;
+      const int row = index / (kDim / 8), chunk = index % (kDim / 8);
+      const int at = stagedOffset(row, chunk);
+      *reinterpret_cast<uint4 *>(w + row * kDim + 8 * chunk) =
+          *reinterpret_cast<const uint4 *>(stagedW + at);
+      *reinterpret_cast<uint4 *>(u + row * kDim + 8 * chunk) =
+          *reinterpret_cast<const uint4 *>(stagedU + at);
     }
   }
 }
