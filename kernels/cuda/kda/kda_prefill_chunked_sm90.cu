@@ -5,8 +5,9 @@
 // Only v_new, O and S depend on the state, so three kernels:
 //  1. chunkFactorsKernel, one block per (chunk, head), all chunks at once: conv, SiLU, norms,
 //     gates, A and Aqk, the inverse, w, u, qg, kg^T; written to the workspace in bf16.
-//  2. stateChainKernel, one block per (sequence, head, 32 value columns): walks the sequence's
-//     chunks with the fp32 state as tensor-core accumulators, writes the raw output.
+//  2. the state chain, one block per (sequence, head, 32 value columns): walks the sequence's
+//     chunks with the fp32 state as tensor-core accumulators, writes the raw output
+//     (twoRoleChainKernel for few blocks, oneRoleChainKernel for many; section 2).
 //  3. gatedNormKernel: the gated RMSNorm over each (token, head) in place.
 // Every exponent is of a difference G_a - G_b <= 0 (the diagonal 16-token blocks are exact running
 // products of decays), so any gate, including the unbounded softplus one, is safe.
@@ -598,62 +599,54 @@ __global__ void __launch_bounds__(kFactorThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2. The state chain.
+// 2. The state chain, one block per (sequence, head, 32 value columns), in two forms:
+//  - two roles (few blocks, long sequences): warps 0-3 walk the state (v_new, then the update)
+//    and hand each chunk's bf16 S^T and v_new^T to warps 4-7, which compute the outputs one chunk
+//    behind, off the chain's critical path. Named barriers (ids 1-6; 0 is __syncthreads) order
+//    the hand-off through double buffers. 159 KB: one block per SM.
+//  - one role (many blocks): 4 warps do both in turn over one stage of factors refilled part by
+//    part. 81 KB: two blocks per SM, which wins once there are several waves of blocks.
 
-constexpr int kChainThreads = 128; // 4 warps
+constexpr int kRoleThreads = 128;                 // 4 warps per role
+constexpr int kTwoRoleMaxWaves = 4; // blocks per SM up to which the two-role form is used
+constexpr int kTwoRoleThreads = 2 * kRoleThreads; // the state role, then the output role
 
-struct ChainStage {
-  bf16 w[kChunk][kWideStride];
-  bf16 qg[kChunk][kWideStride];
-  bf16 kgT[kDim][kNarrowStride];
-  bf16 aqk[kChunk][kNarrowStride];
-  bf16 u[kChunk][kSliceStride];
-  float gam[kDim];
+struct TwoRoleShared {
+  // By chunk parity. The state role's operands:
+  bf16 w[2][kChunk][kWideStride];
+  bf16 kgT[2][kDim][kNarrowStride];
+  bf16 u[2][kChunk][kSliceStride]; // this block's 32 value columns
+  float gam[2][kDim];
+  // The output role's operands:
+  bf16 qg[2][kChunk][kWideStride];
+  bf16 aqk[2][kChunk][kNarrowStride];
+  // Handed from the state role to the output role:
+  bf16 stateT[2][kSlice][kWideStride];       // S^T of the slice before the chunk: [value][key]
+  bf16 newValuesT[2][kSlice][kNarrowStride]; // v_new^T: [value][token]
 };
-// One stage, refilled part by part as the chunk's computation frees it (w and u once v_new is
-// computed, the rest at the end of the chunk): 81 KB, so two blocks share an SM.
-struct ChainShared {
-  ChainStage stage;
-  bf16 stateT[kSlice][kWideStride];       // S^T of the slice in bf16: [value][key]
-  bf16 newValuesT[kSlice][kNarrowStride]; // v_new^T: [value][token]
-};
 
-// Asynchronous copies of one chunk's factors in two parts: the operands of v_new (w and this
-// block's value slice of u), then the rest (kg^T, e^G_last, qg, Aqk).
-enum class ChunkPart { NewValues, Rest };
-template <ChunkPart kPart>
-__device__ inline void loadChunk(ChainStage &stage, const ChunkFactors &factors, size_t block,
-                                 int slice) {
-  const int tid = threadIdx.x;
-  if constexpr (kPart == ChunkPart::NewValues) {
-    const bf16 *w = factors.w + block * kChunk * kDim;
-    const bf16 *u = factors.u + block * kChunk * kDim + slice * kSlice;
-    for (int index = tid; index < kChunk * kDim / 8; index += kChainThreads) {
-      const int row = index / (kDim / 8), part = index % (kDim / 8);
-      copyAsync16(&stage.w[row][8 * part], w + row * kDim + 8 * part);
-    }
-    for (int index = tid; index < kChunk * kSlice / 8; index += kChainThreads) {
-      const int row = index / (kSlice / 8), part = index % (kSlice / 8);
-      copyAsync16(&stage.u[row][8 * part], u + row * kDim + 8 * part);
-    }
-  } else {
-    const bf16 *qg = factors.qg + block * kChunk * kDim;
-    const bf16 *kgT = factors.kgT + block * kDim * kChunk;
-    const bf16 *aqk = factors.aqk + block * kChunk * kChunk;
-    for (int index = tid; index < kDim * kChunk / 8; index += kChainThreads) {
-      const int row = index / (kChunk / 8), part = index % (kChunk / 8);
-      copyAsync16(&stage.kgT[row][8 * part], kgT + row * kChunk + 8 * part);
-    }
-    for (int index = tid; index < kChunk * kDim / 8; index += kChainThreads) {
-      const int row = index / (kDim / 8), part = index % (kDim / 8);
-      copyAsync16(&stage.qg[row][8 * part], qg + row * kDim + 8 * part);
-    }
-    for (int index = tid; index < kChunk * kChunk / 8; index += kChainThreads) {
-      const int row = index / (kChunk / 8), part = index % (kChunk / 8);
-      copyAsync16(&stage.aqk[row][8 * part], aqk + row * kChunk + 8 * part);
-    }
-    if (tid < kDim / 4)
-      copyAsync16(&stage.gam[4 * tid], factors.gam + block * kDim + 4 * tid);
+enum ChainBarrier : int {
+  kStateRole = 1,  // the state role's 128 threads
+  kOutputRole = 2, // the output role's 128 threads
+  kHandedOver = 3, // + parity: stateT / newValuesT of that parity are written (state arrives)
+  kHandedBack = 5, // + parity: ... and read (output arrives)
+};
+__device__ inline void namedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ inline void namedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Asynchronous copies of `rows` rows of `bytesPerRow` bytes (a multiple of 16) from global rows
+// `globalStride` elements apart into shared rows `sharedStride` elements apart, by the role's
+// threads (`index` = the thread's index in its role).
+__device__ inline void copyRows(bf16 *shared, int sharedStride, const bf16 *global,
+                                int globalStride, int rows, int bytesPerRow, int index) {
+  const int parts = bytesPerRow / 16;
+  for (int at = index; at < rows * parts; at += kRoleThreads) {
+    const int row = at / parts, part = at % parts;
+    copyAsync16(shared + row * sharedStride + 8 * part, global + size_t(row) * globalStride + 8 * part);
   }
 }
 
@@ -689,10 +682,243 @@ __device__ __forceinline__ void forEachStateElement(float (&s)[2][4][4], int war
         f(s[mt][nt][e], 32 * warp + 16 * mt + accRow(e), 8 * nt + accColumn(e));
 }
 
-__global__ void __launch_bounds__(kChainThreads)
-    stateChainKernel(KdaPrefillParams p, ChunkFactors factors) {
+// The state role: S <- e^G_last S + kg^T (u - w S) chunk by chunk, S in mma accumulators.
+__device__ __forceinline__ void chainStateRole(const KdaPrefillParams &p, const ChunkFactors &factors,
+                                               TwoRoleShared &sh, int firstChunk, int chunks,
+                                               int slice, int head, float *state) {
+  const int index = threadIdx.x, warp = index / 32;
+  auto load = [&](int c) {
+    const int b = c % 2;
+    const size_t block = size_t(firstChunk + c) * p.heads + head;
+    copyRows(&sh.w[b][0][0], kWideStride, factors.w + block * kChunk * kDim, kDim, kChunk,
+             kDim * 2, index);
+    copyRows(&sh.u[b][0][0], kSliceStride, factors.u + block * kChunk * kDim + slice * kSlice,
+             kDim, kChunk, kSlice * 2, index);
+    copyRows(&sh.kgT[b][0][0], kNarrowStride, factors.kgT + block * kDim * kChunk, kChunk, kDim,
+             kChunk * 2, index);
+    if (index < kDim / 4)
+      copyAsync16(&sh.gam[b][4 * index], factors.gam + block * kDim + 4 * index);
+  };
+  float s[2][4][4];
+  forEachStateElement(s, warp, [&](float &element, int row, int column) {
+    element = state[size_t(row) * kDim + column];
+  });
+  load(0);
+  commitAsyncCopies();
+  for (int c = 0; c < chunks; ++c) {
+    const int b = c % 2;
+    if (c + 1 < chunks)
+      load(c + 1);
+    commitAsyncCopies();
+    waitAsyncCopies<1>(); // this thread's copies of chunk c
+    if (c >= 2)
+      namedBarrierSync(kHandedBack + b, kTwoRoleThreads); // chunk c - 2's outputs are done
+    forEachStateElement(s, warp, [&](float &element, int row, int column) {
+      sh.stateT[b][column][row] = __float2bfloat16(element);
+    });
+    namedBarrierSync(kStateRole, kRoleThreads); // every copy of chunk c and stateT are visible
+
+    // v_new = u - w S for this warp's 16 tokens.
+    {
+      float product[4][4] = {};
+      mmaRowTileBySlice<kDim / 16>(product, &sh.w[b][16 * warp][0], kWideStride,
+                                   &sh.stateT[b][0][0], kWideStride);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = 16 * warp + accRow(e), column = 8 * nt + accColumn(e);
+          sh.newValuesT[b][column][row] =
+              __float2bfloat16(__bfloat162float(sh.u[b][row][column]) - product[nt][e]);
+        }
+    }
+    namedBarrierSync(kStateRole, kRoleThreads);            // v_new is visible to the role
+    namedBarrierArrive(kHandedOver + b, kTwoRoleThreads); // ... and to the output role
+
+    // S <- e^G_last S + kg^T v_new for this warp's 32 key rows.
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float decay = sh.gam[b][32 * warp + 16 * mt + accRow(e)];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          s[mt][nt][e] *= decay;
+      }
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks)
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+        mmaRowTileBySlice<1>(s[mt], &sh.kgT[b][32 * warp + 16 * mt][16 * ks], kNarrowStride,
+                             &sh.newValuesT[b][0][16 * ks], kNarrowStride);
+    namedBarrierSync(kStateRole, kRoleThreads); // buffer b's operands are free for chunk c + 2
+  }
+  forEachStateElement(s, warp, [&](float &element, int row, int column) {
+    state[size_t(row) * kDim + column] = element;
+  });
+}
+
+// The output role: O = qg S + Aqk v_new for the chunk the state role handed over.
+__device__ __forceinline__ void chainOutputRole(const KdaPrefillParams &p,
+                                                const ChunkFactors &factors, TwoRoleShared &sh,
+                                                int firstChunk, int chunks, int slice, int head,
+                                                int begin, int length) {
+  const int index = threadIdx.x - kRoleThreads, warp = index / 32;
+  const int channels = p.heads * kDim;
+  auto load = [&](int c) {
+    const int b = c % 2;
+    const size_t block = size_t(firstChunk + c) * p.heads + head;
+    copyRows(&sh.qg[b][0][0], kWideStride, factors.qg + block * kChunk * kDim, kDim, kChunk,
+             kDim * 2, index);
+    copyRows(&sh.aqk[b][0][0], kNarrowStride, factors.aqk + block * kChunk * kChunk, kChunk,
+             kChunk, kChunk * 2, index);
+  };
+  load(0);
+  commitAsyncCopies();
+  for (int c = 0; c < chunks; ++c) {
+    const int b = c % 2;
+    if (c + 1 < chunks)
+      load(c + 1);
+    commitAsyncCopies();
+    waitAsyncCopies<1>();
+    namedBarrierSync(kOutputRole, kRoleThreads);        // every copy of chunk c is visible
+    namedBarrierSync(kHandedOver + b, kTwoRoleThreads); // S^T and v_new^T of chunk c are ready
+    float o[4][4] = {};
+    mmaRowTileBySlice<kDim / 16>(o, &sh.qg[b][16 * warp][0], kWideStride, &sh.stateT[b][0][0],
+                                 kWideStride);
+    for (int ks = 0; ks <= warp; ++ks) // causal: token blocks up to the warp's own
+      mmaRowTileBySlice<1>(o, &sh.aqk[b][16 * warp][16 * ks], kNarrowStride,
+                           &sh.newValuesT[b][0][16 * ks], kNarrowStride);
+    if (c + 2 < chunks) // the state role waits for this only before chunk c + 2
+      namedBarrierArrive(kHandedBack + b, kTwoRoleThreads);
+    const int chunkBegin = begin + c * kChunk, count = min(kChunk, length - c * kChunk);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = 16 * warp + accRow(2 * half);
+      if (row < count) {
+        float *out = p.out + size_t(chunkBegin + row) * channels + head * kDim + slice * kSlice;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          *reinterpret_cast<float2 *>(out + 8 * nt + accColumn(2 * half)) =
+              make_float2(o[nt][2 * half], o[nt][2 * half + 1]);
+      }
+    }
+    namedBarrierSync(kOutputRole, kRoleThreads); // qg and Aqk of parity b are free
+  }
+}
+
+// The conv state after the sequence, a thread per channel of the head (threadIdx.x < 128): its
+// last W - 1 inputs, older ones from the old state when the sequence is shorter (the factors
+// kernel, which read the old state, has finished).
+__device__ inline void updateConvState(const KdaPrefillParams &p, int sequence, int head, int begin,
+                                       int length) {
+  const int history = p.convKernel - 1, channels = p.heads * kDim;
+  const int channel = head * kDim + threadIdx.x;
+#pragma unroll
+  for (int projection = 0; projection < 3; ++projection) {
+    float *convState =
+        p.convState + (size_t(sequence) * 3 + projection) * history * channels + channel;
+    float old[kKdaMaxConvKernel - 1], next[kKdaMaxConvKernel - 1];
+#pragma unroll
+    for (int j = 0; j < kKdaMaxConvKernel - 1; ++j)
+      old[j] = j < history ? convState[size_t(j) * channels] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kKdaMaxConvKernel - 1; ++j) {
+      const int position = begin + length - history + j;
+      next[j] = position >= begin ? p.qkv[(size_t(position) * 3 + projection) * channels + channel]
+                                  : old[min(j + length, kKdaMaxConvKernel - 2)];
+    }
+#pragma unroll
+    for (int j = 0; j < kKdaMaxConvKernel - 1; ++j)
+      if (j < history)
+        convState[size_t(j) * channels] = next[j];
+  }
+}
+
+__global__ void __launch_bounds__(kTwoRoleThreads)
+    twoRoleChainKernel(KdaPrefillParams p, ChunkFactors factors) {
   extern __shared__ __align__(16) unsigned char sharedBytes[];
-  ChainShared &sh = *reinterpret_cast<ChainShared *>(sharedBytes);
+  TwoRoleShared &sh = *reinterpret_cast<TwoRoleShared *>(sharedBytes);
+  const int slice = blockIdx.x, head = blockIdx.y, sequence = blockIdx.z;
+  const int begin = p.cuSeqlens[sequence], length = p.cuSeqlens[sequence + 1] - begin;
+  if (length <= 0)
+    return; // an empty sequence keeps its states
+  int firstChunk = 0;
+  for (int s = 0; s < sequence; ++s)
+    firstChunk += chunksOf(p.cuSeqlens, s);
+  const int chunks = (length + kChunk - 1) / kChunk;
+  if (threadIdx.x >= kRoleThreads) {
+    chainOutputRole(p, factors, sh, firstChunk, chunks, slice, head, begin, length);
+    return;
+  }
+  float *state = p.state + (size_t(sequence) * p.heads + head) * kDim * kDim + slice * kSlice;
+  chainStateRole(p, factors, sh, firstChunk, chunks, slice, head, state);
+
+  if (slice == 0)
+    updateConvState(p, sequence, head, begin, length);
+}
+
+
+struct ChainStage {
+  bf16 w[kChunk][kWideStride];
+  bf16 qg[kChunk][kWideStride];
+  bf16 kgT[kDim][kNarrowStride];
+  bf16 aqk[kChunk][kNarrowStride];
+  bf16 u[kChunk][kSliceStride];
+  float gam[kDim];
+};
+// One stage, refilled part by part as the chunk's computation frees it (w and u once v_new is
+// computed, the rest at the end of the chunk): 81 KB, so two blocks share an SM.
+struct OneRoleShared {
+  ChainStage stage;
+  bf16 stateT[kSlice][kWideStride];       // S^T of the slice in bf16: [value][key]
+  bf16 newValuesT[kSlice][kNarrowStride]; // v_new^T: [value][token]
+};
+
+// Asynchronous copies of one chunk's factors in two parts: the operands of v_new (w and this
+// block's value slice of u), then the rest (kg^T, e^G_last, qg, Aqk).
+enum class ChunkPart { NewValues, Rest };
+template <ChunkPart kPart>
+__device__ inline void loadChunk(ChainStage &stage, const ChunkFactors &factors, size_t block,
+                                 int slice) {
+  const int tid = threadIdx.x;
+  if constexpr (kPart == ChunkPart::NewValues) {
+    const bf16 *w = factors.w + block * kChunk * kDim;
+    const bf16 *u = factors.u + block * kChunk * kDim + slice * kSlice;
+    for (int index = tid; index < kChunk * kDim / 8; index += kRoleThreads) {
+      const int row = index / (kDim / 8), part = index % (kDim / 8);
+      copyAsync16(&stage.w[row][8 * part], w + row * kDim + 8 * part);
+    }
+    for (int index = tid; index < kChunk * kSlice / 8; index += kRoleThreads) {
+      const int row = index / (kSlice / 8), part = index % (kSlice / 8);
+      copyAsync16(&stage.u[row][8 * part], u + row * kDim + 8 * part);
+    }
+  } else {
+    const bf16 *qg = factors.qg + block * kChunk * kDim;
+    const bf16 *kgT = factors.kgT + block * kDim * kChunk;
+    const bf16 *aqk = factors.aqk + block * kChunk * kChunk;
+    for (int index = tid; index < kDim * kChunk / 8; index += kRoleThreads) {
+      const int row = index / (kChunk / 8), part = index % (kChunk / 8);
+      copyAsync16(&stage.kgT[row][8 * part], kgT + row * kChunk + 8 * part);
+    }
+    for (int index = tid; index < kChunk * kDim / 8; index += kRoleThreads) {
+      const int row = index / (kDim / 8), part = index % (kDim / 8);
+      copyAsync16(&stage.qg[row][8 * part], qg + row * kDim + 8 * part);
+    }
+    for (int index = tid; index < kChunk * kChunk / 8; index += kRoleThreads) {
+      const int row = index / (kChunk / 8), part = index % (kChunk / 8);
+      copyAsync16(&stage.aqk[row][8 * part], aqk + row * kChunk + 8 * part);
+    }
+    if (tid < kDim / 4)
+      copyAsync16(&stage.gam[4 * tid], factors.gam + block * kDim + 4 * tid);
+  }
+}
+
+
+__global__ void __launch_bounds__(kRoleThreads)
+    oneRoleChainKernel(KdaPrefillParams p, ChunkFactors factors) {
+  extern __shared__ __align__(16) unsigned char sharedBytes[];
+  OneRoleShared &sh = *reinterpret_cast<OneRoleShared *>(sharedBytes);
   const int slice = blockIdx.x, head = blockIdx.y, sequence = blockIdx.z;
   const int warp = threadIdx.x / 32;
   const int begin = p.cuSeqlens[sequence], length = p.cuSeqlens[sequence + 1] - begin;
@@ -792,31 +1018,8 @@ __global__ void __launch_bounds__(kChainThreads)
     state[size_t(row) * kDim + column] = element;
   });
 
-  // The conv state after the sequence: its last W - 1 inputs, older ones from the old state
-  // when the sequence is shorter (the factors kernel, which read the old state, has finished).
-  if (slice == 0) {
-    const int history = p.convKernel - 1, channel = head * kDim + threadIdx.x;
-#pragma unroll
-    for (int projection = 0; projection < 3; ++projection) {
-      float *convState =
-          p.convState + (size_t(sequence) * 3 + projection) * history * channels + channel;
-      float old[kKdaMaxConvKernel - 1], next[kKdaMaxConvKernel - 1];
-#pragma unroll
-      for (int j = 0; j < kKdaMaxConvKernel - 1; ++j)
-        old[j] = j < history ? convState[size_t(j) * channels] : 0.0f;
-#pragma unroll
-      for (int j = 0; j < kKdaMaxConvKernel - 1; ++j) {
-        const int position = begin + length - history + j;
-        next[j] = position >= begin
-                      ? p.qkv[(size_t(position) * 3 + projection) * channels + channel]
-                      : old[min(j + length, kKdaMaxConvKernel - 2)];
-      }
-#pragma unroll
-      for (int j = 0; j < kKdaMaxConvKernel - 1; ++j)
-        if (j < history)
-          convState[size_t(j) * channels] = next[j];
-    }
-  }
+  if (slice == 0)
+    updateConvState(p, sequence, head, begin, length);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -880,15 +1083,31 @@ int launchKdaChunkedPrefill(const KdaPrefillParams &params, void *stream) {
   cudaError_t status = cudaFuncSetAttribute(
       factorsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(FactorShared));
   if (status == cudaSuccess)
-    status = cudaFuncSetAttribute(stateChainKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  sizeof(ChainShared));
+    status = cudaFuncSetAttribute(twoRoleChainKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  sizeof(TwoRoleShared));
+  if (status == cudaSuccess)
+    status = cudaFuncSetAttribute(oneRoleChainKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  sizeof(OneRoleShared));
   if (status != cudaSuccess)
     return status;
   auto cudaStream = static_cast<cudaStream_t>(stream);
   factorsKernel<<<dim3(unsigned(maxChunks(params)), params.heads), kFactorThreads,
                   sizeof(FactorShared), cudaStream>>>(params, factors);
-  stateChainKernel<<<dim3(kSlices, params.heads, params.sequences), kChainThreads,
-                     sizeof(ChainShared), cudaStream>>>(params, factors);
+  // Two roles while the chain blocks fit in few waves (latency per chunk decides), one role with
+  // two blocks per SM beyond (throughput decides); measured in docs/performance.md.
+  int device = 0, multiprocessors = 0;
+  status = cudaGetDevice(&device);
+  if (status == cudaSuccess)
+    status = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+  if (status != cudaSuccess)
+    return status;
+  const dim3 chainGrid(kSlices, params.heads, params.sequences);
+  if (int64_t(kSlices) * params.heads * params.sequences <= kTwoRoleMaxWaves * multiprocessors)
+    twoRoleChainKernel<<<chainGrid, kTwoRoleThreads, sizeof(TwoRoleShared), cudaStream>>>(params,
+                                                                                         factors);
+  else
+    oneRoleChainKernel<<<chainGrid, kRoleThreads, sizeof(OneRoleShared), cudaStream>>>(params,
+                                                                                      factors);
   const int64_t rows = int64_t(params.tokens) * params.heads;
   gatedNormKernel<<<unsigned((rows + kNormThreads / 32 - 1) / (kNormThreads / 32)), kNormThreads, 0,
                     cudaStream>>>(params);

@@ -7,6 +7,7 @@
 #include "hybrid/kernels/ref/Norm.h"
 #include "CudaTestSupport.h"
 
+#include <array>
 #include <optional>
 #include <utility>
 #include <string>
@@ -30,6 +31,16 @@ struct Case {
 // as fla's chunk_kda and FlashKDA do; its errors are rounding errors of a few such products.
 constexpr double kRecurrentOutputError = 1e-5, kRecurrentStateError = 1e-5;
 constexpr double kChunkedOutputError = 1e-2, kChunkedStateError = 1e-2;
+
+// 36 sequences of 70, 1, 0 and 20 tokens in turn: with 16 heads, 4 x 16 x 36 = 2304 chain blocks,
+// more than 4 per SM on any GPU of this generation, so the chunked path takes its one-role chain
+// form (the other cases take the two-role form).
+std::vector<int32_t> manySequences() {
+  std::vector<int32_t> lengths;
+  for (int i = 0; i < 36; ++i)
+    lengths.push_back(std::array<int32_t, 4>{70, 1, 0, 20}[i % 4]);
+  return lengths;
+}
 
 class KdaPrefillCuda : public testing::TestWithParam<Case> {};
 
@@ -157,7 +168,8 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{{0, 64, 0, 2, 65, 130}, 2, 128, 3, true, Path::Chunked},
                     Case{{300, 63, 128}, 2, 128, 2, false, Path::Chunked},
                     Case{{200, 7}, 2, 128, 4, false, Path::Chunked, 2.0f},
-                    Case{{129, 16}, 3, 128, 1, true, Path::Chunked, 2.0f}),
+                    Case{{129, 16}, 3, 128, 1, true, Path::Chunked, 2.0f},
+                    Case{manySequences(), 16, 128, 4, false, Path::Chunked}),
     [](const testing::TestParamInfo<Case> &info) {
       // appends only: GCC 12 warns falsely on "literal" + std::string
       std::string name = info.param.path == Path::Chunked ? "chunked" : "recurrent";
