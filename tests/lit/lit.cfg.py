@@ -18,3 +18,6 @@ config.environment["FILECHECK_OPTS"] = "--enable-var-scope"
 config.substitutions.append(("%data", os.path.join(config.hybrid_source_dir, "tests", "data")))
 config.substitutions.append(("%python", config.python_executable))
 config.substitutions.append(("%inputs", os.path.join(config.test_source_root, "Import", "Inputs")))
+# hybrid-bench is built only with CUDA.
+if os.path.exists(os.path.join(config.hybrid_tools_dir, "hybrid-bench")):
+    config.available_features.add("hybrid-bench")
