@@ -600,16 +600,19 @@ __global__ void __launch_bounds__(kFactorThreads)
 
 // ---------------------------------------------------------------------------------------------
 // 2. The state chain, one block per (sequence, head, 32 value columns), in two forms:
-//  - two roles (few blocks, long sequences): warps 0-3 walk the state (v_new, then the update)
-//    and hand each chunk's bf16 S^T and v_new^T to warps 4-7, which compute the outputs one chunk
-//    behind, off the chain's critical path. Named barriers (ids 1-6; 0 is __syncthreads) order
+//  - two roles (few blocks, long sequences): warps 0-7 walk the state (v_new, then the update)
+//    and hand each chunk's bf16 S^T and v_new^T to warps 8-11, which compute the outputs one
+//    chunk behind, off the chain's critical path. Named barriers (ids 1-6; 0 is __syncthreads) order
 //    the hand-off through double buffers. 159 KB: one block per SM.
 //  - one role (many blocks): 4 warps do both in turn over one stage of factors refilled part by
 //    part. 81 KB: two blocks per SM, which wins once there are several waves of blocks.
 
-constexpr int kRoleThreads = 128;                 // 4 warps per role
+constexpr int kRoleThreads = 128; // the one-role form's 4 warps
+// The two-role form: 8 state warps (16 key rows each for the update, a row tile by 16 value
+// columns each for v_new), then 4 output warps (16 tokens each).
+constexpr int kStateThreads = 256, kOutputThreads = 128;
+constexpr int kTwoRoleThreads = kStateThreads + kOutputThreads;
 constexpr int kTwoRoleMaxWaves = 4; // blocks per SM up to which the two-role form is used
-constexpr int kTwoRoleThreads = 2 * kRoleThreads; // the state role, then the output role
 
 struct TwoRoleShared {
   // By chunk parity. The state role's operands:
@@ -626,8 +629,8 @@ struct TwoRoleShared {
 };
 
 enum ChainBarrier : int {
-  kStateRole = 1,  // the state role's 128 threads
-  kOutputRole = 2, // the output role's 128 threads
+  kStateRole = 1,  // the state role's threads
+  kOutputRole = 2, // the output role's threads
   kHandedOver = 3, // + parity: stateT / newValuesT of that parity are written (state arrives)
   kHandedBack = 5, // + parity: ... and read (output arrives)
 };
@@ -640,11 +643,12 @@ __device__ inline void namedBarrierArrive(int id, int threads) {
 
 // Asynchronous copies of `rows` rows of `bytesPerRow` bytes (a multiple of 16) from global rows
 // `globalStride` elements apart into shared rows `sharedStride` elements apart, by the role's
-// threads (`index` = the thread's index in its role).
+// kThreads threads (`index` = the thread's index in its role).
+template <int kThreads>
 __device__ inline void copyRows(bf16 *shared, int sharedStride, const bf16 *global,
                                 int globalStride, int rows, int bytesPerRow, int index) {
   const int parts = bytesPerRow / 16;
-  for (int at = index; at < rows * parts; at += kRoleThreads) {
+  for (int at = index; at < rows * parts; at += kThreads) {
     const int row = at / parts, part = at % parts;
     copyAsync16(shared + row * sharedStride + 8 * part, global + size_t(row) * globalStride + 8 * part);
   }
@@ -669,20 +673,23 @@ __device__ __forceinline__ void mmaRowTileBySlice(float (&acc)[4][4], const bf16
   }
 }
 
-// Calls f(element, key row, value column) for each of the warp's state elements: its 32 key rows
-// of the slice's K x 32 state, held as s[row tile][column tile][accumulator element].
-template <typename F>
-__device__ __forceinline__ void forEachStateElement(float (&s)[2][4][4], int warp, F f) {
+// Calls f(element, key row, value column) for each of the warp's state elements: its 16 x
+// kRowTiles key rows from `firstRow` of the slice's K x 32 state, held as s[row tile][column
+// tile][accumulator element].
+template <int kRowTiles, typename F>
+__device__ __forceinline__ void forEachStateElement(float (&s)[kRowTiles][4][4], int firstRow,
+                                                    F f) {
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        f(s[mt][nt][e], 32 * warp + 16 * mt + accRow(e), 8 * nt + accColumn(e));
+        f(s[mt][nt][e], firstRow + 16 * mt + accRow(e), 8 * nt + accColumn(e));
 }
 
-// The state role: S <- e^G_last S + kg^T (u - w S) chunk by chunk, S in mma accumulators.
+// The state role: S <- e^G_last S + kg^T (u - w S) chunk by chunk, S in mma accumulators, 16
+// key rows per warp.
 __device__ __forceinline__ void chainStateRole(const KdaPrefillParams &p, const ChunkFactors &factors,
                                                TwoRoleShared &sh, int firstChunk, int chunks,
                                                int slice, int head, float *state) {
@@ -690,17 +697,20 @@ __device__ __forceinline__ void chainStateRole(const KdaPrefillParams &p, const 
   auto load = [&](int c) {
     const int b = c % 2;
     const size_t block = size_t(firstChunk + c) * p.heads + head;
-    copyRows(&sh.w[b][0][0], kWideStride, factors.w + block * kChunk * kDim, kDim, kChunk,
-             kDim * 2, index);
-    copyRows(&sh.u[b][0][0], kSliceStride, factors.u + block * kChunk * kDim + slice * kSlice,
-             kDim, kChunk, kSlice * 2, index);
-    copyRows(&sh.kgT[b][0][0], kNarrowStride, factors.kgT + block * kDim * kChunk, kChunk, kDim,
-             kChunk * 2, index);
+    copyRows<kStateThreads>(&sh.w[b][0][0], kWideStride, factors.w + block * kChunk * kDim, kDim,
+                            kChunk, kDim * 2, index);
+    copyRows<kStateThreads>(&sh.u[b][0][0], kSliceStride,
+                            factors.u + block * kChunk * kDim + slice * kSlice, kDim, kChunk,
+                            kSlice * 2, index);
+    copyRows<kStateThreads>(&sh.kgT[b][0][0], kNarrowStride, factors.kgT + block * kDim * kChunk,
+                            kChunk, kDim, kChunk * 2, index);
     if (index < kDim / 4)
       copyAsync16(&sh.gam[b][4 * index], factors.gam + block * kDim + 4 * index);
   };
-  float s[2][4][4];
-  forEachStateElement(s, warp, [&](float &element, int row, int column) {
+  const int keyRow = 16 * warp;                       // the update: this warp's 16 key rows
+  const int rowTile = warp % 4, columnPair = warp / 4; // v_new: 16 tokens x 16 value columns
+  float s[1][4][4];
+  forEachStateElement(s, keyRow, [&](float &element, int row, int column) {
     element = state[size_t(row) * kDim + column];
   });
   load(0);
@@ -713,47 +723,51 @@ __device__ __forceinline__ void chainStateRole(const KdaPrefillParams &p, const 
     waitAsyncCopies<1>(); // this thread's copies of chunk c
     if (c >= 2)
       namedBarrierSync(kHandedBack + b, kTwoRoleThreads); // chunk c - 2's outputs are done
-    forEachStateElement(s, warp, [&](float &element, int row, int column) {
+    forEachStateElement(s, keyRow, [&](float &element, int row, int column) {
       sh.stateT[b][column][row] = __float2bfloat16(element);
     });
-    namedBarrierSync(kStateRole, kRoleThreads); // every copy of chunk c and stateT are visible
+    namedBarrierSync(kStateRole, kStateThreads); // every copy of chunk c and stateT are visible
 
-    // v_new = u - w S for this warp's 16 tokens.
+    // v_new = u - w S for this warp's 16 tokens and 16 value columns.
     {
-      float product[4][4] = {};
-      mmaRowTileBySlice<kDim / 16>(product, &sh.w[b][16 * warp][0], kWideStride,
-                                   &sh.stateT[b][0][0], kWideStride);
+      float product[2][4] = {};
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 16 * warp + accRow(e), column = 8 * nt + accColumn(e);
-          sh.newValuesT[b][column][row] =
-              __float2bfloat16(__bfloat162float(sh.u[b][row][column]) - product[nt][e]);
-        }
-    }
-    namedBarrierSync(kStateRole, kRoleThreads);            // v_new is visible to the role
-    namedBarrierArrive(kHandedOver + b, kTwoRoleThreads); // ... and to the output role
-
-    // S <- e^G_last S + kg^T v_new for this warp's 32 key rows.
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float decay = sh.gam[b][32 * warp + 16 * mt + accRow(e)];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-          s[mt][nt][e] *= decay;
+      for (int ks = 0; ks < kDim / 16; ++ks) {
+        uint32_t aFragment[4], bFragments[2][2];
+        loadA(aFragment, &sh.w[b][16 * rowTile][16 * ks], kWideStride);
+        loadBPair(bFragments[0], bFragments[1], &sh.stateT[b][16 * columnPair][16 * ks],
+                  kWideStride);
+        mma16816(product[0], aFragment, bFragments[0]);
+        mma16816(product[1], aFragment, bFragments[1]);
       }
 #pragma unroll
-    for (int ks = 0; ks < kChunk / 16; ++ks)
+      for (int t = 0; t < 2; ++t)
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-        mmaRowTileBySlice<1>(s[mt], &sh.kgT[b][32 * warp + 16 * mt][16 * ks], kNarrowStride,
-                             &sh.newValuesT[b][0][16 * ks], kNarrowStride);
-    namedBarrierSync(kStateRole, kRoleThreads); // buffer b's operands are free for chunk c + 2
+        for (int e = 0; e < 4; ++e) {
+          const int row = 16 * rowTile + accRow(e);
+          const int column = 16 * columnPair + 8 * t + accColumn(e);
+          sh.newValuesT[b][column][row] =
+              __float2bfloat16(__bfloat162float(sh.u[b][row][column]) - product[t][e]);
+        }
+    }
+    namedBarrierSync(kStateRole, kStateThreads);           // v_new is visible to the role
+    namedBarrierArrive(kHandedOver + b, kTwoRoleThreads); // ... and to the output role
+
+    // S <- e^G_last S + kg^T v_new for this warp's 16 key rows.
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float decay = sh.gam[b][keyRow + accRow(e)];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+        s[0][nt][e] *= decay;
+    }
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks)
+      mmaRowTileBySlice<1>(s[0], &sh.kgT[b][keyRow][16 * ks], kNarrowStride,
+                           &sh.newValuesT[b][0][16 * ks], kNarrowStride);
+    namedBarrierSync(kStateRole, kStateThreads); // buffer b's operands are free for chunk c + 2
   }
-  forEachStateElement(s, warp, [&](float &element, int row, int column) {
+  forEachStateElement(s, keyRow, [&](float &element, int row, int column) {
     state[size_t(row) * kDim + column] = element;
   });
 }
@@ -763,15 +777,16 @@ __device__ __forceinline__ void chainOutputRole(const KdaPrefillParams &p,
                                                 const ChunkFactors &factors, TwoRoleShared &sh,
                                                 int firstChunk, int chunks, int slice, int head,
                                                 int begin, int length) {
-  const int index = threadIdx.x - kRoleThreads, warp = index / 32;
+  const int index = threadIdx.x - kStateThreads, warp = index / 32;
   const int channels = p.heads * kDim;
   auto load = [&](int c) {
     const int b = c % 2;
     const size_t block = size_t(firstChunk + c) * p.heads + head;
-    copyRows(&sh.qg[b][0][0], kWideStride, factors.qg + block * kChunk * kDim, kDim, kChunk,
-             kDim * 2, index);
-    copyRows(&sh.aqk[b][0][0], kNarrowStride, factors.aqk + block * kChunk * kChunk, kChunk,
-             kChunk, kChunk * 2, index);
+    copyRows<kOutputThreads>(&sh.qg[b][0][0], kWideStride, factors.qg + block * kChunk * kDim,
+                             kDim, kChunk, kDim * 2, index);
+    copyRows<kOutputThreads>(&sh.aqk[b][0][0], kNarrowStride,
+                             factors.aqk + block * kChunk * kChunk, kChunk, kChunk, kChunk * 2,
+                             index);
   };
   load(0);
   commitAsyncCopies();
@@ -781,7 +796,7 @@ __device__ __forceinline__ void chainOutputRole(const KdaPrefillParams &p,
       load(c + 1);
     commitAsyncCopies();
     waitAsyncCopies<1>();
-    namedBarrierSync(kOutputRole, kRoleThreads);        // every copy of chunk c is visible
+    namedBarrierSync(kOutputRole, kOutputThreads);    // every copy of chunk c is visible
     namedBarrierSync(kHandedOver + b, kTwoRoleThreads); // S^T and v_new^T of chunk c are ready
     float o[4][4] = {};
     mmaRowTileBySlice<kDim / 16>(o, &sh.qg[b][16 * warp][0], kWideStride, &sh.stateT[b][0][0],
@@ -803,7 +818,7 @@ __device__ __forceinline__ void chainOutputRole(const KdaPrefillParams &p,
               make_float2(o[nt][2 * half], o[nt][2 * half + 1]);
       }
     }
-    namedBarrierSync(kOutputRole, kRoleThreads); // qg and Aqk of parity b are free
+    namedBarrierSync(kOutputRole, kOutputThreads); // qg and Aqk of parity b are free
   }
 }
 
@@ -847,14 +862,14 @@ __global__ void __launch_bounds__(kTwoRoleThreads)
   for (int s = 0; s < sequence; ++s)
     firstChunk += chunksOf(p.cuSeqlens, s);
   const int chunks = (length + kChunk - 1) / kChunk;
-  if (threadIdx.x >= kRoleThreads) {
+  if (threadIdx.x >= kStateThreads) {
     chainOutputRole(p, factors, sh, firstChunk, chunks, slice, head, begin, length);
     return;
   }
   float *state = p.state + (size_t(sequence) * p.heads + head) * kDim * kDim + slice * kSlice;
   chainStateRole(p, factors, sh, firstChunk, chunks, slice, head, state);
 
-  if (slice == 0)
+  if (slice == 0 && threadIdx.x < kDim)
     updateConvState(p, sequence, head, begin, length);
 }
 
@@ -932,7 +947,7 @@ __global__ void __launch_bounds__(kRoleThreads)
   // This warp's 32 key rows of the slice's K x 32 state (forEachStateElement).
   float *state = p.state + (size_t(sequence) * p.heads + head) * kDim * kDim + slice * kSlice;
   float s[2][4][4];
-  forEachStateElement(s, warp, [&](float &element, int row, int column) {
+  forEachStateElement(s, 32 * warp, [&](float &element, int row, int column) {
     element = state[size_t(row) * kDim + column];
   });
 
@@ -945,7 +960,7 @@ __global__ void __launch_bounds__(kRoleThreads)
   for (int c = 0; c < chunks; ++c) {
     const size_t next = size_t(firstChunk + c + 1) * p.heads + head;
     waitAsyncCopies<1>(); // this thread's NewValues copies
-    forEachStateElement(s, warp, [&](float &element, int row, int column) {
+    forEachStateElement(s, 32 * warp, [&](float &element, int row, int column) {
       sh.stateT[column][row] = __float2bfloat16(element);
     });
     __syncthreads();
@@ -1014,7 +1029,7 @@ __global__ void __launch_bounds__(kRoleThreads)
     commitAsyncCopies();
   }
 
-  forEachStateElement(s, warp, [&](float &element, int row, int column) {
+  forEachStateElement(s, 32 * warp, [&](float &element, int row, int column) {
     state[size_t(row) * kDim + column] = element;
   });
 
