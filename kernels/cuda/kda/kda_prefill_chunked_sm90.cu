@@ -141,8 +141,10 @@ __device__ __forceinline__ void chunkInputs(const KdaPrefillParams &p, const Chu
   const int tid = threadIdx.x, c = tid % kDim, stream = tid / kDim, channel = head * kDim + c;
   const int channels = p.heads * kDim, warp = tid / 32;
   auto inChunk = [&](int i) { return kFull || i < chunk.count; };
-  constexpr int kBatch = kChunk / 2; // inputs in flight per thread, as registers allow
-  float x[kBatch];
+  // Inputs in batches of 16 tokens, the next batch's loads issued before the current one is
+  // computed (two batches in registers, as many as they allow).
+  constexpr int kBatch = 16, kBatches = kChunk / kBatch;
+  float x[2][kBatch];
   if (stream < 3) {
     const int projection = stream;
     const size_t tokenStride = size_t(3) * channels;
@@ -164,14 +166,21 @@ __device__ __forceinline__ void chunkInputs(const KdaPrefillParams &p, const Chu
                       : history[size_t(position - chunk.sequenceBegin + kConv - 1) * channels];
     }
     const float *at = input;
-#pragma unroll
-    for (int first = 0; first < kChunk; first += kBatch) {
+    auto loadBatch = [&](float(&into)[kBatch], int first) {
 #pragma unroll
       for (int b = 0; b < kBatch; ++b, at += tokenStride)
-        x[b] = inChunk(first + b) ? *at : 0.0f;
+        into[b] = inChunk(first + b) ? *at : 0.0f;
+    };
+    loadBatch(x[0], 0);
+#pragma unroll
+    for (int batch = 0; batch < kBatches; ++batch) {
+      const int first = batch * kBatch;
+      if (batch + 1 < kBatches)
+        loadBatch(x[(batch + 1) % 2], first + kBatch);
+      float(&current)[kBatch] = x[batch % 2];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        window[kConv - 1] = x[b];
+        window[kConv - 1] = current[b];
         float acc = 0.0f;
 #pragma unroll
         for (int j = 0; j < kConv; ++j)
@@ -179,16 +188,16 @@ __device__ __forceinline__ void chunkInputs(const KdaPrefillParams &p, const Chu
 #pragma unroll
         for (int j = 0; j + 1 < kConv; ++j)
           window[j] = window[j + 1];
-        x[b] = inChunk(first + b) ? acc * fastSigmoid(acc) : 0.0f;
+        current[b] = inChunk(first + b) ? acc * fastSigmoid(acc) : 0.0f;
       }
       if (projection == 0) {
 #pragma unroll
         for (int b = 0; b < kBatch; ++b)
-          sh.q[first + b][c] = x[b];
+          sh.q[first + b][c] = current[b];
       } else if (projection == 1) {
 #pragma unroll
         for (int b = 0; b < kBatch; ++b)
-          sh.k[first + b][c] = x[b];
+          sh.k[first + b][c] = current[b];
       } else {
         // beta v transposed, 8 tokens per 16-byte store: rows c..c+7 of a quarter warp start 4
         // banks apart, so the stores are conflict-free.
@@ -197,10 +206,10 @@ __device__ __forceinline__ void chunkInputs(const KdaPrefillParams &p, const Chu
           const float4 beta0 = *reinterpret_cast<const float4 *>(&sh.beta[first + b]);
           const float4 beta1 = *reinterpret_cast<const float4 *>(&sh.beta[first + b + 4]);
           *reinterpret_cast<uint4 *>(&sh.valuesT[c][first + b]) =
-              make_uint4(packBf16(beta0.x * x[b], beta0.y * x[b + 1]),
-                         packBf16(beta0.z * x[b + 2], beta0.w * x[b + 3]),
-                         packBf16(beta1.x * x[b + 4], beta1.y * x[b + 5]),
-                         packBf16(beta1.z * x[b + 6], beta1.w * x[b + 7]));
+              make_uint4(packBf16(beta0.x * current[b], beta0.y * current[b + 1]),
+                         packBf16(beta0.z * current[b + 2], beta0.w * current[b + 3]),
+                         packBf16(beta1.x * current[b + 4], beta1.y * current[b + 5]),
+                         packBf16(beta1.z * current[b + 6], beta1.w * current[b + 7]));
         }
       }
     }
@@ -209,16 +218,23 @@ __device__ __forceinline__ void chunkInputs(const KdaPrefillParams &p, const Chu
     const float scaleA = fastExp(p.weights.aLog[head]), dtBias = p.weights.dtBias[channel];
     const float lowerBound = p.weights.lowerBound;
     float sum = 0.0f, blockFirst = 0.0f;
-#pragma unroll
-    for (int first = 0; first < kChunk; first += kBatch) {
+    auto loadBatch = [&](float(&into)[kBatch], int first) {
 #pragma unroll
       for (int b = 0; b < kBatch; ++b, at += channels)
-        x[b] = inChunk(first + b) ? *at : 0.0f;
+        into[b] = inChunk(first + b) ? *at : 0.0f;
+    };
+    loadBatch(x[0], 0);
+#pragma unroll
+    for (int batch = 0; batch < kBatches; ++batch) {
+      const int first = batch * kBatch;
+      if (batch + 1 < kBatches)
+        loadBatch(x[(batch + 1) % 2], first + kBatch);
+      const float(&current)[kBatch] = x[batch % 2];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int i = first + b;
         // Computed for padding tokens too (finite), then masked: no branch per token.
-        const float g = fastForgetLogDecay<kLowerBound>(x[b] + dtBias, scaleA, lowerBound);
+        const float g = fastForgetLogDecay<kLowerBound>(current[b] + dtBias, scaleA, lowerBound);
         sum += inChunk(i) ? g : 0.0f;
         sh.G[i][c] = sum;
         if (i % kBlock == 0)
