@@ -18,6 +18,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
+
 namespace hybrid::kernels::cuda {
 namespace {
 using namespace kda_math;
@@ -1078,6 +1081,50 @@ __global__ void __launch_bounds__(kNormThreads) gatedNormKernel(KdaPrefillParams
         o[m] * scale * p.weights.normWeight[lane + 32 * m] * fastSigmoid(gate[lane + 32 * m]);
 }
 
+using FactorsKernel = void (*)(KdaPrefillParams, ChunkFactors);
+// The conv width and the gate kind are template parameters: the factors kernel is
+// instruction-bound.
+constexpr FactorsKernel kFactorsKernels[2][kKdaMaxConvKernel] = {
+    {chunkFactorsKernel<1, false>, chunkFactorsKernel<2, false>, chunkFactorsKernel<3, false>,
+     chunkFactorsKernel<4, false>},
+    {chunkFactorsKernel<1, true>, chunkFactorsKernel<2, true>, chunkFactorsKernel<3, true>,
+     chunkFactorsKernel<4, true>}};
+
+// Per device (function attributes belong to a device's context): the shared-memory opt-ins of
+// every kernel, set once, and the SM count.
+struct DeviceSetup {
+  cudaError_t status = cudaSuccess;
+  int multiprocessors = 0;
+};
+DeviceSetup deviceSetup() {
+  static std::mutex mutex;
+  static std::map<int, DeviceSetup> setups;
+  int device = 0;
+  if (const cudaError_t status = cudaGetDevice(&device); status != cudaSuccess)
+    return {status, 0};
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto found = setups.find(device); found != setups.end())
+    return found->second;
+  DeviceSetup setup;
+  for (const auto &byGate : kFactorsKernels)
+    for (FactorsKernel kernel : byGate)
+      if (setup.status == cudaSuccess)
+        setup.status = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(FactorShared));
+  if (setup.status == cudaSuccess)
+    setup.status = cudaFuncSetAttribute(
+        twoRoleChainKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TwoRoleShared));
+  if (setup.status == cudaSuccess)
+    setup.status = cudaFuncSetAttribute(
+        oneRoleChainKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(OneRoleShared));
+  if (setup.status == cudaSuccess)
+    setup.status = cudaDeviceGetAttribute(&setup.multiprocessors,
+                                          cudaDevAttrMultiProcessorCount, device);
+  if (setup.status == cudaSuccess)
+    setups.emplace(device, setup); // a failure is retried by the next launch
+  return setup;
+}
+
 } // namespace
 
 size_t kdaChunkedPrefillWorkspaceBytes(const KdaPrefillParams &params) {
@@ -1101,39 +1148,19 @@ int launchKdaChunkedPrefill(const KdaPrefillParams &params, void *stream) {
       reinterpret_cast<bf16 *>(base + layout.w),   reinterpret_cast<bf16 *>(base + layout.u),
       reinterpret_cast<bf16 *>(base + layout.qg),  reinterpret_cast<bf16 *>(base + layout.kgT),
       reinterpret_cast<bf16 *>(base + layout.aqk), reinterpret_cast<float *>(base + layout.gam)};
-  // The conv width and the gate kind are template parameters: the factors kernel is
-  // instruction-bound.
-  using FactorsKernel = void (*)(KdaPrefillParams, ChunkFactors);
-  constexpr FactorsKernel kFactorsKernels[2][kKdaMaxConvKernel] = {
-      {chunkFactorsKernel<1, false>, chunkFactorsKernel<2, false>, chunkFactorsKernel<3, false>,
-       chunkFactorsKernel<4, false>},
-      {chunkFactorsKernel<1, true>, chunkFactorsKernel<2, true>, chunkFactorsKernel<3, true>,
-       chunkFactorsKernel<4, true>}};
+  const DeviceSetup setup = deviceSetup();
+  if (setup.status != cudaSuccess)
+    return setup.status;
   const FactorsKernel factorsKernel =
       kFactorsKernels[params.weights.lowerBoundGate ? 1 : 0][params.convKernel - 1];
-  cudaError_t status = cudaFuncSetAttribute(
-      factorsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(FactorShared));
-  if (status == cudaSuccess)
-    status = cudaFuncSetAttribute(twoRoleChainKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  sizeof(TwoRoleShared));
-  if (status == cudaSuccess)
-    status = cudaFuncSetAttribute(oneRoleChainKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  sizeof(OneRoleShared));
-  if (status != cudaSuccess)
-    return status;
   auto cudaStream = static_cast<cudaStream_t>(stream);
   factorsKernel<<<dim3(unsigned(maxChunks(params)), params.heads), kFactorThreads,
                   sizeof(FactorShared), cudaStream>>>(params, factors);
   // Two roles while the chain blocks fit in few waves (latency per chunk decides), one role with
   // two blocks per SM beyond (throughput decides); measured in docs/performance.md.
-  int device = 0, multiprocessors = 0;
-  status = cudaGetDevice(&device);
-  if (status == cudaSuccess)
-    status = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
-  if (status != cudaSuccess)
-    return status;
   const dim3 chainGrid(kSlices, params.heads, params.sequences);
-  if (int64_t(kSlices) * params.heads * params.sequences <= kTwoRoleMaxWaves * multiprocessors)
+  if (int64_t(kSlices) * params.heads * params.sequences <=
+      int64_t(kTwoRoleMaxWaves) * setup.multiprocessors)
     twoRoleChainKernel<<<chainGrid, kTwoRoleThreads, sizeof(TwoRoleShared), cudaStream>>>(params,
                                                                                          factors);
   else
