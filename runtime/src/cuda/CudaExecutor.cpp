@@ -228,36 +228,36 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
     HYBRID_RETURN_IF_ERROR(gemm(r, lowRank, rankG, role(GB), gate, P, T, rankG, P));
   }
 
-  kc::KdaLayerWeights weights;
-  weights.convWeight = kdaConvTaps.at(&d);
-  weights.aLog = fp32Weights.at(role(ALog));
-  weights.dtBias = fp32Weights.at(role(DtBias));
-  weights.normWeight = fp32Weights.at(role(ONorm));
-  weights.normEpsilon = p->norm_epsilon();
-  weights.lowerBoundGate = p->gate() == fb::KdaGate::LowerBound;
-  weights.lowerBound = p->gate_lower_bound();
   // RecurrentStatePool (host) checks the slot and hands out the layout; the device mirror has it.
   HYBRID_ASSIGN_OR_RETURN(uint64_t stateOffset,
                           host.states->stateOffset(p->state_slot(), host.stateSlot));
   HYBRID_ASSIGN_OR_RETURN(uint64_t convOffset,
                           host.states->convStateOffset(p->state_slot(), host.stateSlot));
+  kc::KdaLayerCall call;
+  call.heads = static_cast<int32_t>(H);
+  call.headDim = static_cast<int32_t>(K);
+  call.convKernel = static_cast<int32_t>(W);
+  call.weights.convWeight = kdaConvTaps.at(&d);
+  call.weights.aLog = fp32Weights.at(role(ALog));
+  call.weights.dtBias = fp32Weights.at(role(DtBias));
+  call.weights.normWeight = fp32Weights.at(role(ONorm));
+  call.weights.normEpsilon = p->norm_epsilon();
+  call.weights.lowerBoundGate = p->gate() == fb::KdaGate::LowerBound;
+  call.weights.lowerBound = p->gate_lower_bound();
+  call.qkv = qkv;
+  call.forget = forget;
+  call.betaLogits = beta;
+  call.outputGate = gate;
+  call.convState = states + convOffset;
+  call.state = states + stateOffset;
+  call.out = o;
   if (d.kernel() == fb::KernelId::KdaRecurrentDecode) {
     if (T != 1)
       return Status::error("the decode kernel runs one token per sequence, this step has " +
                            std::to_string(T));
     kc::KdaDecodeParams step;
+    static_cast<kc::KdaLayerCall &>(step) = call;
     step.batch = 1;
-    step.heads = static_cast<int32_t>(H);
-    step.headDim = static_cast<int32_t>(K);
-    step.convKernel = static_cast<int32_t>(W);
-    step.weights = weights;
-    step.qkv = qkv;
-    step.forget = forget;
-    step.betaLogits = beta;
-    step.outputGate = gate;
-    step.convState = states + convOffset;
-    step.state = states + stateOffset;
-    step.out = o;
     step.workspace = r.kdaWorkspace;
     if (kc::kdaDecodeWorkspaceBytes(step) > kdaWorkspaceBytes)
       return Status::error("KDA decode workspace larger than planned at load");
@@ -268,19 +268,9 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
                                          cudaMemcpyHostToDevice, r.stream),
                          "cu_seqlens upload");
     kc::KdaPrefillParams prefill;
+    static_cast<kc::KdaLayerCall &>(prefill) = call;
     prefill.sequences = 1;
-    prefill.heads = static_cast<int32_t>(H);
-    prefill.headDim = static_cast<int32_t>(K);
-    prefill.convKernel = static_cast<int32_t>(W);
-    prefill.weights = weights;
     prefill.cuSeqlens = r.cuSeqlens;
-    prefill.qkv = qkv;
-    prefill.forget = forget;
-    prefill.betaLogits = beta;
-    prefill.outputGate = gate;
-    prefill.convState = states + convOffset;
-    prefill.state = states + stateOffset;
-    prefill.out = o;
     prefill.tokens = static_cast<int32_t>(T);
     prefill.workspace = r.kdaWorkspace;
     prefill.path = kdaPrefillPath;

@@ -23,6 +23,8 @@ template <typename T> struct DeviceBuffer {
               cudaSuccess);
   }
   ~DeviceBuffer() { cudaFree(data); }
+  DeviceBuffer(const DeviceBuffer &) = delete; // one owner of the allocation
+  DeviceBuffer &operator=(const DeviceBuffer &) = delete;
   std::vector<T> download() const {
     std::vector<T> host(size);
     EXPECT_EQ(cudaMemcpy(host.data(), data, size * sizeof(T), cudaMemcpyDeviceToHost),

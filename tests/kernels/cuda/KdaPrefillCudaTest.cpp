@@ -223,25 +223,35 @@ TEST(KdaPrefillCudaComposition, PrefillThenDecodeEqualsPrefill) {
   weights.aLog = dALog.data;
   weights.dtBias = dDtBias.data;
   weights.normWeight = dNorm.data;
+  // What both kernels take: the layer and its tensors (inputs: qkv, forget, beta, gate).
+  auto layerCall = [&](const DeviceBuffer<float> (&inputs)[4], DeviceBuffer<float> &dConvState,
+                       DeviceBuffer<float> &dState, DeviceBuffer<float> &dOut) {
+    cuda::KdaLayerCall call;
+    call.heads = H;
+    call.headDim = D;
+    call.convKernel = W;
+    call.weights = weights;
+    call.qkv = inputs[0].data;
+    call.forget = inputs[1].data;
+    call.betaLogits = inputs[2].data;
+    call.outputGate = inputs[3].data;
+    call.convState = dConvState.data;
+    call.state = dState.data;
+    call.out = dOut.data;
+    return call;
+  };
   auto prefill = [&](const std::vector<int32_t> &cuSeqlens, const std::vector<float> *inputs,
                      DeviceBuffer<float> &dConvState, DeviceBuffer<float> &dState,
                      DeviceBuffer<float> &dOut) {
     DeviceBuffer<int32_t> dCu(cuSeqlens);
-    DeviceBuffer<float> dQkv(inputs[0]), dForget(inputs[1]), dBeta(inputs[2]), dGate(inputs[3]);
+    const DeviceBuffer<float> dInputs[4] = {DeviceBuffer<float>(inputs[0]),
+                                            DeviceBuffer<float>(inputs[1]),
+                                            DeviceBuffer<float>(inputs[2]),
+                                            DeviceBuffer<float>(inputs[3])};
     cuda::KdaPrefillParams params;
+    static_cast<cuda::KdaLayerCall &>(params) = layerCall(dInputs, dConvState, dState, dOut);
     params.sequences = N;
-    params.heads = H;
-    params.headDim = D;
-    params.convKernel = W;
-    params.weights = weights;
     params.cuSeqlens = dCu.data;
-    params.qkv = dQkv.data;
-    params.forget = dForget.data;
-    params.betaLogits = dBeta.data;
-    params.outputGate = dGate.data;
-    params.convState = dConvState.data;
-    params.state = dState.data;
-    params.out = dOut.data;
     ASSERT_EQ(cuda::launchKdaRecurrentPrefill(params, nullptr), 0);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   };
@@ -270,21 +280,13 @@ TEST(KdaPrefillCudaComposition, PrefillThenDecodeEqualsPrefill) {
     DeviceBuffer<float> conv(convState), recurrent(state),
         headOut(std::vector<float>(size_t(shorter.back()) * P));
     prefill(shorter, headInputs, conv, recurrent, headOut);
-    DeviceBuffer<float> dQkv(lastInputs[0]), dForget(lastInputs[1]), dBeta(lastInputs[2]),
-        dGate(lastInputs[3]), dOut(std::vector<float>(size_t(N) * P));
+    const DeviceBuffer<float> dInputs[4] = {
+        DeviceBuffer<float>(lastInputs[0]), DeviceBuffer<float>(lastInputs[1]),
+        DeviceBuffer<float>(lastInputs[2]), DeviceBuffer<float>(lastInputs[3])};
+    DeviceBuffer<float> dOut(std::vector<float>(size_t(N) * P));
     cuda::KdaDecodeParams step;
+    static_cast<cuda::KdaLayerCall &>(step) = layerCall(dInputs, conv, recurrent, dOut);
     step.batch = N;
-    step.heads = H;
-    step.headDim = D;
-    step.convKernel = W;
-    step.weights = weights;
-    step.qkv = dQkv.data;
-    step.forget = dForget.data;
-    step.betaLogits = dBeta.data;
-    step.outputGate = dGate.data;
-    step.convState = conv.data;
-    step.state = recurrent.data;
-    step.out = dOut.data;
     step.path = path;
     DeviceBuffer<unsigned char> workspace(
         std::vector<unsigned char>(cuda::kdaDecodeWorkspaceBytes(step), 0));

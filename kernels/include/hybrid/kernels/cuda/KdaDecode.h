@@ -23,22 +23,27 @@ struct KdaLayerWeights {
 // Which kernels run the step (see kKdaDecodeSplitPairs); tests and benchmarks force one.
 enum class KdaDecodePath : int32_t { Auto, Fused, Split };
 
-struct KdaDecodeParams {
-  int32_t batch = 0;
+// What a KDA layer's decode step and prefill share: its shapes, weights and device tensors. Rows
+// are tokens (a decode step's batch, one per sequence, or prefill's packed tokens); fp32, channel
+// c = head * headDim + i. The states are per sequence, read as the state before the call and
+// overwritten with the state after it.
+struct KdaLayerCall {
   int32_t heads = 0;
-  int32_t headDim = 0;      // K = V; 128 (Kimi-Linear) is the compiled size
+  int32_t headDim = 0;      // K = V
   int32_t convKernel = 4;   // W; the conv state keeps W - 1 inputs per channel
   KdaLayerWeights weights;
-  // Inputs of this step, fp32, channel c = head * headDim + i:
-  const float *qkv = nullptr;        // [batch, 3, heads * headDim]: q, k, v projections before the conv
-  const float *forget = nullptr;     // [batch, heads * headDim]: f_b_proj(f_a_proj(x))
-  const float *betaLogits = nullptr; // [batch, heads]: b_proj(x)
-  const float *outputGate = nullptr; // [batch, heads * headDim]: pre-sigmoid output gate
-  // State, updated in place:
-  float *convState = nullptr;        // [batch, 3, W - 1, heads * headDim], oldest input first
-  float *state = nullptr;            // [batch, heads, K, V] fp32 (K-major)
-  // Output:
-  float *out = nullptr;              // [batch, heads * headDim]: gated-normed attention output
+  const float *qkv = nullptr;        // [rows, 3, heads * headDim]: q, k, v projections before the conv
+  const float *forget = nullptr;     // [rows, heads * headDim]: f_b_proj(f_a_proj(x))
+  const float *betaLogits = nullptr; // [rows, heads]: b_proj(x)
+  const float *outputGate = nullptr; // [rows, heads * headDim]: pre-sigmoid output gate
+  float *convState = nullptr;        // [sequences, 3, W - 1, heads * headDim], oldest input first
+  float *state = nullptr;            // [sequences, heads, K, V] fp32 (K-major)
+  float *out = nullptr;              // [rows, heads * headDim]: gated-normed attention output
+};
+
+// One decode step: batch sequences, one token (row) each; headDim 128 (Kimi-Linear) or 64.
+struct KdaDecodeParams : KdaLayerCall {
+  int32_t batch = 0;
   // Device scratch of kdaDecodeWorkspaceBytes(*this) bytes, 16-byte aligned; may be null when
   // that is 0. Not shared between launches that may run concurrently.
   void *workspace = nullptr;

@@ -18,23 +18,11 @@ namespace hybrid::kernels::cuda {
 // (headDim 128) and the recurrent one elsewhere. Tests and benchmarks force one.
 enum class KdaPrefillPath : int32_t { Auto, Recurrent, Chunked };
 
-struct KdaPrefillParams {
+// A varlen prefill: headDim 64 or 128, convKernel 1..kKdaMaxConvKernel (KdaDecode.h); the rows
+// of KdaLayerCall are the sequences' tokens, packed. An empty sequence keeps its states.
+struct KdaPrefillParams : KdaLayerCall {
   int32_t sequences = 0;
-  int32_t heads = 0;
-  int32_t headDim = 0;      // K = V: 64 or 128
-  int32_t convKernel = 4;   // W, 1..kKdaMaxConvKernel (KdaDecode.h)
-  KdaLayerWeights weights;
   const int32_t *cuSeqlens = nullptr; // device [sequences + 1], non-decreasing, cuSeqlens[0] = 0
-  // Per token t (rows of the packed batch), fp32, channel c = head * headDim + i:
-  const float *qkv = nullptr;        // [tokens, 3, heads * headDim]
-  const float *forget = nullptr;     // [tokens, heads * headDim]
-  const float *betaLogits = nullptr; // [tokens, heads]
-  const float *outputGate = nullptr; // [tokens, heads * headDim]
-  // Per sequence, read as the state before its first token and overwritten with the state after
-  // its last (untouched for an empty sequence):
-  float *convState = nullptr;        // [sequences, 3, W - 1, heads * headDim]
-  float *state = nullptr;            // [sequences, heads, K, V]
-  float *out = nullptr;              // [tokens, heads * headDim]
   // The chunked path only: the packed token count cuSeqlens[sequences] as the host knows it (it
   // sizes the grid and the workspace), and device scratch of kdaChunkedPrefillWorkspaceBytes()
   // bytes, 256-byte aligned, not shared with a launch that may run concurrently.
