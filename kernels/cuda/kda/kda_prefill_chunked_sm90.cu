@@ -135,6 +135,30 @@ struct FactorShared {
   float blockSpan[kFactorThreads / 32][kChunk / kBlock]; // per gate warp: max_c G_first - G_last
 };
 
+// Inputs of phase 1 in batches of 16 tokens, the next batch's loads issued before the current one
+// is computed (two batches in registers, as many as they allow).
+constexpr int kInputBatch = 16, kInputBatches = kChunk / kInputBatch;
+
+// Walks one channel's inputs of the chunk (`at`, then every `stride` floats; zeros past `count`
+// tokens unless kFull) batch by batch: compute(batch values, first token of the batch).
+template <bool kFull, typename Compute>
+__device__ __forceinline__ void forEachInputBatch(const float *at, size_t stride, int count,
+                                                  Compute compute) {
+  float x[2][kInputBatch];
+  auto load = [&](float(&into)[kInputBatch], int first) {
+#pragma unroll
+    for (int b = 0; b < kInputBatch; ++b, at += stride)
+      into[b] = kFull || first + b < count ? *at : 0.0f;
+  };
+  load(x[0], 0);
+#pragma unroll
+  for (int batch = 0; batch < kInputBatches; ++batch) {
+    if (batch + 1 < kInputBatches)
+      load(x[(batch + 1) % 2], (batch + 1) * kInputBatch);
+    compute(x[batch % 2], batch * kInputBatch);
+  }
+}
+
 // Phase 1 of the factors kernel for one thread: stream tid / 128 (q, k, v or the gate) of
 // channel tid % 128 over the chunk's tokens. kFull: the chunk has all 64 tokens (no bounds checks).
 template <int kConv, bool kLowerBound, bool kFull>
@@ -144,10 +168,7 @@ __device__ __forceinline__ void chunkInputs(const KdaPrefillParams &p, const Chu
   const int tid = threadIdx.x, c = tid % kDim, stream = tid / kDim, channel = head * kDim + c;
   const int channels = p.heads * kDim, warp = tid / 32;
   auto inChunk = [&](int i) { return kFull || i < chunk.count; };
-  // Inputs in batches of 16 tokens, the next batch's loads issued before the current one is
-  // computed (two batches in registers, as many as they allow).
-  constexpr int kBatch = 16, kBatches = kChunk / kBatch;
-  float x[2][kBatch];
+  constexpr int kBatch = kInputBatch;
   if (stream < 3) {
     const int projection = stream;
     const size_t tokenStride = size_t(3) * channels;
@@ -168,19 +189,8 @@ __device__ __forceinline__ void chunkInputs(const KdaPrefillParams &p, const Chu
                       ? input[(j - (kConv - 1)) * int64_t(tokenStride)]
                       : history[size_t(position - chunk.sequenceBegin + kConv - 1) * channels];
     }
-    const float *at = input;
-    auto loadBatch = [&](float(&into)[kBatch], int first) {
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b, at += tokenStride)
-        into[b] = inChunk(first + b) ? *at : 0.0f;
-    };
-    loadBatch(x[0], 0);
-#pragma unroll
-    for (int batch = 0; batch < kBatches; ++batch) {
-      const int first = batch * kBatch;
-      if (batch + 1 < kBatches)
-        loadBatch(x[(batch + 1) % 2], first + kBatch);
-      float(&current)[kBatch] = x[batch % 2];
+    forEachInputBatch<kFull>(input, tokenStride, chunk.count, [&](float(&current)[kBatch],
+                                                                  int first) {
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         window[kConv - 1] = current[b];
@@ -215,24 +225,14 @@ __device__ __forceinline__ void chunkInputs(const KdaPrefillParams &p, const Chu
                          packBf16(beta1.z * current[b + 6], beta1.w * current[b + 7]));
         }
       }
-    }
+    });
   } else {
-    const float *at = p.forget + size_t(chunk.begin) * channels + channel;
+    const float *forget = p.forget + size_t(chunk.begin) * channels + channel;
     const float scaleA = fastExp(p.weights.aLog[head]), dtBias = p.weights.dtBias[channel];
     const float lowerBound = p.weights.lowerBound;
     float sum = 0.0f, blockFirst = 0.0f;
-    auto loadBatch = [&](float(&into)[kBatch], int first) {
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b, at += channels)
-        into[b] = inChunk(first + b) ? *at : 0.0f;
-    };
-    loadBatch(x[0], 0);
-#pragma unroll
-    for (int batch = 0; batch < kBatches; ++batch) {
-      const int first = batch * kBatch;
-      if (batch + 1 < kBatches)
-        loadBatch(x[(batch + 1) % 2], first + kBatch);
-      const float(&current)[kBatch] = x[batch % 2];
+    forEachInputBatch<kFull>(forget, channels, chunk.count, [&](float(&current)[kBatch],
+                                                                int first) {
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int i = first + b;
@@ -250,7 +250,7 @@ __device__ __forceinline__ void chunkInputs(const KdaPrefillParams &p, const Chu
           sh.blockSpan[warp][i / kBlock] = span;
         }
       }
-    }
+    });
   }
 }
 
