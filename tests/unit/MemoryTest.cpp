@@ -243,6 +243,123 @@ TEST(PagedKvCache, TruncateAndFreeReturnPages) {
   EXPECT_TRUE(cache.reserve(1, 16).isOk());
 }
 
+// The rows of positions [0, tokens) of layer kvSlot of a sequence, gathered.
+std::vector<float> gatheredRows(const PagedKvCache &cache, int32_t kvSlot, int32_t sequence,
+                                int64_t tokens) {
+  std::vector<float> rows(static_cast<size_t>(tokens * cache.layerShape(kvSlot).rowElements()));
+  EXPECT_TRUE(cache.view(kvSlot, sequence, tokens).value().gatherRows(rows).isOk());
+  return rows;
+}
+
+// `tokens` rows of `sequence` in both layers (values rowsFor(layer, ...)).
+void fillBothLayers(PagedKvCache &cache, int32_t sequence, int64_t tokens) {
+  ASSERT_TRUE(cache.append(0, sequence, rowsFor(0, 0, tokens, 5)).isOk());
+  ASSERT_TRUE(cache.append(1, sequence, rowsFor(1, 0, tokens, 5)).isOk());
+}
+
+TEST(PagedKvCache, ForkSharesFullPagesAndCopiesThePartialOne) {
+  CacheSpecBuffer spec = twoLayerKvSpec();
+  PagedKvCache cache = PagedKvCache::create(spec.spec(), 8, 3).value();
+  fillBothLayers(cache, 0, 10); // pages of 4 tokens: 2 full, 1 partial
+  ASSERT_EQ(cache.freePages(), 5);
+
+  ASSERT_TRUE(cache.fork(0, 1, 10).isOk());
+  EXPECT_EQ(cache.freePages(), 4) << "only the partial page is copied";
+  EXPECT_EQ(cache.length(0, 1), 10);
+  EXPECT_EQ(cache.length(1, 1), 10);
+  for (int32_t kvSlot : {0, 1})
+    EXPECT_EQ(gatheredRows(cache, kvSlot, 1, 10), rowsFor(kvSlot, 0, 10, 5));
+  const int32_t sharedPage = cache.view(0, 0, 1).value().row(0).data() ==
+                                     cache.view(0, 1, 1).value().row(0).data()
+                                 ? 1
+                                 : 0;
+  EXPECT_EQ(sharedPage, 1) << "full pages are shared, not copied";
+
+  // Each side appends its own continuation; neither sees the other's.
+  ASSERT_TRUE(cache.append(0, 1, rowsFor(5, 10, 2, 5)).isOk());
+  ASSERT_TRUE(cache.append(0, 0, rowsFor(0, 10, 2, 5)).isOk());
+  EXPECT_EQ(gatheredRows(cache, 0, 0, 12), rowsFor(0, 0, 12, 5));
+  std::vector<float> forked = rowsFor(0, 0, 10, 5), continuation = rowsFor(5, 10, 2, 5);
+  forked.insert(forked.end(), continuation.begin(), continuation.end());
+  EXPECT_EQ(gatheredRows(cache, 0, 1, 12), forked);
+
+  // A fork of a fork, and a shorter prefix (a prefix-cache hit that ends mid-page).
+  ASSERT_TRUE(cache.fork(1, 2, 6).isOk());
+  EXPECT_EQ(gatheredRows(cache, 1, 2, 6), rowsFor(1, 0, 6, 5));
+}
+
+TEST(PagedKvCache, WritingIntoASharedPageCopiesItFirst) {
+  CacheSpecBuffer spec = twoLayerKvSpec();
+  PagedKvCache cache = PagedKvCache::create(spec.spec(), 6, 2).value();
+  fillBothLayers(cache, 0, 8);
+  ASSERT_TRUE(cache.fork(0, 1, 8).isOk());
+  EXPECT_EQ(cache.freePages(), 4) << "two full pages, nothing copied";
+
+  // Roll the fork back into its second page, then write there: that page is copied first.
+  ASSERT_TRUE(cache.truncate(1, 6).isOk());
+  EXPECT_EQ(cache.freePages(), 4);
+  ASSERT_TRUE(cache.append(0, 1, rowsFor(7, 6, 2, 5)).isOk());
+  EXPECT_EQ(cache.freePages(), 3);
+  EXPECT_EQ(gatheredRows(cache, 0, 0, 8), rowsFor(0, 0, 8, 5)) << "the source is untouched";
+  std::vector<float> expected = rowsFor(0, 0, 6, 5), written = rowsFor(7, 6, 2, 5);
+  expected.insert(expected.end(), written.begin(), written.end());
+  EXPECT_EQ(gatheredRows(cache, 0, 1, 8), expected);
+  // The copy carried layer 1's rows too (the page table is shared by the layers).
+  EXPECT_EQ(gatheredRows(cache, 1, 1, 6), rowsFor(1, 0, 6, 5));
+}
+
+TEST(PagedKvCache, PagesReturnWhenTheLastSharerLetsGo) {
+  CacheSpecBuffer spec = twoLayerKvSpec();
+  PagedKvCache cache = PagedKvCache::create(spec.spec(), 4, 2).value();
+  fillBothLayers(cache, 0, 8);
+  ASSERT_TRUE(cache.fork(0, 1, 8).isOk());
+  const int32_t unusedPage = 3; // pages are taken from 0 up: sequence 0 holds 0 and 1
+  EXPECT_EQ(cache.pageReferences(0), 2);
+  EXPECT_EQ(cache.pageReferences(unusedPage), 0);
+  EXPECT_EQ(cache.pageReferences(-1), 0);
+
+  ASSERT_TRUE(cache.freeSequence(0).isOk());
+  EXPECT_EQ(cache.freePages(), 2) << "sequence 1 still holds both pages";
+  EXPECT_EQ(cache.pageReferences(0), 1);
+  EXPECT_EQ(gatheredRows(cache, 1, 1, 8), rowsFor(1, 0, 8, 5));
+  ASSERT_TRUE(cache.freeSequence(1).isOk());
+  EXPECT_EQ(cache.freePages(), 4);
+  EXPECT_EQ(cache.pageReferences(0), 0);
+}
+
+TEST(PagedKvCache, ForkAndCopyFailuresChangeNothing) {
+  CacheSpecBuffer spec = twoLayerKvSpec();
+  PagedKvCache cache = PagedKvCache::create(spec.spec(), 3, 3).value();
+  fillBothLayers(cache, 0, 6);
+  ASSERT_TRUE(cache.append(0, 2, rowsFor(0, 0, 1, 5)).isOk());
+  EXPECT_EQ(cache.freePages(), 0);
+
+  EXPECT_EQ(cache.fork(0, 0, 4).message(), "KV cache: cannot fork sequence 0 into itself");
+  EXPECT_EQ(cache.fork(0, 2, 4).message(),
+            "KV cache: cannot fork into sequence 2, which holds 1 pages (free it first)");
+  EXPECT_EQ(cache.fork(0, 1, 7).message(),
+            "KV cache: cannot fork 7 tokens of sequence 0: kv_slot 0 holds 6");
+  EXPECT_CONTAINS(cache.fork(0, 5, 4).message(), "sequence 5 is out of range");
+  EXPECT_EQ(cache.fork(0, 1, 6).message(),
+            "KV cache out of pages: forking 6 tokens of sequence 0 copies its partial last page, "
+            "and none of the 3 pages is free");
+  EXPECT_EQ(cache.capacity(1), 0);
+  EXPECT_EQ(cache.length(0, 1), 0);
+
+  // A fork at the page boundary needs no free page; writing into the shared page then does.
+  ASSERT_TRUE(cache.fork(0, 1, 4).isOk());
+  ASSERT_TRUE(cache.truncate(1, 3).isOk());
+  EXPECT_EQ(cache.append(0, 1, rowsFor(9, 3, 1, 5)).message(),
+            "KV cache out of pages: sequence 1 needs 0 new pages and copies of 1 pages it "
+            "shares, 0 of 3 pages are free");
+  EXPECT_EQ(cache.length(0, 1), 3);
+  EXPECT_EQ(cache.freePages(), 0);
+  EXPECT_EQ(gatheredRows(cache, 0, 0, 6), rowsFor(0, 0, 6, 5));
+  ASSERT_TRUE(cache.freeSequence(2).isOk());
+  ASSERT_TRUE(cache.append(0, 1, rowsFor(9, 3, 1, 5)).isOk()) << "now one page is free to copy";
+  EXPECT_EQ(gatheredRows(cache, 0, 0, 6), rowsFor(0, 0, 6, 5));
+}
+
 TEST(PagedKvCache, BadArgumentsAreErrors) {
   CacheSpecBuffer spec = twoLayerKvSpec();
   PagedKvCache cache = PagedKvCache::create(spec.spec(), 2, 2).value();

@@ -168,6 +168,7 @@ StatusOr<PagedKvCache> PagedKvCache::create(const fb::CacheSpec &spec, int64_t n
     cache.freePages_.reserve(static_cast<size_t>(numPages));
     for (int64_t page = numPages - 1; page >= 0; --page)
       cache.freePages_.push_back(static_cast<int32_t>(page));
+    cache.references_.assign(static_cast<size_t>(numPages), 0);
     cache.pageTables_.resize(static_cast<size_t>(maxSequences));
     cache.lengths_.assign(cache.layers_.size() * static_cast<size_t>(maxSequences), 0);
     return cache;
@@ -214,11 +215,95 @@ Status PagedKvCache::reservePages(int32_t sequence, int64_t tokens) {
                          " tokens for " + std::to_string(tokens) + " tokens, " +
                          std::to_string(freePages()) + " of " + std::to_string(numPages_) +
                          " pages are free");
-  for (int64_t i = 0; i < missing; ++i) {
-    pageTable.push_back(freePages_.back());
-    freePages_.pop_back();
-  }
+  for (int64_t i = 0; i < missing; ++i)
+    pageTable.push_back(takeFreePage());
   return Status::ok();
+}
+
+int32_t PagedKvCache::takeFreePage() {
+  const int32_t page = freePages_.back();
+  freePages_.pop_back();
+  references_[static_cast<size_t>(page)] = 1;
+  return page;
+}
+
+void PagedKvCache::releasePage(int32_t page) {
+  // freePages_ has room: its capacity is numPages and every page came from it.
+  if (--references_[static_cast<size_t>(page)] == 0)
+    freePages_.push_back(page);
+}
+
+// Rows [0, rows) of page `from` into page `to`, in every layer.
+void PagedKvCache::copyPage(int32_t from, int32_t to, int64_t rows) {
+  for (int32_t kvSlot = 0; kvSlot < numLayers(); ++kvSlot)
+    std::memcpy(rowPointer(kvSlot, to, 0), rowPointer(kvSlot, from, 0),
+                static_cast<size_t>(rows * layers_[static_cast<size_t>(kvSlot)].shape.rowElements()) *
+                    sizeof(float));
+}
+
+Status PagedKvCache::ensureExclusive(int32_t sequence, int64_t index) {
+  int32_t &page = pageTables_[static_cast<size_t>(sequence)][static_cast<size_t>(index)];
+  if (references_[static_cast<size_t>(page)] == 1)
+    return Status::ok();
+  if (freePages_.empty())
+    return Status::error("KV cache out of pages: sequence " + std::to_string(sequence) +
+                         " must copy a page it shares before writing to it, and none of the " +
+                         std::to_string(numPages_) + " pages is free");
+  const int32_t copy = takeFreePage();
+  copyPage(page, copy, pageSize_);
+  releasePage(page);
+  page = copy;
+  return Status::ok();
+}
+
+int32_t PagedKvCache::pageReferences(int32_t page) const {
+  if (page < 0 || page >= numPages_)
+    return 0;
+  return references_[static_cast<size_t>(page)];
+}
+
+Status PagedKvCache::fork(int32_t from, int32_t to, int64_t tokens) {
+  return catchExceptions("KV cache", [&]() -> Status {
+    HYBRID_RETURN_IF_ERROR(checkSequence(from));
+    HYBRID_RETURN_IF_ERROR(checkSequence(to));
+    if (from == to)
+      return Status::error("KV cache: cannot fork sequence " + std::to_string(from) +
+                           " into itself");
+    if (!pageTables_[static_cast<size_t>(to)].empty())
+      return Status::error("KV cache: cannot fork into sequence " + std::to_string(to) +
+                           ", which holds " +
+                           std::to_string(pageTables_[static_cast<size_t>(to)].size()) +
+                           " pages (free it first)");
+    for (int32_t kvSlot = 0; kvSlot < numLayers(); ++kvSlot)
+      if (tokens < 0 || tokens > length(kvSlot, from))
+        return Status::error("KV cache: cannot fork " + std::to_string(tokens) +
+                             " tokens of sequence " + std::to_string(from) + ": kv_slot " +
+                             std::to_string(kvSlot) + " holds " +
+                             std::to_string(length(kvSlot, from)));
+    if (layers_.empty())
+      return Status::ok();
+    const int64_t fullPages = tokens / pageSize_, partialRows = tokens % pageSize_;
+    if (partialRows > 0 && freePages_.empty())
+      return Status::error("KV cache out of pages: forking " + std::to_string(tokens) +
+                           " tokens of sequence " + std::to_string(from) +
+                           " copies its partial last page, and none of the " +
+                           std::to_string(numPages_) + " pages is free");
+    const std::vector<int32_t> &source = pageTables_[static_cast<size_t>(from)];
+    std::vector<int32_t> &target = pageTables_[static_cast<size_t>(to)];
+    for (int64_t index = 0; index < fullPages; ++index) {
+      const int32_t page = source[static_cast<size_t>(index)];
+      ++references_[static_cast<size_t>(page)];
+      target.push_back(page);
+    }
+    if (partialRows > 0) {
+      const int32_t copy = takeFreePage();
+      copyPage(source[static_cast<size_t>(fullPages)], copy, partialRows);
+      target.push_back(copy);
+    }
+    for (int32_t kvSlot = 0; kvSlot < numLayers(); ++kvSlot)
+      lengthRef(kvSlot, to) = tokens;
+    return Status::ok();
+  });
 }
 
 Status PagedKvCache::append(int32_t kvSlot, int32_t sequence, std::span<const float> rows) {
@@ -233,8 +318,24 @@ Status PagedKvCache::append(int32_t kvSlot, int32_t sequence, std::span<const fl
                            std::to_string(rowElements) + "-float row");
     auto numRows = static_cast<int64_t>(rows.size() / rowElements);
     int64_t &length = lengthRef(kvSlot, sequence);
+    // The pages written to that this sequence shares with another are copied first; all free
+    // pages needed (copies and new pages) are checked before anything changes.
+    const std::vector<int32_t> &held = pageTables_[static_cast<size_t>(sequence)];
+    const int64_t firstWritten = length / pageSize_;
+    const int64_t lastWritten = pagesFor(length + numRows, pageSize_); // exclusive
+    int64_t copies = 0;
+    for (int64_t index = firstWritten; index < std::min<int64_t>(lastWritten, held.size()); ++index)
+      copies += references_[static_cast<size_t>(held[static_cast<size_t>(index)])] > 1 ? 1 : 0;
+    const int64_t newPages = std::max<int64_t>(0, lastWritten - static_cast<int64_t>(held.size()));
+    if (copies > 0 && copies + newPages > freePages())
+      return Status::error("KV cache out of pages: sequence " + std::to_string(sequence) +
+                           " needs " + std::to_string(newPages) + " new pages and copies of " +
+                           std::to_string(copies) + " pages it shares, " +
+                           std::to_string(freePages()) + " of " + std::to_string(numPages_) +
+                           " pages are free");
     HYBRID_RETURN_IF_ERROR(reservePages(sequence, length + numRows));
-
+    for (int64_t index = firstWritten; index < lastWritten; ++index)
+      HYBRID_RETURN_IF_ERROR(ensureExclusive(sequence, index));
     // Rows within a page are contiguous: copy one page's worth at a time.
     const std::vector<int32_t> &pageTable = pageTables_[static_cast<size_t>(sequence)];
     const float *source = rows.data();
@@ -296,9 +397,8 @@ Status PagedKvCache::truncate(int32_t sequence, int64_t tokens) {
   }
   std::vector<int32_t> &pageTable = pageTables_[static_cast<size_t>(sequence)];
   auto keep = static_cast<size_t>(pagesFor(tokens, pageSize_));
-  // freePages_ has room: its capacity is numPages and these pages came from it.
   while (pageTable.size() > keep) {
-    freePages_.push_back(pageTable.back());
+    releasePage(pageTable.back());
     pageTable.pop_back();
   }
   return Status::ok();

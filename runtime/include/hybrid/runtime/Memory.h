@@ -117,6 +117,9 @@ private:
 // [0, maxSequences)) owns a page table that is shared by all layers, so page p of a sequence holds
 // the same positions in every layer. Each layer keeps its own length per sequence because layers
 // append one after another during a forward pass.
+// Pages are reference-counted: fork() gives a sequence the full pages of another's prefix without
+// copying them (prefix caching, speculative branches), and a write into a page that another
+// sequence still holds first copies it (copy-on-write), so no sequence ever sees another's rows.
 class PagedKvCache {
 public:
   static StatusOr<PagedKvCache> create(const plan::fb::CacheSpec &spec, int64_t numPages,
@@ -143,7 +146,14 @@ public:
   int64_t capacity(int32_t sequence) const;
   // Positions [0, numTokens) of layer kvSlot; numTokens must not exceed length().
   StatusOr<KvSequenceView> view(int32_t kvSlot, int32_t sequence, int64_t numTokens) const;
-  // Forgets positions >= tokens in every layer and frees the pages no longer needed (rollback).
+  // Positions [0, tokens) of `from` in every layer become those of `to`, which must hold no pages:
+  // full pages are shared, a partial last page is copied. tokens must not exceed any layer's
+  // length of `from`. Fails, changing nothing, when there is no free page for the copy.
+  Status fork(int32_t from, int32_t to, int64_t tokens);
+  // How many sequences hold `page` (0: free).
+  int32_t pageReferences(int32_t page) const;
+  // Forgets positions >= tokens in every layer and releases the pages no longer needed (a page
+  // returns to the free list when no sequence holds it any more; rollback).
   Status truncate(int32_t sequence, int64_t tokens);
   // Returns all pages of the sequence; its lengths become 0.
   Status freeSequence(int32_t sequence);
@@ -156,6 +166,11 @@ private:
 
   PagedKvCache() = default;
   Status reservePages(int32_t sequence, int64_t tokens);
+  // Gives `sequence` its own copy of its page `index` if another sequence holds it too.
+  Status ensureExclusive(int32_t sequence, int64_t index);
+  int32_t takeFreePage();
+  void copyPage(int32_t from, int32_t to, int64_t rows);
+  void releasePage(int32_t page);
   Status checkSequence(int32_t sequence) const;
   Status checkLayer(int32_t kvSlot) const;
   float *rowPointer(int32_t kvSlot, int32_t page, int64_t row);
@@ -169,6 +184,7 @@ private:
   int64_t numPages_ = 0;
   int32_t maxSequences_ = 0;
   std::vector<int32_t> freePages_;               // a stack of free page ids, page 0 on top at first
+  std::vector<int32_t> references_;              // per page: the page tables holding it
   std::vector<std::vector<int32_t>> pageTables_; // per sequence
   std::vector<int64_t> lengths_;                 // [layer][sequence]
 };
