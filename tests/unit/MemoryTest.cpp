@@ -338,10 +338,10 @@ TEST(PagedKvCache, ForkAndCopyFailuresChangeNothing) {
   EXPECT_EQ(cache.fork(0, 2, 4).message(),
             "KV cache: cannot fork into sequence 2, which holds 1 pages (free it first)");
   EXPECT_EQ(cache.fork(0, 1, 7).message(),
-            "KV cache: cannot fork 7 tokens of sequence 0: kv_slot 0 holds 6");
+            "KV cache: cannot take 7 tokens of sequence 0: kv_slot 0 holds 6");
   EXPECT_CONTAINS(cache.fork(0, 5, 4).message(), "sequence 5 is out of range");
   EXPECT_EQ(cache.fork(0, 1, 6).message(),
-            "KV cache out of pages: forking 6 tokens of sequence 0 copies its partial last page, "
+            "KV cache out of pages: taking 6 tokens of sequence 0 copies its partial last page, "
             "and none of the 3 pages is free");
   EXPECT_EQ(cache.capacity(1), 0);
   EXPECT_EQ(cache.length(0, 1), 0);
@@ -358,6 +358,44 @@ TEST(PagedKvCache, ForkAndCopyFailuresChangeNothing) {
   ASSERT_TRUE(cache.freeSequence(2).isOk());
   ASSERT_TRUE(cache.append(0, 1, rowsFor(9, 3, 1, 5)).isOk()) << "now one page is free to copy";
   EXPECT_EQ(gatheredRows(cache, 0, 0, 6), rowsFor(0, 0, 6, 5));
+}
+
+TEST(PagedKvCache, HeldPrefixesOutliveTheirSequence) {
+  CacheSpecBuffer spec = twoLayerKvSpec();
+  PagedKvCache cache = PagedKvCache::create(spec.spec(), 6, 2).value();
+  fillBothLayers(cache, 0, 10);
+  StatusOr<KvPrefix> prefix = cache.holdPrefix(0, 6); // one full page, a partial one copied
+  ASSERT_TRUE(prefix.isOk()) << prefix.status().message();
+  EXPECT_EQ(prefix->tokens, 6);
+  ASSERT_EQ(prefix->pages.size(), 2u);
+  EXPECT_EQ(cache.freePages(), 2);
+  ASSERT_TRUE(cache.freeSequence(0).isOk());
+  EXPECT_EQ(cache.freePages(), 4) << "the prefix still holds its two pages";
+
+  // Two sequences take the prefix; each writes its own continuation into the shared last page.
+  ASSERT_TRUE(cache.adoptPrefix(0, *prefix).isOk());
+  ASSERT_TRUE(cache.adoptPrefix(1, *prefix).isOk());
+  ASSERT_TRUE(cache.append(0, 0, rowsFor(4, 6, 1, 5)).isOk());
+  ASSERT_TRUE(cache.append(0, 1, rowsFor(5, 6, 1, 5)).isOk());
+  EXPECT_EQ(cache.view(0, 0, 7).value().row(6)[0], rowsFor(4, 6, 1, 5)[0]);
+  EXPECT_EQ(cache.view(0, 1, 7).value().row(6)[0], rowsFor(5, 6, 1, 5)[0]);
+  for (int32_t sequence : {0, 1})
+    for (int32_t kvSlot : {0, 1})
+      EXPECT_EQ(gatheredRows(cache, kvSlot, sequence, 6), rowsFor(kvSlot, 0, 6, 5));
+
+  EXPECT_CONTAINS(cache.adoptPrefix(0, *prefix).message(), "only an empty sequence");
+  KvPrefix forged{{5}, 3};
+  EXPECT_EQ(cache.adoptPrefix(0, forged).message(), "KV cache: sequence 0 holds 2 pages; only an "
+                                                    "empty sequence takes a prefix (free it first)");
+  ASSERT_TRUE(cache.freeSequence(0).isOk());
+  EXPECT_EQ(cache.adoptPrefix(0, forged).message(), "KV cache: prefix page 5 is not a held page");
+  EXPECT_EQ(cache.adoptPrefix(0, KvPrefix{{}, 3}).message(),
+            "KV cache: a prefix of 3 tokens with 0 pages");
+
+  ASSERT_TRUE(cache.freeSequence(1).isOk());
+  cache.releasePrefix(*prefix);
+  EXPECT_TRUE(prefix->pages.empty());
+  EXPECT_EQ(cache.freePages(), 6);
 }
 
 TEST(PagedKvCache, BadArgumentsAreErrors) {

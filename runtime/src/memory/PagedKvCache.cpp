@@ -262,48 +262,89 @@ int32_t PagedKvCache::pageReferences(int32_t page) const {
   return references_[static_cast<size_t>(page)];
 }
 
-Status PagedKvCache::fork(int32_t from, int32_t to, int64_t tokens) {
-  return catchExceptions("KV cache", [&]() -> Status {
-    HYBRID_RETURN_IF_ERROR(checkSequence(from));
-    HYBRID_RETURN_IF_ERROR(checkSequence(to));
-    if (from == to)
-      return Status::error("KV cache: cannot fork sequence " + std::to_string(from) +
-                           " into itself");
-    if (!pageTables_[static_cast<size_t>(to)].empty())
-      return Status::error("KV cache: cannot fork into sequence " + std::to_string(to) +
-                           ", which holds " +
-                           std::to_string(pageTables_[static_cast<size_t>(to)].size()) +
-                           " pages (free it first)");
+StatusOr<KvPrefix> PagedKvCache::holdPrefix(int32_t sequence, int64_t tokens) {
+  return catchExceptions("KV cache", [&]() -> StatusOr<KvPrefix> {
+    HYBRID_RETURN_IF_ERROR(checkSequence(sequence));
     for (int32_t kvSlot = 0; kvSlot < numLayers(); ++kvSlot)
-      if (tokens < 0 || tokens > length(kvSlot, from))
-        return Status::error("KV cache: cannot fork " + std::to_string(tokens) +
-                             " tokens of sequence " + std::to_string(from) + ": kv_slot " +
+      if (tokens < 0 || tokens > length(kvSlot, sequence))
+        return Status::error("KV cache: cannot take " + std::to_string(tokens) +
+                             " tokens of sequence " + std::to_string(sequence) + ": kv_slot " +
                              std::to_string(kvSlot) + " holds " +
-                             std::to_string(length(kvSlot, from)));
+                             std::to_string(length(kvSlot, sequence)));
+    KvPrefix prefix;
+    prefix.tokens = tokens;
     if (layers_.empty())
-      return Status::ok();
+      return prefix;
     const int64_t fullPages = tokens / pageSize_, partialRows = tokens % pageSize_;
     if (partialRows > 0 && freePages_.empty())
-      return Status::error("KV cache out of pages: forking " + std::to_string(tokens) +
-                           " tokens of sequence " + std::to_string(from) +
+      return Status::error("KV cache out of pages: taking " + std::to_string(tokens) +
+                           " tokens of sequence " + std::to_string(sequence) +
                            " copies its partial last page, and none of the " +
                            std::to_string(numPages_) + " pages is free");
-    const std::vector<int32_t> &source = pageTables_[static_cast<size_t>(from)];
-    std::vector<int32_t> &target = pageTables_[static_cast<size_t>(to)];
+    const std::vector<int32_t> &source = pageTables_[static_cast<size_t>(sequence)];
     for (int64_t index = 0; index < fullPages; ++index) {
       const int32_t page = source[static_cast<size_t>(index)];
       ++references_[static_cast<size_t>(page)];
-      target.push_back(page);
+      prefix.pages.push_back(page);
     }
     if (partialRows > 0) {
       const int32_t copy = takeFreePage();
       copyPage(source[static_cast<size_t>(fullPages)], copy, partialRows);
-      target.push_back(copy);
+      prefix.pages.push_back(copy);
+    }
+    return prefix;
+  });
+}
+
+Status PagedKvCache::adoptPrefix(int32_t to, const KvPrefix &prefix) {
+  return catchExceptions("KV cache", [&]() -> Status {
+    HYBRID_RETURN_IF_ERROR(checkSequence(to));
+    std::vector<int32_t> &target = pageTables_[static_cast<size_t>(to)];
+    if (!target.empty())
+      return Status::error("KV cache: sequence " + std::to_string(to) + " holds " +
+                           std::to_string(target.size()) +
+                           " pages; only an empty sequence takes a prefix (free it first)");
+    if (!layers_.empty() &&
+        static_cast<int64_t>(prefix.pages.size()) != pagesFor(prefix.tokens, pageSize_))
+      return Status::error("KV cache: a prefix of " + std::to_string(prefix.tokens) +
+                           " tokens with " + std::to_string(prefix.pages.size()) + " pages");
+    for (int32_t page : prefix.pages) {
+      if (page < 0 || page >= numPages_ || references_[static_cast<size_t>(page)] == 0)
+        return Status::error("KV cache: prefix page " + std::to_string(page) +
+                             " is not a held page");
+    }
+    for (int32_t page : prefix.pages) {
+      ++references_[static_cast<size_t>(page)];
+      target.push_back(page);
     }
     for (int32_t kvSlot = 0; kvSlot < numLayers(); ++kvSlot)
-      lengthRef(kvSlot, to) = tokens;
+      lengthRef(kvSlot, to) = prefix.tokens;
     return Status::ok();
   });
+}
+
+void PagedKvCache::releasePrefix(KvPrefix &prefix) {
+  for (int32_t page : prefix.pages)
+    releasePage(page);
+  prefix.pages.clear();
+  prefix.tokens = 0;
+}
+
+Status PagedKvCache::fork(int32_t from, int32_t to, int64_t tokens) {
+  HYBRID_RETURN_IF_ERROR(checkSequence(to));
+  if (from == to)
+    return Status::error("KV cache: cannot fork sequence " + std::to_string(from) +
+                         " into itself");
+  if (!pageTables_[static_cast<size_t>(to)].empty())
+    return Status::error("KV cache: cannot fork into sequence " + std::to_string(to) +
+                         ", which holds " +
+                         std::to_string(pageTables_[static_cast<size_t>(to)].size()) +
+                         " pages (free it first)");
+  // A held prefix handed over: the copied partial page ends up with `to` alone.
+  HYBRID_ASSIGN_OR_RETURN(KvPrefix prefix, holdPrefix(from, tokens));
+  const Status adopted = adoptPrefix(to, prefix);
+  releasePrefix(prefix);
+  return adopted;
 }
 
 Status PagedKvCache::append(int32_t kvSlot, int32_t sequence, std::span<const float> rows) {

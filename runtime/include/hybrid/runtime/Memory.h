@@ -112,6 +112,13 @@ private:
   int64_t numTokens_ = 0;
 };
 
+// Positions [0, tokens) of a sequence's KV rows in every layer, held apart from any sequence (a
+// prefix-cache entry): its pages count as held until PagedKvCache::releasePrefix.
+struct KvPrefix {
+  std::vector<int32_t> pages;
+  int64_t tokens = 0;
+};
+
 // The KV cache of every MLA / DSA layer of CacheSpec.kv (indexed by MlaParams.kv_slot). Memory is
 // split into `numPages` pages of CacheSpec.page_size tokens; a sequence (an id in
 // [0, maxSequences)) owns a page table that is shared by all layers, so page p of a sequence holds
@@ -150,7 +157,13 @@ public:
   // full pages are shared, a partial last page is copied. tokens must not exceed any layer's
   // length of `from`. Fails, changing nothing, when there is no free page for the copy.
   Status fork(int32_t from, int32_t to, int64_t tokens);
-  // How many sequences hold `page` (0: free).
+  // The same as a KvPrefix: holdPrefix shares the full pages of positions [0, tokens) of
+  // `sequence` and copies a partial last page; adoptPrefix gives an empty sequence those rows
+  // (sharing every page, so its first write into the last one copies it); releasePrefix lets go.
+  StatusOr<KvPrefix> holdPrefix(int32_t sequence, int64_t tokens);
+  Status adoptPrefix(int32_t to, const KvPrefix &prefix);
+  void releasePrefix(KvPrefix &prefix);
+  // How many sequences and held prefixes hold `page` (0: free).
   int32_t pageReferences(int32_t page) const;
   // Forgets positions >= tokens in every layer and releases the pages no longer needed (a page
   // returns to the free list when no sequence holds it any more; rollback).
