@@ -144,6 +144,100 @@ TEST_P(GoldenModelTest, RandomStreamInterleavingsGiveIdenticalResults) {
   }
 }
 
+// Greedy ids and their logits from `sequence`, starting from the prompt's last logits row.
+std::pair<std::vector<int64_t>, std::vector<float>> greedyFrom(Sequence &sequence,
+                                                               std::span<const float> lastRow,
+                                                               int steps) {
+  std::vector<int64_t> ids;
+  std::vector<float> logits(lastRow.begin(), lastRow.end());
+  std::vector<float> row(lastRow.begin(), lastRow.end());
+  for (int step = 0; step < steps; ++step) {
+    ids.push_back(std::max_element(row.begin(), row.end()) - row.begin());
+    auto next = sequence.decode(ids.back());
+    EXPECT_TRUE(next.isOk()) << next.status().message();
+    if (!next.isOk())
+      break;
+    row = *next;
+    logits.insert(logits.end(), row.begin(), row.end());
+  }
+  return {ids, logits};
+}
+
+// Prefix caching restores the KV rows and the recurrent state of a kept prefix; what runs after
+// it equals a full prefill, for a hit that ends mid-page (KV pages hold 64 tokens, the prefixes
+// are cut at 16) and for a prompt that only shares part of a kept prefix.
+TEST_P(GoldenModelTest, PrefixCacheHitsEqualAFullPrefill) {
+  LoadOptions options;
+  options.prefixCacheEntries = 4;
+  options.prefixCacheBlockTokens = 16;
+  auto cached = loadOrDie(compiledDir(GetParam()), options);
+  auto plain = loadOrDie(compiledDir(GetParam()));
+  ASSERT_TRUE(cached && plain);
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  ASSERT_EQ(prompt.size(), 40u);
+  const size_t V = static_cast<size_t>(cached->vocabSize());
+  std::vector<int64_t> sharing35(prompt.begin(), prompt.begin() + 35);
+  for (int64_t id : {3, 1, 4, 1, 5, 9, 2})
+    sharing35.push_back(id);
+  const std::vector<int64_t> sharing20(prompt.begin(), prompt.begin() + 20);
+
+  // (prompt, tokens expected from the cache): the first run keeps the prompt's first 32 tokens;
+  // the second shares 35 and gets those 32 (its own cut at 32 equals the kept one); the prompt
+  // again gets its 32. A prompt keeps one prefix, cut at its last block boundary, so 20 shared
+  // tokens find nothing (32 > 19) until a 20-token prompt has kept its own 16.
+  const std::vector<std::pair<std::vector<int64_t>, int64_t>> runs = {
+      {prompt, 0}, {sharing35, 32}, {prompt, 32}, {sharing20, 0}, {sharing20, 16}};
+  for (const auto &[tokens, expectedCached] : runs) {
+    SCOPED_TRACE(testing::Message() << tokens.size() << " tokens");
+    auto reference = plain->newSequence();
+    auto full = (*reference)->prefill(tokens);
+    ASSERT_TRUE(full.isOk()) << full.status().message();
+    auto sequence = cached->newSequence();
+    auto result = (*sequence)->prefillWithPrefixCache(tokens);
+    ASSERT_TRUE(result.isOk()) << result.status().message();
+    EXPECT_EQ(result->cachedTokens, expectedCached);
+    EXPECT_EQ((*sequence)->length(), static_cast<int64_t>(tokens.size()));
+    EXPECT_LE(maxAbsDiff(result->logits,
+                         std::span(*full).subspan(static_cast<size_t>(result->cachedTokens) * V)),
+              1e-5);
+    auto [ids, logits] = greedyFrom(**sequence, std::span(result->logits).last(V), 6);
+    auto [referenceIds, referenceLogits] =
+        greedyFrom(**reference, std::span(*full).last(V), 6);
+    EXPECT_EQ(ids, referenceIds);
+    EXPECT_LE(maxAbsDiff(logits, referenceLogits), 1e-4);
+  }
+}
+
+TEST_P(GoldenModelTest, PrefixCacheEvictsTheLeastRecentlyUsed) {
+  LoadOptions options;
+  options.prefixCacheEntries = 1;
+  options.prefixCacheBlockTokens = 16;
+  auto model = loadOrDie(compiledDir(GetParam()), options);
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  const std::vector<int64_t> reversed(prompt.rbegin(), prompt.rend());
+  auto cachedTokens = [&](const std::vector<int64_t> &tokens) {
+    auto sequence = model->newSequence();
+    auto result = (*sequence)->prefillWithPrefixCache(tokens);
+    EXPECT_TRUE(result.isOk()) << result.status().message();
+    return result.isOk() ? result->cachedTokens : -1;
+  };
+  EXPECT_EQ(cachedTokens(prompt), 0);
+  EXPECT_EQ(cachedTokens(prompt), 32);
+  EXPECT_EQ(cachedTokens(reversed), 0); // keeps its own 32, dropping the prompt's
+  EXPECT_EQ(cachedTokens(prompt), 0);
+
+  // Without prefix caching the call is a plain prefill; a used sequence is refused.
+  auto plain = loadOrDie(compiledDir(GetParam()));
+  auto sequence = plain->newSequence();
+  auto result = (*sequence)->prefillWithPrefixCache(prompt);
+  ASSERT_TRUE(result.isOk());
+  EXPECT_EQ(result->cachedTokens, 0);
+  EXPECT_EQ(result->logits.size(), prompt.size() * static_cast<size_t>(plain->vocabSize()));
+  EXPECT_EQ((*sequence)->prefillWithPrefixCache(prompt).status().message(),
+            "prefillWithPrefixCache starts a sequence; this one already holds 40 tokens");
+}
+
 INSTANTIATE_TEST_SUITE_P(Golden, GoldenModelTest,
                          testing::Values("kimi_linear_tiny", "deepseek_v32_tiny",
                                          "kimi_attnres_tiny"));
@@ -276,6 +370,15 @@ TEST_F(DamagedModelTest, CorruptedWeightDataCaughtByVerification) {
   ASSERT_FALSE(model.isOk());
   EXPECT_NE(model.status().message().find("weights.hyw"), std::string::npos)
       << model.status().message();
+}
+
+TEST(ModelErrors, BadPrefixCacheOptions) {
+  LoadOptions options;
+  options.prefixCacheEntries = -1;
+  auto model = Model::load(compiledDir("kimi_linear_tiny"), options);
+  ASSERT_FALSE(model.isOk());
+  EXPECT_EQ(model.status().message(), "prefixCacheEntries (-1) must not be negative and "
+                                      "prefixCacheBlockTokens (64) must be positive");
 }
 
 TEST(ModelErrors, UnknownDevice) {

@@ -1,5 +1,7 @@
 #include "hybrid/runtime/Model.h"
 
+#include "PrefixCache.h"
+
 #include "cpu/CpuExecutor.h"
 #ifdef HYBRID_HAS_CUDA_DEVICE
 #include "cuda/CudaExecutor.h"
@@ -153,6 +155,7 @@ struct Model::Impl {
   ProgramRunner prefill;
   ProgramRunner decode;
   std::vector<std::vector<float>> kvStaging;
+  PrefixCache prefixCache{0, 1};
 #ifdef HYBRID_HAS_CUDA_DEVICE
   // The cuda device; the members above still serve the dispatches it runs on the cpu reference.
   std::unique_ptr<cudadev::CudaExecutor> cuda;
@@ -246,21 +249,32 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
     HYBRID_RETURN_IF_ERROR(archive.verifyContents());
   if (options.maxSequences < 1 || options.maxContextTokens < 1)
     return Status::error("maxSequences and maxContextTokens must be positive");
+  if (options.prefixCacheEntries < 0 || options.prefixCacheBlockTokens < 1)
+    return Status::error("prefixCacheEntries (" + std::to_string(options.prefixCacheEntries) +
+                         ") must not be negative and prefixCacheBlockTokens (" +
+                         std::to_string(options.prefixCacheBlockTokens) + ") must be positive");
+  if (options.prefixCacheEntries > 0 && cudaDevice)
+    return Status::error("prefix caching (prefixCacheEntries) runs on the cpu device only for now: "
+                         "the cuda device keeps the recurrent states on the GPU");
 
   const fb::CacheSpec *spec = plan->cache();
   if (!spec)
     return Status::error(plan.path() + ": the plan has no cache spec");
   const int64_t pageSize = std::max<int64_t>(1, spec->page_size());
   const int64_t pagesPerSequence = (options.maxContextTokens + pageSize - 1) / pageSize;
-  HYBRID_ASSIGN_OR_RETURN(PagedKvCache kvCache,
-                          PagedKvCache::create(*spec, pagesPerSequence * options.maxSequences,
-                                               options.maxSequences));
+  // Kept prefixes hold pages of their own once their sequences are gone.
+  HYBRID_ASSIGN_OR_RETURN(
+      PagedKvCache kvCache,
+      PagedKvCache::create(*spec,
+                           pagesPerSequence * (options.maxSequences + options.prefixCacheEntries),
+                           options.maxSequences));
   HYBRID_ASSIGN_OR_RETURN(RecurrentStatePool states,
                           RecurrentStatePool::create(*spec, options.maxSequences));
 
   auto impl = std::make_unique<Impl>(dir, options, std::move(plan), std::move(archive),
                                      std::move(kvCache), std::move(states));
   impl->kvSequenceInUse.assign(options.maxSequences, false);
+  impl->prefixCache = PrefixCache(options.prefixCacheEntries, options.prefixCacheBlockTokens);
   impl->kvStaging.resize(spec->kv() ? spec->kv()->size() : 0);
 
   const fb::Plan &root = impl->plan.plan();
@@ -368,6 +382,50 @@ StatusOr<std::vector<float>> Sequence::prefill(std::span<const int64_t> tokens,
     length_ += static_cast<int64_t>(count);
   }
   return logits;
+}
+
+StatusOr<CachedPrefill> Sequence::prefillWithPrefixCache(std::span<const int64_t> tokens) {
+  Model::Impl &impl = *model_.impl_;
+  if (length_ != 0)
+    return Status::error("prefillWithPrefixCache starts a sequence; this one already holds " +
+                         std::to_string(length_) + " tokens");
+  if (tokens.empty())
+    return Status::error("prefill needs at least one token");
+  const auto total = static_cast<int64_t>(tokens.size());
+  CachedPrefill result;
+  PrefixCache &cache = impl.prefixCache;
+  if (cache.enabled())
+    if (const PrefixCache::Entry *entry = cache.find(tokens, total - 1)) {
+      HYBRID_RETURN_IF_ERROR(impl.kvCache.adoptPrefix(kvSequence_, entry->kv));
+      if (Status restored = impl.states.restore(stateSlot_, entry->state); !restored) {
+        (void)impl.kvCache.freeSequence(kvSequence_);
+        return restored;
+      }
+      length_ = static_cast<int64_t>(entry->tokens.size());
+      result.cachedTokens = length_;
+    }
+  auto prefillUpTo = [&](int64_t end) -> Status {
+    HYBRID_ASSIGN_OR_RETURN(std::vector<float> logits,
+                            prefill(tokens.subspan(static_cast<size_t>(length_),
+                                                   static_cast<size_t>(end - length_))));
+    result.logits.insert(result.logits.end(), logits.begin(), logits.end());
+    return Status::ok();
+  };
+  const int64_t keep = cache.enabled() ? total / cache.blockTokens() * cache.blockTokens() : 0;
+  if (keep > length_) {
+    HYBRID_RETURN_IF_ERROR(prefillUpTo(keep));
+    HYBRID_ASSIGN_OR_RETURN(KvPrefix kv, impl.kvCache.holdPrefix(kvSequence_, keep));
+    StatusOr<RecurrentStateSnapshot> state = impl.states.snapshot(stateSlot_);
+    if (!state) {
+      impl.kvCache.releasePrefix(kv);
+      return state.status();
+    }
+    cache.insert(std::vector<int64_t>(tokens.begin(), tokens.begin() + keep), std::move(kv),
+                 std::move(*state), impl.kvCache);
+  }
+  if (total > length_)
+    HYBRID_RETURN_IF_ERROR(prefillUpTo(total));
+  return result;
 }
 
 StatusOr<std::vector<float>> Sequence::decode(int64_t token) {

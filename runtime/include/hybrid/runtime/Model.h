@@ -41,6 +41,19 @@ struct LoadOptions {
   // or "auto" (chunked where compiled, recurrent elsewhere). Comparisons with the fp32 oracle at
   // tight tolerances take "recurrent".
   std::string kdaPrefill = "auto";
+  // Prefix caching (Sequence::prefillWithPrefixCache): how many prompt prefixes are kept (0: off)
+  // and the block they are cut at: a prompt keeps its first floor(length / block) * block tokens.
+  // Each kept prefix may hold up to a full context of KV pages, so the KV cache grows by that
+  // many sequences' pages. cpu device only for now.
+  int32_t prefixCacheEntries = 0;
+  int64_t prefixCacheBlockTokens = 64;
+};
+
+// What Sequence::prefillWithPrefixCache did: how many leading prompt tokens came from the cache,
+// and the logits of the rest [tokens - cachedTokens, vocab].
+struct CachedPrefill {
+  int64_t cachedTokens = 0;
+  std::vector<float> logits;
 };
 
 // The residual stream after the embedding, after each decoder layer and after the final norm
@@ -66,6 +79,11 @@ public:
   // to the KV cache and recurrent state. Returns logits [tokens.size(), vocab].
   StatusOr<std::vector<float>> prefill(std::span<const int64_t> tokens,
                                        HiddenStates *hidden = nullptr);
+  // For a fresh sequence: restores the longest kept prefix of `tokens` (at most all but the last
+  // token, whose logits always run), prefills the rest, and keeps this prompt's own block-aligned
+  // prefix for later prompts. The results equal prefill()'s for the rows that ran. Without prefix
+  // caching (LoadOptions::prefixCacheEntries = 0) it is prefill() with cachedTokens = 0.
+  StatusOr<CachedPrefill> prefillWithPrefixCache(std::span<const int64_t> tokens);
   // One token through the decode program; returns logits [vocab].
   StatusOr<std::vector<float>> decode(int64_t token);
 
