@@ -3,6 +3,7 @@
 #include "hybrid/runtime/Generate.h"
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Safetensors.h"
+#include "hybrid/runtime/Scheduler.h"
 
 #include <gtest/gtest.h>
 
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <unistd.h>
 
 namespace hybrid {
@@ -370,6 +372,141 @@ TEST_F(DamagedModelTest, CorruptedWeightDataCaughtByVerification) {
   ASSERT_FALSE(model.isOk());
   EXPECT_NE(model.status().message().find("weights.hyw"), std::string::npos)
       << model.status().message();
+}
+
+// Runs the scheduler until idle (at most `maxSteps`); the tokens and errors of each request.
+struct SchedulerRun {
+  std::map<uint64_t, std::vector<int64_t>> tokens;
+  std::map<uint64_t, std::string> errors;
+  int steps = 0;
+};
+SchedulerRun runToIdle(Scheduler &scheduler, int maxSteps = 2000) {
+  SchedulerRun run;
+  while (!scheduler.idle() && run.steps < maxSteps) {
+    ++run.steps;
+    for (const TokenEvent &event : scheduler.step()) {
+      if (!event.error.empty())
+        run.errors[event.request] = event.error;
+      else
+        run.tokens[event.request].push_back(event.token);
+    }
+  }
+  EXPECT_TRUE(scheduler.idle()) << "still busy after " << maxSteps << " steps";
+  return run;
+}
+
+// Prompts of different lengths built from the golden prompt.
+std::vector<std::vector<int64_t>> schedulerPrompts(const std::vector<int64_t> &prompt) {
+  std::vector<std::vector<int64_t>> prompts = {prompt,
+                                               {prompt.rbegin(), prompt.rend()},
+                                               {prompt.begin(), prompt.begin() + 9},
+                                               {prompt.begin() + 5, prompt.end()},
+                                               {prompt.begin(), prompt.begin() + 1}};
+  std::vector<int64_t> doubled = prompt;
+  doubled.insert(doubled.end(), prompt.begin(), prompt.end());
+  prompts.push_back(doubled);
+  return prompts;
+}
+
+std::vector<int64_t> greedyIds(Model &model, const std::vector<int64_t> &prompt, int64_t count) {
+  GenerationOptions options;
+  options.maxNewTokens = count;
+  auto result = generateGreedy(model, prompt, options);
+  EXPECT_TRUE(result.isOk()) << result.status().message();
+  return result.isOk() ? result->generated : std::vector<int64_t>{};
+}
+
+// Requests of different lengths, prefilled in 16-token chunks between the others' decode steps,
+// more of them than sequences: each gets exactly the tokens of a greedy run on its own.
+TEST(Scheduler, InterleavedRequestsMatchIndependentGreedyRuns) {
+  LoadOptions options;
+  options.maxSequences = 3;
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"), options);
+  ASSERT_TRUE(model);
+  Scheduler scheduler(*model, SchedulerOptions{16});
+  const auto prompts = schedulerPrompts(goldenPrompt("kimi_linear_tiny"));
+  std::map<uint64_t, std::pair<std::vector<int64_t>, int64_t>> submitted;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const int64_t count = 3 + static_cast<int64_t>(i);
+    auto id = scheduler.submit({prompts[i], count, {}});
+    ASSERT_TRUE(id.isOk()) << id.status().message();
+    submitted[*id] = {prompts[i], count};
+  }
+  EXPECT_EQ(scheduler.stats().waiting, 6);
+  const SchedulerRun run = runToIdle(scheduler);
+  EXPECT_TRUE(run.errors.empty());
+  for (const auto &[id, request] : submitted)
+    EXPECT_EQ(run.tokens.at(id), greedyIds(*model, request.first, request.second))
+        << "request " << id;
+  EXPECT_EQ(scheduler.stats().finished, 6);
+  EXPECT_EQ(scheduler.stats().preemptions, 0);
+}
+
+// A KV cache of two 64-token pages for three requests that each grow past one page: admission
+// waits for pages, the request that runs out mid-decode is preempted and recomputed, and every
+// request still gets its independent greedy tokens.
+TEST(Scheduler, PreemptsAndRecomputesWhenTheKvCacheIsFull) {
+  LoadOptions options;
+  options.maxSequences = 3;
+  options.kvCacheTokens = 128;
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"), options);
+  ASSERT_TRUE(model);
+  ASSERT_EQ(model->usage().totalPages, 2);
+  const std::vector<int64_t> prompt = goldenPrompt("kimi_linear_tiny");
+  const std::vector<std::vector<int64_t>> prompts = {
+      prompt, {prompt.rbegin(), prompt.rend()}, {prompt.begin() + 3, prompt.end()}};
+  Scheduler scheduler(*model);
+  std::map<uint64_t, std::vector<int64_t>> promptOf;
+  for (const auto &tokens : prompts) {
+    auto id = scheduler.submit({tokens, 30, {}});
+    ASSERT_TRUE(id.isOk()) << id.status().message();
+    promptOf[*id] = tokens;
+  }
+  const SchedulerRun run = runToIdle(scheduler);
+  EXPECT_TRUE(run.errors.empty()) << run.errors.begin()->second;
+  EXPECT_GT(scheduler.stats().preemptions, 0);
+  for (const auto &[id, tokens] : promptOf)
+    EXPECT_EQ(run.tokens.at(id), greedyIds(*model, tokens, 30)) << "request " << id;
+}
+
+TEST(Scheduler, StopTokensAndPrefixCache) {
+  LoadOptions options;
+  options.prefixCacheEntries = 2;
+  options.prefixCacheBlockTokens = 16;
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"), options);
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = goldenPrompt("kimi_linear_tiny");
+  const std::vector<int64_t> expected = greedyIds(*model, prompt, 5);
+  ASSERT_EQ(expected.size(), 5u);
+  Scheduler scheduler(*model, SchedulerOptions{64});
+  const uint64_t first = scheduler.submit({prompt, 5, {}}).value();
+  SchedulerRun run = runToIdle(scheduler);
+  EXPECT_EQ(run.tokens.at(first), expected);
+  // The same prompt again restores 32 tokens from the prefix cache; a stop token ends it early.
+  const uint64_t second = scheduler.submit({prompt, 5, {expected[1]}}).value();
+  run = runToIdle(scheduler);
+  EXPECT_EQ(run.tokens.at(second), std::vector<int64_t>(expected.begin(), expected.begin() + 2));
+  EXPECT_EQ(scheduler.stats().cachedPromptTokens, 32);
+}
+
+TEST(Scheduler, RefusesBadRequests) {
+  LoadOptions options;
+  options.maxContextTokens = 100;
+  options.kvCacheTokens = 64;
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"), options);
+  ASSERT_TRUE(model);
+  Scheduler scheduler(*model);
+  EXPECT_EQ(scheduler.submit({{}, 4, {}}).status().message(), "request: the prompt is empty");
+  EXPECT_EQ(scheduler.submit({{1, 2}, 0, {}}).status().message(),
+            "request: maxNewTokens = 0 must be at least 1");
+  EXPECT_EQ(scheduler.submit({{1, 256}, 4, {}}).status().message(),
+            "request: token id 256 at position 1 is outside the vocabulary [0, 256)");
+  EXPECT_EQ(scheduler.submit({std::vector<int64_t>(90, 1), 20, {}}).status().message(),
+            "request: 90 prompt tokens + 20 new tokens exceed the context of 100 "
+            "(maxContextTokens)");
+  EXPECT_EQ(scheduler.submit({std::vector<int64_t>(60, 1), 20, {}}).status().message(),
+            "request: 79 tokens need 2 KV pages, the cache has 1");
+  EXPECT_TRUE(scheduler.idle());
 }
 
 TEST(ModelErrors, BadPrefixCacheOptions) {

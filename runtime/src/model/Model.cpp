@@ -260,13 +260,18 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
   const fb::CacheSpec *spec = plan->cache();
   if (!spec)
     return Status::error(plan.path() + ": the plan has no cache spec");
+  if (options.kvCacheTokens < 0)
+    return Status::error("kvCacheTokens (" + std::to_string(options.kvCacheTokens) +
+                         ") must not be negative");
   const int64_t pageSize = std::max<int64_t>(1, spec->page_size());
   const int64_t pagesPerSequence = (options.maxContextTokens + pageSize - 1) / pageSize;
+  const int64_t sequencePages = options.kvCacheTokens > 0
+                                    ? (options.kvCacheTokens + pageSize - 1) / pageSize
+                                    : pagesPerSequence * options.maxSequences;
   // Kept prefixes hold pages of their own once their sequences are gone.
   HYBRID_ASSIGN_OR_RETURN(
       PagedKvCache kvCache,
-      PagedKvCache::create(*spec,
-                           pagesPerSequence * (options.maxSequences + options.prefixCacheEntries),
+      PagedKvCache::create(*spec, sequencePages + pagesPerSequence * options.prefixCacheEntries,
                            options.maxSequences));
   HYBRID_ASSIGN_OR_RETURN(RecurrentStatePool states,
                           RecurrentStatePool::create(*spec, options.maxSequences));
@@ -328,6 +333,27 @@ std::string Model::placementReport() const {
     return impl_->cuda->placementReport();
 #endif
   return {};
+}
+
+Model::Usage Model::usage() const {
+  Usage usage;
+  usage.pageTokens = impl_->kvCache.pageSize();
+  usage.totalPages = impl_->kvCache.numPages();
+  usage.freePages = impl_->kvCache.freePages();
+  usage.sequencesInUse = static_cast<int32_t>(
+      std::count(impl_->kvSequenceInUse.begin(), impl_->kvSequenceInUse.end(), true));
+  usage.maxSequences = impl_->options.maxSequences;
+  usage.keptPrefixes = impl_->prefixCache.size();
+  return usage;
+}
+
+int64_t Model::maxContextTokens() const { return impl_->options.maxContextTokens; }
+
+int64_t Model::pagesFor(int64_t tokens) const {
+  if (impl_->kvCache.numLayers() == 0)
+    return 0; // nothing is cached per token
+  const int64_t page = impl_->kvCache.pageSize();
+  return (std::max<int64_t>(0, tokens) + page - 1) / page;
 }
 
 StatusOr<std::unique_ptr<Sequence>> Model::newSequence() {

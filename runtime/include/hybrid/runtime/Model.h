@@ -27,7 +27,10 @@ namespace hybrid {
 struct LoadOptions {
   std::string device = "cpu"; // "cpu", or "cuda" for a plan compiled with --device=cuda
   int32_t maxSequences = 4;         // sequences that can be alive at once
-  int64_t maxContextTokens = 8192;  // KV-cache pages are sized for this many tokens per sequence
+  int64_t maxContextTokens = 8192;  // the longest a sequence may grow
+  // KV-cache capacity in tokens over all sequences; 0: maxSequences x maxContextTokens (nobody
+  // ever waits for pages). Smaller budgets make a scheduler admit by free pages and preempt.
+  int64_t kvCacheTokens = 0;
   bool verifyWeightContents = false; // re-hash every archive entry at load
   // cpu device: 0 runs steps in program order; any other value runs them in a random order drawn
   // from this seed that respects the plan's streams and events. Results must not change: this is
@@ -115,6 +118,21 @@ public:
 
   // A fresh sequence (zero state, empty cache); fails when maxSequences are alive.
   StatusOr<std::unique_ptr<Sequence>> newSequence();
+
+  // The KV cache's pages (a scheduler admits and preempts by them) and the sequences in use.
+  struct Usage {
+    int64_t pageTokens = 0;
+    int64_t totalPages = 0;
+    int64_t freePages = 0;
+    int32_t sequencesInUse = 0;
+    int32_t maxSequences = 0;
+    size_t keptPrefixes = 0;
+  };
+  Usage usage() const;
+  // KV pages `tokens` positions of one sequence take.
+  int64_t pagesFor(int64_t tokens) const;
+  // LoadOptions::maxContextTokens.
+  int64_t maxContextTokens() const;
 
   struct Impl;
 

@@ -1,0 +1,79 @@
+// Continuous batching over a Model (greedy decoding): requests join and leave between steps,
+// prompts are prefilled in chunks mixed with other requests' decode steps, admission waits for a
+// free sequence and enough free KV pages, and a request whose step finds the KV cache full is
+// preempted: its sequence is freed and it is recomputed (prompt + tokens so far) when readmitted.
+// With prefix caching on the model, a request's first step restores its longest kept prefix.
+// Each step still runs one sequence per program call: the plan's programs take one sequence's
+// rows until they take several (varlen), so "batching" here is interleaving.
+#pragma once
+
+#include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Status.h"
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace hybrid {
+
+struct GenerationRequest {
+  std::vector<int64_t> prompt;
+  int64_t maxNewTokens = 16;
+  std::vector<int64_t> stopTokens; // generating one of these ends the request (it is emitted)
+};
+
+// What a step did for one request: a generated token, or an error; `finished` on its last event.
+struct TokenEvent {
+  uint64_t request = 0;
+  int64_t token = -1;
+  bool finished = false;
+  std::string error;
+};
+
+struct SchedulerOptions {
+  int64_t prefillChunkTokens = 256; // prompt tokens a prefilling request gets per step
+};
+
+struct SchedulerStats {
+  int64_t waiting = 0;
+  int64_t running = 0;
+  int64_t finished = 0;
+  int64_t preemptions = 0;
+  int64_t cachedPromptTokens = 0; // restored from the prefix cache instead of computed
+};
+
+class Scheduler {
+public:
+  explicit Scheduler(Model &model, SchedulerOptions options = {});
+  ~Scheduler();
+  Scheduler(const Scheduler &) = delete;
+  Scheduler &operator=(const Scheduler &) = delete;
+
+  // Queues a request; its id names its events. Refuses (with the reason) an empty prompt, a token
+  // outside the vocabulary, maxNewTokens < 1, and a prompt plus maxNewTokens past the model's
+  // context or past the whole KV cache.
+  StatusOr<uint64_t> submit(GenerationRequest request);
+  // Admits waiting requests in arrival order while a sequence and the pages for their prompt are
+  // free, then advances every running request by one prefill chunk or one decode step. Returns
+  // this step's events, in the order the requests were admitted.
+  std::vector<TokenEvent> step();
+  // Nothing waiting or running.
+  bool idle() const;
+  SchedulerStats stats() const;
+
+private:
+  struct Active;
+  bool admit(Active &active);
+  void preempt(size_t index);
+
+  Model &model_;
+  SchedulerOptions options_;
+  uint64_t nextId_ = 1;
+  std::deque<std::unique_ptr<Active>> waiting_;
+  std::vector<std::unique_ptr<Active>> running_; // in admission order
+  SchedulerStats stats_;
+};
+
+} // namespace hybrid

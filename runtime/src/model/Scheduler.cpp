@@ -1,0 +1,163 @@
+#include "hybrid/runtime/Scheduler.h"
+
+#include <algorithm>
+#include <span>
+
+namespace hybrid {
+
+struct Scheduler::Active {
+  uint64_t id = 0;
+  GenerationRequest request;
+  std::vector<int64_t> context; // the prompt, then every generated token
+  int64_t generated = 0;
+  std::unique_ptr<Sequence> sequence;
+  int64_t fed = 0; // context tokens the sequence has consumed
+};
+
+Scheduler::Scheduler(Model &model, SchedulerOptions options)
+    : model_(model), options_(options) {
+  options_.prefillChunkTokens = std::max<int64_t>(1, options_.prefillChunkTokens);
+}
+
+Scheduler::~Scheduler() = default;
+
+StatusOr<uint64_t> Scheduler::submit(GenerationRequest request) {
+  if (request.prompt.empty())
+    return Status::error("request: the prompt is empty");
+  if (request.maxNewTokens < 1)
+    return Status::error("request: maxNewTokens = " + std::to_string(request.maxNewTokens) +
+                         " must be at least 1");
+  const int64_t vocab = model_.vocabSize();
+  for (size_t i = 0; i < request.prompt.size(); ++i)
+    if (request.prompt[i] < 0 || request.prompt[i] >= vocab)
+      return Status::error("request: token id " + std::to_string(request.prompt[i]) +
+                           " at position " + std::to_string(i) + " is outside the vocabulary [0, " +
+                           std::to_string(vocab) + ")");
+  // The last generated token is never fed back, so the sequence holds at most this many.
+  const int64_t longest = static_cast<int64_t>(request.prompt.size()) + request.maxNewTokens - 1;
+  const Model::Usage usage = model_.usage();
+  if (longest > model_.maxContextTokens())
+    return Status::error("request: " + std::to_string(request.prompt.size()) +
+                         " prompt tokens + " + std::to_string(request.maxNewTokens) +
+                         " new tokens exceed the context of " +
+                         std::to_string(model_.maxContextTokens()) + " (maxContextTokens)");
+  if (model_.pagesFor(longest) > usage.totalPages)
+    return Status::error("request: " + std::to_string(longest) + " tokens need " +
+                         std::to_string(model_.pagesFor(longest)) + " KV pages, the cache has " +
+                         std::to_string(usage.totalPages));
+  auto active = std::make_unique<Active>();
+  active->id = nextId_++;
+  active->context = request.prompt;
+  active->request = std::move(request);
+  waiting_.push_back(std::move(active));
+  return waiting_.back()->id;
+}
+
+bool Scheduler::admit(Active &active) {
+  const Model::Usage usage = model_.usage();
+  if (usage.sequencesInUse >= usage.maxSequences)
+    return false;
+  // The pages its context needs now; with nothing running, admit anyway (it fits alone: submit
+  // checked), else a prefix cache holding pages could starve it forever.
+  if (!running_.empty() &&
+      model_.pagesFor(static_cast<int64_t>(active.context.size())) > usage.freePages)
+    return false;
+  auto sequence = model_.newSequence();
+  if (!sequence)
+    return false;
+  active.sequence = std::move(*sequence);
+  active.fed = 0;
+  return true;
+}
+
+// Frees running request `index`'s sequence; it waits again, first in line, and recomputes its
+// context when readmitted.
+void Scheduler::preempt(size_t index) {
+  std::unique_ptr<Active> victim = std::move(running_[index]);
+  running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
+  victim->sequence.reset();
+  victim->fed = 0;
+  waiting_.push_front(std::move(victim));
+  ++stats_.preemptions;
+}
+
+std::vector<TokenEvent> Scheduler::step() {
+  while (!waiting_.empty() && admit(*waiting_.front())) {
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+  }
+
+  std::vector<TokenEvent> events;
+  for (size_t index = 0; index < running_.size();) {
+    Active &active = *running_[index];
+    const auto contextLength = static_cast<int64_t>(active.context.size());
+    StatusOr<std::vector<float>> logits = Status::error("nothing ran");
+    if (active.fed == 0 && contextLength <= options_.prefillChunkTokens) {
+      // A whole context in one step: the prefix cache (if the model keeps prefixes) may restore
+      // part of it. Longer contexts go in chunks and do not use it yet.
+      StatusOr<CachedPrefill> prefill = active.sequence->prefillWithPrefixCache(active.context);
+      if (prefill) {
+        stats_.cachedPromptTokens += prefill->cachedTokens;
+        logits = std::move(prefill->logits);
+      } else {
+        logits = prefill.status();
+      }
+      active.fed = contextLength;
+    } else if (active.fed + 1 == contextLength && active.fed > 0) {
+      logits = active.sequence->decode(active.context.back());
+      active.fed = contextLength;
+    } else {
+      const int64_t count = std::min(options_.prefillChunkTokens, contextLength - active.fed);
+      logits = active.sequence->prefill(std::span(active.context).subspan(
+          static_cast<size_t>(active.fed), static_cast<size_t>(count)));
+      active.fed += count;
+    }
+
+    if (!logits) {
+      const std::string message = logits.status().message();
+      // A step that failed part-way left some layers' caches advanced: the sequence restarts.
+      // Out of KV pages with others running, it waits for theirs (preemption by recompute).
+      if (message.find("out of pages") != std::string::npos && running_.size() > 1) {
+        preempt(index);
+        continue;
+      }
+      events.push_back({active.id, -1, true, message});
+      ++stats_.finished;
+      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
+      continue;
+    }
+    if (active.fed < contextLength) {
+      ++index; // more of the prompt next step
+      continue;
+    }
+    // The last row's logits choose the next token.
+    const int64_t vocab = model_.vocabSize();
+    std::span<const float> last = std::span(*logits).last(static_cast<size_t>(vocab));
+    const int64_t token = std::max_element(last.begin(), last.end()) - last.begin();
+    active.context.push_back(token);
+    ++active.generated;
+    const bool stop = std::find(active.request.stopTokens.begin(),
+                                active.request.stopTokens.end(),
+                                token) != active.request.stopTokens.end();
+    const bool finished = stop || active.generated >= active.request.maxNewTokens;
+    events.push_back({active.id, token, finished, {}});
+    if (finished) {
+      ++stats_.finished;
+      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
+      continue;
+    }
+    ++index;
+  }
+  return events;
+}
+
+bool Scheduler::idle() const { return waiting_.empty() && running_.empty(); }
+
+SchedulerStats Scheduler::stats() const {
+  SchedulerStats stats = stats_;
+  stats.waiting = static_cast<int64_t>(waiting_.size());
+  stats.running = static_cast<int64_t>(running_.size());
+  return stats;
+}
+
+} // namespace hybrid
