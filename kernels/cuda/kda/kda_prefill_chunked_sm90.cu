@@ -707,6 +707,35 @@ __device__ __forceinline__ void forEachStateElement(float (&s)[kRowTiles][4][4],
         f(s[mt][nt][e], firstRow + 16 * mt + accRow(e), 8 * nt + accColumn(e));
 }
 
+// O = qg S + Aqk v_new for a warp's 16 tokens of the chunk (rows 16 warp..; causal: Aqk's token
+// blocks up to the warp's own), from the chunk's bf16 S^T and v_new^T of this slice.
+__device__ __forceinline__ void outputTile(float (&o)[4][4], const bf16 *qg, const bf16 *aqk,
+                                           const bf16 *stateT, const bf16 *newValuesT, int warp) {
+  mmaRowTileBySlice<kDim / 16>(o, qg + 16 * warp * kWideStride, kWideStride, stateT, kWideStride);
+  for (int ks = 0; ks <= warp; ++ks)
+    mmaRowTileBySlice<1>(o, aqk + 16 * warp * kNarrowStride + 16 * ks, kNarrowStride,
+                         newValuesT + 16 * ks, kNarrowStride);
+}
+
+// Stores a warp's output tile: rows 16 warp.. of chunk `c` of the sequence, this slice's columns.
+__device__ __forceinline__ void storeOutputTile(const KdaPrefillParams &p, const float (&o)[4][4],
+                                                int warp, int begin, int length, int c, int head,
+                                                int slice) {
+  const int chunkBegin = begin + c * kChunk, count = min(kChunk, length - c * kChunk);
+  const int channels = p.heads * kDim;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = 16 * warp + accRow(2 * half);
+    if (row < count) {
+      float *out = p.out + size_t(chunkBegin + row) * channels + head * kDim + slice * kSlice;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+        *reinterpret_cast<float2 *>(out + 8 * nt + accColumn(2 * half)) =
+            make_float2(o[nt][2 * half], o[nt][2 * half + 1]);
+    }
+  }
+}
+
 // The state role: S <- e^G_last S + kg^T (u - w S) chunk by chunk, S in mma accumulators, 16
 // key rows per warp.
 __device__ __forceinline__ void chainStateRole(const KdaPrefillParams &p, const ChunkFactors &factors,
@@ -797,7 +826,6 @@ __device__ __forceinline__ void chainOutputRole(const KdaPrefillParams &p,
                                                 int firstChunk, int chunks, int slice, int head,
                                                 int begin, int length) {
   const int index = threadIdx.x - kStateThreads, warp = index / 32;
-  const int channels = p.heads * kDim;
   auto load = [&](int c) {
     const int b = c % 2;
     const size_t block = size_t(firstChunk + c) * p.heads + head;
@@ -818,25 +846,11 @@ __device__ __forceinline__ void chainOutputRole(const KdaPrefillParams &p,
     namedBarrierSync(kOutputRole, kOutputThreads);    // every copy of chunk c is visible
     namedBarrierSync(kHandedOver + b, kTwoRoleThreads); // S^T and v_new^T of chunk c are ready
     float o[4][4] = {};
-    mmaRowTileBySlice<kDim / 16>(o, &sh.qg[b][16 * warp][0], kWideStride, &sh.stateT[b][0][0],
-                                 kWideStride);
-    for (int ks = 0; ks <= warp; ++ks) // causal: token blocks up to the warp's own
-      mmaRowTileBySlice<1>(o, &sh.aqk[b][16 * warp][16 * ks], kNarrowStride,
-                           &sh.newValuesT[b][0][16 * ks], kNarrowStride);
+    outputTile(o, &sh.qg[b][0][0], &sh.aqk[b][0][0], &sh.stateT[b][0][0],
+               &sh.newValuesT[b][0][0], warp);
     if (c + 2 < chunks) // the state role waits for this only before chunk c + 2
       namedBarrierArrive(kHandedBack + b, kTwoRoleThreads);
-    const int chunkBegin = begin + c * kChunk, count = min(kChunk, length - c * kChunk);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = 16 * warp + accRow(2 * half);
-      if (row < count) {
-        float *out = p.out + size_t(chunkBegin + row) * channels + head * kDim + slice * kSlice;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-          *reinterpret_cast<float2 *>(out + 8 * nt + accColumn(2 * half)) =
-              make_float2(o[nt][2 * half], o[nt][2 * half + 1]);
-      }
-    }
+    storeOutputTile(p, o, warp, begin, length, c, head, slice);
     namedBarrierSync(kOutputRole, kOutputThreads); // qg and Aqk of parity b are free
   }
 }
@@ -961,7 +975,7 @@ __global__ void __launch_bounds__(kRoleThreads)
   int firstChunk = 0;
   for (int s = 0; s < sequence; ++s)
     firstChunk += chunksOf(p.cuSeqlens, s);
-  const int chunks = (length + kChunk - 1) / kChunk, channels = p.heads * kDim;
+  const int chunks = (length + kChunk - 1) / kChunk;
 
   // This warp's 32 key rows of the slice's K x 32 state (forEachStateElement).
   float *state = p.state + (size_t(sequence) * p.heads + head) * kDim * kDim + slice * kSlice;
@@ -1024,23 +1038,8 @@ __global__ void __launch_bounds__(kRoleThreads)
     // O = qg S + Aqk v_new for this warp's 16 tokens (causal: token blocks up to its own).
     {
       float o[4][4] = {};
-      mmaRowTileBySlice<kDim / 16>(o, &st.qg[16 * warp][0], kWideStride, &sh.stateT[0][0],
-                                   kWideStride);
-      for (int ks = 0; ks <= warp; ++ks) // causal: token blocks up to the warp's own
-        mmaRowTileBySlice<1>(o, &st.aqk[16 * warp][16 * ks], kNarrowStride,
-                             &sh.newValuesT[0][16 * ks], kNarrowStride);
-      const int chunkBegin = begin + c * kChunk, count = min(kChunk, length - c * kChunk);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = 16 * warp + accRow(2 * half);
-        if (row < count) {
-          float *out = p.out + size_t(chunkBegin + row) * channels + head * kDim + slice * kSlice;
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt)
-            *reinterpret_cast<float2 *>(out + 8 * nt + accColumn(2 * half)) =
-                make_float2(o[nt][2 * half], o[nt][2 * half + 1]);
-        }
-      }
+      outputTile(o, &st.qg[0][0], &st.aqk[0][0], &sh.stateT[0][0], &sh.newValuesT[0][0], warp);
+      storeOutputTile(p, o, warp, begin, length, c, head, slice);
     }
     __syncthreads(); // the rest of the stage, stateT and newValuesT are free for the next chunk
     if (c + 1 < chunks)
