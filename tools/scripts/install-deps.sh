@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(
-  cmake ninja-build ccache g++ python3 pkg-config
+  cmake ninja-build ccache g++ python3 pkg-config libcpp-httplib-dev
   libmlir-19-dev mlir-19-tools llvm-19-dev llvm-19-tools
   libflatbuffers-dev flatbuffers-compiler
   libcli11-dev libzstd-dev libxxhash-dev nlohmann-json3-dev libgtest-dev

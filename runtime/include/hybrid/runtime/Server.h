@@ -1,0 +1,50 @@
+// An OpenAI-compatible HTTP server over a Model (hybrid-serve): an engine thread runs the
+// Scheduler while HTTP threads queue requests and wait for (or stream) their tokens.
+// Endpoints: GET /health, /ready, /v1/models, /metrics (Prometheus text); POST /v1/completions
+// with a token-id prompt ("prompt": [ids]; text needs a tokenizer, not there yet), "max_tokens",
+// "stream" (server-sent events), "stop_token_ids". Generated ids come back in "token_ids".
+#pragma once
+
+#include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Scheduler.h"
+#include "hybrid/runtime/Status.h"
+
+#include <memory>
+#include <string>
+
+namespace hybrid {
+
+struct ServeOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;             // 0: any free port (see Server::port)
+  std::string apiKey;          // required ("Authorization: Bearer KEY") when not empty; a host
+                               // other than loopback needs one
+  std::string modelName = "hybrid";
+  SchedulerOptions scheduler;
+  size_t maxBodyBytes = 1 << 20;
+  size_t maxQueuedRequests = 256; // waiting + running; more get 503
+  int64_t defaultMaxTokens = 16;
+};
+
+class Server {
+public:
+  // Binds the socket and starts the engine thread; fails with the reason (bad options, port in
+  // use). The model must outlive the server.
+  static StatusOr<std::unique_ptr<Server>> start(Model &model, const ServeOptions &options);
+  ~Server(); // stops
+  Server(const Server &) = delete;
+  Server &operator=(const Server &) = delete;
+
+  int port() const;
+  // Serves until stop() (from another thread or a signal handler's thread).
+  Status serve();
+  void stop();
+
+  struct Impl;
+
+private:
+  explicit Server(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+} // namespace hybrid

@@ -1,0 +1,434 @@
+#include "hybrid/runtime/Server.h"
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+namespace hybrid {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+// A Prometheus histogram (cumulative buckets, sum, count).
+class Histogram {
+public:
+  void observe(double seconds) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = 0; i < kBounds.size(); ++i)
+      counts_[i] += seconds <= kBounds[i] ? 1 : 0;
+    sum_ += seconds;
+    ++count_;
+  }
+  void write(std::ostringstream &out, const std::string &name, const std::string &help) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    out << "# HELP " << name << " " << help << "\n# TYPE " << name << " histogram\n";
+    for (size_t i = 0; i < kBounds.size(); ++i)
+      out << name << "_bucket{le=\"" << kBounds[i] << "\"} " << counts_[i] << "\n";
+    out << name << "_bucket{le=\"+Inf\"} " << count_ << "\n"
+        << name << "_sum " << sum_ << "\n"
+        << name << "_count " << count_ << "\n";
+  }
+
+private:
+  static constexpr std::array<double, 11> kBounds = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                                     0.5,   1.0,  2.5,   5.0,  10.0};
+  mutable std::mutex mutex_;
+  std::array<uint64_t, kBounds.size()> counts_{};
+  double sum_ = 0;
+  uint64_t count_ = 0;
+};
+
+// One HTTP request waiting on the engine for its tokens.
+struct Pending {
+  GenerationRequest request;
+  Clock::time_point submitted = Clock::now();
+  Clock::time_point lastToken;
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::deque<TokenEvent> events; // not yet taken by the HTTP side
+  bool done = false;
+  bool rejected = false; // refused by the scheduler: a client error
+  std::string error;
+};
+
+bool isLoopback(const std::string &host) {
+  return host == "127.0.0.1" || host == "localhost" || host == "::1";
+}
+
+json errorBody(const std::string &message, const std::string &type) {
+  return json{{"error", {{"message", message}, {"type", type}}}};
+}
+
+} // namespace
+
+struct Server::Impl {
+  Model &model;
+  ServeOptions options;
+  httplib::Server http;
+  int port = 0;
+  Scheduler scheduler; // the engine thread's alone
+
+  std::mutex mutex; // guards inbox, stopping, queued and the published statistics
+  std::condition_variable wake;
+  std::deque<std::shared_ptr<Pending>> inbox;
+  bool stopping = false;
+  size_t queued = 0; // requests in the inbox or the scheduler
+  SchedulerStats published;
+  Model::Usage usage;
+  std::thread engine;
+  std::atomic<bool> ready{false};
+
+  std::atomic<uint64_t> requests{0}, failedRequests{0}, generatedTokens{0}, nextCompletion{1};
+  Histogram timeToFirstToken, interTokenLatency;
+
+  Impl(Model &model, ServeOptions options)
+      : model(model), options(std::move(options)), scheduler(model, this->options.scheduler) {}
+
+  void engineLoop();
+  void finish(Pending &pending, TokenEvent event);
+  void routes();
+  bool authorized(const httplib::Request &request, httplib::Response &response) const;
+  void completions(const httplib::Request &request, httplib::Response &response);
+  std::string metrics();
+};
+
+void Server::Impl::finish(Pending &pending, TokenEvent event) {
+  std::lock_guard<std::mutex> lock(pending.mutex);
+  const auto now = Clock::now();
+  if (event.error.empty()) {
+    generatedTokens.fetch_add(1);
+    if (pending.lastToken == Clock::time_point{})
+      timeToFirstToken.observe(std::chrono::duration<double>(now - pending.submitted).count());
+    else
+      interTokenLatency.observe(std::chrono::duration<double>(now - pending.lastToken).count());
+    pending.lastToken = now;
+  } else {
+    failedRequests.fetch_add(1);
+    pending.error = event.error;
+  }
+  pending.done = pending.done || event.finished;
+  pending.events.push_back(std::move(event));
+  pending.changed.notify_all();
+}
+
+void Server::Impl::engineLoop() {
+  std::map<uint64_t, std::shared_ptr<Pending>> active;
+  ready = true;
+  for (;;) {
+    std::deque<std::shared_ptr<Pending>> arrived;
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      wake.wait(lock, [&] { return stopping || !inbox.empty() || !scheduler.idle(); });
+      if (stopping)
+        break;
+      arrived.swap(inbox);
+    }
+    for (auto &pending : arrived) {
+      StatusOr<uint64_t> id = scheduler.submit(pending->request);
+      if (!id) {
+        failedRequests.fetch_add(1);
+        {
+          std::lock_guard<std::mutex> lock(pending->mutex);
+          pending->rejected = true;
+          pending->error = id.status().message();
+          pending->done = true;
+          pending->events.push_back(TokenEvent{0, -1, true, pending->error});
+        }
+        pending->changed.notify_all();
+        std::lock_guard<std::mutex> lock(mutex);
+        --queued;
+        continue;
+      }
+      active[*id] = pending;
+    }
+    for (TokenEvent &event : scheduler.step()) {
+      auto found = active.find(event.request);
+      if (found == active.end())
+        continue;
+      const bool last = event.finished;
+      finish(*found->second, std::move(event));
+      if (last) {
+        active.erase(found);
+        std::lock_guard<std::mutex> lock(mutex);
+        --queued;
+      }
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    published = scheduler.stats();
+    usage = model.usage();
+  }
+  // Stopping: whoever still waits gets an error, so no HTTP thread hangs.
+  std::deque<std::shared_ptr<Pending>> left;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    left.swap(inbox);
+  }
+  for (auto &[id, pending] : active)
+    left.push_back(pending);
+  for (auto &pending : left)
+    finish(*pending, TokenEvent{0, -1, true, "the server is stopping"});
+}
+
+bool Server::Impl::authorized(const httplib::Request &request, httplib::Response &response) const {
+  if (options.apiKey.empty() ||
+      request.get_header_value("Authorization") == "Bearer " + options.apiKey)
+    return true;
+  response.status = 401;
+  response.set_content(errorBody("missing or wrong API key (Authorization: Bearer ...)",
+                                 "authentication_error")
+                           .dump(),
+                       "application/json");
+  return false;
+}
+
+void Server::Impl::completions(const httplib::Request &request, httplib::Response &response) {
+  requests.fetch_add(1);
+  auto fail = [&](int status, const std::string &message) {
+    failedRequests.fetch_add(1);
+    response.status = status;
+    response.set_content(errorBody(message, status == 503 ? "overloaded" : "invalid_request_error")
+                             .dump(),
+                         "application/json");
+  };
+  const json body = json::parse(request.body, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object())
+    return fail(400, "the body is not a JSON object");
+  auto pending = std::make_shared<Pending>();
+  const json prompt = body.value("prompt", json());
+  if (prompt.is_string())
+    return fail(400, "\"prompt\": text prompts need a tokenizer, which this server does not have "
+                     "yet; send token ids");
+  if (!prompt.is_array() || prompt.empty())
+    return fail(400, "\"prompt\" must be a non-empty array of token ids");
+  for (const json &id : prompt) {
+    if (!id.is_number_integer())
+      return fail(400, "\"prompt\" must be one array of token ids (one prompt per request)");
+    pending->request.prompt.push_back(id.get<int64_t>());
+  }
+  const json maxTokens = body.value("max_tokens", json(options.defaultMaxTokens));
+  if (!maxTokens.is_number_integer())
+    return fail(400, "\"max_tokens\" must be an integer");
+  pending->request.maxNewTokens = maxTokens.get<int64_t>();
+  const json stops = body.value("stop_token_ids", json::array());
+  if (!stops.is_array())
+    return fail(400, "\"stop_token_ids\" must be an array of token ids");
+  for (const json &id : stops) {
+    if (!id.is_number_integer())
+      return fail(400, "\"stop_token_ids\" must be an array of token ids");
+    pending->request.stopTokens.push_back(id.get<int64_t>());
+  }
+  const json stream = body.value("stream", json(false));
+  if (!stream.is_boolean())
+    return fail(400, "\"stream\" must be true or false");
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (stopping)
+      return fail(503, "the server is stopping");
+    if (queued >= options.maxQueuedRequests)
+      return fail(503, "too many requests in flight (" + std::to_string(queued) + ")");
+    ++queued;
+    inbox.push_back(pending);
+  }
+  wake.notify_one();
+
+  const std::string id = "cmpl-" + std::to_string(nextCompletion.fetch_add(1));
+  const size_t promptTokens = pending->request.prompt.size();
+  auto finishReason = [pending](int64_t token) {
+    const auto &stopTokens = pending->request.stopTokens;
+    return std::find(stopTokens.begin(), stopTokens.end(), token) != stopTokens.end() ? "stop"
+                                                                                       : "length";
+  };
+  if (!stream.get<bool>()) {
+    std::unique_lock<std::mutex> lock(pending->mutex);
+    pending->changed.wait(lock, [&] { return pending->done; });
+    if (!pending->error.empty()) {
+      response.status = pending->rejected ? 400 : 500;
+      response.set_content(
+          errorBody(pending->error, pending->rejected ? "invalid_request_error" : "server_error")
+              .dump(),
+          "application/json");
+      return;
+    }
+    std::vector<int64_t> tokens;
+    for (const TokenEvent &event : pending->events)
+      tokens.push_back(event.token);
+    const json result = {
+        {"id", id},
+        {"object", "text_completion"},
+        {"model", options.modelName},
+        {"choices",
+         {{{"index", 0},
+           {"text", ""},
+           {"token_ids", tokens},
+           {"finish_reason", tokens.empty() ? "length" : finishReason(tokens.back())}}}},
+        {"usage",
+         {{"prompt_tokens", promptTokens},
+          {"completion_tokens", tokens.size()},
+          {"total_tokens", promptTokens + tokens.size()}}}};
+    response.set_content(result.dump(), "application/json");
+    return;
+  }
+  // Server-sent events: one chunk per token, then [DONE]. A client that goes away stops the
+  // stream; its request still runs to the end in the engine (no cancellation yet).
+  response.set_chunked_content_provider(
+      "text/event-stream", [this, pending, id, finishReason](size_t, httplib::DataSink &sink) {
+        std::unique_lock<std::mutex> lock(pending->mutex);
+        pending->changed.wait(lock, [&] { return pending->done || !pending->events.empty(); });
+        while (!pending->events.empty()) {
+          TokenEvent event = std::move(pending->events.front());
+          pending->events.pop_front();
+          json chunk;
+          if (!event.error.empty())
+            chunk = errorBody(event.error, pending->rejected ? "invalid_request_error"
+                                                             : "server_error");
+          else
+            chunk = {{"id", id},
+                     {"object", "text_completion"},
+                     {"model", options.modelName},
+                     {"choices",
+                      {{{"index", 0},
+                        {"text", ""},
+                        {"token_ids", {event.token}},
+                        {"finish_reason",
+                         event.finished ? json(finishReason(event.token)) : json()}}}}};
+          const std::string line = "data: " + chunk.dump() + "\n\n";
+          if (!sink.write(line.data(), line.size()))
+            return false;
+        }
+        if (pending->done) {
+          const std::string end = "data: [DONE]\n\n";
+          sink.write(end.data(), end.size());
+          sink.done();
+        }
+        return true;
+      });
+}
+
+std::string Server::Impl::metrics() {
+  SchedulerStats stats;
+  Model::Usage kv;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    stats = published;
+    kv = usage;
+  }
+  std::ostringstream out;
+  auto metric = [&](const std::string &name, const std::string &type, const std::string &help,
+                    double value) {
+    out << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n"
+        << name << " " << value << "\n";
+  };
+  metric("hybrid_requests_total", "counter", "Completion requests received.",
+         double(requests.load()));
+  metric("hybrid_request_errors_total", "counter", "Completion requests that failed.",
+         double(failedRequests.load()));
+  metric("hybrid_generated_tokens_total", "counter", "Tokens generated.",
+         double(generatedTokens.load()));
+  metric("hybrid_requests_waiting", "gauge", "Requests waiting for admission.",
+         double(stats.waiting));
+  metric("hybrid_requests_running", "gauge", "Requests admitted and running.",
+         double(stats.running));
+  metric("hybrid_preemptions_total", "counter", "Requests preempted for KV pages.",
+         double(stats.preemptions));
+  metric("hybrid_prefix_cached_tokens_total", "counter",
+         "Prompt tokens restored from the prefix cache.", double(stats.cachedPromptTokens));
+  metric("hybrid_kv_pages_total", "gauge", "KV cache pages.", double(kv.totalPages));
+  metric("hybrid_kv_pages_free", "gauge", "Free KV cache pages.", double(kv.freePages));
+  metric("hybrid_sequences_in_use", "gauge", "Sequence slots (KV page tables and state slots) in use.",
+         double(kv.sequencesInUse));
+  metric("hybrid_prefix_cache_entries", "gauge", "Prompt prefixes kept.", double(kv.keptPrefixes));
+  timeToFirstToken.write(out, "hybrid_time_to_first_token_seconds",
+                         "From request arrival to its first token.");
+  interTokenLatency.write(out, "hybrid_inter_token_latency_seconds",
+                          "Between consecutive tokens of a request.");
+  return out.str();
+}
+
+void Server::Impl::routes() {
+  http.set_payload_max_length(options.maxBodyBytes);
+  http.Get("/health", [](const httplib::Request &, httplib::Response &response) {
+    response.set_content("ok\n", "text/plain");
+  });
+  http.Get("/ready", [this](const httplib::Request &, httplib::Response &response) {
+    response.status = ready ? 200 : 503;
+    response.set_content(ready ? "ready\n" : "loading\n", "text/plain");
+  });
+  http.Get("/v1/models", [this](const httplib::Request &request, httplib::Response &response) {
+    if (!authorized(request, response))
+      return;
+    const json models = {
+        {"object", "list"},
+        {"data", {{{"id", options.modelName}, {"object", "model"}, {"owned_by", "hybrid"}}}}};
+    response.set_content(models.dump(), "application/json");
+  });
+  http.Get("/metrics", [this](const httplib::Request &, httplib::Response &response) {
+    response.set_content(metrics(), "text/plain; version=0.0.4");
+  });
+  http.Post("/v1/completions", [this](const httplib::Request &request,
+                                      httplib::Response &response) {
+    if (authorized(request, response))
+      completions(request, response);
+  });
+}
+
+StatusOr<std::unique_ptr<Server>> Server::start(Model &model, const ServeOptions &options) {
+  if (!isLoopback(options.host) && options.apiKey.empty())
+    return Status::error("serving on " + options.host +
+                         " (not loopback) needs an API key (--api-key)");
+  if (options.port < 0 || options.port > 65535)
+    return Status::error("port " + std::to_string(options.port) + " is not in [0, 65535]");
+  auto impl = std::make_unique<Impl>(model, options);
+  impl->routes();
+  // Handlers block while their request runs: enough threads for the requests in flight.
+  const size_t threads = std::clamp<size_t>(options.maxQueuedRequests, 8, 64);
+  impl->http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  if (options.port == 0) {
+    impl->port = impl->http.bind_to_any_port(options.host);
+    if (impl->port < 0)
+      return Status::error("cannot bind " + options.host + " to any port");
+  } else {
+    if (!impl->http.bind_to_port(options.host, options.port))
+      return Status::error("cannot bind " + options.host + ":" + std::to_string(options.port) +
+                           " (in use, or not an address of this machine)");
+    impl->port = options.port;
+  }
+  Impl *raw = impl.get();
+  impl->engine = std::thread([raw] { raw->engineLoop(); });
+  return std::unique_ptr<Server>(new Server(std::move(impl)));
+}
+
+Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Server::~Server() { stop(); }
+
+int Server::port() const { return impl_->port; }
+
+Status Server::serve() {
+  if (!impl_->http.listen_after_bind())
+    return Status::error("the HTTP server stopped with an error");
+  return Status::ok();
+}
+
+void Server::stop() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->stopping = true;
+  }
+  impl_->wake.notify_all();
+  impl_->http.stop();
+  if (impl_->engine.joinable())
+    impl_->engine.join();
+}
+
+} // namespace hybrid

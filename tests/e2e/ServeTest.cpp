@@ -1,0 +1,221 @@
+// hybrid-serve's server on loopback with a real HTTP client: golden greedy ids through
+// /v1/completions, streaming, many concurrent requests, metrics, and refused requests.
+#include "hybrid/runtime/Generate.h"
+#include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Safetensors.h"
+#include "hybrid/runtime/Server.h"
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace hybrid {
+namespace {
+
+using json = nlohmann::json;
+
+std::string compiledDir(const std::string &model) { return std::string(HYBRID_E2E_DIR) + "/" + model; }
+std::string goldenFile(const std::string &model) {
+  return std::string(HYBRID_TEST_DATA_DIR) + "/" + model + "/golden.safetensors";
+}
+
+std::vector<int64_t> goldenTensor(const std::string &model, const std::string &name) {
+  auto file = safetensors::File::open(goldenFile(model));
+  EXPECT_TRUE(file.isOk());
+  const safetensors::TensorInfo *info = file->find(name);
+  EXPECT_NE(info, nullptr) << name;
+  return info ? safetensors::readAsInt64(*file, *info).value() : std::vector<int64_t>{};
+}
+
+// A model and a server on a free loopback port, serving from a background thread.
+class ServeTest : public testing::Test {
+protected:
+  void startServer(LoadOptions load = {}, ServeOptions options = {}) {
+    auto loaded = Model::load(compiledDir("kimi_linear_tiny"), load);
+    ASSERT_TRUE(loaded.isOk()) << loaded.status().message();
+    model_ = std::move(*loaded);
+    options.port = 0;
+    auto started = Server::start(*model_, options);
+    ASSERT_TRUE(started.isOk()) << started.status().message();
+    server_ = std::move(*started);
+    serving_ = std::thread([this] { EXPECT_TRUE(server_->serve().isOk()); });
+    client_ = std::make_unique<httplib::Client>("127.0.0.1", server_->port());
+    client_->set_read_timeout(120);
+    for (int attempt = 0; attempt < 100; ++attempt) // listen() runs on the serving thread
+      if (auto health = client_->Get("/health"); health && health->status == 200)
+        return;
+      else
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    FAIL() << "the server never answered /health";
+  }
+  void TearDown() override {
+    if (server_)
+      server_->stop();
+    if (serving_.joinable())
+      serving_.join();
+  }
+  // POST /v1/completions; the status and the body as JSON (null when not JSON).
+  std::pair<int, json> complete(const json &body, const httplib::Headers &headers = {}) {
+    httplib::Client client("127.0.0.1", server_->port());
+    client.set_read_timeout(120);
+    auto response = client.Post("/v1/completions", headers, body.dump(), "application/json");
+    if (!response)
+      return {-1, json()};
+    return {response->status, json::parse(response->body, nullptr, false)};
+  }
+
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Server> server_;
+  std::thread serving_;
+  std::unique_ptr<httplib::Client> client_;
+};
+
+TEST_F(ServeTest, GreedyThroughTheServerEqualsTheGoldenIds) {
+  startServer();
+  const std::vector<int64_t> prompt = goldenTensor("kimi_linear_tiny", "input_ids");
+  const std::vector<int64_t> golden = goldenTensor("kimi_linear_tiny", "gen_ids");
+  auto [status, body] = complete({{"prompt", prompt}, {"max_tokens", golden.size()}});
+  ASSERT_EQ(status, 200) << body.dump();
+  EXPECT_EQ(body["choices"][0]["token_ids"].get<std::vector<int64_t>>(), golden);
+  EXPECT_EQ(body["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(body["usage"]["prompt_tokens"], prompt.size());
+  EXPECT_EQ(body["usage"]["completion_tokens"], golden.size());
+
+  auto models = client_->Get("/v1/models");
+  ASSERT_TRUE(models);
+  EXPECT_EQ(json::parse(models->body)["data"][0]["id"], "hybrid");
+  auto ready = client_->Get("/ready");
+  ASSERT_TRUE(ready);
+  EXPECT_EQ(ready->status, 200);
+}
+
+TEST_F(ServeTest, StreamingSendsEachTokenThenDone) {
+  startServer();
+  const std::vector<int64_t> prompt = goldenTensor("kimi_linear_tiny", "input_ids");
+  const std::vector<int64_t> golden = goldenTensor("kimi_linear_tiny", "gen_ids");
+  const json body = {{"prompt", prompt}, {"max_tokens", 5}, {"stream", true},
+                     {"stop_token_ids", {golden[3]}}};
+  auto response = client_->Post("/v1/completions", body.dump(), "application/json");
+  ASSERT_TRUE(response);
+  ASSERT_EQ(response->status, 200);
+  EXPECT_EQ(response->get_header_value("Content-Type"), "text/event-stream");
+  std::vector<int64_t> tokens;
+  std::string lastReason;
+  bool done = false;
+  std::istringstream lines(response->body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("data: ", 0) != 0)
+      continue;
+    const std::string data = line.substr(6);
+    if (data == "[DONE]") {
+      done = true;
+      continue;
+    }
+    const json chunk = json::parse(data);
+    tokens.push_back(chunk["choices"][0]["token_ids"][0].get<int64_t>());
+    if (!chunk["choices"][0]["finish_reason"].is_null())
+      lastReason = chunk["choices"][0]["finish_reason"];
+  }
+  EXPECT_TRUE(done);
+  EXPECT_EQ(tokens, std::vector<int64_t>(golden.begin(), golden.begin() + 4)) << "stops at [3]";
+  EXPECT_EQ(lastReason, "stop");
+}
+
+// More concurrent clients than sequences and HTTP threads: none is lost, each gets the ids of a
+// greedy run on its own, and the server stays up.
+TEST_F(ServeTest, ManyConcurrentRequestsAllComplete) {
+  LoadOptions load;
+  load.maxSequences = 3;
+  ServeOptions options;
+  options.scheduler.prefillChunkTokens = 16;
+  startServer(load, options);
+  const std::vector<int64_t> prompt = goldenTensor("kimi_linear_tiny", "input_ids");
+  constexpr int kClients = 24;
+  std::vector<std::vector<int64_t>> prompts(kClients), results(kClients);
+  for (int i = 0; i < kClients; ++i)
+    prompts[i].assign(prompt.begin() + i % 7, prompt.begin() + 20 + i % 13);
+  std::vector<int> statuses(kClients, 0);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kClients; ++i)
+    clients.emplace_back([&, i] {
+      auto [status, body] = complete({{"prompt", prompts[i]}, {"max_tokens", 4}});
+      statuses[i] = status;
+      if (status == 200)
+        results[i] = body["choices"][0]["token_ids"].get<std::vector<int64_t>>();
+    });
+  for (std::thread &client : clients)
+    client.join();
+
+  auto reference = Model::load(compiledDir("kimi_linear_tiny")).value();
+  GenerationOptions greedy;
+  greedy.maxNewTokens = 4;
+  for (int i = 0; i < kClients; ++i) {
+    ASSERT_EQ(statuses[i], 200) << "client " << i;
+    EXPECT_EQ(results[i], generateGreedy(*reference, prompts[i], greedy).value().generated)
+        << "client " << i;
+  }
+  auto health = client_->Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  auto metrics = client_->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_NE(metrics->body.find("hybrid_requests_total 24\n"), std::string::npos) << metrics->body;
+  EXPECT_NE(metrics->body.find("hybrid_generated_tokens_total 96\n"), std::string::npos);
+  EXPECT_NE(metrics->body.find("hybrid_time_to_first_token_seconds_count 24\n"),
+            std::string::npos);
+}
+
+TEST_F(ServeTest, BadRequestsGetAReasonAndTheServerStaysUp) {
+  ServeOptions options;
+  options.apiKey = "secret";
+  startServer({}, options);
+  const httplib::Headers auth = {{"Authorization", "Bearer secret"}};
+  auto expectError = [&](const json &body, int status, const std::string &message,
+                         const httplib::Headers &headers) {
+    auto [gotStatus, got] = complete(body, headers);
+    EXPECT_EQ(gotStatus, status) << body.dump();
+    EXPECT_EQ(got["error"]["message"], message) << body.dump();
+  };
+  expectError({{"prompt", {1, 2}}}, 401, "missing or wrong API key (Authorization: Bearer ...)",
+              {});
+  expectError({{"prompt", "hello"}}, 400,
+              "\"prompt\": text prompts need a tokenizer, which this server does not have yet; "
+              "send token ids",
+              auth);
+  expectError({{"prompt", {{1, 2}, {3}}}}, 400,
+              "\"prompt\" must be one array of token ids (one prompt per request)", auth);
+  expectError({{"prompt", json::array()}}, 400, "\"prompt\" must be a non-empty array of token ids",
+              auth);
+  expectError({{"prompt", {1, 999}}}, 400,
+              "request: token id 999 at position 1 is outside the vocabulary [0, 256)", auth);
+  expectError({{"prompt", {1}}, {"max_tokens", 0}}, 400,
+              "request: maxNewTokens = 0 must be at least 1", auth);
+  expectError({{"prompt", {1}}, {"stream", "yes"}}, 400, "\"stream\" must be true or false", auth);
+  httplib::Client client("127.0.0.1", server_->port());
+  auto notJson = client.Post("/v1/completions", auth, "{not json", "application/json");
+  ASSERT_TRUE(notJson);
+  EXPECT_EQ(notJson->status, 400);
+  auto [status, body] = complete({{"prompt", {1, 2, 3}}, {"max_tokens", 2}}, auth);
+  EXPECT_EQ(status, 200) << body.dump();
+}
+
+TEST(ServeOptions, OffLoopbackNeedsAnApiKey) {
+  auto model = Model::load(compiledDir("kimi_linear_tiny")).value();
+  ServeOptions options;
+  options.host = "0.0.0.0";
+  options.port = 0;
+  auto server = Server::start(*model, options);
+  ASSERT_FALSE(server.isOk());
+  EXPECT_EQ(server.status().message(), "serving on 0.0.0.0 (not loopback) needs an API key "
+                                       "(--api-key)");
+  options.host = "127.0.0.1";
+  options.port = 70000;
+  EXPECT_EQ(Server::start(*model, options).status().message(), "port 70000 is not in [0, 65535]");
+}
+
+} // namespace
+} // namespace hybrid

@@ -1,0 +1,77 @@
+// hybrid-serve: an OpenAI-compatible HTTP server for a model compiled by hybrid-compile.
+#include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Server.h"
+
+#include <CLI/CLI.hpp>
+
+#include <csignal>
+#include <cstdio>
+#include <iostream>
+#include <thread>
+
+namespace {
+hybrid::Server *running = nullptr;
+void stopOnSignal(int) {
+  // Stopping joins threads, which a signal handler must not do: hand it to a thread.
+  if (running)
+    std::thread([] { running->stop(); }).detach();
+}
+} // namespace
+
+int main(int argc, char **argv) {
+  CLI::App app{"Serve a model compiled by hybrid-compile (OpenAI-compatible HTTP)"};
+  std::string modelDir;
+  hybrid::LoadOptions load;
+  hybrid::ServeOptions serve;
+  app.add_option("model_dir", modelDir, "Directory written by hybrid-compile")->required();
+  app.add_option("--device", load.device, "cpu or cuda")->default_val("cpu");
+  app.add_option("--host", serve.host, "Address to listen on")->default_val("127.0.0.1");
+  app.add_option("--port", serve.port, "Port (0: any free one, printed)")->default_val(8000);
+  app.add_option("--api-key", serve.apiKey,
+                 "Require 'Authorization: Bearer KEY' (needed off loopback)");
+  app.add_option("--model-name", serve.modelName, "The id /v1/models reports")
+      ->default_val("hybrid");
+  app.add_option("--max-sequences", load.maxSequences, "Requests running at once")
+      ->default_val(4)
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-context", load.maxContextTokens, "Longest sequence in tokens")
+      ->default_val(8192)
+      ->check(CLI::PositiveNumber);
+  app.add_option("--kv-cache-tokens", load.kvCacheTokens,
+                 "KV-cache capacity over all sequences (0: max-sequences x max-context)")
+      ->default_val(0)
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--prefix-cache", load.prefixCacheEntries,
+                 "Prompt prefixes kept for reuse (0: off; cpu device)")
+      ->default_val(0)
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--prefill-chunk", serve.scheduler.prefillChunkTokens,
+                 "Prompt tokens a request gets per scheduler step")
+      ->default_val(256)
+      ->check(CLI::PositiveNumber);
+  CLI11_PARSE(app, argc, argv);
+
+  std::cerr << "hybrid-serve: loading " << modelDir << "\n";
+  auto model = hybrid::Model::load(modelDir, load);
+  if (!model) {
+    std::cerr << "error: " << model.status().message() << "\n";
+    return 1;
+  }
+  auto server = hybrid::Server::start(**model, serve);
+  if (!server) {
+    std::cerr << "error: " << server.status().message() << "\n";
+    return 1;
+  }
+  running = server->get();
+  std::signal(SIGINT, stopOnSignal);
+  std::signal(SIGTERM, stopOnSignal);
+  std::printf("hybrid-serve: listening on http://%s:%d\n", serve.host.c_str(), (*server)->port());
+  std::fflush(stdout);
+  const hybrid::Status served = (*server)->serve();
+  running = nullptr;
+  if (!served) {
+    std::cerr << "error: " << served.message() << "\n";
+    return 1;
+  }
+  return 0;
+}
