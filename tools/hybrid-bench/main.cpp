@@ -1,5 +1,11 @@
-// hybrid-bench: kernel benchmarks on the GPU, a table on stdout and JSON for the record.
+// hybrid-bench: kernel benchmarks on the GPU and the serving benchmark, a table on stdout and
+// JSON for the record.
+#include "hybrid/runtime/LoadGenerator.h"
+#include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Server.h"
+#ifdef HYBRID_BENCH_KDA
 #include "hybrid/kernels/cuda/KdaBench.h"
+#endif
 
 #include <CLI/CLI.hpp>
 
@@ -7,9 +13,11 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <thread>
 
 namespace {
 
+#ifdef HYBRID_BENCH_KDA
 namespace kc = hybrid::kernels::cuda;
 
 kc::KdaPrefillPath prefillPathOf(const std::string &name) {
@@ -116,6 +124,8 @@ bool writeJson(const std::string &path, const std::vector<std::string> &objects)
   return true;
 }
 
+#endif
+
 struct Options {
   std::vector<int32_t> batches = {1, 32, 128};
   int32_t heads = 32, headDim = 128, decodeIterations = 200, prefillIterations = 3;
@@ -123,6 +133,7 @@ struct Options {
   std::vector<std::string> prefillShapes = {"1x8192", "8x1024"};
 };
 
+#ifdef HYBRID_BENCH_KDA
 int runKdaDecode(const Options &o) {
   std::string error;
   const auto results = kc::benchKdaDecode(o.batches, o.heads, o.headDim, o.decodeIterations,
@@ -183,6 +194,68 @@ int runKda(const Options &o) {
   return writeJson(o.jsonPath, objects) ? 0 : 1;
 }
 
+#else
+int noCuda(const char *subcommand) {
+  std::cerr << "error: " << subcommand
+            << ": this hybrid-bench was built without CUDA (HYBRID_ENABLE_CUDA)\n";
+  return 1;
+}
+int runKdaDecode(const Options &) { return noCuda("kda-decode"); }
+int runKdaPrefill(const Options &o) {
+  std::vector<std::pair<int32_t, int32_t>> shapes;
+  return parseShapes(o.prefillShapes, shapes) ? noCuda("kda-prefill") : 1;
+}
+int runKda(const Options &) { return noCuda("kda"); }
+#endif
+
+// The serving benchmark against `--host:--port`, or against a server started here on `--model`.
+int runServe(hybrid::LoadGeneratorOptions load, const std::string &modelDir,
+             hybrid::LoadOptions modelOptions, const std::string &jsonPath) {
+  std::unique_ptr<hybrid::Model> model;
+  std::unique_ptr<hybrid::Server> server;
+  std::thread serving;
+  if (!modelDir.empty()) {
+    auto loaded = hybrid::Model::load(modelDir, modelOptions);
+    if (!loaded) {
+      std::cerr << "error: serve: " << loaded.status().message() << "\n";
+      return 1;
+    }
+    model = std::move(*loaded);
+    load.vocabSize = model->vocabSize();
+    hybrid::ServeOptions serveOptions;
+    serveOptions.port = 0;
+    serveOptions.maxQueuedRequests = static_cast<size_t>(std::max(load.concurrency, 8));
+    auto started = hybrid::Server::start(*model, serveOptions);
+    if (!started) {
+      std::cerr << "error: serve: " << started.status().message() << "\n";
+      return 1;
+    }
+    server = std::move(*started);
+    load.host = "127.0.0.1";
+    load.port = server->port();
+    serving = std::thread([&server] { (void)server->serve(); });
+  }
+  auto report = hybrid::runLoad(load);
+  if (server) {
+    server->stop();
+    serving.join();
+  }
+  if (!report) {
+    std::cerr << "error: serve: " << report.status().message() << "\n";
+    return 1;
+  }
+  std::printf("%s", hybrid::formatLoadReport(load, *report).c_str());
+  if (!jsonPath.empty()) {
+    std::ofstream json(jsonPath);
+    json << hybrid::loadReportJson(load, *report);
+    if (!json) {
+      std::cerr << "error: --json: cannot write '" << jsonPath << "'\n";
+      return 1;
+    }
+  }
+  return report->failed == 0 ? 0 : 1;
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
@@ -216,8 +289,36 @@ int main(int argc, char **argv) {
   kdaPrefill->add_option("--path", o.prefillPath,
                          "Kernels: auto (chunked at head dim 128), recurrent or chunked")
       ->check(CLI::IsMember({"auto", "recurrent", "chunked"}));
+  hybrid::LoadGeneratorOptions load;
+  hybrid::LoadOptions modelOptions;
+  std::string modelDir;
+  CLI::App *serve = app.add_subcommand(
+      "serve", "Serving benchmark: streaming completions over loopback HTTP (hybrid-serve)");
+  serve->add_option("--model", modelDir, "Start a server on this compiled model (else --port)");
+  serve->add_option("--host", load.host, "An already running hybrid-serve")->default_val("127.0.0.1");
+  serve->add_option("--port", load.port, "Its port")->default_val(8000);
+  serve->add_option("--api-key", load.apiKey, "Its API key");
+  serve->add_option("--requests", load.requests, "Requests in all")->check(CLI::PositiveNumber);
+  serve->add_option("--concurrency", load.concurrency, "Client threads")
+      ->check(CLI::PositiveNumber);
+  serve->add_option("--prompt-tokens", load.promptTokens, "Random prompt length")
+      ->check(CLI::PositiveNumber);
+  serve->add_option("--max-tokens", load.maxTokens, "Tokens to generate per request")
+      ->check(CLI::PositiveNumber);
+  serve->add_option("--vocab", load.vocabSize, "Prompt ids are drawn below this (--model: its own)")
+      ->check(CLI::PositiveNumber);
+  serve->add_option("--seed", load.seed, "Prompt seed");
+  serve->add_option("--device", modelOptions.device, "--model: cpu or cuda")->default_val("cpu");
+  serve->add_option("--max-sequences", modelOptions.maxSequences, "--model: sequences at once")
+      ->check(CLI::PositiveNumber);
+  serve->add_option("--prefix-cache", modelOptions.prefixCacheEntries,
+                    "--model: prompt prefixes kept")
+      ->check(CLI::NonNegativeNumber);
+  serve->add_option("--json", o.jsonPath, "Write the results as JSON");
   CLI11_PARSE(app, argc, argv);
 
+  if (serve->parsed())
+    return runServe(load, modelDir, modelOptions, o.jsonPath);
   if (kda->parsed())
     return runKda(o);
   if (kdaPrefill->parsed())

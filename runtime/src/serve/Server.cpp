@@ -139,6 +139,11 @@ void Server::Impl::engineLoop() {
       if (!id) {
         failedRequests.fetch_add(1);
         {
+          // Out of the count before the client hears back, so its next request finds room.
+          std::lock_guard<std::mutex> lock(mutex);
+          --queued;
+        }
+        {
           std::lock_guard<std::mutex> lock(pending->mutex);
           pending->rejected = true;
           pending->error = id.status().message();
@@ -146,8 +151,6 @@ void Server::Impl::engineLoop() {
           pending->events.push_back(TokenEvent{0, -1, true, pending->error});
         }
         pending->changed.notify_all();
-        std::lock_guard<std::mutex> lock(mutex);
-        --queued;
         continue;
       }
       active[*id] = pending;
@@ -156,13 +159,15 @@ void Server::Impl::engineLoop() {
       auto found = active.find(event.request);
       if (found == active.end())
         continue;
-      const bool last = event.finished;
-      finish(*found->second, std::move(event));
-      if (last) {
-        active.erase(found);
+      if (event.finished) {
+        // Out of the count before the client hears back, so its next request finds room.
         std::lock_guard<std::mutex> lock(mutex);
         --queued;
       }
+      const bool last = event.finished;
+      finish(*found->second, std::move(event));
+      if (last)
+        active.erase(found);
     }
     std::lock_guard<std::mutex> lock(mutex);
     published = scheduler.stats();
