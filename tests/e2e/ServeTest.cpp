@@ -64,7 +64,7 @@ protected:
     client.set_read_timeout(120);
     auto response = client.Post("/v1/completions", headers, body.dump(), "application/json");
     if (!response)
-      return {-1, json()};
+      return {-1, json{{"client_error", httplib::to_string(response.error())}}};
     return {response->status, json::parse(response->body, nullptr, false)};
   }
 
@@ -139,11 +139,14 @@ TEST_F(ServeTest, ManyConcurrentRequestsAllComplete) {
   for (int i = 0; i < kClients; ++i)
     prompts[i].assign(prompt.begin() + i % 7, prompt.begin() + 20 + i % 13);
   std::vector<int> statuses(kClients, 0);
+  std::vector<std::string> errors(kClients);
   std::vector<std::thread> clients;
   for (int i = 0; i < kClients; ++i)
     clients.emplace_back([&, i] {
       auto [status, body] = complete({{"prompt", prompts[i]}, {"max_tokens", 4}});
       statuses[i] = status;
+      if (status != 200)
+        errors[i] = body.dump();
       if (status == 200)
         results[i] = body["choices"][0]["token_ids"].get<std::vector<int64_t>>();
     });
@@ -154,7 +157,7 @@ TEST_F(ServeTest, ManyConcurrentRequestsAllComplete) {
   GenerationOptions greedy;
   greedy.maxNewTokens = 4;
   for (int i = 0; i < kClients; ++i) {
-    ASSERT_EQ(statuses[i], 200) << "client " << i;
+    ASSERT_EQ(statuses[i], 200) << "client " << i << ": " << errors[i];
     EXPECT_EQ(results[i], generateGreedy(*reference, prompts[i], greedy).value().generated)
         << "client " << i;
   }
@@ -167,6 +170,41 @@ TEST_F(ServeTest, ManyConcurrentRequestsAllComplete) {
   EXPECT_NE(metrics->body.find("hybrid_generated_tokens_total 96\n"), std::string::npos);
   EXPECT_NE(metrics->body.find("hybrid_time_to_first_token_seconds_count 24\n"),
             std::string::npos);
+}
+
+// A streaming client that leaves after its first token: the request is cancelled (its sequence
+// freed) instead of running its 200 tokens to the end.
+TEST_F(ServeTest, AStreamWhoseClientLeavesIsCancelled) {
+  startServer();
+  httplib::Request request;
+  request.method = "POST";
+  request.path = "/v1/completions";
+  request.headers = {{"Content-Type", "application/json"}};
+  request.body = json{{"prompt", {1, 2, 3}}, {"max_tokens", 200}, {"stream", true}}.dump();
+  int chunks = 0;
+  request.content_receiver = [&](const char *, size_t, uint64_t, uint64_t) {
+    return ++chunks < 1; // hang up on the first chunk
+  };
+  httplib::Client client("127.0.0.1", server_->port());
+  httplib::Response response;
+  httplib::Error error = httplib::Error::Success;
+  EXPECT_FALSE(client.send(request, response, error));
+  EXPECT_EQ(chunks, 1);
+
+  std::string metrics;
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    auto got = client_->Get("/metrics");
+    ASSERT_TRUE(got);
+    metrics = got->body;
+    if (metrics.find("hybrid_requests_cancelled_total 1\n") != std::string::npos &&
+        metrics.find("hybrid_sequences_in_use 0\n") != std::string::npos)
+      break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_NE(metrics.find("hybrid_requests_cancelled_total 1\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("hybrid_sequences_in_use 0\n"), std::string::npos) << metrics;
+  auto [status, body] = complete({{"prompt", {1, 2, 3}}, {"max_tokens", 2}});
+  EXPECT_EQ(status, 200) << body.dump();
 }
 
 TEST_F(ServeTest, BadRequestsGetAReasonAndTheServerStaysUp) {

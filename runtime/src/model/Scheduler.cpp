@@ -151,6 +151,23 @@ std::vector<TokenEvent> Scheduler::step() {
   return events;
 }
 
+bool Scheduler::cancel(uint64_t request) {
+  auto matches = [request](const std::unique_ptr<Active> &active) { return active->id == request; };
+  if (auto found = std::find_if(waiting_.begin(), waiting_.end(), matches);
+      found != waiting_.end()) {
+    waiting_.erase(found);
+    ++stats_.cancelled;
+    return true;
+  }
+  if (auto found = std::find_if(running_.begin(), running_.end(), matches);
+      found != running_.end()) {
+    running_.erase(found); // frees its sequence
+    ++stats_.cancelled;
+    return true;
+  }
+  return false;
+}
+
 bool Scheduler::idle() const { return waiting_.empty() && running_.empty(); }
 
 SchedulerStats Scheduler::stats() const {

@@ -14,6 +14,8 @@
 #include <sstream>
 #include <thread>
 
+#include <sys/socket.h>
+
 namespace hybrid {
 namespace {
 
@@ -59,6 +61,7 @@ struct Pending {
   std::deque<TokenEvent> events; // not yet taken by the HTTP side
   bool done = false;
   bool rejected = false; // refused by the scheduler: a client error
+  std::atomic<bool> abandoned{false}; // its client left (a stream that could not be written)
   std::string error;
 };
 
@@ -154,6 +157,17 @@ void Server::Impl::engineLoop() {
         continue;
       }
       active[*id] = pending;
+    }
+    // Requests whose clients left are dropped before they cost another step.
+    for (auto it = active.begin(); it != active.end();) {
+      if (!it->second->abandoned) {
+        ++it;
+        continue;
+      }
+      scheduler.cancel(it->first);
+      it = active.erase(it);
+      std::lock_guard<std::mutex> lock(mutex);
+      --queued;
     }
     for (TokenEvent &event : scheduler.step()) {
       auto found = active.find(event.request);
@@ -284,8 +298,8 @@ void Server::Impl::completions(const httplib::Request &request, httplib::Respons
     response.set_content(result.dump(), "application/json");
     return;
   }
-  // Server-sent events: one chunk per token, then [DONE]. A client that goes away stops the
-  // stream; its request still runs to the end in the engine (no cancellation yet).
+  // Server-sent events: one chunk per token, then [DONE]. A client that goes away is noticed at
+  // the next write, and its request is cancelled.
   response.set_chunked_content_provider(
       "text/event-stream", [this, pending, id, finishReason](size_t, httplib::DataSink &sink) {
         std::unique_lock<std::mutex> lock(pending->mutex);
@@ -308,8 +322,12 @@ void Server::Impl::completions(const httplib::Request &request, httplib::Respons
                         {"finish_reason",
                          event.finished ? json(finishReason(event.token)) : json()}}}}};
           const std::string line = "data: " + chunk.dump() + "\n\n";
-          if (!sink.write(line.data(), line.size()))
+          if (!sink.write(line.data(), line.size())) {
+            // The client left: the engine drops the request at its next step.
+            pending->abandoned = true;
+            wake.notify_one();
             return false;
+          }
         }
         if (pending->done) {
           const std::string end = "data: [DONE]\n\n";
@@ -346,6 +364,8 @@ std::string Server::Impl::metrics() {
          double(stats.running));
   metric("hybrid_preemptions_total", "counter", "Requests preempted for KV pages.",
          double(stats.preemptions));
+  metric("hybrid_requests_cancelled_total", "counter", "Requests whose clients left.",
+         double(stats.cancelled));
   metric("hybrid_prefix_cached_tokens_total", "counter",
          "Prompt tokens restored from the prefix cache.", double(stats.cachedPromptTokens));
   metric("hybrid_kv_pages_total", "gauge", "KV cache pages.", double(kv.totalPages));
@@ -398,6 +418,13 @@ StatusOr<std::unique_ptr<Server>> Server::start(Model &model, const ServeOptions
   // Handlers block while their request runs: enough threads for the requests in flight.
   const size_t threads = std::clamp<size_t>(options.maxQueuedRequests, 8, 64);
   impl->http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  // Debian's cpp-httplib listens with a backlog of 5: a burst of connections overflows it and
+  // clients see their connection dropped. Keep the socket, and listen again with a deep backlog.
+  int listening = -1;
+  impl->http.set_socket_options([&listening](socket_t sock) {
+    httplib::default_socket_options(sock);
+    listening = sock;
+  });
   if (options.port == 0) {
     impl->port = impl->http.bind_to_any_port(options.host);
     if (impl->port < 0)
@@ -408,6 +435,9 @@ StatusOr<std::unique_ptr<Server>> Server::start(Model &model, const ServeOptions
                            " (in use, or not an address of this machine)");
     impl->port = options.port;
   }
+  if (listening >= 0 && ::listen(listening, SOMAXCONN) != 0)
+    return Status::error("cannot deepen the listen backlog of " + options.host + ":" +
+                         std::to_string(impl->port));
   Impl *raw = impl.get();
   impl->engine = std::thread([raw] { raw->engineLoop(); });
   return std::unique_ptr<Server>(new Server(std::move(impl)));

@@ -42,6 +42,7 @@ struct SchedulerStats {
   int64_t finished = 0;
   int64_t preemptions = 0;
   int64_t cachedPromptTokens = 0; // restored from the prefix cache instead of computed
+  int64_t cancelled = 0;
 };
 
 class Scheduler {
@@ -59,6 +60,9 @@ public:
   // free, then advances every running request by one prefill chunk or one decode step. Returns
   // this step's events, in the order the requests were admitted.
   std::vector<TokenEvent> step();
+  // Drops a waiting or running request (its client went away): its sequence is freed and it
+  // produces no more events. False when there is no such request (finished, or never queued).
+  bool cancel(uint64_t request);
   // Nothing waiting or running.
   bool idle() const;
   SchedulerStats stats() const;
