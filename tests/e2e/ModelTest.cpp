@@ -240,6 +240,78 @@ TEST_P(GoldenModelTest, PrefixCacheEvictsTheLeastRecentlyUsed) {
             "prefillWithPrefixCache starts a sequence; this one already holds 40 tokens");
 }
 
+// Speculative decoding with prompt-lookup drafts gives the greedy tokens of plain decoding, on the
+// golden prompt and on a repetitive one (where drafts get accepted).
+TEST_P(GoldenModelTest, SpeculativeDecodingKeepsTheGreedyTokens) {
+  auto model = loadOrDie(compiledDir(GetParam()));
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> golden = goldenPrompt(GetParam());
+  std::vector<int64_t> repetitive;
+  for (int i = 0; i < 4; ++i)
+    repetitive.insert(repetitive.end(), golden.begin(), golden.begin() + 9);
+  for (const auto &prompt : {golden, repetitive}) {
+    GenerationOptions plain;
+    plain.maxNewTokens = 24;
+    auto reference = generateGreedy(*model, prompt, plain);
+    ASSERT_TRUE(reference.isOk()) << reference.status().message();
+    GenerationOptions speculative = plain;
+    speculative.draftTokens = 4;
+    auto result = generateGreedy(*model, prompt, speculative);
+    ASSERT_TRUE(result.isOk()) << result.status().message();
+    EXPECT_EQ(result->generated, reference->generated);
+    EXPECT_LE(maxAbsDiff(result->generatedLogits, reference->generatedLogits), 1e-4);
+    EXPECT_GT(result->draftedTokens, 0);
+    EXPECT_LE(result->acceptedTokens, result->draftedTokens);
+    // Each pass gives its accepted draft tokens and one of its own (the last may be cut short).
+    EXPECT_GE(result->verifySteps + result->acceptedTokens, 23);
+  }
+}
+
+// A rollback leaves the recurrent state and the cache as plain decoding of the kept tokens does,
+// to 1e-6 of the state's magnitude: a draft accepted in part, rejected at once, and accepted
+// whole. (The last case has no rollback: the differences, about 5e-7 relative, are those of the
+// prefill program against the decode program, not of the replay.)
+TEST_P(GoldenModelTest, RollbackStateEqualsPlainDecoding) {
+  auto model = loadOrDie(compiledDir(GetParam()));
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  GenerationOptions options;
+  options.maxNewTokens = 4;
+  const std::vector<int64_t> greedy = generateGreedy(*model, prompt, options).value().generated;
+  const int64_t wrong = (greedy[2] + 1) % model->vocabSize();
+  // (draft after greedy[0], tokens plain decoding must consume to match)
+  const std::vector<std::pair<std::vector<int64_t>, int64_t>> cases = {
+      {{greedy[1], wrong, greedy[3]}, 2}, // accepts greedy[1]: keeps greedy[0], greedy[1]
+      {{wrong, greedy[2]}, 1},            // rejects at once: keeps greedy[0]
+      {{greedy[1], greedy[2]}, 3}};       // accepts all
+  for (const auto &[draft, kept] : cases) {
+    SCOPED_TRACE(testing::Message() << "kept " << kept);
+    auto speculative = model->newSequence();
+    ASSERT_TRUE((*speculative)->prefill(prompt).isOk());
+    auto verified = (*speculative)->verifyDraft(greedy[0], draft);
+    ASSERT_TRUE(verified.isOk()) << verified.status().message();
+    EXPECT_EQ(verified->accepted, kept - 1);
+    EXPECT_EQ(verified->tokens.back(), greedy[static_cast<size_t>(kept)]);
+
+    auto plain = model->newSequence();
+    ASSERT_TRUE((*plain)->prefill(prompt).isOk());
+    for (int64_t i = 0; i < kept; ++i)
+      ASSERT_TRUE((*plain)->decode(greedy[static_cast<size_t>(i)]).isOk());
+    EXPECT_EQ((*speculative)->length(), (*plain)->length());
+    auto state = (*speculative)->recurrentState(), expected = (*plain)->recurrentState();
+    ASSERT_TRUE(state.isOk() && expected.isOk());
+    double magnitude = 0;
+    for (float value : *expected)
+      magnitude = std::max(magnitude, double(std::abs(value)));
+    EXPECT_LE(maxAbsDiff(*state, *expected), 1e-6 * std::max(magnitude, 1.0));
+    // The next step agrees too (the KV tail was truncated).
+    auto next = (*speculative)->decode(greedy[static_cast<size_t>(kept)]);
+    auto expectedNext = (*plain)->decode(greedy[static_cast<size_t>(kept)]);
+    ASSERT_TRUE(next.isOk() && expectedNext.isOk());
+    EXPECT_LE(maxAbsDiff(*next, *expectedNext), 1e-4);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Golden, GoldenModelTest,
                          testing::Values("kimi_linear_tiny", "deepseek_v32_tiny",
                                          "kimi_attnres_tiny"));

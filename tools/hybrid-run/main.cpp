@@ -26,6 +26,11 @@ int main(int argc, char **argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--output", output,
                  "Write logits [1,T,V], gen_ids [1,N], gen_logits [N,V] (golden layout)");
+  app.add_option("--speculate", generation.draftTokens,
+                 "Speculative decoding with prompt-lookup drafts of at most this many tokens "
+                 "(cpu device; greedy outputs do not change)")
+      ->default_val(0)
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--dump-hidden", generation.dumpHidden,
                "Also write hidden.<i> (after the embedding and each layer) and hidden.final");
   app.add_flag("--no-cache-decode", noCacheDecode,
@@ -82,6 +87,14 @@ int main(int argc, char **argv) {
               result->prompt.size(), 1e3 * result->prefillSeconds,
               result->prompt.size() / std::max(result->prefillSeconds, 1e-9),
               decodeTokens / std::max(result->decodeSeconds, 1e-9));
+  if (generation.draftTokens > 0)
+    std::printf("speculative: %lld verification passes, %lld draft tokens, %lld accepted "
+                "(%.0f%%), %.2f tokens per pass\n",
+                static_cast<long long>(result->verifySteps),
+                static_cast<long long>(result->draftedTokens),
+                static_cast<long long>(result->acceptedTokens),
+                100.0 * result->acceptedTokens / std::max<int64_t>(1, result->draftedTokens),
+                decodeTokens / std::max<double>(1, double(result->verifySteps)));
 
   if (!output.empty()) {
     hybrid::Status written = hybrid::writeGeneration(output, *result);

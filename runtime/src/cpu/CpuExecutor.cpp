@@ -210,12 +210,12 @@ Status runKda(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
   HYBRID_ASSIGN_OR_RETURN(std::span<float> state, c.states->state(p->state_slot(), c.stateSlot));
   const size_t history = static_cast<size_t>((W - 1) * P);
   std::vector<float> q(T * P), k(T * P), v(T * P);
-  ref::shortConvSilu(project(x, w.gemm(Q), T, dModel, P), w[QConv], convState.subspan(0, history), q,
-                     T, P, W);
-  ref::shortConvSilu(project(x, w.gemm(Kp), T, dModel, P), w[KConv],
-                     convState.subspan(history, history), k, T, P, W);
-  ref::shortConvSilu(project(x, w.gemm(V), T, dModel, P), w[VConv],
-                     convState.subspan(2 * history, history), v, T, P, W);
+  const std::vector<float> preQ = project(x, w.gemm(Q), T, dModel, P);
+  const std::vector<float> preK = project(x, w.gemm(Kp), T, dModel, P);
+  const std::vector<float> preV = project(x, w.gemm(V), T, dModel, P);
+  ref::shortConvSilu(preQ, w[QConv], convState.subspan(0, history), q, T, P, W);
+  ref::shortConvSilu(preK, w[KConv], convState.subspan(history, history), k, T, P, W);
+  ref::shortConvSilu(preV, w[VConv], convState.subspan(2 * history, history), v, T, P, W);
   ref::l2NormalizeRows(q, T * H, K);
   ref::l2NormalizeRows(k, T * H, K);
 
@@ -229,6 +229,24 @@ Status runKda(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
   ref::kdaGate(f, w[ALog], w[DtBias], g, T, H, K, lowerBound);
   std::vector<float> beta = project(x, w.gemm(B), T, dModel, H);
   ref::kdaBeta(beta);
+
+  if (c.kdaLog) {
+    KdaReplayLog::Layer layer;
+    layer.stateSlot = p->state_slot();
+    layer.heads = H;
+    layer.headDim = K;
+    layer.convKernel = W;
+    layer.preConv = preQ;
+    layer.preConv.insert(layer.preConv.end(), preK.begin(), preK.end());
+    layer.preConv.insert(layer.preConv.end(), preV.begin(), preV.end());
+    layer.q = q;
+    layer.k = k;
+    layer.v = v;
+    layer.g = g;
+    layer.beta = beta;
+    c.kdaLog->rows = T;
+    c.kdaLog->layers.push_back(std::move(layer));
+  }
 
   std::vector<float> o(T * P);
   ref::KdaParams core{T, H, K, K, 0.0f, q.data(), k.data(), v.data(), g.data(), beta.data(),
@@ -477,6 +495,38 @@ Status runMoeExperts(const StepContext &c, const fb::Dispatch &d, const Weights 
 
 StatusOr<std::span<float>> floatValue(const StepContext &context, int32_t index) {
   return valueAs<float>(context, index, fb::DType::F32);
+}
+
+Status replayKda(RecurrentStatePool &states, int32_t slot, const KdaReplayLog &log,
+                 int64_t tokens) {
+  if (log.layers.empty())
+    return Status::ok(); // no recurrent layer
+  if (tokens < 0 || tokens > log.rows)
+    return Status::error("KDA replay of " + std::to_string(tokens) + " tokens from a step of " +
+                         std::to_string(log.rows));
+  if (tokens == 0)
+    return Status::ok();
+  for (const KdaReplayLog::Layer &layer : log.layers) {
+    const int64_t H = layer.heads, K = layer.headDim, P = H * K, W = layer.convKernel;
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> convState, states.convState(layer.stateSlot, slot));
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> state, states.state(layer.stateSlot, slot));
+    // The token recurrence a decode step runs, over the accepted tokens' logged inputs.
+    std::vector<float> o(static_cast<size_t>(tokens * P));
+    ref::KdaParams core{tokens, H, K, K, 0.0f, layer.q.data(), layer.k.data(), layer.v.data(),
+                        layer.g.data(), layer.beta.data(), state.data(), o.data()};
+    ref::kdaRecurrent(core);
+    // Each conv history: its last W - 1 inputs after the accepted tokens.
+    const int64_t history = W - 1;
+    for (int projection = 0; projection < 3; ++projection) {
+      std::span<float> past = convState.subspan(static_cast<size_t>(projection * history * P),
+                                                static_cast<size_t>(history * P));
+      const float *inputs = layer.preConv.data() + projection * log.rows * P;
+      std::vector<float> all(past.begin(), past.end()); // [history + tokens, P]
+      all.insert(all.end(), inputs, inputs + tokens * P);
+      std::copy(all.end() - history * P, all.end(), past.begin());
+    }
+  }
+  return Status::ok();
 }
 
 Status runDispatch(const StepContext &c, const fb::Dispatch &d) {

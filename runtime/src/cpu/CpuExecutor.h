@@ -23,6 +23,24 @@ struct WeightLayout {
 };
 
 // Everything a step may touch: the program's arena, the fp32 weights, the sequence's caches.
+// What the KDA layers of one step consumed, per token, so that the recurrent state can be rebuilt
+// for a prefix of the step's tokens without re-running the model (speculative decoding's
+// rollback: restore the state from before the step, then replay the accepted tokens).
+struct KdaReplayLog {
+  struct Layer {
+    int32_t stateSlot = 0; // KdaParams.state_slot
+    int64_t heads = 0, headDim = 0, convKernel = 0;
+    std::vector<float> preConv; // [3][T, P]: the q, k, v projections before the conv
+    std::vector<float> q, k, v, g, beta; // the recurrence's inputs [T, P] ([T, H] for beta)
+  };
+  std::vector<Layer> layers;
+  int64_t rows = 0;
+};
+
+// Rebuilds every logged layer's state and conv state of `slot` for the first `tokens` rows of the
+// logged step, from the state the slot holds now (the state before that step).
+Status replayKda(RecurrentStatePool &states, int32_t slot, const KdaReplayLog &log, int64_t tokens);
+
 struct StepContext {
   const plan::fb::Program *program = nullptr;
   Arena *arena = nullptr;
@@ -39,6 +57,7 @@ struct StepContext {
   int64_t rows = 0;         // tokens in this step
   int64_t firstPosition = 0; // position of the step's first token in the sequence
   bool decode = false;
+  KdaReplayLog *kdaLog = nullptr; // when set, KDA layers record their per-token inputs
 };
 
 // Runs one dispatch; errors name the kernel and the offending value or weight.

@@ -58,6 +58,41 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
   std::vector<float> last(result.promptLogits.end() - vocab, result.promptLogits.end());
   start = std::chrono::steady_clock::now();
   std::vector<int64_t> tokens(prompt.begin(), prompt.end());
+  if (options.draftTokens > 0 && options.useCaches) {
+    // Each pass feeds the last chosen token and a draft; it returns the accepted draft tokens
+    // and the model's own next one, with the logits that chose each.
+    int64_t draftLength = options.draftTokens;
+    int64_t next = argmax(last);
+    auto emit = [&](int64_t token, std::span<const float> logits) {
+      result.generated.push_back(token);
+      result.generatedLogits.insert(result.generatedLogits.end(), logits.begin(), logits.end());
+      tokens.push_back(token);
+      return static_cast<int64_t>(result.generated.size()) >= options.maxNewTokens ||
+             std::count(options.stopTokens.begin(), options.stopTokens.end(), token) > 0;
+    };
+    bool done = emit(next, last);
+    while (!done) {
+      const int64_t room = options.maxNewTokens - static_cast<int64_t>(result.generated.size());
+      const std::vector<int64_t> draft =
+          promptLookupDraft(tokens, std::min(draftLength, room - 1));
+      HYBRID_ASSIGN_OR_RETURN(DraftVerification verified, sequence->verifyDraft(next, draft));
+      ++result.verifySteps;
+      result.draftedTokens += static_cast<int64_t>(draft.size());
+      result.acceptedTokens += verified.accepted;
+      if (!draft.empty()) {
+        if (verified.accepted == static_cast<int64_t>(draft.size()))
+          draftLength = std::min(options.draftTokens, draftLength + 1);
+        else if (2 * verified.accepted < static_cast<int64_t>(draft.size()))
+          draftLength = std::max<int64_t>(1, draftLength - 1);
+      }
+      for (size_t i = 0; i < verified.tokens.size() && !done; ++i) {
+        next = verified.tokens[i];
+        done = emit(next, std::span<const float>(verified.logits).subspan(i * vocab, vocab));
+      }
+    }
+    result.decodeSeconds = seconds(start);
+    return result;
+  }
   for (int64_t step = 0; step < options.maxNewTokens; ++step) {
     const int64_t next = argmax(last);
     result.generated.push_back(next);
@@ -77,6 +112,25 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
   }
   result.decodeSeconds = seconds(start);
   return result;
+}
+
+std::vector<int64_t> promptLookupDraft(std::span<const int64_t> context, int64_t maxTokens,
+                                       int64_t maxNgram) {
+  const auto length = static_cast<int64_t>(context.size());
+  if (maxTokens <= 0)
+    return {};
+  for (int64_t n = std::min(maxNgram, length - 1); n >= 1; --n) {
+    const auto tail = context.last(static_cast<size_t>(n));
+    // The most recent earlier occurrence, so the draft follows the latest repetition.
+    for (int64_t at = length - n - 1; at >= 0; --at) {
+      if (!std::equal(tail.begin(), tail.end(), context.begin() + at))
+        continue;
+      const int64_t from = at + n;
+      const int64_t count = std::min(maxTokens, length - from);
+      return std::vector<int64_t>(context.begin() + from, context.begin() + from + count);
+    }
+  }
+  return {};
 }
 
 StatusOr<std::vector<int64_t>> readInputIds(const std::string &spec) {

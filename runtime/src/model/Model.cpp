@@ -169,12 +169,12 @@ struct Model::Impl {
   // Runs `runner`'s program over `tokens` (at most max_tokens of them) for one sequence.
   Status run(ProgramRunner &runner, Sequence &sequence, int32_t kvSequence, int32_t stateSlot,
              std::span<const int64_t> tokens, bool decodeStep, float *logitsOut,
-             HiddenStates *hidden);
+             HiddenStates *hidden, cpu::KdaReplayLog *kdaLog = nullptr);
 };
 
 Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSequence,
                         int32_t stateSlot, std::span<const int64_t> tokens, bool decodeStep,
-                        float *logitsOut, HiddenStates *hidden) {
+                        float *logitsOut, HiddenStates *hidden, cpu::KdaReplayLog *kdaLog) {
   const fb::Program *program = runner.program;
   const int64_t rows = static_cast<int64_t>(tokens.size());
   cpu::StepContext context;
@@ -191,6 +191,7 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   context.rows = rows;
   context.firstPosition = sequence.length();
   context.decode = decodeStep;
+  context.kdaLog = kdaLog;
   for (auto &rowsOfSlot : kvStaging)
     rowsOfSlot.clear();
 
@@ -452,6 +453,77 @@ StatusOr<CachedPrefill> Sequence::prefillWithPrefixCache(std::span<const int64_t
   if (total > length_)
     HYBRID_RETURN_IF_ERROR(prefillUpTo(total));
   return result;
+}
+
+StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
+                                                   std::span<const int64_t> draft) {
+  Model::Impl &impl = *model_.impl_;
+  const auto vocab = static_cast<size_t>(model_.vocabSize());
+  auto argmax = [](std::span<const float> row) {
+    return static_cast<int64_t>(std::max_element(row.begin(), row.end()) - row.begin());
+  };
+  DraftVerification result;
+  if (draft.empty()) {
+    HYBRID_ASSIGN_OR_RETURN(result.logits, decode(token));
+    result.tokens.push_back(argmax(result.logits));
+    return result;
+  }
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (impl.cuda)
+    return Status::error("speculative decoding (verifyDraft) runs on the cpu device only for now");
+#endif
+  const auto rows = static_cast<int64_t>(draft.size()) + 1;
+  if (rows > std::max<int64_t>(1, impl.prefill.program->max_tokens()))
+    return Status::error("a draft of " + std::to_string(draft.size()) +
+                         " tokens does not fit the prefill program's " +
+                         std::to_string(impl.prefill.program->max_tokens()) + " rows");
+  if (length_ + rows > impl.options.maxContextTokens)
+    return Status::error("sequence would grow to " + std::to_string(length_ + rows) +
+                         " tokens, past maxContextTokens = " +
+                         std::to_string(impl.options.maxContextTokens));
+  HYBRID_ASSIGN_OR_RETURN(RecurrentStateSnapshot before, impl.states.snapshot(stateSlot_));
+  std::vector<int64_t> fed = {token};
+  fed.insert(fed.end(), draft.begin(), draft.end());
+  std::vector<float> logits(static_cast<size_t>(rows) * vocab);
+  cpu::KdaReplayLog log;
+  const int64_t start = length_;
+  HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, *this, kvSequence_, stateSlot_, fed,
+                                  /*decodeStep=*/false, logits.data(), nullptr, &log));
+  length_ += rows;
+
+  auto row = [&](int64_t i) { return std::span<const float>(logits).subspan(i * vocab, vocab); };
+  while (result.accepted < static_cast<int64_t>(draft.size()) &&
+         argmax(row(result.accepted)) == draft[static_cast<size_t>(result.accepted)])
+    ++result.accepted;
+  result.tokens.assign(draft.begin(), draft.begin() + result.accepted);
+  result.tokens.push_back(argmax(row(result.accepted)));
+  result.logits.assign(logits.begin(),
+                       logits.begin() + static_cast<std::ptrdiff_t>((result.accepted + 1) * vocab));
+
+  const int64_t keep = 1 + result.accepted; // `token` and the accepted draft tokens
+  if (keep < rows) {
+    HYBRID_RETURN_IF_ERROR(impl.kvCache.truncate(kvSequence_, start + keep));
+    HYBRID_RETURN_IF_ERROR(impl.states.restore(stateSlot_, before));
+    HYBRID_RETURN_IF_ERROR(cpu::replayKda(impl.states, stateSlot_, log, keep));
+    length_ = start + keep;
+  }
+  return result;
+}
+
+StatusOr<std::vector<float>> Sequence::recurrentState() const {
+  Model::Impl &impl = *model_.impl_;
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (impl.cuda)
+    return Status::error("recurrentState: the cuda device keeps the states on the GPU");
+#endif
+  std::vector<float> values;
+  for (int32_t layer = 0; layer < impl.states.numLayers(); ++layer) {
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> state, impl.states.state(layer, stateSlot_));
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> conv, impl.states.convState(layer, stateSlot_));
+    values.insert(values.end(), state.begin(), state.end());
+    values.insert(values.end(), conv.begin(), conv.end());
+  }
+  return values;
 }
 
 StatusOr<std::vector<float>> Sequence::decode(int64_t token) {

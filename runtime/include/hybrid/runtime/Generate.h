@@ -23,6 +23,11 @@ struct GenerationResult {
   HiddenStates hidden;             // filled when asked for
   double prefillSeconds = 0;       // time to first token
   double decodeSeconds = 0;        // the remaining N - 1 tokens
+  // Speculative decoding (GenerationOptions::draftTokens): verification passes, draft tokens
+  // proposed and accepted.
+  int64_t verifySteps = 0;
+  int64_t draftedTokens = 0;
+  int64_t acceptedTokens = 0;
 };
 
 struct GenerationOptions {
@@ -32,7 +37,18 @@ struct GenerationOptions {
   bool useCaches = true;
   bool dumpHidden = false;
   std::vector<int64_t> stopTokens;
+  // Speculative decoding with prompt-lookup drafts (cpu device): at most this many draft tokens
+  // per verification pass (0: off). The draft length adapts to the acceptance: one longer after a
+  // fully accepted draft, one shorter when less than half was accepted. Greedy outputs do not
+  // change.
+  int64_t draftTokens = 0;
 };
+
+// Prompt-lookup drafting: the tokens that followed the most recent earlier occurrence of the
+// context's last n tokens (n from maxNgram down to 1), at most maxTokens of them; empty when the
+// tail never occurred before.
+std::vector<int64_t> promptLookupDraft(std::span<const int64_t> context, int64_t maxTokens,
+                                       int64_t maxNgram = 3);
 
 StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t> prompt,
                                           const GenerationOptions &options);

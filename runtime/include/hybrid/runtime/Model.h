@@ -67,6 +67,13 @@ struct HiddenStates {
   std::vector<std::vector<float>> layers;
 };
 
+// What Sequence::verifyDraft decided.
+struct DraftVerification {
+  int64_t accepted = 0;        // leading draft tokens greedy decoding would also have chosen
+  std::vector<int64_t> tokens; // those, then the model's own next token
+  std::vector<float> logits;   // [tokens.size(), vocab]: the logits that chose each
+};
+
 class Model;
 
 class Sequence {
@@ -87,6 +94,16 @@ public:
   // prefix for later prompts. The results equal prefill()'s for the rows that ran. Without prefix
   // caching (LoadOptions::prefixCacheEntries = 0) it is prefill() with cachedTokens = 0.
   StatusOr<CachedPrefill> prefillWithPrefixCache(std::span<const int64_t> tokens);
+  // Speculative decoding, greedy (cpu device): feeds `token` (chosen, not yet consumed) and the
+  // draft through the prefill program in one pass, accepts the longest prefix of the draft that
+  // greedy decoding would produce, and keeps only `token` and that prefix: the KV tail is
+  // truncated, and the recurrent state is restored from a snapshot taken before the pass and
+  // rebuilt by replaying the KDA inputs of the kept tokens (no per-token state copies). An empty
+  // draft is one decode step.
+  StatusOr<DraftVerification> verifyDraft(int64_t token, std::span<const int64_t> draft);
+  // A copy of the sequence's recurrent state (every KDA layer's state and conv state), to check
+  // that rollbacks leave exactly what a plain run leaves.
+  StatusOr<std::vector<float>> recurrentState() const;
   // One token through the decode program; returns logits [vocab].
   StatusOr<std::vector<float>> decode(int64_t token);
 
