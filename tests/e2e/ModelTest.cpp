@@ -541,6 +541,33 @@ TEST(Scheduler, PreemptsAndRecomputesWhenTheKvCacheIsFull) {
     EXPECT_EQ(run.tokens.at(id), greedyIds(*model, tokens, 30)) << "request " << id;
 }
 
+// Speculative decode steps inside the scheduler (prompt-lookup drafts) keep every request's greedy
+// tokens; a repetitive prompt gets drafts.
+TEST(Scheduler, SpeculativeStepsKeepTheGreedyTokens) {
+  LoadOptions options;
+  options.maxSequences = 2;
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"), options);
+  ASSERT_TRUE(model);
+  SchedulerOptions speculative;
+  speculative.prefillChunkTokens = 16;
+  speculative.draftTokens = 4;
+  Scheduler scheduler(*model, speculative);
+  auto prompts = schedulerPrompts(goldenPrompt("kimi_linear_tiny"));
+  std::vector<int64_t> repetitive;
+  for (int i = 0; i < 5; ++i)
+    repetitive.insert(repetitive.end(), prompts[0].begin(), prompts[0].begin() + 7);
+  prompts.push_back(repetitive);
+  std::map<uint64_t, std::vector<int64_t>> promptOf;
+  for (const auto &tokens : prompts)
+    promptOf[scheduler.submit({tokens, 10, {}}).value()] = tokens;
+  const SchedulerRun run = runToIdle(scheduler);
+  EXPECT_TRUE(run.errors.empty());
+  for (const auto &[id, tokens] : promptOf)
+    EXPECT_EQ(run.tokens.at(id), greedyIds(*model, tokens, 10)) << "request " << id;
+  EXPECT_GT(scheduler.stats().draftedTokens, 0);
+  EXPECT_LE(scheduler.stats().acceptedTokens, scheduler.stats().draftedTokens);
+}
+
 TEST(Scheduler, StopTokensAndPrefixCache) {
   LoadOptions options;
   options.prefixCacheEntries = 2;

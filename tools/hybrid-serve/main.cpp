@@ -45,6 +45,11 @@ int main(int argc, char **argv) {
                  "Prompt prefixes kept for reuse (0: off; cpu device)")
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--speculate", serve.scheduler.draftTokens,
+                 "Speculative decoding with prompt-lookup drafts of at most this many tokens "
+                 "(0: off; cpu device)")
+      ->default_val(0)
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--prefill-chunk", serve.scheduler.prefillChunkTokens,
                  "Prompt tokens a request gets per scheduler step")
       ->default_val(256)

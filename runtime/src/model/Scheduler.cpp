@@ -1,5 +1,7 @@
 #include "hybrid/runtime/Scheduler.h"
 
+#include "hybrid/runtime/Generate.h"
+
 #include <algorithm>
 #include <span>
 
@@ -11,7 +13,8 @@ struct Scheduler::Active {
   std::vector<int64_t> context; // the prompt, then every generated token
   int64_t generated = 0;
   std::unique_ptr<Sequence> sequence;
-  int64_t fed = 0; // context tokens the sequence has consumed
+  int64_t fed = 0;         // context tokens the sequence has consumed
+  int64_t draftLength = 0; // speculative decoding: this request's current draft length
 };
 
 Scheduler::Scheduler(Model &model, SchedulerOptions options)
@@ -48,6 +51,7 @@ StatusOr<uint64_t> Scheduler::submit(GenerationRequest request) {
   auto active = std::make_unique<Active>();
   active->id = nextId_++;
   active->context = request.prompt;
+  active->draftLength = options_.draftTokens;
   active->request = std::move(request);
   waiting_.push_back(std::move(active));
   return waiting_.back()->id;
@@ -92,6 +96,7 @@ std::vector<TokenEvent> Scheduler::step() {
     Active &active = *running_[index];
     const auto contextLength = static_cast<int64_t>(active.context.size());
     StatusOr<std::vector<float>> logits = Status::error("nothing ran");
+    std::vector<int64_t> chosen; // set by a speculative step: the tokens it decided
     if (active.fed == 0 && contextLength <= options_.prefillChunkTokens) {
       // A whole context in one step: the prefix cache (if the model keeps prefixes) may restore
       // part of it. Longer contexts go in chunks and do not use it yet.
@@ -101,6 +106,27 @@ std::vector<TokenEvent> Scheduler::step() {
         logits = std::move(prefill->logits);
       } else {
         logits = prefill.status();
+      }
+      active.fed = contextLength;
+    } else if (active.fed + 1 == contextLength && active.fed > 0 && options_.draftTokens > 0) {
+      const int64_t room = active.request.maxNewTokens - active.generated;
+      const std::vector<int64_t> draft =
+          promptLookupDraft(active.context, std::min(active.draftLength, room - 1));
+      StatusOr<DraftVerification> verified =
+          active.sequence->verifyDraft(active.context.back(), draft);
+      if (verified) {
+        stats_.draftedTokens += static_cast<int64_t>(draft.size());
+        stats_.acceptedTokens += verified->accepted;
+        if (!draft.empty()) {
+          if (verified->accepted == static_cast<int64_t>(draft.size()))
+            active.draftLength = std::min(options_.draftTokens, active.draftLength + 1);
+          else if (2 * verified->accepted < static_cast<int64_t>(draft.size()))
+            active.draftLength = std::max<int64_t>(1, active.draftLength - 1);
+        }
+        chosen = verified->tokens;
+        logits = std::move(verified->logits);
+      } else {
+        logits = verified.status();
       }
       active.fed = contextLength;
     } else if (active.fed + 1 == contextLength && active.fed > 0) {
@@ -130,17 +156,25 @@ std::vector<TokenEvent> Scheduler::step() {
       ++index; // more of the prompt next step
       continue;
     }
-    // The last row's logits choose the next token.
-    const int64_t vocab = model_.vocabSize();
-    std::span<const float> last = std::span(*logits).last(static_cast<size_t>(vocab));
-    const int64_t token = std::max_element(last.begin(), last.end()) - last.begin();
-    active.context.push_back(token);
-    ++active.generated;
-    const bool stop = std::find(active.request.stopTokens.begin(),
-                                active.request.stopTokens.end(),
-                                token) != active.request.stopTokens.end();
-    const bool finished = stop || active.generated >= active.request.maxNewTokens;
-    events.push_back({active.id, token, finished, {}});
+    // The last row's logits choose the next token (a speculative step decided several).
+    if (chosen.empty()) {
+      const int64_t vocab = model_.vocabSize();
+      std::span<const float> last = std::span(*logits).last(static_cast<size_t>(vocab));
+      chosen.push_back(std::max_element(last.begin(), last.end()) - last.begin());
+    }
+    bool finished = false;
+    for (size_t i = 0; i < chosen.size() && !finished; ++i) {
+      const int64_t token = chosen[i];
+      active.context.push_back(token);
+      ++active.generated;
+      const bool stop = std::find(active.request.stopTokens.begin(),
+                                  active.request.stopTokens.end(),
+                                  token) != active.request.stopTokens.end();
+      finished = stop || active.generated >= active.request.maxNewTokens;
+      events.push_back({active.id, token, finished, {}});
+    }
+    // The sequence has consumed every context token but the last chosen one.
+    active.fed = static_cast<int64_t>(active.context.size()) - 1;
     if (finished) {
       ++stats_.finished;
       running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));

@@ -366,6 +366,10 @@ std::string Server::Impl::metrics() {
          double(stats.preemptions));
   metric("hybrid_requests_cancelled_total", "counter", "Requests whose clients left.",
          double(stats.cancelled));
+  metric("hybrid_spec_draft_tokens_total", "counter",
+         "Speculative decoding: draft tokens proposed.", double(stats.draftedTokens));
+  metric("hybrid_spec_accepted_tokens_total", "counter",
+         "Speculative decoding: draft tokens accepted.", double(stats.acceptedTokens));
   metric("hybrid_prefix_cached_tokens_total", "counter",
          "Prompt tokens restored from the prefix cache.", double(stats.cachedPromptTokens));
   metric("hybrid_kv_pages_total", "gauge", "KV cache pages.", double(kv.totalPages));

@@ -34,6 +34,9 @@ struct TokenEvent {
 
 struct SchedulerOptions {
   int64_t prefillChunkTokens = 256; // prompt tokens a prefilling request gets per step
+  // Speculative decoding with prompt-lookup drafts of at most this many tokens per decode step
+  // (0: off; cpu device); the length adapts per request to its acceptance. Tokens do not change.
+  int64_t draftTokens = 0;
 };
 
 struct SchedulerStats {
@@ -43,6 +46,8 @@ struct SchedulerStats {
   int64_t preemptions = 0;
   int64_t cachedPromptTokens = 0; // restored from the prefix cache instead of computed
   int64_t cancelled = 0;
+  int64_t draftedTokens = 0;  // speculative decoding: draft tokens proposed
+  int64_t acceptedTokens = 0; // ... and accepted
 };
 
 class Scheduler {
