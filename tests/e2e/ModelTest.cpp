@@ -588,6 +588,29 @@ TEST(Scheduler, StopTokensAndPrefixCache) {
   EXPECT_EQ(scheduler.stats().cachedPromptTokens, 32);
 }
 
+// Prompts prefilled in chunks smaller than the prefix block still keep and reuse prefixes: a
+// chunk stops at the block boundary to keep it.
+TEST(Scheduler, ChunkedPromptsKeepAndReusePrefixes) {
+  LoadOptions options;
+  options.prefixCacheEntries = 2;
+  options.prefixCacheBlockTokens = 16;
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"), options);
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = goldenPrompt("kimi_linear_tiny");
+  std::vector<int64_t> longer = prompt;
+  longer.insert(longer.end(), prompt.begin(), prompt.begin() + 10);
+  Scheduler scheduler(*model, SchedulerOptions{6});
+  for (const auto &tokens : {prompt, longer, prompt}) {
+    const uint64_t id = scheduler.submit({tokens, 4, {}}).value();
+    const SchedulerRun run = runToIdle(scheduler);
+    EXPECT_EQ(run.tokens.at(id), greedyIds(*model, tokens, 4));
+  }
+  // The prompt kept 32 tokens; the longer prompt reused them (and kept 48); the prompt again
+  // reused its 32.
+  EXPECT_EQ(scheduler.stats().cachedPromptTokens, 64);
+  EXPECT_EQ(model->usage().keptPrefixes, 2u);
+}
+
 TEST(Scheduler, RefusesBadRequests) {
   LoadOptions options;
   options.maxContextTokens = 100;

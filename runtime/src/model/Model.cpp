@@ -411,8 +411,55 @@ StatusOr<std::vector<float>> Sequence::prefill(std::span<const int64_t> tokens,
   return logits;
 }
 
-StatusOr<CachedPrefill> Sequence::prefillWithPrefixCache(std::span<const int64_t> tokens) {
+StatusOr<int64_t> Sequence::restorePrefix(std::span<const int64_t> tokens) {
   Model::Impl &impl = *model_.impl_;
+  if (length_ != 0)
+    return Status::error("a kept prefix starts a sequence; this one already holds " +
+                         std::to_string(length_) + " tokens");
+  PrefixCache &cache = impl.prefixCache;
+  if (!cache.enabled() || tokens.size() < 2)
+    return int64_t{0};
+  const PrefixCache::Entry *entry = cache.find(tokens, static_cast<int64_t>(tokens.size()) - 1);
+  if (!entry)
+    return int64_t{0};
+  HYBRID_RETURN_IF_ERROR(impl.kvCache.adoptPrefix(kvSequence_, entry->kv));
+  if (Status restored = impl.states.restore(stateSlot_, entry->state); !restored) {
+    (void)impl.kvCache.freeSequence(kvSequence_);
+    return restored;
+  }
+  length_ = static_cast<int64_t>(entry->tokens.size());
+  return length_;
+}
+
+Status Sequence::keepPrefix(std::span<const int64_t> tokens) {
+  Model::Impl &impl = *model_.impl_;
+  PrefixCache &cache = impl.prefixCache;
+  if (!cache.enabled())
+    return Status::ok();
+  if (static_cast<int64_t>(tokens.size()) != length_)
+    return Status::error("keepPrefix: " + std::to_string(tokens.size()) +
+                         " tokens given for a sequence of " + std::to_string(length_));
+  if (length_ == 0 || length_ % cache.blockTokens() != 0)
+    return Status::error("keepPrefix: " + std::to_string(length_) +
+                         " tokens are not a whole number of " +
+                         std::to_string(cache.blockTokens()) + "-token blocks");
+  HYBRID_ASSIGN_OR_RETURN(KvPrefix kv, impl.kvCache.holdPrefix(kvSequence_, length_));
+  StatusOr<RecurrentStateSnapshot> state = impl.states.snapshot(stateSlot_);
+  if (!state) {
+    impl.kvCache.releasePrefix(kv);
+    return state.status();
+  }
+  cache.insert(std::vector<int64_t>(tokens.begin(), tokens.end()), std::move(kv),
+               std::move(*state), impl.kvCache);
+  return Status::ok();
+}
+
+int64_t Sequence::prefixBoundary(int64_t tokens) const {
+  const PrefixCache &cache = model_.impl_->prefixCache;
+  return cache.enabled() ? tokens / cache.blockTokens() * cache.blockTokens() : 0;
+}
+
+StatusOr<CachedPrefill> Sequence::prefillWithPrefixCache(std::span<const int64_t> tokens) {
   if (length_ != 0)
     return Status::error("prefillWithPrefixCache starts a sequence; this one already holds " +
                          std::to_string(length_) + " tokens");
@@ -420,17 +467,7 @@ StatusOr<CachedPrefill> Sequence::prefillWithPrefixCache(std::span<const int64_t
     return Status::error("prefill needs at least one token");
   const auto total = static_cast<int64_t>(tokens.size());
   CachedPrefill result;
-  PrefixCache &cache = impl.prefixCache;
-  if (cache.enabled())
-    if (const PrefixCache::Entry *entry = cache.find(tokens, total - 1)) {
-      HYBRID_RETURN_IF_ERROR(impl.kvCache.adoptPrefix(kvSequence_, entry->kv));
-      if (Status restored = impl.states.restore(stateSlot_, entry->state); !restored) {
-        (void)impl.kvCache.freeSequence(kvSequence_);
-        return restored;
-      }
-      length_ = static_cast<int64_t>(entry->tokens.size());
-      result.cachedTokens = length_;
-    }
+  HYBRID_ASSIGN_OR_RETURN(result.cachedTokens, restorePrefix(tokens));
   auto prefillUpTo = [&](int64_t end) -> Status {
     HYBRID_ASSIGN_OR_RETURN(std::vector<float> logits,
                             prefill(tokens.subspan(static_cast<size_t>(length_),
@@ -438,17 +475,9 @@ StatusOr<CachedPrefill> Sequence::prefillWithPrefixCache(std::span<const int64_t
     result.logits.insert(result.logits.end(), logits.begin(), logits.end());
     return Status::ok();
   };
-  const int64_t keep = cache.enabled() ? total / cache.blockTokens() * cache.blockTokens() : 0;
-  if (keep > length_) {
+  if (const int64_t keep = prefixBoundary(total); keep > length_) {
     HYBRID_RETURN_IF_ERROR(prefillUpTo(keep));
-    HYBRID_ASSIGN_OR_RETURN(KvPrefix kv, impl.kvCache.holdPrefix(kvSequence_, keep));
-    StatusOr<RecurrentStateSnapshot> state = impl.states.snapshot(stateSlot_);
-    if (!state) {
-      impl.kvCache.releasePrefix(kv);
-      return state.status();
-    }
-    cache.insert(std::vector<int64_t>(tokens.begin(), tokens.begin() + keep), std::move(kv),
-                 std::move(*state), impl.kvCache);
+    HYBRID_RETURN_IF_ERROR(keepPrefix(tokens.first(static_cast<size_t>(keep))));
   }
   if (total > length_)
     HYBRID_RETURN_IF_ERROR(prefillUpTo(total));

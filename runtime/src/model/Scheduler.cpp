@@ -97,18 +97,33 @@ std::vector<TokenEvent> Scheduler::step() {
     const auto contextLength = static_cast<int64_t>(active.context.size());
     StatusOr<std::vector<float>> logits = Status::error("nothing ran");
     std::vector<int64_t> chosen; // set by a speculative step: the tokens it decided
-    if (active.fed == 0 && contextLength <= options_.prefillChunkTokens) {
-      // A whole context in one step: the prefix cache (if the model keeps prefixes) may restore
-      // part of it. Longer contexts go in chunks and do not use it yet.
-      StatusOr<CachedPrefill> prefill = active.sequence->prefillWithPrefixCache(active.context);
-      if (prefill) {
-        stats_.cachedPromptTokens += prefill->cachedTokens;
-        logits = std::move(prefill->logits);
-      } else {
-        logits = prefill.status();
+    if (active.fed == 0) {
+      // The first step restores the longest kept prefix (if the model keeps prefixes).
+      StatusOr<int64_t> cached = active.sequence->restorePrefix(active.context);
+      if (!cached) {
+        events.push_back({active.id, -1, true, cached.status().message()});
+        ++stats_.finished;
+        running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
+        continue;
       }
-      active.fed = contextLength;
-    } else if (active.fed + 1 == contextLength && active.fed > 0 && options_.draftTokens > 0) {
+      stats_.cachedPromptTokens += *cached;
+      active.fed = *cached;
+    }
+    if (active.fed + 1 < contextLength || active.fed == 0) {
+      // A prefill chunk; one ends where the context's own prefix is kept, to keep it right then.
+      const int64_t boundary = active.sequence->prefixBoundary(contextLength);
+      int64_t count = std::min(options_.prefillChunkTokens, contextLength - active.fed);
+      if (active.fed < boundary)
+        count = std::min(count, boundary - active.fed);
+      logits = active.sequence->prefill(std::span(active.context).subspan(
+          static_cast<size_t>(active.fed), static_cast<size_t>(count)));
+      active.fed += count;
+      if (logits && active.fed == boundary)
+        if (Status kept = active.sequence->keepPrefix(
+                std::span(active.context).first(static_cast<size_t>(boundary)));
+            !kept)
+          logits = kept;
+    } else if (options_.draftTokens > 0) {
       const int64_t room = active.request.maxNewTokens - active.generated;
       const std::vector<int64_t> draft =
           promptLookupDraft(active.context, std::min(active.draftLength, room - 1));
@@ -129,14 +144,9 @@ std::vector<TokenEvent> Scheduler::step() {
         logits = verified.status();
       }
       active.fed = contextLength;
-    } else if (active.fed + 1 == contextLength && active.fed > 0) {
+    } else {
       logits = active.sequence->decode(active.context.back());
       active.fed = contextLength;
-    } else {
-      const int64_t count = std::min(options_.prefillChunkTokens, contextLength - active.fed);
-      logits = active.sequence->prefill(std::span(active.context).subspan(
-          static_cast<size_t>(active.fed), static_cast<size_t>(count)));
-      active.fed += count;
     }
 
     if (!logits) {

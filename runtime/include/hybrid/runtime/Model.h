@@ -94,6 +94,14 @@ public:
   // prefix for later prompts. The results equal prefill()'s for the rows that ran. Without prefix
   // caching (LoadOptions::prefixCacheEntries = 0) it is prefill() with cachedTokens = 0.
   StatusOr<CachedPrefill> prefillWithPrefixCache(std::span<const int64_t> tokens);
+  // Its two halves, for callers that prefill in their own chunks (the scheduler): restorePrefix
+  // gives a fresh sequence the longest kept prefix of `tokens` (all but the last token at most)
+  // and returns its length (0: none, or no prefix caching); keepPrefix keeps the sequence's
+  // consumed tokens, which must be `tokens` and a whole number of blocks; prefixBoundary is the
+  // length a prompt of `tokens` tokens keeps (0 without prefix caching).
+  StatusOr<int64_t> restorePrefix(std::span<const int64_t> tokens);
+  Status keepPrefix(std::span<const int64_t> tokens);
+  int64_t prefixBoundary(int64_t tokens) const;
   // Speculative decoding, greedy (cpu device): feeds `token` (chosen, not yet consumed) and the
   // draft through the prefill program in one pass, accepts the longest prefix of the draft that
   // greedy decoding would produce, and keeps only `token` and that prefix: the KV tail is

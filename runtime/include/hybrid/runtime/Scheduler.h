@@ -2,7 +2,8 @@
 // prompts are prefilled in chunks mixed with other requests' decode steps, admission waits for a
 // free sequence and enough free KV pages, and a request whose step finds the KV cache full is
 // preempted: its sequence is freed and it is recomputed (prompt + tokens so far) when readmitted.
-// With prefix caching on the model, a request's first step restores its longest kept prefix.
+// With prefix caching on the model, a request's first step restores its longest kept prefix, and
+// its prefill chunks stop at its own block boundary to keep that prefix for later requests.
 // Each step still runs one sequence per program call: the plan's programs take one sequence's
 // rows until they take several (varlen), so "batching" here is interleaving.
 #pragma once
