@@ -611,6 +611,42 @@ TEST(Scheduler, ChunkedPromptsKeepAndReusePrefixes) {
   EXPECT_EQ(model->usage().keptPrefixes, 2u);
 }
 
+TEST(Scheduler, CancelledRequestsStopAndFreeTheirSequence) {
+  LoadOptions options;
+  options.maxSequences = 1;
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"), options);
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = goldenPrompt("kimi_linear_tiny");
+  Scheduler scheduler(*model);
+  const uint64_t running = scheduler.submit({prompt, 50, {}}).value();
+  const uint64_t waiting = scheduler.submit({prompt, 3, {}}).value();
+  ASSERT_EQ(scheduler.step().size(), 1u); // the first request's first token
+  EXPECT_EQ(scheduler.stats().running, 1);
+  EXPECT_EQ(scheduler.stats().waiting, 1);
+  EXPECT_TRUE(scheduler.cancel(running));
+  EXPECT_FALSE(scheduler.cancel(running)) << "already gone";
+  EXPECT_EQ(model->usage().sequencesInUse, 0) << "its sequence is free";
+  const SchedulerRun run = runToIdle(scheduler);
+  EXPECT_EQ(run.tokens.count(running), 0u);
+  EXPECT_EQ(run.tokens.at(waiting), greedyIds(*model, prompt, 3));
+  EXPECT_TRUE(scheduler.cancel(scheduler.submit({prompt, 3, {}}).value())) << "while waiting";
+  EXPECT_TRUE(scheduler.idle());
+  EXPECT_EQ(scheduler.stats().cancelled, 2);
+}
+
+TEST(PromptLookup, DraftsWhatFollowedTheLatestEarlierOccurrence) {
+  const std::vector<int64_t> context = {1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3};
+  // The tail 1 2 3 occurred at 4 (latest) and 0: the draft follows the one at 4.
+  EXPECT_EQ(promptLookupDraft(context, 3), (std::vector<int64_t>{7, 8, 5}));
+  EXPECT_EQ(promptLookupDraft(context, 10), (std::vector<int64_t>{7, 8, 5, 1, 2, 3}));
+  // Shorter n-grams when the longer tail never occurred; nothing when even one token is new.
+  EXPECT_EQ(promptLookupDraft(std::vector<int64_t>{4, 5, 6, 4, 8, 4}, 2),
+            (std::vector<int64_t>{8, 4}));
+  EXPECT_TRUE(promptLookupDraft(std::vector<int64_t>{1, 2, 3}, 4).empty());
+  EXPECT_TRUE(promptLookupDraft(context, 0).empty());
+  EXPECT_TRUE(promptLookupDraft(std::vector<int64_t>{}, 4).empty());
+}
+
 TEST(Scheduler, RefusesBadRequests) {
   LoadOptions options;
   options.maxContextTokens = 100;
