@@ -45,7 +45,9 @@ struct KdaResult {
   std::vector<float> out, state;
 };
 
-KdaResult runKda(const KdaInputs &in, const std::vector<float> &initialState, bool chunked) {
+// segments > 0: the segment scan with that many segments.
+KdaResult runKda(const KdaInputs &in, const std::vector<float> &initialState, bool chunked,
+                 int64_t segments = 0) {
   KdaResult result{std::vector<float>(in.numTokens * kHeads * kValueDim), initialState};
   KdaParams p;
   p.numTokens = in.numTokens;
@@ -59,7 +61,9 @@ KdaResult runKda(const KdaInputs &in, const std::vector<float> &initialState, bo
   p.beta = in.beta.data();
   p.state = result.state.data();
   p.out = result.out.data();
-  if (chunked)
+  if (segments > 0)
+    kdaSegmentScan(p, segments);
+  else if (chunked)
     kdaChunked(p, 64);
   else
     kdaRecurrent(p);
@@ -83,6 +87,26 @@ TEST_P(KdaChunkedVsRecurrent, OutputsAndFinalStateAgree) {
 
 INSTANTIATE_TEST_SUITE_P(ChunkBoundaries, KdaChunkedVsRecurrent,
                          ::testing::Values(1, 63, 64, 65, 200));
+
+// The state-passing scan (per-segment summaries, a sequential combine, a rerun) gives the
+// recurrence's outputs and final state, for any number of segments, with a nonzero initial state
+// and both gate forms.
+TEST(KdaSegmentScan, EqualsTheRecurrence) {
+  std::mt19937 rng(11);
+  for (bool lowerBoundGate : {false, true})
+    for (int64_t T : {1, 7, 130}) {
+      const KdaInputs in = makeInputs(rng, T, lowerBoundGate);
+      const auto initialState = randomNormal(rng, kHeads * kKeyDim * kValueDim, 0.0f, 0.5f);
+      const KdaResult recurrent = runKda(in, initialState, /*chunked=*/false);
+      for (int64_t segments : {1, 2, 5, 16, 500}) {
+        const KdaResult scanned = runKda(in, initialState, false, segments);
+        EXPECT_LE(maxAbsDiff(recurrent.out, scanned.out), 1e-5f)
+            << "T=" << T << " segments=" << segments;
+        EXPECT_LE(maxAbsDiff(recurrent.state, scanned.state), 1e-5f)
+            << "T=" << T << " segments=" << segments;
+      }
+    }
+}
 
 TEST(Kda, RecurrenceMatchesDeltaRuleByHand) {
   // One head, K = V = 1: S ← e^g S; S ← S + β k (v − k S); o = scale q S.

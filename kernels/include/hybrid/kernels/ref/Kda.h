@@ -57,4 +57,15 @@ void kdaRecurrent(const KdaParams &params);
 // partial (numTokens need not be a multiple of chunkSize).
 void kdaChunked(const KdaParams &params, int64_t chunkSize = 64);
 
+// Sequence-parallel form (state-passing scan, for context parallelism and for splitting one long
+// sequence over many SMs), equal to kdaRecurrent up to fp32 rounding. A token's update is affine
+// in the state, S' = A_t S + b_t with A_t = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) and b_t = β_t k_t v_tᵀ,
+// so each of `segments` contiguous token ranges is summarized independently (in parallel) by
+//   B_s = its final state from a zero state,  M_s = A_last … A_first (the recurrence with v = 0
+//   from S = I, a K×K "state"),
+// the segments' initial states follow by a short sequential combine S_{s+1} = M_s S_s + B_s, and
+// each segment then reruns from its true initial state for its outputs. The work is about 3x the
+// recurrence (M costs K×K per token), at depth T / segments.
+void kdaSegmentScan(const KdaParams &params, int64_t segments);
+
 } // namespace hybrid::kernels::ref
