@@ -443,13 +443,19 @@ Status Sequence::keepPrefix(std::span<const int64_t> tokens) {
     return Status::error("keepPrefix: " + std::to_string(length_) +
                          " tokens are not a whole number of " +
                          std::to_string(cache.blockTokens()) + "-token blocks");
-  HYBRID_ASSIGN_OR_RETURN(KvPrefix kv, impl.kvCache.holdPrefix(kvSequence_, length_));
+  StatusOr<KvPrefix> kv = impl.kvCache.holdPrefix(kvSequence_, length_);
+  if (!kv) {
+    // Keeping is best effort: with no free page for a partial last page, nothing is kept.
+    if (kv.status().message().find("out of pages") != std::string::npos)
+      return Status::ok();
+    return kv.status();
+  }
   StatusOr<RecurrentStateSnapshot> state = impl.states.snapshot(stateSlot_);
   if (!state) {
-    impl.kvCache.releasePrefix(kv);
+    impl.kvCache.releasePrefix(*kv);
     return state.status();
   }
-  cache.insert(std::vector<int64_t>(tokens.begin(), tokens.end()), std::move(kv),
+  cache.insert(std::vector<int64_t>(tokens.begin(), tokens.end()), std::move(*kv),
                std::move(*state), impl.kvCache);
   return Status::ok();
 }

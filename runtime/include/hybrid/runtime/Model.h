@@ -97,7 +97,8 @@ public:
   // Its two halves, for callers that prefill in their own chunks (the scheduler): restorePrefix
   // gives a fresh sequence the longest kept prefix of `tokens` (all but the last token at most)
   // and returns its length (0: none, or no prefix caching); keepPrefix keeps the sequence's
-  // consumed tokens, which must be `tokens` and a whole number of blocks; prefixBoundary is the
+  // consumed tokens, which must be `tokens` and a whole number of blocks (best effort: nothing is
+  // kept when the KV cache has no free page for a partial last page); prefixBoundary is the
   // length a prompt of `tokens` tokens keeps (0 without prefix caching).
   StatusOr<int64_t> restorePrefix(std::span<const int64_t> tokens);
   Status keepPrefix(std::span<const int64_t> tokens);
