@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <iostream>
@@ -56,12 +57,16 @@ int main(int argc, char **argv) {
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
-  std::cerr << "hybrid-serve: loading " << modelDir << "\n";
+  std::cerr << "hybrid-serve: loading " << modelDir << " (" << load.device << ")\n";
+  const auto loadStart = std::chrono::steady_clock::now();
   auto model = hybrid::Model::load(modelDir, load);
   if (!model) {
     std::cerr << "error: " << model.status().message() << "\n";
     return 1;
   }
+  std::cerr << "hybrid-serve: loaded in "
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - loadStart).count()
+            << " s\n";
   auto server = hybrid::Server::start(**model, serve);
   if (!server) {
     std::cerr << "error: " << server.status().message() << "\n";

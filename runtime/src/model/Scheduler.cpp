@@ -130,6 +130,7 @@ std::vector<TokenEvent> Scheduler::step() {
       StatusOr<DraftVerification> verified =
           active.sequence->verifyDraft(active.context.back(), draft);
       if (verified) {
+        ++stats_.verifySteps;
         stats_.draftedTokens += static_cast<int64_t>(draft.size());
         stats_.acceptedTokens += verified->accepted;
         if (!draft.empty()) {

@@ -366,6 +366,9 @@ std::string Server::Impl::metrics() {
          double(stats.preemptions));
   metric("hybrid_requests_cancelled_total", "counter", "Requests whose clients left.",
          double(stats.cancelled));
+  metric("hybrid_spec_verify_steps_total", "counter",
+         "Speculative decoding: verification passes (accepted / passes = mean accepted length).",
+         double(stats.verifySteps));
   metric("hybrid_spec_draft_tokens_total", "counter",
          "Speculative decoding: draft tokens proposed.", double(stats.draftedTokens));
   metric("hybrid_spec_accepted_tokens_total", "counter",

@@ -47,8 +47,9 @@ struct SchedulerStats {
   int64_t preemptions = 0;
   int64_t cachedPromptTokens = 0; // restored from the prefix cache instead of computed
   int64_t cancelled = 0;
-  int64_t draftedTokens = 0;  // speculative decoding: draft tokens proposed
-  int64_t acceptedTokens = 0; // ... and accepted
+  int64_t verifySteps = 0;    // speculative decoding: verification passes,
+  int64_t draftedTokens = 0;  // draft tokens proposed
+  int64_t acceptedTokens = 0; // and accepted
 };
 
 class Scheduler {
