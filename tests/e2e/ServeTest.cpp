@@ -241,6 +241,40 @@ TEST_F(ServeTest, BadRequestsGetAReasonAndTheServerStaysUp) {
   EXPECT_EQ(status, 200) << body.dump();
 }
 
+// A body past the limit is refused before it is parsed, and queued requests past the bound get
+// 503; the server keeps serving.
+TEST_F(ServeTest, LimitsOnBodiesAndQueueHold) {
+  ServeOptions options;
+  options.maxBodyBytes = 1024;
+  options.maxQueuedRequests = 1;
+  startServer({}, options);
+  httplib::Client client("127.0.0.1", server_->port());
+  auto huge = client.Post("/v1/completions", std::string(4096, ' '), "application/json");
+  ASSERT_TRUE(huge);
+  EXPECT_EQ(huge->status, 413);
+
+  // One long request holds the only place; a second one meanwhile is refused.
+  std::thread holder([&] {
+    auto [status, body] = complete({{"prompt", {1, 2, 3}}, {"max_tokens", 400}});
+    EXPECT_EQ(status, 200) << body.dump();
+  });
+  // Once the engine runs it (400 tokens take far longer than one refused request), try.
+  bool running = false;
+  for (int attempt = 0; attempt < 500 && !running; ++attempt) {
+    auto metrics = client_->Get("/metrics");
+    running = metrics && metrics->body.find("hybrid_requests_running 1\n") != std::string::npos;
+    if (!running)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_TRUE(running);
+  auto [refusedStatus, refused] = complete({{"prompt", {4}}, {"max_tokens", 1}});
+  EXPECT_EQ(refusedStatus, 503);
+  EXPECT_EQ(refused["error"]["message"], "too many requests in flight (1)");
+  holder.join();
+  auto [status, body] = complete({{"prompt", {4}}, {"max_tokens", 1}});
+  EXPECT_EQ(status, 200) << body.dump();
+}
+
 TEST(ServeOptions, OffLoopbackNeedsAnApiKey) {
   auto model = Model::load(compiledDir("kimi_linear_tiny")).value();
   ServeOptions options;
