@@ -287,6 +287,16 @@ TEST(ServeOptions, OffLoopbackNeedsAnApiKey) {
   options.host = "127.0.0.1";
   options.port = 70000;
   EXPECT_EQ(Server::start(*model, options).status().message(), "port 70000 is not in [0, 65535]");
+  // A port in use is refused, not shared.
+  options.port = 0;
+  auto first = Server::start(*model, options);
+  ASSERT_TRUE(first.isOk()) << first.status().message();
+  options.port = (*first)->port();
+  auto second = Server::start(*model, options);
+  ASSERT_FALSE(second.isOk());
+  EXPECT_EQ(second.status().message(),
+            "cannot bind 127.0.0.1:" + std::to_string(options.port) +
+                " (in use, or not an address of this machine)");
 }
 
 } // namespace

@@ -6,18 +6,10 @@
 
 #include <chrono>
 #include <csignal>
+#include <pthread.h>
 #include <cstdio>
 #include <iostream>
 #include <thread>
-
-namespace {
-hybrid::Server *running = nullptr;
-void stopOnSignal(int) {
-  // Stopping joins threads, which a signal handler must not do: hand it to a thread.
-  if (running)
-    std::thread([] { running->stop(); }).detach();
-}
-} // namespace
 
 int main(int argc, char **argv) {
   CLI::App app{"Serve a model compiled by hybrid-compile (OpenAI-compatible HTTP)"};
@@ -57,6 +49,15 @@ int main(int argc, char **argv) {
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
+  // SIGINT / SIGTERM are taken by a thread of their own (sigwait), never by a handler: stopping
+  // joins threads, which a signal handler must not do. Blocked before any thread starts, so every
+  // thread inherits the mask.
+  sigset_t stopSignals;
+  sigemptyset(&stopSignals);
+  sigaddset(&stopSignals, SIGINT);
+  sigaddset(&stopSignals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stopSignals, nullptr);
+
   std::cerr << "hybrid-serve: loading " << modelDir << " (" << load.device << ")\n";
   const auto loadStart = std::chrono::steady_clock::now();
   auto model = hybrid::Model::load(modelDir, load);
@@ -72,13 +73,22 @@ int main(int argc, char **argv) {
     std::cerr << "error: " << server.status().message() << "\n";
     return 1;
   }
-  running = server->get();
-  std::signal(SIGINT, stopOnSignal);
-  std::signal(SIGTERM, stopOnSignal);
-  std::printf("hybrid-serve: listening on http://%s:%d\n", serve.host.c_str(), (*server)->port());
+  hybrid::Server &running = **server;
+  std::thread stopper([&running, stopSignals] {
+    int signal = 0;
+    sigwait(&stopSignals, &signal);
+    running.stop();
+  });
+  std::printf("hybrid-serve: listening on http://%s:%d\n", serve.host.c_str(), running.port());
   std::fflush(stdout);
-  const hybrid::Status served = (*server)->serve();
-  running = nullptr;
+  const hybrid::Status served = running.serve();
+  if (served) {
+    stopper.join(); // serve() returns only after a stop, which came from the signal
+  } else {
+    running.stop();
+    pthread_kill(stopper.native_handle(), SIGTERM); // wake the waiting thread
+    stopper.join();
+  }
   if (!served) {
     std::cerr << "error: " << served.message() << "\n";
     return 1;

@@ -428,8 +428,11 @@ StatusOr<std::unique_ptr<Server>> Server::start(Model &model, const ServeOptions
   // Debian's cpp-httplib listens with a backlog of 5: a burst of connections overflows it and
   // clients see their connection dropped. Keep the socket, and listen again with a deep backlog.
   int listening = -1;
+  // Only SO_REUSEADDR (a restart binds despite TIME_WAIT): httplib's default also sets
+  // SO_REUSEPORT, which lets a second server silently share a port that is in use.
   impl->http.set_socket_options([&listening](socket_t sock) {
-    httplib::default_socket_options(sock);
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
     listening = sock;
   });
   if (options.port == 0) {
