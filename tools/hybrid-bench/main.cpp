@@ -1,5 +1,6 @@
 // hybrid-bench: kernel benchmarks on the GPU and the serving benchmark, a table on stdout and
 // JSON for the record.
+#include "hybrid/runtime/Generate.h"
 #include "hybrid/runtime/LoadGenerator.h"
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Server.h"
@@ -12,6 +13,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -256,6 +258,46 @@ int runServe(hybrid::LoadGeneratorOptions load, const std::string &modelDir,
   return report->failed == 0 ? 0 : 1;
 }
 
+// Speculative against plain decoding on `--model`: half the prompts repeat a random 8-token
+// pattern (where prompt lookup drafts well), half are random.
+int runSpec(const std::string &modelDir, hybrid::LoadOptions modelOptions, int32_t prompts,
+            int32_t promptTokens, int32_t maxTokens, int32_t draftTokens, uint64_t seed) {
+  auto model = hybrid::Model::load(modelDir, modelOptions);
+  if (!model) {
+    std::cerr << "error: spec: " << model.status().message() << "\n";
+    return 1;
+  }
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int64_t> token(0, (*model)->vocabSize() - 1);
+  std::vector<std::vector<int64_t>> inputs(static_cast<size_t>(prompts));
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    std::vector<int64_t> pattern(8);
+    for (int64_t &id : pattern)
+      id = token(rng);
+    for (int32_t t = 0; t < promptTokens; ++t)
+      inputs[i].push_back(i % 2 == 0 ? pattern[static_cast<size_t>(t) % pattern.size()] : token(rng));
+  }
+  auto report = hybrid::benchmarkSpeculation(**model, inputs, maxTokens, draftTokens);
+  if (!report) {
+    std::cerr << "error: spec: " << report.status().message() << "\n";
+    return 1;
+  }
+  std::printf("spec: %lld prompts x %d tokens, %lld generated, draft <= %d: outputs %s\n"
+              "decode %.1f tokens/s plain, %.1f speculative (%.2fx); %lld passes, %lld drafted, "
+              "%lld accepted (%.0f%%); rollback memory %.1f KiB per sequence\n",
+              static_cast<long long>(report->prompts), promptTokens,
+              static_cast<long long>(report->generatedTokens), draftTokens,
+              report->identical ? "identical" : "DIFFERENT", report->plainTokensPerSecond,
+              report->speculativeTokensPerSecond,
+              report->speculativeTokensPerSecond / std::max(report->plainTokensPerSecond, 1e-9),
+              static_cast<long long>(report->verifySteps),
+              static_cast<long long>(report->draftedTokens),
+              static_cast<long long>(report->acceptedTokens),
+              100.0 * report->acceptedTokens / std::max<int64_t>(1, report->draftedTokens),
+              report->rollbackBytesPerSequence / 1024.0);
+  return report->identical ? 0 : 1;
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
@@ -315,8 +357,27 @@ int main(int argc, char **argv) {
                     "--model: prompt prefixes kept")
       ->check(CLI::NonNegativeNumber);
   serve->add_option("--json", o.jsonPath, "Write the results as JSON");
+  int32_t specPrompts = 8, specPromptTokens = 64, specMaxTokens = 32, specDraft = 4;
+  uint64_t specSeed = 1;
+  std::string specModel;
+  hybrid::LoadOptions specOptions;
+  CLI::App *spec = app.add_subcommand(
+      "spec", "Speculative (prompt-lookup drafts) against plain greedy decoding on a model");
+  spec->add_option("--model", specModel, "A compiled model")->required();
+  spec->add_option("--prompts", specPrompts, "Prompts (half repetitive)")
+      ->check(CLI::PositiveNumber);
+  spec->add_option("--prompt-tokens", specPromptTokens, "Prompt length")
+      ->check(CLI::PositiveNumber);
+  spec->add_option("--max-tokens", specMaxTokens, "Tokens to generate per prompt")
+      ->check(CLI::PositiveNumber);
+  spec->add_option("--draft", specDraft, "Most draft tokens per verification pass")
+      ->check(CLI::PositiveNumber);
+  spec->add_option("--seed", specSeed, "Prompt seed");
   CLI11_PARSE(app, argc, argv);
 
+  if (spec->parsed())
+    return runSpec(specModel, specOptions, specPrompts, specPromptTokens, specMaxTokens, specDraft,
+                   specSeed);
   if (serve->parsed())
     return runServe(load, modelDir, modelOptions, o.jsonPath);
   if (kda->parsed())

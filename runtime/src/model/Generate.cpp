@@ -114,6 +114,45 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
   return result;
 }
 
+StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
+                                                 const std::vector<std::vector<int64_t>> &prompts,
+                                                 int64_t maxNewTokens, int64_t draftTokens) {
+  SpeculationReport report;
+  double plainSeconds = 0, speculativeSeconds = 0;
+  int64_t decodedTokens = 0; // tokens after the first of each prompt (what decode steps make)
+  for (const auto &prompt : prompts) {
+    GenerationOptions plain;
+    plain.maxNewTokens = maxNewTokens;
+    HYBRID_ASSIGN_OR_RETURN(GenerationResult reference, generateGreedy(model, prompt, plain));
+    GenerationOptions speculative = plain;
+    speculative.draftTokens = draftTokens;
+    HYBRID_ASSIGN_OR_RETURN(GenerationResult result, generateGreedy(model, prompt, speculative));
+    ++report.prompts;
+    report.generatedTokens += static_cast<int64_t>(result.generated.size());
+    report.identical = report.identical && result.generated == reference.generated;
+    plainSeconds += reference.decodeSeconds;
+    speculativeSeconds += result.decodeSeconds;
+    decodedTokens += std::max<int64_t>(0, static_cast<int64_t>(result.generated.size()) - 1);
+    report.verifySteps += result.verifySteps;
+    report.draftedTokens += result.draftedTokens;
+    report.acceptedTokens += result.acceptedTokens;
+  }
+  report.plainTokensPerSecond = decodedTokens / std::max(plainSeconds, 1e-9);
+  report.speculativeTokensPerSecond = decodedTokens / std::max(speculativeSeconds, 1e-9);
+  // Per sequence: the snapshot, and per KDA layer the logged inputs of up to draftTokens + 1
+  // rows (pre-conv q, k, v and q, k, v, g: 7 x P floats, beta: H floats per row).
+  const Model::Usage usage = model.usage();
+  uint64_t logBytes = 0;
+  if (const auto *recurrent = model.plan().cache()->recurrent())
+    for (const auto *layer : *recurrent) {
+      const uint64_t heads = static_cast<uint64_t>(layer->num_heads());
+      const uint64_t P = heads * static_cast<uint64_t>(layer->head_k_dim());
+      logBytes += static_cast<uint64_t>(draftTokens + 1) * (7 * P + heads) * sizeof(float);
+    }
+  report.rollbackBytesPerSequence = usage.recurrentStateBytes + logBytes;
+  return report;
+}
+
 std::vector<int64_t> promptLookupDraft(std::span<const int64_t> context, int64_t maxTokens,
                                        int64_t maxNgram) {
   const auto length = static_cast<int64_t>(context.size());

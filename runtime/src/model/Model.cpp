@@ -345,6 +345,7 @@ Model::Usage Model::usage() const {
       std::count(impl_->kvSequenceInUse.begin(), impl_->kvSequenceInUse.end(), true));
   usage.maxSequences = impl_->options.maxSequences;
   usage.keptPrefixes = impl_->prefixCache.size();
+  usage.recurrentStateBytes = impl_->states.slotElements() * sizeof(float);
   return usage;
 }
 

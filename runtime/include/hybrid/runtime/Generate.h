@@ -44,6 +44,23 @@ struct GenerationOptions {
   int64_t draftTokens = 0;
 };
 
+// Speculative against plain greedy decoding on the same prompts (hybrid-bench spec): both must
+// give the same tokens; decode throughput of each, the drafts' acceptance, and the memory a
+// rollback keeps per sequence (one recurrent-state snapshot plus the logged KDA inputs of one
+// verification pass).
+struct SpeculationReport {
+  int64_t prompts = 0;
+  int64_t generatedTokens = 0;
+  bool identical = true;
+  double plainTokensPerSecond = 0;
+  double speculativeTokensPerSecond = 0;
+  int64_t verifySteps = 0, draftedTokens = 0, acceptedTokens = 0;
+  uint64_t rollbackBytesPerSequence = 0;
+};
+StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
+                                                 const std::vector<std::vector<int64_t>> &prompts,
+                                                 int64_t maxNewTokens, int64_t draftTokens);
+
 // Prompt-lookup drafting: the tokens that followed the most recent earlier occurrence of the
 // context's last n tokens (n from maxNgram down to 1), at most maxTokens of them; empty when the
 // tail never occurred before.

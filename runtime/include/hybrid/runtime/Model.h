@@ -153,6 +153,7 @@ public:
     int32_t sequencesInUse = 0;
     int32_t maxSequences = 0;
     size_t keptPrefixes = 0;
+    uint64_t recurrentStateBytes = 0; // one sequence's recurrent state, all layers
   };
   Usage usage() const;
   // KV pages `tokens` positions of one sequence take.
