@@ -647,6 +647,15 @@ TEST(PromptLookup, DraftsWhatFollowedTheLatestEarlierOccurrence) {
   EXPECT_TRUE(promptLookupDraft(std::vector<int64_t>{}, 4).empty());
 }
 
+TEST(PromptLookup, DraftLengthFollowsTheAcceptance) {
+  EXPECT_EQ(adaptDraftLength(3, 4, 3, 3), 4); // all accepted: longer
+  EXPECT_EQ(adaptDraftLength(4, 4, 4, 4), 4); // ... up to the maximum
+  EXPECT_EQ(adaptDraftLength(3, 4, 3, 1), 2); // under half: shorter
+  EXPECT_EQ(adaptDraftLength(1, 4, 1, 0), 1); // ... down to 1
+  EXPECT_EQ(adaptDraftLength(3, 4, 4, 2), 3); // half: unchanged
+  EXPECT_EQ(adaptDraftLength(3, 4, 0, 0), 3); // nothing drafted: unchanged
+}
+
 TEST(Scheduler, RefusesBadRequests) {
   LoadOptions options;
   options.maxContextTokens = 100;

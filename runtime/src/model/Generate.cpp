@@ -79,12 +79,8 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
       ++result.verifySteps;
       result.draftedTokens += static_cast<int64_t>(draft.size());
       result.acceptedTokens += verified.accepted;
-      if (!draft.empty()) {
-        if (verified.accepted == static_cast<int64_t>(draft.size()))
-          draftLength = std::min(options.draftTokens, draftLength + 1);
-        else if (2 * verified.accepted < static_cast<int64_t>(draft.size()))
-          draftLength = std::max<int64_t>(1, draftLength - 1);
-      }
+      draftLength = adaptDraftLength(draftLength, options.draftTokens,
+                                     static_cast<int64_t>(draft.size()), verified.accepted);
       for (size_t i = 0; i < verified.tokens.size() && !done; ++i) {
         next = verified.tokens[i];
         done = emit(next, std::span<const float>(verified.logits).subspan(i * vocab, vocab));
@@ -151,6 +147,16 @@ StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
     }
   report.rollbackBytesPerSequence = usage.recurrentStateBytes + logBytes;
   return report;
+}
+
+int64_t adaptDraftLength(int64_t current, int64_t maximum, int64_t drafted, int64_t accepted) {
+  if (drafted == 0)
+    return current;
+  if (accepted == drafted)
+    return std::min(maximum, current + 1);
+  if (2 * accepted < drafted)
+    return std::max<int64_t>(1, current - 1);
+  return current;
 }
 
 std::vector<int64_t> promptLookupDraft(std::span<const int64_t> context, int64_t maxTokens,

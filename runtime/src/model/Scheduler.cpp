@@ -11,10 +11,13 @@ struct Scheduler::Active {
   uint64_t id = 0;
   GenerationRequest request;
   std::vector<int64_t> context; // the prompt, then every generated token
-  int64_t generated = 0;
   std::unique_ptr<Sequence> sequence;
   int64_t fed = 0;         // context tokens the sequence has consumed
   int64_t draftLength = 0; // speculative decoding: this request's current draft length
+
+  int64_t generated() const {
+    return static_cast<int64_t>(context.size() - request.prompt.size());
+  }
 };
 
 Scheduler::Scheduler(Model &model, SchedulerOptions options)
@@ -92,6 +95,15 @@ std::vector<TokenEvent> Scheduler::step() {
   }
 
   std::vector<TokenEvent> events;
+  // A request leaves the running set finished, or failed with an error event.
+  auto retire = [&](size_t at) {
+    ++stats_.finished;
+    running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(at));
+  };
+  auto fail = [&](size_t at, const std::string &message) {
+    events.push_back({running_[at]->id, -1, true, message});
+    retire(at);
+  };
   for (size_t index = 0; index < running_.size();) {
     Active &active = *running_[index];
     const auto contextLength = static_cast<int64_t>(active.context.size());
@@ -101,9 +113,7 @@ std::vector<TokenEvent> Scheduler::step() {
       // The first step restores the longest kept prefix (if the model keeps prefixes).
       StatusOr<int64_t> cached = active.sequence->restorePrefix(active.context);
       if (!cached) {
-        events.push_back({active.id, -1, true, cached.status().message()});
-        ++stats_.finished;
-        running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
+        fail(index, cached.status().message());
         continue;
       }
       stats_.cachedPromptTokens += *cached;
@@ -124,7 +134,7 @@ std::vector<TokenEvent> Scheduler::step() {
             !kept)
           logits = kept;
     } else if (options_.draftTokens > 0) {
-      const int64_t room = active.request.maxNewTokens - active.generated;
+      const int64_t room = active.request.maxNewTokens - active.generated();
       const std::vector<int64_t> draft =
           promptLookupDraft(active.context, std::min(active.draftLength, room - 1));
       StatusOr<DraftVerification> verified =
@@ -133,12 +143,9 @@ std::vector<TokenEvent> Scheduler::step() {
         ++stats_.verifySteps;
         stats_.draftedTokens += static_cast<int64_t>(draft.size());
         stats_.acceptedTokens += verified->accepted;
-        if (!draft.empty()) {
-          if (verified->accepted == static_cast<int64_t>(draft.size()))
-            active.draftLength = std::min(options_.draftTokens, active.draftLength + 1);
-          else if (2 * verified->accepted < static_cast<int64_t>(draft.size()))
-            active.draftLength = std::max<int64_t>(1, active.draftLength - 1);
-        }
+        active.draftLength =
+            adaptDraftLength(active.draftLength, options_.draftTokens,
+                             static_cast<int64_t>(draft.size()), verified->accepted);
         chosen = verified->tokens;
         logits = std::move(verified->logits);
       } else {
@@ -158,9 +165,7 @@ std::vector<TokenEvent> Scheduler::step() {
         preempt(index);
         continue;
       }
-      events.push_back({active.id, -1, true, message});
-      ++stats_.finished;
-      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
+      fail(index, message);
       continue;
     }
     if (active.fed < contextLength) {
@@ -177,18 +182,16 @@ std::vector<TokenEvent> Scheduler::step() {
     for (size_t i = 0; i < chosen.size() && !finished; ++i) {
       const int64_t token = chosen[i];
       active.context.push_back(token);
-      ++active.generated;
       const bool stop = std::find(active.request.stopTokens.begin(),
                                   active.request.stopTokens.end(),
                                   token) != active.request.stopTokens.end();
-      finished = stop || active.generated >= active.request.maxNewTokens;
+      finished = stop || active.generated() >= active.request.maxNewTokens;
       events.push_back({active.id, token, finished, {}});
     }
     // The sequence has consumed every context token but the last chosen one.
     active.fed = static_cast<int64_t>(active.context.size()) - 1;
     if (finished) {
-      ++stats_.finished;
-      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
+      retire(index);
       continue;
     }
     ++index;

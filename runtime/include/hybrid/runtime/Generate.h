@@ -61,6 +61,11 @@ StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
                                                  const std::vector<std::vector<int64_t>> &prompts,
                                                  int64_t maxNewTokens, int64_t draftTokens);
 
+// The next draft length after a verification pass: one longer (up to `maximum`) when the whole
+// draft was accepted, one shorter (down to 1) when less than half was; unchanged otherwise or
+// when nothing was drafted.
+int64_t adaptDraftLength(int64_t current, int64_t maximum, int64_t drafted, int64_t accepted);
+
 // Prompt-lookup drafting: the tokens that followed the most recent earlier occurrence of the
 // context's last n tokens (n from maxNgram down to 1), at most maxTokens of them; empty when the
 // tail never occurred before.
