@@ -100,6 +100,12 @@ struct Server::Impl {
 
   void engineLoop();
   void finish(Pending &pending, TokenEvent event);
+  // A request stops counting against maxQueuedRequests; done before its client hears back, so
+  // that client's next request finds room.
+  void leaveQueue() {
+    std::lock_guard<std::mutex> lock(mutex);
+    --queued;
+  }
   void routes();
   bool authorized(const httplib::Request &request, httplib::Response &response) const;
   void completions(const httplib::Request &request, httplib::Response &response);
@@ -140,20 +146,10 @@ void Server::Impl::engineLoop() {
     for (auto &pending : arrived) {
       StatusOr<uint64_t> id = scheduler.submit(pending->request);
       if (!id) {
-        failedRequests.fetch_add(1);
-        {
-          // Out of the count before the client hears back, so its next request finds room.
-          std::lock_guard<std::mutex> lock(mutex);
-          --queued;
-        }
-        {
-          std::lock_guard<std::mutex> lock(pending->mutex);
-          pending->rejected = true;
-          pending->error = id.status().message();
-          pending->done = true;
-          pending->events.push_back(TokenEvent{0, -1, true, pending->error});
-        }
-        pending->changed.notify_all();
+        leaveQueue();
+        // Set before finish() publishes the event under the pending request's lock.
+        pending->rejected = true;
+        finish(*pending, TokenEvent{0, -1, true, id.status().message()});
         continue;
       }
       active[*id] = pending;
@@ -166,18 +162,14 @@ void Server::Impl::engineLoop() {
       }
       scheduler.cancel(it->first);
       it = active.erase(it);
-      std::lock_guard<std::mutex> lock(mutex);
-      --queued;
+      leaveQueue();
     }
     for (TokenEvent &event : scheduler.step()) {
       auto found = active.find(event.request);
       if (found == active.end())
         continue;
-      if (event.finished) {
-        // Out of the count before the client hears back, so its next request finds room.
-        std::lock_guard<std::mutex> lock(mutex);
-        --queued;
-      }
+      if (event.finished)
+        leaveQueue();
       const bool last = event.finished;
       finish(*found->second, std::move(event));
       if (last)
