@@ -19,6 +19,19 @@
 
 namespace {
 
+// Writes `text` to `path` (--json); nothing when path is empty. False, with a message, on failure.
+bool writeText(const std::string &path, const std::string &text) {
+  if (path.empty())
+    return true;
+  std::ofstream file(path);
+  file << text;
+  if (!file) {
+    std::cerr << "error: --json: cannot write '" << path << "'\n";
+    return false;
+  }
+  return true;
+}
+
 #ifdef HYBRID_BENCH_KDA
 namespace kc = hybrid::kernels::cuda;
 
@@ -112,18 +125,10 @@ void appendDecodeJson(const std::vector<kc::KdaDecodeBenchResult> &results,
 }
 
 bool writeJson(const std::string &path, const std::vector<std::string> &objects) {
-  if (path.empty())
-    return true;
-  std::ofstream json(path);
-  json << "[\n";
+  std::string text = "[\n";
   for (size_t i = 0; i < objects.size(); ++i)
-    json << "  " << objects[i] << (i + 1 < objects.size() ? ",\n" : "\n");
-  json << "]\n";
-  if (!json) {
-    std::cerr << "error: --json: cannot write '" << path << "'\n";
-    return false;
-  }
-  return true;
+    text += "  " + objects[i] + (i + 1 < objects.size() ? ",\n" : "\n");
+  return writeText(path, text + "]\n");
 }
 
 #endif
@@ -247,22 +252,16 @@ int runServe(hybrid::LoadGeneratorOptions load, const std::string &modelDir,
     return 1;
   }
   std::printf("%s", hybrid::formatLoadReport(load, *report).c_str());
-  if (!jsonPath.empty()) {
-    std::ofstream json(jsonPath);
-    json << hybrid::loadReportJson(load, *report);
-    if (!json) {
-      std::cerr << "error: --json: cannot write '" << jsonPath << "'\n";
-      return 1;
-    }
-  }
+  if (!writeText(jsonPath, hybrid::loadReportJson(load, *report)))
+    return 1;
   return report->failed == 0 ? 0 : 1;
 }
 
 // Speculative against plain decoding on `--model`: half the prompts repeat a random 8-token
 // pattern (where prompt lookup drafts well), half are random.
-int runSpec(const std::string &modelDir, hybrid::LoadOptions modelOptions, int32_t prompts,
-            int32_t promptTokens, int32_t maxTokens, int32_t draftTokens, uint64_t seed) {
-  auto model = hybrid::Model::load(modelDir, modelOptions);
+int runSpec(const std::string &modelDir, int32_t prompts, int32_t promptTokens, int32_t maxTokens,
+            int32_t draftTokens, uint64_t seed) {
+  auto model = hybrid::Model::load(modelDir);
   if (!model) {
     std::cerr << "error: spec: " << model.status().message() << "\n";
     return 1;
@@ -360,7 +359,6 @@ int main(int argc, char **argv) {
   int32_t specPrompts = 8, specPromptTokens = 64, specMaxTokens = 32, specDraft = 4;
   uint64_t specSeed = 1;
   std::string specModel;
-  hybrid::LoadOptions specOptions;
   CLI::App *spec = app.add_subcommand(
       "spec", "Speculative (prompt-lookup drafts) against plain greedy decoding on a model");
   spec->add_option("--model", specModel, "A compiled model")->required();
@@ -376,8 +374,7 @@ int main(int argc, char **argv) {
   CLI11_PARSE(app, argc, argv);
 
   if (spec->parsed())
-    return runSpec(specModel, specOptions, specPrompts, specPromptTokens, specMaxTokens, specDraft,
-                   specSeed);
+    return runSpec(specModel, specPrompts, specPromptTokens, specMaxTokens, specDraft, specSeed);
   if (serve->parsed())
     return runServe(load, modelDir, modelOptions, o.jsonPath);
   if (kda->parsed())
