@@ -17,6 +17,12 @@ using Body = std::function<void(int64_t, int64_t)>;
 thread_local bool insideParallelBody = false;
 
 // One job at a time; the submitting thread works on it too. Workers sleep between jobs.
+//
+// Each job's counters live in its own Job, which a worker attaches to (under the lock) before
+// touching it and which outlives every attached worker. Shared counters reset per job raced: a
+// worker waking late for job N could take a chunk index from N's exhausted counter after run()
+// returned, then read job N+1's chunk count and body and run (and count) a chunk of N+1 twice,
+// so its done count could skip past the total and the submitter waited forever.
 class ThreadPool {
 public:
   explicit ThreadPool(int numWorkers) {
@@ -36,24 +42,28 @@ public:
 
   void run(int64_t count, int64_t chunkSize, const Body &body) {
     std::lock_guard<std::mutex> oneJobAtATime(submitMutex_);
+    Job job{&body, count, chunkSize, (count + chunkSize - 1) / chunkSize};
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      body_ = &body;
-      count_ = count;
-      chunkSize_ = chunkSize;
-      numChunks_ = (count + chunkSize - 1) / chunkSize;
-      nextChunk_.store(0);
-      chunksDone_.store(0);
+      job_ = &job;
       ++generation_;
     }
     wake_.notify_all();
-    drain();
+    drain(job);
     std::unique_lock<std::mutex> lock(mutex_);
-    // Also wait for workers to leave drain(), so none touches body_ after we return.
-    done_.wait(lock, [&] { return chunksDone_.load() == numChunks_ && busyWorkers_ == 0; });
+    // Also wait for attached workers to leave drain(), so none touches `job` after we return.
+    done_.wait(lock, [&] { return job.chunksDone.load() == job.numChunks && busyWorkers_ == 0; });
+    job_ = nullptr; // workers waking late find no job
   }
 
 private:
+  struct Job {
+    const Body *body;
+    int64_t count, chunkSize, numChunks;
+    std::atomic<int64_t> nextChunk{0};
+    std::atomic<int64_t> chunksDone{0};
+  };
+
   void workerLoop() {
     uint64_t seenGeneration = 0;
     std::unique_lock<std::mutex> lock(mutex_);
@@ -62,26 +72,29 @@ private:
       if (stop_)
         return;
       seenGeneration = generation_;
+      Job *job = job_;
+      if (!job)
+        continue;
       ++busyWorkers_;
       lock.unlock();
-      drain();
+      drain(*job);
       lock.lock();
       if (--busyWorkers_ == 0)
         done_.notify_all();
     }
   }
 
-  void drain() {
+  void drain(Job &job) {
     for (;;) {
-      const int64_t chunk = nextChunk_.fetch_add(1);
-      if (chunk >= numChunks_)
+      const int64_t chunk = job.nextChunk.fetch_add(1);
+      if (chunk >= job.numChunks)
         return;
-      const int64_t begin = chunk * chunkSize_;
-      const int64_t end = std::min(count_, begin + chunkSize_);
+      const int64_t begin = chunk * job.chunkSize;
+      const int64_t end = std::min(job.count, begin + job.chunkSize);
       insideParallelBody = true;
-      (*body_)(begin, end);
+      (*job.body)(begin, end);
       insideParallelBody = false;
-      if (chunksDone_.fetch_add(1) + 1 == numChunks_) {
+      if (job.chunksDone.fetch_add(1) + 1 == job.numChunks) {
         std::lock_guard<std::mutex> lock(mutex_);
         done_.notify_all();
       }
@@ -96,12 +109,7 @@ private:
   bool stop_ = false;
   uint64_t generation_ = 0;
   int busyWorkers_ = 0;
-  const Body *body_ = nullptr;
-  int64_t count_ = 0;
-  int64_t chunkSize_ = 1;
-  int64_t numChunks_ = 0;
-  std::atomic<int64_t> nextChunk_{0};
-  std::atomic<int64_t> chunksDone_{0};
+  Job *job_ = nullptr; // the job being run, or none
 };
 
 ThreadPool &pool() {
