@@ -53,9 +53,13 @@ int main(int argc, char **argv) {
                  "(bf16 tensor cores) or recurrent (fp32)")
       ->default_val("auto")
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
+  bool noCudaGraphs = false;
+  app.add_flag("--no-cuda-graphs", noCudaGraphs,
+               "cuda: launch every decode kernel each step instead of replaying CUDA graphs");
   app.add_flag("--verify-weights", load.verifyWeightContents,
                "Re-hash every weight archive entry while loading");
   CLI11_PARSE(app, argc, argv);
+  load.cudaGraphs = !noCudaGraphs;
 
   auto fail = [](const std::string &message) {
     std::cerr << "error: " << message << "\n";

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <tuple>
 
 namespace hybrid::cudadev {
 namespace fb = plan::fb;
@@ -61,9 +62,17 @@ struct StreamResources {
   int32_t *cuSeqlens = nullptr; // {0, rows} for a one-sequence prefill
 };
 
+// Consecutive steps of a program that all run on the GPU, or all on the cpu reference:
+// [begin, end) step indices. A GPU run is what one decode graph holds.
+struct StepRun {
+  size_t begin = 0, end = 0;
+  bool gpu = true;
+};
+
 struct CudaExecutor::Impl {
   const fb::Plan *plan = nullptr;
-  std::vector<const fb::Program *> programs;
+  std::vector<const fb::Program *> programs; // prefill, decode
+  std::vector<std::vector<StepRun>> runs;     // per program
   unsigned char *weights = nullptr; // the archive's data region, at the plan's offsets
   std::vector<fb::DType> weightTypes;
   std::map<int32_t, float *> fp32Weights;          // small weights the kernels read as fp32
@@ -78,10 +87,26 @@ struct CudaExecutor::Impl {
   size_t scratchFloats = 0, xBf16Elements = 0, kdaWorkspaceBytes = 0, gemmOutputs = 0;
   bool splitGemmInputs = true;
   kc::KdaPrefillPath kdaPrefillPath = kc::KdaPrefillPath::Auto;
+  int64_t *pinnedTokens = nullptr; // token ids staged for an asynchronous upload
+  // Stream 0 forks the other streams at the start of a GPU run and joins them at its end, so a
+  // run is ordered after the token upload and a captured run is one graph on stream 0.
+  cudaEvent_t forkEvent = nullptr;
+  std::vector<cudaEvent_t> joinEvents; // per stream
+  // Decode graphs per (GPU run, state slot, rows). Everything a captured step reads from the host
+  // must be in this key: the slot decides the state pointers; no GPU kernel reads positions yet.
+  bool cudaGraphs = true;
+  std::map<std::tuple<size_t, int32_t, int64_t>, cudaGraphExec_t> decodeGraphs;
 
   ~Impl() {
+    for (auto &[key, graph] : decodeGraphs)
+      cudaGraphExecDestroy(graph);
     for (cudaEvent_t event : events)
       cudaEventDestroy(event);
+    for (cudaEvent_t event : joinEvents)
+      cudaEventDestroy(event);
+    if (forkEvent)
+      cudaEventDestroy(forkEvent);
+    cudaFreeHost(pinnedTokens);
     for (auto &resources : streams)
       if (resources->stream)
         cudaStreamDestroy(resources->stream);
@@ -113,6 +138,16 @@ struct CudaExecutor::Impl {
                 StreamResources &resources, const cpu::StepContext &host);
   Status gemm(StreamResources &resources, const float *x, int64_t xStride, int32_t weightIndex,
               float *y, int64_t yStride, int64_t rows, int64_t in, int64_t out);
+  StreamResources &streamOf(const fb::Dispatch &dispatch) {
+    return *streams[static_cast<size_t>(std::max(0, dispatch.stream())) % streams.size()];
+  }
+  // Launches a GPU run's steps on the plan's streams. While `capturing`, waits on events that
+  // were recorded before the run are dropped: the cpu step before it synchronized the device.
+  Status launchRun(const fb::Program &program, unsigned char *arena, const StepRun &run,
+                   const cpu::StepContext &host, HiddenStates *hidden, bool capturing);
+  // Replays the run's graph for this slot, capturing it the first time.
+  Status replayRun(const fb::Program &program, unsigned char *arena, size_t runIndex,
+                   const cpu::StepContext &host);
 };
 
 namespace {
@@ -379,6 +414,9 @@ Status CudaExecutor::Impl::runOnCpu(const fb::Program &program, const fb::Dispat
                                     valueBytes(value, host.rows), cudaMemcpyHostToDevice),
                          "upload of a cpu step's output");
   }
+  // A pageable upload may return before its DMA lands, and the plan's streams do not wait on the
+  // legacy stream that carried it.
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), "after a cpu step");
   return Status::ok();
 }
 
@@ -392,6 +430,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   auto impl = std::make_unique<Impl>();
   impl->plan = &plan;
   impl->splitGemmInputs = !options.bf16GemmInputs;
+  impl->cudaGraphs = options.cudaGraphs;
   if (options.kdaPrefill == "recurrent")
     impl->kdaPrefillPath = kc::KdaPrefillPath::Recurrent;
   else if (options.kdaPrefill == "chunked")
@@ -526,6 +565,14 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       impl->xBf16Elements = std::max(impl->xBf16Elements, static_cast<size_t>(rows) * xWidth);
       impl->gemmOutputs = std::max(impl->gemmOutputs, static_cast<size_t>(rows) * outWidth);
     }
+    std::vector<StepRun> &runs = impl->runs.emplace_back();
+    for (size_t i = 0; i < program->steps()->size(); ++i) {
+      const bool gpu = !impl->onCpu.count(
+          program->steps()->Get(static_cast<flatbuffers::uoffset_t>(i))->op_as_Dispatch());
+      if (runs.empty() || runs.back().gpu != gpu)
+        runs.push_back({i, i, gpu});
+      runs.back().end = i + 1;
+    }
     auto list = [](const std::map<std::string, int> &kernels) {
       std::string text;
       for (const auto &[name, count] : kernels)
@@ -578,8 +625,16 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
     r.cuSeqlens = reinterpret_cast<int32_t *>(base);
   }
   impl->events.resize(static_cast<size_t>(maxEvents));
+  impl->joinEvents.resize(static_cast<size_t>(maxStreams));
   for (cudaEvent_t &event : impl->events)
     CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "events");
+  for (cudaEvent_t &event : impl->joinEvents)
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "events");
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&impl->forkEvent, cudaEventDisableTiming),
+                       "events");
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedTokens,
+                                      static_cast<size_t>(maxRows) * sizeof(int64_t)),
+                       "pinned token buffer");
   auto executor = std::unique_ptr<CudaExecutor>(new CudaExecutor(std::move(impl)));
   executor->report_ = std::move(report);
   return executor;
@@ -595,61 +650,136 @@ Status CudaExecutor::resetSlot(int32_t slot) {
   return Status::ok();
 }
 
+Status CudaExecutor::Impl::launchRun(const fb::Program &program, unsigned char *arena,
+                                     const StepRun &run, const cpu::StepContext &host,
+                                     HiddenStates *hidden, bool capturing) {
+  cudaStream_t origin = streams[0]->stream;
+  CUDA_RETURN_IF_ERROR(cudaEventRecord(forkEvent, origin), "stream fork");
+  for (size_t s = 1; s < streams.size(); ++s)
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(streams[s]->stream, forkEvent, 0), "stream fork");
+  auto launchSteps = [&]() -> Status {
+    std::set<int32_t> recorded;
+    const auto *layerOutputs = program.layer_outputs();
+    for (size_t i = run.begin; i < run.end; ++i) {
+      const fb::Dispatch &d = *program.steps()->Get(static_cast<flatbuffers::uoffset_t>(i))->op_as_Dispatch();
+      const std::string where =
+          kernelName(d.kernel()) + " (layer " + std::to_string(d.layer()) + ")";
+      StreamResources &r = streamOf(d);
+      if (d.wait_events())
+        for (int32_t event : *d.wait_events())
+          if (!capturing || recorded.count(event))
+            CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(r.stream, events.at(event), 0), where);
+      HYBRID_RETURN_IF_ERROR(runOnGpu(program, arena, d, r, host).withContext(where));
+      if (d.signal_event() >= 0) {
+        CUDA_RETURN_IF_ERROR(cudaEventRecord(events.at(d.signal_event()), r.stream), where);
+        recorded.insert(d.signal_event());
+      }
+      if (cudaError_t status = cudaPeekAtLastError(); status != cudaSuccess)
+        return cudaStatus(status, where);
+      if (!hidden || !layerOutputs)
+        continue;
+      // The residual stream, right after the step that makes it (its slot is reused later).
+      for (int32_t output : *d.outputs())
+        for (size_t layer = 0; layer < layerOutputs->size(); ++layer) {
+          if (layerOutputs->Get(layer) != output)
+            continue;
+          CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), where);
+          const fb::Value &value = valueOf(program, output);
+          std::vector<float> values(static_cast<size_t>(host.rows * value.row_elements()));
+          CUDA_RETURN_IF_ERROR(cudaMemcpy(values.data(), arena + value.arena_offset(),
+                                          values.size() * sizeof(float), cudaMemcpyDeviceToHost),
+                               where);
+          hidden->layers[layer].insert(hidden->layers[layer].end(), values.begin(), values.end());
+        }
+    }
+    return Status::ok();
+  };
+  Status launched = launchSteps();
+  // Joined even after a failure: a capture cannot end while a forked stream is left out.
+  for (size_t s = 1; s < streams.size(); ++s) {
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(joinEvents[s], streams[s]->stream), "stream join");
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(origin, joinEvents[s], 0), "stream join");
+  }
+  return launched;
+}
+
+Status CudaExecutor::Impl::replayRun(const fb::Program &program, unsigned char *arena,
+                                     size_t runIndex, const cpu::StepContext &host) {
+  cudaStream_t origin = streams[0]->stream;
+  const auto key = std::make_tuple(runIndex, host.stateSlot, host.rows);
+  auto found = decodeGraphs.find(key);
+  if (found == decodeGraphs.end()) {
+    CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal),
+                         "decode graph capture");
+    Status launched =
+        launchRun(program, arena, runs[1][runIndex], host, nullptr, /*capturing=*/true);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(origin, &graph);
+    if (!launched.ok()) {
+      if (graph)
+        cudaGraphDestroy(graph);
+      return std::move(launched).withContext("while capturing a decode graph");
+    }
+    CUDA_RETURN_IF_ERROR(ended, "decode graph capture");
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    CUDA_RETURN_IF_ERROR(made, "decode graph instantiation");
+    found = decodeGraphs.emplace(key, exec).first;
+  }
+  CUDA_RETURN_IF_ERROR(cudaGraphLaunch(found->second, origin), "decode graph launch");
+  return Status::ok();
+}
+
 Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> tokens,
                          float *logitsOut, HiddenStates *hidden) {
   Impl &impl = *impl_;
   const fb::Program &program = *host.program;
   const bool prefill = program.name()->string_view() == "prefill";
-  unsigned char *arena = impl.arenas[prefill ? 0 : 1];
+  const size_t programIndex = prefill ? 0 : 1;
+  unsigned char *arena = impl.arenas[programIndex];
   const int64_t rows = host.rows;
+  if (tokens.size() > static_cast<size_t>(std::max<int64_t>(1, program.max_tokens())))
+    return Status::error(program.name()->str() + " program: " + std::to_string(tokens.size()) +
+                         " tokens, it takes at most " + std::to_string(program.max_tokens()));
 
-  const fb::Value &ids = valueOf(program, program.token_ids());
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(arena + ids.arena_offset(), tokens.data(),
-                                  tokens.size() * sizeof(int64_t), cudaMemcpyHostToDevice),
-                       "token ids upload");
-  const auto *layerOutputs = program.layer_outputs();
+  // The ids are on the host: check them here, with the cpu device's words.
   for (const fb::Step *step : *program.steps()) {
     const fb::Dispatch &d = *step->op_as_Dispatch();
-    const std::string where = kernelName(d.kernel()) + " (layer " + std::to_string(d.layer()) + ")";
-    if (d.kernel() == fb::KernelId::Embed) {
-      // The ids are on the host: check them here, with the cpu device's words.
-      const int64_t vocab = impl.weightRows(d.weights()->Get(0));
-      for (size_t t = 0; t < tokens.size(); ++t)
-        if (tokens[t] < 0 || tokens[t] >= vocab)
-          return Status::error(where + ": token id " + std::to_string(tokens[t]) +
-                               " at position " + std::to_string(host.firstPosition + t) +
-                               " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
-    }
-    if (impl.onCpu.count(&d)) {
-      HYBRID_RETURN_IF_ERROR(
-          impl.runOnCpu(program, d, arena, host).withContext(where + " on the cpu reference"));
-    } else {
-      StreamResources &r = *impl.streams[static_cast<size_t>(std::max(0, d.stream())) %
-                                         impl.streams.size()];
-      if (d.wait_events())
-        for (int32_t event : *d.wait_events())
-          CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(r.stream, impl.events.at(event), 0), where);
-      HYBRID_RETURN_IF_ERROR(impl.runOnGpu(program, arena, d, r, host).withContext(where));
-      if (d.signal_event() >= 0)
-        CUDA_RETURN_IF_ERROR(cudaEventRecord(impl.events.at(d.signal_event()), r.stream), where);
-      if (cudaError_t status = cudaPeekAtLastError(); status != cudaSuccess)
-        return cudaStatus(status, where);
-    }
-    if (!hidden || !layerOutputs)
+    if (d.kernel() != fb::KernelId::Embed)
       continue;
-    // The residual stream, right after the step that makes it (its slot is reused later).
-    for (int32_t output : *d.outputs())
-      for (size_t i = 0; i < layerOutputs->size(); ++i) {
-        if (layerOutputs->Get(i) != output)
-          continue;
-        CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), where);
-        const fb::Value &value = valueOf(program, output);
-        std::vector<float> values(static_cast<size_t>(rows * value.row_elements()));
-        CUDA_RETURN_IF_ERROR(cudaMemcpy(values.data(), arena + value.arena_offset(),
-                                        values.size() * sizeof(float), cudaMemcpyDeviceToHost),
-                             where);
-        hidden->layers[i].insert(hidden->layers[i].end(), values.begin(), values.end());
+    const int64_t vocab = impl.weightRows(d.weights()->Get(0));
+    for (size_t t = 0; t < tokens.size(); ++t)
+      if (tokens[t] < 0 || tokens[t] >= vocab)
+        return Status::error(kernelName(d.kernel()) + " (layer " + std::to_string(d.layer()) +
+                             "): token id " + std::to_string(tokens[t]) + " at position " +
+                             std::to_string(host.firstPosition + t) +
+                             " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+  }
+  // Staged in pinned memory: the previous call's copy finished with its synchronization.
+  std::copy(tokens.begin(), tokens.end(), impl.pinnedTokens);
+  const fb::Value &ids = valueOf(program, program.token_ids());
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arena + ids.arena_offset(), impl.pinnedTokens,
+                                       tokens.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                                       impl.streams[0]->stream),
+                       "token ids upload");
+
+  const bool graphs = impl.cudaGraphs && !prefill && !hidden;
+  const std::vector<StepRun> &runs = impl.runs[programIndex];
+  for (size_t index = 0; index < runs.size(); ++index) {
+    const StepRun &run = runs[index];
+    if (!run.gpu) {
+      for (size_t i = run.begin; i < run.end; ++i) {
+        const fb::Dispatch &d = *program.steps()->Get(static_cast<flatbuffers::uoffset_t>(i))->op_as_Dispatch();
+        const std::string where =
+            kernelName(d.kernel()) + " (layer " + std::to_string(d.layer()) + ")";
+        HYBRID_RETURN_IF_ERROR(
+            impl.runOnCpu(program, d, arena, host).withContext(where + " on the cpu reference"));
       }
+      continue;
+    }
+    HYBRID_RETURN_IF_ERROR(graphs ? impl.replayRun(program, arena, index, host)
+                                  : impl.launchRun(program, arena, run, host, hidden, false));
   }
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), program.name()->str() + " program");
   const fb::Value &logits = valueOf(program, program.logits());

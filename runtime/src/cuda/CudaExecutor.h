@@ -35,7 +35,9 @@ public:
   CudaExecutor &operator=(const CudaExecutor &) = delete;
 
   // Runs `program` over `tokens` for the sequence in `host` (whose arena, fp32 weights and caches
-  // serve the dispatches that run on the cpu reference); writes logits [rows, vocab].
+  // serve the dispatches that run on the cpu reference); writes logits [rows, vocab]. With
+  // options.cudaGraphs the decode program's GPU runs are replayed as graphs (not while `hidden`
+  // is asked for: it reads values between steps).
   Status run(const cpu::StepContext &host, std::span<const int64_t> tokens, float *logits,
              HiddenStates *hidden);
   // A fresh sequence in `slot`: its recurrent and conv states are zeroed on the device.

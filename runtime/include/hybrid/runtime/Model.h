@@ -44,6 +44,10 @@ struct LoadOptions {
   // or "auto" (chunked where compiled, recurrent elsewhere). Comparisons with the fp32 oracle at
   // tight tolerances take "recurrent".
   std::string kdaPrefill = "auto";
+  // cuda device: replay the decode program's GPU steps as CUDA graphs, one per state slot and run
+  // of consecutive GPU steps (the steps on the cpu reference split a program into such runs),
+  // captured on a slot's first decode step. Off: every kernel is launched each step.
+  bool cudaGraphs = true;
   // Prefix caching (Sequence::prefillWithPrefixCache): how many prompt prefixes are kept (0: off)
   // and the block they are cut at: a prompt keeps its first floor(length / block) * block tokens.
   // Each kept prefix may hold up to a full context of KV pages, so the KV cache grows by that
