@@ -2,6 +2,7 @@
 // column-major y^T[out, rows] = W^T' x^T: A = W viewed column-major [in, out] and transposed,
 // B = x viewed column-major [in, rows], D = y viewed column-major [out, rows] (the "TN" GEMM).
 #include "hybrid/kernels/cuda/Linear.h"
+#include "cublaslt_support.cuh"
 
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -9,12 +10,6 @@
 
 namespace hybrid::kernels::cuda {
 namespace {
-
-constexpr int kCublasBase = 1000;
-
-int cublasCode(cublasStatus_t status) {
-  return status == CUBLAS_STATUS_SUCCESS ? 0 : kCublasBase + int(status);
-}
 
 // x [rows, in] (row stride) -> contiguous bf16, round to nearest even; with `split`, also the
 // remainders x - bf16(x) in bf16 as rows [rows, 2 rows).
@@ -45,35 +40,12 @@ __global__ void sumSplitProducts(const float *products, int64_t rows, int64_t ou
   }
 }
 
-// The largest power of two (up to 256) dividing the address: what cuBLASLt may assume.
-int alignmentOf(const void *pointer) {
-  const auto address = reinterpret_cast<uintptr_t>(pointer);
-  int alignment = 256;
-  while (alignment > 1 && address % alignment != 0)
-    alignment /= 2;
-  return alignment;
-}
-
 } // namespace
-
-struct LinearContext::Algorithm {
-  cublasLtMatmulDesc_t operation = nullptr;
-  cublasLtMatrixLayout_t weight = nullptr, x = nullptr, y = nullptr;
-  cublasLtMatmulAlgo_t algorithm{};
-  ~Algorithm() {
-    if (y)
-      cublasLtMatrixLayoutDestroy(y);
-    if (x)
-      cublasLtMatrixLayoutDestroy(x);
-    if (weight)
-      cublasLtMatrixLayoutDestroy(weight);
-    if (operation)
-      cublasLtMatmulDescDestroy(operation);
-  }
-};
 
 LinearContext::~LinearContext() {
   for (auto &[shape, algorithm] : algorithms_)
+    delete algorithm;
+  for (auto &[shape, algorithm] : fp8Algorithms_)
     delete algorithm;
   if (workspace_)
     cudaFree(workspace_);

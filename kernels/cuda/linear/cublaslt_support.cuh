@@ -1,0 +1,44 @@
+// Shared by the cuBLASLt linear paths (bf16 and FP8 weights): error codes, pointer alignment and
+// the cached per-shape problem description.
+#pragma once
+
+#include "hybrid/kernels/cuda/Linear.h"
+
+#include <cstdint>
+#include <cublasLt.h>
+
+namespace hybrid::kernels::cuda {
+
+// LinearContext codes: a cudaError_t, or kCublasBase + a cublasStatus_t.
+inline constexpr int kCublasBase = 1000;
+
+inline int cublasCode(cublasStatus_t status) {
+  return status == CUBLAS_STATUS_SUCCESS ? 0 : kCublasBase + int(status);
+}
+
+// The largest power of two (up to 256) dividing the address: what cuBLASLt may assume.
+inline int alignmentOf(const void *pointer) {
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  int alignment = 256;
+  while (alignment > 1 && address % alignment != 0)
+    alignment /= 2;
+  return alignment;
+}
+
+struct LinearContext::Algorithm {
+  cublasLtMatmulDesc_t operation = nullptr;
+  cublasLtMatrixLayout_t weight = nullptr, x = nullptr, y = nullptr;
+  cublasLtMatmulAlgo_t algorithm{};
+  ~Algorithm() {
+    if (y)
+      cublasLtMatrixLayoutDestroy(y);
+    if (x)
+      cublasLtMatrixLayoutDestroy(x);
+    if (weight)
+      cublasLtMatrixLayoutDestroy(weight);
+    if (operation)
+      cublasLtMatmulDescDestroy(operation);
+  }
+};
+
+} // namespace hybrid::kernels::cuda
