@@ -40,6 +40,9 @@ kc::KdaPrefillPath prefillPathOf(const std::string &name) {
          : name == "chunked" ? kc::KdaPrefillPath::Chunked
                              : kc::KdaPrefillPath::Auto;
 }
+kc::KdaStateType stateTypeOf(const std::string &name) {
+  return name == "bf16" ? kc::KdaStateType::BF16 : kc::KdaStateType::F32;
+}
 kc::KdaDecodePath decodePathOf(const std::string &name) {
   return name == "fused"   ? kc::KdaDecodePath::Fused
          : name == "split" ? kc::KdaDecodePath::Split
@@ -101,7 +104,8 @@ void appendPrefillJson(const std::vector<kc::KdaPrefillBenchResult> &results,
          << "\", \"sequences\": " << r.sequences << ", \"length\": " << r.length
          << ", \"heads\": " << r.heads << ", \"head_dim\": " << r.headDim
          << ", \"graph_ms\": " << r.milliseconds << ", \"tokens_per_s\": " << r.tokensPerSecond
-         << ", \"bytes\": " << r.bytes << ", \"flops\": " << r.flops << ", \"target\": \""
+         << ", \"bytes\": " << r.bytes << ", \"flops\": " << r.flops << ", \"state\": \""
+         << (r.bf16State ? "bf16" : "f32") << "\", \"target\": \""
          << kc::kdaPrefillTargetVerdict(r) << "\"}";
     objects.push_back(json.str());
   }
@@ -118,7 +122,8 @@ void appendDecodeJson(const std::vector<kc::KdaDecodeBenchResult> &results,
          << ", \"state_tb_per_s\": " << r.graphStateTbPerSecond
          << ", \"traffic_bytes\": " << r.trafficBytes
          << ", \"traffic_tb_per_s\": " << r.graphTrafficTbPerSecond << ", \"path\": \""
-         << (r.split ? "split" : "fused") << "\", \"target\": \""
+         << (r.split ? "split" : "fused") << "\", \"state\": \""
+         << (r.bf16State ? "bf16" : "f32") << "\", \"target\": \""
          << kc::kdaDecodeTargetVerdict(r) << "\"}";
     objects.push_back(json.str());
   }
@@ -136,7 +141,7 @@ bool writeJson(const std::string &path, const std::vector<std::string> &objects)
 struct Options {
   std::vector<int32_t> batches = {1, 32, 128};
   int32_t heads = 32, headDim = 128, decodeIterations = 200, prefillIterations = 3;
-  std::string decodePath = "auto", prefillPath = "auto", jsonPath;
+  std::string decodePath = "auto", prefillPath = "auto", jsonPath, state = "f32";
   std::vector<std::string> prefillShapes = {"1x8192", "8x1024"};
 };
 
@@ -144,7 +149,7 @@ struct Options {
 int runKdaDecode(const Options &o) {
   std::string error;
   const auto results = kc::benchKdaDecode(o.batches, o.heads, o.headDim, o.decodeIterations,
-                                          decodePathOf(o.decodePath), error);
+                                          decodePathOf(o.decodePath), stateTypeOf(o.state), error);
   if (!error.empty()) {
     std::cerr << "error: kda-decode: " << error << "\n";
     return 1;
@@ -161,7 +166,8 @@ int runKdaPrefill(const Options &o) {
     return 1;
   std::string error;
   const auto results = kc::benchKdaPrefill(shapes, o.heads, o.headDim, o.prefillIterations,
-                                           prefillPathOf(o.prefillPath), error);
+                                           prefillPathOf(o.prefillPath), stateTypeOf(o.state),
+                                           error);
   if (!error.empty()) {
     std::cerr << "error: kda-prefill: " << error << "\n";
     return 1;
@@ -178,7 +184,7 @@ int runKda(const Options &o) {
   std::string error;
   std::vector<std::string> objects;
   const auto decode = kc::benchKdaDecode({1, 128}, 32, 128, o.decodeIterations,
-                                         kc::KdaDecodePath::Auto, error);
+                                         kc::KdaDecodePath::Auto, kc::KdaStateType::F32, error);
   if (!error.empty()) {
     std::cerr << "error: kda: decode: " << error << "\n";
     return 1;
@@ -189,7 +195,7 @@ int runKda(const Options &o) {
   std::vector<kc::KdaPrefillBenchResult> prefill;
   for (int32_t heads : {32, 96}) {
     auto results = kc::benchKdaPrefill({{1, 8192}, {8, 1024}}, heads, 128, o.prefillIterations,
-                                       kc::KdaPrefillPath::Auto, error);
+                                       kc::KdaPrefillPath::Auto, kc::KdaStateType::F32, error);
     if (!error.empty()) {
       std::cerr << "error: kda: prefill: " << error << "\n";
       return 1;
@@ -317,6 +323,8 @@ int main(int argc, char **argv) {
   kdaDecode->add_option("--json", o.jsonPath, "Write the results as JSON");
   kdaDecode->add_option("--path", o.decodePath, "Kernels: auto (by batch), fused or split")
       ->check(CLI::IsMember({"auto", "fused", "split"}));
+  kdaDecode->add_option("--state", o.state, "Recurrent state storage: f32 or bf16")
+      ->check(CLI::IsMember({"f32", "bf16"}));
 
   CLI::App *kdaPrefill =
       app.add_subcommand("kda-prefill", "KDA prefill, varlen, with initial and final states");
@@ -330,6 +338,8 @@ int main(int argc, char **argv) {
   kdaPrefill->add_option("--path", o.prefillPath,
                          "Kernels: auto (chunked at head dim 128), recurrent or chunked")
       ->check(CLI::IsMember({"auto", "recurrent", "chunked"}));
+  kdaPrefill->add_option("--state", o.state, "Recurrent state storage: f32 or bf16")
+      ->check(CLI::IsMember({"f32", "bf16"}));
   hybrid::LoadGeneratorOptions load;
   hybrid::LoadOptions modelOptions;
   std::string modelDir;

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -29,6 +31,28 @@ inline float *deviceRandom(size_t n, float scale, float offset, std::mt19937 &rn
   if (cudaMalloc(&device, n * sizeof(float)) != cudaSuccess ||
       cudaMemcpy(device, host.data(), n * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) {
     error = "cannot allocate or fill " + std::to_string(n) + " floats on the device";
+    cudaFree(device);
+    return nullptr;
+  }
+  return device;
+}
+
+// The same, rounded to bf16 (round to nearest even), as bit patterns.
+inline void *deviceRandomBf16(size_t n, float scale, float offset, std::mt19937 &rng,
+                              std::string &error) {
+  std::vector<uint16_t> host(n);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (uint16_t &bits : host) {
+    const float value = offset + scale * normal(rng);
+    uint32_t word;
+    std::memcpy(&word, &value, sizeof word);
+    bits = uint16_t((word + 0x7FFFu + ((word >> 16) & 1u)) >> 16); // finite values only
+  }
+  void *device = nullptr;
+  if (cudaMalloc(&device, n * sizeof(uint16_t)) != cudaSuccess ||
+      cudaMemcpy(device, host.data(), n * sizeof(uint16_t), cudaMemcpyHostToDevice) !=
+          cudaSuccess) {
+    error = "cannot allocate or fill " + std::to_string(n) + " bf16 values on the device";
     cudaFree(device);
     return nullptr;
   }

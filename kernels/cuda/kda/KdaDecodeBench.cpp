@@ -14,7 +14,7 @@ using namespace bench;
 std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &batches,
                                                  int32_t heads, int32_t headDim,
                                                  int32_t iterations, KdaDecodePath path,
-                                                 std::string &error) {
+                                                 KdaStateType stateType, std::string &error) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     error = "no CUDA device";
@@ -44,7 +44,15 @@ std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &bat
     p.outputGate = make(size_t(batch) * P, 1.0f);
     p.weights.normWeight = make(size_t(headDim), 0.1f, 1.0f);
     p.convState = make(size_t(batch) * 3 * (W - 1) * P, 1.0f);
-    p.state = make(size_t(batch) * heads * headDim * headDim, 0.05f);
+    const bool bf16State = stateType == KdaStateType::BF16;
+    const size_t stateElements = size_t(batch) * heads * headDim * headDim;
+    p.stateType = stateType;
+    if (bf16State) {
+      p.state = deviceRandomBf16(stateElements, 0.05f, 0.0f, rng, error);
+      buffers.push_back(static_cast<float *>(p.state)); // freed with the others
+    } else {
+      p.state = make(stateElements, 0.05f);
+    }
     p.out = make(size_t(batch) * P, 1.0f);
     p.path = path;
     if (!error.empty())
@@ -93,7 +101,8 @@ std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &bat
     BENCH_CHECK(cudaStreamSynchronize(stream));
     cudaGraphExecDestroy(floorExec);
     cudaGraphDestroy(floorGraph);
-    result.stateBytes = 2.0 * 4.0 * double(batch) * heads * headDim * headDim;
+    result.stateBytes = 2.0 * (bf16State ? 2.0 : 4.0) * double(stateElements);
+    result.bf16State = bf16State;
     result.graphStateTbPerSecond = result.stateBytes / (result.graphMicroseconds * 1e-6) / 1e12;
     const double convStateBytes = 2.0 * 4.0 * double(batch) * 3 * (W - 1) * P;
     const double activationBytes = 4.0 * double(batch) * (3 * P + P + heads + P + P);

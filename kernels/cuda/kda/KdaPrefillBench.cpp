@@ -9,7 +9,8 @@ using namespace bench;
 
 std::vector<KdaPrefillBenchResult>
 benchKdaPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes, int32_t heads,
-                int32_t headDim, int32_t iterations, KdaPrefillPath path, std::string &error) {
+                int32_t headDim, int32_t iterations, KdaPrefillPath path, KdaStateType stateType,
+                std::string &error) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     error = "no CUDA device";
@@ -39,7 +40,14 @@ benchKdaPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes, int32_t 
     p.outputGate = make(T * P, 1.0f);
     p.weights.normWeight = make(size_t(headDim), 0.1f, 1.0f);
     p.convState = make(size_t(sequences) * 3 * (W - 1) * P, 1.0f);
-    p.state = make(size_t(sequences) * heads * headDim * headDim, 0.05f);
+    const size_t stateElements = size_t(sequences) * heads * headDim * headDim;
+    p.stateType = stateType;
+    if (stateType == KdaStateType::BF16) {
+      p.state = deviceRandomBf16(stateElements, 0.05f, 0.0f, rng, error);
+      buffers.push_back(static_cast<float *>(p.state)); // freed with the others
+    } else {
+      p.state = make(stateElements, 0.05f);
+    }
     p.out = make(T * P, 1.0f);
     if (!error.empty())
       return {};
@@ -74,12 +82,14 @@ benchKdaPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes, int32_t 
     result.heads = heads;
     result.headDim = headDim;
     result.chunked = resolveKdaPrefillPath(p) == KdaPrefillPath::Chunked;
+    result.bf16State = stateType == KdaStateType::BF16;
     result.milliseconds =
         medianMicroseconds(stream, iterations, [&] { cudaGraphLaunch(exec, stream); }) / 1e3;
     BENCH_CHECK(cudaStreamSynchronize(stream));
     result.tokensPerSecond = double(T) / (result.milliseconds * 1e-3);
     const KdaPrefillWork work = kdaPrefillWork(sequences, length, heads, headDim);
-    result.bytes = work.bytes;
+    // kdaPrefillWork counts an fp32 state; a bf16 one moves half of it.
+    result.bytes = work.bytes - (result.bf16State ? 2.0 * 2.0 * double(stateElements) : 0.0);
     result.flops = work.flops;
     results.push_back(result);
     cudaGraphExecDestroy(exec);

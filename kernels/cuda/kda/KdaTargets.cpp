@@ -21,6 +21,8 @@ std::string atMost(double value, double limit, const char *limitText) {
 std::string kdaDecodeTargetVerdict(const KdaDecodeBenchResult &r) {
   if (r.heads != 32 || r.headDim != 128)
     return {};
+  if (r.bf16State)
+    return "bf16 state: targets are for fp32";
   if (r.batch == 1)
     return atMost(r.graphMicroseconds, 3.0, "<= 3 us");
   if (r.batch == 128) {
@@ -50,6 +52,8 @@ KdaPrefillWork kdaPrefillWork(int32_t sequences, int32_t length, int32_t heads, 
 std::string kdaPrefillTargetVerdict(const KdaPrefillBenchResult &r) {
   if (r.headDim != 128 || (r.heads != 32 && r.heads != 96))
     return {};
+  if (r.bf16State)
+    return "bf16 state: targets are for fp32";
   const bool wide = r.heads == 96;
   if (r.sequences == 1 && r.length == 8192)
     return wide ? atMost(r.milliseconds, 1.16, "<= 1.16 ms") : atMost(r.milliseconds, 0.43, "<= 0.43 ms");

@@ -62,7 +62,7 @@ __device__ inline float decayOf(const KdaDecodeParams &p, int sequence, int head
 
 // kSplit threads share a value column, each holding kDim / kSplit of its rows: the state stays
 // in registers without spilling and four times more warps keep loads in flight.
-template <int kDim, int kSplit>
+template <int kDim, int kSplit, typename State>
 __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodeParams p) {
   constexpr int kThreads = kDim * kSplit, kRows = kDim / kSplit;
   const int head = blockIdx.x, sequence = blockIdx.y;
@@ -97,12 +97,12 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
 
   // Delta rule on column v, rows [group * kRows, (group + 1) * kRows).
   const int firstRow = group * kRows;
-  float *column = p.state + (size_t(sequence) * p.heads + head) * kDim * kDim +
-                  size_t(firstRow) * kDim + v;
+  State *column = static_cast<State *>(p.state) +
+                  (size_t(sequence) * p.heads + head) * kDim * kDim + size_t(firstRow) * kDim + v;
   float s[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
-    s[r] = column[size_t(r) * kDim];
+    s[r] = loadState(column + size_t(r) * kDim);
   const float o = deltaRuleColumn<kRows, kSplit, kDim, true>(s, query, key, decay, beta, qkv[2], firstRow,
                                                        group, v, partial, update, column, kDim);
 
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kDim)
   }
 }
 
-template <int kDim, int kColumns, int kWarps>
+template <int kDim, int kColumns, int kWarps, typename State>
 __global__ void __launch_bounds__(32 * kWarps)
     kdaDecodeStateKernel(KdaDecodeParams p, const float *prepared, unsigned *arrivals,
                          float *rawOut) {
@@ -159,11 +159,12 @@ __global__ void __launch_bounds__(32 * kWarps)
   const int column = threadIdx.x % kColumns, group = threadIdx.x / kColumns;
   const int v = blockIdx.x * kColumns + column, firstRow = group * kRows;
   const size_t pair = size_t(sequence) * p.heads + head;
-  float *stateColumn = p.state + pair * kDim * kDim + size_t(firstRow) * kDim + v;
+  State *stateColumn =
+      static_cast<State *>(p.state) + pair * kDim * kDim + size_t(firstRow) * kDim + v;
   float s[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
-    s[r] = stateColumn[size_t(r) * kDim];
+    s[r] = loadState(stateColumn + size_t(r) * kDim);
   asm volatile("griddepcontrol.wait;" ::: "memory"); // the prolog's writes are visible after this
 
   __shared__ float gates[3 * kDim], partial[kGroups][kColumns], update[kColumns], scratch[kWarps];
@@ -206,8 +207,11 @@ __global__ void __launch_bounds__(32 * kWarps)
 template <int kDim> int launchFused(const KdaDecodeParams &params, cudaStream_t stream) {
   constexpr int kSplit = 4;
   const dim3 grid(params.heads, params.batch);
-  kdaFusedDecodeKernel<kDim, kSplit><<<grid, kDim * kSplit, 0, stream>>>(params);
-  return static_cast<int>(cudaGetLastError());
+  return withStateType(params.stateType, [&](auto tag) {
+    using State = typename decltype(tag)::type;
+    kdaFusedDecodeKernel<kDim, kSplit, State><<<grid, kDim * kSplit, 0, stream>>>(params);
+    return static_cast<int>(cudaGetLastError());
+  });
 }
 
 template <int kDim> int launchSplit(const KdaDecodeParams &params, cudaStream_t stream) {
@@ -227,10 +231,13 @@ template <int kDim> int launchSplit(const KdaDecodeParams &params, cudaStream_t 
   dependent[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = dependent;
   config.numAttrs = 1;
-  const cudaError_t status =
-      cudaLaunchKernelEx(&config, kdaDecodeStateKernel<kDim, kColumns, kWarps>, params,
-                         static_cast<const float *>(prepared), arrivals, rawOut);
-  return static_cast<int>(status != cudaSuccess ? status : cudaGetLastError());
+  return withStateType(params.stateType, [&](auto tag) {
+    using State = typename decltype(tag)::type;
+    const cudaError_t status =
+        cudaLaunchKernelEx(&config, kdaDecodeStateKernel<kDim, kColumns, kWarps, State>, params,
+                           static_cast<const float *>(prepared), arrivals, rawOut);
+    return static_cast<int>(status != cudaSuccess ? status : cudaGetLastError());
+  });
 }
 
 bool useSplit(const KdaDecodeParams &params) {

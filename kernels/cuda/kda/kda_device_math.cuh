@@ -3,9 +3,33 @@
 
 #include "hybrid/kernels/cuda/KdaDecode.h"
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 namespace hybrid::kernels::cuda::kda_math {
+
+// The recurrent state in either storage type (KdaStateType), computed in fp32.
+__device__ inline float loadState(const float *at) { return *at; }
+__device__ inline float loadState(const __nv_bfloat16 *at) { return __bfloat162float(*at); }
+__device__ inline void storeState(float *at, float value) { *at = value; }
+__device__ inline void storeState(__nv_bfloat16 *at, float value) {
+  *at = __float2bfloat16(value);
+}
+
+// Calls launch(StateTag<State>{}) with State the C++ type of `type`'s state elements (a tag, as
+// the kernels are C++17: no template lambdas).
+template <typename T> struct StateTag {
+  using type = T;
+};
+template <typename Launch> int withStateType(KdaStateType type, Launch &&launch) {
+  switch (type) {
+  case KdaStateType::F32:
+    return launch(StateTag<float>{});
+  case KdaStateType::BF16:
+    return launch(StateTag<__nv_bfloat16>{});
+  }
+  return cudaErrorInvalidValue;
+}
 
 __device__ inline float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ inline float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
@@ -86,11 +110,11 @@ template <int kThreads, typename T> __device__ inline T blockSum(T value, T *scr
 // `partial` [kGroups][kColumns] and `update` [kColumns] are shared scratch. With kStoreState the
 // updated rows are stored to `stateColumn` (stride `rowStride`) as soon as they are final. Returns
 // o for the column in group 0 (0 elsewhere). Contains block barriers: call from every thread.
-template <int kRows, int kGroups, int kColumns, bool kStoreState>
+template <int kRows, int kGroups, int kColumns, bool kStoreState, typename State>
 __device__ inline float deltaRuleColumn(float (&s)[kRows], const float *query, const float *key,
                                         const float *decay, float beta, float value, int firstRow,
                                         int group, int column, float (*partial)[kColumns],
-                                        float *update, float *stateColumn, int rowStride) {
+                                        float *update, State *stateColumn, int rowStride) {
   float predicted = 0.0f;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -114,7 +138,7 @@ __device__ inline float deltaRuleColumn(float (&s)[kRows], const float *query, c
     s[r] += key[firstRow + r] * u;
     o += s[r] * query[firstRow + r];
     if constexpr (kStoreState)
-      stateColumn[size_t(r) * rowStride] = s[r];
+      storeState(stateColumn + size_t(r) * rowStride, s[r]);
   }
   partial[group][column] = o; // every group read `partial` for the prediction before the sync above
   __syncthreads();

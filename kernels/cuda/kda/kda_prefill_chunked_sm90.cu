@@ -738,9 +738,10 @@ __device__ __forceinline__ void storeOutputTile(const KdaPrefillParams &p, const
 
 // The state role: S <- e^G_last S + kg^T (u - w S) chunk by chunk, S in mma accumulators, 16
 // key rows per warp.
+template <typename State>
 __device__ __forceinline__ void chainStateRole(const KdaPrefillParams &p, const ChunkFactors &factors,
                                                TwoRoleShared &sh, int firstChunk, int chunks,
-                                               int slice, int head, float *state) {
+                                               int slice, int head, State *state) {
   const int index = threadIdx.x, warp = index / 32;
   auto load = [&](int c) {
     const int b = c % 2;
@@ -759,7 +760,7 @@ __device__ __forceinline__ void chainStateRole(const KdaPrefillParams &p, const 
   const int rowTile = warp % 4, columnPair = warp / 4; // v_new: 16 tokens x 16 value columns
   float s[1][4][4];
   forEachStateElement(s, keyRow, [&](float &element, int row, int column) {
-    element = state[size_t(row) * kDim + column];
+    element = loadState(state + size_t(row) * kDim + column);
   });
   load(0);
   commitAsyncCopies();
@@ -816,7 +817,7 @@ __device__ __forceinline__ void chainStateRole(const KdaPrefillParams &p, const 
     namedBarrierSync(kStateRole, kStateThreads); // buffer b's operands are free for chunk c + 2
   }
   forEachStateElement(s, keyRow, [&](float &element, int row, int column) {
-    state[size_t(row) * kDim + column] = element;
+    storeState(state + size_t(row) * kDim + column, element);
   });
 }
 
@@ -883,6 +884,7 @@ __device__ inline void updateConvState(const KdaPrefillParams &p, int sequence, 
   }
 }
 
+template <typename State>
 __global__ void __launch_bounds__(kTwoRoleThreads)
     twoRoleChainKernel(KdaPrefillParams p, ChunkFactors factors) {
   extern __shared__ __align__(16) unsigned char sharedBytes[];
@@ -899,7 +901,8 @@ __global__ void __launch_bounds__(kTwoRoleThreads)
     chainOutputRole(p, factors, sh, firstChunk, chunks, slice, head, begin, length);
     return;
   }
-  float *state = p.state + (size_t(sequence) * p.heads + head) * kDim * kDim + slice * kSlice;
+  State *state = static_cast<State *>(p.state) +
+                 (size_t(sequence) * p.heads + head) * kDim * kDim + slice * kSlice;
   chainStateRole(p, factors, sh, firstChunk, chunks, slice, head, state);
 
   if (slice == 0 && threadIdx.x < kDim)
@@ -963,6 +966,7 @@ __device__ inline void loadChunk(ChainStage &stage, const ChunkFactors &factors,
 }
 
 
+template <typename State>
 __global__ void __launch_bounds__(kRoleThreads)
     oneRoleChainKernel(KdaPrefillParams p, ChunkFactors factors) {
   extern __shared__ __align__(16) unsigned char sharedBytes[];
@@ -978,10 +982,11 @@ __global__ void __launch_bounds__(kRoleThreads)
   const int chunks = (length + kChunk - 1) / kChunk;
 
   // This warp's 32 key rows of the slice's K x 32 state (forEachStateElement).
-  float *state = p.state + (size_t(sequence) * p.heads + head) * kDim * kDim + slice * kSlice;
+  State *state = static_cast<State *>(p.state) +
+                 (size_t(sequence) * p.heads + head) * kDim * kDim + slice * kSlice;
   float s[2][4][4];
   forEachStateElement(s, 32 * warp, [&](float &element, int row, int column) {
-    element = state[size_t(row) * kDim + column];
+    element = loadState(state + size_t(row) * kDim + column);
   });
 
   // Copy groups in flight at the top of each chunk: its NewValues part, then its Rest part.
@@ -1048,7 +1053,7 @@ __global__ void __launch_bounds__(kRoleThreads)
   }
 
   forEachStateElement(s, 32 * warp, [&](float &element, int row, int column) {
-    state[size_t(row) * kDim + column] = element;
+    storeState(state + size_t(row) * kDim + column, element);
   });
 
   if (slice == 0)
@@ -1110,12 +1115,19 @@ DeviceSetup deviceSetup() {
       if (setup.status == cudaSuccess)
         setup.status = cudaFuncSetAttribute(
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(FactorShared));
-  if (setup.status == cudaSuccess)
-    setup.status = cudaFuncSetAttribute(
-        twoRoleChainKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TwoRoleShared));
-  if (setup.status == cudaSuccess)
-    setup.status = cudaFuncSetAttribute(
-        oneRoleChainKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(OneRoleShared));
+  for (KdaStateType type : {KdaStateType::F32, KdaStateType::BF16})
+    if (setup.status == cudaSuccess)
+      setup.status = static_cast<cudaError_t>(withStateType(type, [](auto tag) {
+        using State = typename decltype(tag)::type;
+        cudaError_t status =
+            cudaFuncSetAttribute(twoRoleChainKernel<State>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TwoRoleShared));
+        if (status == cudaSuccess)
+          status = cudaFuncSetAttribute(oneRoleChainKernel<State>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        sizeof(OneRoleShared));
+        return static_cast<int>(status);
+      }));
   if (setup.status == cudaSuccess)
     setup.status = cudaDeviceGetAttribute(&setup.multiprocessors,
                                           cudaDevAttrMultiProcessorCount, device);
@@ -1158,13 +1170,20 @@ int launchKdaChunkedPrefill(const KdaPrefillParams &params, void *stream) {
   // Two roles while the chain blocks fit in few waves (latency per chunk decides), one role with
   // two blocks per SM beyond (throughput decides); measured in docs/performance.md.
   const dim3 chainGrid(kSlices, params.heads, params.sequences);
-  if (int64_t(kSlices) * params.heads * params.sequences <=
-      int64_t(kTwoRoleMaxWaves) * setup.multiprocessors)
-    twoRoleChainKernel<<<chainGrid, kTwoRoleThreads, sizeof(TwoRoleShared), cudaStream>>>(params,
-                                                                                         factors);
-  else
-    oneRoleChainKernel<<<chainGrid, kRoleThreads, sizeof(OneRoleShared), cudaStream>>>(params,
-                                                                                      factors);
+  const bool twoRoles = int64_t(kSlices) * params.heads * params.sequences <=
+                        int64_t(kTwoRoleMaxWaves) * setup.multiprocessors;
+  const int chained = withStateType(params.stateType, [&](auto tag) {
+    using State = typename decltype(tag)::type;
+    if (twoRoles)
+      twoRoleChainKernel<State>
+          <<<chainGrid, kTwoRoleThreads, sizeof(TwoRoleShared), cudaStream>>>(params, factors);
+    else
+      oneRoleChainKernel<State>
+          <<<chainGrid, kRoleThreads, sizeof(OneRoleShared), cudaStream>>>(params, factors);
+    return 0;
+  });
+  if (chained != 0)
+    return chained;
   const int64_t rows = int64_t(params.tokens) * params.heads;
   gatedNormKernel<<<unsigned((rows + kNormThreads / 32 - 1) / (kNormThreads / 32)), kNormThreads, 0,
                     cudaStream>>>(params);

@@ -12,7 +12,7 @@ namespace hybrid::kernels::cuda {
 namespace {
 using namespace kda_math;
 
-template <int kDim, int kSplit>
+template <int kDim, int kSplit, typename State>
 __global__ void __launch_bounds__(kDim *kSplit) kdaRecurrentPrefillKernel(KdaPrefillParams p) {
   constexpr int kThreads = kDim * kSplit, kRows = kDim / kSplit, kHistory = kKdaMaxConvKernel - 1;
   const int head = blockIdx.x, sequence = blockIdx.y;
@@ -49,12 +49,12 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaRecurrentPrefillKernel(KdaPre
   const float scaleA = __expf(p.weights.aLog[head]);
 
   const int firstRow = group * kRows;
-  float *column = p.state + (size_t(sequence) * p.heads + head) * kDim * kDim +
-                  size_t(firstRow) * kDim + v;
+  State *column = static_cast<State *>(p.state) +
+                  (size_t(sequence) * p.heads + head) * kDim * kDim + size_t(firstRow) * kDim + v;
   float s[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
-    s[r] = column[size_t(r) * kDim];
+    s[r] = loadState(column + size_t(r) * kDim);
 
   // A token's inputs, loaded one token ahead so their latency overlaps the previous token's work.
   struct TokenInputs {
@@ -109,9 +109,9 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaRecurrentPrefillKernel(KdaPre
     __syncthreads();
 
     // The state is stored once, after the last token.
-    const float o = deltaRuleColumn<kRows, kSplit, kDim, false>(s, query, key, decay, beta, qkv[2],
-                                                         firstRow, group, v, partial, update,
-                                                         nullptr, kDim);
+    const float o = deltaRuleColumn<kRows, kSplit, kDim, false>(
+        s, query, key, decay, beta, qkv[2], firstRow, group, v, partial, update,
+        static_cast<State *>(nullptr), kDim);
     const float sumSquares = blockSum<kThreads>(group == 0 ? o * o : 0.0f, scratch);
     if (group == 0)
       p.out[size_t(t) * channels + channel] =
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaRecurrentPrefillKernel(KdaPre
 
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
-    column[size_t(r) * kDim] = s[r];
+    storeState(column + size_t(r) * kDim, s[r]);
   if (group == 0) {
 #pragma unroll
     for (int projection = 0; projection < 3; ++projection)
@@ -139,17 +139,16 @@ int launchKdaRecurrentPrefill(const KdaPrefillParams &params, void *stream) {
     return cudaErrorInvalidValue;
   const dim3 grid(params.heads, params.sequences);
   auto cudaStream = static_cast<cudaStream_t>(stream);
-  switch (params.headDim) {
-  case 64:
-    kdaRecurrentPrefillKernel<64, 4><<<grid, 64 * 4, 0, cudaStream>>>(params);
-    break;
-  case 128:
-    kdaRecurrentPrefillKernel<128, 4><<<grid, 128 * 4, 0, cudaStream>>>(params);
-    break;
-  default:
+  if (params.headDim != 64 && params.headDim != 128)
     return cudaErrorInvalidValue;
-  }
-  return static_cast<int>(cudaGetLastError());
+  return withStateType(params.stateType, [&](auto tag) {
+    using State = typename decltype(tag)::type;
+    if (params.headDim == 64)
+      kdaRecurrentPrefillKernel<64, 4, State><<<grid, 64 * 4, 0, cudaStream>>>(params);
+    else
+      kdaRecurrentPrefillKernel<128, 4, State><<<grid, 128 * 4, 0, cudaStream>>>(params);
+    return static_cast<int>(cudaGetLastError());
+  });
 }
 
 } // namespace hybrid::kernels::cuda

@@ -1,6 +1,8 @@
 // Shared by the CUDA kernel tests: device buffers, random inputs, the relative RMS error.
 #pragma once
 
+#include "hybrid/kernels/ref/Quant.h"
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -52,5 +54,35 @@ inline double relativeRms(const std::vector<float> &a, const std::vector<float> 
   }
   return std::sqrt(diff / std::max(ref, 1e-30));
 }
+
+// bf16 bit patterns of `values` (round to nearest even), and back.
+inline std::vector<uint16_t> bf16Bits(const std::vector<float> &values) {
+  std::vector<uint16_t> bits(values.size());
+  for (size_t i = 0; i < values.size(); ++i)
+    bits[i] = ref::floatToBf16(values[i]);
+  return bits;
+}
+inline std::vector<float> bf16Values(const std::vector<uint16_t> &bits) {
+  std::vector<float> values(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i)
+    values[i] = ref::bf16ToFloat(bits[i]);
+  return values;
+}
+inline std::vector<float> roundedToBf16(const std::vector<float> &values) {
+  return bf16Values(bf16Bits(values));
+}
+
+// A recurrent state on the device in either storage type (KdaStateType): `bf16` keeps it as bf16
+// bits of the values given (rounded), otherwise fp32.
+struct DeviceState {
+  DeviceState(const std::vector<float> &values, bool bf16)
+      : bf16(bf16), f32(bf16 ? std::vector<float>() : values),
+        bits(bf16 ? bf16Bits(values) : std::vector<uint16_t>()) {}
+  void *data() { return bf16 ? static_cast<void *>(bits.data) : static_cast<void *>(f32.data); }
+  std::vector<float> download() const { return bf16 ? bf16Values(bits.download()) : f32.download(); }
+  bool bf16;
+  DeviceBuffer<float> f32;
+  DeviceBuffer<uint16_t> bits;
+};
 
 } // namespace hybrid::kernels

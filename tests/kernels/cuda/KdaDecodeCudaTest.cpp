@@ -22,8 +22,16 @@ struct Case {
   int convKernel = 4;
 };
 
+// A bf16 state is rounded once per step when stored, after fp32 arithmetic: each reference step
+// starts from the kernel's bf16 state of the step before (so one step's error is measured, not
+// rounding differences compounding) and rounds its result. The two fp32 computations differ in
+// summation order and exp approximation, so an element near a rounding boundary may land one
+// bf16 ulp (2^-8 relative) apart; the bound allows a few such elements, far below what a wrong
+// type or position would give (order 1). Outputs are computed before the rounding: fp32 bounds.
+constexpr double kBf16StateError = 1e-4;
+
 // Runs 3 carried steps on `path` and on the cpu reference from the same random start.
-void expectMatchesReference(const Case &shape, cuda::KdaDecodePath path) {
+void expectMatchesReference(const Case &shape, cuda::KdaDecodePath path, bool bf16State) {
   const auto [B, H, D, lowerBound, W] = shape;
   const int P = H * D;
   std::mt19937 rng(B * 131 + H * 7 + D);
@@ -33,12 +41,17 @@ void expectMatchesReference(const Case &shape, cuda::KdaDecodePath path) {
   std::vector<float> normWeight = random(D, rng, 0.1f, 1.0f);
   std::vector<float> convState(size_t(B) * 3 * (W - 1) * P, 0.0f);
   std::vector<float> state = random(size_t(B) * H * D * D, rng, 0.05f);
+  if (bf16State)
+    state = roundedToBf16(state);
 
   DeviceBuffer<float> dConvWeight(convWeight), dALog(aLog), dDtBias(dtBias),
-      dNorm(normWeight), dConvState(convState), dState(state);
+      dNorm(normWeight), dConvState(convState);
+  DeviceState dState(state, bf16State);
   std::vector<float> refConv = convState, refState = state;
 
   for (int step = 0; step < 3; ++step) {
+    if (bf16State)
+      refState = dState.download(); // exactly representable: the kernel's state before the step
     std::vector<float> qkv = random(size_t(B) * 3 * P, rng, 1.0f);
     std::vector<float> forget = random(size_t(B) * P, rng, 1.0f);
     std::vector<float> betaLogits = random(size_t(B) * H, rng, 1.0f);
@@ -63,7 +76,8 @@ void expectMatchesReference(const Case &shape, cuda::KdaDecodePath path) {
     params.weights.lowerBoundGate = lowerBound;
     params.weights.lowerBound = -5.0f;
     params.convState = dConvState.data;
-    params.state = dState.data;
+    params.state = dState.data();
+    params.stateType = bf16State ? cuda::KdaStateType::BF16 : cuda::KdaStateType::F32;
     params.out = dOut.data;
     params.path = path;
     DeviceBuffer<unsigned char> workspace(
@@ -102,8 +116,11 @@ void expectMatchesReference(const Case &shape, cuda::KdaDecodePath path) {
       ref::gatedRmsNorm(o, {gate.data() + size_t(b) * P, size_t(P)}, normWeight,
                         {refOut.data() + size_t(b) * P, size_t(P)}, H, D, 1e-5f);
     }
+    if (bf16State)
+      refState = roundedToBf16(refState);
     EXPECT_LT(relativeRms(dOut.download(), refOut), 1e-5) << "output, step " << step;
-    EXPECT_LT(relativeRms(dState.download(), refState), 1e-5) << "state, step " << step;
+    EXPECT_LT(relativeRms(dState.download(), refState), bf16State ? kBf16StateError : 1e-5)
+        << "state, step " << step;
     EXPECT_LT(relativeRms(dConvState.download(), refConv), 1e-6) << "conv state, step " << step;
   }
 }
@@ -114,10 +131,12 @@ class KdaDecodeCuda : public testing::TestWithParam<Case> {};
 TEST_P(KdaDecodeCuda, MatchesReferenceOverSteps) {
   if (!gpuPresent())
     GTEST_SKIP() << "no CUDA device";
-  for (auto path : {cuda::KdaDecodePath::Fused, cuda::KdaDecodePath::Split}) {
-    SCOPED_TRACE(path == cuda::KdaDecodePath::Fused ? "fused path" : "split path");
-    expectMatchesReference(GetParam(), path);
-  }
+  for (auto path : {cuda::KdaDecodePath::Fused, cuda::KdaDecodePath::Split})
+    for (bool bf16State : {false, true}) {
+      SCOPED_TRACE(path == cuda::KdaDecodePath::Fused ? "fused path" : "split path");
+      SCOPED_TRACE(bf16State ? "bf16 state" : "fp32 state");
+      expectMatchesReference(GetParam(), path, bf16State);
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, KdaDecodeCuda,

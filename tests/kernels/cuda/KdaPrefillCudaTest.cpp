@@ -24,6 +24,7 @@ struct Case {
   bool lowerBound;
   Path path = Path::Recurrent;
   float aLogOffset = 0.5f; // 2.0: e^2 = 7.4x stronger softplus decay, ~5 nats per token
+  bool bf16State = false;  // the state stored as bf16 (KdaStateType::BF16)
 };
 
 // Relative RMS error bounds. The recurrent kernel is fp32 throughout. The chunked kernel feeds the
@@ -31,6 +32,10 @@ struct Case {
 // as fla's chunk_kda and FlashKDA do; its errors are rounding errors of a few such products.
 constexpr double kRecurrentOutputError = 1e-5, kRecurrentStateError = 1e-5;
 constexpr double kChunkedOutputError = 1e-2, kChunkedStateError = 1e-2;
+// A bf16 state is rounded once, when the final state is stored; the reference rounds its final
+// state the same way. Different fp32 summation orders can put an element near a rounding
+// boundary one bf16 ulp (2^-8 relative) apart: a few such elements stay far below this bound.
+constexpr double kRecurrentBf16StateError = 1e-4;
 
 // 36 sequences of 70, 1, 0 and 20 tokens in turn: with 16 heads, 4 x 16 x 36 = 2304 chain blocks,
 // more than 4 per SM on any GPU of this generation, so the chunked path takes its one-role chain
@@ -64,11 +69,14 @@ TEST_P(KdaPrefillCuda, MatchesReference) {
   std::vector<float> normWeight = random(D, rng, 0.1f, 1.0f);
   std::vector<float> convState = random(size_t(N) * 3 * (W - 1) * P, rng, 1.0f);
   std::vector<float> state = random(size_t(N) * H * D * D, rng, 0.05f);
+  if (c.bf16State)
+    state = roundedToBf16(state);
 
   DeviceBuffer<int32_t> dCu(cuSeqlens);
   DeviceBuffer<float> dQkv(qkv), dConvWeight(convWeight), dForget(forget), dALog(aLog),
       dDtBias(dtBias), dBeta(betaLogits), dGate(gate), dNorm(normWeight), dConvState(convState),
-      dState(state), dOut(std::vector<float>(size_t(T) * P, -7.0f));
+      dOut(std::vector<float>(size_t(T) * P, -7.0f));
+  DeviceState dState(state, c.bf16State);
   cuda::KdaPrefillParams params;
   params.sequences = N;
   params.heads = H;
@@ -85,7 +93,8 @@ TEST_P(KdaPrefillCuda, MatchesReference) {
   params.weights.normWeight = dNorm.data;
   params.weights.lowerBoundGate = c.lowerBound;
   params.convState = dConvState.data;
-  params.state = dState.data;
+  params.state = dState.data();
+  params.stateType = c.bf16State ? cuda::KdaStateType::BF16 : cuda::KdaStateType::F32;
   params.out = dOut.data;
   params.tokens = T;
   const bool chunked = c.path == Path::Chunked;
@@ -137,6 +146,8 @@ TEST_P(KdaPrefillCuda, MatchesReference) {
                       {refOut.data() + size_t(begin) * P, size_t(L) * P}, int64_t(L) * H, D,
                       1e-5f);
   }
+  if (c.bf16State)
+    refState = roundedToBf16(refState);
   const std::vector<float> out = dOut.download(), finalState = dState.download();
   // In the XML report (--gtest_output=xml), so the achieved accuracy is on record.
   RecordProperty("output_relative_rms", std::to_string(relativeRms(out, refOut)));
@@ -144,7 +155,8 @@ TEST_P(KdaPrefillCuda, MatchesReference) {
   EXPECT_LT(relativeRms(out, refOut), chunked ? kChunkedOutputError : kRecurrentOutputError)
       << "output";
   EXPECT_LT(relativeRms(finalState, refState),
-            chunked ? kChunkedStateError : kRecurrentStateError)
+            chunked ? kChunkedStateError
+                    : (c.bf16State ? kRecurrentBf16StateError : kRecurrentStateError))
       << "final state";
   EXPECT_LT(relativeRms(dConvState.download(), refConv), 1e-6) << "final conv state";
   // Per sequence too, so a wrong short sequence cannot hide behind a long one.
@@ -169,7 +181,12 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{{300, 63, 128}, 2, 128, 2, false, Path::Chunked},
                     Case{{200, 7}, 2, 128, 4, false, Path::Chunked, 2.0f},
                     Case{{129, 16}, 3, 128, 1, true, Path::Chunked, 2.0f},
-                    Case{manySequences(), 16, 128, 4, false, Path::Chunked}),
+                    Case{manySequences(), 16, 128, 4, false, Path::Chunked},
+                    // bf16 state: both kernels, both chain forms
+                    Case{{5, 0, 1, 17, 67}, 3, 128, 4, false, Path::Recurrent, 0.5f, true},
+                    Case{{0, 33, 0, 2}, 4, 64, 3, true, Path::Recurrent, 0.5f, true},
+                    Case{{0, 64, 0, 2, 65, 130}, 2, 128, 3, true, Path::Chunked, 0.5f, true},
+                    Case{manySequences(), 16, 128, 4, false, Path::Chunked, 0.5f, true}),
     [](const testing::TestParamInfo<Case> &info) {
       // appends only: GCC 12 warns falsely on "literal" + std::string
       std::string name = info.param.path == Path::Chunked ? "chunked" : "recurrent";
@@ -178,6 +195,8 @@ INSTANTIATE_TEST_SUITE_P(
       name += std::to_string(info.param.headDim);
       name += "_W";
       name += std::to_string(info.param.convKernel);
+      if (info.param.bf16State)
+        name += "_bf16_state";
       return name;
     });
 

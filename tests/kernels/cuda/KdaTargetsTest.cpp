@@ -28,6 +28,25 @@ TEST(KdaTargets, DecodeBandwidthAtBatch128) {
   EXPECT_EQ(kdaDecodeTargetVerdict(r), ">= 4.0 TB/s state: met");
 }
 
+// The peers' figures are fp32 states: a bf16-state run is not held to them, and says so.
+TEST(KdaTargets, Bf16StateRunsAreNotJudgedAgainstFp32Targets) {
+  KdaDecodeBenchResult decode;
+  decode.batch = 128;
+  decode.heads = 32;
+  decode.headDim = 128;
+  decode.graphStateTbPerSecond = 4.1;
+  decode.bf16State = true;
+  EXPECT_EQ(kdaDecodeTargetVerdict(decode), "bf16 state: targets are for fp32");
+  KdaPrefillBenchResult prefill;
+  prefill.sequences = 1;
+  prefill.length = 8192;
+  prefill.heads = 32;
+  prefill.headDim = 128;
+  prefill.milliseconds = 0.4;
+  prefill.bf16State = true;
+  EXPECT_EQ(kdaPrefillTargetVerdict(prefill), "bf16 state: targets are for fp32");
+}
+
 TEST(KdaTargets, ShapesWithoutTargetsHaveNoVerdict) {
   KdaDecodeBenchResult decode;
   decode.batch = 8;

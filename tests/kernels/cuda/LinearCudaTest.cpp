@@ -14,19 +14,6 @@
 namespace hybrid::kernels {
 namespace {
 
-std::vector<float> roundedToBf16(std::vector<float> values) {
-  for (float &v : values)
-    v = ref::bf16ToFloat(ref::floatToBf16(v));
-  return values;
-}
-
-std::vector<uint16_t> bf16Bits(const std::vector<float> &values) {
-  std::vector<uint16_t> bits(values.size());
-  for (size_t i = 0; i < values.size(); ++i)
-    bits[i] = ref::floatToBf16(values[i]);
-  return bits;
-}
-
 struct Shape {
   int64_t rows, in, out, xPad, weightPad, yPad;
   bool accumulate;

@@ -17,11 +17,12 @@ struct KdaDecodeBenchResult {
   double eagerMicroseconds = 0; // one launch per step from the host
   double graphMicroseconds = 0; // the step replayed from a CUDA graph
   double graphFloorMicroseconds = 0; // as many empty kernels as the step launches, same graph use
-  double stateBytes = 0;        // fp32 state read + written per step
+  double stateBytes = 0;        // state read + written per step (fp32 or bf16)
   double graphStateTbPerSecond = 0;
   double trafficBytes = 0;      // everything the step must move: state, conv state, inputs, output
   double graphTrafficTbPerSecond = 0;
   bool split = false;           // the prolog + state kernel path (KdaDecode.h)
+  bool bf16State = false;       // KdaStateType::BF16
 };
 
 // Runs the fused decode step for each batch size; `error` is set (and the list empty) when CUDA
@@ -29,11 +30,12 @@ struct KdaDecodeBenchResult {
 std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &batches,
                                                  int32_t heads, int32_t headDim,
                                                  int32_t iterations, KdaDecodePath path,
-                                                 std::string &error);
+                                                 KdaStateType stateType, std::string &error);
 
 struct KdaPrefillBenchResult {
   int32_t sequences = 0, length = 0, heads = 0, headDim = 0;
   bool chunked = false;
+  bool bf16State = false;      // KdaStateType::BF16
   double milliseconds = 0;     // one launch over the whole varlen batch, from a CUDA graph
   double tokensPerSecond = 0;
   double bytes = 0;            // kdaPrefillWork: what the contract must move
@@ -58,11 +60,12 @@ constexpr double kH200Bf16DenseTflops = 790.0;     // cuBLAS bf16 GEMM 8192^3
 // each, with initial and final states, for each (sequences, length) pair.
 std::vector<KdaPrefillBenchResult>
 benchKdaPrefill(const std::vector<std::pair<int32_t, int32_t>> &shapes, int32_t heads,
-                int32_t headDim, int32_t iterations, KdaPrefillPath path, std::string &error);
+                int32_t headDim, int32_t iterations, KdaPrefillPath path, KdaStateType stateType,
+                std::string &error);
 
 // The targets on the H200 (../shared/docs/PERF_TARGETS.md) for the shapes that have one,
 // as the benchmark's verdict column: "<= 3 us: 1.90x over", ">= 4.0 TB/s: met", ... Empty for
-// shapes without a target. Pure functions of the result, so they are tested without a GPU.
+// shapes without a target; runs with a bf16 state say so (the peers' figures are fp32 states). Pure functions of the result, so they are tested without a GPU.
 std::string kdaDecodeTargetVerdict(const KdaDecodeBenchResult &result);
 std::string kdaPrefillTargetVerdict(const KdaPrefillBenchResult &result);
 

@@ -20,6 +20,11 @@ struct KdaLayerWeights {
   float lowerBound = -5.0f;
 };
 
+// How the recurrent state is stored. The kernels always compute in fp32; BF16 rounds the state
+// once per call when it is written back (half the memory and state traffic, at the price of
+// that rounding accumulating over calls: one rounding per decode step).
+enum class KdaStateType : int32_t { F32, BF16 };
+
 // Which kernels run the step (see kKdaDecodeSplitPairs); tests and benchmarks force one.
 enum class KdaDecodePath : int32_t { Auto, Fused, Split };
 
@@ -37,7 +42,8 @@ struct KdaLayerCall {
   const float *betaLogits = nullptr; // [rows, heads]: b_proj(x)
   const float *outputGate = nullptr; // [rows, heads * headDim]: pre-sigmoid output gate
   float *convState = nullptr;        // [sequences, 3, W - 1, heads * headDim], oldest input first
-  float *state = nullptr;            // [sequences, heads, K, V] fp32 (K-major)
+  void *state = nullptr;             // [sequences, heads, K, V] (K-major), as stateType says
+  KdaStateType stateType = KdaStateType::F32;
   float *out = nullptr;              // [rows, heads * headDim]: gated-normed attention output
 };
 
