@@ -1,5 +1,6 @@
 // The cuda device's decode graphs against plain launches: several sequences decoding in turn
-// (one graph per state slot), and a slot reused by a new sequence, give bit-identical logits.
+// (one graph per state slot), and a slot reused by a new sequence, give bit-identical logits,
+// with fp32 and with bf16 KDA states.
 // Labelled `gpu`; skipped where there is no GPU.
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Generate.h"
@@ -91,30 +92,35 @@ Transcript runInterleaved(Model &model, const std::vector<int64_t> &prompt) {
 
 class CudaGraphTest : public testing::TestWithParam<std::string> {};
 
+// With fp32 and with bf16 KDA states (LoadOptions::kdaBf16State).
 TEST_P(CudaGraphTest, DecodeGraphsMatchPlainLaunches) {
   const std::string dir =
       directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + GetParam() + "-cuda";
-  LoadOptions options;
-  options.device = "cuda";
-  options.maxSequences = 3;
-  options.cudaGraphs = true;
-  auto graphed = Model::load(dir, options);
-  if (!graphed.isOk() && graphed.status().message().find("no CUDA device") != std::string::npos)
-    GTEST_SKIP() << "no CUDA device";
-  ASSERT_TRUE(graphed.isOk()) << graphed.status().message();
-  options.cudaGraphs = false;
-  auto plain = Model::load(dir, options);
-  ASSERT_TRUE(plain.isOk()) << plain.status().message();
-
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());
   ASSERT_GE(prompt.size(), 20u);
-  const Transcript withGraphs = runInterleaved(**graphed, prompt);
-  const Transcript withLaunches = runInterleaved(**plain, prompt);
-  ASSERT_EQ(withGraphs.logits.size(), 3u + 4 * 3 + 1 + 4 * 3);
-  ASSERT_EQ(withGraphs.logits.size(), withLaunches.logits.size());
-  // The same kernels on the same data: exactly the same numbers.
-  for (size_t i = 0; i < withGraphs.logits.size(); ++i)
-    EXPECT_EQ(withGraphs.logits[i], withLaunches.logits[i]) << "call " << i;
+  for (bool bf16States : {false, true}) {
+    SCOPED_TRACE(bf16States ? "bf16 KDA states" : "fp32 KDA states");
+    LoadOptions options;
+    options.device = "cuda";
+    options.maxSequences = 3;
+    options.kdaBf16State = bf16States;
+    options.cudaGraphs = true;
+    auto graphed = Model::load(dir, options);
+    if (!graphed.isOk() && graphed.status().message().find("no CUDA device") != std::string::npos)
+      GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(graphed.isOk()) << graphed.status().message();
+    options.cudaGraphs = false;
+    auto plain = Model::load(dir, options);
+    ASSERT_TRUE(plain.isOk()) << plain.status().message();
+
+    const Transcript withGraphs = runInterleaved(**graphed, prompt);
+    const Transcript withLaunches = runInterleaved(**plain, prompt);
+    ASSERT_EQ(withGraphs.logits.size(), 3u + 4 * 3 + 1 + 4 * 3);
+    ASSERT_EQ(withGraphs.logits.size(), withLaunches.logits.size());
+    // The same kernels on the same data: exactly the same numbers.
+    for (size_t i = 0; i < withGraphs.logits.size(); ++i)
+      EXPECT_EQ(withGraphs.logits[i], withLaunches.logits[i]) << "call " << i;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(KdaModels, CudaGraphTest,

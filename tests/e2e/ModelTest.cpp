@@ -685,6 +685,14 @@ TEST(ModelErrors, BadPrefixCacheOptions) {
                                       "prefixCacheBlockTokens (64) must be positive");
 }
 
+TEST(ModelErrors, Bf16StatesAreACudaOption) {
+  LoadOptions options;
+  options.kdaBf16State = true;
+  auto model = Model::load(compiledDir("kimi_linear_tiny"), options);
+  ASSERT_FALSE(model.isOk());
+  EXPECT_NE(model.status().message().find("kdaBf16State"), std::string::npos);
+}
+
 TEST(ModelErrors, UnknownDevice) {
   LoadOptions options;
   options.device = "tpu";

@@ -53,6 +53,8 @@ int main(int argc, char **argv) {
                  "(bf16 tensor cores) or recurrent (fp32)")
       ->default_val("auto")
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
+  app.add_flag("--kda-bf16-state", load.kdaBf16State,
+               "cuda: keep the KDA recurrent states in bf16 (half the memory and traffic)");
   bool noCudaGraphs = false;
   app.add_flag("--no-cuda-graphs", noCudaGraphs,
                "cuda: launch every decode kernel each step instead of replaying CUDA graphs");

@@ -79,8 +79,14 @@ struct CudaExecutor::Impl {
   std::map<const fb::Dispatch *, float *> kdaConvTaps; // [3, P, W]: q, k, v taps together
   unsigned char *pool = nullptr;                   // the one allocation of everything else
   std::vector<unsigned char *> arenas;             // per program
-  float *states = nullptr;                         // mirror of the RecurrentStatePool
-  uint64_t slotElements = 0;
+  // The KDA layers' recurrent states on the device, per slot: every layer's state (fp32, or bf16
+  // with LoadOptions::kdaBf16State) in one region, their conv states (fp32) in another. The host
+  // RecurrentStatePool still checks slots; these are the device's own offsets.
+  kc::KdaStateType stateType = kc::KdaStateType::F32;
+  unsigned char *stateRegion = nullptr;
+  float *convRegion = nullptr;
+  uint64_t slotStateBytes = 0, slotConvFloats = 0;
+  std::vector<uint64_t> layerStateBytes, layerConvFloats; // within a slot, per KdaParams.state_slot
   std::vector<std::unique_ptr<StreamResources>> streams;
   std::vector<cudaEvent_t> events;
   std::set<const fb::Dispatch *> onCpu;
@@ -263,11 +269,10 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
     HYBRID_RETURN_IF_ERROR(gemm(r, lowRank, rankG, role(GB), gate, P, T, rankG, P));
   }
 
-  // RecurrentStatePool (host) checks the slot and hands out the layout; the device mirror has it.
-  HYBRID_ASSIGN_OR_RETURN(uint64_t stateOffset,
-                          host.states->stateOffset(p->state_slot(), host.stateSlot));
-  HYBRID_ASSIGN_OR_RETURN(uint64_t convOffset,
-                          host.states->convStateOffset(p->state_slot(), host.stateSlot));
+  // RecurrentStatePool (host) checks the layer and slot; the device regions have their layout.
+  HYBRID_RETURN_IF_ERROR(host.states->stateOffset(p->state_slot(), host.stateSlot).status());
+  const uint64_t slot = static_cast<uint64_t>(host.stateSlot);
+  const size_t layer = static_cast<size_t>(p->state_slot());
   kc::KdaLayerCall call;
   call.heads = static_cast<int32_t>(H);
   call.headDim = static_cast<int32_t>(K);
@@ -283,8 +288,9 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
   call.forget = forget;
   call.betaLogits = beta;
   call.outputGate = gate;
-  call.convState = states + convOffset;
-  call.state = states + stateOffset;
+  call.convState = convRegion + slot * slotConvFloats + layerConvFloats[layer];
+  call.state = stateRegion + slot * slotStateBytes + layerStateBytes[layer];
+  call.stateType = stateType;
   call.out = o;
   if (d.kernel() == fb::KernelId::KdaRecurrentDecode) {
     if (T != 1)
@@ -590,9 +596,20 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
     arenaOffsets.push_back(bytes);
     bytes += alignUp(std::max<uint64_t>(1, program->arena_bytes()));
   }
-  const size_t statesOffset = bytes;
-  impl->slotElements = states.slotElements();
-  bytes += alignUp(std::max<uint64_t>(1, states.totalElements()) * sizeof(float));
+  impl->stateType = options.kdaBf16State ? kc::KdaStateType::BF16 : kc::KdaStateType::F32;
+  const uint64_t stateElementBytes = options.kdaBf16State ? 2 : sizeof(float);
+  for (int32_t layer = 0; layer < states.numLayers(); ++layer) {
+    const RecurrentLayerShape &shape = states.layerShape(layer);
+    impl->layerStateBytes.push_back(impl->slotStateBytes);
+    impl->slotStateBytes += alignUp(static_cast<uint64_t>(shape.stateElements()) * stateElementBytes);
+    impl->layerConvFloats.push_back(impl->slotConvFloats);
+    impl->slotConvFloats += alignUp(static_cast<uint64_t>(shape.convStateElements()) * 4) / 4;
+  }
+  const uint64_t numSlots = static_cast<uint64_t>(states.numSlots());
+  const size_t stateRegionOffset = bytes;
+  bytes += alignUp(std::max<uint64_t>(1, impl->slotStateBytes * numSlots));
+  const size_t convRegionOffset = bytes;
+  bytes += alignUp(std::max<uint64_t>(1, impl->slotConvFloats * numSlots) * sizeof(float));
   const size_t halves = impl->splitGemmInputs ? 2 : 1;
   const size_t perStream = alignUp(std::max<size_t>(1, impl->xBf16Elements) * 2 * halves) +
                            alignUp(std::max<size_t>(1, impl->gemmOutputs) * 4 * halves) +
@@ -606,7 +623,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   CUDA_RETURN_IF_ERROR(cudaMemset(impl->pool, 0, bytes), "device pools");
   for (size_t offset : arenaOffsets)
     impl->arenas.push_back(impl->pool + offset);
-  impl->states = reinterpret_cast<float *>(impl->pool + statesOffset);
+  impl->stateRegion = impl->pool + stateRegionOffset;
+  impl->convRegion = reinterpret_cast<float *>(impl->pool + convRegionOffset);
 
   for (int32_t s = 0; s < maxStreams; ++s) {
     impl->streams.push_back(std::make_unique<StreamResources>());
@@ -644,9 +662,13 @@ CudaExecutor::CudaExecutor(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 CudaExecutor::~CudaExecutor() = default;
 
 Status CudaExecutor::resetSlot(int32_t slot) {
-  CUDA_RETURN_IF_ERROR(cudaMemset(impl_->states + static_cast<uint64_t>(slot) * impl_->slotElements,
-                                  0, impl_->slotElements * sizeof(float)),
+  const uint64_t index = static_cast<uint64_t>(slot);
+  CUDA_RETURN_IF_ERROR(cudaMemset(impl_->stateRegion + index * impl_->slotStateBytes, 0,
+                                  impl_->slotStateBytes),
                        "recurrent state reset");
+  CUDA_RETURN_IF_ERROR(cudaMemset(impl_->convRegion + index * impl_->slotConvFloats, 0,
+                                  impl_->slotConvFloats * sizeof(float)),
+                       "conv state reset");
   return Status::ok();
 }
 

@@ -254,6 +254,9 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
     return Status::error("prefixCacheEntries (" + std::to_string(options.prefixCacheEntries) +
                          ") must not be negative and prefixCacheBlockTokens (" +
                          std::to_string(options.prefixCacheBlockTokens) + ") must be positive");
+  if (options.kdaBf16State && !cudaDevice)
+    return Status::error("kdaBf16State: the cpu device is the fp32 oracle; bf16 KDA states are a "
+                         "cuda device option");
   if (options.prefixCacheEntries > 0 && cudaDevice)
     return Status::error("prefix caching (prefixCacheEntries) runs on the cpu device only for now: "
                          "the cuda device keeps the recurrent states on the GPU");

@@ -48,6 +48,10 @@ struct LoadOptions {
   // of consecutive GPU steps (the steps on the cpu reference split a program into such runs),
   // captured on a slot's first decode step. Off: every kernel is launched each step.
   bool cudaGraphs = true;
+  // cuda device: keep the KDA recurrent states in bf16 instead of fp32: half their memory and
+  // traffic; the kernels compute in fp32 and round the state once per call (per decode step, per
+  // prefill chunk of max_tokens), so the rounding accumulates over a long generation.
+  bool kdaBf16State = false;
   // Prefix caching (Sequence::prefillWithPrefixCache): how many prompt prefixes are kept (0: off)
   // and the block they are cut at: a prompt keeps its first floor(length / block) * block tokens.
   // Each kept prefix may hold up to a full context of KV pages, so the KV cache grows by that
