@@ -116,6 +116,7 @@ StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &conte
   lowerOptions.device = options.device;
   lowerOptions.arch = options.arch;
   lowerOptions.prefillTokens = options.prefillTokens;
+  lowerOptions.decodeTokens = options.decodeBatch;
   lowerOptions.pageSize = options.pageSize;
   lowerOptions.compilerId = compilerIdentity();
   pm.addPass(createLowerToPlan(lowerOptions));
@@ -164,7 +165,7 @@ StatusOr<std::vector<uint8_t>> compilePlan(mlir::MLIRContext &context,
       .add("device", options.device)
       .add("arch", options.arch)
       .add("prefill_tokens", options.prefillTokens)
-      .add("decode_tokens", int64_t{1})
+      .add("decode_tokens", options.decodeBatch)
       .add("page_size", static_cast<int64_t>(options.pageSize))
       .add("fuse", options.fuse)
       .add("tile_weights", options.tileWeights)

@@ -22,6 +22,7 @@ struct CompileOptions {
   std::string device = "cpu";   // cpu | cuda
   std::string arch;             // sm_90a for cuda
   int64_t prefillTokens = 4096; // rows the prefill arena is planned for
+  int64_t decodeBatch = 1;      // sequences one decode step can take (Model::decodeBatch)
   int32_t pageSize = 64;        // tokens per KV page
   std::string cacheDir;         // empty: $HYBRID_CACHE_DIR, else ~/.cache/hybrid
   bool useCache = true;

@@ -47,6 +47,10 @@ cl::opt<std::string> arch("arch", cl::desc("Target architecture (sm_90a for cuda
 cl::opt<int64_t> prefillTokens("prefill-tokens",
                                cl::desc("Tokens one prefill step can take (arena size)"),
                                cl::init(4096));
+cl::opt<int64_t> decodeBatch("decode-batch",
+                             cl::desc("Sequences one decode step can take (its arena size; "
+                                      "Model::decodeBatch)"),
+                             cl::init(1));
 cl::opt<std::string> cacheDir("cache-dir",
                               cl::desc("Compilation cache folder (default $HYBRID_CACHE_DIR, "
                                        "else ~/.cache/hybrid)"),
@@ -96,6 +100,13 @@ int main(int argc, char **argv) {
   options.device = device;
   options.arch = arch;
   options.prefillTokens = prefillTokens;
+  options.decodeBatch = decodeBatch;
+  // Past these the arenas would not fit any device (and int32 row counts would overflow).
+  if (prefillTokens < 1 || prefillTokens > (int64_t{1} << 24))
+    return fail("--prefill-tokens=" + std::to_string(prefillTokens) +
+                " must be between 1 and 16777216");
+  if (decodeBatch < 1 || decodeBatch > 4096)
+    return fail("--decode-batch=" + std::to_string(decodeBatch) + " must be between 1 and 4096");
   options.cacheDir = cacheDir;
   options.useCache = !noCache;
   options.fuse = !noFuse;
