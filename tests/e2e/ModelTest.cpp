@@ -685,6 +685,98 @@ TEST(ModelErrors, BadPrefixCacheOptions) {
                                       "prefixCacheBlockTokens (64) must be positive");
 }
 
+// Batched decode (a decode program for 4 sequences): sequences of different lengths decoding
+// together give exactly the logits each gets decoding alone, as the batch shrinks and grows.
+class DecodeBatchTest : public testing::TestWithParam<std::string> {};
+
+TEST_P(DecodeBatchTest, RowsEqualSingleSequenceDecodes) {
+  LoadOptions options;
+  options.maxSequences = 6;
+  auto model = loadOrDie(compiledDir(GetParam()) + "-batch4", options);
+  ASSERT_TRUE(model);
+  EXPECT_EQ(model->maxDecodeBatch(), 4);
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  const std::vector<std::vector<int64_t>> prompts = {
+      prompt, {prompt.begin(), prompt.begin() + 7}, {prompt.rbegin(), prompt.rend() - 11}};
+  const int64_t vocab = model->vocabSize();
+  // batched[i] and alone[i] see the same prompt and the same tokens.
+  std::vector<std::unique_ptr<Sequence>> batched, alone;
+  std::vector<int64_t> next;
+  for (const auto &tokens : prompts) {
+    for (auto *group : {&batched, &alone}) {
+      auto sequence = model->newSequence();
+      ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
+      auto logits = (*sequence)->prefill(tokens);
+      ASSERT_TRUE(logits.isOk()) << logits.status().message();
+      if (group == &batched)
+        next.push_back(std::max_element(logits->end() - vocab, logits->end()) -
+                       (logits->end() - vocab));
+      group->push_back(std::move(*sequence));
+    }
+  }
+  for (size_t members : {3u, 2u, 3u, 1u, 3u}) { // the batch shrinks and grows
+    std::vector<Sequence *> group;
+    std::vector<int64_t> tokens;
+    for (size_t i = 0; i < members; ++i) {
+      group.push_back(batched[i].get());
+      tokens.push_back(next[i]);
+    }
+    auto logits = model->decodeBatch(group, tokens);
+    ASSERT_TRUE(logits.isOk()) << logits.status().message();
+    ASSERT_EQ(logits->size(), members * size_t(vocab));
+    for (size_t i = 0; i < members; ++i) {
+      auto single = alone[i]->decode(next[i]);
+      ASSERT_TRUE(single.isOk()) << single.status().message();
+      const std::vector<float> row(logits->begin() + i * vocab, logits->begin() + (i + 1) * vocab);
+      EXPECT_EQ(row, *single) << "sequence " << i << " in a batch of " << members;
+      EXPECT_EQ(batched[i]->length(), alone[i]->length());
+      next[i] = std::max_element(row.begin(), row.end()) - row.begin();
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, DecodeBatchTest,
+                         testing::Values("kimi_linear_tiny", "deepseek_v32_tiny",
+                                         "kimi_attnres_tiny"));
+
+TEST(ModelErrors, BadDecodeBatches) {
+  LoadOptions options;
+  options.maxSequences = 6;
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny") + "-batch4", options);
+  auto other = loadOrDie(compiledDir("kimi_linear_tiny") + "-batch4");
+  ASSERT_TRUE(model && other);
+  std::vector<std::unique_ptr<Sequence>> sequences;
+  for (int i = 0; i < 5; ++i) {
+    auto sequence = model->newSequence();
+    ASSERT_TRUE(sequence.isOk());
+    ASSERT_TRUE((*sequence)->prefill(std::vector<int64_t>{1, 2, 3}).isOk());
+    sequences.push_back(std::move(*sequence));
+  }
+  auto stranger = other->newSequence();
+  ASSERT_TRUE(stranger.isOk());
+  auto refused = [&](std::vector<Sequence *> group, std::vector<int64_t> tokens,
+                     const std::string &expected) {
+    auto result = model->decodeBatch(group, tokens);
+    ASSERT_FALSE(result.isOk());
+    EXPECT_NE(result.status().message().find(expected), std::string::npos)
+        << result.status().message();
+  };
+  Sequence *a = sequences[0].get(), *b = sequences[1].get();
+  refused({}, {}, "at least one");
+  refused({a, b}, {1}, "one token per sequence");
+  refused({a, b, sequences[2].get(), sequences[3].get(), sequences[4].get()}, {1, 1, 1, 1, 1},
+          "at most 4 (hybrid-compile --decode-batch)");
+  refused({a, a}, {1, 2}, "sequences 0 and 1 are the same sequence");
+  refused({a, stranger->get()}, {1, 2}, "sequence 1 is not one of this model's");
+  // Nothing ran: every sequence is where it was.
+  for (const auto &sequence : sequences)
+    EXPECT_EQ(sequence->length(), 3);
+  // The single-sequence plan takes one sequence per step.
+  auto plain = loadOrDie(compiledDir("kimi_linear_tiny"));
+  ASSERT_TRUE(plain);
+  EXPECT_EQ(plain->maxDecodeBatch(), 1);
+}
+
 TEST(ModelErrors, Bf16StatesAreACudaOption) {
   LoadOptions options;
   options.kdaBf16State = true;

@@ -8,6 +8,7 @@
 #include "hybrid/kernels/ref/Moe.h"
 #include "hybrid/kernels/ref/Norm.h"
 #include "hybrid/kernels/ref/Quant.h"
+#include "hybrid/runtime/WeightArchive.h"
 #include "runtime/schema/kernel_signatures.h"
 
 #include <algorithm>
@@ -613,6 +614,65 @@ Status runDispatch(const StepContext &c, const fb::Dispatch &d) {
     return Status(status).withContext(kernelName(d.kernel()) + " (layer " +
                                       std::to_string(d.layer()) + ")");
   return status;
+}
+
+bool perSequenceKernel(fb::KernelId kernel) {
+  switch (kernel) {
+  case fb::KernelId::KdaChunkPrefill:
+  case fb::KernelId::KdaRecurrentDecode:
+  case fb::KernelId::MlaPrefill:
+  case fb::KernelId::MlaDecode:
+  case fb::KernelId::SparseMlaPrefill:
+  case fb::KernelId::SparseMlaDecode:
+  case fb::KernelId::IndexerQuery:
+  case fb::KernelId::IndexerKey:
+  case fb::KernelId::DsaIndexer:
+    return true;
+  default:
+    return false;
+  }
+}
+
+Status runStepDispatch(const StepContext &context, const fb::Dispatch &dispatch) {
+  if (context.batch.empty() || !perSequenceKernel(dispatch.kernel()))
+    return runDispatch(context, dispatch);
+  const std::span<const BatchRow> batch = context.batch;
+  BatchScratch &scratch = *context.batchScratch;
+  const fb::Program &program = *context.program;
+  auto rowBytes = [&](int32_t index) {
+    const fb::Value &value = *program.values()->Get(static_cast<flatbuffers::uoffset_t>(index));
+    return static_cast<uint64_t>(value.row_elements()) * dtypeByteSize(value.dtype());
+  };
+  auto copyRow = [&](Arena &from, Arena &to, int32_t index, uint64_t fromRow, uint64_t toRow) {
+    const fb::Value &value = *program.values()->Get(static_cast<flatbuffers::uoffset_t>(index));
+    const uint64_t bytes = rowBytes(index);
+    auto source = from.view(value.arena_offset() + fromRow * bytes, bytes);
+    auto target = to.view(value.arena_offset() + toRow * bytes, bytes);
+    if (!source.isOk())
+      return source.status();
+    if (!target.isOk())
+      return target.status();
+    std::copy(source->begin(), source->end(), target->begin());
+    return Status::ok();
+  };
+  for (size_t row = 0; row < batch.size(); ++row) {
+    StepContext one = context;
+    one.arena = &scratch.rowArena;
+    one.rows = 1;
+    one.kvSequence = batch[row].kvSequence;
+    one.stateSlot = batch[row].stateSlot;
+    one.firstPosition = batch[row].position;
+    one.kvStaging = &scratch.staging[row];
+    one.kdaLog = nullptr;
+    one.batch = {};
+    for (int32_t input : *dispatch.inputs())
+      HYBRID_RETURN_IF_ERROR(copyRow(*context.arena, scratch.rowArena, input, row, 0));
+    HYBRID_RETURN_IF_ERROR(runDispatch(one, dispatch).withContext(
+        "row " + std::to_string(row) + " of a batched step"));
+    for (int32_t output : *dispatch.outputs())
+      HYBRID_RETURN_IF_ERROR(copyRow(scratch.rowArena, *context.arena, output, 0, row));
+  }
+  return Status::ok();
 }
 
 } // namespace hybrid::cpu

@@ -41,6 +41,21 @@ struct KdaReplayLog {
 // logged step, from the state the slot holds now (the state before that step).
 Status replayKda(RecurrentStatePool &states, int32_t slot, const KdaReplayLog &log, int64_t tokens);
 
+// One row of a batched decode step (Model::decodeBatch): the sequence the row's token belongs to.
+struct BatchRow {
+  int32_t kvSequence = 0;
+  int32_t stateSlot = 0;
+  int64_t position = 0; // of the row's token in its sequence
+};
+
+// What running per-sequence kernels row by row needs: a one-row arena (the program's offsets, one
+// row each) and every row's staged KV rows (per row, per KV slot), kept across the step's
+// dispatches as a single sequence's staging is.
+struct BatchScratch {
+  Arena rowArena;
+  std::vector<std::vector<std::vector<float>>> staging;
+};
+
 struct StepContext {
   const plan::fb::Program *program = nullptr;
   Arena *arena = nullptr;
@@ -58,10 +73,25 @@ struct StepContext {
   int64_t firstPosition = 0; // position of the step's first token in the sequence
   bool decode = false;
   KdaReplayLog *kdaLog = nullptr; // when set, KDA layers record their per-token inputs
+  // A batched decode step (Model::decodeBatch): row r belongs to batch[r]'s sequence, and the
+  // per-sequence kernels run row by row in *batchScratch. Empty: every row is this sequence's.
+  std::span<const BatchRow> batch;
+  BatchScratch *batchScratch = nullptr;
 };
+
+// Whether a kernel reads or writes a sequence's KV cache or recurrent state, or depends on the
+// token's position (KDA, MLA, the DSA indexer's parts): in a batched step it runs row by row.
+bool perSequenceKernel(plan::fb::KernelId kernel);
 
 // Runs one dispatch; errors name the kernel and the offending value or weight.
 Status runDispatch(const StepContext &context, const plan::fb::Dispatch &dispatch);
+
+// runDispatch for any step: in a batched one (context.batch), row-wise kernels once over all
+// rows (the same arithmetic per row as a one-row step) and per-sequence kernels once per row on
+// a copy of the row in batchScratch->rowArena (which must hold the program's arena), with the
+// row's sequence, state slot, position and staging (batchScratch->staging: one entry per row,
+// each with one vector per KV slot, cleared at the step's start).
+Status runStepDispatch(const StepContext &context, const plan::fb::Dispatch &dispatch);
 
 // A float view of value `index` for the step's rows (F32 values only).
 StatusOr<std::span<float>> floatValue(const StepContext &context, int32_t index);

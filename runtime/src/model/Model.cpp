@@ -155,6 +155,7 @@ struct Model::Impl {
   ProgramRunner prefill;
   ProgramRunner decode;
   std::vector<std::vector<float>> kvStaging;
+  cpu::BatchScratch batchScratch; // decodeBatch's per-row runs of per-sequence kernels
   PrefixCache prefixCache{0, 1};
 #ifdef HYBRID_HAS_CUDA_DEVICE
   // The cuda device; the members above still serve the dispatches it runs on the cpu reference.
@@ -166,15 +167,18 @@ struct Model::Impl {
       : dir(std::move(dir)), options(std::move(options)), plan(std::move(plan)),
         archive(std::move(archive)), kvCache(std::move(kvCache)), states(std::move(states)) {}
 
-  // Runs `runner`'s program over `tokens` (at most max_tokens of them) for one sequence.
+  // Runs `runner`'s program over `tokens` (at most max_tokens of them) for one sequence, or with
+  // a `batch`, row r for batch[r]'s sequence (decode steps; `sequence` is then batch[0]'s).
   Status run(ProgramRunner &runner, Sequence &sequence, int32_t kvSequence, int32_t stateSlot,
              std::span<const int64_t> tokens, bool decodeStep, float *logitsOut,
-             HiddenStates *hidden, cpu::KdaReplayLog *kdaLog = nullptr);
+             HiddenStates *hidden, cpu::KdaReplayLog *kdaLog = nullptr,
+             std::span<const cpu::BatchRow> batch = {});
 };
 
 Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSequence,
                         int32_t stateSlot, std::span<const int64_t> tokens, bool decodeStep,
-                        float *logitsOut, HiddenStates *hidden, cpu::KdaReplayLog *kdaLog) {
+                        float *logitsOut, HiddenStates *hidden, cpu::KdaReplayLog *kdaLog,
+                        std::span<const cpu::BatchRow> batch) {
   const fb::Program *program = runner.program;
   const int64_t rows = static_cast<int64_t>(tokens.size());
   cpu::StepContext context;
@@ -194,6 +198,15 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   context.kdaLog = kdaLog;
   for (auto &rowsOfSlot : kvStaging)
     rowsOfSlot.clear();
+  if (!batch.empty()) {
+    if (batchScratch.rowArena.size() < program->arena_bytes()) {
+      HYBRID_ASSIGN_OR_RETURN(batchScratch.rowArena, Arena::create(program->arena_bytes()));
+    }
+    batchScratch.staging.assign(batch.size(),
+                                std::vector<std::vector<float>>(kvStaging.size()));
+    context.batch = batch;
+    context.batchScratch = &batchScratch;
+  }
 
 #ifdef HYBRID_HAS_CUDA_DEVICE
   if (cuda)
@@ -210,7 +223,7 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
     if (!dispatch)
       return Status::error(dir + "/plan.hyplan: program '" + program->name()->str() +
                            "' has a step the cpu device does not run");
-    HYBRID_RETURN_IF_ERROR(cpu::runDispatch(context, *dispatch));
+    HYBRID_RETURN_IF_ERROR(cpu::runStepDispatch(context, *dispatch));
     if (!hidden || !layerOutputs)
       continue;
     // Copy out the residual stream right after the step that makes it (its slot is reused).
@@ -563,6 +576,45 @@ StatusOr<std::vector<float>> Sequence::recurrentState() const {
     values.insert(values.end(), conv.begin(), conv.end());
   }
   return values;
+}
+
+int64_t Model::maxDecodeBatch() const { return std::max<int64_t>(1, impl_->decode.program->max_tokens()); }
+
+StatusOr<std::vector<float>> Model::decodeBatch(std::span<Sequence *const> sequences,
+                                                std::span<const int64_t> tokens) {
+  Impl &impl = *impl_;
+  if (sequences.empty() || sequences.size() != tokens.size())
+    return Status::error("decodeBatch: " + std::to_string(sequences.size()) + " sequences and " +
+                         std::to_string(tokens.size()) + " tokens: one token per sequence, at "
+                                                          "least one");
+  if (static_cast<int64_t>(sequences.size()) > maxDecodeBatch())
+    return Status::error("decodeBatch: " + std::to_string(sequences.size()) +
+                         " sequences, the decode program takes at most " +
+                         std::to_string(maxDecodeBatch()) + " (hybrid-compile --decode-batch)");
+  std::vector<cpu::BatchRow> batch;
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    const Sequence *sequence = sequences[i];
+    if (!sequence || &sequence->model_ != this)
+      return Status::error("decodeBatch: sequence " + std::to_string(i) +
+                           " is not one of this model's");
+    for (size_t j = 0; j < i; ++j)
+      if (sequences[j] == sequence)
+        return Status::error("decodeBatch: sequences " + std::to_string(j) + " and " +
+                             std::to_string(i) + " are the same sequence");
+    if (sequence->length_ + 1 > impl.options.maxContextTokens)
+      return Status::error("decodeBatch: sequence " + std::to_string(i) +
+                           " is full: maxContextTokens = " +
+                           std::to_string(impl.options.maxContextTokens));
+    batch.push_back({sequence->kvSequence_, sequence->stateSlot_, sequence->length_});
+  }
+  std::vector<float> logits(sequences.size() * static_cast<size_t>(vocabSize()));
+  Sequence &first = *sequences[0];
+  HYBRID_RETURN_IF_ERROR(impl.run(impl.decode, first, first.kvSequence_, first.stateSlot_,
+                                  tokens, /*decodeStep=*/true, logits.data(), nullptr, nullptr,
+                                  batch));
+  for (Sequence *sequence : sequences)
+    ++sequence->length_;
+  return logits;
 }
 
 StatusOr<std::vector<float>> Sequence::decode(int64_t token) {

@@ -153,6 +153,17 @@ public:
   // A fresh sequence (zero state, empty cache); fails when maxSequences are alive.
   StatusOr<std::unique_ptr<Sequence>> newSequence();
 
+  // Batched decode: tokens[i] through the decode program for sequences[i], all in one step (the
+  // plan's decode program takes up to maxDecodeBatch() of them: hybrid-compile --decode-batch).
+  // Returns logits [sequences.size(), vocab]; row i equals what sequences[i]->decode(tokens[i])
+  // gives (exactly on the cpu device: the same arithmetic per row). The sequences must be this
+  // model's, distinct and not full; otherwise nothing runs. Like decode(), a failure while
+  // running leaves the sequences' caches undefined.
+  StatusOr<std::vector<float>> decodeBatch(std::span<Sequence *const> sequences,
+                                           std::span<const int64_t> tokens);
+  // Sequences one decodeBatch() step takes: the decode program's max_tokens.
+  int64_t maxDecodeBatch() const;
+
   // The KV cache's pages (a scheduler admits and preempts by them) and the sequences in use.
   struct Usage {
     int64_t pageTokens = 0;
