@@ -16,6 +16,22 @@ namespace hybrid::kernels::cuda {
 namespace {
 using namespace kda_math;
 
+// Where row `row`'s sequence keeps its states (KdaDecodeParams::stateIndices and strides).
+__device__ inline size_t stateRowOf(const KdaDecodeParams &p, int row) {
+  return p.stateIndices ? size_t(p.stateIndices[row]) : size_t(row);
+}
+__device__ inline float *convStateOf(const KdaDecodeParams &p, int row) {
+  const size_t stride = p.convStateStride ? size_t(p.convStateStride)
+                                          : size_t(3) * (p.convKernel - 1) * p.heads * p.headDim;
+  return p.convState + stateRowOf(p, row) * stride;
+}
+template <typename State>
+__device__ inline State *stateOf(const KdaDecodeParams &p, int row, int head) {
+  const size_t headElements = size_t(p.headDim) * p.headDim;
+  const size_t stride = p.stateStride ? size_t(p.stateStride) : p.heads * headElements;
+  return static_cast<State *>(p.state) + stateRowOf(p, row) * stride + head * headElements;
+}
+
 // Short causal conv + SiLU of one channel of q, k and v for this step, shifting the channel's conv
 // histories by one input. One thread owns a channel's histories. Every load is issued before the
 // first store: the stores may alias the loads as far as the compiler knows, so shifting in place
@@ -28,7 +44,8 @@ __device__ inline void convolveAndShift(const KdaDecodeParams &p, int sequence, 
   for (int projection = 0; projection < 3; ++projection) {
     input[projection] = p.qkv[(size_t(sequence) * 3 + projection) * channels + channel];
     const float *weights = p.weights.convWeight + (size_t(projection) * channels + channel) * p.convKernel;
-    const float *pastIn = p.convState + size_t(sequence * 3 + projection) * history * channels + channel;
+    const float *pastIn =
+        convStateOf(p, sequence) + size_t(projection) * history * channels + channel;
 #pragma unroll
     for (int j = 0; j < kKdaMaxConvKernel; ++j)
       taps[projection][j] = j < p.convKernel ? weights[j] : 0.0f;
@@ -46,7 +63,7 @@ __device__ inline void convolveAndShift(const KdaDecodeParams &p, int sequence, 
     for (int j = 0; j < kKdaMaxConvKernel; ++j)
       acc += j == history ? taps[projection][j] * input[projection] : 0.0f;
     out[projection] = acc * sigmoid(acc);
-    float *pastOut = p.convState + size_t(sequence * 3 + projection) * history * channels + channel;
+    float *pastOut = convStateOf(p, sequence) + size_t(projection) * history * channels + channel;
 #pragma unroll
     for (int j = 0; j < kKdaMaxConvKernel - 1; ++j)
       if (j < history)
@@ -97,8 +114,7 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
 
   // Delta rule on column v, rows [group * kRows, (group + 1) * kRows).
   const int firstRow = group * kRows;
-  State *column = static_cast<State *>(p.state) +
-                  (size_t(sequence) * p.heads + head) * kDim * kDim + size_t(firstRow) * kDim + v;
+  State *column = stateOf<State>(p, sequence, head) + size_t(firstRow) * kDim + v;
   float s[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
@@ -159,8 +175,7 @@ __global__ void __launch_bounds__(32 * kWarps)
   const int column = threadIdx.x % kColumns, group = threadIdx.x / kColumns;
   const int v = blockIdx.x * kColumns + column, firstRow = group * kRows;
   const size_t pair = size_t(sequence) * p.heads + head;
-  State *stateColumn =
-      static_cast<State *>(p.state) + pair * kDim * kDim + size_t(firstRow) * kDim + v;
+  State *stateColumn = stateOf<State>(p, sequence, head) + size_t(firstRow) * kDim + v;
   float s[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r)

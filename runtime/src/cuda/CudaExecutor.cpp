@@ -94,14 +94,17 @@ struct CudaExecutor::Impl {
   bool splitGemmInputs = true;
   kc::KdaPrefillPath kdaPrefillPath = kc::KdaPrefillPath::Auto;
   int64_t *pinnedTokens = nullptr; // token ids staged for an asynchronous upload
+  int32_t *pinnedSlots = nullptr;  // and each decode row's state slot
+  int32_t *rowSlots = nullptr;     // the device copy the KDA decode kernels index states with
   // Stream 0 forks the other streams at the start of a GPU run and joins them at its end, so a
   // run is ordered after the token upload and a captured run is one graph on stream 0.
   cudaEvent_t forkEvent = nullptr;
   std::vector<cudaEvent_t> joinEvents; // per stream
-  // Decode graphs per (GPU run, state slot, rows). Everything a captured step reads from the host
-  // must be in this key: the slot decides the state pointers; no GPU kernel reads positions yet.
+  // Decode graphs per (GPU run, rows): a batch bucket. Everything a captured step reads from the
+  // host must be in this key or in device memory: the rows' state slots are (rowSlots, uploaded
+  // each step with the token ids); no GPU kernel reads positions yet.
   bool cudaGraphs = true;
-  std::map<std::tuple<size_t, int32_t, int64_t>, cudaGraphExec_t> decodeGraphs;
+  std::map<std::tuple<size_t, int64_t>, cudaGraphExec_t> decodeGraphs;
 
   ~Impl() {
     for (auto &[key, graph] : decodeGraphs)
@@ -113,6 +116,7 @@ struct CudaExecutor::Impl {
     if (forkEvent)
       cudaEventDestroy(forkEvent);
     cudaFreeHost(pinnedTokens);
+    cudaFreeHost(pinnedSlots);
     for (auto &resources : streams)
       if (resources->stream)
         cudaStreamDestroy(resources->stream);
@@ -293,12 +297,19 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
   call.stateType = stateType;
   call.out = o;
   if (d.kernel() == fb::KernelId::KdaRecurrentDecode) {
-    if (T != 1)
+    if (T != 1 && static_cast<int64_t>(host.batch.size()) != T)
       return Status::error("the decode kernel runs one token per sequence, this step has " +
-                           std::to_string(T));
+                           std::to_string(T) + " tokens of one sequence");
     kc::KdaDecodeParams step;
     static_cast<kc::KdaLayerCall &>(step) = call;
-    step.batch = 1;
+    // Row r's states in slot rowSlots[r] of the layer's part of every slot.
+    step.batch = static_cast<int32_t>(T);
+    step.state = stateRegion + layerStateBytes[layer];
+    step.stateStride = static_cast<int64_t>(slotStateBytes /
+                                            (stateType == kc::KdaStateType::BF16 ? 2 : 4));
+    step.convState = convRegion + layerConvFloats[layer];
+    step.convStateStride = static_cast<int64_t>(slotConvFloats);
+    step.stateIndices = rowSlots;
     step.workspace = r.kdaWorkspace;
     if (kc::kdaDecodeWorkspaceBytes(step) > kdaWorkspaceBytes)
       return Status::error("KDA decode workspace larger than planned at load");
@@ -412,7 +423,7 @@ Status CudaExecutor::Impl::runOnCpu(const fb::Program &program, const fb::Dispat
                                     cudaMemcpyDeviceToHost),
                          "download of a cpu step's input");
   }
-  HYBRID_RETURN_IF_ERROR(cpu::runDispatch(host, d));
+  HYBRID_RETURN_IF_ERROR(cpu::runStepDispatch(host, d)); // row by row in a batched step
   for (int32_t index : *d.outputs()) {
     const fb::Value &value = valueOf(program, index);
     CUDA_RETURN_IF_ERROR(cudaMemcpy(arena + value.arena_offset(),
@@ -556,7 +567,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         prefill.tokens = static_cast<int32_t>(rows);
         prefill.path = impl->kdaPrefillPath;
         kc::KdaDecodeParams step;
-        step.batch = 1;
+        step.batch = static_cast<int32_t>(rows);
         step.heads = static_cast<int32_t>(H);
         step.headDim = p->head_dim();
         impl->kdaWorkspaceBytes = std::max({impl->kdaWorkspaceBytes,
@@ -610,6 +621,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   bytes += alignUp(std::max<uint64_t>(1, impl->slotStateBytes * numSlots));
   const size_t convRegionOffset = bytes;
   bytes += alignUp(std::max<uint64_t>(1, impl->slotConvFloats * numSlots) * sizeof(float));
+  const size_t rowSlotsOffset = bytes;
+  bytes += alignUp(static_cast<size_t>(maxRows) * sizeof(int32_t));
   const size_t halves = impl->splitGemmInputs ? 2 : 1;
   const size_t perStream = alignUp(std::max<size_t>(1, impl->xBf16Elements) * 2 * halves) +
                            alignUp(std::max<size_t>(1, impl->gemmOutputs) * 4 * halves) +
@@ -625,6 +638,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
     impl->arenas.push_back(impl->pool + offset);
   impl->stateRegion = impl->pool + stateRegionOffset;
   impl->convRegion = reinterpret_cast<float *>(impl->pool + convRegionOffset);
+  impl->rowSlots = reinterpret_cast<int32_t *>(impl->pool + rowSlotsOffset);
 
   for (int32_t s = 0; s < maxStreams; ++s) {
     impl->streams.push_back(std::make_unique<StreamResources>());
@@ -653,6 +667,9 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedTokens,
                                       static_cast<size_t>(maxRows) * sizeof(int64_t)),
                        "pinned token buffer");
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedSlots,
+                                      static_cast<size_t>(maxRows) * sizeof(int32_t)),
+                       "pinned slot buffer");
   auto executor = std::unique_ptr<CudaExecutor>(new CudaExecutor(std::move(impl)));
   executor->report_ = std::move(report);
   return executor;
@@ -728,7 +745,7 @@ Status CudaExecutor::Impl::launchRun(const fb::Program &program, unsigned char *
 Status CudaExecutor::Impl::replayRun(const fb::Program &program, unsigned char *arena,
                                      size_t runIndex, const cpu::StepContext &host) {
   cudaStream_t origin = streams[0]->stream;
-  const auto key = std::make_tuple(runIndex, host.stateSlot, host.rows);
+  const auto key = std::make_tuple(runIndex, host.rows);
   auto found = decodeGraphs.find(key);
   if (found == decodeGraphs.end()) {
     CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal),
@@ -786,6 +803,20 @@ Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> 
                                        impl.streams[0]->stream),
                        "token ids upload");
 
+  if (!prefill) { // each row's state slot, for the KDA decode kernels
+    for (int64_t row = 0; row < rows; ++row) {
+      const int32_t slot = host.batch.empty() ? host.stateSlot
+                                              : host.batch[static_cast<size_t>(row)].stateSlot;
+      if (!host.states->isAllocated(slot))
+        return Status::error("decode row " + std::to_string(row) + ": state slot " +
+                             std::to_string(slot) + " is not allocated");
+      impl.pinnedSlots[row] = slot;
+    }
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(impl.rowSlots, impl.pinnedSlots,
+                                         static_cast<size_t>(rows) * sizeof(int32_t),
+                                         cudaMemcpyHostToDevice, impl.streams[0]->stream),
+                         "state slots upload");
+  }
   const bool graphs = impl.cudaGraphs && !prefill && !hidden;
   const std::vector<StepRun> &runs = impl.runs[programIndex];
   for (size_t index = 0; index < runs.size(); ++index) {

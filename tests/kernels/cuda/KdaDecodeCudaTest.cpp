@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -163,6 +164,93 @@ INSTANTIATE_TEST_SUITE_P(Shapes, KdaDecodeCuda,
                            }
                            return name;
                          });
+
+// Rows whose states sit in a pool's slots (stateIndices, padded strides) get exactly what the
+// same sequences packed densely get, on both paths; the slots of no row stay as they were.
+TEST(KdaDecodeCudaPool, IndexedSlotsEqualDenseStates) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  const int B = 3, H = 4, D = 128, W = 4, P = H * D, slots = 5;
+  const std::vector<int32_t> slotOfRow = {2, 0, 4};
+  const int64_t denseState = int64_t(H) * D * D, denseConv = int64_t(3) * (W - 1) * P;
+  const int64_t stateStride = denseState + 96, convStride = denseConv + 32; // not packed
+  std::mt19937 rng(11);
+  std::vector<float> convWeight = random(size_t(3) * P * W, rng, 0.5f);
+  std::vector<float> aLog = random(H, rng, 0.3f, 0.5f), dtBias = random(P, rng, 0.5f);
+  std::vector<float> normWeight = random(D, rng, 0.1f, 1.0f);
+  std::vector<float> poolState = random(size_t(slots * stateStride), rng, 0.05f);
+  std::vector<float> poolConv = random(size_t(slots * convStride), rng, 1.0f);
+  std::vector<float> denseStates(size_t(B * denseState)), denseConvs(size_t(B * denseConv));
+  for (int b = 0; b < B; ++b) {
+    std::copy_n(poolState.begin() + slotOfRow[b] * stateStride, denseState,
+                denseStates.begin() + b * denseState);
+    std::copy_n(poolConv.begin() + slotOfRow[b] * convStride, denseConv,
+                denseConvs.begin() + b * denseConv);
+  }
+  DeviceBuffer<float> dConvWeight(convWeight), dALog(aLog), dDtBias(dtBias), dNorm(normWeight);
+  DeviceBuffer<float> dQkv(random(size_t(B) * 3 * P, rng, 1.0f)),
+      dForget(random(size_t(B) * P, rng, 1.0f)), dBeta(random(size_t(B) * H, rng, 1.0f)),
+      dGate(random(size_t(B) * P, rng, 1.0f));
+  DeviceBuffer<int32_t> dSlots(slotOfRow);
+  for (auto path : {cuda::KdaDecodePath::Fused, cuda::KdaDecodePath::Split}) {
+    SCOPED_TRACE(path == cuda::KdaDecodePath::Fused ? "fused path" : "split path");
+    DeviceBuffer<float> dPoolState(poolState), dPoolConv(poolConv), dDenseState(denseStates),
+        dDenseConv(denseConvs), dOutPool(std::vector<float>(size_t(B) * P)),
+        dOutDense(std::vector<float>(size_t(B) * P));
+    auto run = [&](bool pooled) {
+      cuda::KdaDecodeParams params;
+      params.batch = B;
+      params.heads = H;
+      params.headDim = D;
+      params.convKernel = W;
+      params.qkv = dQkv.data;
+      params.forget = dForget.data;
+      params.betaLogits = dBeta.data;
+      params.outputGate = dGate.data;
+      params.weights.convWeight = dConvWeight.data;
+      params.weights.aLog = dALog.data;
+      params.weights.dtBias = dDtBias.data;
+      params.weights.normWeight = dNorm.data;
+      params.path = path;
+      params.state = pooled ? dPoolState.data : dDenseState.data;
+      params.convState = pooled ? dPoolConv.data : dDenseConv.data;
+      params.out = pooled ? dOutPool.data : dOutDense.data;
+      if (pooled) {
+        params.stateIndices = dSlots.data;
+        params.stateStride = stateStride;
+        params.convStateStride = convStride;
+      }
+      DeviceBuffer<unsigned char> workspace(
+          std::vector<unsigned char>(cuda::kdaDecodeWorkspaceBytes(params), 0xff));
+      params.workspace = workspace.data;
+      ASSERT_EQ(cuda::launchKdaFusedDecode(params, nullptr), 0);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    };
+    run(false);
+    run(true);
+    EXPECT_EQ(dOutPool.download(), dOutDense.download());
+    const std::vector<float> pool = dPoolState.download(), conv = dPoolConv.download();
+    const std::vector<float> dense = dDenseState.download(), denseConvOut = dDenseConv.download();
+    for (int slot = 0; slot < slots; ++slot) {
+      const auto row = std::find(slotOfRow.begin(), slotOfRow.end(), slot);
+      const std::vector<float> got(pool.begin() + slot * stateStride,
+                                   pool.begin() + (slot + 1) * stateStride);
+      const std::vector<float> gotConv(conv.begin() + slot * convStride,
+                                       conv.begin() + (slot + 1) * convStride);
+      std::vector<float> want(poolState.begin() + slot * stateStride,
+                              poolState.begin() + (slot + 1) * stateStride);
+      std::vector<float> wantConv(poolConv.begin() + slot * convStride,
+                                  poolConv.begin() + (slot + 1) * convStride);
+      if (row != slotOfRow.end()) { // the row's new states; the padding untouched
+        const int64_t b = row - slotOfRow.begin();
+        std::copy_n(dense.begin() + b * denseState, denseState, want.begin());
+        std::copy_n(denseConvOut.begin() + b * denseConv, denseConv, wantConv.begin());
+      }
+      EXPECT_EQ(got, want) << "state of slot " << slot;
+      EXPECT_EQ(gotConv, wantConv) << "conv state of slot " << slot;
+    }
+  }
+}
 
 TEST(KdaDecodeCudaErrors, UnsupportedHeadDim) {
   cuda::KdaDecodeParams params;

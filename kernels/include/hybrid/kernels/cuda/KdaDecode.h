@@ -50,6 +50,13 @@ struct KdaLayerCall {
 // One decode step: batch sequences, one token (row) each; headDim 128 (Kimi-Linear) or 64.
 struct KdaDecodeParams : KdaLayerCall {
   int32_t batch = 0;
+  // Row b updates the states of sequence stateIndices[b] (a device array of batch entries; null:
+  // sequence b): its state at stateIndices[b] * stateStride elements of `state` (0: heads * K * V,
+  // dense) and its conv state at stateIndices[b] * convStateStride floats of `convState` (0:
+  // 3 (W - 1) heads * K). A batch of sequences whose states sit in a pool's slots, not packed.
+  const int32_t *stateIndices = nullptr;
+  int64_t stateStride = 0;
+  int64_t convStateStride = 0;
   // Device scratch of kdaDecodeWorkspaceBytes(*this) bytes, 16-byte aligned; may be null when
   // that is 0. Not shared between launches that may run concurrently.
   void *workspace = nullptr;
