@@ -265,6 +265,35 @@ int runServe(hybrid::LoadGeneratorOptions load, const std::string &modelDir,
 
 // Speculative against plain decoding on `--model`: half the prompts repeat a random 8-token
 // pattern (where prompt lookup drafts well), half are random.
+int runDecodeBatch(const std::string &modelDir, hybrid::LoadOptions options,
+                   const std::vector<int32_t> &batches, int32_t promptTokens, int32_t steps) {
+  options.maxSequences = std::max(options.maxSequences,
+                                  *std::max_element(batches.begin(), batches.end()));
+  auto model = hybrid::Model::load(modelDir, options);
+  if (!model) {
+    std::cerr << "error: decode-batch: " << model.status().message() << "\n";
+    return 1;
+  }
+  std::mt19937_64 rng(1);
+  std::uniform_int_distribution<int64_t> token(0, (*model)->vocabSize() - 1);
+  std::vector<int64_t> prompt(static_cast<size_t>(promptTokens));
+  for (int64_t &id : prompt)
+    id = token(rng);
+  std::printf("%-12s %6s %6s %12s %12s\n", "kernel", "batch", "steps", "ms/step", "tokens/s");
+  for (int32_t batch : batches) {
+    auto report = hybrid::benchmarkBatchedDecode(**model, prompt, batch, steps);
+    if (!report) {
+      std::cerr << "error: decode-batch: batch " << batch << ": " << report.status().message()
+                << "\n";
+      return 1;
+    }
+    std::printf("%-12s %6lld %6lld %12.3f %12.1f\n", "decode-batch",
+                static_cast<long long>(report->batch), static_cast<long long>(report->steps),
+                report->stepMilliseconds, report->tokensPerSecond);
+  }
+  return 0;
+}
+
 int runSpec(const std::string &modelDir, int32_t prompts, int32_t promptTokens, int32_t maxTokens,
             int32_t draftTokens, uint64_t seed) {
   auto model = hybrid::Model::load(modelDir);
@@ -381,8 +410,29 @@ int main(int argc, char **argv) {
   spec->add_option("--draft", specDraft, "Most draft tokens per verification pass")
       ->check(CLI::PositiveNumber);
   spec->add_option("--seed", specSeed, "Prompt seed");
+  std::string batchModel;
+  hybrid::LoadOptions batchOptions;
+  std::vector<int32_t> decodeBatches = {1, 2, 4};
+  int32_t batchPromptTokens = 16, batchSteps = 64;
+  bool batchNoGraphs = false;
+  CLI::App *decodeBatch = app.add_subcommand(
+      "decode-batch", "Batched decode (Model::decodeBatch) tokens/s per batch size on a model");
+  decodeBatch->add_option("--model", batchModel, "A model compiled with --decode-batch")
+      ->required();
+  decodeBatch->add_option("--device", batchOptions.device, "cpu or cuda")->default_val("cpu");
+  decodeBatch->add_option("--batch", decodeBatches, "Batch sizes")->delimiter(',')
+      ->check(CLI::PositiveNumber);
+  decodeBatch->add_option("--prompt-tokens", batchPromptTokens, "Prompt length")
+      ->check(CLI::PositiveNumber);
+  decodeBatch->add_option("--steps", batchSteps, "Timed steps per batch size")
+      ->check(CLI::PositiveNumber);
+  decodeBatch->add_flag("--no-cuda-graphs", batchNoGraphs, "cuda: launch every kernel each step");
   CLI11_PARSE(app, argc, argv);
 
+  if (decodeBatch->parsed()) {
+    batchOptions.cudaGraphs = !batchNoGraphs;
+    return runDecodeBatch(batchModel, batchOptions, decodeBatches, batchPromptTokens, batchSteps);
+  }
   if (spec->parsed())
     return runSpec(specModel, specPrompts, specPromptTokens, specMaxTokens, specDraft, specSeed);
   if (serve->parsed())

@@ -15,6 +15,10 @@ namespace {
 int64_t argmax(std::span<const float> logits) {
   return std::max_element(logits.begin(), logits.end()) - logits.begin();
 }
+// The argmax of row `row` of logits [rows, vocab].
+int64_t argmaxRow(std::span<const float> logits, int64_t vocab, int64_t row) {
+  return argmax(logits.subspan(static_cast<size_t>(row * vocab), static_cast<size_t>(vocab)));
+}
 
 double seconds(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -108,6 +112,40 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
   }
   result.decodeSeconds = seconds(start);
   return result;
+}
+
+StatusOr<BatchDecodeReport> benchmarkBatchedDecode(Model &model, std::span<const int64_t> prompt,
+                                                   int64_t batch, int64_t steps) {
+  if (batch < 1 || steps < 1 || prompt.empty())
+    return Status::error("benchmarkBatchedDecode: batch, steps and the prompt must not be empty");
+  const int64_t vocab = model.vocabSize();
+  std::vector<std::unique_ptr<Sequence>> sequences;
+  std::vector<Sequence *> rows;
+  std::vector<int64_t> tokens;
+  for (int64_t i = 0; i < batch; ++i) {
+    HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> sequence, model.newSequence());
+    HYBRID_ASSIGN_OR_RETURN(std::vector<float> logits, sequence->prefill(prompt));
+    tokens.push_back(argmaxRow(logits, vocab, static_cast<int64_t>(prompt.size()) - 1));
+    rows.push_back(sequence.get());
+    sequences.push_back(std::move(sequence));
+  }
+  auto step = [&]() -> Status {
+    HYBRID_ASSIGN_OR_RETURN(std::vector<float> logits, model.decodeBatch(rows, tokens));
+    for (int64_t i = 0; i < batch; ++i)
+      tokens[static_cast<size_t>(i)] = argmaxRow(logits, vocab, i);
+    return Status::ok();
+  };
+  HYBRID_RETURN_IF_ERROR(step()); // warm-up
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < steps; ++i)
+    HYBRID_RETURN_IF_ERROR(step());
+  const double elapsed = seconds(start);
+  BatchDecodeReport report;
+  report.batch = batch;
+  report.steps = steps;
+  report.stepMilliseconds = 1e3 * elapsed / static_cast<double>(steps);
+  report.tokensPerSecond = static_cast<double>(batch * steps) / std::max(elapsed, 1e-12);
+  return report;
 }
 
 StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,

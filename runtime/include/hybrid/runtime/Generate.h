@@ -61,6 +61,17 @@ StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
                                                  const std::vector<std::vector<int64_t>> &prompts,
                                                  int64_t maxNewTokens, int64_t draftTokens);
 
+// Batched decode throughput (hybrid-bench decode-batch): `batch` sequences prefilled with
+// `prompt`, one warm-up step (it captures the cuda device's graphs), then `steps` steps of
+// Model::decodeBatch, each row fed its own greedy token; tokens/s over the timed steps.
+struct BatchDecodeReport {
+  int64_t batch = 0, steps = 0;
+  double stepMilliseconds = 0;
+  double tokensPerSecond = 0;
+};
+StatusOr<BatchDecodeReport> benchmarkBatchedDecode(Model &model, std::span<const int64_t> prompt,
+                                                   int64_t batch, int64_t steps);
+
 // The next draft length after a verification pass: one longer (up to `maximum`) when the whole
 // draft was accepted, one shorter (down to 1) when less than half was; unchanged otherwise or
 // when nothing was drafted.
