@@ -489,11 +489,12 @@ std::vector<int64_t> greedyIds(Model &model, const std::vector<int64_t> &prompt,
 }
 
 // Requests of different lengths, prefilled in 16-token chunks between the others' decode steps,
-// more of them than sequences: each gets exactly the tokens of a greedy run on its own.
-TEST(Scheduler, InterleavedRequestsMatchIndependentGreedyRuns) {
+// more of them than sequences: each gets exactly the tokens of a greedy run on its own. With a
+// plan for batched decode, the decode steps of a step run together (and still give them).
+void expectInterleavedRequestsMatchGreedyRuns(const std::string &plan, bool batched) {
   LoadOptions options;
   options.maxSequences = 3;
-  auto model = loadOrDie(compiledDir("kimi_linear_tiny"), options);
+  auto model = loadOrDie(compiledDir(plan), options);
   ASSERT_TRUE(model);
   Scheduler scheduler(*model, SchedulerOptions{16});
   const auto prompts = schedulerPrompts(goldenPrompt("kimi_linear_tiny"));
@@ -512,16 +513,32 @@ TEST(Scheduler, InterleavedRequestsMatchIndependentGreedyRuns) {
         << "request " << id;
   EXPECT_EQ(scheduler.stats().finished, 6);
   EXPECT_EQ(scheduler.stats().preemptions, 0);
+  if (batched) {
+    EXPECT_GT(scheduler.stats().decodeBatches, 0);
+    EXPECT_GE(scheduler.stats().batchedDecodeRows, 2 * scheduler.stats().decodeBatches);
+  } else {
+    EXPECT_EQ(scheduler.stats().decodeBatches, 0);
+  }
+}
+
+TEST(Scheduler, InterleavedRequestsMatchIndependentGreedyRuns) {
+  expectInterleavedRequestsMatchGreedyRuns("kimi_linear_tiny", false);
+}
+
+TEST(Scheduler, BatchedDecodeStepsMatchIndependentGreedyRuns) {
+  expectInterleavedRequestsMatchGreedyRuns("kimi_linear_tiny-batch4", true);
 }
 
 // A KV cache of two 64-token pages for three requests that each grow past one page: admission
 // waits for pages, the request that runs out mid-decode is preempted and recomputed, and every
 // request still gets its independent greedy tokens.
-TEST(Scheduler, PreemptsAndRecomputesWhenTheKvCacheIsFull) {
+// With a batched-decode plan too: a step whose rows may not all get a page decodes them one by
+// one, so only the row that finds the cache full is preempted.
+void expectPreemptionByRecompute(const std::string &plan) {
   LoadOptions options;
   options.maxSequences = 3;
   options.kvCacheTokens = 128;
-  auto model = loadOrDie(compiledDir("kimi_linear_tiny"), options);
+  auto model = loadOrDie(compiledDir(plan), options);
   ASSERT_TRUE(model);
   ASSERT_EQ(model->usage().totalPages, 2);
   const std::vector<int64_t> prompt = goldenPrompt("kimi_linear_tiny");
@@ -539,6 +556,14 @@ TEST(Scheduler, PreemptsAndRecomputesWhenTheKvCacheIsFull) {
   EXPECT_GT(scheduler.stats().preemptions, 0);
   for (const auto &[id, tokens] : promptOf)
     EXPECT_EQ(run.tokens.at(id), greedyIds(*model, tokens, 30)) << "request " << id;
+}
+
+TEST(Scheduler, PreemptsAndRecomputesWhenTheKvCacheIsFull) {
+  expectPreemptionByRecompute("kimi_linear_tiny");
+}
+
+TEST(Scheduler, PreemptsWithBatchedDecodeToo) {
+  expectPreemptionByRecompute("kimi_linear_tiny-batch4");
 }
 
 // Speculative decode steps inside the scheduler (prompt-lookup drafts) keep every request's greedy

@@ -77,15 +77,105 @@ bool Scheduler::admit(Active &active) {
   return true;
 }
 
-// Frees running request `index`'s sequence; it waits again, first in line, and recomputes its
-// context when readmitted.
-void Scheduler::preempt(size_t index) {
-  std::unique_ptr<Active> victim = std::move(running_[index]);
-  running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
-  victim->sequence.reset();
-  victim->fed = 0;
-  waiting_.push_front(std::move(victim));
-  ++stats_.preemptions;
+// What a request's step produced: logits (the last row chooses the next token), or the tokens a
+// speculative step decided; `mayPreempt` is false for errors that recomputing cannot cure.
+struct Scheduler::Outcome {
+  StatusOr<std::vector<float>> logits = Status::error("nothing ran");
+  std::vector<int64_t> chosen;
+  bool mayPreempt = true;
+};
+
+// A prefill chunk or a speculative step for `active`; plain decode steps are left to
+// decodeGroup (`decodes` collects them).
+void Scheduler::runOwnStep(Active &active, Outcome &outcome, bool &decodes) {
+  decodes = false;
+  const auto contextLength = static_cast<int64_t>(active.context.size());
+  if (active.fed == 0) {
+    // The first step restores the longest kept prefix (if the model keeps prefixes).
+    StatusOr<int64_t> cached = active.sequence->restorePrefix(active.context);
+    if (!cached) {
+      outcome.logits = cached.status();
+      outcome.mayPreempt = false;
+      return;
+    }
+    stats_.cachedPromptTokens += *cached;
+    active.fed = *cached;
+  }
+  if (active.fed + 1 < contextLength || active.fed == 0) {
+    // A prefill chunk; one ends where the context's own prefix is kept, to keep it right then.
+    const int64_t boundary = active.sequence->prefixBoundary(contextLength);
+    int64_t count = std::min(options_.prefillChunkTokens, contextLength - active.fed);
+    if (active.fed < boundary)
+      count = std::min(count, boundary - active.fed);
+    outcome.logits = active.sequence->prefill(std::span(active.context).subspan(
+        static_cast<size_t>(active.fed), static_cast<size_t>(count)));
+    active.fed += count;
+    if (outcome.logits && active.fed == boundary)
+      if (Status kept = active.sequence->keepPrefix(
+              std::span(active.context).first(static_cast<size_t>(boundary)));
+          !kept)
+        outcome.logits = kept;
+  } else if (options_.draftTokens > 0) {
+    const int64_t room = active.request.maxNewTokens - active.generated();
+    const std::vector<int64_t> draft =
+        promptLookupDraft(active.context, std::min(active.draftLength, room - 1));
+    StatusOr<DraftVerification> verified =
+        active.sequence->verifyDraft(active.context.back(), draft);
+    if (verified) {
+      ++stats_.verifySteps;
+      stats_.draftedTokens += static_cast<int64_t>(draft.size());
+      stats_.acceptedTokens += verified->accepted;
+      active.draftLength = adaptDraftLength(active.draftLength, options_.draftTokens,
+                                            static_cast<int64_t>(draft.size()), verified->accepted);
+      outcome.chosen = verified->tokens;
+      outcome.logits = std::move(verified->logits);
+    } else {
+      outcome.logits = verified.status();
+    }
+    active.fed = contextLength;
+  } else {
+    decodes = true;
+  }
+}
+
+// Plain decode steps of `group` (indices into running_), as few Model::decodeBatch calls as the
+// plan's decode batch allows; one at a time when the KV cache may not have a page for every
+// row (then a row that finds it full is preempted alone, not its whole batch).
+void Scheduler::decodeGroup(const std::vector<size_t> &group, std::vector<Outcome> &outcomes) {
+  const auto batchSize = static_cast<size_t>(model_.maxDecodeBatch());
+  int64_t newPages = 0;
+  for (size_t index : group) {
+    const int64_t length = running_[index]->sequence->length();
+    newPages += model_.pagesFor(length + 1) - model_.pagesFor(length);
+  }
+  const bool batched = batchSize > 1 && group.size() > 1 && newPages <= model_.usage().freePages;
+  for (size_t first = 0; first < group.size(); first += batched ? batchSize : 1) {
+    const size_t count = batched ? std::min(batchSize, group.size() - first) : 1;
+    std::vector<Sequence *> sequences;
+    std::vector<int64_t> tokens;
+    for (size_t i = first; i < first + count; ++i) {
+      Active &active = *running_[group[i]];
+      sequences.push_back(active.sequence.get());
+      tokens.push_back(active.context.back());
+      active.fed = static_cast<int64_t>(active.context.size());
+    }
+    if (count == 1) {
+      outcomes[group[first]].logits = sequences[0]->decode(tokens[0]);
+      continue;
+    }
+    ++stats_.decodeBatches;
+    stats_.batchedDecodeRows += static_cast<int64_t>(count);
+    StatusOr<std::vector<float>> logits = model_.decodeBatch(sequences, tokens);
+    const auto vocab = static_cast<size_t>(model_.vocabSize());
+    for (size_t i = 0; i < count; ++i) {
+      Outcome &outcome = outcomes[group[first + i]];
+      if (!logits)
+        outcome.logits = logits.status(); // each row recomputes (or fails) on its own
+      else
+        outcome.logits = std::vector<float>(logits->begin() + i * vocab,
+                                            logits->begin() + (i + 1) * vocab);
+    }
+  }
 }
 
 std::vector<TokenEvent> Scheduler::step() {
@@ -94,93 +184,54 @@ std::vector<TokenEvent> Scheduler::step() {
     waiting_.pop_front();
   }
 
-  std::vector<TokenEvent> events;
-  // A request leaves the running set finished, or failed with an error event.
-  auto retire = [&](size_t at) {
-    ++stats_.finished;
-    running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(at));
-  };
-  auto fail = [&](size_t at, const std::string &message) {
-    events.push_back({running_[at]->id, -1, true, message});
-    retire(at);
-  };
-  for (size_t index = 0; index < running_.size();) {
-    Active &active = *running_[index];
-    const auto contextLength = static_cast<int64_t>(active.context.size());
-    StatusOr<std::vector<float>> logits = Status::error("nothing ran");
-    std::vector<int64_t> chosen; // set by a speculative step: the tokens it decided
-    if (active.fed == 0) {
-      // The first step restores the longest kept prefix (if the model keeps prefixes).
-      StatusOr<int64_t> cached = active.sequence->restorePrefix(active.context);
-      if (!cached) {
-        fail(index, cached.status().message());
-        continue;
-      }
-      stats_.cachedPromptTokens += *cached;
-      active.fed = *cached;
-    }
-    if (active.fed + 1 < contextLength || active.fed == 0) {
-      // A prefill chunk; one ends where the context's own prefix is kept, to keep it right then.
-      const int64_t boundary = active.sequence->prefixBoundary(contextLength);
-      int64_t count = std::min(options_.prefillChunkTokens, contextLength - active.fed);
-      if (active.fed < boundary)
-        count = std::min(count, boundary - active.fed);
-      logits = active.sequence->prefill(std::span(active.context).subspan(
-          static_cast<size_t>(active.fed), static_cast<size_t>(count)));
-      active.fed += count;
-      if (logits && active.fed == boundary)
-        if (Status kept = active.sequence->keepPrefix(
-                std::span(active.context).first(static_cast<size_t>(boundary)));
-            !kept)
-          logits = kept;
-    } else if (options_.draftTokens > 0) {
-      const int64_t room = active.request.maxNewTokens - active.generated();
-      const std::vector<int64_t> draft =
-          promptLookupDraft(active.context, std::min(active.draftLength, room - 1));
-      StatusOr<DraftVerification> verified =
-          active.sequence->verifyDraft(active.context.back(), draft);
-      if (verified) {
-        ++stats_.verifySteps;
-        stats_.draftedTokens += static_cast<int64_t>(draft.size());
-        stats_.acceptedTokens += verified->accepted;
-        active.draftLength =
-            adaptDraftLength(active.draftLength, options_.draftTokens,
-                             static_cast<int64_t>(draft.size()), verified->accepted);
-        chosen = verified->tokens;
-        logits = std::move(verified->logits);
-      } else {
-        logits = verified.status();
-      }
-      active.fed = contextLength;
-    } else {
-      logits = active.sequence->decode(active.context.back());
-      active.fed = contextLength;
-    }
+  // Every request's own step first (prefill chunks, speculative steps), then the plain decode
+  // steps together; their results are applied in admission order.
+  std::vector<Outcome> outcomes(running_.size());
+  std::vector<size_t> decodes;
+  for (size_t index = 0; index < running_.size(); ++index) {
+    bool decodeStep = false;
+    runOwnStep(*running_[index], outcomes[index], decodeStep);
+    if (decodeStep)
+      decodes.push_back(index);
+  }
+  decodeGroup(decodes, outcomes);
 
-    if (!logits) {
-      const std::string message = logits.status().message();
+  std::vector<TokenEvent> events;
+  std::vector<std::unique_ptr<Active>> running;
+  const size_t runningAtStart = running_.size();
+  for (size_t index = 0; index < running_.size(); ++index) {
+    std::unique_ptr<Active> &slot = running_[index];
+    Active &active = *slot;
+    Outcome &outcome = outcomes[index];
+    if (!outcome.logits) {
+      const std::string message = outcome.logits.status().message();
       // A step that failed part-way left some layers' caches advanced: the sequence restarts.
       // Out of KV pages with others running, it waits for theirs (preemption by recompute).
-      if (message.find("out of pages") != std::string::npos && running_.size() > 1) {
-        preempt(index);
+      if (outcome.mayPreempt && message.find("out of pages") != std::string::npos &&
+          runningAtStart > 1) {
+        active.sequence.reset();
+        active.fed = 0;
+        waiting_.push_front(std::move(slot));
+        ++stats_.preemptions;
         continue;
       }
-      fail(index, message);
+      events.push_back({active.id, -1, true, message});
+      ++stats_.finished;
       continue;
     }
-    if (active.fed < contextLength) {
-      ++index; // more of the prompt next step
+    if (active.fed < static_cast<int64_t>(active.context.size())) {
+      running.push_back(std::move(slot)); // more of the prompt next step
       continue;
     }
     // The last row's logits choose the next token (a speculative step decided several).
-    if (chosen.empty()) {
+    if (outcome.chosen.empty()) {
       const int64_t vocab = model_.vocabSize();
-      std::span<const float> last = std::span(*logits).last(static_cast<size_t>(vocab));
-      chosen.push_back(std::max_element(last.begin(), last.end()) - last.begin());
+      std::span<const float> last = std::span(*outcome.logits).last(static_cast<size_t>(vocab));
+      outcome.chosen.push_back(std::max_element(last.begin(), last.end()) - last.begin());
     }
     bool finished = false;
-    for (size_t i = 0; i < chosen.size() && !finished; ++i) {
-      const int64_t token = chosen[i];
+    for (size_t i = 0; i < outcome.chosen.size() && !finished; ++i) {
+      const int64_t token = outcome.chosen[i];
       active.context.push_back(token);
       const bool stop = std::find(active.request.stopTokens.begin(),
                                   active.request.stopTokens.end(),
@@ -191,11 +242,12 @@ std::vector<TokenEvent> Scheduler::step() {
     // The sequence has consumed every context token but the last chosen one.
     active.fed = static_cast<int64_t>(active.context.size()) - 1;
     if (finished) {
-      retire(index);
+      ++stats_.finished;
       continue;
     }
-    ++index;
+    running.push_back(std::move(slot));
   }
+  running_ = std::move(running);
   return events;
 }
 

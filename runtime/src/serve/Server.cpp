@@ -365,6 +365,10 @@ std::string Server::Impl::metrics() {
          "Speculative decoding: draft tokens proposed.", double(stats.draftedTokens));
   metric("hybrid_spec_accepted_tokens_total", "counter",
          "Speculative decoding: draft tokens accepted.", double(stats.acceptedTokens));
+  metric("hybrid_decode_batches_total", "counter",
+         "Batched decode calls (rows / calls = mean decode batch).", double(stats.decodeBatches));
+  metric("hybrid_decode_batch_rows_total", "counter", "Decode steps run in batched calls.",
+         double(stats.batchedDecodeRows));
   metric("hybrid_prefix_cached_tokens_total", "counter",
          "Prompt tokens restored from the prefix cache.", double(stats.cachedPromptTokens));
   metric("hybrid_kv_pages_total", "gauge", "KV cache pages.", double(kv.totalPages));

@@ -4,8 +4,9 @@
 // preempted: its sequence is freed and it is recomputed (prompt + tokens so far) when readmitted.
 // With prefix caching on the model, a request's first step restores its longest kept prefix, and
 // its prefill chunks stop at its own block boundary to keep that prefix for later requests.
-// Each step still runs one sequence per program call: the plan's programs take one sequence's
-// rows until they take several (varlen), so "batching" here is interleaving.
+// Prefill chunks and speculative steps run one sequence per program call; the plain decode steps
+// of a step run together through Model::decodeBatch, as many per call as the plan's decode
+// program takes (hybrid-compile --decode-batch; one at a time with a plan for one).
 #pragma once
 
 #include "hybrid/runtime/Model.h"
@@ -50,6 +51,8 @@ struct SchedulerStats {
   int64_t verifySteps = 0;    // speculative decoding: verification passes,
   int64_t draftedTokens = 0;  // draft tokens proposed
   int64_t acceptedTokens = 0; // and accepted
+  int64_t decodeBatches = 0;     // Model::decodeBatch calls
+  int64_t batchedDecodeRows = 0; // decode steps they ran
 };
 
 class Scheduler {
@@ -76,8 +79,10 @@ public:
 
 private:
   struct Active;
+  struct Outcome;
   bool admit(Active &active);
-  void preempt(size_t index);
+  void runOwnStep(Active &active, Outcome &outcome, bool &decodes);
+  void decodeGroup(const std::vector<size_t> &group, std::vector<Outcome> &outcomes);
 
   Model &model_;
   SchedulerOptions options_;
