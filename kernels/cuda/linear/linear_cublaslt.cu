@@ -68,8 +68,47 @@ int LinearContext::init(size_t workspaceBytes) {
   return 0;
 }
 
-int LinearContext::algorithmFor(const Key &key, Algorithm *&result) {
+int LinearContext::completeAlgorithm(Algorithm &algorithm, int operandType, const Key &key) {
   const auto [rows, in, out, weightStride, yStride, weightAlignment, xAlignment, yAlignment] = key;
+  const auto type = static_cast<cudaDataType_t>(operandType);
+  if (int code = cublasCode(
+          cublasLtMatrixLayoutCreate(&algorithm.weight, type, in, out, weightStride)))
+    return code;
+  if (int code = cublasCode(cublasLtMatrixLayoutCreate(&algorithm.x, type, in, rows, in)))
+    return code;
+  if (int code =
+          cublasCode(cublasLtMatrixLayoutCreate(&algorithm.y, CUDA_R_32F, out, rows, yStride)))
+    return code;
+  cublasLtMatmulPreference_t preference = nullptr;
+  if (int code = cublasCode(cublasLtMatmulPreferenceCreate(&preference)))
+    return code;
+  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                       &workspaceBytes_, sizeof workspaceBytes_);
+  const uint32_t alignments[3] = {uint32_t(weightAlignment), uint32_t(xAlignment),
+                                  uint32_t(yAlignment)};
+  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                       &alignments[0], sizeof(uint32_t));
+  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                       &alignments[1], sizeof(uint32_t));
+  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                       &alignments[2], sizeof(uint32_t));
+  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                       &alignments[2], sizeof(uint32_t));
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      static_cast<cublasLtHandle_t>(handle_), algorithm.operation, algorithm.weight, algorithm.x,
+      algorithm.y, algorithm.y, preference, 1, &heuristic, &found);
+  cublasLtMatmulPreferenceDestroy(preference);
+  if (status != CUBLAS_STATUS_SUCCESS)
+    return cublasCode(status);
+  if (found == 0)
+    return kCublasBase + int(CUBLAS_STATUS_NOT_SUPPORTED);
+  algorithm.algorithm = heuristic.algo;
+  return 0;
+}
+
+int LinearContext::algorithmFor(const Key &key, Algorithm *&result) {
   if (auto found = algorithms_.find(key); found != algorithms_.end()) {
     result = found->second;
     return 0;
@@ -86,40 +125,8 @@ int LinearContext::algorithmFor(const Key &key, Algorithm *&result) {
   if (int code = cublasCode(cublasLtMatmulDescSetAttribute(
           algorithm->operation, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof transpose)))
     return fail(code);
-  if (int code = cublasCode(cublasLtMatrixLayoutCreate(&algorithm->weight, CUDA_R_16BF, in, out,
-                                                       weightStride)))
+  if (int code = completeAlgorithm(*algorithm, CUDA_R_16BF, key))
     return fail(code);
-  if (int code = cublasCode(cublasLtMatrixLayoutCreate(&algorithm->x, CUDA_R_16BF, in, rows, in)))
-    return fail(code);
-  if (int code =
-          cublasCode(cublasLtMatrixLayoutCreate(&algorithm->y, CUDA_R_32F, out, rows, yStride)))
-    return fail(code);
-  cublasLtMatmulPreference_t preference = nullptr;
-  if (int code = cublasCode(cublasLtMatmulPreferenceCreate(&preference)))
-    return fail(code);
-  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                       &workspaceBytes_, sizeof workspaceBytes_);
-  const uint32_t alignments[3] = {uint32_t(weightAlignment), uint32_t(xAlignment),
-                                  uint32_t(yAlignment)};
-  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                       &alignments[0], sizeof(uint32_t));
-  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                       &alignments[1], sizeof(uint32_t));
-  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                       &alignments[2], sizeof(uint32_t));
-  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                       &alignments[2], sizeof(uint32_t));
-  cublasLtMatmulHeuristicResult_t heuristic{};
-  int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      static_cast<cublasLtHandle_t>(handle_), algorithm->operation, algorithm->weight,
-      algorithm->x, algorithm->y, algorithm->y, preference, 1, &heuristic, &found);
-  cublasLtMatmulPreferenceDestroy(preference);
-  if (status != CUBLAS_STATUS_SUCCESS)
-    return fail(cublasCode(status));
-  if (found == 0)
-    return fail(kCublasBase + int(CUBLAS_STATUS_NOT_SUPPORTED));
-  algorithm->algorithm = heuristic.algo;
   algorithms_.emplace(key, algorithm);
   result = algorithm;
   return 0;

@@ -216,7 +216,6 @@ int quantizeFp8Activations(const float *x, int64_t xStride, int64_t rows, int64_
 
 int LinearContext::fp8AlgorithmFor(const Key &key, const void *weightScale, const void *xScale,
                                    Algorithm *&result) {
-  const auto [rows, in, out, weightStride, yStride, weightAlignment, xAlignment, yAlignment] = key;
   if (auto found = fp8Algorithms_.find(key); found != fp8Algorithms_.end()) {
     result = found->second;
     return 0;
@@ -250,41 +249,8 @@ int LinearContext::fp8AlgorithmFor(const Key &key, const void *weightScale, cons
     return fail(code);
   if (int code = set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &xScale, sizeof xScale))
     return fail(code);
-  if (int code = cublasCode(
-          cublasLtMatrixLayoutCreate(&algorithm->weight, CUDA_R_8F_E4M3, in, out, weightStride)))
+  if (int code = completeAlgorithm(*algorithm, CUDA_R_8F_E4M3, key))
     return fail(code);
-  if (int code =
-          cublasCode(cublasLtMatrixLayoutCreate(&algorithm->x, CUDA_R_8F_E4M3, in, rows, in)))
-    return fail(code);
-  if (int code =
-          cublasCode(cublasLtMatrixLayoutCreate(&algorithm->y, CUDA_R_32F, out, rows, yStride)))
-    return fail(code);
-  cublasLtMatmulPreference_t preference = nullptr;
-  if (int code = cublasCode(cublasLtMatmulPreferenceCreate(&preference)))
-    return fail(code);
-  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                       &workspaceBytes_, sizeof workspaceBytes_);
-  const uint32_t alignments[3] = {uint32_t(weightAlignment), uint32_t(xAlignment),
-                                  uint32_t(yAlignment)};
-  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                       &alignments[0], sizeof(uint32_t));
-  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                       &alignments[1], sizeof(uint32_t));
-  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                       &alignments[2], sizeof(uint32_t));
-  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                       &alignments[2], sizeof(uint32_t));
-  cublasLtMatmulHeuristicResult_t heuristic{};
-  int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      static_cast<cublasLtHandle_t>(handle_), algorithm->operation, algorithm->weight, algorithm->x,
-      algorithm->y, algorithm->y, preference, 1, &heuristic, &found);
-  cublasLtMatmulPreferenceDestroy(preference);
-  if (status != CUBLAS_STATUS_SUCCESS)
-    return fail(cublasCode(status));
-  if (found == 0)
-    return fail(kCublasBase + int(CUBLAS_STATUS_NOT_SUPPORTED));
-  algorithm->algorithm = heuristic.algo;
   fp8Algorithms_.emplace(key, algorithm);
   result = algorithm;
   return 0;

@@ -23,6 +23,27 @@ struct Case {
   int convKernel = 4;
 };
 
+// A decode step's shapes, weights and per-row inputs (device buffers: qkv, forget, beta logits,
+// output gate); the states, the output and the path are the caller's.
+cuda::KdaDecodeParams decodeParams(int batch, int heads, int headDim, int convKernel,
+                                   const DeviceBuffer<float> (&weights)[4],
+                                   const DeviceBuffer<float> (&inputs)[4]) {
+  cuda::KdaDecodeParams params;
+  params.batch = batch;
+  params.heads = heads;
+  params.headDim = headDim;
+  params.convKernel = convKernel;
+  params.weights.convWeight = weights[0].data;
+  params.weights.aLog = weights[1].data;
+  params.weights.dtBias = weights[2].data;
+  params.weights.normWeight = weights[3].data;
+  params.qkv = inputs[0].data;
+  params.forget = inputs[1].data;
+  params.betaLogits = inputs[2].data;
+  params.outputGate = inputs[3].data;
+  return params;
+}
+
 // A bf16 state is rounded once per step when stored, after fp32 arithmetic: each reference step
 // starts from the kernel's bf16 state of the step before (so one step's error is measured, not
 // rounding differences compounding) and rounds its result. The two fp32 computations differ in
@@ -45,8 +66,10 @@ void expectMatchesReference(const Case &shape, cuda::KdaDecodePath path, bool bf
   if (bf16State)
     state = roundedToBf16(state);
 
-  DeviceBuffer<float> dConvWeight(convWeight), dALog(aLog), dDtBias(dtBias),
-      dNorm(normWeight), dConvState(convState);
+  const DeviceBuffer<float> weights[4] = {DeviceBuffer<float>(convWeight), DeviceBuffer<float>(aLog),
+                                          DeviceBuffer<float>(dtBias),
+                                          DeviceBuffer<float>(normWeight)};
+  DeviceBuffer<float> dConvState(convState);
   DeviceState dState(state, bf16State);
   std::vector<float> refConv = convState, refState = state;
 
@@ -57,22 +80,11 @@ void expectMatchesReference(const Case &shape, cuda::KdaDecodePath path, bool bf
     std::vector<float> forget = random(size_t(B) * P, rng, 1.0f);
     std::vector<float> betaLogits = random(size_t(B) * H, rng, 1.0f);
     std::vector<float> gate = random(size_t(B) * P, rng, 1.0f);
-    DeviceBuffer<float> dQkv(qkv), dForget(forget), dBeta(betaLogits), dGate(gate),
-        dOut(std::vector<float>(size_t(B) * P));
-
-    cuda::KdaDecodeParams params;
-    params.batch = B;
-    params.heads = H;
-    params.headDim = D;
-    params.convKernel = W;
-    params.qkv = dQkv.data;
-    params.weights.convWeight = dConvWeight.data;
-    params.forget = dForget.data;
-    params.weights.aLog = dALog.data;
-    params.weights.dtBias = dDtBias.data;
-    params.betaLogits = dBeta.data;
-    params.outputGate = dGate.data;
-    params.weights.normWeight = dNorm.data;
+    const DeviceBuffer<float> inputs[4] = {DeviceBuffer<float>(qkv), DeviceBuffer<float>(forget),
+                                           DeviceBuffer<float>(betaLogits),
+                                           DeviceBuffer<float>(gate)};
+    DeviceBuffer<float> dOut(std::vector<float>(size_t(B) * P));
+    cuda::KdaDecodeParams params = decodeParams(B, H, D, W, weights, inputs);
     params.weights.normEpsilon = 1e-5f;
     params.weights.lowerBoundGate = lowerBound;
     params.weights.lowerBound = -5.0f;
@@ -187,10 +199,13 @@ TEST(KdaDecodeCudaPool, IndexedSlotsEqualDenseStates) {
     std::copy_n(poolConv.begin() + slotOfRow[b] * convStride, denseConv,
                 denseConvs.begin() + b * denseConv);
   }
-  DeviceBuffer<float> dConvWeight(convWeight), dALog(aLog), dDtBias(dtBias), dNorm(normWeight);
-  DeviceBuffer<float> dQkv(random(size_t(B) * 3 * P, rng, 1.0f)),
-      dForget(random(size_t(B) * P, rng, 1.0f)), dBeta(random(size_t(B) * H, rng, 1.0f)),
-      dGate(random(size_t(B) * P, rng, 1.0f));
+  const DeviceBuffer<float> weights[4] = {DeviceBuffer<float>(convWeight), DeviceBuffer<float>(aLog),
+                                          DeviceBuffer<float>(dtBias),
+                                          DeviceBuffer<float>(normWeight)};
+  const DeviceBuffer<float> inputs[4] = {DeviceBuffer<float>(random(size_t(B) * 3 * P, rng, 1.0f)),
+                                         DeviceBuffer<float>(random(size_t(B) * P, rng, 1.0f)),
+                                         DeviceBuffer<float>(random(size_t(B) * H, rng, 1.0f)),
+                                         DeviceBuffer<float>(random(size_t(B) * P, rng, 1.0f))};
   DeviceBuffer<int32_t> dSlots(slotOfRow);
   for (auto path : {cuda::KdaDecodePath::Fused, cuda::KdaDecodePath::Split}) {
     SCOPED_TRACE(path == cuda::KdaDecodePath::Fused ? "fused path" : "split path");
@@ -198,19 +213,7 @@ TEST(KdaDecodeCudaPool, IndexedSlotsEqualDenseStates) {
         dDenseConv(denseConvs), dOutPool(std::vector<float>(size_t(B) * P)),
         dOutDense(std::vector<float>(size_t(B) * P));
     auto run = [&](bool pooled) {
-      cuda::KdaDecodeParams params;
-      params.batch = B;
-      params.heads = H;
-      params.headDim = D;
-      params.convKernel = W;
-      params.qkv = dQkv.data;
-      params.forget = dForget.data;
-      params.betaLogits = dBeta.data;
-      params.outputGate = dGate.data;
-      params.weights.convWeight = dConvWeight.data;
-      params.weights.aLog = dALog.data;
-      params.weights.dtBias = dDtBias.data;
-      params.weights.normWeight = dNorm.data;
+      cuda::KdaDecodeParams params = decodeParams(B, H, D, W, weights, inputs);
       params.path = path;
       params.state = pooled ? dPoolState.data : dDenseState.data;
       params.convState = pooled ? dPoolConv.data : dDenseConv.data;

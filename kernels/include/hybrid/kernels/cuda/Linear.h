@@ -123,6 +123,10 @@ private:
   // which decides the algorithms allowed.
   using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int>;
   int algorithmFor(const Key &key, Algorithm *&algorithm);
+  // Completes an algorithm whose operation is configured: the TN layouts of W and x in
+  // `operandType` (a cudaDataType_t), y in fp32, and cuBLASLt's best algorithm for them within
+  // the workspace and the key's pointer alignments. 0 or an error code.
+  int completeAlgorithm(Algorithm &algorithm, int operandType, const Key &key);
   // FP8: the same key (weight stride in bytes); cuBLASLt wants the scale pointers set before it
   // picks an algorithm, so the first call's pointers come along (each run sets its own).
   int fp8AlgorithmFor(const Key &key, const void *weightScale, const void *xScale,
