@@ -23,10 +23,13 @@ hybrid-compile hybrid-run hybrid-synth" \
   for model in kimi_linear_tiny deepseek_v32_tiny kimi_attnres_tiny; do
     "$root/build-asan/bin/hybrid-compile" "$root/tests/data/$model" \
       -o "$root/build-asan/tests/e2e/$model" --no-cache --quantization=none > /dev/null
+    "$root/build-asan/bin/hybrid-compile" "$root/tests/data/$model" \
+      -o "$root/build-asan/tests/e2e/$model-batch4" --no-cache --quantization=none \
+      --decode-batch=4 > /dev/null
   done
   ASAN_OPTIONS=detect_leaks=1 "$root/build-asan/bin/hybrid_serve_tests" --gtest_brief=1
   ASAN_OPTIONS=detect_leaks=1 "$root/build-asan/bin/hybrid_e2e_tests" --gtest_brief=1 \
-    --gtest_filter='*PrefixCache*:Scheduler*:*Speculative*:*Rollback*:PromptLookup*'
+    --gtest_filter='*PrefixCache*:Scheduler*:*Speculative*:*Rollback*:PromptLookup*:*DecodeBatch*'
 fi
 
 ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)"
