@@ -59,7 +59,6 @@ struct StreamResources {
   float *splitOutput = nullptr; // the two halves' products of a split GEMM
   float *scratch = nullptr;
   void *kdaWorkspace = nullptr;
-  int32_t *cuSeqlens = nullptr; // {0, rows} for a one-sequence prefill
 };
 
 // Consecutive steps of a program that all run on the GPU, or all on the cpu reference:
@@ -96,6 +95,7 @@ struct CudaExecutor::Impl {
   int64_t *pinnedTokens = nullptr; // token ids staged for an asynchronous upload
   int32_t *pinnedSlots = nullptr;  // and each decode row's state slot
   int32_t *rowSlots = nullptr;     // the device copy the KDA decode kernels index states with
+  int32_t *pinnedCuSeqlens = nullptr, *cuSeqlens = nullptr; // {0, rows} of a prefill step
   // Stream 0 forks the other streams at the start of a GPU run and joins them at its end, so a
   // run is ordered after the token upload and a captured run is one graph on stream 0.
   cudaEvent_t forkEvent = nullptr;
@@ -117,6 +117,7 @@ struct CudaExecutor::Impl {
       cudaEventDestroy(forkEvent);
     cudaFreeHost(pinnedTokens);
     cudaFreeHost(pinnedSlots);
+    cudaFreeHost(pinnedCuSeqlens);
     for (auto &resources : streams)
       if (resources->stream)
         cudaStreamDestroy(resources->stream);
@@ -315,14 +316,10 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
       return Status::error("KDA decode workspace larger than planned at load");
     LAUNCH_RETURN_IF_ERROR(kc::launchKdaFusedDecode(step, r.stream), "KDA decode step");
   } else {
-    const int32_t cuSeqlens[2] = {0, static_cast<int32_t>(T)};
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(r.cuSeqlens, cuSeqlens, sizeof cuSeqlens,
-                                         cudaMemcpyHostToDevice, r.stream),
-                         "cu_seqlens upload");
     kc::KdaPrefillParams prefill;
     static_cast<kc::KdaLayerCall &>(prefill) = call;
     prefill.sequences = 1;
-    prefill.cuSeqlens = r.cuSeqlens;
+    prefill.cuSeqlens = cuSeqlens; // uploaded with the token ids
     prefill.tokens = static_cast<int32_t>(T);
     prefill.workspace = r.kdaWorkspace;
     prefill.path = kdaPrefillPath;
@@ -623,12 +620,13 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   bytes += alignUp(std::max<uint64_t>(1, impl->slotConvFloats * numSlots) * sizeof(float));
   const size_t rowSlotsOffset = bytes;
   bytes += alignUp(static_cast<size_t>(maxRows) * sizeof(int32_t));
+  const size_t cuSeqlensOffset = bytes;
+  bytes += alignUp(2 * sizeof(int32_t));
   const size_t halves = impl->splitGemmInputs ? 2 : 1;
   const size_t perStream = alignUp(std::max<size_t>(1, impl->xBf16Elements) * 2 * halves) +
                            alignUp(std::max<size_t>(1, impl->gemmOutputs) * 4 * halves) +
                            alignUp(std::max<size_t>(1, impl->scratchFloats) * sizeof(float)) +
-                           alignUp(std::max<size_t>(1, impl->kdaWorkspaceBytes)) +
-                           alignUp(2 * sizeof(int32_t));
+                           alignUp(std::max<size_t>(1, impl->kdaWorkspaceBytes));
   const size_t streamsOffset = bytes;
   bytes += perStream * static_cast<size_t>(maxStreams);
   CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->pool, bytes),
@@ -639,6 +637,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   impl->stateRegion = impl->pool + stateRegionOffset;
   impl->convRegion = reinterpret_cast<float *>(impl->pool + convRegionOffset);
   impl->rowSlots = reinterpret_cast<int32_t *>(impl->pool + rowSlotsOffset);
+  impl->cuSeqlens = reinterpret_cast<int32_t *>(impl->pool + cuSeqlensOffset);
 
   for (int32_t s = 0; s < maxStreams; ++s) {
     impl->streams.push_back(std::make_unique<StreamResources>());
@@ -653,8 +652,6 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
     r.scratch = reinterpret_cast<float *>(base);
     base += alignUp(std::max<size_t>(1, impl->scratchFloats) * sizeof(float));
     r.kdaWorkspace = base;
-    base += alignUp(std::max<size_t>(1, impl->kdaWorkspaceBytes));
-    r.cuSeqlens = reinterpret_cast<int32_t *>(base);
   }
   impl->events.resize(static_cast<size_t>(maxEvents));
   impl->joinEvents.resize(static_cast<size_t>(maxStreams));
@@ -667,6 +664,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedTokens,
                                       static_cast<size_t>(maxRows) * sizeof(int64_t)),
                        "pinned token buffer");
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedCuSeqlens, 2 * sizeof(int32_t)),
+                       "pinned cu_seqlens");
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedSlots,
                                       static_cast<size_t>(maxRows) * sizeof(int32_t)),
                        "pinned slot buffer");
@@ -803,7 +802,14 @@ Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> 
                                        impl.streams[0]->stream),
                        "token ids upload");
 
-  if (!prefill) { // each row's state slot, for the KDA decode kernels
+  if (prefill) { // one sequence of `rows` tokens, for the KDA prefill kernels
+    impl.pinnedCuSeqlens[0] = 0;
+    impl.pinnedCuSeqlens[1] = static_cast<int32_t>(rows);
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(impl.cuSeqlens, impl.pinnedCuSeqlens,
+                                         2 * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                         impl.streams[0]->stream),
+                         "cu_seqlens upload");
+  } else { // each row's state slot, for the KDA decode kernels
     for (int64_t row = 0; row < rows; ++row) {
       const int32_t slot = host.batch.empty() ? host.stateSlot
                                               : host.batch[static_cast<size_t>(row)].stateSlot;
