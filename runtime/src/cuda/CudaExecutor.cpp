@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <set>
 #include <tuple>
@@ -86,6 +87,10 @@ struct CudaExecutor::Impl {
   float *convRegion = nullptr;
   uint64_t slotStateBytes = 0, slotConvFloats = 0;
   std::vector<uint64_t> layerStateBytes, layerConvFloats; // within a slot, per KdaParams.state_slot
+  std::set<int32_t> gpuStateLayers; // state slots of the KDA dispatches that run on the GPU
+  // Copies layer `layer`'s states of `slot` between the device and `pool` (Down: to the pool).
+  enum class Direction { Down, Up };
+  Status transferSlot(int32_t slot, RecurrentStatePool &pool, Direction direction);
   std::vector<std::unique_ptr<StreamResources>> streams;
   std::vector<cudaEvent_t> events;
   std::set<const fb::Dispatch *> onCpu;
@@ -511,6 +516,9 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         continue;
       }
       ++gpu[kernelName(d->kernel())];
+      if (d->kernel() == fb::KernelId::KdaChunkPrefill ||
+          d->kernel() == fb::KernelId::KdaRecurrentDecode)
+        impl->gpuStateLayers.insert(d->params_as_KdaParams()->state_slot());
       auto role = [&](int index) { return d->weights()->Get(index); };
       size_t floats = 0, xWidth = 0, outWidth = 0;
       switch (d->kernel()) {
@@ -767,6 +775,65 @@ Status CudaExecutor::Impl::replayRun(const fb::Program &program, unsigned char *
   }
   CUDA_RETURN_IF_ERROR(cudaGraphLaunch(found->second, origin), "decode graph launch");
   return Status::ok();
+}
+
+Status CudaExecutor::Impl::transferSlot(int32_t slot, RecurrentStatePool &pool,
+                                        Direction direction) {
+  if (!pool.isAllocated(slot))
+    return Status::error("state slot " + std::to_string(slot) + " is not allocated");
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), "before a state transfer");
+  const bool bf16 = stateType == kc::KdaStateType::BF16;
+  const uint64_t index = static_cast<uint64_t>(slot);
+  for (int32_t layer : gpuStateLayers) {
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> state, pool.state(layer, slot));
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> conv, pool.convState(layer, slot));
+    unsigned char *deviceState = stateRegion + index * slotStateBytes +
+                                 layerStateBytes[static_cast<size_t>(layer)];
+    float *deviceConv = convRegion + index * slotConvFloats + layerConvFloats[static_cast<size_t>(layer)];
+    const auto copy = direction == Direction::Down ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+    if (direction == Direction::Down)
+      CUDA_RETURN_IF_ERROR(cudaMemcpy(conv.data(), deviceConv, conv.size_bytes(), copy),
+                           "conv state download");
+    else
+      CUDA_RETURN_IF_ERROR(cudaMemcpy(deviceConv, conv.data(), conv.size_bytes(), copy),
+                           "conv state upload");
+    if (!bf16) {
+      if (direction == Direction::Down)
+        CUDA_RETURN_IF_ERROR(cudaMemcpy(state.data(), deviceState, state.size_bytes(), copy),
+                             "state download");
+      else
+        CUDA_RETURN_IF_ERROR(cudaMemcpy(deviceState, state.data(), state.size_bytes(), copy),
+                             "state upload");
+      continue;
+    }
+    // bf16 on the device: the upper half of an fp32, rounded to nearest even on the way up.
+    std::vector<uint16_t> bits(state.size());
+    if (direction == Direction::Down) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpy(bits.data(), deviceState, bits.size() * 2, copy),
+                           "state download");
+      for (size_t i = 0; i < bits.size(); ++i) {
+        const uint32_t word = uint32_t(bits[i]) << 16;
+        std::memcpy(&state[i], &word, sizeof word);
+      }
+    } else {
+      for (size_t i = 0; i < bits.size(); ++i) {
+        uint32_t word;
+        std::memcpy(&word, &state[i], sizeof word);
+        bits[i] = uint16_t((word + 0x7FFFu + ((word >> 16) & 1u)) >> 16); // states are finite
+      }
+      CUDA_RETURN_IF_ERROR(cudaMemcpy(deviceState, bits.data(), bits.size() * 2, copy),
+                           "state upload");
+    }
+  }
+  return Status::ok();
+}
+
+Status CudaExecutor::downloadSlot(int32_t slot, RecurrentStatePool &pool) {
+  return impl_->transferSlot(slot, pool, Impl::Direction::Down);
+}
+
+Status CudaExecutor::uploadSlot(int32_t slot, RecurrentStatePool &pool) {
+  return impl_->transferSlot(slot, pool, Impl::Direction::Up);
 }
 
 Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> tokens,

@@ -42,6 +42,11 @@ public:
              HiddenStates *hidden);
   // A fresh sequence in `slot`: its recurrent and conv states are zeroed on the device.
   Status resetSlot(int32_t slot);
+  // Copies the device's KDA states of `slot` (the layers whose kernels run on the GPU; bf16
+  // states widened to fp32) into `pool`'s slot, or back from it (rounded to bf16 where kept so),
+  // for what works on host snapshots: prefix caching, Sequence::recurrentState.
+  Status downloadSlot(int32_t slot, RecurrentStatePool &pool);
+  Status uploadSlot(int32_t slot, RecurrentStatePool &pool);
   // Which kernels run where, one line per program.
   const std::string &placementReport() const { return report_; }
 

@@ -270,9 +270,6 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
   if (options.kdaBf16State && !cudaDevice)
     return Status::error("kdaBf16State: the cpu device is the fp32 oracle; bf16 KDA states are a "
                          "cuda device option");
-  if (options.prefixCacheEntries > 0 && cudaDevice)
-    return Status::error("prefix caching (prefixCacheEntries) runs on the cpu device only for now: "
-                         "the cuda device keeps the recurrent states on the GPU");
 
   const fb::CacheSpec *spec = plan->cache();
   if (!spec)
@@ -440,7 +437,12 @@ StatusOr<int64_t> Sequence::restorePrefix(std::span<const int64_t> tokens) {
   if (!entry)
     return int64_t{0};
   HYBRID_RETURN_IF_ERROR(impl.kvCache.adoptPrefix(kvSequence_, entry->kv));
-  if (Status restored = impl.states.restore(stateSlot_, entry->state); !restored) {
+  Status restored = impl.states.restore(stateSlot_, entry->state);
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (restored && impl.cuda) // the states the GPU kernels read live on the device
+    restored = impl.cuda->uploadSlot(stateSlot_, impl.states);
+#endif
+  if (!restored) {
     (void)impl.kvCache.freeSequence(kvSequence_);
     return restored;
   }
@@ -467,6 +469,13 @@ Status Sequence::keepPrefix(std::span<const int64_t> tokens) {
       return Status::ok();
     return kv.status();
   }
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (impl.cuda) // the states the GPU kernels wrote live on the device
+    if (Status downloaded = impl.cuda->downloadSlot(stateSlot_, impl.states); !downloaded) {
+      impl.kvCache.releasePrefix(*kv);
+      return downloaded;
+    }
+#endif
   StatusOr<RecurrentStateSnapshot> state = impl.states.snapshot(stateSlot_);
   if (!state) {
     impl.kvCache.releasePrefix(*kv);
@@ -566,7 +575,7 @@ StatusOr<std::vector<float>> Sequence::recurrentState() const {
   Model::Impl &impl = *model_.impl_;
 #ifdef HYBRID_HAS_CUDA_DEVICE
   if (impl.cuda)
-    return Status::error("recurrentState: the cuda device keeps the states on the GPU");
+    HYBRID_RETURN_IF_ERROR(impl.cuda->downloadSlot(stateSlot_, impl.states));
 #endif
   std::vector<float> values;
   for (int32_t layer = 0; layer < impl.states.numLayers(); ++layer) {

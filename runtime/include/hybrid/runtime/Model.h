@@ -55,7 +55,8 @@ struct LoadOptions {
   // Prefix caching (Sequence::prefillWithPrefixCache): how many prompt prefixes are kept (0: off)
   // and the block they are cut at: a prompt keeps its first floor(length / block) * block tokens.
   // Each kept prefix may hold up to a full context of KV pages, so the KV cache grows by that
-  // many sequences' pages. cpu device only for now.
+  // many sequences' pages. On the cuda device a kept prefix's KDA states are copied from the GPU
+  // when kept and back when restored.
   int32_t prefixCacheEntries = 0;
   int64_t prefixCacheBlockTokens = 64;
 };

@@ -1,6 +1,7 @@
-// The cuda device's decode graphs against plain launches: several sequences decoding in turn
-// (one graph per state slot), and a slot reused by a new sequence, give bit-identical logits,
-// with fp32 and with bf16 KDA states.
+// The cuda device against itself: decode graphs against plain launches (several sequences
+// decoding in turn, a slot reused by a new sequence; fp32 and bf16 KDA states), batched decode
+// against single sequences, prefix-cache hits (states copied off and back onto the GPU) against
+// full prefills. Labelled `gpu`; skipped where there is no GPU.
 // Labelled `gpu`; skipped where there is no GPU.
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Generate.h"
@@ -91,10 +92,10 @@ Transcript runInterleaved(Model &model, const std::vector<int64_t> &prompt) {
   return transcript;
 }
 
-class CudaGraphTest : public testing::TestWithParam<std::string> {};
+class CudaDeviceTest : public testing::TestWithParam<std::string> {};
 
 // With fp32 and with bf16 KDA states (LoadOptions::kdaBf16State).
-TEST_P(CudaGraphTest, DecodeGraphsMatchPlainLaunches) {
+TEST_P(CudaDeviceTest, DecodeGraphsMatchPlainLaunches) {
   const std::string dir =
       directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + GetParam() + "-cuda";
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());
@@ -128,7 +129,7 @@ TEST_P(CudaGraphTest, DecodeGraphsMatchPlainLaunches) {
 // same sequence decoding alone. Not bit for bit: cuBLASLt may pick another algorithm for 3 rows
 // than for 1 (another summation order); the KDA rows and the cpu-reference steps are the same
 // arithmetic. Graphs (one per batch size) and plain launches agree exactly.
-TEST_P(CudaGraphTest, BatchedDecodeMatchesSingleSequences) {
+TEST_P(CudaDeviceTest, BatchedDecodeMatchesSingleSequences) {
   const std::string dir =
       directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + GetParam() + "-cuda-batch4";
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());
@@ -191,7 +192,53 @@ TEST_P(CudaGraphTest, BatchedDecodeMatchesSingleSequences) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(KdaModels, CudaGraphTest,
+// Prefix caching on the cuda device: a kept prefix's KDA states come off the GPU when kept and
+// go back when restored; a hit then continues exactly like a full prefill (recurrent fp32 KDA
+// prefill, so only the cached part differs), with fp32 and with bf16 states.
+TEST_P(CudaDeviceTest, PrefixCacheHitsMatchAFullPrefill) {
+  const std::string dir =
+      directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + GetParam() + "-cuda";
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  ASSERT_EQ(prompt.size(), 40u);
+  for (bool bf16States : {false, true}) {
+    SCOPED_TRACE(bf16States ? "bf16 KDA states" : "fp32 KDA states");
+    LoadOptions options;
+    options.device = "cuda";
+    options.kdaPrefill = "recurrent";
+    options.kdaBf16State = bf16States;
+    options.prefixCacheEntries = 2;
+    options.prefixCacheBlockTokens = 16;
+    auto model = Model::load(dir, options);
+    if (!model.isOk() && model.status().message().find("no CUDA device") != std::string::npos)
+      GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(model.isOk()) << model.status().message();
+    const int64_t vocab = (*model)->vocabSize();
+    // The first keeps the prompt's first 32 tokens (its prefill split there); the second
+    // restores them and runs the last 8, the same rows the first ran after its split.
+    auto first = (*model)->newSequence(), second = (*model)->newSequence();
+    ASSERT_TRUE(first.isOk() && second.isOk());
+    auto full = (*first)->prefillWithPrefixCache(prompt);
+    ASSERT_TRUE(full.isOk()) << full.status().message();
+    EXPECT_EQ(full->cachedTokens, 0);
+    auto hit = (*second)->prefillWithPrefixCache(prompt);
+    ASSERT_TRUE(hit.isOk()) << hit.status().message();
+    ASSERT_EQ(hit->cachedTokens, 32);
+    const std::vector<float> tail(full->logits.end() - 8 * vocab, full->logits.end());
+    EXPECT_EQ(hit->logits, tail);
+    int64_t next = argmax(hit->logits, vocab);
+    for (int step = 0; step < 3; ++step) {
+      auto a = (*first)->decode(next), b = (*second)->decode(next);
+      ASSERT_TRUE(a.isOk() && b.isOk());
+      EXPECT_EQ(*a, *b) << "decode step " << step;
+      next = argmax(*a, vocab);
+    }
+    auto stateA = (*first)->recurrentState(), stateB = (*second)->recurrentState();
+    ASSERT_TRUE(stateA.isOk() && stateB.isOk()) << stateA.status().message();
+    EXPECT_EQ(*stateA, *stateB);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(KdaModels, CudaDeviceTest,
                          testing::Values("kimi_linear_tiny", "kimi_attnres_tiny"));
 
 } // namespace
