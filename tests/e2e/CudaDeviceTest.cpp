@@ -238,6 +238,58 @@ TEST_P(CudaDeviceTest, PrefixCacheHitsMatchAFullPrefill) {
   }
 }
 
+// Speculative decoding on the cuda device (snapshot off the GPU, a rejection restores it and
+// reruns the kept tokens): greedy tokens do not change, and the state after a rejected draft is
+// plain decoding's up to the prefill and decode kernels' different fp32 summation orders.
+TEST_P(CudaDeviceTest, SpeculativeDecodingKeepsTheGreedyTokens) {
+  const std::string dir =
+      directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + GetParam() + "-cuda";
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  LoadOptions options;
+  options.device = "cuda";
+  options.kdaPrefill = "recurrent";
+  auto model = Model::load(dir, options);
+  if (!model.isOk() && model.status().message().find("no CUDA device") != std::string::npos)
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(model.isOk()) << model.status().message();
+  std::vector<int64_t> repetitive;
+  for (int i = 0; i < 5; ++i)
+    repetitive.insert(repetitive.end(), prompt.begin(), prompt.begin() + 7);
+  for (const auto &tokens : {prompt, repetitive}) {
+    GenerationOptions plain;
+    plain.maxNewTokens = 10;
+    GenerationOptions speculative = plain;
+    speculative.draftTokens = 4;
+    auto reference = generateGreedy(**model, tokens, plain);
+    auto drafted = generateGreedy(**model, tokens, speculative);
+    ASSERT_TRUE(reference.isOk() && drafted.isOk()) << drafted.status().message();
+    EXPECT_EQ(drafted->generated, reference->generated);
+    EXPECT_GT(drafted->verifySteps, 0);
+  }
+  // A draft that is surely rejected (every token the one greedy decoding did not pick).
+  auto a = (*model)->newSequence(), b = (*model)->newSequence();
+  ASSERT_TRUE(a.isOk() && b.isOk());
+  auto logits = (*a)->prefill(prompt);
+  ASSERT_TRUE(logits.isOk() && (*b)->prefill(prompt).isOk());
+  const int64_t vocab = (*model)->vocabSize();
+  const int64_t next = argmax(*logits, vocab);
+  const std::vector<int64_t> draft = {(next + 1) % vocab, (next + 2) % vocab, (next + 3) % vocab};
+  auto verified = (*a)->verifyDraft(next, draft);
+  ASSERT_TRUE(verified.isOk()) << verified.status().message();
+  auto decoded = (*b)->decode(next);
+  ASSERT_TRUE(decoded.isOk());
+  EXPECT_EQ((*a)->length(), (*b)->length());
+  EXPECT_EQ(verified->tokens.back(), argmax(*decoded, vocab));
+  auto stateA = (*a)->recurrentState(), stateB = (*b)->recurrentState();
+  ASSERT_TRUE(stateA.isOk() && stateB.isOk());
+  double difference = 0, magnitude = 0;
+  for (size_t i = 0; i < stateA->size(); ++i) {
+    difference = std::max(difference, double(std::abs((*stateA)[i] - (*stateB)[i])));
+    magnitude = std::max(magnitude, double(std::abs((*stateB)[i])));
+  }
+  EXPECT_LE(difference, 1e-5 * magnitude);
+}
+
 INSTANTIATE_TEST_SUITE_P(KdaModels, CudaDeviceTest,
                          testing::Values("kimi_linear_tiny", "kimi_attnres_tiny"));
 

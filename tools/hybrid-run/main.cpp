@@ -28,7 +28,7 @@ int main(int argc, char **argv) {
                  "Write logits [1,T,V], gen_ids [1,N], gen_logits [N,V] (golden layout)");
   app.add_option("--speculate", generation.draftTokens,
                  "Speculative decoding with prompt-lookup drafts of at most this many tokens "
-                 "(cpu device; greedy outputs do not change)")
+                 "(greedy outputs do not change)")
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--dump-hidden", generation.dumpHidden,

@@ -35,12 +35,12 @@ int main(int argc, char **argv) {
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
   app.add_option("--prefix-cache", load.prefixCacheEntries,
-                 "Prompt prefixes kept for reuse (0: off; cpu device)")
+                 "Prompt prefixes kept for reuse (0: off)")
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
   app.add_option("--speculate", serve.scheduler.draftTokens,
                  "Speculative decoding with prompt-lookup drafts of at most this many tokens "
-                 "(0: off; cpu device)")
+                 "(0: off)")
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
   app.add_option("--prefill-chunk", serve.scheduler.prefillChunkTokens,

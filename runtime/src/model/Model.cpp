@@ -529,10 +529,6 @@ StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
     result.tokens.push_back(argmax(result.logits));
     return result;
   }
-#ifdef HYBRID_HAS_CUDA_DEVICE
-  if (impl.cuda)
-    return Status::error("speculative decoding (verifyDraft) runs on the cpu device only for now");
-#endif
   const auto rows = static_cast<int64_t>(draft.size()) + 1;
   if (rows > std::max<int64_t>(1, impl.prefill.program->max_tokens()))
     return Status::error("a draft of " + std::to_string(draft.size()) +
@@ -542,6 +538,12 @@ StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
     return Status::error("sequence would grow to " + std::to_string(length_ + rows) +
                          " tokens, past maxContextTokens = " +
                          std::to_string(impl.options.maxContextTokens));
+  bool onGpu = false;
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  onGpu = impl.cuda != nullptr;
+  if (onGpu) // the snapshot is taken on the host
+    HYBRID_RETURN_IF_ERROR(impl.cuda->downloadSlot(stateSlot_, impl.states));
+#endif
   HYBRID_ASSIGN_OR_RETURN(RecurrentStateSnapshot before, impl.states.snapshot(stateSlot_));
   std::vector<int64_t> fed = {token};
   fed.insert(fed.end(), draft.begin(), draft.end());
@@ -549,7 +551,8 @@ StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
   cpu::KdaReplayLog log;
   const int64_t start = length_;
   HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, *this, kvSequence_, stateSlot_, fed,
-                                  /*decodeStep=*/false, logits.data(), nullptr, &log));
+                                  /*decodeStep=*/false, logits.data(), nullptr,
+                                  onGpu ? nullptr : &log));
   length_ += rows;
 
   auto row = [&](int64_t i) { return std::span<const float>(logits).subspan(i * vocab, vocab); };
@@ -562,12 +565,27 @@ StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
                        logits.begin() + static_cast<std::ptrdiff_t>((result.accepted + 1) * vocab));
 
   const int64_t keep = 1 + result.accepted; // `token` and the accepted draft tokens
-  if (keep < rows) {
+  if (keep < rows && !onGpu) {
     HYBRID_RETURN_IF_ERROR(impl.kvCache.truncate(kvSequence_, start + keep));
     HYBRID_RETURN_IF_ERROR(impl.states.restore(stateSlot_, before));
     HYBRID_RETURN_IF_ERROR(cpu::replayKda(impl.states, stateSlot_, log, keep));
     length_ = start + keep;
   }
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (keep < rows && onGpu) {
+    // The GPU kernels log no inputs to replay: back to the snapshot, and the kept tokens run
+    // again (one more prefill-program pass of `keep` rows, its logits unused).
+    HYBRID_RETURN_IF_ERROR(impl.kvCache.truncate(kvSequence_, start));
+    HYBRID_RETURN_IF_ERROR(impl.states.restore(stateSlot_, before));
+    HYBRID_RETURN_IF_ERROR(impl.cuda->uploadSlot(stateSlot_, impl.states));
+    length_ = start;
+    std::vector<float> rerun(static_cast<size_t>(keep) * vocab);
+    HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, *this, kvSequence_, stateSlot_,
+                                    std::span(fed).first(static_cast<size_t>(keep)),
+                                    /*decodeStep=*/false, rerun.data(), nullptr));
+    length_ = start + keep;
+  }
+#endif
   return result;
 }
 

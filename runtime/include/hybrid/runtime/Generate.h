@@ -37,7 +37,7 @@ struct GenerationOptions {
   bool useCaches = true;
   bool dumpHidden = false;
   std::vector<int64_t> stopTokens;
-  // Speculative decoding with prompt-lookup drafts (cpu device): at most this many draft tokens
+  // Speculative decoding with prompt-lookup drafts: at most this many draft tokens
   // per verification pass (0: off). The draft length adapts to the acceptance: one longer after a
   // fully accepted draft, one shorter when less than half was accepted. Greedy outputs do not
   // change.

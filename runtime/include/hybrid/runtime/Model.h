@@ -112,12 +112,13 @@ public:
   StatusOr<int64_t> restorePrefix(std::span<const int64_t> tokens);
   Status keepPrefix(std::span<const int64_t> tokens);
   int64_t prefixBoundary(int64_t tokens) const;
-  // Speculative decoding, greedy (cpu device): feeds `token` (chosen, not yet consumed) and the
-  // draft through the prefill program in one pass, accepts the longest prefix of the draft that
-  // greedy decoding would produce, and keeps only `token` and that prefix: the KV tail is
-  // truncated, and the recurrent state is restored from a snapshot taken before the pass and
-  // rebuilt by replaying the KDA inputs of the kept tokens (no per-token state copies). An empty
-  // draft is one decode step.
+  // Speculative decoding, greedy: feeds `token` (chosen, not yet consumed) and the draft through
+  // the prefill program in one pass, accepts the longest prefix of the draft that greedy
+  // decoding would produce, and keeps only `token` and that prefix: the KV tail is truncated,
+  // and the recurrent state is restored from a snapshot taken before the pass and rebuilt by
+  // replaying the KDA inputs of the kept tokens (no per-token state copies). On the cuda device
+  // the snapshot is taken off the GPU and the kept tokens run through the prefill program again
+  // instead (its kernels log no inputs yet). An empty draft is one decode step.
   StatusOr<DraftVerification> verifyDraft(int64_t token, std::span<const int64_t> draft);
   // A copy of the sequence's recurrent state (every KDA layer's state and conv state), to check
   // that rollbacks leave exactly what a plain run leaves.

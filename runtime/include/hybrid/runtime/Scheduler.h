@@ -37,7 +37,7 @@ struct TokenEvent {
 struct SchedulerOptions {
   int64_t prefillChunkTokens = 256; // prompt tokens a prefilling request gets per step
   // Speculative decoding with prompt-lookup drafts of at most this many tokens per decode step
-  // (0: off; cpu device); the length adapts per request to its acceptance. Tokens do not change.
+  // (0: off); the length adapts per request to its acceptance. Tokens do not change.
   int64_t draftTokens = 0;
 };
 
