@@ -294,9 +294,9 @@ int runDecodeBatch(const std::string &modelDir, hybrid::LoadOptions options,
   return 0;
 }
 
-int runSpec(const std::string &modelDir, int32_t prompts, int32_t promptTokens, int32_t maxTokens,
-            int32_t draftTokens, uint64_t seed) {
-  auto model = hybrid::Model::load(modelDir);
+int runSpec(const std::string &modelDir, const hybrid::LoadOptions &options, int32_t prompts,
+            int32_t promptTokens, int32_t maxTokens, int32_t draftTokens, uint64_t seed) {
+  auto model = hybrid::Model::load(modelDir, options);
   if (!model) {
     std::cerr << "error: spec: " << model.status().message() << "\n";
     return 1;
@@ -398,6 +398,7 @@ int main(int argc, char **argv) {
   int32_t specPrompts = 8, specPromptTokens = 64, specMaxTokens = 32, specDraft = 4;
   uint64_t specSeed = 1;
   std::string specModel;
+  hybrid::LoadOptions specOptions;
   CLI::App *spec = app.add_subcommand(
       "spec", "Speculative (prompt-lookup drafts) against plain greedy decoding on a model");
   spec->add_option("--model", specModel, "A compiled model")->required();
@@ -410,6 +411,11 @@ int main(int argc, char **argv) {
   spec->add_option("--draft", specDraft, "Most draft tokens per verification pass")
       ->check(CLI::PositiveNumber);
   spec->add_option("--seed", specSeed, "Prompt seed");
+  spec->add_option("--device", specOptions.device, "cpu or cuda")->default_val("cpu");
+  spec->add_option("--kda-prefill", specOptions.kdaPrefill,
+                   "cuda: KDA prefill kernel of the verification passes: auto, chunked (bf16 "
+                   "operands: near-ties may flip against fp32 decode steps) or recurrent")
+      ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
   std::string batchModel;
   hybrid::LoadOptions batchOptions;
   std::vector<int32_t> decodeBatches = {1, 2, 4};
@@ -434,7 +440,8 @@ int main(int argc, char **argv) {
     return runDecodeBatch(batchModel, batchOptions, decodeBatches, batchPromptTokens, batchSteps);
   }
   if (spec->parsed())
-    return runSpec(specModel, specPrompts, specPromptTokens, specMaxTokens, specDraft, specSeed);
+    return runSpec(specModel, specOptions, specPrompts, specPromptTokens, specMaxTokens, specDraft,
+                   specSeed);
   if (serve->parsed())
     return runServe(load, modelDir, modelOptions, o.jsonPath);
   if (kda->parsed())

@@ -123,6 +123,8 @@ struct CudaExecutor::Impl {
     cudaFreeHost(pinnedTokens);
     cudaFreeHost(pinnedSlots);
     cudaFreeHost(pinnedCuSeqlens);
+    for (LoggedKda &entry : kdaLog)
+      cudaFree(entry.inputs);
     for (auto &resources : streams)
       if (resources->stream)
         cudaStreamDestroy(resources->stream);
@@ -161,6 +163,20 @@ struct CudaExecutor::Impl {
   // were recorded before the run are dropped: the cpu step before it synchronized the device.
   Status launchRun(const fb::Program &program, unsigned char *arena, const StepRun &run,
                    const cpu::StepContext &host, HiddenStates *hidden, bool capturing);
+  // A KDA layer's weights and `stateSlot`'s state pointers, for its kernels.
+  kc::KdaLayerCall layerCall(const fb::Dispatch &dispatch, int32_t stateSlot) const;
+  // Keeps copies of a KDA prefill's inputs (a logged step: Model::verifyDraft) for replayKdaLog.
+  Status logKdaInputs(const fb::Dispatch &dispatch, const kc::KdaLayerCall &call, int64_t rows,
+                      StreamResources &resources);
+  struct LoggedKda {
+    const fb::Dispatch *dispatch = nullptr;
+    float *inputs = nullptr; // one allocation: qkv [T, 3P], forget, beta, gate, then an output
+    size_t capacity = 0;
+    float *qkv = nullptr, *forget = nullptr, *beta = nullptr, *gate = nullptr, *out = nullptr;
+  };
+  std::vector<LoggedKda> kdaLog; // reused across logged steps
+  size_t kdaLogUsed = 0;
+  int64_t kdaLogRows = 0;
   // Replays the run's graph for this slot, capturing it the first time.
   Status replayRun(const fb::Program &program, unsigned char *arena, size_t runIndex,
                    const cpu::StepContext &host);
@@ -241,6 +257,60 @@ Status CudaExecutor::Impl::gemm(StreamResources &r, const float *x, int64_t xStr
   return Status::ok();
 }
 
+kc::KdaLayerCall CudaExecutor::Impl::layerCall(const fb::Dispatch &d, int32_t stateSlot) const {
+  const fb::KdaParams *p = d.params_as_KdaParams();
+  auto role = [&](int index) { return d.weights()->Get(index); };
+  const uint64_t slot = static_cast<uint64_t>(stateSlot);
+  const size_t layer = static_cast<size_t>(p->state_slot());
+  kc::KdaLayerCall call;
+  call.heads = p->num_heads();
+  call.headDim = p->head_dim();
+  call.convKernel = p->conv_kernel();
+  call.weights.convWeight = kdaConvTaps.at(&d);
+  call.weights.aLog = fp32Weights.at(role(ALog));
+  call.weights.dtBias = fp32Weights.at(role(DtBias));
+  call.weights.normWeight = fp32Weights.at(role(ONorm));
+  call.weights.normEpsilon = p->norm_epsilon();
+  call.weights.lowerBoundGate = p->gate() == fb::KdaGate::LowerBound;
+  call.weights.lowerBound = p->gate_lower_bound();
+  call.convState = convRegion + slot * slotConvFloats + layerConvFloats[layer];
+  call.state = stateRegion + slot * slotStateBytes + layerStateBytes[layer];
+  call.stateType = stateType;
+  return call;
+}
+
+Status CudaExecutor::Impl::logKdaInputs(const fb::Dispatch &d, const kc::KdaLayerCall &call,
+                                        int64_t rows, StreamResources &r) {
+  const int64_t P = int64_t(call.heads) * call.headDim, H = call.heads;
+  const size_t floats = static_cast<size_t>(rows * (3 * P + P + H + P + P));
+  if (kdaLogUsed == kdaLog.size())
+    kdaLog.emplace_back();
+  LoggedKda &entry = kdaLog[kdaLogUsed++];
+  if (entry.capacity < floats) {
+    cudaFree(entry.inputs);
+    entry.inputs = nullptr;
+    entry.capacity = 0;
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&entry.inputs, floats * sizeof(float)), "KDA replay log");
+    entry.capacity = floats;
+  }
+  entry.dispatch = &d;
+  entry.qkv = entry.inputs;
+  entry.forget = entry.qkv + rows * 3 * P;
+  entry.beta = entry.forget + rows * P;
+  entry.gate = entry.beta + rows * H;
+  entry.out = entry.gate + rows * P;
+  const std::pair<float *, const float *> copies[4] = {
+      {entry.qkv, call.qkv}, {entry.forget, call.forget}, {entry.beta, call.betaLogits},
+      {entry.gate, call.outputGate}};
+  const int64_t widths[4] = {3 * P, P, H, P};
+  for (int i = 0; i < 4; ++i)
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(copies[i].first, copies[i].second,
+                                         static_cast<size_t>(rows * widths[i]) * sizeof(float),
+                                         cudaMemcpyDeviceToDevice, r.stream),
+                         "KDA replay log");
+  return Status::ok();
+}
+
 Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *arena,
                                   const fb::Dispatch &d, StreamResources &r,
                                   const cpu::StepContext &host) {
@@ -251,7 +321,6 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
   float *out = reinterpret_cast<float *>(
       arena + valueOf(program, d.outputs()->Get(0)).arena_offset());
   const int64_t dModel = in.row_elements(), H = p->num_heads(), K = p->head_dim(), P = H * K;
-  const int64_t W = p->conv_kernel();
   auto role = [&](int index) { return d.weights()->Get(index); };
   const int64_t rankF = weightRows(role(FA));
   const int64_t rankG = role(G) >= 0 ? 0 : weightRows(role(GA));
@@ -281,27 +350,15 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
 
   // RecurrentStatePool (host) checks the layer and slot; the device regions have their layout.
   HYBRID_RETURN_IF_ERROR(host.states->stateOffset(p->state_slot(), host.stateSlot).status());
-  const uint64_t slot = static_cast<uint64_t>(host.stateSlot);
   const size_t layer = static_cast<size_t>(p->state_slot());
-  kc::KdaLayerCall call;
-  call.heads = static_cast<int32_t>(H);
-  call.headDim = static_cast<int32_t>(K);
-  call.convKernel = static_cast<int32_t>(W);
-  call.weights.convWeight = kdaConvTaps.at(&d);
-  call.weights.aLog = fp32Weights.at(role(ALog));
-  call.weights.dtBias = fp32Weights.at(role(DtBias));
-  call.weights.normWeight = fp32Weights.at(role(ONorm));
-  call.weights.normEpsilon = p->norm_epsilon();
-  call.weights.lowerBoundGate = p->gate() == fb::KdaGate::LowerBound;
-  call.weights.lowerBound = p->gate_lower_bound();
+  kc::KdaLayerCall call = layerCall(d, host.stateSlot);
   call.qkv = qkv;
   call.forget = forget;
   call.betaLogits = beta;
   call.outputGate = gate;
-  call.convState = convRegion + slot * slotConvFloats + layerConvFloats[layer];
-  call.state = stateRegion + slot * slotStateBytes + layerStateBytes[layer];
-  call.stateType = stateType;
   call.out = o;
+  if (host.kdaLog && d.kernel() == fb::KernelId::KdaChunkPrefill)
+    HYBRID_RETURN_IF_ERROR(logKdaInputs(d, call, T, r));
   if (d.kernel() == fb::KernelId::KdaRecurrentDecode) {
     if (T != 1 && static_cast<int64_t>(host.batch.size()) != T)
       return Status::error("the decode kernel runs one token per sequence, this step has " +
@@ -828,6 +885,42 @@ Status CudaExecutor::Impl::transferSlot(int32_t slot, RecurrentStatePool &pool,
   return Status::ok();
 }
 
+Status CudaExecutor::replayKdaLog(int32_t slot, int64_t tokens) {
+  Impl &impl = *impl_;
+  if (tokens < 0 || tokens > impl.kdaLogRows)
+    return Status::error("KDA replay of " + std::to_string(tokens) + " tokens from a step of " +
+                         std::to_string(impl.kdaLogRows));
+  if (tokens == 0 || impl.kdaLogUsed == 0)
+    return Status::ok();
+  StreamResources &r = *impl.streams[0];
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), "before a KDA replay");
+  impl.pinnedCuSeqlens[0] = 0;
+  impl.pinnedCuSeqlens[1] = static_cast<int32_t>(tokens);
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(impl.cuSeqlens, impl.pinnedCuSeqlens, 2 * sizeof(int32_t),
+                                       cudaMemcpyHostToDevice, r.stream),
+                       "cu_seqlens upload");
+  for (size_t i = 0; i < impl.kdaLogUsed; ++i) {
+    const Impl::LoggedKda &entry = impl.kdaLog[i];
+    kc::KdaPrefillParams prefill;
+    static_cast<kc::KdaLayerCall &>(prefill) = impl.layerCall(*entry.dispatch, slot);
+    prefill.qkv = entry.qkv; // rows are contiguous: the first `tokens` are a prefix
+    prefill.forget = entry.forget;
+    prefill.betaLogits = entry.beta;
+    prefill.outputGate = entry.gate;
+    prefill.out = entry.out;
+    prefill.sequences = 1;
+    prefill.cuSeqlens = impl.cuSeqlens;
+    prefill.tokens = static_cast<int32_t>(tokens);
+    prefill.workspace = r.kdaWorkspace;
+    prefill.path = impl.kdaPrefillPath;
+    if (kc::kdaPrefillWorkspaceBytes(prefill) > impl.kdaWorkspaceBytes)
+      return Status::error("KDA replay workspace larger than planned at load");
+    LAUNCH_RETURN_IF_ERROR(kc::launchKdaPrefill(prefill, r.stream), "KDA replay");
+  }
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), "KDA replay");
+  return Status::ok();
+}
+
 Status CudaExecutor::downloadSlot(int32_t slot, RecurrentStatePool &pool) {
   return impl_->transferSlot(slot, pool, Impl::Direction::Down);
 }
@@ -860,6 +953,10 @@ Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> 
                              "): token id " + std::to_string(tokens[t]) + " at position " +
                              std::to_string(host.firstPosition + t) +
                              " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+  }
+  if (host.kdaLog) { // a logged step: its GPU KDA layers' inputs are kept for replayKdaLog
+    impl.kdaLogUsed = 0;
+    impl.kdaLogRows = rows;
   }
   // Staged in pinned memory: the previous call's copy finished with its synchronization.
   std::copy(tokens.begin(), tokens.end(), impl.pinnedTokens);

@@ -47,6 +47,11 @@ public:
   // for what works on host snapshots: prefix caching, Sequence::recurrentState.
   Status downloadSlot(int32_t slot, RecurrentStatePool &pool);
   Status uploadSlot(int32_t slot, RecurrentStatePool &pool);
+  // Speculative rollback: in a step run with host.kdaLog set (a prefill), the GPU KDA layers keep
+  // copies of their inputs; this reruns their prefill kernels over the first `tokens` of them on
+  // `slot`'s states (which the caller has put back to before that step). Layers on the cpu
+  // reference log into host.kdaLog as on the cpu device.
+  Status replayKdaLog(int32_t slot, int64_t tokens);
   // Which kernels run where, one line per program.
   const std::string &placementReport() const { return report_; }
 

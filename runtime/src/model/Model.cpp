@@ -538,7 +538,7 @@ StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
     return Status::error("sequence would grow to " + std::to_string(length_ + rows) +
                          " tokens, past maxContextTokens = " +
                          std::to_string(impl.options.maxContextTokens));
-  bool onGpu = false;
+  [[maybe_unused]] bool onGpu = false;
 #ifdef HYBRID_HAS_CUDA_DEVICE
   onGpu = impl.cuda != nullptr;
   if (onGpu) // the snapshot is taken on the host
@@ -551,8 +551,7 @@ StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
   cpu::KdaReplayLog log;
   const int64_t start = length_;
   HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, *this, kvSequence_, stateSlot_, fed,
-                                  /*decodeStep=*/false, logits.data(), nullptr,
-                                  onGpu ? nullptr : &log));
+                                  /*decodeStep=*/false, logits.data(), nullptr, &log));
   length_ += rows;
 
   auto row = [&](int64_t i) { return std::span<const float>(logits).subspan(i * vocab, vocab); };
@@ -565,27 +564,18 @@ StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
                        logits.begin() + static_cast<std::ptrdiff_t>((result.accepted + 1) * vocab));
 
   const int64_t keep = 1 + result.accepted; // `token` and the accepted draft tokens
-  if (keep < rows && !onGpu) {
+  if (keep < rows) {
     HYBRID_RETURN_IF_ERROR(impl.kvCache.truncate(kvSequence_, start + keep));
     HYBRID_RETURN_IF_ERROR(impl.states.restore(stateSlot_, before));
     HYBRID_RETURN_IF_ERROR(cpu::replayKda(impl.states, stateSlot_, log, keep));
-    length_ = start + keep;
-  }
 #ifdef HYBRID_HAS_CUDA_DEVICE
-  if (keep < rows && onGpu) {
-    // The GPU kernels log no inputs to replay: back to the snapshot, and the kept tokens run
-    // again (one more prefill-program pass of `keep` rows, its logits unused).
-    HYBRID_RETURN_IF_ERROR(impl.kvCache.truncate(kvSequence_, start));
-    HYBRID_RETURN_IF_ERROR(impl.states.restore(stateSlot_, before));
-    HYBRID_RETURN_IF_ERROR(impl.cuda->uploadSlot(stateSlot_, impl.states));
-    length_ = start;
-    std::vector<float> rerun(static_cast<size_t>(keep) * vocab);
-    HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, *this, kvSequence_, stateSlot_,
-                                    std::span(fed).first(static_cast<size_t>(keep)),
-                                    /*decodeStep=*/false, rerun.data(), nullptr));
+    if (onGpu) { // the GPU's KDA layers: back to the snapshot, then their logged inputs again
+      HYBRID_RETURN_IF_ERROR(impl.cuda->uploadSlot(stateSlot_, impl.states));
+      HYBRID_RETURN_IF_ERROR(impl.cuda->replayKdaLog(stateSlot_, keep));
+    }
+#endif
     length_ = start + keep;
   }
-#endif
   return result;
 }
 

@@ -117,8 +117,8 @@ public:
   // decoding would produce, and keeps only `token` and that prefix: the KV tail is truncated,
   // and the recurrent state is restored from a snapshot taken before the pass and rebuilt by
   // replaying the KDA inputs of the kept tokens (no per-token state copies). On the cuda device
-  // the snapshot is taken off the GPU and the kept tokens run through the prefill program again
-  // instead (its kernels log no inputs yet). An empty draft is one decode step.
+  // the snapshot is taken off the GPU and put back, and the GPU's KDA prefill kernels rerun over
+  // device copies of the kept tokens' inputs. An empty draft is one decode step.
   StatusOr<DraftVerification> verifyDraft(int64_t token, std::span<const int64_t> draft);
   // A copy of the sequence's recurrent state (every KDA layer's state and conv state), to check
   // that rollbacks leave exactly what a plain run leaves.
