@@ -31,6 +31,16 @@ std::vector<int64_t> goldenPrompt(const std::string &model) {
   return ids.isOk() ? *ids : std::vector<int64_t>{};
 }
 
+// The cuda plans ctest compiles (tests/e2e/CMakeLists.txt): MODEL-cuda, MODEL-cuda-batch4.
+std::string cudaPlan(const std::string &model, const std::string &suffix = "") {
+  return directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + model + "-cuda" + suffix;
+}
+
+// A load that failed for want of a GPU: the test skips.
+bool noGpu(const StatusOr<std::unique_ptr<Model>> &model) {
+  return !model.isOk() && model.status().message().find("no CUDA device") != std::string::npos;
+}
+
 int64_t argmax(const std::vector<float> &logits, int64_t vocab) {
   const auto last = logits.end() - vocab;
   return std::max_element(last, logits.end()) - last;
@@ -96,8 +106,7 @@ class CudaDeviceTest : public testing::TestWithParam<std::string> {};
 
 // With fp32 and with bf16 KDA states (LoadOptions::kdaBf16State).
 TEST_P(CudaDeviceTest, DecodeGraphsMatchPlainLaunches) {
-  const std::string dir =
-      directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + GetParam() + "-cuda";
+  const std::string dir = cudaPlan(GetParam());
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());
   ASSERT_GE(prompt.size(), 20u);
   for (bool bf16States : {false, true}) {
@@ -108,7 +117,7 @@ TEST_P(CudaDeviceTest, DecodeGraphsMatchPlainLaunches) {
     options.kdaBf16State = bf16States;
     options.cudaGraphs = true;
     auto graphed = Model::load(dir, options);
-    if (!graphed.isOk() && graphed.status().message().find("no CUDA device") != std::string::npos)
+    if (noGpu(graphed))
       GTEST_SKIP() << "no CUDA device";
     ASSERT_TRUE(graphed.isOk()) << graphed.status().message();
     options.cudaGraphs = false;
@@ -130,8 +139,7 @@ TEST_P(CudaDeviceTest, DecodeGraphsMatchPlainLaunches) {
 // than for 1 (another summation order); the KDA rows and the cpu-reference steps are the same
 // arithmetic. Graphs (one per batch size) and plain launches agree exactly.
 TEST_P(CudaDeviceTest, BatchedDecodeMatchesSingleSequences) {
-  const std::string dir =
-      directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + GetParam() + "-cuda-batch4";
+  const std::string dir = cudaPlan(GetParam(), "-batch4");
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());
   std::vector<std::vector<float>> byGraphs;
   for (bool graphs : {true, false}) {
@@ -141,7 +149,7 @@ TEST_P(CudaDeviceTest, BatchedDecodeMatchesSingleSequences) {
     options.maxSequences = 6;
     options.cudaGraphs = graphs;
     auto model = Model::load(dir, options);
-    if (!model.isOk() && model.status().message().find("no CUDA device") != std::string::npos)
+    if (noGpu(model))
       GTEST_SKIP() << "no CUDA device";
     ASSERT_TRUE(model.isOk()) << model.status().message();
     const int64_t vocab = (*model)->vocabSize();
@@ -196,8 +204,7 @@ TEST_P(CudaDeviceTest, BatchedDecodeMatchesSingleSequences) {
 // go back when restored; a hit then continues exactly like a full prefill (recurrent fp32 KDA
 // prefill, so only the cached part differs), with fp32 and with bf16 states.
 TEST_P(CudaDeviceTest, PrefixCacheHitsMatchAFullPrefill) {
-  const std::string dir =
-      directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + GetParam() + "-cuda";
+  const std::string dir = cudaPlan(GetParam());
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());
   ASSERT_EQ(prompt.size(), 40u);
   for (bool bf16States : {false, true}) {
@@ -209,7 +216,7 @@ TEST_P(CudaDeviceTest, PrefixCacheHitsMatchAFullPrefill) {
     options.prefixCacheEntries = 2;
     options.prefixCacheBlockTokens = 16;
     auto model = Model::load(dir, options);
-    if (!model.isOk() && model.status().message().find("no CUDA device") != std::string::npos)
+    if (noGpu(model))
       GTEST_SKIP() << "no CUDA device";
     ASSERT_TRUE(model.isOk()) << model.status().message();
     const int64_t vocab = (*model)->vocabSize();
@@ -242,14 +249,13 @@ TEST_P(CudaDeviceTest, PrefixCacheHitsMatchAFullPrefill) {
 // reruns the kept tokens): greedy tokens do not change, and the state after a rejected draft is
 // plain decoding's up to the prefill and decode kernels' different fp32 summation orders.
 TEST_P(CudaDeviceTest, SpeculativeDecodingKeepsTheGreedyTokens) {
-  const std::string dir =
-      directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + GetParam() + "-cuda";
+  const std::string dir = cudaPlan(GetParam());
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());
   LoadOptions options;
   options.device = "cuda";
   options.kdaPrefill = "recurrent";
   auto model = Model::load(dir, options);
-  if (!model.isOk() && model.status().message().find("no CUDA device") != std::string::npos)
+  if (noGpu(model))
     GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(model.isOk()) << model.status().message();
   std::vector<int64_t> repetitive;
