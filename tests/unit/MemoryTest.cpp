@@ -208,12 +208,17 @@ TEST(PagedKvCache, OutOfPagesFailsCleanly) {
   ASSERT_FALSE(status.isOk());
   EXPECT_EQ(status.message(), "KV cache out of pages: sequence 1 needs 3 more pages of 4 tokens "
                               "for 9 tokens, 1 of 3 pages are free");
+  // A capacity error (a scheduler preempts and retries), and it stays one with context added.
+  EXPECT_TRUE(status.isExhausted());
+  EXPECT_TRUE(Status(status).withContext("MLA (layer 3)").isExhausted());
+  EXPECT_FALSE(cache.reserve(7, 1).isExhausted()) << "a bad sequence is not a capacity error";
   EXPECT_EQ(cache.freePages(), 1) << "a failed reserve must not keep partial pages";
   EXPECT_EQ(cache.capacity(1), 0);
 
   // An append that does not fit leaves the length unchanged.
   Status append = cache.append(0, 1, rowsFor(0, 0, 5, 5));
   EXPECT_CONTAINS(append.message(), "out of pages");
+  EXPECT_TRUE(append.isExhausted());
   EXPECT_EQ(cache.length(0, 1), 0);
   EXPECT_TRUE(cache.append(0, 1, rowsFor(0, 0, 4, 5)).isOk());
   EXPECT_EQ(cache.freePages(), 0);

@@ -210,7 +210,7 @@ Status PagedKvCache::reservePages(int32_t sequence, int64_t tokens) {
   if (missing <= 0)
     return Status::ok();
   if (missing > freePages())
-    return Status::error("KV cache out of pages: sequence " + std::to_string(sequence) + " needs " +
+    return Status::exhausted("KV cache out of pages: sequence " + std::to_string(sequence) + " needs " +
                          std::to_string(missing) + " more pages of " + std::to_string(pageSize_) +
                          " tokens for " + std::to_string(tokens) + " tokens, " +
                          std::to_string(freePages()) + " of " + std::to_string(numPages_) +
@@ -246,7 +246,7 @@ Status PagedKvCache::ensureExclusive(int32_t sequence, int64_t index) {
   if (references_[static_cast<size_t>(page)] == 1)
     return Status::ok();
   if (freePages_.empty())
-    return Status::error("KV cache out of pages: sequence " + std::to_string(sequence) +
+    return Status::exhausted("KV cache out of pages: sequence " + std::to_string(sequence) +
                          " must copy a page it shares before writing to it, and none of the " +
                          std::to_string(numPages_) + " pages is free");
   const int32_t copy = takeFreePage();
@@ -277,7 +277,7 @@ StatusOr<KvPrefix> PagedKvCache::holdPrefix(int32_t sequence, int64_t tokens) {
       return prefix;
     const int64_t fullPages = tokens / pageSize_, partialRows = tokens % pageSize_;
     if (partialRows > 0 && freePages_.empty())
-      return Status::error("KV cache out of pages: taking " + std::to_string(tokens) +
+      return Status::exhausted("KV cache out of pages: taking " + std::to_string(tokens) +
                            " tokens of sequence " + std::to_string(sequence) +
                            " copies its partial last page, and none of the " +
                            std::to_string(numPages_) + " pages is free");
@@ -369,7 +369,7 @@ Status PagedKvCache::append(int32_t kvSlot, int32_t sequence, std::span<const fl
       copies += references_[static_cast<size_t>(held[static_cast<size_t>(index)])] > 1 ? 1 : 0;
     const int64_t newPages = std::max<int64_t>(0, lastWritten - static_cast<int64_t>(held.size()));
     if (copies > 0 && copies + newPages > freePages())
-      return Status::error("KV cache out of pages: sequence " + std::to_string(sequence) +
+      return Status::exhausted("KV cache out of pages: sequence " + std::to_string(sequence) +
                            " needs " + std::to_string(newPages) + " new pages and copies of " +
                            std::to_string(copies) + " pages it shares, " +
                            std::to_string(freePages()) + " of " + std::to_string(numPages_) +

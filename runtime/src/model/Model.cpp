@@ -465,7 +465,7 @@ Status Sequence::keepPrefix(std::span<const int64_t> tokens) {
   StatusOr<KvPrefix> kv = impl.kvCache.holdPrefix(kvSequence_, length_);
   if (!kv) {
     // Keeping is best effort: with no free page for a partial last page, nothing is kept.
-    if (kv.status().message().find("out of pages") != std::string::npos)
+    if (kv.status().isExhausted())
       return Status::ok();
     return kv.status();
   }

@@ -207,8 +207,7 @@ std::vector<TokenEvent> Scheduler::step() {
       const std::string message = outcome.logits.status().message();
       // A step that failed part-way left some layers' caches advanced: the sequence restarts.
       // Out of KV pages with others running, it waits for theirs (preemption by recompute).
-      if (outcome.mayPreempt && message.find("out of pages") != std::string::npos &&
-          runningAtStart > 1) {
+      if (outcome.mayPreempt && outcome.logits.status().isExhausted() && runningAtStart > 1) {
         active.sequence.reset();
         active.fed = 0;
         waiting_.push_front(std::move(slot));

@@ -19,8 +19,16 @@ public:
     s.failed_ = true;
     return s;
   }
+  // A capacity ran out (the KV cache's pages): the same request may succeed once others free
+  // theirs, so a scheduler preempts and retries rather than failing it. Context keeps the kind.
+  static Status exhausted(std::string message) {
+    Status s = error(std::move(message));
+    s.exhausted_ = true;
+    return s;
+  }
 
   bool isOk() const { return !failed_; }
+  bool isExhausted() const { return exhausted_; }
   explicit operator bool() const { return !failed_; }
   const std::string &message() const { return message_; }
 
@@ -34,6 +42,7 @@ public:
 private:
   std::string message_;
   bool failed_ = false;
+  bool exhausted_ = false;
 };
 
 template <typename T> class [[nodiscard]] StatusOr {
