@@ -1,11 +1,12 @@
 // Shared by the kernel benchmarks (not installed): error handling, random device data, timing.
 #pragma once
 
+#include "hybrid/kernels/ref/Quant.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -42,12 +43,8 @@ inline void *deviceRandomBf16(size_t n, float scale, float offset, std::mt19937 
                               std::string &error) {
   std::vector<uint16_t> host(n);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (uint16_t &bits : host) {
-    const float value = offset + scale * normal(rng);
-    uint32_t word;
-    std::memcpy(&word, &value, sizeof word);
-    bits = uint16_t((word + 0x7FFFu + ((word >> 16) & 1u)) >> 16); // finite values only
-  }
+  for (uint16_t &bits : host)
+    bits = ref::floatToBf16(offset + scale * normal(rng));
   void *device = nullptr;
   if (cudaMalloc(&device, n * sizeof(uint16_t)) != cudaSuccess ||
       cudaMemcpy(device, host.data(), n * sizeof(uint16_t), cudaMemcpyHostToDevice) !=

@@ -5,13 +5,13 @@
 #include "hybrid/kernels/cuda/KdaPrefill.h"
 #include "hybrid/kernels/cuda/Linear.h"
 #include "hybrid/kernels/cuda/Norm.h"
+#include "hybrid/kernels/ref/Quant.h"
 #include "hybrid/runtime/Memory.h"
 #include "runtime/schema/kernel_signatures.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <set>
 #include <tuple>
@@ -163,6 +163,15 @@ struct CudaExecutor::Impl {
   // were recorded before the run are dropped: the cpu step before it synchronized the device.
   Status launchRun(const fb::Program &program, unsigned char *arena, const StepRun &run,
                    const cpu::StepContext &host, HiddenStates *hidden, bool capturing);
+  // cu_seqlens {0, tokens} of a one-sequence KDA prefill, from pinned memory on stream 0 (the
+  // runs fork from it); the previous upload finished with its step's synchronization.
+  Status uploadCuSeqlens(int64_t tokens) {
+    pinnedCuSeqlens[0] = 0;
+    pinnedCuSeqlens[1] = static_cast<int32_t>(tokens);
+    return cudaStatus(cudaMemcpyAsync(cuSeqlens, pinnedCuSeqlens, 2 * sizeof(int32_t),
+                                      cudaMemcpyHostToDevice, streams[0]->stream),
+                      "cu_seqlens upload");
+  }
   // A KDA layer's weights and `stateSlot`'s state pointers, for its kernels.
   kc::KdaLayerCall layerCall(const fb::Dispatch &dispatch, int32_t stateSlot) const;
   // Keeps copies of a KDA prefill's inputs (a logged step: Model::verifyDraft) for replayKdaLog.
@@ -847,40 +856,27 @@ Status CudaExecutor::Impl::transferSlot(int32_t slot, RecurrentStatePool &pool,
     unsigned char *deviceState = stateRegion + index * slotStateBytes +
                                  layerStateBytes[static_cast<size_t>(layer)];
     float *deviceConv = convRegion + index * slotConvFloats + layerConvFloats[static_cast<size_t>(layer)];
-    const auto copy = direction == Direction::Down ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
-    if (direction == Direction::Down)
-      CUDA_RETURN_IF_ERROR(cudaMemcpy(conv.data(), deviceConv, conv.size_bytes(), copy),
-                           "conv state download");
-    else
-      CUDA_RETURN_IF_ERROR(cudaMemcpy(deviceConv, conv.data(), conv.size_bytes(), copy),
-                           "conv state upload");
+    const bool down = direction == Direction::Down;
+    auto transfer = [&](void *device, void *host, size_t bytes, const char *what) {
+      return cudaStatus(down ? cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost)
+                             : cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice),
+                        what);
+    };
+    HYBRID_RETURN_IF_ERROR(transfer(deviceConv, conv.data(), conv.size_bytes(),
+                                    down ? "conv state download" : "conv state upload"));
     if (!bf16) {
-      if (direction == Direction::Down)
-        CUDA_RETURN_IF_ERROR(cudaMemcpy(state.data(), deviceState, state.size_bytes(), copy),
-                             "state download");
-      else
-        CUDA_RETURN_IF_ERROR(cudaMemcpy(deviceState, state.data(), state.size_bytes(), copy),
-                             "state upload");
+      HYBRID_RETURN_IF_ERROR(transfer(deviceState, state.data(), state.size_bytes(),
+                                      down ? "state download" : "state upload"));
       continue;
     }
-    // bf16 on the device: the upper half of an fp32, rounded to nearest even on the way up.
+    // bf16 on the device: widened exactly on the way down, rounded to nearest even on the way up.
     std::vector<uint16_t> bits(state.size());
-    if (direction == Direction::Down) {
-      CUDA_RETURN_IF_ERROR(cudaMemcpy(bits.data(), deviceState, bits.size() * 2, copy),
-                           "state download");
-      for (size_t i = 0; i < bits.size(); ++i) {
-        const uint32_t word = uint32_t(bits[i]) << 16;
-        std::memcpy(&state[i], &word, sizeof word);
-      }
-    } else {
-      for (size_t i = 0; i < bits.size(); ++i) {
-        uint32_t word;
-        std::memcpy(&word, &state[i], sizeof word);
-        bits[i] = uint16_t((word + 0x7FFFu + ((word >> 16) & 1u)) >> 16); // states are finite
-      }
-      CUDA_RETURN_IF_ERROR(cudaMemcpy(deviceState, bits.data(), bits.size() * 2, copy),
-                           "state upload");
-    }
+    if (!down)
+      std::transform(state.begin(), state.end(), bits.begin(), kernels::ref::floatToBf16);
+    HYBRID_RETURN_IF_ERROR(transfer(deviceState, bits.data(), bits.size() * sizeof(uint16_t),
+                                    down ? "state download" : "state upload"));
+    if (down)
+      std::transform(bits.begin(), bits.end(), state.begin(), kernels::ref::bf16ToFloat);
   }
   return Status::ok();
 }
@@ -894,11 +890,7 @@ Status CudaExecutor::replayKdaLog(int32_t slot, int64_t tokens) {
     return Status::ok();
   StreamResources &r = *impl.streams[0];
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), "before a KDA replay");
-  impl.pinnedCuSeqlens[0] = 0;
-  impl.pinnedCuSeqlens[1] = static_cast<int32_t>(tokens);
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(impl.cuSeqlens, impl.pinnedCuSeqlens, 2 * sizeof(int32_t),
-                                       cudaMemcpyHostToDevice, r.stream),
-                       "cu_seqlens upload");
+  HYBRID_RETURN_IF_ERROR(impl.uploadCuSeqlens(tokens));
   for (size_t i = 0; i < impl.kdaLogUsed; ++i) {
     const Impl::LoggedKda &entry = impl.kdaLog[i];
     kc::KdaPrefillParams prefill;
@@ -967,12 +959,7 @@ Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> 
                        "token ids upload");
 
   if (prefill) { // one sequence of `rows` tokens, for the KDA prefill kernels
-    impl.pinnedCuSeqlens[0] = 0;
-    impl.pinnedCuSeqlens[1] = static_cast<int32_t>(rows);
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(impl.cuSeqlens, impl.pinnedCuSeqlens,
-                                         2 * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                         impl.streams[0]->stream),
-                         "cu_seqlens upload");
+    HYBRID_RETURN_IF_ERROR(impl.uploadCuSeqlens(rows));
   } else { // each row's state slot, for the KDA decode kernels
     for (int64_t row = 0; row < rows; ++row) {
       const int32_t slot = host.batch.empty() ? host.stateSlot
