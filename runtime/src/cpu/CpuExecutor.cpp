@@ -639,13 +639,10 @@ Status runStepDispatch(const StepContext &context, const fb::Dispatch &dispatch)
   const std::span<const BatchRow> batch = context.batch;
   BatchScratch &scratch = *context.batchScratch;
   const fb::Program &program = *context.program;
-  auto rowBytes = [&](int32_t index) {
-    const fb::Value &value = *program.values()->Get(static_cast<flatbuffers::uoffset_t>(index));
-    return static_cast<uint64_t>(value.row_elements()) * dtypeByteSize(value.dtype());
-  };
   auto copyRow = [&](Arena &from, Arena &to, int32_t index, uint64_t fromRow, uint64_t toRow) {
     const fb::Value &value = *program.values()->Get(static_cast<flatbuffers::uoffset_t>(index));
-    const uint64_t bytes = rowBytes(index);
+    const uint64_t bytes =
+        static_cast<uint64_t>(value.row_elements()) * dtypeByteSize(value.dtype());
     auto source = from.view(value.arena_offset() + fromRow * bytes, bytes);
     auto target = to.view(value.arena_offset() + toRow * bytes, bytes);
     if (!source.isOk())
