@@ -91,6 +91,19 @@ private:
     return builder_.getNamedAttr(name, builder_.getF64FloatAttr(value));
   }
 
+  // hybrid.model's fp8_activation_scale: the checkpoint's scale_fmt ("ue8m0"), else "amax"
+  // (act_quant's default).
+  StatusOr<std::string> fp8ActivationScale() {
+    if (!mapping_.config.count("fp8.activation_scale"))
+      return std::string("amax");
+    HYBRID_ASSIGN_OR_RETURN(std::optional<std::string> format,
+                            config_.getOptionalString("fp8.activation_scale"));
+    if (format && *format != "ue8m0")
+      return Status::error(config_.path() + ": quantization_config.scale_fmt '" + *format +
+                           "' is not supported (\"ue8m0\", or absent for amax/448 scales)");
+    return format.value_or("amax");
+  }
+
   MLIRContext &context_;
   OpBuilder builder_;
   const Checkpoint &checkpoint_;
@@ -98,6 +111,7 @@ private:
   ModelConfig config_;
   std::map<std::string, std::string> referencedBy_; // tensor -> "group.role" that used it
   Type activationType_;
+  bool hasFp8Weights_ = false; // then the model says how FP8 GEMMs quantize their activations
   int64_t hidden_ = 0;
   int64_t numLayers_ = 0;
   double rmsNormEps_ = 0;
@@ -148,6 +162,7 @@ StatusOr<WeightAttr> ModelImporter::weight(const std::string &group, const std::
   auto type = RankedTensorType::get(tensor->info->shape, element);
   if (tensor->info->dtype != safetensors::DType::F8_E4M3)
     return WeightAttr::get(&context_, name, type, "", RankedTensorType());
+  hasFp8Weights_ = true;
 
   // FP8 block-quantized weight: its scale tensor travels with it.
   const std::string scaleName = name + mapping_.fp8ScaleSuffix;
@@ -448,7 +463,8 @@ StatusOr<OwningOpRef<ModuleOp>> ModelImporter::run() {
   auto model = builder_.create<ModelOp>(
       modelLoc, builder_.getStringAttr(mapping_.modelType),
       builder_.getStringAttr(mapping_.modelType), builder_.getI64IntegerAttr(hidden_),
-      builder_.getI64IntegerAttr(vocab), builder_.getI64IntegerAttr(numLayers_));
+      builder_.getI64IntegerAttr(vocab), builder_.getI64IntegerAttr(numLayers_),
+      /*fp8_activation_scale=*/nullptr);
   Block *body = builder_.createBlock(&model.getBody());
   Value ids = body->addArgument(
       RankedTensorType::get({ShapedType::kDynamic}, builder_.getI64Type()), modelLoc);
@@ -516,6 +532,10 @@ StatusOr<OwningOpRef<ModuleOp>> ModelImporter::run() {
                      .getResult();
   builder_.create<ReturnOp>(modelLoc, logits);
 
+  if (hasFp8Weights_) {
+    HYBRID_ASSIGN_OR_RETURN(std::string scale, fp8ActivationScale());
+    model.setFp8ActivationScale(scale);
+  }
   HYBRID_RETURN_IF_ERROR(checkAllTensorsUsed());
   HYBRID_RETURN_IF_ERROR(verify(*module));
   return module;

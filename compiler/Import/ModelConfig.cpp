@@ -278,6 +278,16 @@ StatusOr<std::string> ModelConfig::getString(const std::string &name) const {
   return text->str();
 }
 
+StatusOr<std::optional<std::string>> ModelConfig::getOptionalString(const std::string &name) const {
+  StatusOr<std::optional<llvm::json::Value>> value = get(name);
+  if (!value)
+    return value.status();
+  if (!*value)
+    return std::optional<std::string>();
+  HYBRID_ASSIGN_OR_RETURN(std::string text, getString(name));
+  return std::optional<std::string>(std::move(text));
+}
+
 StatusOr<std::vector<std::string>>
 ModelConfig::layerKinds(const std::vector<llvm::json::Object> &rules, int64_t numLayers,
                         const std::string &what) const {

@@ -65,6 +65,7 @@ public:
   StatusOr<std::optional<double>> getOptionalDouble(const std::string &name) const;
   StatusOr<bool> getBool(const std::string &name) const;
   StatusOr<std::string> getString(const std::string &name) const;
+  StatusOr<std::optional<std::string>> getOptionalString(const std::string &name) const;
 
   // The kind of every layer (e.g. "kda", "mla", "mla_dsa" / "mlp", "moe") from the mapping's
   // rules; every applicable rule must agree.

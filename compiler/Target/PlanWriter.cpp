@@ -144,6 +144,10 @@ std::vector<int32_t> toVector(ArrayRef<int32_t> values) {
 } // namespace
 
 FailureOr<std::vector<uint8_t>> serializePlan(plan::PlanOp planOp) {
+  if (std::optional<StringRef> scale = planOp.getFp8ActivationScale();
+      scale && *scale != "amax" && *scale != "ue8m0")
+    return planOp.emitOpError() << "fp8_activation_scale must be \"amax\" or \"ue8m0\", got \""
+                                << *scale << "\"";
   flatbuffers::FlatBufferBuilder b(1 << 16);
   Block &body = planOp.getBodyBlock();
 
@@ -225,7 +229,9 @@ FailureOr<std::vector<uint8_t>> serializePlan(plan::PlanOp planOp) {
       b, &planVersion, planOp.getCompiler().str().c_str(), planOp.getModelType().str().c_str(),
       target, planOp.getHiddenSize(), planOp.getVocabSize(), planOp.getNumLayers(), &weights,
       planOp.getWeightArchiveKey().str().c_str(),
-      static_cast<uint64_t>(planOp.getWeightArchiveBytes()), cache, &programs);
+      static_cast<uint64_t>(planOp.getWeightArchiveBytes()), cache, &programs,
+      planOp.getFp8ActivationScale() == "ue8m0" ? fb::Fp8ActivationScale::Ue8m0
+                                                : fb::Fp8ActivationScale::Amax);
   fb::FinishPlanBuffer(b, root);
   return std::vector<uint8_t>(b.GetBufferPointer(), b.GetBufferPointer() + b.GetSize());
 }

@@ -1,6 +1,7 @@
 // --hybrid-lower-to-plan: hybrid.model -> plan.plan (see Passes.td).
 #include "compiler/Transforms/Passes.h"
 
+#include "hybrid/runtime/Plan.h"
 #include "hybrid/runtime/WeightArchive.h"
 
 #include "mlir/IR/Builders.h"
@@ -505,13 +506,13 @@ LogicalResult ModelLowering::run() {
 
   builder_.setInsertionPoint(model_);
   auto planOp = builder_.create<plan::PlanOp>(
-      model_.getLoc(), model_.getSymNameAttr(), builder_.getDenseI32ArrayAttr({1, 0}),
+      model_.getLoc(), model_.getSymNameAttr(), builder_.getDenseI32ArrayAttr({kPlanVersionMajor, kPlanVersionMinor}),
       builder_.getStringAttr(options_.compilerId), model_.getModelTypeAttr(),
       builder_.getStringAttr(options_.device), builder_.getStringAttr(options_.arch),
       builder_.getI32IntegerAttr(1), model_.getHiddenSizeAttr(), model_.getVocabSizeAttr(),
       builder_.getI32IntegerAttr(static_cast<int32_t>(model_.getNumLayers())),
       builder_.getStringAttr(""), builder_.getI64IntegerAttr(0),
-      builder_.getI32IntegerAttr(options_.pageSize));
+      builder_.getI32IntegerAttr(options_.pageSize), model_.getFp8ActivationScaleAttr());
   builder_.createBlock(&planOp.getBody());
   emitHeader(planOp);
   if (failed(emitProgram(planOp, "prefill", options_.prefillTokens, /*decode=*/false)) ||

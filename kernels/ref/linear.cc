@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <vector>
 
 namespace hybrid::kernels::ref {
 
@@ -26,6 +27,20 @@ void linear(std::span<const float> x, std::span<const float> weight, std::span<f
         }
       },
       /*minGrain=*/std::max<int64_t>(1, 16384 / std::max<int64_t>(1, rows * inFeatures)));
+}
+
+void linearFp8Activations(std::span<const float> x, std::span<const float> weight,
+                          std::span<float> y, int64_t rows, int64_t inFeatures,
+                          int64_t outFeatures, Fp8ScaleRule rule) {
+  assert(static_cast<int64_t>(x.size()) >= rows * inFeatures);
+  const size_t count = static_cast<size_t>(rows * inFeatures);
+  std::vector<uint8_t> codes(count);
+  std::vector<float> scales(static_cast<size_t>(rows * fp8TileCount(inFeatures))), values(count);
+  [[maybe_unused]] const bool sized =
+      quantizeFp8Tiles(x.first(count), rows, inFeatures, kFp8TileSize, rule, codes, scales) &&
+      dequantizeFp8Tiles(codes, scales, rows, inFeatures, kFp8TileSize, values);
+  assert(sized);
+  linear(values, weight, y, rows, inFeatures, outFeatures);
 }
 
 } // namespace hybrid::kernels::ref

@@ -88,11 +88,19 @@ void swiGluMlp(std::span<const float> x, int64_t numTokens, const SwiGluWeights 
                std::span<float> out) {
   const int64_t hidden = w.hiddenSize, inner = w.intermediateSize;
   std::vector<float> gate(numTokens * inner), up(numTokens * inner);
-  linear(x, w.gateProj, gate, numTokens, hidden, inner);
-  linear(x, w.upProj, up, numTokens, hidden, inner);
+  auto project = [&](std::span<const float> in, std::span<const float> weight,
+                     std::span<float> result, int64_t inFeatures, int64_t outFeatures) {
+    if (w.fp8Activations)
+      linearFp8Activations(in, weight, result, numTokens, inFeatures, outFeatures,
+                           *w.fp8Activations);
+    else
+      linear(in, weight, result, numTokens, inFeatures, outFeatures);
+  };
+  project(x, w.gateProj, gate, hidden, inner);
+  project(x, w.upProj, up, hidden, inner);
   for (size_t i = 0; i < gate.size(); ++i)
     gate[i] = silu(gate[i]) * up[i];
-  linear(gate, w.downProj, out, numTokens, inner, hidden);
+  project(gate, w.downProj, out, inner, hidden);
 }
 
 void moeExperts(std::span<const float> x, int64_t numTokens, int64_t hiddenSize,

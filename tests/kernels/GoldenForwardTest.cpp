@@ -671,7 +671,7 @@ private:
   SwiGluWeights swiGlu(const std::string &p, const std::string &gate, const std::string &up,
                        const std::string &down, int64_t intermediate) const {
     return {weights_[p + gate + ".weight"], weights_[p + up + ".weight"],
-            weights_[p + down + ".weight"], config_.hiddenSize, intermediate};
+            weights_[p + down + ".weight"], config_.hiddenSize, intermediate, std::nullopt};
   }
 
   static void addInPlace(std::vector<float> &h, const std::vector<float> &delta) {

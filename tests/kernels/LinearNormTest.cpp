@@ -36,6 +36,53 @@ TEST(Linear, MatchesNaiveLoopOnLargeShapes) {
   EXPECT_LE(maxAbsDiff(y, expected), 2e-4f);
 }
 
+// Inputs an FP8 GEMM represents exactly: per 128-channel tile, E4M3 values times 2^k with the
+// tile's amax 256 * 2^k, so the ue8m0 scale is 2^k (256 / 448 rounds up to 1) and x / s an E4M3
+// value. The FP8 path must then equal the plain GEMM bit for bit.
+TEST(LinearFp8Activations, ExactOnInputsFp8Represents) {
+  std::mt19937 rng(3);
+  const int64_t rows = 3, in = 300, out = 37; // a short last tile
+  std::vector<float> x(rows * in);
+  std::uniform_int_distribution<int> code(0, 0x77); // |value| <= 240
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < in; ++c) {
+      const int tile = static_cast<int>(c / kFp8TileSize);
+      const float scale = std::ldexp(1.0f, tile - 2 + static_cast<int>(r));
+      const float value = c % kFp8TileSize == 5 ? 256.0f : e4m3ToFloat(uint8_t(code(rng)));
+      x[r * in + c] = (c % 2 ? -value : value) * scale;
+    }
+  const auto w = testing::randomNormal(rng, out * in);
+  std::vector<float> fp8(rows * out), plain(rows * out);
+  linearFp8Activations(x, w, fp8, rows, in, out, Fp8ScaleRule::DeepSeekUe8m0);
+  linear(x, w, plain, rows, in, out);
+  EXPECT_EQ(fp8, plain);
+}
+
+// Generic inputs: the GEMM sees x after act_quant's round trip under the chosen scale rule, which
+// moves each element by at most half an E4M3 step (1/16 relative) and is not the identity.
+TEST(LinearFp8Activations, MultipliesTheQuantizedActivations) {
+  std::mt19937 rng(4);
+  const int64_t rows = 5, in = 256, out = 64;
+  const auto x = randomNormal(rng, rows * in);
+  const auto w = randomNormal(rng, out * in);
+  for (Fp8ScaleRule rule : {Fp8ScaleRule::DeepSeekLinear, Fp8ScaleRule::DeepSeekUe8m0}) {
+    std::vector<uint8_t> codes(rows * in);
+    std::vector<float> scales(rows * fp8TileCount(in)), seen(rows * in);
+    ASSERT_TRUE(quantizeFp8Tiles(x, rows, in, kFp8TileSize, rule, codes, scales));
+    ASSERT_TRUE(dequantizeFp8Tiles(codes, scales, rows, in, kFp8TileSize, seen));
+    float moved = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      EXPECT_LE(std::abs(seen[i] - x[i]), std::abs(x[i]) / 16 + 1e-6f) << i;
+      moved = std::max(moved, std::abs(seen[i] - x[i]));
+    }
+    EXPECT_GT(moved, 0.0f);
+    std::vector<float> y(rows * out), expected(rows * out);
+    linearFp8Activations(x, w, y, rows, in, out, rule);
+    linear(seen, w, expected, rows, in, out);
+    EXPECT_EQ(y, expected);
+  }
+}
+
 TEST(Norm, RmsNormHandCase) {
   // mean(x²) = (9 + 16) / 2 = 12.5
   const std::vector<float> x = {3, 4};

@@ -110,7 +110,7 @@ TEST(Moe, ExpertsCombineWeightedRoutedAndSharedOutputs) {
     storage.push_back(randomNormal(rng, inner * d, 0, 0.3f));
     storage.push_back(randomNormal(rng, d * inner, 0, 0.3f));
     const size_t n = storage.size();
-    return SwiGluWeights{storage[n - 3], storage[n - 2], storage[n - 1], d, inner};
+    return SwiGluWeights{storage[n - 3], storage[n - 2], storage[n - 1], d, inner, std::nullopt};
   };
   storage.reserve(3 * (E + 1));
   std::vector<SwiGluWeights> experts;

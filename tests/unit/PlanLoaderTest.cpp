@@ -115,6 +115,7 @@ struct PlanSpec {
   std::vector<int32_t> layerOutputs;
   int32_t numStreams = 1;
   int32_t numEvents = 0;
+  Fp8ActivationScale fp8ActivationScale = Fp8ActivationScale::Amax;
 };
 
 const std::string kArchiveKeyHex = "00112233445566778899aabbccddeeff";
@@ -289,7 +290,8 @@ std::vector<std::byte> buildPlan(const PlanSpec &spec) {
   auto plan =
       CreatePlanDirect(builder, spec.withVersion ? &version : nullptr, "hybrid-test 0.1",
                        "kimi_linear", target, spec.hiddenSize, spec.vocabSize, spec.numLayers,
-                       &weights, spec.archiveKey.c_str(), spec.archiveBytes, cache, &programs);
+                       &weights, spec.archiveKey.c_str(), spec.archiveBytes, cache, &programs,
+                       spec.fp8ActivationScale);
   FinishPlanBuffer(builder, plan);
   auto *data = reinterpret_cast<const std::byte *>(builder.GetBufferPointer());
   return {data, data + builder.GetSize()};
@@ -459,14 +461,23 @@ TEST(PlanLoader, RandomCorruptionNeverCrashes) {
 TEST(PlanLoader, Version) {
   PlanSpec newerMajor = minimalPlan();
   newerMajor.major = kPlanVersionMajor + 1;
+  newerMajor.minor = 0;
   EXPECT_CONTAINS(loadError(newerMajor), "version: plan format 2.0 has another major version");
 
   PlanSpec newerMinor = minimalPlan();
   newerMinor.minor = kPlanVersionMinor + 1;
-  EXPECT_CONTAINS(loadError(newerMinor), "version: plan format 1.1 is newer than this runtime");
+  EXPECT_CONTAINS(loadError(newerMinor), "version: plan format 1." +
+                                             std::to_string(kPlanVersionMinor + 1) +
+                                             " is newer than this runtime");
+
+  // Older minor versions stay readable: their plans lack only fields with defaults.
+  PlanSpec olderMinor = minimalPlan();
+  olderMinor.minor = 0;
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(olderMinor), kSource).isOk());
 
   PlanSpec olderMajor = minimalPlan();
   olderMajor.major = 0;
+  olderMajor.minor = 0;
   EXPECT_CONTAINS(loadError(olderMajor), "version: plan format 0.0");
 
   PlanSpec missing = minimalPlan();
@@ -710,6 +721,10 @@ TEST(PlanLoader, WeightTable) {
   EXPECT_CONTAINS(loadError(quant), "weights[0] 'w0'.scale: quant Fp8Block needs a scale weight");
   quant.weights[0].scale = 1;
   EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(quant), kSource).isOk());
+  quant.fp8ActivationScale = Fp8ActivationScale::Ue8m0;
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(quant), kSource).isOk());
+  quant.fp8ActivationScale = static_cast<Fp8ActivationScale>(9);
+  EXPECT_CONTAINS(loadError(quant), "fp8_activation_scale has the unknown value 9");
   PlanSpec key = minimalPlan();
   key.archiveKey = "not-hex";
   EXPECT_CONTAINS(loadError(key), "weight_archive_key: 'not-hex' is not 32 hex digits");

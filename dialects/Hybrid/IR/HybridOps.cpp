@@ -159,6 +159,10 @@ LogicalResult ModelOp::verify() {
                          << " but vocab_size = " << getVocabSize();
   if (getHiddenSize() <= 0 || getVocabSize() <= 0 || getNumLayers() <= 0)
     return emitOpError() << "hidden_size, vocab_size and num_layers must be positive";
+  if (std::optional<StringRef> scale = getFp8ActivationScale();
+      scale && *scale != "amax" && *scale != "ue8m0")
+    return emitOpError() << "fp8_activation_scale must be \"amax\" or \"ue8m0\", got \"" << *scale
+                         << "\"";
   return success();
 }
 

@@ -25,7 +25,10 @@ def Hybrid_ModelOp : Hybrid_Op<"model", [IsolatedFromAbove, Symbol, NoTerminator
     Holds the layer ops of one model in a single block whose argument is the token ids
     (`tensor<?xi64>`) and whose `hybrid.return` yields the logits (`tensor<?xVxf32>`).
     Model-level facts from `config.json` are attributes; the op is a symbol so a module can hold
-    several models (a draft and a target for speculative decoding).
+    several models (a draft and a target for speculative decoding). A model with FP8 weights says
+    how the activations they multiply are quantized (MODEL_SPEC 8.1): `fp8_activation_scale` is
+    "amax" (s = amax / 448, act_quant's default) or "ue8m0" (s rounded up to a power of two, the
+    checkpoint's `scale_fmt`).
 
     ```mlir
     hybrid.model @kimi_linear attributes {model_type = "kimi_linear", hidden_size = 256 : i64,
@@ -39,7 +42,8 @@ def Hybrid_ModelOp : Hybrid_Op<"model", [IsolatedFromAbove, Symbol, NoTerminator
     ```
   }];
   let arguments = (ins SymbolNameAttr:$sym_name, StrAttr:$model_type, I64Attr:$hidden_size,
-                       I64Attr:$vocab_size, I64Attr:$num_layers);
+                       I64Attr:$vocab_size, I64Attr:$num_layers,
+                       OptionalAttr<StrAttr>:$fp8_activation_scale);
   let regions = (region SizedRegion<1>:$body);
   let assemblyFormat = "$sym_name attr-dict-with-keyword $body";
   let hasVerifier = 1;

@@ -36,7 +36,8 @@ def Plan_PlanOp : Plan_Op<"plan", [IsolatedFromAbove, Symbol, NoTerminator, Sing
   let summary = "an execution plan (plan.fbs `Plan`)";
   let description = [{
     Holds the plan's weights, cache specs and programs, in this order. Weight and cache-layer
-    indices are their positions among ops of the same kind.
+    indices are their positions among ops of the same kind. `fp8_activation_scale` ("amax" or
+    "ue8m0", the model's) is how GEMMs with FP8 weights quantize their activations.
 
     ```mlir
     plan.plan @kimi_linear attributes {version = array<i32: 1, 0>, compiler = "hybrid-compile 0.1.0",
@@ -52,7 +53,7 @@ def Plan_PlanOp : Plan_Op<"plan", [IsolatedFromAbove, Symbol, NoTerminator, Sing
                        StrAttr:$model_type, StrAttr:$device, StrAttr:$arch, I32Attr:$world_size,
                        I64Attr:$hidden_size, I64Attr:$vocab_size, I32Attr:$num_layers,
                        StrAttr:$weight_archive_key, I64Attr:$weight_archive_bytes,
-                       I32Attr:$page_size);
+                       I32Attr:$page_size, OptionalAttr<StrAttr>:$fp8_activation_scale);
   let regions = (region SizedRegion<1>:$body);
   let assemblyFormat = "$sym_name attr-dict-with-keyword $body";
   let extraClassDeclaration = [{

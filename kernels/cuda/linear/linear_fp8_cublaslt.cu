@@ -196,6 +196,13 @@ size_t linearFp8ScratchBytes(int64_t rows, int64_t in, int64_t out) {
   return productOffset(rows, in) + sizeof(float) * size_t(paddedRows * out);
 }
 
+size_t linearFp8MaxScratchBytes(int64_t maxRows, int64_t in, int64_t out) {
+  // Only rows that are not a multiple of 16 need the product part, so the largest scratch of
+  // the last padded row count is that of maxRows or of maxRows - 1.
+  return std::max(linearFp8ScratchBytes(maxRows, in, out),
+                  linearFp8ScratchBytes(maxRows - 1, in, out));
+}
+
 int quantizeFp8Activations(const float *x, int64_t xStride, int64_t rows, int64_t in,
                            Fp8ActivationScale rule, void *scratch, void *stream) {
   if (xStride == 0)

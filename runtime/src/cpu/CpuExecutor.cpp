@@ -64,6 +64,10 @@ struct Weights {
     return role < spans.size() ? GemmWeight{spans[role], layouts[role]} : GemmWeight{};
   }
   bool has(size_t role) const { return role < spans.size() && !spans[role].empty(); }
+  // How an FP8 weight's GEMM quantizes its input; nullopt for other weights.
+  std::optional<ref::Fp8ScaleRule> fp8Activations(size_t role) const {
+    return role < layouts.size() && layouts[role] ? layouts[role]->fp8Activations : std::nullopt;
+  }
 };
 
 Weights resolveWeights(const StepContext &context, const fb::Dispatch &dispatch) {
@@ -81,7 +85,9 @@ Weights resolveWeights(const StepContext &context, const fb::Dispatch &dispatch)
 // y = x Wᵀ reading W as the plan stores it: tiled weights go straight to the tiled GEMM.
 void linear(std::span<const float> x, GemmWeight weight, std::span<float> y, int64_t rows,
             int64_t in, int64_t out) {
-  if (weight.layout && weight.layout->tiled)
+  if (weight.layout && weight.layout->fp8Activations) // FP8 weights are never tiled
+    ref::linearFp8Activations(x, weight.data, y, rows, in, out, *weight.layout->fp8Activations);
+  else if (weight.layout && weight.layout->tiled)
     ref::linearTiled(x, weight.data, y, rows, *weight.layout->tiled);
   else
     ref::linear(x, weight.data, y, rows, in, out);
@@ -487,7 +493,8 @@ Status runMoeExperts(const StepContext &c, const fb::Dispatch &d, const Weights 
   const int64_t dModel = rowElements(c, d.inputs()->Get(0)), width = p->intermediate_size();
   std::vector<ref::SwiGluWeights> experts;
   for (int64_t e = 0; e < p->num_experts(); ++e)
-    experts.push_back({w[3 * e], w[3 * e + 1], w[3 * e + 2], dModel, width});
+    experts.push_back({w[3 * e], w[3 * e + 1], w[3 * e + 2], dModel, width,
+                       w.fp8Activations(3 * e)});
   ref::moeExperts(x, c.rows, dModel, ids, weights, p->top_k(), experts, {}, out);
   return Status::ok();
 }
@@ -600,7 +607,7 @@ Status runDispatch(const StepContext &c, const fb::Dispatch &d) {
     HYBRID_ASSIGN_OR_RETURN(std::span<float> y, floatValue(c, d.outputs()->Get(0)));
     const int64_t dModel = rowElements(c, d.inputs()->Get(0));
     const int64_t width = static_cast<int64_t>(w[0].size()) / dModel;
-    ref::swiGluMlp(x, c.rows, {w[0], w[1], w[2], dModel, width}, y);
+    ref::swiGluMlp(x, c.rows, {w[0], w[1], w[2], dModel, width, w.fp8Activations(0)}, y);
     break;
   }
   case fb::KernelId::RouterTopK:

@@ -2,6 +2,7 @@
 // Internal to the runtime; Model.cpp owns the state it works on.
 #pragma once
 
+#include "hybrid/kernels/ref/Quant.h"
 #include "hybrid/kernels/ref/TiledLayout.h"
 #include "hybrid/runtime/Memory.h"
 #include "hybrid/runtime/Status.h"
@@ -15,11 +16,13 @@
 namespace hybrid::cpu {
 
 // How a weight is laid out: its logical [rows, cols] and, for a tiled weight, the tiling the
-// GEMM reads directly (the runtime never converts layouts).
+// GEMM reads directly (the runtime never converts layouts). An FP8 weight (held dequantized)
+// also says how the GEMM quantizes the activations it multiplies (MODEL_SPEC 8.1).
 struct WeightLayout {
   int64_t rows = 0;
   int64_t cols = 0;
   std::optional<kernels::ref::TiledLayout> tiled;
+  std::optional<kernels::ref::Fp8ScaleRule> fp8Activations;
 };
 
 // Everything a step may touch: the program's arena, the fp32 weights, the sequence's caches.

@@ -60,6 +60,7 @@ struct StreamResources {
   float *splitOutput = nullptr; // the two halves' products of a split GEMM
   float *scratch = nullptr;
   void *kdaWorkspace = nullptr;
+  void *fp8Scratch = nullptr; // an FP8 GEMM's quantized activations (linearFp8ScratchBytes)
 };
 
 // Consecutive steps of a program that all run on the GPU, or all on the cpu reference:
@@ -76,6 +77,11 @@ struct CudaExecutor::Impl {
   unsigned char *weights = nullptr; // the archive's data region, at the plan's offsets
   std::vector<fb::DType> weightTypes;
   std::map<int32_t, float *> fp32Weights;          // small weights the kernels read as fp32
+  // FP8 weights' block scales, each row padded to linearFp8WeightScaleStride (cuBLASLt's layout),
+  // and how their GEMMs quantize activations (the plan's fp8_activation_scale).
+  std::map<int32_t, float *> fp8WeightScales;
+  kc::Fp8ActivationScale fp8ActivationScale = kc::Fp8ActivationScale::DeepSeekLinear;
+  size_t fp8ScratchBytes = 0;
   std::map<const fb::Dispatch *, float *> kdaConvTaps; // [3, P, W]: q, k, v taps together
   unsigned char *pool = nullptr;                   // the one allocation of everything else
   std::vector<unsigned char *> arenas;             // per program
@@ -130,6 +136,8 @@ struct CudaExecutor::Impl {
         cudaStreamDestroy(resources->stream);
     for (auto &[index, pointer] : fp32Weights)
       cudaFree(pointer);
+    for (auto &[index, pointer] : fp8WeightScales)
+      cudaFree(pointer);
     for (auto &[dispatch, pointer] : kdaConvTaps)
       cudaFree(pointer);
     cudaFree(pool);
@@ -139,10 +147,22 @@ struct CudaExecutor::Impl {
   const void *weight(int32_t index) const {
     return weights + plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->offset();
   }
+  // A weight the GEMMs take: bf16, or FP8 with 128x128 block scales in shapes cuBLASLt's FP8
+  // kernels accept (in % 16, out % 4; LinearFp8Params); row-major either way.
   bool gemmWeight(int32_t index) const {
-    return index >= 0 && weightTypes[static_cast<size_t>(index)] == fb::DType::BF16 &&
-           plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->layout() ==
-               fb::Layout::RowMajor;
+    if (index < 0 ||
+        plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->layout() !=
+            fb::Layout::RowMajor)
+      return false;
+    return weightTypes[static_cast<size_t>(index)] == fb::DType::BF16 || fp8GemmWeight(index);
+  }
+  bool fp8GemmWeight(int32_t index) const {
+    const fb::Weight *w = plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index));
+    return weightTypes[static_cast<size_t>(index)] == fb::DType::F8_E4M3 &&
+           w->quant() == fb::QuantKind::Fp8Block && w->scale() >= 0 && w->shape() &&
+           w->shape()->size() == 2 && w->block() && w->block()->size() == 2 &&
+           w->block()->Get(0) == kc::kFp8BlockSize && w->block()->Get(1) == kc::kFp8BlockSize &&
+           w->shape()->Get(1) % 16 == 0 && w->shape()->Get(0) % 4 == 0;
   }
   int64_t weightRows(int32_t index) const {
     return plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->shape()->Get(0);
@@ -156,6 +176,9 @@ struct CudaExecutor::Impl {
                 StreamResources &resources, const cpu::StepContext &host);
   Status gemm(StreamResources &resources, const float *x, int64_t xStride, int32_t weightIndex,
               float *y, int64_t yStride, int64_t rows, int64_t in, int64_t out);
+  // At load: an FP8 weight's scales in cuBLASLt's layout, and the scratch its GEMMs need.
+  Status prepareFp8Weight(int32_t index, int64_t rows,
+                          const std::vector<std::vector<float>> &hostWeights);
   StreamResources &streamOf(const fb::Dispatch &dispatch) {
     return *streams[static_cast<size_t>(std::max(0, dispatch.stream())) % streams.size()];
   }
@@ -258,11 +281,57 @@ Status CudaExecutor::Impl::gemm(StreamResources &r, const float *x, int64_t xStr
   p.splitInput = splitGemmInputs;
   p.splitOutput = r.splitOutput;
   const fb::Weight *w = plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(weightIndex));
+  if (weightTypes[static_cast<size_t>(weightIndex)] == fb::DType::F8_E4M3) {
+    kc::LinearFp8Params q;
+    q.rows = rows;
+    q.in = in;
+    q.out = out;
+    q.x = x;
+    q.xStride = xStride;
+    q.weight = p.weight;
+    q.weightScale = fp8WeightScales.at(weightIndex);
+    q.y = y;
+    q.yStride = yStride;
+    q.activationScale = fp8ActivationScale;
+    q.scratch = r.fp8Scratch;
+    if (kc::linearFp8ScratchBytes(rows, in, out) > fp8ScratchBytes)
+      return Status::error("FP8 GEMM of " + std::to_string(rows) + "x" + std::to_string(in) +
+                           "x" + std::to_string(out) + " is larger than the scratch planned at load");
+    LAUNCH_RETURN_IF_ERROR(r.linear.runFp8(q, r.stream),
+                           ("FP8 GEMM with '" + w->name()->str() + "'").c_str());
+    return Status::ok();
+  }
   if (static_cast<size_t>(rows * in) > xBf16Elements ||
       static_cast<size_t>(rows * out) > gemmOutputs)
     return Status::error("GEMM of " + std::to_string(rows) + "x" + std::to_string(in) + "x" +
                          std::to_string(out) + " is larger than the scratch planned at load");
   LAUNCH_RETURN_IF_ERROR(r.linear.run(p, r.stream), ("GEMM with '" + w->name()->str() + "'").c_str());
+  return Status::ok();
+}
+
+Status CudaExecutor::Impl::prepareFp8Weight(int32_t index, int64_t rows,
+                                            const std::vector<std::vector<float>> &hostWeights) {
+  const fb::Weight *w = plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index));
+  const int64_t out = w->shape()->Get(0), in = w->shape()->Get(1);
+  fp8ScratchBytes = std::max(fp8ScratchBytes, kc::linearFp8MaxScratchBytes(rows, in, out));
+  if (fp8WeightScales.count(index))
+    return Status::ok();
+  const int64_t blockRows = (out + kc::kFp8BlockSize - 1) / kc::kFp8BlockSize;
+  const int64_t blockCols = (in + kc::kFp8BlockSize - 1) / kc::kFp8BlockSize;
+  const int64_t stride = kc::linearFp8WeightScaleStride(in);
+  const std::vector<float> &scales = hostWeights[static_cast<size_t>(w->scale())];
+  if (static_cast<int64_t>(scales.size()) != blockRows * blockCols)
+    return Status::error("fp8 weight '" + w->name()->str() + "': " +
+                         std::to_string(scales.size()) + " block scales, expected " +
+                         std::to_string(blockRows) + "x" + std::to_string(blockCols));
+  std::vector<float> padded(static_cast<size_t>(blockRows * stride), 0.0f);
+  for (int64_t i = 0; i < blockRows; ++i)
+    std::copy_n(scales.begin() + i * blockCols, blockCols, padded.begin() + i * stride);
+  float *&device = fp8WeightScales[index];
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&device, padded.size() * sizeof(float)), "fp8 weight scales");
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(device, padded.data(), padded.size() * sizeof(float),
+                                  cudaMemcpyHostToDevice),
+                       "fp8 weight scales");
   return Status::ok();
 }
 
@@ -516,6 +585,9 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   impl->plan = &plan;
   impl->splitGemmInputs = !options.bf16GemmInputs;
   impl->cudaGraphs = options.cudaGraphs;
+  impl->fp8ActivationScale = plan.fp8_activation_scale() == fb::Fp8ActivationScale::Ue8m0
+                                 ? kc::Fp8ActivationScale::DeepSeekUe8m0
+                                 : kc::Fp8ActivationScale::DeepSeekLinear;
   if (options.kdaPrefill == "recurrent")
     impl->kdaPrefillPath = kc::KdaPrefillPath::Recurrent;
   else if (options.kdaPrefill == "chunked")
@@ -582,6 +654,10 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         continue;
       }
       ++gpu[kernelName(d->kernel())];
+      if (d->weights())
+        for (int32_t index : *d->weights())
+          if (index >= 0 && impl->fp8GemmWeight(index))
+            HYBRID_RETURN_IF_ERROR(impl->prepareFp8Weight(index, rows, hostWeights));
       if (d->kernel() == fb::KernelId::KdaChunkPrefill ||
           d->kernel() == fb::KernelId::KdaRecurrentDecode)
         impl->gpuStateLayers.insert(d->params_as_KdaParams()->state_slot());
@@ -700,7 +776,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   const size_t perStream = alignUp(std::max<size_t>(1, impl->xBf16Elements) * 2 * halves) +
                            alignUp(std::max<size_t>(1, impl->gemmOutputs) * 4 * halves) +
                            alignUp(std::max<size_t>(1, impl->scratchFloats) * sizeof(float)) +
-                           alignUp(std::max<size_t>(1, impl->kdaWorkspaceBytes));
+                           alignUp(std::max<size_t>(1, impl->kdaWorkspaceBytes)) +
+                           alignUp(std::max<size_t>(1, impl->fp8ScratchBytes));
   const size_t streamsOffset = bytes;
   bytes += perStream * static_cast<size_t>(maxStreams);
   CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->pool, bytes),
@@ -726,6 +803,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
     r.scratch = reinterpret_cast<float *>(base);
     base += alignUp(std::max<size_t>(1, impl->scratchFloats) * sizeof(float));
     r.kdaWorkspace = base;
+    base += alignUp(std::max<size_t>(1, impl->kdaWorkspaceBytes));
+    r.fp8Scratch = base;
   }
   impl->events.resize(static_cast<size_t>(maxEvents));
   impl->joinEvents.resize(static_cast<size_t>(maxStreams));

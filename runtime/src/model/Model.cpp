@@ -312,6 +312,14 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
     if (weight->layout() == fb::Layout::NzTiled)
       layout.tiled = kernels::ref::TiledLayout{
           layout.rows, layout.cols, {weight->tile()->Get(0), weight->tile()->Get(1)}};
+    if (weight->quant() == fb::QuantKind::Fp8Block) {
+      if (layout.tiled)
+        return Status::error(impl->plan.path() + ": fp8 weight '" + weight->name()->str() +
+                             "' is tiled; FP8 weights stay row-major");
+      layout.fp8Activations = root.fp8_activation_scale() == fb::Fp8ActivationScale::Ue8m0
+                                  ? kernels::ref::Fp8ScaleRule::DeepSeekUe8m0
+                                  : kernels::ref::Fp8ScaleRule::DeepSeekLinear;
+    }
   }
 
   for (auto [name, runner] : {std::pair{"prefill", &impl->prefill}, {"decode", &impl->decode}}) {

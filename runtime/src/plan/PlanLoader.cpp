@@ -172,6 +172,9 @@ private:
     HYBRID_RETURN_IF_ERROR(checkPositive("hidden_size", plan_.hidden_size()));
     HYBRID_RETURN_IF_ERROR(checkPositive("vocab_size", plan_.vocab_size()));
     HYBRID_RETURN_IF_ERROR(checkNonNegative("num_layers", plan_.num_layers()));
+    if (plan_.fp8_activation_scale() > fb::Fp8ActivationScale::MAX)
+      return Status::error("fp8_activation_scale has the unknown value " +
+                           std::to_string(static_cast<int>(plan_.fp8_activation_scale())));
     return Status::ok();
   }
 

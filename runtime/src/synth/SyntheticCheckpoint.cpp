@@ -568,7 +568,8 @@ Json deepseekConfig(const SyntheticSpec &spec) {
         {"quant_method", "fp8"},
         {"fmt", "e4m3"},
         {"activation_scheme", "dynamic"},
-        {"weight_block_size", Json::array({kFp8BlockSize, kFp8BlockSize})}};
+        {"weight_block_size", Json::array({kFp8BlockSize, kFp8BlockSize})},
+        {"scale_fmt", "ue8m0"}}; // as DeepSeek-V3.2 ships (MODEL_SPEC 1.3)
   return config;
 }
 

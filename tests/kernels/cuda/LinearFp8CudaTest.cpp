@@ -476,6 +476,21 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---- (c) rejected problems
 
+// Host arithmetic only: the scratch a caller plans once covers every row count up to its
+// maximum, although 64 rows need less than 63 (no product part).
+TEST(LinearFp8Scratch, MaxCoversEveryRowCount) {
+  for (int64_t maxRows : {1, 15, 16, 17, 64, 130})
+    for (int64_t in : {128, 300})
+      for (int64_t out : {4, 512}) {
+        size_t largest = 0;
+        for (int64_t rows = 1; rows <= maxRows; ++rows)
+          largest = std::max(largest, cuda::linearFp8ScratchBytes(rows, in, out));
+        EXPECT_EQ(cuda::linearFp8MaxScratchBytes(maxRows, in, out), largest)
+            << maxRows << " rows, " << in << " -> " << out;
+      }
+  EXPECT_LT(cuda::linearFp8ScratchBytes(64, 256, 256), cuda::linearFp8ScratchBytes(36, 256, 256));
+}
+
 TEST(LinearFp8CudaErrors, RejectsUnsupportedShapesWithoutTouchingY) {
   cuda::LinearContext context;
   cuda::LinearFp8Params p;

@@ -25,7 +25,7 @@ namespace hybrid {
 
 // The plan format this runtime reads: same major, minor not newer (see plan.fbs).
 inline constexpr uint16_t kPlanVersionMajor = 1;
-inline constexpr uint16_t kPlanVersionMinor = 0;
+inline constexpr uint16_t kPlanVersionMinor = 1; // 1.1: Plan.fp8_activation_scale
 
 // Shorthands over the kernel table of runtime/schema/kernel_signatures.h, which the compiler's
 // contract verifier reads too. The params table a kernel takes (MlaPrefill, MlaDecode,

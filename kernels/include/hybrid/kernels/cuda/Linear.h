@@ -69,6 +69,9 @@ int64_t linearFp8WeightScaleStride(int64_t in);
 int64_t linearFp8PaddedRows(int64_t rows);
 size_t linearFp8ScratchScaleOffset(int64_t rows, int64_t in);
 size_t linearFp8ScratchBytes(int64_t rows, int64_t in, int64_t out);
+// Enough scratch for every rows in [1, maxRows] (linearFp8ScratchBytes is not monotonic: a
+// multiple of 16 rows needs no product part).
+size_t linearFp8MaxScratchBytes(int64_t maxRows, int64_t in, int64_t out);
 
 struct LinearFp8Params {
   int64_t rows = 0; // tokens, any >= 1 (padded internally, see the scratch layout)

@@ -1,7 +1,10 @@
 // MoE (MODEL_SPEC §5): the noaux_tc router, SwiGLU experts and the routed + shared combination.
 #pragma once
 
+#include "hybrid/kernels/ref/Quant.h"
+
 #include <cstdint>
+#include <optional>
 #include <span>
 
 namespace hybrid::kernels::ref {
@@ -40,6 +43,8 @@ struct SwiGluWeights {
   std::span<const float> downProj;
   int64_t hiddenSize = 0;
   int64_t intermediateSize = 0;
+  // FP8 projections (held dequantized): each one's input is quantized as linearFp8Activations.
+  std::optional<Fp8ScaleRule> fp8Activations;
 };
 
 // out [numTokens, hidden] = SwiGLU(x). Used for dense MLPs, shared experts and routed experts.
