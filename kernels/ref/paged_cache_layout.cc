@@ -1,12 +1,15 @@
 #include "hybrid/kernels/ref/PagedCacheLayout.h"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 namespace hybrid::kernels::ref {
 
 bool PagedCacheLayout::valid() const {
   if (pageTokens <= 0 || latentDim <= 0 || ropeDim < 0 || tile <= 0 || indexDim <= 0)
+    return false;
+  if (indexFormat == IndexKeyFormat::Mxfp8 && indexDim % kMxBlockSize != 0)
     return false;
   // Vector loads and TMA copies want every page of a pool to start 16-byte aligned.
   return latentPageBytes() % 16 == 0 && indexPageBytes() % 16 == 0;
@@ -59,14 +62,28 @@ bool packIndexKeyToken(const PagedCacheLayout &layout, std::span<uint8_t> page, 
   if (!slotFits(layout, t, page.size(), layout.indexPageBytes()) ||
       static_cast<int64_t>(key.size()) != layout.indexDim)
     return false;
-  // The logical row (codes, then its scale), scattered into the page's two parts.
-  std::vector<uint8_t> row(static_cast<size_t>(indexKeyBytes(layout.indexDim)));
-  if (!packFp8IndexKey(key, row, rule))
-    return false;
   const auto dim = static_cast<size_t>(layout.indexDim);
-  std::copy_n(row.begin(), dim, page.begin() + layout.indexCodesOffset(t));
-  std::copy_n(row.begin() + static_cast<std::ptrdiff_t>(dim), 4,
-              page.begin() + layout.indexScaleOffset(t));
+  std::vector<uint8_t> codes(static_cast<size_t>(layout.indexCodeBytes())),
+      scales(static_cast<size_t>(layout.indexScaleBytes()));
+  switch (layout.indexFormat) {
+  case IndexKeyFormat::Fp8PerKey: { // the logical row (codes, then its scale), split in two
+    std::vector<uint8_t> row(static_cast<size_t>(indexKeyBytes(layout.indexDim)));
+    if (!packFp8IndexKey(key, row, rule))
+      return false;
+    std::copy_n(row.begin(), dim, codes.begin());
+    std::copy_n(row.begin() + static_cast<std::ptrdiff_t>(dim), 4, scales.begin());
+    break;
+  }
+  case IndexKeyFormat::Mxfp8:
+    if (!quantizeMxfp8(key, 1, layout.indexDim, codes, scales, MxScaleRule::RoundUp))
+      return false;
+    break;
+  case IndexKeyFormat::F32:
+    std::memcpy(codes.data(), key.data(), codes.size());
+    break;
+  }
+  std::copy(codes.begin(), codes.end(), page.begin() + layout.indexCodesOffset(t));
+  std::copy(scales.begin(), scales.end(), page.begin() + layout.indexScaleOffset(t));
   return true;
 }
 
@@ -75,12 +92,24 @@ bool unpackIndexKeyToken(const PagedCacheLayout &layout, std::span<const uint8_t
   if (!slotFits(layout, t, page.size(), layout.indexPageBytes()) ||
       static_cast<int64_t>(key.size()) != layout.indexDim)
     return false;
-  std::vector<uint8_t> row(static_cast<size_t>(indexKeyBytes(layout.indexDim)));
   const auto dim = static_cast<size_t>(layout.indexDim);
-  std::copy_n(page.begin() + layout.indexCodesOffset(t), dim, row.begin());
-  std::copy_n(page.begin() + layout.indexScaleOffset(t), 4,
-              row.begin() + static_cast<std::ptrdiff_t>(dim));
-  return unpackFp8IndexKey(row, key);
+  const auto codes = page.subspan(static_cast<size_t>(layout.indexCodesOffset(t)),
+                                  static_cast<size_t>(layout.indexCodeBytes()));
+  const auto scales = page.subspan(static_cast<size_t>(layout.indexScaleOffset(t)),
+                                   static_cast<size_t>(layout.indexScaleBytes()));
+  switch (layout.indexFormat) {
+  case IndexKeyFormat::Fp8PerKey: {
+    std::vector<uint8_t> row(codes.begin(), codes.end());
+    row.insert(row.end(), scales.begin(), scales.end());
+    return unpackFp8IndexKey(row, key);
+  }
+  case IndexKeyFormat::Mxfp8:
+    return dequantizeMxfp8(codes, scales, 1, layout.indexDim, key);
+  case IndexKeyFormat::F32:
+    std::memcpy(key.data(), codes.data(), dim * sizeof(float));
+    return true;
+  }
+  return false;
 }
 
 } // namespace hybrid::kernels::ref

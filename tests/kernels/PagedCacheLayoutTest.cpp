@@ -80,6 +80,42 @@ TEST(PagedCacheLayout, TokensLandInTheirSlotsAsTheLogicalRows) {
 }
 
 // A sequence whose pages are scattered over a pool: every position maps to its page and slot.
+// The other key formats: MXFP8 (codes, then indexDim / 32 E8M0 bytes per key; the cpu device's
+// keys under the default policy) and plain fp32 (the unquantized policy).
+TEST(PagedCacheLayout, IndexKeyFormats) {
+  PagedCacheLayout mx{64, 512, 64, 128, 128, IndexKeyFormat::Mxfp8};
+  EXPECT_TRUE(mx.valid());
+  EXPECT_EQ(mx.indexPageBytes(), 64 * (128 + 4));
+  EXPECT_EQ(mx.indexScaleOffset(3), 64 * 128 + 3 * 4);
+  PagedCacheLayout tinyMx{64, 64, 32, 128, 64, IndexKeyFormat::Mxfp8};
+  EXPECT_TRUE(tinyMx.valid());
+  EXPECT_EQ(tinyMx.indexPageBytes(), 64 * (64 + 2));
+  EXPECT_FALSE((PagedCacheLayout{64, 64, 32, 128, 48, IndexKeyFormat::Mxfp8}.valid()));
+  PagedCacheLayout plain{16, 64, 32, 128, 64, IndexKeyFormat::F32};
+  EXPECT_TRUE(plain.valid());
+  EXPECT_EQ(plain.indexPageBytes(), 16 * 64 * 4);
+  EXPECT_EQ(plain.indexCodesOffset(2), 2 * 64 * 4);
+
+  std::mt19937 rng(8);
+  const auto key = randomValues(64, rng, 0.7f);
+  // MXFP8: the codes and scales of quantizeMxfp8 (RoundUp), the values of dequantizeMxfp8.
+  std::vector<uint8_t> page(static_cast<size_t>(tinyMx.indexPageBytes()), 0);
+  ASSERT_TRUE(packIndexKeyToken(tinyMx, page, 7, key));
+  std::vector<uint8_t> codes(64), scales(2);
+  ASSERT_TRUE(quantizeMxfp8(key, 1, 64, codes, scales, MxScaleRule::RoundUp));
+  EXPECT_TRUE(std::equal(codes.begin(), codes.end(), page.begin() + tinyMx.indexCodesOffset(7)));
+  EXPECT_TRUE(std::equal(scales.begin(), scales.end(), page.begin() + tinyMx.indexScaleOffset(7)));
+  std::vector<float> expected(64), unpacked(64);
+  ASSERT_TRUE(dequantizeMxfp8(codes, scales, 1, 64, expected));
+  ASSERT_TRUE(unpackIndexKeyToken(tinyMx, page, 7, unpacked));
+  EXPECT_EQ(unpacked, expected);
+  // fp32: the values themselves.
+  std::vector<uint8_t> plainPage(static_cast<size_t>(plain.indexPageBytes()), 0);
+  ASSERT_TRUE(packIndexKeyToken(plain, plainPage, 15, key));
+  ASSERT_TRUE(unpackIndexKeyToken(plain, plainPage, 15, unpacked));
+  EXPECT_EQ(unpacked, key);
+}
+
 TEST(PagedCacheLayout, BlockTablesMapPositionsToScatteredPages) {
   const PagedCacheLayout layout{16, 64, 32, 128, 64};
   const std::vector<int32_t> blockTable = {7, 2, 5};

@@ -23,20 +23,39 @@
 
 namespace hybrid::kernels::ref {
 
+// How an index-key page stores a key (its codes part, then its scales part):
+//   Fp8PerKey: indexDim E4M3 codes, one fp32 scale (DeepGEMM; the rule given to the packer);
+//   Mxfp8:     indexDim E4M3 codes, indexDim / 32 E8M0 scale bytes (the quantization policy's
+//              `indexer_qk: mxfp8`, RoundUp rule: what the cpu device's keys hold);
+//   F32:       indexDim fp32 values, no scales (the unquantized policy).
+enum class IndexKeyFormat { Fp8PerKey, Mxfp8, F32 };
+
 struct PagedCacheLayout {
   int64_t pageTokens = 64;
   int64_t latentDim = 512, ropeDim = 64, tile = kFp8TileSize; // the MLA latent row
   int64_t indexDim = 128;                                      // the indexer key
+  IndexKeyFormat indexFormat = IndexKeyFormat::Fp8PerKey;
 
-  // All positive, and pages whose sizes keep every page 16-byte aligned in a pool.
+  // All positive (Mxfp8: indexDim a multiple of 32), and pages whose sizes keep every page
+  // 16-byte aligned in a pool.
   bool valid() const;
   int64_t latentRowBytes() const { return kvRowBytes(latentDim, ropeDim, tile); }
   int64_t latentPageBytes() const { return pageTokens * latentRowBytes(); }
-  int64_t indexPageBytes() const { return pageTokens * (indexDim + 4); }
+  int64_t indexCodeBytes() const {
+    return indexFormat == IndexKeyFormat::F32 ? 4 * indexDim : indexDim;
+  }
+  int64_t indexScaleBytes() const {
+    return indexFormat == IndexKeyFormat::Fp8PerKey ? 4
+           : indexFormat == IndexKeyFormat::Mxfp8   ? indexDim / kMxBlockSize
+                                                    : 0;
+  }
+  int64_t indexPageBytes() const { return pageTokens * (indexCodeBytes() + indexScaleBytes()); }
   // Offsets inside a page of the token in slot `t` (0 <= t < pageTokens).
   int64_t latentRowOffset(int64_t t) const { return t * latentRowBytes(); }
-  int64_t indexCodesOffset(int64_t t) const { return t * indexDim; }
-  int64_t indexScaleOffset(int64_t t) const { return pageTokens * indexDim + 4 * t; }
+  int64_t indexCodesOffset(int64_t t) const { return t * indexCodeBytes(); }
+  int64_t indexScaleOffset(int64_t t) const {
+    return pageTokens * indexCodeBytes() + t * indexScaleBytes();
+  }
 };
 
 // Where a sequence's `position` lives in a pool of pages (physical page p at p * pageBytes), given
@@ -59,8 +78,8 @@ PagedSlot pagedSlot(std::span<const int32_t> blockTable, int64_t pageTokens, int
                                      std::span<const uint8_t> page, int64_t t,
                                      std::span<float> latent, std::span<float> rope);
 
-// One token's indexer key (indexDim values, one scale by `rule`) into slot t of an index-key page
-// (indexPageBytes bytes), and back.
+// One token's indexer key (indexDim values, in the layout's indexFormat; `rule` picks the scale
+// of Fp8PerKey) into slot t of an index-key page (indexPageBytes bytes), and back.
 [[nodiscard]] bool packIndexKeyToken(const PagedCacheLayout &layout, std::span<uint8_t> page,
                                      int64_t t, std::span<const float> key,
                                      Fp8ScaleRule rule = Fp8ScaleRule::DeepSeekUe8m0);
