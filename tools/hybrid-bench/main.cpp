@@ -5,6 +5,7 @@
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Server.h"
 #ifdef HYBRID_BENCH_KDA
+#include "hybrid/kernels/cuda/DsaBench.h"
 #include "hybrid/kernels/cuda/KdaBench.h"
 #endif
 
@@ -207,6 +208,47 @@ int runKda(const Options &o) {
   return writeJson(o.jsonPath, objects) ? 0 : 1;
 }
 
+// The lightning indexer, decode: every sequence's query against its whole paged key cache.
+struct IndexerOptions {
+  std::vector<int32_t> batches = {1, 8, 64};
+  std::vector<int32_t> contexts = {131072};
+  int32_t heads = 64, headDim = 128, topK = 2048, iterations = 20;
+  std::string keys = "mxfp8", jsonPath;
+};
+
+int runDsaIndexer(const IndexerOptions &o) {
+  const kc::IndexKeyType type = o.keys == "f32"   ? kc::IndexKeyType::F32
+                                : o.keys == "fp8" ? kc::IndexKeyType::Fp8PerKey
+                                                  : kc::IndexKeyType::Mxfp8;
+  std::string error;
+  const auto results = kc::benchIndexerDecode(o.batches, o.contexts, o.heads, o.headDim, o.topK,
+                                              type, o.iterations, error);
+  if (!error.empty()) {
+    std::cerr << "error: dsa-indexer: " << error << "\n";
+    return 1;
+  }
+  std::printf("%-12s %6s %8s %6s %5s %6s %6s %10s %10s %9s %8s  %s\n", "kernel", "batch",
+              "context", "heads", "dim", "top-k", "keys", "us", "floor us", "key TB/s",
+              "% floor", "target (H200)");
+  std::vector<std::string> objects;
+  for (const auto &r : results) {
+    const double tbPerSecond = r.keyBytes / (r.microseconds * 1e-6) / 1e12;
+    std::printf("%-12s %6d %8d %6d %5d %6d %6s %10.1f %10.1f %9.2f %7.1f%%  %s\n", "dsa-indexer",
+                r.batch, r.context, r.heads, r.headDim, r.topK, o.keys.c_str(), r.microseconds,
+                r.floorMicroseconds, tbPerSecond, 100.0 * r.floorMicroseconds / r.microseconds,
+                kc::indexerTargetVerdict(r).c_str());
+    std::ostringstream json;
+    json << "{\"kernel\": \"dsa-indexer\", \"batch\": " << r.batch << ", \"context\": "
+         << r.context << ", \"heads\": " << r.heads << ", \"head_dim\": " << r.headDim
+         << ", \"top_k\": " << r.topK << ", \"keys\": \"" << o.keys
+         << "\", \"us\": " << r.microseconds << ", \"key_bytes\": " << r.keyBytes
+         << ", \"floor_us\": " << r.floorMicroseconds << ", \"target\": \""
+         << kc::indexerTargetVerdict(r) << "\"}";
+    objects.push_back(json.str());
+  }
+  return writeJson(o.jsonPath, objects) ? 0 : 1;
+}
+
 #else
 int noCuda(const char *subcommand) {
   std::cerr << "error: " << subcommand
@@ -219,6 +261,13 @@ int runKdaPrefill(const Options &o) {
   return parseShapes(o.prefillShapes, shapes) ? noCuda("kda-prefill") : 1;
 }
 int runKda(const Options &) { return noCuda("kda"); }
+struct IndexerOptions {
+  std::vector<int32_t> batches = {1, 8, 64};
+  std::vector<int32_t> contexts = {131072};
+  int32_t heads = 64, headDim = 128, topK = 2048, iterations = 20;
+  std::string keys = "mxfp8", jsonPath;
+};
+int runDsaIndexer(const IndexerOptions &) { return noCuda("dsa-indexer"); }
 #endif
 
 // The serving benchmark against `--host:--port`, or against a server started here on `--model`.
@@ -369,6 +418,25 @@ int main(int argc, char **argv) {
       ->check(CLI::IsMember({"auto", "recurrent", "chunked"}));
   kdaPrefill->add_option("--state", o.state, "Recurrent state storage: f32 or bf16")
       ->check(CLI::IsMember({"f32", "bf16"}));
+  IndexerOptions indexer;
+  CLI::App *dsaIndexer = app.add_subcommand(
+      "dsa-indexer", "DSA lightning indexer decode (scores + top-k) over paged keys");
+  dsaIndexer->add_option("--batch", indexer.batches, "Sequences (one query each)")
+      ->delimiter(',')->check(CLI::PositiveNumber);
+  dsaIndexer->add_option("--context", indexer.contexts, "Keys per sequence")
+      ->delimiter(',')->check(CLI::PositiveNumber);
+  dsaIndexer->add_option("--heads", indexer.heads, "Indexer heads (at most 64)")
+      ->check(CLI::Range(1, 64));
+  dsaIndexer->add_option("--head-dim", indexer.headDim, "64 or 128")
+      ->check(CLI::IsMember({64, 128}));
+  dsaIndexer->add_option("--top-k", indexer.topK, "Positions selected")
+      ->check(CLI::PositiveNumber);
+  dsaIndexer->add_option("--keys", indexer.keys, "Key cache format: mxfp8, fp8 (one scale per "
+                                                 "key) or f32")
+      ->check(CLI::IsMember({"mxfp8", "fp8", "f32"}));
+  dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")
+      ->check(CLI::PositiveNumber);
+  dsaIndexer->add_option("--json", indexer.jsonPath, "Write the results as JSON");
   hybrid::LoadGeneratorOptions load;
   hybrid::LoadOptions modelOptions;
   std::string modelDir;
@@ -446,6 +514,8 @@ int main(int argc, char **argv) {
     return runServe(load, modelDir, modelOptions, o.jsonPath);
   if (kda->parsed())
     return runKda(o);
+  if (dsaIndexer->parsed())
+    return runDsaIndexer(indexer);
   if (kdaPrefill->parsed())
     return runKdaPrefill(o);
   return runKdaDecode(o);

@@ -1,0 +1,160 @@
+#include "hybrid/kernels/cuda/DsaBench.h"
+#include "hybrid/kernels/cuda/KdaBench.h" // kH200CopyTbPerSecond
+#include "../common/bench_support.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <numeric>
+#include <random>
+
+namespace hybrid::kernels::cuda {
+using namespace bench;
+
+namespace {
+
+constexpr int32_t kPageTokens = 64;
+constexpr int32_t kDistinctPages = 64; // random pages, copied over the whole pool on the device
+
+// One random page of `type`: finite E4M3 codes with unit scales, or normal fp32 values.
+std::vector<uint8_t> randomPage(IndexKeyType type, int32_t headDim, std::mt19937 &rng) {
+  std::vector<uint8_t> page(size_t(indexerPageBytes(type, kPageTokens, headDim)));
+  if (type == IndexKeyType::F32) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    auto *values = reinterpret_cast<float *>(page.data());
+    for (size_t i = 0; i < page.size() / 4; ++i)
+      values[i] = normal(rng);
+    return page;
+  }
+  const size_t codes = size_t(kPageTokens) * headDim;
+  for (size_t i = 0; i < codes; ++i)
+    page[i] = uint8_t(rng() % 0x7E) | uint8_t((rng() & 1u) << 7); // never a NaN code
+  if (type == IndexKeyType::Mxfp8) {
+    std::fill(page.begin() + codes, page.end(), uint8_t(127)); // E8M0 1.0
+  } else {
+    auto *scales = reinterpret_cast<float *>(page.data() + codes);
+    std::fill(scales, scales + kPageTokens, 1.0f);
+  }
+  return page;
+}
+
+} // namespace
+
+std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &batches,
+                                                   const std::vector<int32_t> &contexts,
+                                                   int32_t heads, int32_t headDim, int32_t topK,
+                                                   IndexKeyType keyType, int32_t iterations,
+                                                   std::string &error) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    error = "no CUDA device";
+    return {};
+  }
+  std::vector<IndexerBenchResult> results;
+  std::mt19937 rng(9);
+  const int64_t pageBytes = indexerPageBytes(keyType, kPageTokens, headDim);
+  for (int32_t context : contexts)
+    for (int32_t batch : batches) {
+      const int32_t pagesPerSequence = (context + kPageTokens - 1) / kPageTokens;
+      const int64_t pages = int64_t(batch) * pagesPerSequence;
+      // Sequences' pages scattered over the pool (a random permutation).
+      std::vector<int32_t> tables(static_cast<size_t>(pages));
+      std::iota(tables.begin(), tables.end(), 0);
+      std::shuffle(tables.begin(), tables.end(), rng);
+      std::vector<int32_t> positions(static_cast<size_t>(batch), context - 1),
+          sequences(static_cast<size_t>(batch));
+      std::iota(sequences.begin(), sequences.end(), 0);
+
+      unsigned char *pool = nullptr;
+      int32_t *dTables = nullptr, *dPositions = nullptr, *dSequences = nullptr, *dIndices = nullptr;
+      float *dScores = nullptr;
+      std::vector<float *> floats;
+      auto release = [&]() {
+        cudaFree(pool);
+        cudaFree(dTables);
+        cudaFree(dPositions);
+        cudaFree(dSequences);
+        cudaFree(dIndices);
+        cudaFree(dScores);
+        for (float *f : floats)
+          cudaFree(f);
+      };
+      auto fail = [&](const char *what) {
+        error = std::string(what) + " failed for batch " + std::to_string(batch) + ", context " +
+                std::to_string(context);
+        release();
+        return std::vector<IndexerBenchResult>{};
+      };
+      if (cudaMalloc(&pool, size_t(pages * pageBytes)) != cudaSuccess)
+        return fail("the key pool allocation");
+      for (int32_t i = 0; i < std::min<int64_t>(kDistinctPages, pages); ++i) {
+        const std::vector<uint8_t> page = randomPage(keyType, headDim, rng);
+        if (cudaMemcpy(pool + i * pageBytes, page.data(), page.size(), cudaMemcpyHostToDevice) !=
+            cudaSuccess)
+          return fail("the key upload");
+      }
+      for (int64_t filled = kDistinctPages; filled < pages; filled *= 2) // doubling copies
+        if (cudaMemcpy(pool + filled * pageBytes, pool,
+                       size_t(std::min(filled, pages - filled) * pageBytes),
+                       cudaMemcpyDeviceToDevice) != cudaSuccess)
+          return fail("the key replication");
+      auto upload = [&](int32_t *&device, const std::vector<int32_t> &host) {
+        return cudaMalloc(&device, host.size() * 4) == cudaSuccess &&
+               cudaMemcpy(device, host.data(), host.size() * 4, cudaMemcpyHostToDevice) ==
+                   cudaSuccess;
+      };
+      if (!upload(dTables, tables) || !upload(dPositions, positions) ||
+          !upload(dSequences, sequences) ||
+          cudaMalloc(&dIndices, size_t(batch) * topK * 4) != cudaSuccess ||
+          cudaMalloc(&dScores, size_t(batch) * context * 4) != cudaSuccess)
+        return fail("the table and workspace allocation");
+      IndexerParams p;
+      p.rows = batch;
+      p.heads = heads;
+      p.headDim = headDim;
+      p.q = floats.emplace_back(deviceRandom(size_t(batch) * heads * headDim, 0.5f, 0, rng, error));
+      p.headWeights = floats.emplace_back(deviceRandom(size_t(batch) * heads, 1.0f, 0, rng, error));
+      if (!p.q || !p.headWeights)
+        return fail("the query upload");
+      p.positions = dPositions;
+      p.sequences = dSequences;
+      p.keyPages = pool;
+      p.keyType = keyType;
+      p.pageTokens = kPageTokens;
+      p.blockTables = dTables;
+      p.maxPages = pagesPerSequence;
+      p.scores = dScores;
+      p.maxKeys = context;
+      p.topK = std::min(topK, context);
+      p.indices = dIndices;
+      if (launchIndexerTopK(p, nullptr) != 0 || cudaDeviceSynchronize() != cudaSuccess)
+        return fail("the indexer launch");
+      IndexerBenchResult r;
+      r.batch = batch;
+      r.context = context;
+      r.heads = heads;
+      r.headDim = headDim;
+      r.topK = p.topK;
+      r.keyType = keyType;
+      r.microseconds = medianMicroseconds(nullptr, iterations, [&] { launchIndexerTopK(p, nullptr); });
+      r.keyBytes = double(batch) * context * double(pageBytes) / kPageTokens;
+      r.floorMicroseconds = r.keyBytes / (kH200CopyTbPerSecond * 1e12) * 1e6;
+      results.push_back(r);
+      release();
+    }
+  return results;
+}
+
+std::string indexerTargetVerdict(const IndexerBenchResult &r) {
+  const double share = r.floorMicroseconds / r.microseconds;
+  char text[96];
+  if (share >= 0.7)
+    std::snprintf(text, sizeof text, "meets >= 70%% of the floor (%.0f%%)", 100 * share);
+  else
+    std::snprintf(text, sizeof text, "misses: %.1f%% of the floor, needs %.1fx", 100 * share,
+                  0.7 / share);
+  return text;
+}
+
+} // namespace hybrid::kernels::cuda

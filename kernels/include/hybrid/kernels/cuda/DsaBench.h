@@ -1,0 +1,32 @@
+// The DSA kernels' benchmark (hybrid-bench dsa-indexer): CUDA events, warm-up, median of 7, on
+// random data. CUDA-free header.
+#pragma once
+
+#include "hybrid/kernels/cuda/DsaIndexer.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hybrid::kernels::cuda {
+
+struct IndexerBenchResult {
+  int32_t batch = 0, context = 0, heads = 0, headDim = 0, topK = 0;
+  IndexKeyType keyType = IndexKeyType::Mxfp8;
+  double microseconds = 0; // one decode step: every sequence's query against its whole context
+  double keyBytes = 0;     // the key cache the step must read: batch x context keys
+  double floorMicroseconds = 0; // keyBytes at the measured copy bandwidth
+};
+
+// Decode: `batch` sequences, each with `context` keys in its own (scattered) pages of 64 tokens,
+// one query row each.
+std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &batches,
+                                                   const std::vector<int32_t> &contexts,
+                                                   int32_t heads, int32_t headDim, int32_t topK,
+                                                   IndexKeyType keyType, int32_t iterations,
+                                                   std::string &error);
+
+// "meets" / "x.xx of the target": the issue's >= 70% of the key-cache bandwidth floor.
+std::string indexerTargetVerdict(const IndexerBenchResult &result);
+
+} // namespace hybrid::kernels::cuda

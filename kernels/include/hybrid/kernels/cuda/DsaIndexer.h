@@ -1,0 +1,55 @@
+// The DSA lightning indexer on CUDA (MODEL_SPEC 4.2, issue 6): for each query row, the score of
+// every earlier position s <= position,
+//   I[s] = sum_j (w[j] * heads^-1/2) * ReLU(headDim^-1/2 * q[j] . k[s]),
+// read from the paged index-key cache (docs/dsa-cache-layout.md, ref::PagedCacheLayout), then
+// the topK positions with the largest scores (ties: lower position first, as ref::topKIndices).
+// One launch serves decode (one row per sequence, its last position) and causal prefill (one row
+// per token, each with its position). CUDA-free header.
+//
+// First version: the scores of a row are written to a workspace row and a second kernel selects
+// from it by a 4-pass radix select (the fused form that never writes the scores is still to
+// come); the dot products run on CUDA cores in fp32 on the dequantized keys, which is exact to
+// the cpu oracle's inputs (rounding order aside).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace hybrid::kernels::cuda {
+
+// How a page stores a key: the same formats and byte layout as ref::IndexKeyFormat.
+enum class IndexKeyType { Fp8PerKey, Mxfp8, F32 };
+
+inline constexpr int kIndexerMaxHeads = 64;
+
+struct IndexerParams {
+  int32_t rows = 0;    // query rows
+  int32_t heads = 0;   // 1..kIndexerMaxHeads
+  int32_t headDim = 0; // 64 or 128
+  const float *q = nullptr;           // [rows, heads, headDim], RoPE'd (as the cpu device's)
+  const float *headWeights = nullptr; // [rows, heads]: weights_proj(x), raw
+  const int32_t *positions = nullptr; // [rows]: the row attends to keys 0..position
+  const int32_t *sequences = nullptr; // [rows]: the row's block-table row
+  // The cache: pages of pageTokens keys in `keyType` (PagedCacheLayout's index page), block
+  // table [sequences, maxPages] of physical page numbers.
+  const void *keyPages = nullptr;
+  IndexKeyType keyType = IndexKeyType::Fp8PerKey;
+  int32_t pageTokens = 64;
+  const int32_t *blockTables = nullptr;
+  int32_t maxPages = 0;
+  // Workspace: scores [rows, maxKeys]; every position + 1 must be <= maxKeys.
+  float *scores = nullptr;
+  int32_t maxKeys = 0;
+  int32_t topK = 0;          // 1..maxKeys
+  int32_t *indices = nullptr; // [rows, topK]: the selected positions, in no particular order;
+                              // a row with fewer than topK keys gets all of them, then -1s
+};
+
+// Bytes of one index-key page (PagedCacheLayout::indexPageBytes for the same format).
+int64_t indexerPageBytes(IndexKeyType type, int32_t pageTokens, int32_t headDim);
+
+// Scores, then top-k, on `stream`. 0 or a cudaError_t (cudaErrorInvalidValue for bad shapes or
+// missing pointers; positions and page numbers are the caller's to keep in range).
+int launchIndexerTopK(const IndexerParams &params, void *stream);
+
+} // namespace hybrid::kernels::cuda

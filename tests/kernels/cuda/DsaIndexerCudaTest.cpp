@@ -1,0 +1,235 @@
+// The DSA lightning indexer on CUDA (DsaIndexer.h) against the cpu reference (ref::indexerScores,
+// ref::topKIndices) on keys packed into scattered pages by the reference packers (every key
+// format): scores to fp32 rounding, top-k sets equal up to near-ties, contexts shorter than k,
+// decode rows and causal prefill rows in one launch. Labelled `gpu`; skipped without a GPU.
+#include "hybrid/kernels/cuda/DsaIndexer.h"
+#include "hybrid/kernels/ref/Dsa.h"
+#include "hybrid/kernels/ref/PagedCacheLayout.h"
+#include "CudaTestSupport.h"
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace hybrid::kernels {
+namespace {
+
+using cuda::IndexKeyType;
+
+ref::IndexKeyFormat refFormat(IndexKeyType type) {
+  return type == IndexKeyType::F32     ? ref::IndexKeyFormat::F32
+         : type == IndexKeyType::Mxfp8 ? ref::IndexKeyFormat::Mxfp8
+                                       : ref::IndexKeyFormat::Fp8PerKey;
+}
+
+// Sequences of the given lengths in a pool whose pages are handed out in a shuffled order, so a
+// sequence's pages are neither contiguous nor in order. keys[b] holds what a kernel reading
+// sequence b's pages sees (the unpacked values).
+struct PagedKeys {
+  ref::PagedCacheLayout layout;
+  std::vector<uint8_t> pool;
+  std::vector<int32_t> blockTables; // [sequences, maxPages]
+  int32_t maxPages = 0;
+  std::vector<std::vector<float>> keys;
+
+  PagedKeys(IndexKeyType type, int dim, int pageTokens, const std::vector<int> &lengths,
+            std::mt19937 &rng, bool identicalKeys = false) {
+    layout.pageTokens = pageTokens;
+    layout.latentDim = 64;
+    layout.ropeDim = 32;
+    layout.indexDim = dim;
+    layout.indexFormat = refFormat(type);
+    EXPECT_TRUE(layout.valid());
+    int totalPages = 3; // spares nobody uses
+    for (int length : lengths) {
+      maxPages = std::max(maxPages, (length + pageTokens - 1) / pageTokens);
+      totalPages += (length + pageTokens - 1) / pageTokens;
+    }
+    std::vector<int32_t> physical(size_t(totalPages), 0);
+    std::iota(physical.begin(), physical.end(), 0);
+    std::shuffle(physical.begin(), physical.end(), rng);
+    const auto pageBytes = size_t(layout.indexPageBytes());
+    pool.assign(size_t(totalPages) * pageBytes, 0xEE);
+    blockTables.assign(lengths.size() * size_t(maxPages), -1);
+    size_t next = 0;
+    const std::vector<float> same = random(size_t(dim), rng, 1.0f);
+    for (size_t b = 0; b < lengths.size(); ++b) {
+      std::vector<float> &values = keys.emplace_back(size_t(lengths[b]) * dim);
+      for (int s = 0; s < lengths[b]; ++s) {
+        if (s % pageTokens == 0)
+          blockTables[b * maxPages + s / pageTokens] = physical[next++];
+        const std::vector<float> key = identicalKeys ? same : random(size_t(dim), rng, 1.0f);
+        std::span<uint8_t> page(pool.data() + blockTables[b * maxPages + s / pageTokens] * pageBytes,
+                                pageBytes);
+        EXPECT_TRUE(ref::packIndexKeyToken(layout, page, s % pageTokens, key));
+        EXPECT_TRUE(ref::unpackIndexKeyToken(layout, page, s % pageTokens,
+                                             std::span<float>(values).subspan(size_t(s) * dim, dim)));
+      }
+    }
+  }
+};
+
+struct IndexerCase {
+  std::string name;
+  IndexKeyType type;
+  int heads, dim, pageTokens, topK;
+  std::vector<int> lengths;
+  int prefillRows; // extra rows of the last sequence at earlier positions (causal prefill)
+};
+
+class DsaIndexerCuda : public testing::TestWithParam<IndexerCase> {};
+
+TEST_P(DsaIndexerCuda, MatchesReference) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  const IndexerCase c = GetParam();
+  std::mt19937 rng(11);
+  const PagedKeys paged(c.type, c.dim, c.pageTokens, c.lengths, rng);
+  // One decode row per sequence (its last position), then prefill rows of the last sequence.
+  std::vector<int32_t> positions, sequences;
+  for (size_t b = 0; b < c.lengths.size(); ++b) {
+    positions.push_back(c.lengths[b] - 1);
+    sequences.push_back(int32_t(b));
+  }
+  for (int i = 0; i < c.prefillRows; ++i) {
+    positions.push_back(int32_t((int64_t(c.lengths.back()) * (i + 1)) / (c.prefillRows + 2)));
+    sequences.push_back(int32_t(c.lengths.size() - 1));
+  }
+  const int rows = int(positions.size());
+  const int maxKeys = *std::max_element(c.lengths.begin(), c.lengths.end());
+  const std::vector<float> q = random(size_t(rows) * c.heads * c.dim, rng, 0.5f);
+  const std::vector<float> w = random(size_t(rows) * c.heads, rng, 1.0f);
+
+  DeviceBuffer<float> dQ(q), dW(w), dScores{std::vector<float>(size_t(rows) * maxKeys, 0.0f)};
+  DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
+      dIndices{std::vector<int32_t>(size_t(rows) * c.topK, -7)};
+  DeviceBuffer<uint8_t> dPool(paged.pool);
+  cuda::IndexerParams p;
+  p.rows = rows;
+  p.heads = c.heads;
+  p.headDim = c.dim;
+  p.q = dQ.data;
+  p.headWeights = dW.data;
+  p.positions = dPositions.data;
+  p.sequences = dSequences.data;
+  p.keyPages = dPool.data;
+  p.keyType = c.type;
+  p.pageTokens = c.pageTokens;
+  p.blockTables = dTables.data;
+  p.maxPages = paged.maxPages;
+  p.scores = dScores.data;
+  p.maxKeys = maxKeys;
+  p.topK = c.topK;
+  p.indices = dIndices.data;
+  EXPECT_EQ(cuda::indexerPageBytes(c.type, c.pageTokens, c.dim), paged.layout.indexPageBytes());
+  ASSERT_EQ(cuda::launchIndexerTopK(p, nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> scores = dScores.download();
+  const std::vector<int32_t> indices = dIndices.download();
+
+  for (int r = 0; r < rows; ++r) {
+    SCOPED_TRACE("row " + std::to_string(r) + ", position " + std::to_string(positions[r]));
+    const int n = positions[r] + 1;
+    std::vector<float> expected(static_cast<size_t>(n));
+    const int64_t position = positions[r];
+    ref::indexerScores({1, n, c.heads, c.dim, q.data() + size_t(r) * c.heads * c.dim,
+                        paged.keys[size_t(sequences[r])].data(), w.data() + size_t(r) * c.heads,
+                        &position, expected.data()});
+    float largest = 0.0f;
+    for (float v : expected)
+      largest = std::max(largest, std::abs(v));
+    const float tolerance = 1e-5f * std::max(1.0f, largest);
+    for (int s = 0; s < n; ++s)
+      ASSERT_NEAR(scores[size_t(r) * maxKeys + s], expected[size_t(s)], tolerance) << "key " << s;
+
+    // Top-k: the same set, except where the reference's k-th score has near-ties.
+    std::vector<int32_t> chosen(size_t(c.topK));
+    ref::topKIndices(expected, 1, n, c.topK, chosen);
+    const std::vector<int32_t> got(indices.begin() + size_t(r) * c.topK,
+                                   indices.begin() + size_t(r + 1) * c.topK);
+    const int selected = std::min(n, c.topK);
+    std::set<int32_t> gotSet, chosenSet(chosen.begin(), chosen.begin() + selected);
+    for (int i = 0; i < c.topK; ++i) {
+      if (i >= selected) {
+        EXPECT_EQ(chosen[size_t(i)], -1);
+        continue;
+      }
+      ASSERT_GE(got[size_t(i)], 0) << "slot " << i;
+      ASSERT_LT(got[size_t(i)], n) << "slot " << i;
+      EXPECT_TRUE(gotSet.insert(got[size_t(i)]).second) << "position " << got[size_t(i)] << " twice";
+    }
+    EXPECT_EQ(std::count(got.begin(), got.end(), -1), c.topK - selected);
+    const float kth = expected[size_t(chosen[size_t(selected - 1)])];
+    for (int32_t s : gotSet) {
+      if (!chosenSet.count(s)) {
+        EXPECT_GE(expected[size_t(s)], kth - 2 * tolerance) << "position " << s;
+      }
+    }
+    for (int32_t s : chosenSet) {
+      if (!gotSet.count(s)) {
+        EXPECT_LE(expected[size_t(s)], kth + 2 * tolerance) << "position " << s;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DsaIndexerCuda,
+    testing::Values(
+        // DeepSeek-V3.2's indexer (64 heads x 128, k = 2048): contexts shorter and longer than k.
+        IndexerCase{"v32_f32", IndexKeyType::F32, 64, 128, 64, 2048, {1, 700, 5000}, 4},
+        IndexerCase{"v32_mxfp8", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {2100, 4133}, 3},
+        IndexerCase{"v32_fp8_per_key", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2},
+        // The tiny test model's shape (4 heads x 64), small pages.
+        IndexerCase{"tiny_mxfp8", IndexKeyType::Mxfp8, 4, 64, 16, 32, {1, 17, 100, 300}, 5},
+        IndexerCase{"tiny_f32_odd_heads", IndexKeyType::F32, 3, 64, 16, 7, {40, 9}, 2}),
+    [](const testing::TestParamInfo<IndexerCase> &info) { return info.param.name; });
+
+// Every key the same: all scores tie, and the lowest positions win (ref::topKIndices' rule).
+TEST(DsaIndexerCudaTies, LowestPositionsWin) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(5);
+  const int n = 3000, k = 100;
+  const PagedKeys paged(IndexKeyType::Mxfp8, 128, 64, {n}, rng, /*identicalKeys=*/true);
+  const std::vector<int32_t> positions = {n - 1}, sequences = {0};
+  DeviceBuffer<float> dQ(random(64 * 128, rng, 0.5f)), dW(random(64, rng, 1.0f)),
+      dScores{std::vector<float>(n)};
+  DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
+      dIndices{std::vector<int32_t>(k)};
+  DeviceBuffer<uint8_t> dPool(paged.pool);
+  cuda::IndexerParams p;
+  p.rows = 1;
+  p.heads = 64;
+  p.headDim = 128;
+  p.q = dQ.data;
+  p.headWeights = dW.data;
+  p.positions = dPositions.data;
+  p.sequences = dSequences.data;
+  p.keyPages = dPool.data;
+  p.keyType = IndexKeyType::Mxfp8;
+  p.pageTokens = 64;
+  p.blockTables = dTables.data;
+  p.maxPages = paged.maxPages;
+  p.scores = dScores.data;
+  p.maxKeys = n;
+  p.topK = k;
+  p.indices = dIndices.data;
+  ASSERT_EQ(cuda::launchIndexerTopK(p, nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<int32_t> got = dIndices.download();
+  std::sort(got.begin(), got.end());
+  std::vector<int32_t> lowest(k);
+  std::iota(lowest.begin(), lowest.end(), 0);
+  EXPECT_EQ(got, lowest);
+}
+
+TEST(DsaIndexerCudaErrors, RejectsBadShapes) {
+  cuda::IndexerParams p; // nothing set
+  EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), int(cudaErrorInvalidValue));
+}
+
+} // namespace
+} // namespace hybrid::kernels
