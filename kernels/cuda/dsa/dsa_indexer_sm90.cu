@@ -1,10 +1,17 @@
-// The DSA lightning indexer (see DsaIndexer.h): a scores kernel (one thread per key, the row's
-// query heads in shared memory) and a top-k kernel (one block per row, radix select on the
-// scores' order-preserving bit patterns).
+// The DSA lightning indexer (see DsaIndexer.h): a scores kernel and a top-k kernel (one block
+// per row, radix select on the scores' order-preserving bit patterns). FP8 keys go through the
+// tensor cores: an E4M3 code is exact in bf16, so q . k is a bf16 mma of q (split into bf16
+// hi + lo halves, about 16 significant bits; lo is zero for MXFP8-quantized queries and skipped)
+// with the codes, summed per 32-value block and scaled by that block's key scale in fp32. fp32
+// keys (the unquantized policy) take the CUDA-core kernel, one thread per key.
 #include "hybrid/kernels/cuda/DsaIndexer.h"
+#include "../common/warp_mma.cuh"
 
+#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 namespace hybrid::kernels::cuda {
 namespace {
@@ -126,6 +133,198 @@ __global__ void __launch_bounds__(kScoreThreads)
   p.scores[size_t(row) * p.maxKeys + s] = score;
 }
 
+constexpr int kMmaThreads = 128;   // 4 warps, 16 keys of a tile each
+constexpr int kTileKeys = 64;
+constexpr int kBlocksPerSm = 3;    // what 156 registers a thread leave room for
+constexpr int kMmaMaxHeads = 64;   // 4 m-tiles of 16 heads
+
+template <int D> __host__ __device__ constexpr int mmaStride() { return D + 8; } // bf16 per row: conflict-free ldmatrix
+
+template <int D> size_t mmaSharedBytes() {
+  return size_t(2 * kMmaMaxHeads + kTileKeys) * mmaStride<D>() * 2 +
+         size_t(kTileKeys) * (D / kMxBlock) * 4 + size_t(kMmaMaxHeads) * 4;
+}
+
+template <IndexKeyType Type, int D>
+__global__ void __launch_bounds__(kMmaThreads)
+    indexerScoresMmaKernel(IndexerParams p, int64_t pageBytes, int tilesPerBlock) {
+  static_assert(Type != IndexKeyType::F32, "fp32 keys take the CUDA-core kernel");
+  constexpr int kStride = mmaStride<D>(), kBlocks = D / kMxBlock;
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto *qHi = reinterpret_cast<__nv_bfloat16 *>(smem); // [64 heads, kStride]
+  __nv_bfloat16 *qLo = qHi + kMmaMaxHeads * kStride;     // [64 heads, kStride]
+  __nv_bfloat16 *keys = qLo + kMmaMaxHeads * kStride;    // [kTileKeys, kStride]: codes as bf16
+  auto *scales = reinterpret_cast<float *>(keys + kTileKeys * kStride); // [kTileKeys, kBlocks]
+  float *weights = scales + kTileKeys * kBlocks;                      // [64]: w * heads^-1/2
+  const int row = blockIdx.x, heads = p.heads, tid = threadIdx.x;
+  const int position = p.positions[row];
+  const int firstKey = int(blockIdx.y) * kTileKeys * tilesPerBlock;
+  if (firstKey > position)
+    return;
+  // q as bf16 hi + lo, four values per load and several loads in flight.
+  const float4 *q = reinterpret_cast<const float4 *>(p.q + size_t(row) * heads * D);
+  bool anyLo = false;
+  constexpr int kQuads = kMmaMaxHeads * D / 4, kInFlight = 4;
+  for (int first = tid; first < kQuads; first += kInFlight * kMmaThreads) {
+    float4 loaded[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int i = first + u * kMmaThreads;
+      loaded[u] = i < kQuads && i * 4 / D < heads ? q[i] : make_float4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int i = first + u * kMmaThreads;
+      if (i >= kQuads)
+        continue;
+      const int j = i * 4 / D, d = i * 4 % D;
+      const float values[4] = {loaded[u].x, loaded[u].y, loaded[u].z, loaded[u].w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const __nv_bfloat16 hi = __float2bfloat16_rn(values[c]);
+        const __nv_bfloat16 lo = __float2bfloat16_rn(values[c] - __bfloat162float(hi));
+        qHi[j * kStride + d + c] = hi;
+        qLo[j * kStride + d + c] = lo;
+        anyLo |= __bfloat162float(lo) != 0.0f;
+      }
+    }
+  }
+  const float headScale = 1.0f / sqrtf(float(heads));
+  for (int j = tid; j < kMmaMaxHeads; j += kMmaThreads)
+    weights[j] = j < heads ? p.headWeights[size_t(row) * heads + j] * headScale : 0.0f;
+  const bool useLo = __syncthreads_or(anyLo);
+  const int warp = tid / 32, lane = tid % 32, mTiles = (heads + 15) / 16;
+  const float dotScale = 1.0f / sqrtf(float(D));
+  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
+  const auto *pool = static_cast<const unsigned char *>(p.keyPages);
+
+  // A tile's raw key bytes and scales, loaded into registers one tile ahead so that the loads
+  // of tile t + 1 are in flight while tile t is multiplied.
+  constexpr int kChunks = kTileKeys * (D / 16) / kMmaThreads;
+  constexpr int kScaleSlots = (kTileKeys * kBlocks + kMmaThreads - 1) / kMmaThreads;
+  uint4 raw[kChunks];
+  float rawScales[kScaleSlots];
+  auto loadTile = [&](int tileKey) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int c = tid + i * kMmaThreads, k = c / (D / 16), part = c % (D / 16);
+      const int s = tileKey + k;
+      raw[i] = make_uint4(0, 0, 0, 0);
+      if (s <= position) {
+        const unsigned char *page = pool + table[s / p.pageTokens] * pageBytes;
+        raw[i] = *reinterpret_cast<const uint4 *>(page + size_t(s % p.pageTokens) * D + part * 16);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kScaleSlots; ++i) {
+      const int c = tid + i * kMmaThreads, k = c / kBlocks, block = c % kBlocks;
+      const int s = tileKey + k;
+      rawScales[i] = 0.0f;
+      if (c < kTileKeys * kBlocks && s <= position) {
+        const unsigned char *page = pool + table[s / p.pageTokens] * pageBytes;
+        const int slot = s % p.pageTokens;
+        rawScales[i] =
+            Type == IndexKeyType::Mxfp8
+                ? e8m0ToFloat(page[size_t(p.pageTokens) * D + size_t(slot) * kBlocks + block])
+                : *reinterpret_cast<const float *>(page + size_t(p.pageTokens) * D +
+                                                   size_t(slot) * 4);
+      }
+    }
+  };
+  loadTile(firstKey);
+  for (int tile = 0; tile < tilesPerBlock; ++tile) {
+    const int tileKey = firstKey + tile * kTileKeys;
+    if (tileKey > position)
+      break;
+    __syncthreads(); // the previous tile's keys are consumed
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int c = tid + i * kMmaThreads, k = c / (D / 16), part = c % (D / 16);
+      const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+      uint32_t packed[8];
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          packed[2 * w + h] = mma::packBf16(e4m3ToFloat(uint8_t(words[w] >> (16 * h))),
+                                            e4m3ToFloat(uint8_t(words[w] >> (16 * h + 8))));
+      auto *target = reinterpret_cast<uint4 *>(keys + k * kStride + part * 16);
+      target[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      target[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    }
+#pragma unroll
+    for (int i = 0; i < kScaleSlots; ++i)
+      if (tid + i * kMmaThreads < kTileKeys * kBlocks)
+        scales[tid + i * kMmaThreads] = rawScales[i];
+    __syncthreads();
+    if (tile + 1 < tilesPerBlock && tileKey + kTileKeys <= position)
+      loadTile(tileKey + kTileKeys);
+
+    // This warp's 16 keys (two 8-key n-tiles) against every head (m-tiles of 16).
+    float acc[4][2][4] = {};
+#pragma unroll
+    for (int block = 0; block < kBlocks; ++block) {
+      float part[4][2][4] = {};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int k0 = block * kMxBlock + half * 16;
+        uint32_t b0[2], b1[2];
+        mma::loadBPair(b0, b1, keys + warp * 16 * kStride + k0, kStride);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+          if (mt >= mTiles)
+            continue;
+          uint32_t a[4];
+          mma::loadA(a, qHi + mt * 16 * kStride + k0, kStride);
+          mma::mma16816(part[mt][0], a, b0);
+          mma::mma16816(part[mt][1], a, b1);
+          if (useLo) {
+            mma::loadA(a, qLo + mt * 16 * kStride + k0, kStride);
+            mma::mma16816(part[mt][0], a, b0);
+            mma::mma16816(part[mt][1], a, b1);
+          }
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float scale = scales[(warp * 16 + nt * 8 + mma::accColumn(e)) * kBlocks + block];
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt)
+            acc[mt][nt][e] = fmaf(part[mt][nt][e], scale, acc[mt][nt][e]);
+        }
+    }
+    // score[key] = sum over heads of w * ReLU(dot * D^-1/2): this lane's heads, then the 8 lanes
+    // that share its key columns.
+    float sums[2][2] = {};
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sums[nt][e & 1] +=
+              weights[mt * 16 + mma::accRow(e)] * fmaxf(0.0f, acc[mt][nt][e] * dotScale);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int offset = 4; offset < 32; offset *= 2)
+          sums[nt][c] += __shfl_xor_sync(0xffffffffu, sums[nt][c], offset);
+    if (lane < 4)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int s = tileKey + warp * 16 + nt * 8 + 2 * lane + c;
+          if (s <= position)
+            p.scores[size_t(row) * p.maxKeys + s] = sums[nt][c];
+        }
+  }
+}
+
 // Larger float -> larger unsigned key.
 __device__ inline uint32_t orderKey(float value) {
   const uint32_t bits = __float_as_uint(value);
@@ -153,10 +352,18 @@ __global__ void __launch_bounds__(kSelectThreads) indexerTopKKernel(IndexerParam
     for (int i = tid; i < 256; i += kSelectThreads)
       histogram[i] = 0;
     __syncthreads();
-    for (int i = tid; i < n; i += kSelectThreads) {
-      const uint32_t key = orderKey(scores[i]);
-      if ((key & mask) == prefix)
-        atomicAdd(&histogram[(key >> shift) & 0xFFu], 1u);
+    constexpr int kInFlight = 8; // loads issued before the first is used: latency, not bandwidth
+    for (int first = tid; first < n; first += kInFlight * kSelectThreads) {
+      uint32_t keys[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int i = first + u * kSelectThreads;
+        keys[u] = i < n ? orderKey(scores[i]) : 0u;
+      }
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (first + u * kSelectThreads < n && (keys[u] & mask) == prefix)
+          atomicAdd(&histogram[(keys[u] >> shift) & 0xFFu], 1u);
     }
     __syncthreads();
     if (tid == 0) {
@@ -212,8 +419,34 @@ template <IndexKeyType Type, int D> int launchScores(const IndexerParams &p, cud
   return int(cudaGetLastError());
 }
 
+template <IndexKeyType Type, int D>
+int launchMmaScores(const IndexerParams &p, cudaStream_t stream) {
+  // As many key tiles per block as keep about two waves of blocks on the GPU: each block
+  // converts its row's q once, so fewer, longer blocks when there are many rows.
+  int device = 0, sms = 132;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
+  const int wantedBlocks = std::max(1, 2 * kBlocksPerSm * sms / p.rows);
+  const int tilesPerBlock = std::max(1, (tiles + wantedBlocks - 1) / wantedBlocks);
+  const dim3 grid(unsigned(p.rows), unsigned((tiles + tilesPerBlock - 1) / tilesPerBlock));
+  const size_t shared = mmaSharedBytes<D>();
+  const cudaError_t attribute = cudaFuncSetAttribute(
+      indexerScoresMmaKernel<Type, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  if (attribute != cudaSuccess)
+    return int(attribute);
+  indexerScoresMmaKernel<Type, D><<<grid, kMmaThreads, shared, stream>>>(
+      p, indexerPageBytes(Type, p.pageTokens, D), tilesPerBlock);
+  return int(cudaGetLastError());
+}
+
 template <IndexKeyType Type> int launchScoresOf(const IndexerParams &p, cudaStream_t stream) {
-  return p.headDim == 128 ? launchScores<Type, 128>(p, stream) : launchScores<Type, 64>(p, stream);
+  if constexpr (Type == IndexKeyType::F32)
+    return p.headDim == 128 ? launchScores<Type, 128>(p, stream)
+                            : launchScores<Type, 64>(p, stream);
+  else
+    return p.headDim == 128 ? launchMmaScores<Type, 128>(p, stream)
+                            : launchMmaScores<Type, 64>(p, stream);
 }
 
 } // namespace
