@@ -71,6 +71,43 @@ struct PagedKeys {
   }
 };
 
+// One launch of the indexer on the device: its inputs uploaded, its outputs downloaded.
+struct IndexerRun {
+  std::vector<float> scores;    // [rows, maxKeys]
+  std::vector<int32_t> indices; // [rows, topK]
+};
+IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int dim,
+                      const std::vector<float> &q, const std::vector<float> &w,
+                      const std::vector<int32_t> &positions, const std::vector<int32_t> &sequences,
+                      int maxKeys, int topK) {
+  const int rows = int(positions.size());
+  DeviceBuffer<float> dQ(q), dW(w), dScores{std::vector<float>(size_t(rows) * maxKeys, 0.0f)};
+  DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
+      dIndices{std::vector<int32_t>(size_t(rows) * topK, -7)};
+  DeviceBuffer<uint8_t> dPool(paged.pool);
+  cuda::IndexerParams p;
+  p.rows = rows;
+  p.heads = heads;
+  p.headDim = dim;
+  p.q = dQ.data;
+  p.headWeights = dW.data;
+  p.positions = dPositions.data;
+  p.sequences = dSequences.data;
+  p.keyPages = dPool.data;
+  p.keyType = type;
+  p.pageTokens = int32_t(paged.layout.pageTokens);
+  p.blockTables = dTables.data;
+  p.maxPages = paged.maxPages;
+  p.scores = dScores.data;
+  p.maxKeys = maxKeys;
+  p.topK = topK;
+  p.indices = dIndices.data;
+  EXPECT_EQ(cuda::indexerPageBytes(type, p.pageTokens, dim), paged.layout.indexPageBytes());
+  EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), 0);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return {dScores.download(), dIndices.download()};
+}
+
 struct IndexerCase {
   std::string name;
   IndexKeyType type;
@@ -102,32 +139,10 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
   const std::vector<float> q = random(size_t(rows) * c.heads * c.dim, rng, 0.5f);
   const std::vector<float> w = random(size_t(rows) * c.heads, rng, 1.0f);
 
-  DeviceBuffer<float> dQ(q), dW(w), dScores{std::vector<float>(size_t(rows) * maxKeys, 0.0f)};
-  DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
-      dIndices{std::vector<int32_t>(size_t(rows) * c.topK, -7)};
-  DeviceBuffer<uint8_t> dPool(paged.pool);
-  cuda::IndexerParams p;
-  p.rows = rows;
-  p.heads = c.heads;
-  p.headDim = c.dim;
-  p.q = dQ.data;
-  p.headWeights = dW.data;
-  p.positions = dPositions.data;
-  p.sequences = dSequences.data;
-  p.keyPages = dPool.data;
-  p.keyType = c.type;
-  p.pageTokens = c.pageTokens;
-  p.blockTables = dTables.data;
-  p.maxPages = paged.maxPages;
-  p.scores = dScores.data;
-  p.maxKeys = maxKeys;
-  p.topK = c.topK;
-  p.indices = dIndices.data;
-  EXPECT_EQ(cuda::indexerPageBytes(c.type, c.pageTokens, c.dim), paged.layout.indexPageBytes());
-  ASSERT_EQ(cuda::launchIndexerTopK(p, nullptr), 0);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::vector<float> scores = dScores.download();
-  const std::vector<int32_t> indices = dIndices.download();
+  const IndexerRun run =
+      runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences, maxKeys, c.topK);
+  const std::vector<float> &scores = run.scores;
+  const std::vector<int32_t> &indices = run.indices;
 
   for (int r = 0; r < rows; ++r) {
     SCOPED_TRACE("row " + std::to_string(r) + ", position " + std::to_string(positions[r]));
@@ -194,32 +209,10 @@ TEST(DsaIndexerCudaTies, LowestPositionsWin) {
   std::mt19937 rng(5);
   const int n = 3000, k = 100;
   const PagedKeys paged(IndexKeyType::Mxfp8, 128, 64, {n}, rng, /*identicalKeys=*/true);
-  const std::vector<int32_t> positions = {n - 1}, sequences = {0};
-  DeviceBuffer<float> dQ(random(64 * 128, rng, 0.5f)), dW(random(64, rng, 1.0f)),
-      dScores{std::vector<float>(n)};
-  DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
-      dIndices{std::vector<int32_t>(k)};
-  DeviceBuffer<uint8_t> dPool(paged.pool);
-  cuda::IndexerParams p;
-  p.rows = 1;
-  p.heads = 64;
-  p.headDim = 128;
-  p.q = dQ.data;
-  p.headWeights = dW.data;
-  p.positions = dPositions.data;
-  p.sequences = dSequences.data;
-  p.keyPages = dPool.data;
-  p.keyType = IndexKeyType::Mxfp8;
-  p.pageTokens = 64;
-  p.blockTables = dTables.data;
-  p.maxPages = paged.maxPages;
-  p.scores = dScores.data;
-  p.maxKeys = n;
-  p.topK = k;
-  p.indices = dIndices.data;
-  ASSERT_EQ(cuda::launchIndexerTopK(p, nullptr), 0);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<int32_t> got = dIndices.download();
+  std::vector<int32_t> got = runIndexer(paged, IndexKeyType::Mxfp8, 64, 128,
+                                        random(64 * 128, rng, 0.5f), random(64, rng, 1.0f),
+                                        {n - 1}, {0}, n, k)
+                                 .indices;
   std::sort(got.begin(), got.end());
   std::vector<int32_t> lowest(k);
   std::iota(lowest.begin(), lowest.end(), 0);
