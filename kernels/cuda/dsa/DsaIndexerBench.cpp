@@ -113,7 +113,26 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
       p.rows = batch;
       p.heads = heads;
       p.headDim = headDim;
-      p.q = floats.emplace_back(deviceRandom(size_t(batch) * heads * headDim, 0.5f, 0, rng, error));
+      // Queries as the quantization policy leaves them: MXFP8-rounded with FP8 keys (so the
+      // kernel's bf16 lo half is zero), fp32 with fp32 keys.
+      std::vector<float> q(size_t(batch) * heads * headDim);
+      std::normal_distribution<float> normal(0.0f, 0.5f);
+      for (float &v : q)
+        v = normal(rng);
+      if (keyType != IndexKeyType::F32) {
+        std::vector<uint8_t> codes(q.size()), scales(q.size() / 32);
+        if (!ref::quantizeMxfp8(q, int64_t(q.size() / headDim), headDim, codes, scales,
+                                ref::MxScaleRule::RoundUp) ||
+            !ref::dequantizeMxfp8(codes, scales, int64_t(q.size() / headDim), headDim, q))
+          return fail("the query quantization");
+      }
+      float *dQ = nullptr;
+      if (cudaMalloc(&dQ, q.size() * 4) != cudaSuccess)
+        return fail("the query allocation");
+      floats.push_back(dQ);
+      if (cudaMemcpy(dQ, q.data(), q.size() * 4, cudaMemcpyHostToDevice) != cudaSuccess)
+        return fail("the query upload");
+      p.q = dQ;
       p.headWeights = floats.emplace_back(deviceRandom(size_t(batch) * heads, 1.0f, 0, rng, error));
       if (!p.q || !p.headWeights)
         return fail("the query upload");

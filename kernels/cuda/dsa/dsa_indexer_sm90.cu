@@ -1,13 +1,15 @@
 // The DSA lightning indexer (see DsaIndexer.h): a scores kernel and a top-k kernel (one block
 // per row, radix select on the scores' order-preserving bit patterns). FP8 keys go through the
-// tensor cores: an E4M3 code is exact in bf16, so q . k is a bf16 mma of q (split into bf16
-// hi + lo halves, about 16 significant bits; lo is zero for MXFP8-quantized queries and skipped)
-// with the codes, summed per 32-value block and scaled by that block's key scale in fp32. fp32
-// keys (the unquantized policy) take the CUDA-core kernel, one thread per key.
+// tensor cores: an E4M3 code (times an MXFP8 power-of-two block scale) is exact in bf16, so
+// q . k is a bf16 mma of q (split into bf16 hi + lo halves, about 16 significant bits; lo is zero
+// for MXFP8-quantized queries and skipped) with the keys, in fp32; a per-key fp32 scale
+// multiplies the dot product. fp32 keys (the unquantized policy) take the CUDA-core kernel, one
+// thread per key.
 #include "hybrid/kernels/cuda/DsaIndexer.h"
 #include "../common/warp_mma.cuh"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -31,6 +33,14 @@ __device__ inline float e8m0ToFloat(uint8_t code) {
   if (code == 0xFF)
     return __int_as_float(0x7fc00000);
   return code == 0 ? __int_as_float(0x00400000) : __int_as_float(int(code) << 23);
+}
+
+// Two E4M3 codes (the low byte first) times `scale` as a bf16 pair: one hardware conversion to
+// f16 (exact), then fp32; exact in bf16 when the products are (codes times a power of two).
+__device__ inline uint32_t e4m3PairToBf16(uint16_t pair, float scale) {
+  const __half2_raw halves = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+  const float2 values = __half22float2(*reinterpret_cast<const __half2 *>(&halves));
+  return mma::packBf16(values.x * scale, values.y * scale);
 }
 
 // 32 consecutive values of a key, dequantized exactly as ref::unpackIndexKeyToken does.
@@ -135,32 +145,121 @@ __global__ void __launch_bounds__(kScoreThreads)
 
 constexpr int kMmaThreads = 128;   // 4 warps, 16 keys of a tile each
 constexpr int kTileKeys = 64;
-constexpr int kBlocksPerSm = 3;    // what 156 registers a thread leave room for
+constexpr int kBlocksPerSm = 4;    // <= 128 registers a thread, 54.5 KB of shared memory a block
 constexpr int kMmaMaxHeads = 64;   // 4 m-tiles of 16 heads
 
-template <int D> __host__ __device__ constexpr int mmaStride() { return D + 8; } // bf16 per row: conflict-free ldmatrix
+// bf16 elements per shared row: rows start 4 words apart modulo 32, so ldmatrix is conflict-free.
+template <int D> __host__ __device__ constexpr int mmaStride() { return D + 8; }
 
 template <int D> size_t mmaSharedBytes() {
-  return size_t(2 * kMmaMaxHeads + kTileKeys) * mmaStride<D>() * 2 +
-         size_t(kTileKeys) * (D / kMxBlock) * 4 + size_t(kMmaMaxHeads) * 4;
+  return size_t(2 * kMmaMaxHeads + kTileKeys) * mmaStride<D>() * 2 + size_t(kTileKeys) * 4 +
+         size_t(kMmaMaxHeads) * 4;
 }
 
+// This thread's part of a key tile straight from the pages: 16-byte pieces of codes, and for
+// MXFP8 the E8M0 scale of each piece's 32-value block.
+template <IndexKeyType Type, int D> struct KeyTileLoad {
+  static constexpr int kPieces = kTileKeys * (D / 16) / kMmaThreads;
+  uint4 codes[kPieces];
+  uint8_t blockScales[kPieces];
+  float keyScale = 0.0f; // Fp8PerKey: the scale of key `threadIdx.x` when < kTileKeys
+
+  __device__ __forceinline__ void load(const IndexerParams &p, const unsigned char *pool,
+                                       const int32_t *table, int64_t pageBytes, int tileKey,
+                                       int position) {
+    constexpr int kBlocks = D / kMxBlock;
+    if (p.pageTokens % kTileKeys == 0) {
+      // The tile is 64 consecutive slots of one page: one page lookup, contiguous codes.
+      const unsigned char *page = pool + table[tileKey / p.pageTokens] * pageBytes;
+      const int firstSlot = tileKey % p.pageTokens;
+      const unsigned char *tileCodes = page + size_t(firstSlot) * D;
+      const unsigned char *tileScales = page + size_t(p.pageTokens) * D;
+#pragma unroll
+      for (int i = 0; i < kPieces; ++i) {
+        const int c = threadIdx.x + i * kMmaThreads, k = c / (D / 16), piece = c % (D / 16);
+        const bool live = tileKey + k <= position;
+        codes[i] = live ? reinterpret_cast<const uint4 *>(tileCodes)[c] : make_uint4(0, 0, 0, 0);
+        if constexpr (Type == IndexKeyType::Mxfp8)
+          blockScales[i] =
+              live ? tileScales[size_t(firstSlot + k) * kBlocks + piece / 2] : uint8_t(0);
+      }
+      if constexpr (Type == IndexKeyType::Fp8PerKey)
+        keyScale = threadIdx.x < kTileKeys && tileKey + int(threadIdx.x) <= position
+                       ? reinterpret_cast<const float *>(tileScales)[firstSlot + threadIdx.x]
+                       : 0.0f;
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      const int c = threadIdx.x + i * kMmaThreads, k = c / (D / 16), piece = c % (D / 16);
+      const int s = tileKey + k;
+      codes[i] = make_uint4(0, 0, 0, 0);
+      blockScales[i] = 0;
+      if (s <= position) {
+        const unsigned char *page = pool + table[s / p.pageTokens] * pageBytes;
+        const int slot = s % p.pageTokens;
+        codes[i] = *reinterpret_cast<const uint4 *>(page + size_t(slot) * D + piece * 16);
+        if constexpr (Type == IndexKeyType::Mxfp8)
+          blockScales[i] = page[size_t(p.pageTokens) * D + size_t(slot) * kBlocks + piece / 2];
+      }
+    }
+    if constexpr (Type == IndexKeyType::Fp8PerKey) {
+      const int s = tileKey + int(threadIdx.x);
+      keyScale = 0.0f;
+      if (threadIdx.x < kTileKeys && s <= position) {
+        const unsigned char *page = pool + table[s / p.pageTokens] * pageBytes;
+        keyScale = *reinterpret_cast<const float *>(page + size_t(p.pageTokens) * D +
+                                                     size_t(s % p.pageTokens) * 4);
+      }
+    }
+  }
+
+  // Into shared memory as bf16: an MXFP8 key's code times its power-of-two block scale is exact
+  // in bf16 (for scales above 2^-124); an Fp8PerKey key stays a code, its scale applied to the
+  // dot product.
+  __device__ __forceinline__ void store(__nv_bfloat16 *keys, float *keyScales) const {
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      const int c = threadIdx.x + i * kMmaThreads, k = c / (D / 16), piece = c % (D / 16);
+      const float scale = Type == IndexKeyType::Mxfp8 ? e8m0ToFloat(blockScales[i]) : 1.0f;
+      const uint32_t words[4] = {codes[i].x, codes[i].y, codes[i].z, codes[i].w};
+      uint32_t packed[8];
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          packed[2 * w + h] = e4m3PairToBf16(uint16_t(words[w] >> (16 * h)), scale);
+      auto *target = reinterpret_cast<uint4 *>(keys + k * mmaStride<D>() + piece * 16);
+      target[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      target[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    }
+    if constexpr (Type == IndexKeyType::Fp8PerKey)
+      if (threadIdx.x < kTileKeys)
+        keyScales[threadIdx.x] = keyScale;
+  }
+};
+
 template <IndexKeyType Type, int D>
-__global__ void __launch_bounds__(kMmaThreads)
+__global__ void __launch_bounds__(kMmaThreads, kBlocksPerSm)
     indexerScoresMmaKernel(IndexerParams p, int64_t pageBytes, int tilesPerBlock) {
   static_assert(Type != IndexKeyType::F32, "fp32 keys take the CUDA-core kernel");
-  constexpr int kStride = mmaStride<D>(), kBlocks = D / kMxBlock;
+  constexpr int kStride = mmaStride<D>();
   extern __shared__ __align__(16) unsigned char smem[];
   auto *qHi = reinterpret_cast<__nv_bfloat16 *>(smem); // [64 heads, kStride]
   __nv_bfloat16 *qLo = qHi + kMmaMaxHeads * kStride;     // [64 heads, kStride]
-  __nv_bfloat16 *keys = qLo + kMmaMaxHeads * kStride;    // [kTileKeys, kStride]: codes as bf16
-  auto *scales = reinterpret_cast<float *>(keys + kTileKeys * kStride); // [kTileKeys, kBlocks]
-  float *weights = scales + kTileKeys * kBlocks;                      // [64]: w * heads^-1/2
+  __nv_bfloat16 *keys = qLo + kMmaMaxHeads * kStride;    // [kTileKeys, kStride]
+  auto *keyScales = reinterpret_cast<float *>(keys + kTileKeys * kStride); // [kTileKeys]
+  float *weights = keyScales + kTileKeys;                                  // [64]: w * heads^-1/2
   const int row = blockIdx.x, heads = p.heads, tid = threadIdx.x;
   const int position = p.positions[row];
   const int firstKey = int(blockIdx.y) * kTileKeys * tilesPerBlock;
   if (firstKey > position)
     return;
+  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
+  const auto *pool = static_cast<const unsigned char *>(p.keyPages);
+  KeyTileLoad<Type, D> next;
+  next.load(p, pool, table, pageBytes, firstKey, position); // in flight while q is staged
+
   // q as bf16 hi + lo, four values per load and several loads in flight.
   const float4 *q = reinterpret_cast<const float4 *>(p.q + size_t(row) * heads * D);
   bool anyLo = false;
@@ -195,117 +294,53 @@ __global__ void __launch_bounds__(kMmaThreads)
   const bool useLo = __syncthreads_or(anyLo);
   const int warp = tid / 32, lane = tid % 32, mTiles = (heads + 15) / 16;
   const float dotScale = 1.0f / sqrtf(float(D));
-  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
-  const auto *pool = static_cast<const unsigned char *>(p.keyPages);
 
-  // A tile's raw key bytes and scales, loaded into registers one tile ahead so that the loads
-  // of tile t + 1 are in flight while tile t is multiplied.
-  constexpr int kChunks = kTileKeys * (D / 16) / kMmaThreads;
-  constexpr int kScaleSlots = (kTileKeys * kBlocks + kMmaThreads - 1) / kMmaThreads;
-  uint4 raw[kChunks];
-  float rawScales[kScaleSlots];
-  auto loadTile = [&](int tileKey) {
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      const int c = tid + i * kMmaThreads, k = c / (D / 16), part = c % (D / 16);
-      const int s = tileKey + k;
-      raw[i] = make_uint4(0, 0, 0, 0);
-      if (s <= position) {
-        const unsigned char *page = pool + table[s / p.pageTokens] * pageBytes;
-        raw[i] = *reinterpret_cast<const uint4 *>(page + size_t(s % p.pageTokens) * D + part * 16);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kScaleSlots; ++i) {
-      const int c = tid + i * kMmaThreads, k = c / kBlocks, block = c % kBlocks;
-      const int s = tileKey + k;
-      rawScales[i] = 0.0f;
-      if (c < kTileKeys * kBlocks && s <= position) {
-        const unsigned char *page = pool + table[s / p.pageTokens] * pageBytes;
-        const int slot = s % p.pageTokens;
-        rawScales[i] =
-            Type == IndexKeyType::Mxfp8
-                ? e8m0ToFloat(page[size_t(p.pageTokens) * D + size_t(slot) * kBlocks + block])
-                : *reinterpret_cast<const float *>(page + size_t(p.pageTokens) * D +
-                                                   size_t(slot) * 4);
-      }
-    }
-  };
-  loadTile(firstKey);
   for (int tile = 0; tile < tilesPerBlock; ++tile) {
     const int tileKey = firstKey + tile * kTileKeys;
     if (tileKey > position)
       break;
     __syncthreads(); // the previous tile's keys are consumed
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      const int c = tid + i * kMmaThreads, k = c / (D / 16), part = c % (D / 16);
-      const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
-      uint32_t packed[8];
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          packed[2 * w + h] = mma::packBf16(e4m3ToFloat(uint8_t(words[w] >> (16 * h))),
-                                            e4m3ToFloat(uint8_t(words[w] >> (16 * h + 8))));
-      auto *target = reinterpret_cast<uint4 *>(keys + k * kStride + part * 16);
-      target[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      target[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-    }
-#pragma unroll
-    for (int i = 0; i < kScaleSlots; ++i)
-      if (tid + i * kMmaThreads < kTileKeys * kBlocks)
-        scales[tid + i * kMmaThreads] = rawScales[i];
+    next.store(keys, keyScales);
     __syncthreads();
     if (tile + 1 < tilesPerBlock && tileKey + kTileKeys <= position)
-      loadTile(tileKey + kTileKeys);
+      next.load(p, pool, table, pageBytes, tileKey + kTileKeys, position); // during the MMAs
 
     // This warp's 16 keys (two 8-key n-tiles) against every head (m-tiles of 16).
     float acc[4][2][4] = {};
 #pragma unroll
-    for (int block = 0; block < kBlocks; ++block) {
-      float part[4][2][4] = {};
+    for (int k0 = 0; k0 < D; k0 += 16) {
+      uint32_t b0[2], b1[2];
+      mma::loadBPair(b0, b1, keys + warp * 16 * kStride + k0, kStride);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int k0 = block * kMxBlock + half * 16;
-        uint32_t b0[2], b1[2];
-        mma::loadBPair(b0, b1, keys + warp * 16 * kStride + k0, kStride);
-#pragma unroll
-        for (int mt = 0; mt < 4; ++mt) {
-          if (mt >= mTiles)
-            continue;
-          uint32_t a[4];
-          mma::loadA(a, qHi + mt * 16 * kStride + k0, kStride);
-          mma::mma16816(part[mt][0], a, b0);
-          mma::mma16816(part[mt][1], a, b1);
-          if (useLo) {
-            mma::loadA(a, qLo + mt * 16 * kStride + k0, kStride);
-            mma::mma16816(part[mt][0], a, b0);
-            mma::mma16816(part[mt][1], a, b1);
-          }
+      for (int mt = 0; mt < 4; ++mt) {
+        if (mt >= mTiles)
+          continue;
+        uint32_t a[4];
+        mma::loadA(a, qHi + mt * 16 * kStride + k0, kStride);
+        mma::mma16816(acc[mt][0], a, b0);
+        mma::mma16816(acc[mt][1], a, b1);
+        if (useLo) {
+          mma::loadA(a, qLo + mt * 16 * kStride + k0, kStride);
+          mma::mma16816(acc[mt][0], a, b0);
+          mma::mma16816(acc[mt][1], a, b1);
         }
       }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float scale = scales[(warp * 16 + nt * 8 + mma::accColumn(e)) * kBlocks + block];
-#pragma unroll
-          for (int mt = 0; mt < 4; ++mt)
-            acc[mt][nt][e] = fmaf(part[mt][nt][e], scale, acc[mt][nt][e]);
-        }
     }
     // score[key] = sum over heads of w * ReLU(dot * D^-1/2): this lane's heads, then the 8 lanes
     // that share its key columns.
     float sums[2][2] = {};
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt)
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const float keyScale =
+            Type == IndexKeyType::Fp8PerKey ? keyScales[warp * 16 + nt * 8 + mma::accColumn(e)]
+                                            : 1.0f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          sums[nt][e & 1] +=
-              weights[mt * 16 + mma::accRow(e)] * fmaxf(0.0f, acc[mt][nt][e] * dotScale);
+        for (int mt = 0; mt < 4; ++mt)
+          sums[nt][e & 1] += weights[mt * 16 + mma::accRow(e)] *
+                             fmaxf(0.0f, acc[mt][nt][e] * keyScale * dotScale);
+      }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -334,10 +369,12 @@ __device__ inline uint32_t orderKey(float value) {
 // Radix select, 8 bits per pass from the top: after four passes `prefix` is the k-th largest
 // key and `remaining` how many keys equal to it belong to the top k (the lowest positions).
 __global__ void __launch_bounds__(kSelectThreads) indexerTopKKernel(IndexerParams p) {
-  __shared__ uint32_t histogram[256];
+  __shared__ uint32_t histogram[1 << 12];
+  __shared__ uint32_t warpTotals[kSelectThreads / 32];
   __shared__ int chosenBin, countAbove, greaterSlots;
   __shared__ int warpTies[kSelectThreads / 32];
   const int row = blockIdx.x, tid = threadIdx.x, k = p.topK;
+  const int lane = tid % 32, warp = tid / 32;
   const int n = p.positions[row] + 1;
   const float *scores = p.scores + size_t(row) * p.maxKeys;
   int32_t *out = p.indices + size_t(row) * k;
@@ -346,10 +383,16 @@ __global__ void __launch_bounds__(kSelectThreads) indexerTopKKernel(IndexerParam
       out[i] = i < n ? i : -1;
     return;
   }
+  // Three digits from the top: 12 bits (sign, exponent, 3 mantissa bits: scores spread over
+  // more bins than by exponent alone, so fewer atomics collide), then 10 and 10.
+  constexpr int kShifts[3] = {20, 10, 0}, kBits[3] = {12, 10, 10};
   uint32_t prefix = 0, mask = 0;
   int remaining = k;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = tid; i < 256; i += kSelectThreads)
+#pragma unroll
+  for (int pass = 0; pass < 3; ++pass) {
+    const int shift = kShifts[pass], bins = 1 << kBits[pass];
+    const uint32_t digitMask = uint32_t(bins - 1);
+    for (int i = tid; i < bins; i += kSelectThreads)
       histogram[i] = 0;
     __syncthreads();
     constexpr int kInFlight = 8; // loads issued before the first is used: latency, not bandwidth
@@ -363,31 +406,49 @@ __global__ void __launch_bounds__(kSelectThreads) indexerTopKKernel(IndexerParam
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u)
         if (first + u * kSelectThreads < n && (keys[u] & mask) == prefix)
-          atomicAdd(&histogram[(keys[u] >> shift) & 0xFFu], 1u);
+          atomicAdd(&histogram[(keys[u] >> shift) & digitMask], 1u);
     }
     __syncthreads();
-    if (tid == 0) {
-      int above = 0, bin = 255;
-      for (; bin > 0; --bin) {
-        if (above + int(histogram[bin]) >= remaining)
+    // The bin where the count from the top reaches `remaining`: each thread sums its own bins,
+    // a suffix sum over threads finds the one thread whose bins hold the crossing.
+    const int perThread = bins / kSelectThreads;
+    uint32_t own = 0;
+    for (int b = 0; b < perThread; ++b)
+      own += histogram[tid * perThread + b];
+    uint32_t suffix = own; // this lane's bins and the higher lanes' of the warp
+#pragma unroll
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const uint32_t higher = __shfl_down_sync(0xffffffffu, suffix, offset);
+      if (lane + offset < 32)
+        suffix += higher;
+    }
+    if (lane == 0)
+      warpTotals[warp] = suffix;
+    __syncthreads();
+    for (int w = warp + 1; w < kSelectThreads / 32; ++w)
+      suffix += warpTotals[w];
+    if (suffix >= uint32_t(remaining) && suffix - own < uint32_t(remaining)) {
+      uint32_t above = suffix - own;
+      int bin = (tid + 1) * perThread - 1;
+      for (; bin > tid * perThread; --bin) {
+        if (above + histogram[bin] >= uint32_t(remaining))
           break;
-        above += int(histogram[bin]);
+        above += histogram[bin];
       }
       chosenBin = bin;
-      countAbove = above;
+      countAbove = int(above);
     }
     __syncthreads();
     prefix |= uint32_t(chosenBin) << shift;
-    mask |= 0xFFu << shift;
+    mask |= digitMask << shift;
     remaining -= countAbove;
-    __syncthreads(); // chosenBin and countAbove are read before the next pass rewrites them
+    __syncthreads(); // chosenBin, countAbove and warpTotals are read before the next pass
   }
 
   if (tid == 0)
     greaterSlots = 0;
   __syncthreads();
   const int greater = k - remaining;
-  const int lane = tid % 32, warp = tid / 32;
   int tiesBefore = 0; // ties in earlier chunks (the same in every thread)
   for (int chunk = 0; chunk < n; chunk += kSelectThreads) {
     const int i = chunk + tid;
