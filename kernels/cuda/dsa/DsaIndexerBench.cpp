@@ -69,6 +69,7 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
       unsigned char *pool = nullptr;
       int32_t *dTables = nullptr, *dPositions = nullptr, *dSequences = nullptr, *dIndices = nullptr;
       float *dScores = nullptr;
+      void *dSelect = nullptr;
       std::vector<float *> floats;
       auto release = [&]() {
         cudaFree(pool);
@@ -77,6 +78,7 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
         cudaFree(dSequences);
         cudaFree(dIndices);
         cudaFree(dScores);
+        cudaFree(dSelect);
         for (float *f : floats)
           cudaFree(f);
       };
@@ -107,7 +109,8 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
       if (!upload(dTables, tables) || !upload(dPositions, positions) ||
           !upload(dSequences, sequences) ||
           cudaMalloc(&dIndices, size_t(batch) * topK * 4) != cudaSuccess ||
-          cudaMalloc(&dScores, size_t(batch) * context * 4) != cudaSuccess)
+          cudaMalloc(&dScores, size_t(batch) * context * 4) != cudaSuccess ||
+          cudaMalloc(&dSelect, indexerSelectWorkspaceBytes(batch)) != cudaSuccess)
         return fail("the table and workspace allocation");
       IndexerParams p;
       p.rows = batch;
@@ -147,6 +150,7 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
       p.maxKeys = context;
       p.topK = std::min(topK, context);
       p.indices = dIndices;
+      p.selectWorkspace = dSelect;
       if (launchIndexerTopK(p, nullptr) != 0 || cudaDeviceSynchronize() != cudaSuccess)
         return fail("the indexer launch");
       IndexerBenchResult r;
@@ -156,7 +160,24 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
       r.headDim = headDim;
       r.topK = p.topK;
       r.keyType = keyType;
-      r.microseconds = medianMicroseconds(nullptr, iterations, [&] { launchIndexerTopK(p, nullptr); });
+      // Replayed from a CUDA graph, as a decode step runs it: the launches cost no host time.
+      cudaStream_t stream = nullptr;
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
+        return fail("the stream creation");
+      const bool captured =
+          cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess &&
+          launchIndexerTopK(p, stream) == 0 && cudaStreamEndCapture(stream, &graph) == cudaSuccess &&
+          cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+      if (captured)
+        r.microseconds =
+            medianMicroseconds(stream, iterations, [&] { cudaGraphLaunch(exec, stream); });
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(stream);
+      if (!captured)
+        return fail("the graph capture");
       r.keyBytes = double(batch) * context * double(pageBytes) / kPageTokens;
       r.floorMicroseconds = r.keyBytes / (kH200CopyTbPerSecond * 1e12) * 1e6;
       results.push_back(r);

@@ -19,7 +19,6 @@ namespace hybrid::kernels::cuda {
 namespace {
 
 constexpr int kScoreThreads = 128; // keys per block
-constexpr int kSelectThreads = 1024;
 constexpr int kMxBlock = 32;
 
 __device__ inline float e4m3ToFloat(uint8_t code) {
@@ -366,110 +365,161 @@ __device__ inline uint32_t orderKey(float value) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// Radix select, 8 bits per pass from the top: after four passes `prefix` is the k-th largest
-// key and `remaining` how many keys equal to it belong to the top k (the lowest positions).
-__global__ void __launch_bounds__(kSelectThreads) indexerTopKKernel(IndexerParams p) {
-  __shared__ uint32_t histogram[1 << 12];
-  __shared__ uint32_t warpTotals[kSelectThreads / 32];
-  __shared__ int chosenBin, countAbove, greaterSlots;
-  __shared__ int warpTies[kSelectThreads / 32];
-  const int row = blockIdx.x, tid = threadIdx.x, k = p.topK;
-  const int lane = tid % 32, warp = tid / 32;
-  const int n = p.positions[row] + 1;
+// ---- Top-k: a radix select spread over many blocks per row.
+//
+// Each position gets a unique selection key: the score's order-preserving bits, then the
+// position complemented in `positionBits` bits, so equal scores rank the lower position higher
+// (ref::topKIndices' rule) and the k-th largest key is a threshold with no ties. Digits of at
+// most 12 bits from the top: a histogram pass over the row's chunks (many blocks, shared-memory
+// histograms flushed into the row's global one), then a one-block pass that finds the digit
+// where the count from the top reaches the keys still wanted. The keys at or above the final
+// prefix are the top k; a last pass writes them.
+constexpr int kHistogramThreads = 256;
+constexpr int kChunkKeys = 2048;  // positions per histogram block
+constexpr int kMaxDigitBits = 12;
+constexpr int kSelectThreads = 1024;
+
+struct SelectState {
+  unsigned long long prefix; // the digits chosen so far, in place
+  unsigned long long mask;
+  int remaining;             // keys still to take below the prefix's digits
+  int written;               // output slots handed out by the last pass
+};
+
+__device__ inline unsigned long long selectionKey(const float *scores, int i, int positionBits) {
+  const unsigned long long low = ~(unsigned long long)i & ((1ull << positionBits) - 1);
+  return ((unsigned long long)orderKey(scores[i]) << positionBits) | low;
+}
+
+__global__ void __launch_bounds__(kHistogramThreads)
+    selectHistogramKernel(IndexerParams p, SelectState *states, uint32_t *histograms, int shift,
+                          int bits, int positionBits) {
+  __shared__ uint32_t histogram[1 << kMaxDigitBits];
+  const int row = blockIdx.x, n = p.positions[row] + 1;
+  const int begin = int(blockIdx.y) * kChunkKeys;
+  if (n <= p.topK || begin >= n)
+    return;
+  const int end = min(n, begin + kChunkKeys), bins = 1 << bits;
+  for (int b = threadIdx.x; b < bins; b += kHistogramThreads)
+    histogram[b] = 0;
+  const SelectState state = states[row];
+  __syncthreads();
   const float *scores = p.scores + size_t(row) * p.maxKeys;
+  constexpr int kInFlight = 8; // loads issued before the first is used
+  for (int first = begin + int(threadIdx.x); first < end;
+       first += kInFlight * kHistogramThreads) {
+    unsigned long long keys[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int i = first + u * kHistogramThreads;
+      keys[u] = i < end ? selectionKey(scores, i, positionBits) : 0ull;
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+      if (first + u * kHistogramThreads < end && (keys[u] & state.mask) == state.prefix)
+        atomicAdd(&histogram[(keys[u] >> shift) & (bins - 1)], 1u);
+  }
+  __syncthreads();
+  uint32_t *global = histograms + size_t(row) * (1 << kMaxDigitBits);
+  for (int b = threadIdx.x; b < bins; b += kHistogramThreads)
+    if (histogram[b])
+      atomicAdd(&global[b], histogram[b]);
+}
+
+__global__ void __launch_bounds__(kSelectThreads)
+    selectDigitKernel(IndexerParams p, SelectState *states, uint32_t *histograms, int shift,
+                      int bits) {
+  __shared__ uint32_t warpTotals[kSelectThreads / 32];
+  const int row = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  if (p.positions[row] + 1 <= p.topK)
+    return;
+  uint32_t *histogram = histograms + size_t(row) * (1 << kMaxDigitBits);
+  const int bins = 1 << bits, perThread = (bins + kSelectThreads - 1) / kSelectThreads;
+  const int remaining = states[row].remaining;
+  // Each thread sums its own bins; a suffix sum over threads finds the one whose bins hold the
+  // crossing, and it walks them from the top.
+  uint32_t own = 0;
+  for (int b = 0; b < perThread; ++b)
+    if (tid * perThread + b < bins)
+      own += histogram[tid * perThread + b];
+  uint32_t suffix = own;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const uint32_t higher = __shfl_down_sync(0xffffffffu, suffix, offset);
+    if (lane + offset < 32)
+      suffix += higher;
+  }
+  if (lane == 0)
+    warpTotals[warp] = suffix;
+  __syncthreads();
+  for (int w = warp + 1; w < kSelectThreads / 32; ++w)
+    suffix += warpTotals[w];
+  if (suffix >= uint32_t(remaining) && suffix - own < uint32_t(remaining)) {
+    uint32_t above = suffix - own;
+    int bin = min(bins, (tid + 1) * perThread) - 1;
+    for (; bin > tid * perThread; --bin) {
+      if (above + histogram[bin] >= uint32_t(remaining))
+        break;
+      above += histogram[bin];
+    }
+    SelectState &state = states[row];
+    state.prefix |= (unsigned long long)bin << shift;
+    state.mask |= (unsigned long long)(bins - 1) << shift;
+    state.remaining = remaining - int(above);
+  }
+  __syncthreads(); // the histogram is read before it is cleared for the next digit
+  for (int b = tid; b < bins; b += kSelectThreads)
+    histogram[b] = 0;
+}
+
+__global__ void __launch_bounds__(kHistogramThreads)
+    selectWriteKernel(IndexerParams p, SelectState *states, int positionBits) {
+  const int row = blockIdx.x, n = p.positions[row] + 1, k = p.topK;
   int32_t *out = p.indices + size_t(row) * k;
-  if (n <= k) { // every causal position
-    for (int i = tid; i < k; i += kSelectThreads)
-      out[i] = i < n ? i : -1;
+  if (n <= k) { // every causal position, then -1s
+    if (blockIdx.y == 0)
+      for (int i = threadIdx.x; i < k; i += kHistogramThreads)
+        out[i] = i < n ? i : -1;
     return;
   }
-  // Three digits from the top: 12 bits (sign, exponent, 3 mantissa bits: scores spread over
-  // more bins than by exponent alone, so fewer atomics collide), then 10 and 10.
-  constexpr int kShifts[3] = {20, 10, 0}, kBits[3] = {12, 10, 10};
-  uint32_t prefix = 0, mask = 0;
-  int remaining = k;
-#pragma unroll
-  for (int pass = 0; pass < 3; ++pass) {
-    const int shift = kShifts[pass], bins = 1 << kBits[pass];
-    const uint32_t digitMask = uint32_t(bins - 1);
-    for (int i = tid; i < bins; i += kSelectThreads)
-      histogram[i] = 0;
-    __syncthreads();
-    constexpr int kInFlight = 8; // loads issued before the first is used: latency, not bandwidth
-    for (int first = tid; first < n; first += kInFlight * kSelectThreads) {
-      uint32_t keys[kInFlight];
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u) {
-        const int i = first + u * kSelectThreads;
-        keys[u] = i < n ? orderKey(scores[i]) : 0u;
-      }
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u)
-        if (first + u * kSelectThreads < n && (keys[u] & mask) == prefix)
-          atomicAdd(&histogram[(keys[u] >> shift) & digitMask], 1u);
-    }
-    __syncthreads();
-    // The bin where the count from the top reaches `remaining`: each thread sums its own bins,
-    // a suffix sum over threads finds the one thread whose bins hold the crossing.
-    const int perThread = bins / kSelectThreads;
-    uint32_t own = 0;
-    for (int b = 0; b < perThread; ++b)
-      own += histogram[tid * perThread + b];
-    uint32_t suffix = own; // this lane's bins and the higher lanes' of the warp
-#pragma unroll
-    for (int offset = 1; offset < 32; offset *= 2) {
-      const uint32_t higher = __shfl_down_sync(0xffffffffu, suffix, offset);
-      if (lane + offset < 32)
-        suffix += higher;
-    }
-    if (lane == 0)
-      warpTotals[warp] = suffix;
-    __syncthreads();
-    for (int w = warp + 1; w < kSelectThreads / 32; ++w)
-      suffix += warpTotals[w];
-    if (suffix >= uint32_t(remaining) && suffix - own < uint32_t(remaining)) {
-      uint32_t above = suffix - own;
-      int bin = (tid + 1) * perThread - 1;
-      for (; bin > tid * perThread; --bin) {
-        if (above + histogram[bin] >= uint32_t(remaining))
-          break;
-        above += histogram[bin];
-      }
-      chosenBin = bin;
-      countAbove = int(above);
-    }
-    __syncthreads();
-    prefix |= uint32_t(chosenBin) << shift;
-    mask |= digitMask << shift;
-    remaining -= countAbove;
-    __syncthreads(); // chosenBin, countAbove and warpTotals are read before the next pass
-  }
+  const int begin = int(blockIdx.y) * kChunkKeys, end = min(n, begin + kChunkKeys);
+  const unsigned long long threshold = states[row].prefix;
+  const float *scores = p.scores + size_t(row) * p.maxKeys;
+  for (int i = begin + int(threadIdx.x); i < end; i += kHistogramThreads)
+    if (selectionKey(scores, i, positionBits) >= threshold)
+      out[atomicAdd(&states[row].written, 1)] = i;
+}
 
-  if (tid == 0)
-    greaterSlots = 0;
-  __syncthreads();
-  const int greater = k - remaining;
-  int tiesBefore = 0; // ties in earlier chunks (the same in every thread)
-  for (int chunk = 0; chunk < n; chunk += kSelectThreads) {
-    const int i = chunk + tid;
-    const uint32_t key = i < n ? orderKey(scores[i]) : 0u;
-    const bool above = i < n && key > prefix, tie = i < n && key == prefix;
-    if (above)
-      out[atomicAdd(&greaterSlots, 1)] = i;
-    const unsigned ballot = __ballot_sync(0xffffffffu, tie);
-    if (lane == 0)
-      warpTies[warp] = __popc(ballot);
-    __syncthreads();
-    int rank = tiesBefore + __popc(ballot & ((1u << lane) - 1u)), total = 0;
-    for (int w = 0; w < kSelectThreads / 32; ++w) {
-      rank += w < warp ? warpTies[w] : 0;
-      total += warpTies[w];
-    }
-    if (tie && rank < remaining)
-      out[greater + rank] = i;
-    tiesBefore += total;
-    __syncthreads(); // warpTies is rewritten by the next chunk
+// Fresh states and zero histograms (the digit passes leave them zero again behind them).
+__global__ void selectResetKernel(SelectState *states, uint32_t *histograms, int rows, int topK) {
+  const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < size_t(rows))
+    states[i] = SelectState{0ull, 0ull, topK, 0};
+  if (i < size_t(rows) << kMaxDigitBits)
+    histograms[i] = 0;
+}
+
+// The select on `stream`: digits from the top of the (32 + positionBits)-bit keys.
+int launchSelect(const IndexerParams &p, cudaStream_t stream) {
+  int positionBits = 1;
+  while ((1ll << positionBits) < p.maxKeys)
+    ++positionBits;
+  auto *states = static_cast<SelectState *>(p.selectWorkspace);
+  auto *histograms = reinterpret_cast<uint32_t *>(static_cast<unsigned char *>(p.selectWorkspace) +
+                                                  size_t(p.rows) * sizeof(SelectState));
+  selectResetKernel<<<unsigned(((size_t(p.rows) << kMaxDigitBits) + 255) / 256), 256, 0, stream>>>(
+      states, histograms, p.rows, p.topK);
+  const dim3 chunks(unsigned(p.rows), unsigned((p.maxKeys + kChunkKeys - 1) / kChunkKeys));
+  for (int top = 32 + positionBits; top > 0;) {
+    const int bits = std::min(kMaxDigitBits, top), shift = top - bits;
+    selectHistogramKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, histograms, shift,
+                                                                    bits, positionBits);
+    selectDigitKernel<<<unsigned(p.rows), kSelectThreads, 0, stream>>>(p, states, histograms,
+                                                                       shift, bits);
+    top = shift;
   }
+  selectWriteKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, positionBits);
+  return int(cudaGetLastError());
 }
 
 template <IndexKeyType Type, int D> int launchScores(const IndexerParams &p, cudaStream_t stream) {
@@ -520,11 +570,17 @@ int64_t indexerPageBytes(IndexKeyType type, int32_t pageTokens, int32_t headDim)
   return int64_t(pageTokens) * (codes + scales);
 }
 
+size_t indexerSelectWorkspaceBytes(int32_t rows) {
+  return rows > 0 ? size_t(rows) * (sizeof(SelectState) + (sizeof(uint32_t) << kMaxDigitBits))
+                  : 0;
+}
+
 int launchIndexerTopK(const IndexerParams &p, void *stream) {
   if (p.rows <= 0 || p.heads <= 0 || p.heads > kIndexerMaxHeads ||
       (p.headDim != 64 && p.headDim != 128) || !p.q || !p.headWeights || !p.positions ||
       !p.sequences || !p.keyPages || p.pageTokens <= 0 || !p.blockTables || p.maxPages <= 0 ||
       !p.scores || p.maxKeys <= 0 || p.topK <= 0 || p.topK > p.maxKeys || !p.indices ||
+      !p.selectWorkspace ||
       (p.maxKeys + kScoreThreads - 1) / kScoreThreads > 65535)
     return cudaErrorInvalidValue;
   const auto s = static_cast<cudaStream_t>(stream);
@@ -533,8 +589,7 @@ int launchIndexerTopK(const IndexerParams &p, void *stream) {
                                                   : launchScoresOf<IndexKeyType::Fp8PerKey>(p, s);
   if (status != 0)
     return status;
-  indexerTopKKernel<<<unsigned(p.rows), kSelectThreads, 0, s>>>(p);
-  return int(cudaGetLastError());
+  return launchSelect(p, s);
 }
 
 } // namespace hybrid::kernels::cuda

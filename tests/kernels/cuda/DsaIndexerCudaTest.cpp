@@ -85,6 +85,8 @@ IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int 
   DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
       dIndices{std::vector<int32_t>(size_t(rows) * topK, -7)};
   DeviceBuffer<uint8_t> dPool(paged.pool);
+  // Garbage in the select workspace: the launch must not depend on its contents.
+  DeviceBuffer<uint8_t> dSelect{std::vector<uint8_t>(cuda::indexerSelectWorkspaceBytes(rows), 0xA5)};
   cuda::IndexerParams p;
   p.rows = rows;
   p.heads = heads;
@@ -102,6 +104,7 @@ IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int 
   p.maxKeys = maxKeys;
   p.topK = topK;
   p.indices = dIndices.data;
+  p.selectWorkspace = dSelect.data;
   EXPECT_EQ(cuda::indexerPageBytes(type, p.pageTokens, dim), paged.layout.indexPageBytes());
   EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), 0);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);

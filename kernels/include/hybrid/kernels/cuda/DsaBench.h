@@ -13,7 +13,8 @@ namespace hybrid::kernels::cuda {
 struct IndexerBenchResult {
   int32_t batch = 0, context = 0, heads = 0, headDim = 0, topK = 0;
   IndexKeyType keyType = IndexKeyType::Mxfp8;
-  double microseconds = 0; // one decode step: every sequence's query against its whole context
+  double microseconds = 0; // one decode step (every sequence's query against its whole
+                           // context), replayed from a CUDA graph
   double keyBytes = 0;     // the key cache the step must read: batch x context keys
   double floorMicroseconds = 0; // keyBytes at the measured copy bandwidth
 };

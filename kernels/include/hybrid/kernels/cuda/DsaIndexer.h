@@ -6,10 +6,10 @@
 // One launch serves decode (one row per sequence, its last position) and causal prefill (one row
 // per token, each with its position). CUDA-free header.
 //
-// First version: the scores of a row are written to a workspace row and a second kernel selects
-// from it by a 4-pass radix select (the fused form that never writes the scores is still to
-// come); the dot products run on CUDA cores in fp32 on the dequantized keys, which is exact to
-// the cpu oracle's inputs (rounding order aside).
+// First version: the scores of a row are written to a workspace row, then selected by a radix
+// select spread over many blocks per row (the fused form that never writes the scores is still
+// to come). FP8 keys multiply on the bf16 tensor cores exactly (see dsa_indexer_sm90.cu), fp32
+// keys on CUDA cores; either way the cpu oracle's values up to fp32 summation order.
 #pragma once
 
 #include <cstddef>
@@ -43,7 +43,11 @@ struct IndexerParams {
   int32_t topK = 0;          // 1..maxKeys
   int32_t *indices = nullptr; // [rows, topK]: the selected positions, in no particular order;
                               // a row with fewer than topK keys gets all of them, then -1s
+  void *selectWorkspace = nullptr; // indexerSelectWorkspaceBytes(rows), 8-byte aligned
 };
+
+// The top-k's scratch: per row its radix-select state and a digit histogram.
+size_t indexerSelectWorkspaceBytes(int32_t rows);
 
 // Bytes of one index-key page (PagedCacheLayout::indexPageBytes for the same format).
 int64_t indexerPageBytes(IndexKeyType type, int32_t pageTokens, int32_t headDim);
