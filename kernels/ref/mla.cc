@@ -133,4 +133,85 @@ void mlaAttention(const MlaAttentionParams &p) {
   });
 }
 
+void absorbMlaQueries(const MlaAttentionParams &p, float *absorbed) {
+  const int64_t qkDim = p.nopeDim + p.ropeDim, wide = p.latentDim + p.ropeDim;
+  const int64_t headRows = p.nopeDim + p.valueDim; // kv_b_proj rows per head: [W_UK; W_UV]
+  parallelFor(p.numQueries * p.numHeads, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item % p.numHeads;
+      const float *query = p.queries + item * qkDim;
+      float *target = absorbed + item * wide;
+      const float *uk = p.kvBProj + h * headRows * p.latentDim; // [nopeDim, latentDim]
+      for (int64_t r = 0; r < p.latentDim; ++r) {
+        float sum = 0.0f;
+        for (int64_t n = 0; n < p.nopeDim; ++n)
+          sum += query[n] * uk[n * p.latentDim + r];
+        target[r] = sum;
+      }
+      std::copy(query + p.nopeDim, query + qkDim, target + p.latentDim);
+    }
+  });
+}
+
+void latentAttention(const LatentAttentionParams &p) {
+  const int64_t wide = p.latentDim + p.ropeDim;
+  parallelFor(p.numQueries * p.numHeads, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> keys;
+    std::vector<float> logits;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / p.numHeads;
+      keys.clear();
+      if (p.sparseIndices) {
+        for (int64_t j = 0; j < p.topK; ++j) {
+          const int32_t index = p.sparseIndices[t * p.topK + j];
+          if (index >= 0 && index < p.numKeys)
+            keys.push_back(index);
+        }
+      } else {
+        const int64_t position =
+            p.queryPositions ? p.queryPositions[t] : p.numKeys - p.numQueries + t;
+        for (int64_t s = 0; s <= std::min(position, p.numKeys - 1); ++s)
+          keys.push_back(s);
+      }
+      float *out = p.out + item * p.latentDim;
+      std::fill(out, out + p.latentDim, 0.0f);
+      if (keys.empty())
+        continue;
+      const float *query = p.queries + item * wide;
+      logits.resize(keys.size());
+      float maxLogit = -std::numeric_limits<float>::infinity();
+      for (size_t j = 0; j < keys.size(); ++j) {
+        const float score = dot(query, p.latents + keys[j] * p.latentDim, p.latentDim) +
+                            dot(query + p.latentDim, p.ropeKeys + keys[j] * p.ropeDim, p.ropeDim);
+        logits[j] = score * p.softmaxScale;
+        maxLogit = std::max(maxLogit, logits[j]);
+      }
+      float sum = 0.0f;
+      for (float &logit : logits) {
+        logit = std::exp(logit - maxLogit);
+        sum += logit;
+      }
+      for (size_t j = 0; j < keys.size(); ++j) {
+        const float weight = logits[j] / sum;
+        const float *latent = p.latents + keys[j] * p.latentDim;
+        for (int64_t d = 0; d < p.latentDim; ++d)
+          out[d] += weight * latent[d];
+      }
+    }
+  });
+}
+
+void expandLatentOutputs(const MlaAttentionParams &p, const float *latentOut, float *out) {
+  const int64_t headRows = p.nopeDim + p.valueDim;
+  parallelFor(p.numQueries * p.numHeads, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item % p.numHeads;
+      const float *uv = p.kvBProj + (h * headRows + p.nopeDim) * p.latentDim; // [valueDim, latent]
+      for (int64_t v = 0; v < p.valueDim; ++v)
+        out[item * p.valueDim + v] = dot(uv + v * p.latentDim, latentOut + item * p.latentDim,
+                                         p.latentDim);
+    }
+  });
+}
+
 } // namespace hybrid::kernels::ref

@@ -234,5 +234,78 @@ TEST(MlaAttention, QueryWithoutKeysOutputsZero) {
   EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 0.0f; }));
 }
 
+// The absorbed MQA form (§3.3) is the same attention: absorb the queries through W_UK, attend over
+// the 576-wide latent keys, expand the latent outputs through W_UV; dense causal and sparse.
+TEST(LatentAttention, AbsorbedFormEqualsTheMhaForm) {
+  std::mt19937 rng(15);
+  const MlaProblem problem(rng);
+  const int64_t topK = 6;
+  std::vector<int32_t> indices(problem.numQueries * topK, -1);
+  for (int64_t t = 0; t < problem.numQueries; ++t) {
+    std::vector<int32_t> causal(problem.positions[t] + 1);
+    std::iota(causal.begin(), causal.end(), 0);
+    std::shuffle(causal.begin(), causal.end(), rng);
+    for (int64_t j = 0; j < std::min<int64_t>(topK - 1, causal.size()); ++j)
+      indices[t * topK + j] = causal[j];
+  }
+  for (bool sparse : {false, true}) {
+    SCOPED_TRACE(sparse ? "sparse" : "dense");
+    std::vector<float> mha;
+    MlaAttentionParams p = problem.params(mha);
+    if (sparse) {
+      p.sparseIndices = indices.data();
+      p.topK = topK;
+    }
+    mlaAttention(p);
+
+    const int64_t wide = problem.latent + problem.rope;
+    std::vector<float> absorbed(problem.numQueries * problem.heads * wide);
+    absorbMlaQueries(p, absorbed.data());
+    std::vector<float> latentOut(problem.numQueries * problem.heads * problem.latent, -1.0f);
+    LatentAttentionParams l;
+    l.numQueries = problem.numQueries;
+    l.numKeys = problem.numKeys;
+    l.numHeads = problem.heads;
+    l.latentDim = problem.latent;
+    l.ropeDim = problem.rope;
+    l.softmaxScale = p.softmaxScale;
+    l.queries = absorbed.data();
+    l.queryPositions = problem.positions.data();
+    l.latents = problem.latents.data();
+    l.ropeKeys = problem.ropeKeys.data();
+    l.sparseIndices = p.sparseIndices;
+    l.topK = p.topK;
+    l.out = latentOut.data();
+    latentAttention(l);
+    std::vector<float> expanded(mha.size(), -1.0f);
+    expandLatentOutputs(p, latentOut.data(), expanded.data());
+    float largest = 0;
+    for (float v : mha)
+      largest = std::max(largest, std::abs(v));
+    EXPECT_LE(maxAbsDiff(expanded, mha), 1e-5f * std::max(1.0f, largest));
+  }
+}
+
+TEST(LatentAttention, QueryWithoutKeysOutputsZero) {
+  const std::vector<float> query(2 * 6, 1.0f), latents(3 * 4, 1.0f), rope(3 * 2, 1.0f);
+  const std::vector<int32_t> indices = {-1, -1};
+  std::vector<float> out(2 * 4, 7.0f);
+  LatentAttentionParams l;
+  l.numQueries = 1;
+  l.numKeys = 3;
+  l.numHeads = 2;
+  l.latentDim = 4;
+  l.ropeDim = 2;
+  l.softmaxScale = 0.5f;
+  l.queries = query.data();
+  l.latents = latents.data();
+  l.ropeKeys = rope.data();
+  l.sparseIndices = indices.data();
+  l.topK = 2;
+  l.out = out.data();
+  latentAttention(l);
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 0.0f; }));
+}
+
 } // namespace
 } // namespace hybrid::kernels::ref

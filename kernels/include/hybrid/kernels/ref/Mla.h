@@ -84,4 +84,36 @@ struct MlaAttentionParams {
 
 void mlaAttention(const MlaAttentionParams &params);
 
+// ---- The absorbed MQA form (§3.3): the same attention with one (latentDim + ropeDim)-wide key
+// per position, shared by all heads, which is what the GPU decode kernels compute over the cache:
+//   q~_h = W_UK[h]^T q_nope_h,  Q_h = [q~_h ; q_r_h],  K_s = [c_s ; k_r,s],
+//   o^_h = sum_s softmax_s(softmaxScale * Q_h . K_s) c_s,  o_h = W_UV[h] o^_h.
+
+// queries [numQueries, numHeads, nopeDim + ropeDim] -> absorbed [numQueries, numHeads,
+// latentDim + ropeDim] (the rope part copied), with kvBProj [numHeads * (nopeDim + valueDim),
+// latentDim] as in MlaAttentionParams.
+void absorbMlaQueries(const MlaAttentionParams &params, float *absorbed);
+
+struct LatentAttentionParams {
+  int64_t numQueries = 0;
+  int64_t numKeys = 0;
+  int64_t numHeads = 0;
+  int64_t latentDim = 0;
+  int64_t ropeDim = 0;
+  float softmaxScale = 0.0f;
+  const float *queries = nullptr;          // [numQueries, numHeads, latentDim + ropeDim]
+  const int64_t *queryPositions = nullptr; // as MlaAttentionParams (dense causal only)
+  const float *latents = nullptr;          // [numKeys, latentDim]
+  const float *ropeKeys = nullptr;         // [numKeys, ropeDim]
+  const int32_t *sparseIndices = nullptr;  // [numQueries, topK] or null; -1 entries skipped
+  int64_t topK = 0;
+  float *out = nullptr; // [numQueries, numHeads, latentDim]: o^_h (zero without keys)
+};
+
+void latentAttention(const LatentAttentionParams &params);
+
+// latentOut [numQueries, numHeads, latentDim] -> out [numQueries, numHeads, valueDim]:
+// o_h = W_UV[h] o^_h.
+void expandLatentOutputs(const MlaAttentionParams &params, const float *latentOut, float *out);
+
 } // namespace hybrid::kernels::ref
