@@ -57,6 +57,17 @@ __device__ inline void loadBPair(uint32_t (&first)[2], uint32_t (&second)[2],
                : "r"(sharedAddress(p)));
 }
 
+// The B fragment of the 16(k)x8(n) tile at `tile` of a matrix in shared memory stored k-major:
+// row k holds the n values contiguously (`stride` elements per row, rows 16-byte aligned). One
+// ldmatrix.x2.trans: lanes 0-7 name rows k 0-7, lanes 8-15 rows 8-15 (e.g. V in P V).
+__device__ inline void loadBTrans(uint32_t (&b)[2], const __nv_bfloat16 *tile, int stride) {
+  const int lane = threadIdx.x % 32;
+  const __nv_bfloat16 *p = tile + (lane % 16) * stride;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(b[0]), "=r"(b[1])
+               : "r"(sharedAddress(p)));
+}
+
 // The (row, column) of accumulator element e (0..3) of this lane within its 16x8 tile.
 __device__ inline int accRow(int e) { return (threadIdx.x % 32) / 4 + (e >= 2 ? 8 : 0); }
 __device__ inline int accColumn(int e) { return 2 * (threadIdx.x % 4) + (e & 1); }

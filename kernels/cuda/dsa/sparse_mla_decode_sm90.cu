@@ -1,0 +1,216 @@
+// Sparse MLA decode (see SparseMla.h). One block per (row, 16 heads), 4 warps. Per tile of 32
+// selected positions: the block gathers the rows from their pages into shared memory as bf16
+// (exact), each warp computes the 16 x 8 scores of its 8 positions (bf16 MMAs over the 576-wide
+// keys), 16 threads run the online softmax of the 16 heads, and each warp adds P V for its
+// quarter of the latent dimensions (V = the latent part of the same rows, read transposed).
+#include "hybrid/kernels/cuda/SparseMla.h"
+#include "../common/warp_mma.cuh"
+#include "fp8_device.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+namespace hybrid::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 128, kWarps = 4;
+constexpr int kHeadsPerBlock = 16;
+constexpr int kTileKeys = 32;       // positions per tile: 8 per warp for the scores
+constexpr int kScaleTile = 128;     // latent elements per fp32 scale (FlashMLA)
+constexpr int kPStride = kTileKeys + 8; // bf16 per softmax-weight row (conflict-free ldmatrix)
+
+template <int L, int R> struct Shape {
+  static constexpr int kWide = L + R;
+  static constexpr int kStride = kWide + 8; // bf16 per shared row
+  static constexpr int kScaleTiles = (L + kScaleTile - 1) / kScaleTile;
+  static constexpr int kRopeOffset = L + 4 * kScaleTiles;
+  static constexpr int kRowBytes = kRopeOffset + 2 * R;
+  static constexpr int kCodePieces = L / 16;  // 16 codes each
+  static constexpr int kRopePieces = R / 8;   // 8 bf16 each
+  static constexpr int kPieces = kCodePieces + kRopePieces;
+  // 16-byte loads need 16-byte aligned rows and rope parts (DeepSeek-V3.2's 656-byte rows are;
+  // the tiny model's 132-byte rows are not: 4-byte loads there).
+  static constexpr bool kVectorLoads = kRowBytes % 16 == 0 && kRopeOffset % 16 == 0;
+  static constexpr int kDimsPerWarp = L / kWarps;
+  static constexpr int kValueTiles = kDimsPerWarp / 8;
+  static size_t sharedBytes() {
+    return size_t(kHeadsPerBlock + kTileKeys) * kStride * 2 +
+           size_t(kHeadsPerBlock) * kTileKeys * 4 + size_t(kHeadsPerBlock) * kPStride * 2 +
+           size_t(kHeadsPerBlock) * 4 * 2 + size_t(kTileKeys) * 4;
+  }
+};
+
+template <bool kVector> __device__ inline uint4 load16(const unsigned char *p) {
+  if constexpr (kVector)
+    return *reinterpret_cast<const uint4 *>(p);
+  const auto *words = reinterpret_cast<const uint32_t *>(p);
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+template <int L, int R>
+__global__ void __launch_bounds__(kThreads) sparseMlaDecodeKernel(SparseMlaDecodeParams p) {
+  using S = Shape<L, R>;
+  constexpr int kStride = S::kStride;
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto *qs = reinterpret_cast<__nv_bfloat16 *>(smem);               // [16 heads, kStride]
+  __nv_bfloat16 *ks = qs + kHeadsPerBlock * kStride;                 // [32 positions, kStride]
+  auto *scores = reinterpret_cast<float *>(ks + kTileKeys * kStride); // [16, 32]
+  auto *weights = reinterpret_cast<__nv_bfloat16 *>(scores + kHeadsPerBlock * kTileKeys); // [16, kPStride]
+  auto *rescale = reinterpret_cast<float *>(weights + kHeadsPerBlock * kPStride); // [16]
+  float *denominators = rescale + kHeadsPerBlock;                                 // [16]
+  auto *live = reinterpret_cast<int *>(denominators + kHeadsPerBlock);           // [32]
+
+  const int row = blockIdx.x, headBase = int(blockIdx.y) * kHeadsPerBlock, tid = threadIdx.x;
+  const int warp = tid / 32;
+  // The 16 heads' absorbed queries in bf16 (heads past p.heads are zero).
+  for (int i = tid; i < kHeadsPerBlock * S::kWide; i += kThreads) {
+    const int h = i / S::kWide, d = i % S::kWide;
+    const float v = headBase + h < p.heads
+                        ? p.q[(size_t(row) * p.heads + headBase + h) * S::kWide + d]
+                        : 0.0f;
+    qs[h * kStride + d] = __float2bfloat16_rn(v);
+  }
+  float runningMax = -INFINITY, runningSum = 0.0f; // thread t < 16: head t's softmax state
+  float o[S::kValueTiles][4] = {};
+  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
+  const int32_t *indices = p.indices + size_t(row) * p.topK;
+  const auto *pool = static_cast<const unsigned char *>(p.latentPages);
+  const int64_t pageBytes = int64_t(p.pageTokens) * S::kRowBytes;
+
+  for (int first = 0; first < p.topK; first += kTileKeys) {
+    __syncthreads(); // the previous tile's rows and weights are consumed
+    // Gather: 16-byte pieces of each selected row, the codes scaled into bf16.
+    for (int c = tid; c < kTileKeys * S::kPieces; c += kThreads) {
+      const int k = c / S::kPieces, piece = c % S::kPieces;
+      const int position = first + k < p.topK ? indices[first + k] : -1;
+      uint32_t packed[8] = {};
+      if (position >= 0) {
+        const unsigned char *rowBytes = pool + table[position / p.pageTokens] * pageBytes +
+                                        size_t(position % p.pageTokens) * S::kRowBytes;
+        if (piece < S::kCodePieces) {
+          const float scale = reinterpret_cast<const float *>(rowBytes + L)[piece * 16 / kScaleTile];
+          const uint4 v = load16<S::kVectorLoads>(rowBytes + piece * 16);
+          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            packed[2 * w] = e4m3PairToBf16(uint16_t(words[w]), scale);
+            packed[2 * w + 1] = e4m3PairToBf16(uint16_t(words[w] >> 16), scale);
+          }
+        } else {
+          const uint4 v =
+              load16<S::kVectorLoads>(rowBytes + S::kRopeOffset + (piece - S::kCodePieces) * 16);
+          packed[0] = v.x, packed[1] = v.y, packed[2] = v.z, packed[3] = v.w;
+        }
+      }
+      auto *target = reinterpret_cast<uint4 *>(
+          ks + k * kStride + (piece < S::kCodePieces ? piece * 16 : L + (piece - S::kCodePieces) * 8));
+      target[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      if (piece < S::kCodePieces)
+        target[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    }
+    if (tid < kTileKeys)
+      live[tid] = first + tid < p.topK && indices[first + tid] >= 0;
+    __syncthreads();
+
+    // Scores: this warp's 8 positions against the 16 heads.
+    float acc[4] = {};
+#pragma unroll 4
+    for (int k0 = 0; k0 < S::kWide; k0 += 16) {
+      uint32_t a[4], b[2];
+      mma::loadA(a, qs + k0, kStride);
+      mma::loadB(b, ks + warp * 8 * kStride + k0, kStride);
+      mma::mma16816(acc, a, b);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      scores[mma::accRow(e) * kTileKeys + warp * 8 + mma::accColumn(e)] = acc[e] * p.softmaxScale;
+    __syncthreads();
+
+    // Online softmax, one head per thread.
+    if (tid < kHeadsPerBlock) {
+      float tileMax = -INFINITY;
+      for (int k = 0; k < kTileKeys; ++k)
+        if (live[k])
+          tileMax = fmaxf(tileMax, scores[tid * kTileKeys + k]);
+      const float newMax = fmaxf(runningMax, tileMax);
+      const float factor = newMax == -INFINITY ? 1.0f : expf(runningMax - newMax);
+      float sum = 0.0f;
+      for (int k = 0; k < kTileKeys; ++k) {
+        const float w = live[k] ? expf(scores[tid * kTileKeys + k] - newMax) : 0.0f;
+        sum += w;
+        weights[tid * kPStride + k] = __float2bfloat16_rn(w);
+      }
+      runningSum = runningSum * factor + sum;
+      runningMax = newMax;
+      rescale[tid] = factor;
+    }
+    __syncthreads();
+
+    // O = O * rescale + P V over this warp's latent dimensions.
+#pragma unroll
+    for (int t = 0; t < S::kValueTiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        o[t][e] *= rescale[mma::accRow(e)];
+#pragma unroll
+    for (int k0 = 0; k0 < kTileKeys; k0 += 16) {
+      uint32_t a[4];
+      mma::loadA(a, weights + k0, kPStride);
+#pragma unroll
+      for (int t = 0; t < S::kValueTiles; ++t) {
+        uint32_t b[2];
+        mma::loadBTrans(b, ks + k0 * kStride + warp * S::kDimsPerWarp + t * 8, kStride);
+        mma::mma16816(o[t], a, b);
+      }
+    }
+  }
+
+  if (tid < kHeadsPerBlock)
+    denominators[tid] = runningSum;
+  __syncthreads();
+#pragma unroll
+  for (int t = 0; t < S::kValueTiles; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int h = mma::accRow(e);
+      if (headBase + h >= p.heads)
+        continue;
+      const float sum = denominators[h];
+      p.out[(size_t(row) * p.heads + headBase + h) * L + warp * S::kDimsPerWarp + t * 8 +
+            mma::accColumn(e)] = sum > 0.0f ? o[t][e] / sum : 0.0f;
+    }
+}
+
+template <int L, int R> int launchShape(const SparseMlaDecodeParams &p, cudaStream_t stream) {
+  const size_t shared = Shape<L, R>::sharedBytes();
+  const cudaError_t attribute = cudaFuncSetAttribute(
+      sparseMlaDecodeKernel<L, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  if (attribute != cudaSuccess)
+    return int(attribute);
+  const dim3 grid(unsigned(p.rows), unsigned((p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock));
+  sparseMlaDecodeKernel<L, R><<<grid, kThreads, shared, stream>>>(p);
+  return int(cudaGetLastError());
+}
+
+} // namespace
+
+int64_t sparseMlaRowBytes(int32_t latentDim, int32_t ropeDim) {
+  return int64_t(latentDim) + 4 * ((latentDim + kScaleTile - 1) / kScaleTile) + 2 * int64_t(ropeDim);
+}
+
+int launchSparseMlaDecode(const SparseMlaDecodeParams &p, void *stream) {
+  if (p.rows <= 0 || p.heads <= 0 || p.topK <= 0 || !p.q || !p.indices || !p.sequences ||
+      !p.latentPages || p.pageTokens <= 0 || !p.blockTables || p.maxPages <= 0 || !p.out ||
+      !std::isfinite(p.softmaxScale) || (p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock > 65535)
+    return cudaErrorInvalidValue;
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (p.latentDim == 512 && p.ropeDim == 64)
+    return launchShape<512, 64>(p, s);
+  if (p.latentDim == 64 && p.ropeDim == 32)
+    return launchShape<64, 32>(p, s);
+  return cudaErrorInvalidValue;
+}
+
+} // namespace hybrid::kernels::cuda

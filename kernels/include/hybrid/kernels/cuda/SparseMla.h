@@ -1,0 +1,38 @@
+// Sparse MLA decode on CUDA (MODEL_SPEC 3.3 and 4, issue 6): for each query row and head, the
+// absorbed query Q_h = [q~_h ; q_r,h] attends over exactly the positions the indexer selected,
+// read from the paged FP8 latent cache (FlashMLA's "V32_FP8Sparse" rows, docs/dsa-cache-layout.md):
+//   o^_h = sum_s softmax_s(softmaxScale * Q_h . K_s) c_s,  K_s = [c_s ; k_r,s]
+// as ref::latentAttention. The cached latent (E4M3 codes times a power-of-two tile scale) and the
+// bf16 rope key are exact in bf16; the query and the softmax weights are rounded to bf16 for the
+// tensor cores (FlashMLA's precision), sums in fp32. CUDA-free header.
+#pragma once
+
+#include <cstdint>
+
+namespace hybrid::kernels::cuda {
+
+struct SparseMlaDecodeParams {
+  int32_t rows = 0;      // query rows (one per sequence in decode)
+  int32_t heads = 0;     // query heads (padded to 16 inside)
+  int32_t latentDim = 0; // 512 (DeepSeek-V3.2) or 64 (the tiny model)
+  int32_t ropeDim = 0;   // 64 or 32, with latentDim
+  float softmaxScale = 0.0f;
+  const float *q = nullptr;           // [rows, heads, latentDim + ropeDim], absorbed
+  const int32_t *indices = nullptr;   // [rows, topK] positions; -1 entries are skipped
+  int32_t topK = 0;
+  const int32_t *sequences = nullptr; // [rows]: the row's block-table row
+  // The cache: pages of pageTokens rows of ref::kvRowBytes(latentDim, ropeDim) bytes.
+  const void *latentPages = nullptr;
+  int32_t pageTokens = 64;
+  const int32_t *blockTables = nullptr; // [sequences, maxPages]
+  int32_t maxPages = 0;
+  float *out = nullptr; // [rows, heads, latentDim]: o^ (zero for a row without positions)
+};
+
+// Bytes of one cached row (ref::kvRowBytes with 128-element tiles).
+int64_t sparseMlaRowBytes(int32_t latentDim, int32_t ropeDim);
+
+// 0 or a cudaError_t (cudaErrorInvalidValue for an unsupported shape or a missing pointer).
+int launchSparseMlaDecode(const SparseMlaDecodeParams &params, void *stream);
+
+} // namespace hybrid::kernels::cuda
