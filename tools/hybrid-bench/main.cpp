@@ -5,7 +5,7 @@
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Server.h"
 #ifdef HYBRID_BENCH_KDA
-#include "hybrid/kernels/cuda/DsaBench.h"
+#include "hybrid/kernels/cuda/DsaBench.h" // and SparseMla.h
 #include "hybrid/kernels/cuda/KdaBench.h"
 #endif
 
@@ -249,6 +249,43 @@ int runDsaIndexer(const IndexerOptions &o) {
   return writeJson(o.jsonPath, objects) ? 0 : 1;
 }
 
+// Sparse MLA decode: every sequence's query heads over its top-k selected rows.
+struct SparseMlaOptions {
+  std::vector<int32_t> batches = {1, 8, 64};
+  std::vector<int32_t> heads = {128, 16};
+  int32_t topK = 2048, context = 8192, iterations = 20;
+  std::string jsonPath;
+};
+
+int runDsaSparseMla(const SparseMlaOptions &o) {
+  std::string error;
+  const auto results = kc::benchSparseMlaDecode(o.batches, o.heads, o.topK, o.context,
+                                                o.iterations, error);
+  if (!error.empty()) {
+    std::cerr << "error: dsa-sparse-mla: " << error << "\n";
+    return 1;
+  }
+  std::printf("%-15s %6s %6s %6s %8s %10s %10s %8s %9s %8s  %s\n", "kernel", "batch", "heads",
+              "top-k", "context", "us", "floor us", "TB/s", "TFLOP/s", "% HBM", "target (H200)");
+  std::vector<std::string> objects;
+  for (const auto &r : results) {
+    const double tbPerSecond = r.bytes / (r.microseconds * 1e-6) / 1e12;
+    std::printf("%-15s %6d %6d %6d %8d %10.1f %10.1f %8.2f %9.1f %7.1f%%  %s\n",
+                "dsa-sparse-mla", r.batch, r.heads, r.topK, r.context, r.microseconds,
+                r.floorMicroseconds, tbPerSecond, r.tflops,
+                100.0 * r.floorMicroseconds / r.microseconds,
+                kc::sparseMlaTargetVerdict(r).c_str());
+    std::ostringstream json;
+    json << "{\"kernel\": \"dsa-sparse-mla-decode\", \"batch\": " << r.batch
+         << ", \"heads\": " << r.heads << ", \"top_k\": " << r.topK << ", \"context\": "
+         << r.context << ", \"us\": " << r.microseconds << ", \"bytes\": " << r.bytes
+         << ", \"floor_us\": " << r.floorMicroseconds << ", \"tflops\": " << r.tflops
+         << ", \"target\": \"" << kc::sparseMlaTargetVerdict(r) << "\"}";
+    objects.push_back(json.str());
+  }
+  return writeJson(o.jsonPath, objects) ? 0 : 1;
+}
+
 #else
 int noCuda(const char *subcommand) {
   std::cerr << "error: " << subcommand
@@ -268,6 +305,13 @@ struct IndexerOptions {
   std::string keys = "mxfp8", jsonPath;
 };
 int runDsaIndexer(const IndexerOptions &) { return noCuda("dsa-indexer"); }
+struct SparseMlaOptions {
+  std::vector<int32_t> batches = {1, 8, 64};
+  std::vector<int32_t> heads = {128, 16};
+  int32_t topK = 2048, context = 8192, iterations = 20;
+  std::string jsonPath;
+};
+int runDsaSparseMla(const SparseMlaOptions &) { return noCuda("dsa-sparse-mla"); }
 #endif
 
 // The serving benchmark against `--host:--port`, or against a server started here on `--model`.
@@ -437,6 +481,20 @@ int main(int argc, char **argv) {
   dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   dsaIndexer->add_option("--json", indexer.jsonPath, "Write the results as JSON");
+  SparseMlaOptions sparseMla;
+  CLI::App *dsaSparseMla = app.add_subcommand(
+      "dsa-sparse-mla", "Sparse MLA decode over the top-k rows of the paged FP8 latent cache");
+  dsaSparseMla->add_option("--batch", sparseMla.batches, "Sequences (one query row each)")
+      ->delimiter(',')->check(CLI::PositiveNumber);
+  dsaSparseMla->add_option("--heads", sparseMla.heads, "Query heads (128; 16 for a TP=8 shard)")
+      ->delimiter(',')->check(CLI::PositiveNumber);
+  dsaSparseMla->add_option("--top-k", sparseMla.topK, "Positions per row")
+      ->check(CLI::PositiveNumber);
+  dsaSparseMla->add_option("--context", sparseMla.context, "Cached positions per sequence")
+      ->check(CLI::PositiveNumber);
+  dsaSparseMla->add_option("--iterations", sparseMla.iterations, "Calls per timing")
+      ->check(CLI::PositiveNumber);
+  dsaSparseMla->add_option("--json", sparseMla.jsonPath, "Write the results as JSON");
   hybrid::LoadGeneratorOptions load;
   hybrid::LoadOptions modelOptions;
   std::string modelDir;
@@ -516,6 +574,8 @@ int main(int argc, char **argv) {
     return runKda(o);
   if (dsaIndexer->parsed())
     return runDsaIndexer(indexer);
+  if (dsaSparseMla->parsed())
+    return runDsaSparseMla(sparseMla);
   if (kdaPrefill->parsed())
     return runKdaPrefill(o);
   return runKdaDecode(o);

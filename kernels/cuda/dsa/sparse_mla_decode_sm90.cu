@@ -3,6 +3,7 @@
 // (exact), each warp computes the 16 x 8 scores of its 8 positions (bf16 MMAs over the 576-wide
 // keys), 16 threads run the online softmax of the 16 heads, and each warp adds P V for its
 // quarter of the latent dimensions (V = the latent part of the same rows, read transposed).
+// Few rows split the positions over several blocks (flash-decoding), merged by a second kernel.
 #include "hybrid/kernels/cuda/SparseMla.h"
 #include "../common/warp_mma.cuh"
 #include "fp8_device.cuh"
@@ -10,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace hybrid::kernels::cuda {
@@ -20,6 +22,7 @@ constexpr int kHeadsPerBlock = 16;
 constexpr int kTileKeys = 32;       // positions per tile: 8 per warp for the scores
 constexpr int kScaleTile = 128;     // latent elements per fp32 scale (FlashMLA)
 constexpr int kPStride = kTileKeys + 8; // bf16 per softmax-weight row (conflict-free ldmatrix)
+constexpr int kMaxSplits = 32;
 
 template <int L, int R> struct Shape {
   static constexpr int kWide = L + R;
@@ -38,7 +41,7 @@ template <int L, int R> struct Shape {
   static size_t sharedBytes() {
     return size_t(kHeadsPerBlock + kTileKeys) * kStride * 2 +
            size_t(kHeadsPerBlock) * kTileKeys * 4 + size_t(kHeadsPerBlock) * kPStride * 2 +
-           size_t(kHeadsPerBlock) * 4 * 2 + size_t(kTileKeys) * 4;
+           size_t(kHeadsPerBlock) * 4 * 2 + size_t(kTileKeys) * (4 + sizeof(void *));
   }
 };
 
@@ -50,7 +53,8 @@ template <bool kVector> __device__ inline uint4 load16(const unsigned char *p) {
 }
 
 template <int L, int R>
-__global__ void __launch_bounds__(kThreads) sparseMlaDecodeKernel(SparseMlaDecodeParams p) {
+__global__ void __launch_bounds__(kThreads)
+    sparseMlaDecodeKernel(SparseMlaDecodeParams p, int tilesPerSplit, float *partials) {
   using S = Shape<L, R>;
   constexpr int kStride = S::kStride;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -61,6 +65,7 @@ __global__ void __launch_bounds__(kThreads) sparseMlaDecodeKernel(SparseMlaDecod
   auto *rescale = reinterpret_cast<float *>(weights + kHeadsPerBlock * kPStride); // [16]
   float *denominators = rescale + kHeadsPerBlock;                                 // [16]
   auto *live = reinterpret_cast<int *>(denominators + kHeadsPerBlock);           // [32]
+  auto *rows = reinterpret_cast<const unsigned char **>(live + kTileKeys);       // [32]
 
   const int row = blockIdx.x, headBase = int(blockIdx.y) * kHeadsPerBlock, tid = threadIdx.x;
   const int warp = tid / 32;
@@ -79,39 +84,59 @@ __global__ void __launch_bounds__(kThreads) sparseMlaDecodeKernel(SparseMlaDecod
   const auto *pool = static_cast<const unsigned char *>(p.latentPages);
   const int64_t pageBytes = int64_t(p.pageTokens) * S::kRowBytes;
 
-  for (int first = 0; first < p.topK; first += kTileKeys) {
+  // This block's split of the positions (flash-decoding): partial results when there are several.
+  const int splits = int(gridDim.z), split = int(blockIdx.z);
+  const int splitBegin = split * tilesPerSplit * kTileKeys;
+  const int splitEnd = min(p.topK, splitBegin + tilesPerSplit * kTileKeys);
+  for (int first = splitBegin; first < splitEnd; first += kTileKeys) {
     __syncthreads(); // the previous tile's rows and weights are consumed
-    // Gather: 16-byte pieces of each selected row, the codes scaled into bf16.
-    for (int c = tid; c < kTileKeys * S::kPieces; c += kThreads) {
-      const int k = c / S::kPieces, piece = c % S::kPieces;
-      const int position = first + k < p.topK ? indices[first + k] : -1;
-      uint32_t packed[8] = {};
-      if (position >= 0) {
-        const unsigned char *rowBytes = pool + table[position / p.pageTokens] * pageBytes +
-                                        size_t(position % p.pageTokens) * S::kRowBytes;
-        if (piece < S::kCodePieces) {
-          const float scale = reinterpret_cast<const float *>(rowBytes + L)[piece * 16 / kScaleTile];
-          const uint4 v = load16<S::kVectorLoads>(rowBytes + piece * 16);
-          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    // Gather: the 32 rows' addresses first (one index -> table -> page chain per row, all rows
+    // at once), then every 16-byte piece of them loaded before any is converted.
+    if (tid < kTileKeys) {
+      const int position = first + tid < splitEnd ? indices[first + tid] : -1;
+      live[tid] = position >= 0;
+      rows[tid] = position >= 0 ? pool + table[position / p.pageTokens] * pageBytes +
+                                      size_t(position % p.pageTokens) * S::kRowBytes
+                                : nullptr;
+    }
+    __syncthreads();
+    constexpr int kPerThread = kTileKeys * S::kPieces / kThreads;
+    uint4 raw[kPerThread];
+    float scales[kPerThread];
 #pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            packed[2 * w] = e4m3PairToBf16(uint16_t(words[w]), scale);
-            packed[2 * w + 1] = e4m3PairToBf16(uint16_t(words[w] >> 16), scale);
-          }
+    for (int i = 0; i < kPerThread; ++i) {
+      const int c = tid + i * kThreads, k = c / S::kPieces, piece = c % S::kPieces;
+      const unsigned char *rowBytes = rows[k];
+      raw[i] = make_uint4(0, 0, 0, 0);
+      scales[i] = 0.0f;
+      if (rowBytes) {
+        if (piece < S::kCodePieces) {
+          raw[i] = load16<S::kVectorLoads>(rowBytes + piece * 16);
+          scales[i] = reinterpret_cast<const float *>(rowBytes + L)[piece * 16 / kScaleTile];
         } else {
-          const uint4 v =
-              load16<S::kVectorLoads>(rowBytes + S::kRopeOffset + (piece - S::kCodePieces) * 16);
-          packed[0] = v.x, packed[1] = v.y, packed[2] = v.z, packed[3] = v.w;
+          raw[i] = load16<S::kVectorLoads>(rowBytes + S::kRopeOffset +
+                                           (piece - S::kCodePieces) * 16);
         }
       }
-      auto *target = reinterpret_cast<uint4 *>(
-          ks + k * kStride + (piece < S::kCodePieces ? piece * 16 : L + (piece - S::kCodePieces) * 8));
-      target[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      if (piece < S::kCodePieces)
-        target[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
     }
-    if (tid < kTileKeys)
-      live[tid] = first + tid < p.topK && indices[first + tid] >= 0;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int c = tid + i * kThreads, k = c / S::kPieces, piece = c % S::kPieces;
+      if (piece < S::kCodePieces) {
+        const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+        uint32_t packed[8];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          packed[2 * w] = e4m3PairToBf16(uint16_t(words[w]), scales[i]);
+          packed[2 * w + 1] = e4m3PairToBf16(uint16_t(words[w] >> 16), scales[i]);
+        }
+        auto *target = reinterpret_cast<uint4 *>(ks + k * kStride + piece * 16);
+        target[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        target[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+      } else {
+        *reinterpret_cast<uint4 *>(ks + k * kStride + L + (piece - S::kCodePieces) * 8) = raw[i];
+      }
+    }
     __syncthreads();
 
     // Scores: this warp's 8 positions against the 16 heads.
@@ -169,6 +194,15 @@ __global__ void __launch_bounds__(kThreads) sparseMlaDecodeKernel(SparseMlaDecod
 
   if (tid < kHeadsPerBlock)
     denominators[tid] = runningSum;
+  // A split's partial: per head its running max and sum, then the unnormalized output.
+  const size_t partialStride = size_t(L) + 2;
+  auto partial = [&](int h) {
+    return partials + ((size_t(row) * p.heads + headBase + h) * splits + split) * partialStride;
+  };
+  if (splits > 1 && tid < kHeadsPerBlock && headBase + tid < p.heads) {
+    partial(tid)[0] = runningMax;
+    partial(tid)[1] = runningSum;
+  }
   __syncthreads();
 #pragma unroll
   for (int t = 0; t < S::kValueTiles; ++t)
@@ -177,20 +211,66 @@ __global__ void __launch_bounds__(kThreads) sparseMlaDecodeKernel(SparseMlaDecod
       const int h = mma::accRow(e);
       if (headBase + h >= p.heads)
         continue;
-      const float sum = denominators[h];
-      p.out[(size_t(row) * p.heads + headBase + h) * L + warp * S::kDimsPerWarp + t * 8 +
-            mma::accColumn(e)] = sum > 0.0f ? o[t][e] / sum : 0.0f;
+      const int d = warp * S::kDimsPerWarp + t * 8 + mma::accColumn(e);
+      if (splits > 1) {
+        partial(h)[2 + d] = o[t][e];
+      } else {
+        const float sum = denominators[h];
+        p.out[(size_t(row) * p.heads + headBase + h) * L + d] = sum > 0.0f ? o[t][e] / sum : 0.0f;
+      }
     }
 }
 
+// The splits' partials of one (row, head) merged: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
+template <int L>
+__global__ void __launch_bounds__(kThreads)
+    sparseMlaCombineKernel(SparseMlaDecodeParams p, int splits, const float *partials) {
+  const size_t item = size_t(blockIdx.x) * p.heads + blockIdx.y; // (row, head)
+  const float *first = partials + item * splits * (size_t(L) + 2);
+  float largest = -INFINITY;
+  for (int s = 0; s < splits; ++s)
+    largest = fmaxf(largest, first[s * (L + 2)]);
+  float denominator = 0.0f;
+  for (int s = 0; s < splits; ++s)
+    if (first[s * (L + 2)] != -INFINITY)
+      denominator += expf(first[s * (L + 2)] - largest) * first[s * (L + 2) + 1];
+  for (int d = threadIdx.x; d < L; d += kThreads) {
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s)
+      if (first[s * (L + 2)] != -INFINITY)
+        sum += expf(first[s * (L + 2)] - largest) * first[s * (L + 2) + 2 + d];
+    p.out[item * L + d] = denominator > 0.0f ? sum / denominator : 0.0f;
+  }
+}
+
+// Splits of the positions so that about two waves of blocks run: batch 1 needs many, batch 64
+// none.
+int splitCount(const SparseMlaDecodeParams &p) {
+  int device = 0, sms = 132;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int tiles = (p.topK + kTileKeys - 1) / kTileKeys;
+  const int blocks = p.rows * ((p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
+  return std::max(1, std::min({tiles, kMaxSplits, (4 * sms + blocks - 1) / blocks}));
+}
+
 template <int L, int R> int launchShape(const SparseMlaDecodeParams &p, cudaStream_t stream) {
+  const int splits = splitCount(p);
+  const int tiles = (p.topK + kTileKeys - 1) / kTileKeys;
+  const int tilesPerSplit = (tiles + splits - 1) / splits;
   const size_t shared = Shape<L, R>::sharedBytes();
   const cudaError_t attribute = cudaFuncSetAttribute(
       sparseMlaDecodeKernel<L, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
   if (attribute != cudaSuccess)
     return int(attribute);
-  const dim3 grid(unsigned(p.rows), unsigned((p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock));
-  sparseMlaDecodeKernel<L, R><<<grid, kThreads, shared, stream>>>(p);
+  const int used = (tiles + tilesPerSplit - 1) / tilesPerSplit; // no empty split
+  const dim3 grid(unsigned(p.rows), unsigned((p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock),
+                  unsigned(used));
+  auto *partials = static_cast<float *>(p.workspace);
+  sparseMlaDecodeKernel<L, R><<<grid, kThreads, shared, stream>>>(p, tilesPerSplit, partials);
+  if (used > 1)
+    sparseMlaCombineKernel<L><<<dim3(unsigned(p.rows), unsigned(p.heads)), kThreads, 0, stream>>>(
+        p, used, partials);
   return int(cudaGetLastError());
 }
 
@@ -200,8 +280,14 @@ int64_t sparseMlaRowBytes(int32_t latentDim, int32_t ropeDim) {
   return int64_t(latentDim) + 4 * ((latentDim + kScaleTile - 1) / kScaleTile) + 2 * int64_t(ropeDim);
 }
 
+size_t sparseMlaWorkspaceBytes(int32_t rows, int32_t heads, int32_t latentDim) {
+  return rows > 0 && heads > 0 && latentDim > 0
+             ? size_t(rows) * heads * kMaxSplits * (size_t(latentDim) + 2) * sizeof(float)
+             : 0;
+}
+
 int launchSparseMlaDecode(const SparseMlaDecodeParams &p, void *stream) {
-  if (p.rows <= 0 || p.heads <= 0 || p.topK <= 0 || !p.q || !p.indices || !p.sequences ||
+  if (p.rows <= 0 || p.heads <= 0 || p.topK <= 0 || !p.q || !p.indices || !p.sequences || !p.workspace ||
       !p.latentPages || p.pageTokens <= 0 || !p.blockTables || p.maxPages <= 0 || !p.out ||
       !std::isfinite(p.softmaxScale) || (p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock > 65535)
     return cudaErrorInvalidValue;

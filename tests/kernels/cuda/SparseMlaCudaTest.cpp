@@ -105,6 +105,8 @@ TEST_P(SparseMlaDecodeCuda, MatchesReference) {
   DeviceBuffer<float> dQ(q), dOut{std::vector<float>(expected.size(), -9.0f)};
   DeviceBuffer<int32_t> dIndices(indices), dSequences(sequences), dTables(tables);
   DeviceBuffer<uint8_t> dPool(pool);
+  DeviceBuffer<uint8_t> dWorkspace{
+      std::vector<uint8_t>(cuda::sparseMlaWorkspaceBytes(rows, c.heads, c.latent), 0xA5)};
   cuda::SparseMlaDecodeParams p;
   p.rows = rows;
   p.heads = c.heads;
@@ -120,6 +122,7 @@ TEST_P(SparseMlaDecodeCuda, MatchesReference) {
   p.blockTables = dTables.data;
   p.maxPages = maxPages;
   p.out = dOut.data;
+  p.workspace = dWorkspace.data;
   ASSERT_EQ(cuda::launchSparseMlaDecode(p, nullptr), 0);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> got = dOut.download();

@@ -1,8 +1,9 @@
-// The DSA kernels' benchmark (hybrid-bench dsa-indexer): CUDA events, warm-up, median of 7, on
+// The DSA kernels' benchmarks (hybrid-bench dsa-indexer, dsa-sparse-mla): CUDA events, warm-up, median of 7, on
 // random data. CUDA-free header.
 #pragma once
 
 #include "hybrid/kernels/cuda/DsaIndexer.h"
+#include "hybrid/kernels/cuda/SparseMla.h"
 
 #include <cstdint>
 #include <string>
@@ -29,5 +30,23 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
 
 // "meets" / "x.xx of the target": the issue's >= 70% of the key-cache bandwidth floor.
 std::string indexerTargetVerdict(const IndexerBenchResult &result);
+
+struct SparseMlaBenchResult {
+  int32_t batch = 0, heads = 0, topK = 0, context = 0;
+  double microseconds = 0;      // one decode step, replayed from a CUDA graph
+  double bytes = 0;             // what the step must move: the selected rows, q, the output
+  double floorMicroseconds = 0; // bytes at the measured copy bandwidth
+  double tflops = 0;            // QK (576 wide) and PV (512 wide) per head and position
+};
+
+// Decode: `batch` sequences of `context` cached DeepSeek-V3.2 rows (512 + 64, FP8) each, one
+// query row each selecting `topK` random distinct positions.
+std::vector<SparseMlaBenchResult> benchSparseMlaDecode(const std::vector<int32_t> &batches,
+                                                       const std::vector<int32_t> &heads,
+                                                       int32_t topK, int32_t context,
+                                                       int32_t iterations, std::string &error);
+
+// The target: >= 60% of HBM bandwidth for the bytes the kernel must read.
+std::string sparseMlaTargetVerdict(const SparseMlaBenchResult &result);
 
 } // namespace hybrid::kernels::cuda

@@ -7,6 +7,7 @@
 // tensor cores (FlashMLA's precision), sums in fp32. CUDA-free header.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace hybrid::kernels::cuda {
@@ -27,7 +28,11 @@ struct SparseMlaDecodeParams {
   const int32_t *blockTables = nullptr; // [sequences, maxPages]
   int32_t maxPages = 0;
   float *out = nullptr; // [rows, heads, latentDim]: o^ (zero for a row without positions)
+  void *workspace = nullptr; // sparseMlaWorkspaceBytes(rows, heads, latentDim): split partials
 };
+
+// The scratch of a launch: partial results when the positions are split over blocks.
+size_t sparseMlaWorkspaceBytes(int32_t rows, int32_t heads, int32_t latentDim);
 
 // Bytes of one cached row (ref::kvRowBytes with 128-element tiles).
 int64_t sparseMlaRowBytes(int32_t latentDim, int32_t ropeDim);

@@ -1,0 +1,176 @@
+#include "hybrid/kernels/cuda/DsaBench.h"
+#include "hybrid/kernels/cuda/KdaBench.h" // kH200CopyTbPerSecond
+#include "../common/bench_support.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <numeric>
+#include <random>
+
+namespace hybrid::kernels::cuda {
+using namespace bench;
+
+namespace {
+
+constexpr int32_t kPageTokens = 64, kLatent = 512, kRope = 64;
+constexpr int32_t kDistinctPages = 64; // random pages, copied over the whole pool on the device
+
+// One random page of V32 rows: finite E4M3 codes, power-of-two scales, bf16 rope values.
+std::vector<uint8_t> randomLatentPage(std::mt19937 &rng) {
+  const int64_t rowBytes = sparseMlaRowBytes(kLatent, kRope);
+  std::vector<uint8_t> page(size_t(kPageTokens * rowBytes));
+  for (int32_t t = 0; t < kPageTokens; ++t) {
+    uint8_t *row = page.data() + t * rowBytes;
+    for (int32_t i = 0; i < kLatent; ++i)
+      row[i] = uint8_t(rng() % 0x7E) | uint8_t((rng() & 1u) << 7);
+    auto *scales = reinterpret_cast<float *>(row + kLatent);
+    std::fill(scales, scales + kLatent / 128, 1.0f / 64);
+    auto *rope = reinterpret_cast<uint16_t *>(row + kLatent + 4 * (kLatent / 128));
+    for (int32_t i = 0; i < kRope; ++i)
+      rope[i] = uint16_t(0x3C00u + rng() % 0x200u); // bf16 values around 0.01
+  }
+  return page;
+}
+
+} // namespace
+
+std::vector<SparseMlaBenchResult> benchSparseMlaDecode(const std::vector<int32_t> &batches,
+                                                       const std::vector<int32_t> &headCounts,
+                                                       int32_t topK, int32_t context,
+                                                       int32_t iterations, std::string &error) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    error = "no CUDA device";
+    return {};
+  }
+  topK = std::min(topK, context);
+  std::vector<SparseMlaBenchResult> results;
+  std::mt19937 rng(13);
+  const int64_t rowBytes = sparseMlaRowBytes(kLatent, kRope), pageBytes = kPageTokens * rowBytes;
+  for (int32_t heads : headCounts)
+    for (int32_t batch : batches) {
+      const int32_t pagesPerSequence = (context + kPageTokens - 1) / kPageTokens;
+      const int64_t pages = int64_t(batch) * pagesPerSequence;
+      std::vector<int32_t> tables(static_cast<size_t>(pages));
+      std::iota(tables.begin(), tables.end(), 0);
+      std::shuffle(tables.begin(), tables.end(), rng);
+      std::vector<int32_t> sequences(static_cast<size_t>(batch)), indices;
+      std::iota(sequences.begin(), sequences.end(), 0);
+      std::vector<int32_t> positions(static_cast<size_t>(context));
+      std::iota(positions.begin(), positions.end(), 0);
+      for (int32_t b = 0; b < batch; ++b) { // distinct random positions per row
+        std::shuffle(positions.begin(), positions.end(), rng);
+        indices.insert(indices.end(), positions.begin(), positions.begin() + topK);
+      }
+      unsigned char *pool = nullptr;
+      int32_t *dTables = nullptr, *dSequences = nullptr, *dIndices = nullptr;
+      float *dQ = nullptr, *dOut = nullptr;
+      void *dWorkspace = nullptr;
+      auto release = [&]() {
+        cudaFree(pool);
+        cudaFree(dTables);
+        cudaFree(dSequences);
+        cudaFree(dIndices);
+        cudaFree(dQ);
+        cudaFree(dOut);
+        cudaFree(dWorkspace);
+      };
+      auto fail = [&](const char *what) {
+        error = std::string(what) + " failed for batch " + std::to_string(batch) + ", " +
+                std::to_string(heads) + " heads";
+        release();
+        return std::vector<SparseMlaBenchResult>{};
+      };
+      if (cudaMalloc(&pool, size_t(pages * pageBytes)) != cudaSuccess)
+        return fail("the latent pool allocation");
+      for (int32_t i = 0; i < std::min<int64_t>(kDistinctPages, pages); ++i) {
+        const std::vector<uint8_t> page = randomLatentPage(rng);
+        if (cudaMemcpy(pool + i * pageBytes, page.data(), page.size(), cudaMemcpyHostToDevice) !=
+            cudaSuccess)
+          return fail("the latent upload");
+      }
+      for (int64_t filled = kDistinctPages; filled < pages; filled *= 2)
+        if (cudaMemcpy(pool + filled * pageBytes, pool,
+                       size_t(std::min(filled, pages - filled) * pageBytes),
+                       cudaMemcpyDeviceToDevice) != cudaSuccess)
+          return fail("the latent replication");
+      auto upload = [&](int32_t *&device, const std::vector<int32_t> &host) {
+        return cudaMalloc(&device, host.size() * 4) == cudaSuccess &&
+               cudaMemcpy(device, host.data(), host.size() * 4, cudaMemcpyHostToDevice) ==
+                   cudaSuccess;
+      };
+      const size_t qFloats = size_t(batch) * heads * (kLatent + kRope);
+      if (!upload(dTables, tables) || !upload(dSequences, sequences) ||
+          !upload(dIndices, indices) ||
+          cudaMalloc(&dOut, size_t(batch) * heads * kLatent * 4) != cudaSuccess ||
+          cudaMalloc(&dWorkspace, sparseMlaWorkspaceBytes(batch, heads, kLatent)) != cudaSuccess)
+        return fail("the table and output allocation");
+      dQ = deviceRandom(qFloats, 0.3f, 0.0f, rng, error);
+      if (!dQ)
+        return fail("the query upload");
+      SparseMlaDecodeParams p;
+      p.rows = batch;
+      p.heads = heads;
+      p.latentDim = kLatent;
+      p.ropeDim = kRope;
+      p.softmaxScale = 0.1352338f;
+      p.q = dQ;
+      p.indices = dIndices;
+      p.topK = topK;
+      p.sequences = dSequences;
+      p.latentPages = pool;
+      p.pageTokens = kPageTokens;
+      p.blockTables = dTables;
+      p.maxPages = pagesPerSequence;
+      p.out = dOut;
+      p.workspace = dWorkspace;
+      if (launchSparseMlaDecode(p, nullptr) != 0 || cudaDeviceSynchronize() != cudaSuccess)
+        return fail("the sparse MLA launch");
+      SparseMlaBenchResult r;
+      r.batch = batch;
+      r.heads = heads;
+      r.topK = topK;
+      r.context = context;
+      cudaStream_t stream = nullptr;
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
+        return fail("the stream creation");
+      const bool captured =
+          cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess &&
+          launchSparseMlaDecode(p, stream) == 0 &&
+          cudaStreamEndCapture(stream, &graph) == cudaSuccess &&
+          cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+      if (captured)
+        r.microseconds =
+            medianMicroseconds(stream, iterations, [&] { cudaGraphLaunch(exec, stream); });
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(stream);
+      if (!captured)
+        return fail("the graph capture");
+      r.bytes = double(batch) * topK * double(rowBytes) + double(qFloats) * 4 +
+                double(batch) * heads * kLatent * 4 + double(batch) * topK * 4;
+      r.floorMicroseconds = r.bytes / (kH200CopyTbPerSecond * 1e12) * 1e6;
+      r.tflops = 2.0 * batch * heads * topK * double(kLatent + kRope + kLatent) /
+                 (r.microseconds * 1e-6) / 1e12;
+      results.push_back(r);
+      release();
+    }
+  return results;
+}
+
+std::string sparseMlaTargetVerdict(const SparseMlaBenchResult &r) {
+  const double share = r.floorMicroseconds / r.microseconds;
+  char text[96];
+  if (share >= 0.6)
+    std::snprintf(text, sizeof text, "meets >= 60%% of HBM (%.0f%%)", 100 * share);
+  else
+    std::snprintf(text, sizeof text, "misses: %.1f%% of HBM, needs %.1fx", 100 * share,
+                  0.6 / share);
+  return text;
+}
+
+} // namespace hybrid::kernels::cuda
