@@ -77,7 +77,9 @@ __global__ void __launch_bounds__(kThreads)
                         : 0.0f;
     qs[h * kStride + d] = __float2bfloat16_rn(v);
   }
-  float runningMax = -INFINITY, runningSum = 0.0f; // thread t < 16: head t's softmax state
+  static_assert(kHeadsPerBlock * 8 == kThreads, "8 lanes per head in the softmax");
+  const int head = tid / 8, part = tid % 8;         // the softmax's head and positions
+  float runningMax = -INFINITY, runningSum = 0.0f; // head `head`'s softmax state
   float o[S::kValueTiles][4] = {};
   const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
   const int32_t *indices = p.indices + size_t(row) * p.topK;
@@ -140,36 +142,55 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
 
     // Scores: this warp's 8 positions against the 16 heads.
-    float acc[4] = {};
-#pragma unroll 4
-    for (int k0 = 0; k0 < S::kWide; k0 += 16) {
-      uint32_t a[4], b[2];
-      mma::loadA(a, qs + k0, kStride);
-      mma::loadB(b, ks + warp * 8 * kStride + k0, kStride);
-      mma::mma16816(acc, a, b);
+    // Two accumulators (even and odd k steps): half the dependent MMA chain.
+    static_assert(S::kWide % 32 == 0, "k steps in pairs");
+    float acc[2][4] = {};
+#pragma unroll 2
+    for (int k0 = 0; k0 < S::kWide; k0 += 32) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint32_t a[4], b[2];
+        mma::loadA(a, qs + k0 + 16 * half, kStride);
+        mma::loadB(b, ks + warp * 8 * kStride + k0 + 16 * half, kStride);
+        mma::mma16816(acc[half], a, b);
+      }
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      scores[mma::accRow(e) * kTileKeys + warp * 8 + mma::accColumn(e)] = acc[e] * p.softmaxScale;
+      scores[mma::accRow(e) * kTileKeys + warp * 8 + mma::accColumn(e)] =
+          (acc[0][e] + acc[1][e]) * p.softmaxScale;
     __syncthreads();
 
-    // Online softmax, one head per thread.
-    if (tid < kHeadsPerBlock) {
+    // Online softmax: 8 lanes per head, 4 positions per lane; every lane of a head keeps the
+    // head's running max and sum.
+    {
+      float values[kTileKeys / 8];
       float tileMax = -INFINITY;
-      for (int k = 0; k < kTileKeys; ++k)
-        if (live[k])
-          tileMax = fmaxf(tileMax, scores[tid * kTileKeys + k]);
+#pragma unroll
+      for (int j = 0; j < kTileKeys / 8; ++j) {
+        const int k = part * (kTileKeys / 8) + j;
+        values[j] = live[k] ? scores[head * kTileKeys + k] : -INFINITY;
+        tileMax = fmaxf(tileMax, values[j]);
+      }
+#pragma unroll
+      for (int offset = 1; offset < 8; offset *= 2)
+        tileMax = fmaxf(tileMax, __shfl_xor_sync(0xffffffffu, tileMax, offset));
       const float newMax = fmaxf(runningMax, tileMax);
       const float factor = newMax == -INFINITY ? 1.0f : expf(runningMax - newMax);
       float sum = 0.0f;
-      for (int k = 0; k < kTileKeys; ++k) {
-        const float w = live[k] ? expf(scores[tid * kTileKeys + k] - newMax) : 0.0f;
+#pragma unroll
+      for (int j = 0; j < kTileKeys / 8; ++j) {
+        const float w = values[j] == -INFINITY ? 0.0f : expf(values[j] - newMax);
         sum += w;
-        weights[tid * kPStride + k] = __float2bfloat16_rn(w);
+        weights[head * kPStride + part * (kTileKeys / 8) + j] = __float2bfloat16_rn(w);
       }
+#pragma unroll
+      for (int offset = 1; offset < 8; offset *= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
       runningSum = runningSum * factor + sum;
       runningMax = newMax;
-      rescale[tid] = factor;
+      if (part == 0)
+        rescale[head] = factor;
     }
     __syncthreads();
 
@@ -192,16 +213,16 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  if (tid < kHeadsPerBlock)
-    denominators[tid] = runningSum;
+  if (part == 0)
+    denominators[head] = runningSum;
   // A split's partial: per head its running max and sum, then the unnormalized output.
   const size_t partialStride = size_t(L) + 2;
   auto partial = [&](int h) {
     return partials + ((size_t(row) * p.heads + headBase + h) * splits + split) * partialStride;
   };
-  if (splits > 1 && tid < kHeadsPerBlock && headBase + tid < p.heads) {
-    partial(tid)[0] = runningMax;
-    partial(tid)[1] = runningSum;
+  if (splits > 1 && part == 0 && headBase + head < p.heads) {
+    partial(head)[0] = runningMax;
+    partial(head)[1] = runningSum;
   }
   __syncthreads();
 #pragma unroll
