@@ -4,6 +4,7 @@
 // quantized x (column-major [in, P], P = rows padded to 16) with VEC128_32F scales, D = y
 // (column-major [out, rows]) when P == rows, else the scratch's fp32 [P, out] product, whose first
 // rows a small kernel adds to (or copies into) y.
+#include "../common/fp8_quant.cuh"
 #include "cublaslt_support.cuh"
 #include "hybrid/kernels/cuda/Linear.h"
 
@@ -24,56 +25,15 @@ constexpr int64_t kRowPadding = 16;
 constexpr float kPadRowScale = 1.0f; // finite: it only scales the pad rows' zero codes
 constexpr int kCopyThreads = 256;
 
-// act_quant's constants (the same expressions as the reference, so the same fp32 values).
-constexpr float kE4M3Max = 448.0f;
-constexpr float kInverseE4M3Max = 1.0f / kE4M3Max;
-constexpr float kAmaxFloor = 1e-4f;
 
 int64_t ceilDiv(int64_t value, int64_t divisor) { return (value + divisor - 1) / divisor; }
 int64_t roundUp(int64_t value, int64_t multiple) { return ceilDiv(value, multiple) * multiple; }
 
-// value / 2^shift rounded to nearest, ties to even (0 < shift < 32).
-__device__ uint32_t shiftRightRoundingToNearestEven(uint32_t value, int shift) {
-  const uint32_t kept = value >> shift;
-  const uint32_t remainder = value & ((1u << shift) - 1);
-  const uint32_t half = 1u << (shift - 1);
-  return kept + ((remainder > half || (remainder == half && (kept & 1))) ? 1 : 0);
-}
-
-// ref::floatToE4M3 on the bits (saturating, NaN of either sign -> 0x7F, one rounding for
-// subnormals), so the result does not depend on the hardware conversion's NaN/sign conventions.
-__device__ uint8_t floatToE4M3(float value) {
-  const uint32_t bits = __float_as_uint(value);
-  const auto sign = uint8_t((bits & 0x80000000u) >> 24);
-  const uint32_t magnitude = bits & 0x7FFFFFFFu;
-  if (magnitude > 0x7F800000u)
-    return 0x7F;
-  if (magnitude >= __float_as_uint(kE4M3Max))
-    return sign | 0x7E;
-  const int exponent = int(magnitude >> 23) - 127;
-  if (exponent >= -6) // normal E4M3: re-bias 127 -> 7, drop 20 mantissa bits
-    return sign | uint8_t(shiftRightRoundingToNearestEven(magnitude - (120u << 23), 20));
-  if ((magnitude >> 23) == 0)
-    return sign; // fp32 zero or subnormal: far below half the smallest E4M3 step
-  // E4M3 subnormals count units of 2^-9: significand * 2^(exponent - 23) / 2^-9.
-  const int shift = 23 - 9 - exponent; // >= 21 here
-  if (shift >= 32)
-    return sign;
-  const uint32_t significand = (magnitude & 0x007FFFFFu) | (1u << 23);
-  return sign | uint8_t(shiftRightRoundingToNearestEven(significand, shift));
-}
-
-// ref::fp8TileScale for the two DeepSeek rules, in the same fp32 operations.
+// ref::fp8TileScale for the two DeepSeek rules.
 __device__ float tileScale(float amax, Fp8ActivationScale rule) {
-  if (isinf(amax))
-    return amax;
-  const float scale = __fmul_rn(fmaxf(amax, kAmaxFloor), kInverseE4M3Max);
-  if (rule == Fp8ActivationScale::DeepSeekLinear)
-    return scale;
-  // 2^ceil(log2 scale); scale is a positive normal number (>= 1e-4 / 448).
-  const uint32_t bits = __float_as_uint(scale);
-  const int exponent = int(bits >> 23) - 127 + ((bits & 0x007FFFFFu) != 0 ? 1 : 0);
-  return __uint_as_float(uint32_t(exponent + 127) << 23);
+  return quant::fp8TileScale(amax, rule == Fp8ActivationScale::DeepSeekLinear
+                                       ? quant::Fp8Rule::DeepSeekLinear
+                                       : quant::Fp8Rule::DeepSeekUe8m0);
 }
 
 // One warp per (row, tile) of the paddedRows rows: the tile's amax (NaN ignored, as fmaxf does in
@@ -113,7 +73,7 @@ __global__ void quantizeTiles(const float *x, int64_t xStride, int64_t rows, int
   for (int i = 0; i < kValuesPerLane; ++i) {
     const int column = lane + i * kWarpSize;
     if (column < count)
-      target[column] = floatToE4M3(__fdiv_rn(values[i], scale));
+      target[column] = quant::floatToE4M3(__fdiv_rn(values[i], scale));
   }
   if (lane == 0)
     scales[(tile % tiles) * paddedRows + row] = scale;
