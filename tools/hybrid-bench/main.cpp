@@ -1,10 +1,13 @@
 // hybrid-bench: kernel benchmarks on the GPU and the serving benchmark, a table on stdout and
 // JSON for the record.
+#include "hybrid/runtime/BenchRecord.h"
+#include "hybrid_bench_commit.h" // HYBRID_BENCH_COMMIT, written at build time
 #include "hybrid/runtime/Generate.h"
 #include "hybrid/runtime/LoadGenerator.h"
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Server.h"
 #ifdef HYBRID_BENCH_KDA
+#include "hybrid/kernels/cuda/BenchDevice.h"
 #include "hybrid/kernels/cuda/DsaBench.h" // and SparseMla.h
 #include "hybrid/kernels/cuda/KdaBench.h"
 #endif
@@ -12,6 +15,7 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <iostream>
 #include <random>
@@ -31,6 +35,53 @@ bool writeText(const std::string &path, const std::string &text) {
     return false;
   }
   return true;
+}
+
+// What a kernel benchmark does with its rows besides the table: a record (--json) and a
+// comparison with a stored baseline (--compare, exit 1 when a row is slower than --threshold).
+struct RecordOptions {
+  std::string jsonPath, comparePath, commit = HYBRID_BENCH_COMMIT, command;
+  double threshold = 0.05;
+};
+
+void addRecordOptions(CLI::App *app, RecordOptions &record) {
+  app->add_option("--json", record.jsonPath, "Write the results as a benchmark record (JSON)");
+  app->add_option("--compare", record.comparePath,
+                  "A stored record (docs/performance/*.json): print each row's ratio to it, exit 1 "
+                  "when a row is slower than --threshold");
+  app->add_option("--threshold", record.threshold, "Allowed slowdown for --compare")
+      ->check(CLI::Range(0.0, 10.0));
+  app->add_option("--commit", record.commit, "Commit recorded in --json (default: the build's)");
+}
+
+std::string utcNow() {
+  const std::time_t now = std::time(nullptr);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  return text;
+}
+
+int finishRecord(const RecordOptions &options, const std::string &gpu,
+                 std::vector<hybrid::bench::BenchRow> rows) {
+  hybrid::bench::BenchRecord record{gpu, utcNow(), options.commit, options.command,
+                                    std::move(rows)};
+  if (!options.jsonPath.empty())
+    if (hybrid::Status written = hybrid::bench::writeBenchRecord(record, options.jsonPath);
+        !written) {
+      std::cerr << "error: --json: " << written.message() << "\n";
+      return 1;
+    }
+  if (options.comparePath.empty())
+    return 0;
+  auto baseline = hybrid::bench::readBenchRecord(options.comparePath);
+  if (!baseline) {
+    std::cerr << "error: --compare: " << baseline.status().message() << "\n";
+    return 1;
+  }
+  const auto comparison = hybrid::bench::compareRecords(*baseline, record, options.threshold);
+  std::printf("\n%s",
+              hybrid::bench::formatComparison(comparison, *baseline, options.threshold).c_str());
+  return comparison.slower > 0 ? 1 : 0;
 }
 
 #ifdef HYBRID_BENCH_KDA
@@ -96,9 +147,9 @@ void printDecodeTable(const std::vector<kc::KdaDecodeBenchResult> &results) {
                 kc::kdaDecodeTargetVerdict(r).c_str());
 }
 
-// One JSON object per result, in `objects`.
-void appendPrefillJson(const std::vector<kc::KdaPrefillBenchResult> &results,
-                       std::vector<std::string> &objects) {
+// One record row per result: named by the kernel and shape, timed by its graph replay.
+void appendPrefillRows(const std::vector<kc::KdaPrefillBenchResult> &results,
+                       std::vector<hybrid::bench::BenchRow> &rows) {
   for (const auto &r : results) {
     std::ostringstream json;
     json << "{\"kernel\": \"" << (r.chunked ? "kda-prefill-chunked" : "kda-prefill-recurrent")
@@ -108,11 +159,16 @@ void appendPrefillJson(const std::vector<kc::KdaPrefillBenchResult> &results,
          << ", \"bytes\": " << r.bytes << ", \"flops\": " << r.flops << ", \"state\": \""
          << (r.bf16State ? "bf16" : "f32") << "\", \"target\": \""
          << kc::kdaPrefillTargetVerdict(r) << "\"}";
-    objects.push_back(json.str());
+    rows.push_back({std::string(r.chunked ? "kda-prefill-chunked" : "kda-prefill-recurrent") +
+                        " sequences=" + std::to_string(r.sequences) +
+                        " length=" + std::to_string(r.length) + " heads=" +
+                        std::to_string(r.heads) + " dim=" + std::to_string(r.headDim) +
+                        " state=" + (r.bf16State ? "bf16" : "f32"),
+                    r.milliseconds * 1e3, json.str()});
   }
 }
-void appendDecodeJson(const std::vector<kc::KdaDecodeBenchResult> &results,
-                      std::vector<std::string> &objects) {
+void appendDecodeRows(const std::vector<kc::KdaDecodeBenchResult> &results,
+                      std::vector<hybrid::bench::BenchRow> &rows) {
   for (const auto &r : results) {
     std::ostringstream json;
     json << "{\"kernel\": \"kda-decode\", \"batch\": " << r.batch << ", \"heads\": " << r.heads
@@ -126,15 +182,11 @@ void appendDecodeJson(const std::vector<kc::KdaDecodeBenchResult> &results,
          << (r.split ? "split" : "fused") << "\", \"state\": \""
          << (r.bf16State ? "bf16" : "f32") << "\", \"target\": \""
          << kc::kdaDecodeTargetVerdict(r) << "\"}";
-    objects.push_back(json.str());
+    rows.push_back({"kda-decode batch=" + std::to_string(r.batch) + " heads=" +
+                        std::to_string(r.heads) + " dim=" + std::to_string(r.headDim) + " path=" +
+                        (r.split ? "split" : "fused") + " state=" + (r.bf16State ? "bf16" : "f32"),
+                    r.graphMicroseconds, json.str()});
   }
-}
-
-bool writeJson(const std::string &path, const std::vector<std::string> &objects) {
-  std::string text = "[\n";
-  for (size_t i = 0; i < objects.size(); ++i)
-    text += "  " + objects[i] + (i + 1 < objects.size() ? ",\n" : "\n");
-  return writeText(path, text + "]\n");
 }
 
 #endif
@@ -142,12 +194,12 @@ bool writeJson(const std::string &path, const std::vector<std::string> &objects)
 struct Options {
   std::vector<int32_t> batches = {1, 32, 128};
   int32_t heads = 32, headDim = 128, decodeIterations = 200, prefillIterations = 3;
-  std::string decodePath = "auto", prefillPath = "auto", jsonPath, state = "f32";
+  std::string decodePath = "auto", prefillPath = "auto", state = "f32", jsonPath; // jsonPath: serve
   std::vector<std::string> prefillShapes = {"1x8192", "8x1024"};
 };
 
 #ifdef HYBRID_BENCH_KDA
-int runKdaDecode(const Options &o) {
+int runKdaDecode(const Options &o, const RecordOptions &record) {
   std::string error;
   const auto results = kc::benchKdaDecode(o.batches, o.heads, o.headDim, o.decodeIterations,
                                           decodePathOf(o.decodePath), stateTypeOf(o.state), error);
@@ -156,12 +208,12 @@ int runKdaDecode(const Options &o) {
     return 1;
   }
   printDecodeTable(results);
-  std::vector<std::string> objects;
-  appendDecodeJson(results, objects);
-  return writeJson(o.jsonPath, objects) ? 0 : 1;
+  std::vector<hybrid::bench::BenchRow> rows;
+  appendDecodeRows(results, rows);
+  return finishRecord(record, kc::benchDeviceName(), std::move(rows));
 }
 
-int runKdaPrefill(const Options &o) {
+int runKdaPrefill(const Options &o, const RecordOptions &record) {
   std::vector<std::pair<int32_t, int32_t>> shapes;
   if (!parseShapes(o.prefillShapes, shapes))
     return 1;
@@ -174,16 +226,16 @@ int runKdaPrefill(const Options &o) {
     return 1;
   }
   printPrefillTable(results);
-  std::vector<std::string> objects;
-  appendPrefillJson(results, objects);
-  return writeJson(o.jsonPath, objects) ? 0 : 1;
+  std::vector<hybrid::bench::BenchRow> rows;
+  appendPrefillRows(results, rows);
+  return finishRecord(record, kc::benchDeviceName(), std::move(rows));
 }
 
 // Every shape the issue sets a target for (PERF_TARGETS.md): decode B=1 and B=128 at H=32, and
 // prefill 1x8192 and 8x1024 at H=32 and H=96, default kernel paths; one table each, one JSON.
-int runKda(const Options &o) {
+int runKda(const Options &o, const RecordOptions &record) {
   std::string error;
-  std::vector<std::string> objects;
+  std::vector<hybrid::bench::BenchRow> rows;
   const auto decode = kc::benchKdaDecode({1, 128}, 32, 128, o.decodeIterations,
                                          kc::KdaDecodePath::Auto, kc::KdaStateType::F32, error);
   if (!error.empty()) {
@@ -191,7 +243,7 @@ int runKda(const Options &o) {
     return 1;
   }
   printDecodeTable(decode);
-  appendDecodeJson(decode, objects);
+  appendDecodeRows(decode, rows);
   std::printf("\n");
   std::vector<kc::KdaPrefillBenchResult> prefill;
   for (int32_t heads : {32, 96}) {
@@ -204,8 +256,8 @@ int runKda(const Options &o) {
     prefill.insert(prefill.end(), results.begin(), results.end());
   }
   printPrefillTable(prefill);
-  appendPrefillJson(prefill, objects);
-  return writeJson(o.jsonPath, objects) ? 0 : 1;
+  appendPrefillRows(prefill, rows);
+  return finishRecord(record, kc::benchDeviceName(), std::move(rows));
 }
 
 // The lightning indexer, decode: every sequence's query against its whole paged key cache.
@@ -213,10 +265,10 @@ struct IndexerOptions {
   std::vector<int32_t> batches = {1, 8, 64};
   std::vector<int32_t> contexts = {131072};
   int32_t heads = 64, headDim = 128, topK = 2048, iterations = 20;
-  std::string keys = "mxfp8", jsonPath;
+  std::string keys = "mxfp8";
 };
 
-int runDsaIndexer(const IndexerOptions &o) {
+int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
   const kc::IndexKeyType type = o.keys == "f32"   ? kc::IndexKeyType::F32
                                 : o.keys == "fp8" ? kc::IndexKeyType::Fp8PerKey
                                                   : kc::IndexKeyType::Mxfp8;
@@ -230,7 +282,7 @@ int runDsaIndexer(const IndexerOptions &o) {
   std::printf("%-12s %6s %8s %6s %5s %6s %6s %10s %10s %9s %8s  %s\n", "kernel", "batch",
               "context", "heads", "dim", "top-k", "keys", "us", "floor us", "key TB/s",
               "% floor", "target (H200)");
-  std::vector<std::string> objects;
+  std::vector<hybrid::bench::BenchRow> rows;
   for (const auto &r : results) {
     const double tbPerSecond = r.keyBytes / (r.microseconds * 1e-6) / 1e12;
     std::printf("%-12s %6d %8d %6d %5d %6d %6s %10.1f %10.1f %9.2f %7.1f%%  %s\n", "dsa-indexer",
@@ -244,9 +296,13 @@ int runDsaIndexer(const IndexerOptions &o) {
          << "\", \"us\": " << r.microseconds << ", \"key_bytes\": " << r.keyBytes
          << ", \"floor_us\": " << r.floorMicroseconds << ", \"target\": \""
          << kc::indexerTargetVerdict(r) << "\"}";
-    objects.push_back(json.str());
+    rows.push_back({"dsa-indexer batch=" + std::to_string(r.batch) + " context=" +
+                        std::to_string(r.context) + " heads=" + std::to_string(r.heads) +
+                        " dim=" + std::to_string(r.headDim) + " top_k=" + std::to_string(r.topK) +
+                        " keys=" + o.keys,
+                    r.microseconds, json.str()});
   }
-  return writeJson(o.jsonPath, objects) ? 0 : 1;
+  return finishRecord(record, kc::benchDeviceName(), std::move(rows));
 }
 
 // Sparse MLA decode: every sequence's query heads over its top-k selected rows.
@@ -254,10 +310,9 @@ struct SparseMlaOptions {
   std::vector<int32_t> batches = {1, 8, 64};
   std::vector<int32_t> heads = {128, 16};
   int32_t topK = 2048, context = 8192, iterations = 20;
-  std::string jsonPath;
 };
 
-int runDsaSparseMla(const SparseMlaOptions &o) {
+int runDsaSparseMla(const SparseMlaOptions &o, const RecordOptions &record) {
   std::string error;
   const auto results = kc::benchSparseMlaDecode(o.batches, o.heads, o.topK, o.context,
                                                 o.iterations, error);
@@ -267,7 +322,7 @@ int runDsaSparseMla(const SparseMlaOptions &o) {
   }
   std::printf("%-15s %6s %6s %6s %8s %10s %10s %8s %9s %8s  %s\n", "kernel", "batch", "heads",
               "top-k", "context", "us", "floor us", "TB/s", "TFLOP/s", "% HBM", "target (H200)");
-  std::vector<std::string> objects;
+  std::vector<hybrid::bench::BenchRow> rows;
   for (const auto &r : results) {
     const double tbPerSecond = r.bytes / (r.microseconds * 1e-6) / 1e12;
     std::printf("%-15s %6d %6d %6d %8d %10.1f %10.1f %8.2f %9.1f %7.1f%%  %s\n",
@@ -281,9 +336,12 @@ int runDsaSparseMla(const SparseMlaOptions &o) {
          << r.context << ", \"us\": " << r.microseconds << ", \"bytes\": " << r.bytes
          << ", \"floor_us\": " << r.floorMicroseconds << ", \"tflops\": " << r.tflops
          << ", \"target\": \"" << kc::sparseMlaTargetVerdict(r) << "\"}";
-    objects.push_back(json.str());
+    rows.push_back({"dsa-sparse-mla-decode batch=" + std::to_string(r.batch) + " heads=" +
+                        std::to_string(r.heads) + " top_k=" + std::to_string(r.topK) +
+                        " context=" + std::to_string(r.context),
+                    r.microseconds, json.str()});
   }
-  return writeJson(o.jsonPath, objects) ? 0 : 1;
+  return finishRecord(record, kc::benchDeviceName(), std::move(rows));
 }
 
 #else
@@ -292,26 +350,27 @@ int noCuda(const char *subcommand) {
             << ": this hybrid-bench was built without CUDA (HYBRID_ENABLE_CUDA)\n";
   return 1;
 }
-int runKdaDecode(const Options &) { return noCuda("kda-decode"); }
-int runKdaPrefill(const Options &o) {
+int runKdaDecode(const Options &, const RecordOptions &) { return noCuda("kda-decode"); }
+int runKdaPrefill(const Options &o, const RecordOptions &) {
   std::vector<std::pair<int32_t, int32_t>> shapes;
   return parseShapes(o.prefillShapes, shapes) ? noCuda("kda-prefill") : 1;
 }
-int runKda(const Options &) { return noCuda("kda"); }
+int runKda(const Options &, const RecordOptions &) { return noCuda("kda"); }
 struct IndexerOptions {
   std::vector<int32_t> batches = {1, 8, 64};
   std::vector<int32_t> contexts = {131072};
   int32_t heads = 64, headDim = 128, topK = 2048, iterations = 20;
-  std::string keys = "mxfp8", jsonPath;
+  std::string keys = "mxfp8";
 };
-int runDsaIndexer(const IndexerOptions &) { return noCuda("dsa-indexer"); }
+int runDsaIndexer(const IndexerOptions &, const RecordOptions &) { return noCuda("dsa-indexer"); }
 struct SparseMlaOptions {
   std::vector<int32_t> batches = {1, 8, 64};
   std::vector<int32_t> heads = {128, 16};
   int32_t topK = 2048, context = 8192, iterations = 20;
-  std::string jsonPath;
 };
-int runDsaSparseMla(const SparseMlaOptions &) { return noCuda("dsa-sparse-mla"); }
+int runDsaSparseMla(const SparseMlaOptions &, const RecordOptions &) {
+  return noCuda("dsa-sparse-mla");
+}
 #endif
 
 // The serving benchmark against `--host:--port`, or against a server started here on `--model`.
@@ -434,7 +493,10 @@ int main(int argc, char **argv) {
 
   CLI::App *kda = app.add_subcommand(
       "kda", "KDA decode and prefill at every shape with a target (PERF_TARGETS.md)");
-  kda->add_option("--json", o.jsonPath, "Write the results as JSON");
+  RecordOptions record;
+  for (int i = 0; i < argc; ++i)
+    record.command += (i ? " " : "") + std::string(i ? argv[i] : "hybrid-bench");
+  addRecordOptions(kda, record);
 
   CLI::App *kdaDecode = app.add_subcommand("kda-decode", "fused KDA decode step");
   kdaDecode->add_option("--batch", o.batches, "Batch sizes")->delimiter(',');
@@ -442,7 +504,7 @@ int main(int argc, char **argv) {
   kdaDecode->add_option("--head-dim", o.headDim, "Head dimension (64 or 128)");
   kdaDecode->add_option("--iterations", o.decodeIterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
-  kdaDecode->add_option("--json", o.jsonPath, "Write the results as JSON");
+  addRecordOptions(kdaDecode, record);
   kdaDecode->add_option("--path", o.decodePath, "Kernels: auto (by batch), fused or split")
       ->check(CLI::IsMember({"auto", "fused", "split"}));
   kdaDecode->add_option("--state", o.state, "Recurrent state storage: f32 or bf16")
@@ -456,7 +518,7 @@ int main(int argc, char **argv) {
   kdaPrefill->add_option("--head-dim", o.headDim, "Head dimension (64 or 128)");
   kdaPrefill->add_option("--iterations", o.prefillIterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
-  kdaPrefill->add_option("--json", o.jsonPath, "Write the results as JSON");
+  addRecordOptions(kdaPrefill, record);
   kdaPrefill->add_option("--path", o.prefillPath,
                          "Kernels: auto (chunked at head dim 128), recurrent or chunked")
       ->check(CLI::IsMember({"auto", "recurrent", "chunked"}));
@@ -480,7 +542,7 @@ int main(int argc, char **argv) {
       ->check(CLI::IsMember({"mxfp8", "fp8", "f32"}));
   dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
-  dsaIndexer->add_option("--json", indexer.jsonPath, "Write the results as JSON");
+  addRecordOptions(dsaIndexer, record);
   SparseMlaOptions sparseMla;
   CLI::App *dsaSparseMla = app.add_subcommand(
       "dsa-sparse-mla", "Sparse MLA decode over the top-k rows of the paged FP8 latent cache");
@@ -494,7 +556,7 @@ int main(int argc, char **argv) {
       ->check(CLI::PositiveNumber);
   dsaSparseMla->add_option("--iterations", sparseMla.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
-  dsaSparseMla->add_option("--json", sparseMla.jsonPath, "Write the results as JSON");
+  addRecordOptions(dsaSparseMla, record);
   hybrid::LoadGeneratorOptions load;
   hybrid::LoadOptions modelOptions;
   std::string modelDir;
@@ -571,12 +633,12 @@ int main(int argc, char **argv) {
   if (serve->parsed())
     return runServe(load, modelDir, modelOptions, o.jsonPath);
   if (kda->parsed())
-    return runKda(o);
+    return runKda(o, record);
   if (dsaIndexer->parsed())
-    return runDsaIndexer(indexer);
+    return runDsaIndexer(indexer, record);
   if (dsaSparseMla->parsed())
-    return runDsaSparseMla(sparseMla);
+    return runDsaSparseMla(sparseMla, record);
   if (kdaPrefill->parsed())
-    return runKdaPrefill(o);
-  return runKdaDecode(o);
+    return runKdaPrefill(o, record);
+  return runKdaDecode(o, record);
 }
