@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
 
 namespace hybrid::bench {
@@ -87,6 +88,21 @@ TEST(BenchRecord, BadFilesNameTheFileAndField) {
   auto missing = readBenchRecord("/nonexistent/baseline.json");
   ASSERT_FALSE(missing.isOk());
   EXPECT_EQ(missing.status().message(), "/nonexistent/baseline.json: cannot open");
+}
+
+// The baselines kept in docs/performance/ stay readable by --compare.
+TEST(BenchRecord, StoredBaselinesParse) {
+  int files = 0;
+  for (const auto &entry : std::filesystem::directory_iterator(HYBRID_BASELINE_DIR)) {
+    if (entry.path().extension() != ".json")
+      continue;
+    ++files;
+    auto record = readBenchRecord(entry.path().string());
+    ASSERT_TRUE(record.isOk()) << record.status().message();
+    EXPECT_FALSE(record->rows.empty()) << entry.path();
+    EXPECT_FALSE(record->gpu.empty()) << entry.path();
+  }
+  EXPECT_GE(files, 1);
 }
 
 } // namespace
