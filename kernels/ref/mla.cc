@@ -75,6 +75,41 @@ void applyRope(std::span<float> x, int64_t position, std::span<const float> inve
   }
 }
 
+namespace {
+
+// The positions query t attends to: the listed ones of its sparse row (−1 and out-of-range
+// entries skipped), or every causal position.
+void attendedPositions(int64_t t, const int32_t *sparseIndices, int64_t topK, int64_t numKeys,
+                       const int64_t *queryPositions, int64_t numQueries,
+                       std::vector<int64_t> &keys) {
+  keys.clear();
+  if (sparseIndices) {
+    for (int64_t j = 0; j < topK; ++j) {
+      const int32_t index = sparseIndices[t * topK + j];
+      if (index >= 0 && index < numKeys)
+        keys.push_back(index);
+    }
+    return;
+  }
+  const int64_t position = queryPositions ? queryPositions[t] : numKeys - numQueries + t;
+  for (int64_t s = 0; s <= std::min(position, numKeys - 1); ++s)
+    keys.push_back(s);
+}
+
+// logits -> softmax weights, in place (max-subtracted exponentials over their sum).
+void softmaxInPlace(std::vector<float> &logits) {
+  const float maxLogit = *std::max_element(logits.begin(), logits.end());
+  float sum = 0.0f;
+  for (float &logit : logits) {
+    logit = std::exp(logit - maxLogit);
+    sum += logit;
+  }
+  for (float &logit : logits)
+    logit /= sum;
+}
+
+} // namespace
+
 void mlaAttention(const MlaAttentionParams &p) {
   const int64_t qkDim = p.nopeDim + p.ropeDim;
   const int64_t expandedDim = p.nopeDim + p.valueDim; // per head, per position: [k_nope | v]
@@ -89,20 +124,8 @@ void mlaAttention(const MlaAttentionParams &p) {
     std::vector<float> logits;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / p.numHeads, h = item % p.numHeads;
-      // The positions this query attends to.
-      keys.clear();
-      if (p.sparseIndices) {
-        for (int64_t j = 0; j < p.topK; ++j) {
-          const int32_t index = p.sparseIndices[t * p.topK + j];
-          if (index >= 0 && index < p.numKeys)
-            keys.push_back(index);
-        }
-      } else {
-        const int64_t position =
-            p.queryPositions ? p.queryPositions[t] : p.numKeys - p.numQueries + t;
-        for (int64_t s = 0; s <= std::min(position, p.numKeys - 1); ++s)
-          keys.push_back(s);
-      }
+      attendedPositions(t, p.sparseIndices, p.topK, p.numKeys, p.queryPositions, p.numQueries,
+                        keys);
       float *out = p.out + (t * p.numHeads + h) * p.valueDim;
       std::fill(out, out + p.valueDim, 0.0f);
       if (keys.empty())
@@ -110,21 +133,15 @@ void mlaAttention(const MlaAttentionParams &p) {
 
       const float *query = p.queries + (t * p.numHeads + h) * qkDim;
       logits.resize(keys.size());
-      float maxLogit = -std::numeric_limits<float>::infinity();
       for (size_t j = 0; j < keys.size(); ++j) {
         const float *kNope = expanded.data() + (keys[j] * p.numHeads + h) * expandedDim;
         const float *kRope = p.ropeKeys + keys[j] * p.ropeDim;
         const float score = dot(query, kNope, p.nopeDim) + dot(query + p.nopeDim, kRope, p.ropeDim);
         logits[j] = score * p.softmaxScale;
-        maxLogit = std::max(maxLogit, logits[j]);
       }
-      float sum = 0.0f;
-      for (float &logit : logits) {
-        logit = std::exp(logit - maxLogit);
-        sum += logit;
-      }
+      softmaxInPlace(logits);
       for (size_t j = 0; j < keys.size(); ++j) {
-        const float weight = logits[j] / sum;
+        const float weight = logits[j];
         const float *value = expanded.data() + (keys[j] * p.numHeads + h) * expandedDim + p.nopeDim;
         for (int64_t d = 0; d < p.valueDim; ++d)
           out[d] += weight * value[d];
@@ -160,39 +177,22 @@ void latentAttention(const LatentAttentionParams &p) {
     std::vector<float> logits;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / p.numHeads;
-      keys.clear();
-      if (p.sparseIndices) {
-        for (int64_t j = 0; j < p.topK; ++j) {
-          const int32_t index = p.sparseIndices[t * p.topK + j];
-          if (index >= 0 && index < p.numKeys)
-            keys.push_back(index);
-        }
-      } else {
-        const int64_t position =
-            p.queryPositions ? p.queryPositions[t] : p.numKeys - p.numQueries + t;
-        for (int64_t s = 0; s <= std::min(position, p.numKeys - 1); ++s)
-          keys.push_back(s);
-      }
+      attendedPositions(t, p.sparseIndices, p.topK, p.numKeys, p.queryPositions, p.numQueries,
+                        keys);
       float *out = p.out + item * p.latentDim;
       std::fill(out, out + p.latentDim, 0.0f);
       if (keys.empty())
         continue;
       const float *query = p.queries + item * wide;
       logits.resize(keys.size());
-      float maxLogit = -std::numeric_limits<float>::infinity();
       for (size_t j = 0; j < keys.size(); ++j) {
         const float score = dot(query, p.latents + keys[j] * p.latentDim, p.latentDim) +
                             dot(query + p.latentDim, p.ropeKeys + keys[j] * p.ropeDim, p.ropeDim);
         logits[j] = score * p.softmaxScale;
-        maxLogit = std::max(maxLogit, logits[j]);
       }
-      float sum = 0.0f;
-      for (float &logit : logits) {
-        logit = std::exp(logit - maxLogit);
-        sum += logit;
-      }
+      softmaxInPlace(logits);
       for (size_t j = 0; j < keys.size(); ++j) {
-        const float weight = logits[j] / sum;
+        const float weight = logits[j];
         const float *latent = p.latents + keys[j] * p.latentDim;
         for (int64_t d = 0; d < p.latentDim; ++d)
           out[d] += weight * latent[d];

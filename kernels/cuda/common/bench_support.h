@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -77,6 +78,80 @@ double medianMicroseconds(cudaStream_t stream, int iterations, Body &&body) {
   cudaEventDestroy(stop);
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
+}
+
+// "meets >= 70% of the floor (81%)" / "misses: 21.4% of the floor, needs 3.3x": a measured share
+// of a floor (floor time / measured time) against the target share.
+inline std::string floorShareVerdict(double share, double target, const char *floor) {
+  char text[128];
+  if (share >= target)
+    std::snprintf(text, sizeof text, "meets >= %.0f%% of %s (%.0f%%)", 100 * target, floor,
+                  100 * share);
+  else
+    std::snprintf(text, sizeof text, "misses: %.1f%% of %s, needs %.1fx", 100 * share, floor,
+                  target / share);
+  return text;
+}
+
+// A device copy of `host`; nullptr on failure.
+template <typename T> T *deviceCopy(const std::vector<T> &host) {
+  T *device = nullptr;
+  if (cudaMalloc(&device, std::max<size_t>(1, host.size()) * sizeof(T)) != cudaSuccess)
+    return nullptr;
+  if (cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice) !=
+      cudaSuccess) {
+    cudaFree(device);
+    return nullptr;
+  }
+  return device;
+}
+
+// Median microseconds per replay of what `launch(stream)` enqueues, captured once as a CUDA graph
+// (how a decode step runs it); a negative value when the capture fails.
+template <typename Launch> double graphMicroseconds(int iterations, Launch &&launch) {
+  cudaStream_t stream = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
+    return -1;
+  const bool captured =
+      cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess &&
+      launch(stream) == 0 && cudaStreamEndCapture(stream, &graph) == cudaSuccess &&
+      cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+  const double microseconds =
+      captured ? medianMicroseconds(stream, iterations, [&] { cudaGraphLaunch(exec, stream); })
+               : -1;
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  return microseconds;
+}
+
+// A pool of `pages` pages on the device whose first pages are `distinct` (host pages made by
+// `makePage()`, each pageBytes long) and the rest copies of them: large caches without generating
+// gigabytes on the host. nullptr on failure (nothing left allocated).
+template <typename MakePage>
+unsigned char *devicePagePool(int64_t pages, int64_t pageBytes, int64_t distinct,
+                              MakePage &&makePage) {
+  unsigned char *pool = nullptr;
+  if (cudaMalloc(&pool, size_t(pages * pageBytes)) != cudaSuccess)
+    return nullptr;
+  bool ok = true;
+  for (int64_t i = 0; ok && i < std::min(distinct, pages); ++i) {
+    const std::vector<uint8_t> page = makePage();
+    ok = page.size() == size_t(pageBytes) &&
+         cudaMemcpy(pool + i * pageBytes, page.data(), page.size(), cudaMemcpyHostToDevice) ==
+             cudaSuccess;
+  }
+  for (int64_t filled = distinct; ok && filled < pages; filled *= 2) // doubling copies
+    ok = cudaMemcpy(pool + filled * pageBytes, pool,
+                    size_t(std::min(filled, pages - filled) * pageBytes),
+                    cudaMemcpyDeviceToDevice) == cudaSuccess;
+  if (!ok) {
+    cudaFree(pool);
+    return nullptr;
+  }
+  return pool;
 }
 
 } // namespace hybrid::kernels::cuda::bench

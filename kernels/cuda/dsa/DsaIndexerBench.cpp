@@ -88,23 +88,12 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
         release();
         return std::vector<IndexerBenchResult>{};
       };
-      if (cudaMalloc(&pool, size_t(pages * pageBytes)) != cudaSuccess)
-        return fail("the key pool allocation");
-      for (int32_t i = 0; i < std::min<int64_t>(kDistinctPages, pages); ++i) {
-        const std::vector<uint8_t> page = randomPage(keyType, headDim, rng);
-        if (cudaMemcpy(pool + i * pageBytes, page.data(), page.size(), cudaMemcpyHostToDevice) !=
-            cudaSuccess)
-          return fail("the key upload");
-      }
-      for (int64_t filled = kDistinctPages; filled < pages; filled *= 2) // doubling copies
-        if (cudaMemcpy(pool + filled * pageBytes, pool,
-                       size_t(std::min(filled, pages - filled) * pageBytes),
-                       cudaMemcpyDeviceToDevice) != cudaSuccess)
-          return fail("the key replication");
-      auto upload = [&](int32_t *&device, const std::vector<int32_t> &host) {
-        return cudaMalloc(&device, host.size() * 4) == cudaSuccess &&
-               cudaMemcpy(device, host.data(), host.size() * 4, cudaMemcpyHostToDevice) ==
-                   cudaSuccess;
+      pool = devicePagePool(pages, pageBytes, kDistinctPages,
+                            [&] { return randomPage(keyType, headDim, rng); });
+      if (!pool)
+        return fail("the page pool");
+      auto upload = [](int32_t *&device, const std::vector<int32_t> &host) {
+        return (device = deviceCopy(host)) != nullptr;
       };
       if (!upload(dTables, tables) || !upload(dPositions, positions) ||
           !upload(dSequences, sequences) ||
@@ -129,13 +118,7 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
             !ref::dequantizeMxfp8(codes, scales, int64_t(q.size() / headDim), headDim, q))
           return fail("the query quantization");
       }
-      float *dQ = nullptr;
-      if (cudaMalloc(&dQ, q.size() * 4) != cudaSuccess)
-        return fail("the query allocation");
-      floats.push_back(dQ);
-      if (cudaMemcpy(dQ, q.data(), q.size() * 4, cudaMemcpyHostToDevice) != cudaSuccess)
-        return fail("the query upload");
-      p.q = dQ;
+      p.q = floats.emplace_back(deviceCopy(q));
       p.headWeights = floats.emplace_back(deviceRandom(size_t(batch) * heads, 1.0f, 0, rng, error));
       if (!p.q || !p.headWeights)
         return fail("the query upload");
@@ -161,22 +144,9 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
       r.topK = p.topK;
       r.keyType = keyType;
       // Replayed from a CUDA graph, as a decode step runs it: the launches cost no host time.
-      cudaStream_t stream = nullptr;
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
-        return fail("the stream creation");
-      const bool captured =
-          cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess &&
-          launchIndexerTopK(p, stream) == 0 && cudaStreamEndCapture(stream, &graph) == cudaSuccess &&
-          cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
-      if (captured)
-        r.microseconds =
-            medianMicroseconds(stream, iterations, [&] { cudaGraphLaunch(exec, stream); });
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      cudaStreamDestroy(stream);
-      if (!captured)
+      r.microseconds =
+          graphMicroseconds(iterations, [&](cudaStream_t s) { return launchIndexerTopK(p, s); });
+      if (r.microseconds < 0)
         return fail("the graph capture");
       r.keyBytes = double(batch) * context * double(pageBytes) / kPageTokens;
       r.floorMicroseconds = r.keyBytes / (kH200CopyTbPerSecond * 1e12) * 1e6;
@@ -187,14 +157,7 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
 }
 
 std::string indexerTargetVerdict(const IndexerBenchResult &r) {
-  const double share = r.floorMicroseconds / r.microseconds;
-  char text[96];
-  if (share >= 0.7)
-    std::snprintf(text, sizeof text, "meets >= 70%% of the floor (%.0f%%)", 100 * share);
-  else
-    std::snprintf(text, sizeof text, "misses: %.1f%% of the floor, needs %.1fx", 100 * share,
-                  0.7 / share);
-  return text;
+  return floorShareVerdict(r.floorMicroseconds / r.microseconds, 0.7, "the floor");
 }
 
 } // namespace hybrid::kernels::cuda

@@ -83,23 +83,11 @@ std::vector<SparseMlaBenchResult> benchSparseMlaDecode(const std::vector<int32_t
         release();
         return std::vector<SparseMlaBenchResult>{};
       };
-      if (cudaMalloc(&pool, size_t(pages * pageBytes)) != cudaSuccess)
-        return fail("the latent pool allocation");
-      for (int32_t i = 0; i < std::min<int64_t>(kDistinctPages, pages); ++i) {
-        const std::vector<uint8_t> page = randomLatentPage(rng);
-        if (cudaMemcpy(pool + i * pageBytes, page.data(), page.size(), cudaMemcpyHostToDevice) !=
-            cudaSuccess)
-          return fail("the latent upload");
-      }
-      for (int64_t filled = kDistinctPages; filled < pages; filled *= 2)
-        if (cudaMemcpy(pool + filled * pageBytes, pool,
-                       size_t(std::min(filled, pages - filled) * pageBytes),
-                       cudaMemcpyDeviceToDevice) != cudaSuccess)
-          return fail("the latent replication");
-      auto upload = [&](int32_t *&device, const std::vector<int32_t> &host) {
-        return cudaMalloc(&device, host.size() * 4) == cudaSuccess &&
-               cudaMemcpy(device, host.data(), host.size() * 4, cudaMemcpyHostToDevice) ==
-                   cudaSuccess;
+      pool = devicePagePool(pages, pageBytes, kDistinctPages, [&] { return randomLatentPage(rng); });
+      if (!pool)
+        return fail("the page pool");
+      auto upload = [](int32_t *&device, const std::vector<int32_t> &host) {
+        return (device = deviceCopy(host)) != nullptr;
       };
       const size_t qFloats = size_t(batch) * heads * (kLatent + kRope);
       if (!upload(dTables, tables) || !upload(dSequences, sequences) ||
@@ -133,23 +121,10 @@ std::vector<SparseMlaBenchResult> benchSparseMlaDecode(const std::vector<int32_t
       r.heads = heads;
       r.topK = topK;
       r.context = context;
-      cudaStream_t stream = nullptr;
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)
-        return fail("the stream creation");
-      const bool captured =
-          cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess &&
-          launchSparseMlaDecode(p, stream) == 0 &&
-          cudaStreamEndCapture(stream, &graph) == cudaSuccess &&
-          cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
-      if (captured)
-        r.microseconds =
-            medianMicroseconds(stream, iterations, [&] { cudaGraphLaunch(exec, stream); });
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      cudaStreamDestroy(stream);
-      if (!captured)
+      r.microseconds =
+          graphMicroseconds(iterations,
+                            [&](cudaStream_t s) { return launchSparseMlaDecode(p, s); });
+      if (r.microseconds < 0)
         return fail("the graph capture");
       r.bytes = double(batch) * topK * double(rowBytes) + double(qFloats) * 4 +
                 double(batch) * heads * kLatent * 4 + double(batch) * topK * 4;
@@ -163,14 +138,7 @@ std::vector<SparseMlaBenchResult> benchSparseMlaDecode(const std::vector<int32_t
 }
 
 std::string sparseMlaTargetVerdict(const SparseMlaBenchResult &r) {
-  const double share = r.floorMicroseconds / r.microseconds;
-  char text[96];
-  if (share >= 0.6)
-    std::snprintf(text, sizeof text, "meets >= 60%% of HBM (%.0f%%)", 100 * share);
-  else
-    std::snprintf(text, sizeof text, "misses: %.1f%% of HBM, needs %.1fx", 100 * share,
-                  0.6 / share);
-  return text;
+  return floorShareVerdict(r.floorMicroseconds / r.microseconds, 0.6, "HBM");
 }
 
 } // namespace hybrid::kernels::cuda

@@ -41,7 +41,31 @@ struct Step {
       }
   }
   int tokens() const { return int(positions.size()); }
+  // Token t's page and its bytes in a host pool of such pages.
+  std::span<uint8_t> page(std::vector<uint8_t> &pool, int t, int pageTokens, size_t pageBytes) const {
+    const int32_t physical = tables[size_t(sequences[t]) * maxPages + positions[t] / pageTokens];
+    return {pool.data() + physical * pageBytes, pageBytes};
+  }
 };
+
+// The step's placement on the device, as the writers take it.
+struct DeviceStep {
+  DeviceBuffer<int32_t> positions, sequences, tables;
+  cuda::PagedTokens where;
+  DeviceStep(const Step &step, int pageTokens)
+      : positions(step.positions), sequences(step.sequences), tables(step.tables),
+        where{step.tokens(), positions.data, sequences.data, tables.data, step.maxPages,
+              pageTokens} {}
+};
+
+void expectIdenticalPools(const std::vector<uint8_t> &got, const std::vector<uint8_t> &expected) {
+  ASSERT_EQ(got.size(), expected.size());
+  size_t differing = 0, first = got.size();
+  for (size_t i = 0; i < got.size(); ++i)
+    if (got[i] != expected[i] && differing++ == 0)
+      first = i;
+  EXPECT_EQ(differing, 0u) << "first differing byte " << first;
+}
 
 // Rows of `width` values whose magnitude varies by row (1e-3 .. 1e3), with zeros mixed in and
 // row 1's first `zeroRun` values all zero.
@@ -79,21 +103,16 @@ TEST_P(WriteLatentRowsCuda, BitIdenticalToTheReferencePacker) {
   const std::vector<float> rope = values(step.tokens(), c.rope, rng, 0);
   std::vector<uint8_t> expected(size_t(step.pages) * pageBytes, 0xEE);
   for (int t = 0; t < step.tokens(); ++t) {
-    const int32_t page = step.tables[size_t(step.sequences[t]) * step.maxPages +
-                                     step.positions[t] / c.pageTokens];
     ASSERT_TRUE(ref::packLatentToken(
-        layout, std::span<uint8_t>(expected.data() + page * pageBytes, pageBytes),
-        step.positions[t] % c.pageTokens,
+        layout, step.page(expected, t, c.pageTokens, pageBytes), step.positions[t] % c.pageTokens,
         std::span<const float>(latent).subspan(size_t(t) * c.latent, size_t(c.latent)),
         std::span<const float>(rope).subspan(size_t(t) * c.rope, size_t(c.rope))));
   }
   DeviceBuffer<float> dLatent(latent), dRope(rope);
-  DeviceBuffer<int32_t> dPositions(step.positions), dSequences(step.sequences),
-      dTables(step.tables);
+  const DeviceStep placed(step, c.pageTokens);
   DeviceBuffer<uint8_t> dPages{std::vector<uint8_t>(expected.size(), 0xEE)};
   cuda::LatentWriteParams p;
-  p.where = {step.tokens(), dPositions.data, dSequences.data, dTables.data, step.maxPages,
-             c.pageTokens};
+  p.where = placed.where;
   p.latentDim = c.latent;
   p.ropeDim = c.rope;
   p.latent = dLatent.data;
@@ -101,12 +120,7 @@ TEST_P(WriteLatentRowsCuda, BitIdenticalToTheReferencePacker) {
   p.pages = dPages.data;
   ASSERT_EQ(cuda::launchWriteLatentRows(p, nullptr), 0);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::vector<uint8_t> got = dPages.download();
-  size_t differing = 0, first = got.size();
-  for (size_t i = 0; i < got.size(); ++i)
-    if (got[i] != expected[i] && differing++ == 0)
-      first = i;
-  EXPECT_EQ(differing, 0u) << "first differing byte " << first;
+  expectIdenticalPools(dPages.download(), expected);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, WriteLatentRowsCuda,
@@ -146,20 +160,15 @@ TEST_P(WriteIndexKeysCuda, BitIdenticalToTheReferencePacker) {
     keys[size_t(2) * c.dim + 3] = std::numeric_limits<float>::infinity();
   std::vector<uint8_t> expected(size_t(step.pages) * pageBytes, 0xEE);
   for (int t = 0; t < step.tokens(); ++t) {
-    const int32_t page = step.tables[size_t(step.sequences[t]) * step.maxPages +
-                                     step.positions[t] / c.pageTokens];
     ASSERT_TRUE(ref::packIndexKeyToken(
-        layout, std::span<uint8_t>(expected.data() + page * pageBytes, pageBytes),
-        step.positions[t] % c.pageTokens,
+        layout, step.page(expected, t, c.pageTokens, pageBytes), step.positions[t] % c.pageTokens,
         std::span<const float>(keys).subspan(size_t(t) * c.dim, size_t(c.dim)), rule));
   }
   DeviceBuffer<float> dKeys(keys);
-  DeviceBuffer<int32_t> dPositions(step.positions), dSequences(step.sequences),
-      dTables(step.tables);
+  const DeviceStep placed(step, c.pageTokens);
   DeviceBuffer<uint8_t> dPages{std::vector<uint8_t>(expected.size(), 0xEE)};
   cuda::IndexKeyWriteParams p;
-  p.where = {step.tokens(), dPositions.data, dSequences.data, dTables.data, step.maxPages,
-             c.pageTokens};
+  p.where = placed.where;
   p.dim = c.dim;
   p.type = c.type;
   p.scale = c.scale;
@@ -167,12 +176,7 @@ TEST_P(WriteIndexKeysCuda, BitIdenticalToTheReferencePacker) {
   p.pages = dPages.data;
   ASSERT_EQ(cuda::launchWriteIndexKeys(p, nullptr), 0);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::vector<uint8_t> got = dPages.download();
-  size_t differing = 0, first = got.size();
-  for (size_t i = 0; i < got.size(); ++i)
-    if (got[i] != expected[i] && differing++ == 0)
-      first = i;
-  EXPECT_EQ(differing, 0u) << "first differing byte " << first;
+  expectIdenticalPools(dPages.download(), expected);
 }
 
 INSTANTIATE_TEST_SUITE_P(
