@@ -74,6 +74,8 @@ std::string entryKindName(EntryKind kind) {
     return "plan";
   case EntryKind::WeightsManifest:
     return "weights-manifest";
+  case EntryKind::Tuning:
+    return "tuning";
   }
   return "kind " + std::to_string(static_cast<uint32_t>(kind));
 }

@@ -4,7 +4,7 @@
 //        0     8  magic "HYBRIDC1"
 //        8     4  format version (u32, currently 1)
 //       12    16  cache key (u64 high, u64 low)
-//       28     4  kind (u32: other=0, plan=1, weights-manifest=2)
+//       28     4  kind (u32: other=0, plan=1, weights-manifest=2, tuning=3)
 //       32     8  uncompressed payload size (u64)
 //       40     8  compressed payload size (u64) = file size - 72
 //       48    16  XXH3-128 of the uncompressed payload (u64 high, u64 low)
@@ -33,8 +33,9 @@ enum class EntryKind : uint32_t {
   Other = 0,
   Plan = 1,
   WeightsManifest = 2,
+  Tuning = 3, // a kernel's tuned configuration for a shape bucket and GPU (Tuning.h)
 };
-// "plan", "weights-manifest", "other", or "kind N" for a value this build does not know.
+// "plan", "weights-manifest", "tuning", "other", or "kind N" for a value this build does not know.
 std::string entryKindName(EntryKind kind);
 
 inline constexpr std::string_view kEntryMagic = "HYBRIDC1";
