@@ -37,6 +37,15 @@ TEST(BenchRecord, RoundTripsThroughJson) {
   EXPECT_TRUE(parseBenchRecord(toJson(record({})), "empty.json").isOk());
 }
 
+// A command line may hold bytes that are not UTF-8: the record replaces them, never throws.
+TEST(BenchRecord, BytesThatAreNotUtf8AreReplaced) {
+  BenchRecord r = record({{"a", 1}});
+  r.command = "hybrid-bench --json \xff\xfe.json";
+  auto parsed = parseBenchRecord(toJson(r), "weird.json");
+  ASSERT_TRUE(parsed.isOk()) << parsed.status().message();
+  EXPECT_EQ(parsed->command, "hybrid-bench --json \uFFFD\uFFFD.json");
+}
+
 TEST(BenchRecord, ComparesRowsByNameAgainstTheThreshold) {
   const BenchRecord baseline =
       record({{"a", 100}, {"b", 100}, {"c", 100}, {"d", 100}, {"gone", 10}});
@@ -73,6 +82,9 @@ TEST(BenchRecord, BadFilesNameTheFileAndField) {
   };
   EXPECT_NE(error("{").find("docs/performance/x.json: malformed JSON"), std::string::npos);
   EXPECT_NE(error("[]").find("expected a JSON object"), std::string::npos);
+  // A number beyond double is nlohmann's out_of_range, not a parse_error (found by fuzzing).
+  EXPECT_NE(error(R"({"gpu": "g", "rows": [1e999]})").find("x.json: malformed JSON"),
+            std::string::npos);
   EXPECT_NE(error(R"({"gpu": 1})").find("x.json: gpu: missing or not a string"),
             std::string::npos);
   const std::string head = R"({"gpu": "g", "date": "d", "commit": "c", "command": "x", )";

@@ -23,16 +23,22 @@ StatusOr<std::string> stringField(const Json &object, const std::string &field,
 
 } // namespace
 
+// A JSON string literal; bytes that are not UTF-8 (a command line can hold any) become U+FFFD
+// instead of throwing.
+std::string quoted(const std::string &text) {
+  return Json(text).dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
 std::string toJson(const BenchRecord &record) {
   std::ostringstream out;
-  out << "{\n  \"gpu\": " << Json(record.gpu).dump() << ",\n  \"date\": " << Json(record.date).dump()
-      << ",\n  \"commit\": " << Json(record.commit).dump()
-      << ",\n  \"command\": " << Json(record.command).dump() << ",\n  \"rows\": [";
+  out << "{\n  \"gpu\": " << quoted(record.gpu) << ",\n  \"date\": " << quoted(record.date)
+      << ",\n  \"commit\": " << quoted(record.commit)
+      << ",\n  \"command\": " << quoted(record.command) << ",\n  \"rows\": [";
   for (size_t i = 0; i < record.rows.size(); ++i) {
     const BenchRow &row = record.rows[i];
     char time[64];
     std::snprintf(time, sizeof time, "%.6g", row.microseconds);
-    out << (i ? ",\n" : "\n") << "    {\"name\": " << Json(row.name).dump()
+    out << (i ? ",\n" : "\n") << "    {\"name\": " << quoted(row.name)
         << ", \"microseconds\": " << time
         << ", \"fields\": " << (row.fieldsJson.empty() ? "{}" : row.fieldsJson) << "}";
   }
@@ -45,7 +51,8 @@ StatusOr<BenchRecord> parseBenchRecord(const std::string &text, const std::strin
   Json root;
   try {
     root = Json::parse(text);
-  } catch (const Json::parse_error &e) {
+  } catch (const Json::exception &e) {
+    // parse_error for bad syntax, out_of_range for a number beyond double (found by fuzzing).
     return Status::error(where + "malformed JSON: " + e.what());
   }
   if (!root.is_object())
@@ -72,7 +79,9 @@ StatusOr<BenchRecord> parseBenchRecord(const std::string &text, const std::strin
       return Status::error(at + "microseconds: missing or not a positive number");
     parsed.microseconds = time->get<double>();
     const auto fields = row.find("fields");
-    parsed.fieldsJson = fields != row.end() && fields->is_object() ? fields->dump() : "{}";
+    parsed.fieldsJson = fields != row.end() && fields->is_object()
+                            ? fields->dump(-1, ' ', false, Json::error_handler_t::replace)
+                            : "{}";
     if (!seen.emplace(parsed.name, i).second)
       return Status::error(at + "name: '" + parsed.name + "' also names rows[" +
                            std::to_string(seen[parsed.name]) + "]");
