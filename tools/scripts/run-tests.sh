@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README): installs what is missing, builds, runs the unit and lit tests (the
 # importer's and runtime's bad-input cases among them) and the threaded serving, scheduler, prefix
-# cache and speculative-decoding tests under AddressSanitizer, then every test
+# cache and speculative-decoding tests under AddressSanitizer, a libFuzzer smoke run of every parser
+# of outside bytes, then every test
 # (unit, kernels, lit, end to end; GPU tests skip themselves without a GPU) with ctest, whose
 # summary closes the output.
 set -euo pipefail
@@ -30,6 +31,12 @@ hybrid-compile hybrid-run hybrid-synth" \
   ASAN_OPTIONS=detect_leaks=1 "$root/build-asan/bin/hybrid_serve_tests" --gtest_brief=1
   ASAN_OPTIONS=detect_leaks=1 "$root/build-asan/bin/hybrid_e2e_tests" --gtest_brief=1 \
     --gtest_filter='*PrefixCache*:Scheduler*:*Speculative*:*Rollback*:PromptLookup*:*DecodeBatch*'
+fi
+
+if [[ ${HYBRID_SKIP_FUZZ:-0} != 1 ]]; then
+  # Every parser of outside bytes under libFuzzer: a fixed number of inputs from a fixed seed, so
+  # the result does not depend on the machine's speed (tools/scripts/fuzz.sh runs longer).
+  HYBRID_FUZZ_RUNS=${HYBRID_FUZZ_RUNS:-20000} "$root/tools/scripts/fuzz.sh"
 fi
 
 ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)"
