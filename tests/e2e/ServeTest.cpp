@@ -275,6 +275,35 @@ TEST_F(ServeTest, LimitsOnBodiesAndQueueHold) {
   EXPECT_EQ(status, 200) << body.dump();
 }
 
+// The /v1/completions body parser alone (also a fuzz target: tests/fuzz).
+TEST(CompletionRequest, ParsesTheFieldsAndNamesTheBadOne) {
+  auto ok = parseCompletionRequest(
+      R"({"prompt": [1, 2, 3], "max_tokens": 5, "stop_token_ids": [7], "stream": true})", 16);
+  ASSERT_TRUE(ok.isOk()) << ok.status().message();
+  EXPECT_EQ(ok->generation.prompt, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(ok->generation.maxNewTokens, 5);
+  EXPECT_EQ(ok->generation.stopTokens, (std::vector<int64_t>{7}));
+  EXPECT_TRUE(ok->stream);
+  auto defaults = parseCompletionRequest(R"({"prompt": [4]})", 16);
+  ASSERT_TRUE(defaults.isOk());
+  EXPECT_EQ(defaults->generation.maxNewTokens, 16);
+  EXPECT_FALSE(defaults->stream);
+  auto error = [](const std::string &body) {
+    auto parsed = parseCompletionRequest(body, 16);
+    return parsed.isOk() ? std::string("ok") : parsed.status().message();
+  };
+  EXPECT_EQ(error("[1]"), "the body is not a JSON object");
+  EXPECT_EQ(error(R"({"prompt": 1e999})"), "the body is not a JSON object");
+  EXPECT_EQ(error(R"({"prompt": []})"), "\"prompt\" must be a non-empty array of token ids");
+  // An id beyond int64 would wrap to a negative one: refused here, before the scheduler.
+  EXPECT_EQ(error(R"({"prompt": [18446744073709551615]})"),
+            "\"prompt\" must be one array of token ids (one prompt per request)");
+  EXPECT_EQ(error(R"({"prompt": [1], "max_tokens": 1.5})"), "\"max_tokens\" must be an integer");
+  EXPECT_EQ(error(R"({"prompt": [1], "stop_token_ids": 3})"),
+            "\"stop_token_ids\" must be an array of token ids");
+  EXPECT_EQ(error(R"({"prompt": [1], "stream": "yes"})"), "\"stream\" must be true or false");
+}
+
 TEST(ServeOptions, OffLoopbackNeedsAnApiKey) {
   auto model = Model::load(compiledDir("kimi_linear_tiny")).value();
   ServeOptions options;

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <limits>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -203,6 +204,53 @@ bool Server::Impl::authorized(const httplib::Request &request, httplib::Response
   return false;
 }
 
+namespace {
+
+// A token id: an integer that fits int64 (a larger unsigned one would wrap to a negative id).
+bool tokenId(const json &value) {
+  return value.is_number_integer() &&
+         (!value.is_number_unsigned() ||
+          value.get<uint64_t>() <= uint64_t(std::numeric_limits<int64_t>::max()));
+}
+
+} // namespace
+
+StatusOr<CompletionRequest> parseCompletionRequest(const std::string &text,
+                                                   int64_t defaultMaxTokens) {
+  const json body = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object())
+    return Status::error("the body is not a JSON object");
+  CompletionRequest request;
+  const json prompt = body.value("prompt", json());
+  if (prompt.is_string())
+    return Status::error("\"prompt\": text prompts need a tokenizer, which this server does not "
+                         "have yet; send token ids");
+  if (!prompt.is_array() || prompt.empty())
+    return Status::error("\"prompt\" must be a non-empty array of token ids");
+  for (const json &id : prompt) {
+    if (!tokenId(id))
+      return Status::error("\"prompt\" must be one array of token ids (one prompt per request)");
+    request.generation.prompt.push_back(id.get<int64_t>());
+  }
+  const json maxTokens = body.value("max_tokens", json(defaultMaxTokens));
+  if (!tokenId(maxTokens))
+    return Status::error("\"max_tokens\" must be an integer");
+  request.generation.maxNewTokens = maxTokens.get<int64_t>();
+  const json stops = body.value("stop_token_ids", json::array());
+  if (!stops.is_array())
+    return Status::error("\"stop_token_ids\" must be an array of token ids");
+  for (const json &id : stops) {
+    if (!tokenId(id))
+      return Status::error("\"stop_token_ids\" must be an array of token ids");
+    request.generation.stopTokens.push_back(id.get<int64_t>());
+  }
+  const json stream = body.value("stream", json(false));
+  if (!stream.is_boolean())
+    return Status::error("\"stream\" must be true or false");
+  request.stream = stream.get<bool>();
+  return request;
+}
+
 void Server::Impl::completions(const httplib::Request &request, httplib::Response &response) {
   requests.fetch_add(1);
   auto fail = [&](int status, const std::string &message) {
@@ -212,36 +260,12 @@ void Server::Impl::completions(const httplib::Request &request, httplib::Respons
                              .dump(),
                          "application/json");
   };
-  const json body = json::parse(request.body, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded() || !body.is_object())
-    return fail(400, "the body is not a JSON object");
+  StatusOr<CompletionRequest> parsed = parseCompletionRequest(request.body, options.defaultMaxTokens);
+  if (!parsed)
+    return fail(400, parsed.status().message());
   auto pending = std::make_shared<Pending>();
-  const json prompt = body.value("prompt", json());
-  if (prompt.is_string())
-    return fail(400, "\"prompt\": text prompts need a tokenizer, which this server does not have "
-                     "yet; send token ids");
-  if (!prompt.is_array() || prompt.empty())
-    return fail(400, "\"prompt\" must be a non-empty array of token ids");
-  for (const json &id : prompt) {
-    if (!id.is_number_integer())
-      return fail(400, "\"prompt\" must be one array of token ids (one prompt per request)");
-    pending->request.prompt.push_back(id.get<int64_t>());
-  }
-  const json maxTokens = body.value("max_tokens", json(options.defaultMaxTokens));
-  if (!maxTokens.is_number_integer())
-    return fail(400, "\"max_tokens\" must be an integer");
-  pending->request.maxNewTokens = maxTokens.get<int64_t>();
-  const json stops = body.value("stop_token_ids", json::array());
-  if (!stops.is_array())
-    return fail(400, "\"stop_token_ids\" must be an array of token ids");
-  for (const json &id : stops) {
-    if (!id.is_number_integer())
-      return fail(400, "\"stop_token_ids\" must be an array of token ids");
-    pending->request.stopTokens.push_back(id.get<int64_t>());
-  }
-  const json stream = body.value("stream", json(false));
-  if (!stream.is_boolean())
-    return fail(400, "\"stream\" must be true or false");
+  pending->request = std::move(parsed->generation);
+  const bool stream = parsed->stream;
   {
     std::lock_guard<std::mutex> lock(mutex);
     if (stopping)
@@ -260,7 +284,7 @@ void Server::Impl::completions(const httplib::Request &request, httplib::Respons
     return std::find(stopTokens.begin(), stopTokens.end(), token) != stopTokens.end() ? "stop"
                                                                                        : "length";
   };
-  if (!stream.get<bool>()) {
+  if (!stream) {
     std::unique_lock<std::mutex> lock(pending->mutex);
     pending->changed.wait(lock, [&] { return pending->done; });
     if (!pending->error.empty()) {

@@ -26,6 +26,16 @@ struct ServeOptions {
   int64_t defaultMaxTokens = 16;
 };
 
+// A /v1/completions body: the request the scheduler gets, and whether to stream. Checks the JSON
+// shape only (token ranges and lengths are the scheduler's to check); the error is the message a
+// 400 response carries, naming the field.
+struct CompletionRequest {
+  GenerationRequest generation;
+  bool stream = false;
+};
+StatusOr<CompletionRequest> parseCompletionRequest(const std::string &body,
+                                                   int64_t defaultMaxTokens);
+
 class Server {
 public:
   // Binds the socket and starts the engine thread; fails with the reason (bad options, port in
