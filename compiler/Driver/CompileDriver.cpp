@@ -204,9 +204,11 @@ StatusOr<std::vector<uint8_t>> compilePlan(mlir::MLIRContext &context,
   if (mlir::failed(bytes))
     return Status::error(options.modelDir + ": the plan could not be serialized");
   report.planSeconds = secondsSince(start);
+  // A cache that cannot take the entry (a full disk) costs the next compile its hit, nothing more.
   if (store)
-    HYBRID_RETURN_IF_ERROR(
-        store->put(cacheKey, cache::EntryKind::Plan, std::as_bytes(std::span(*bytes))));
+    if (Status stored = store->put(cacheKey, cache::EntryKind::Plan, std::as_bytes(std::span(*bytes)));
+        !stored)
+      report.cacheWriteFailed = stored.message();
   return std::move(*bytes);
 }
 

@@ -53,6 +53,8 @@ struct CompileReport {
   std::string cacheKey;
   std::string cacheEntry;       // the cache file
   std::string cacheRejected;    // why an existing entry was not trusted, if one was
+  std::string cacheWriteFailed; // why the plan could not be stored (a full disk): it was still
+                                // compiled and written, only not cached
   std::string planPath;
   std::string archivePath;
   uint64_t planBytes = 0;

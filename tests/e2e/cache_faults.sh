@@ -6,7 +6,9 @@
 #     the next compile succeeds with the same plan, as a hit or a fresh compile (the store writes
 #     a temporary file, fsyncs it and renames it into place);
 #  3. a flipped byte in the entry is detected, the plan recompiled (the same bytes) and the entry
-#     replaced.
+#     replaced;
+#  4. a full disk (a tiny tmpfs, where the user may mount one) gives a clear warning and a working,
+#     uncached compile.
 # Usage: cache_faults.sh HYBRID_COMPILE MODEL_DIR
 set -euo pipefail
 compile=$1
@@ -64,4 +66,23 @@ cmp -s "$work/reference/plan.hyplan" "$work/flipped/plan.hyplan" ||
   { echo "FAIL: the recompiled plan differs"; exit 1; }
 run repaired | grep -q "cache hit" || { echo "FAIL: the entry was not replaced"; exit 1; }
 echo "corrupted: flipped byte detected, recompiled, entry replaced"
+
+# 4. A full disk: a cache on a 4 KiB tmpfs (where this user may mount one) cannot take the entry;
+#    the compile says so and still writes the plan.
+full=$work/full
+mkdir -p "$full"
+if mount -t tmpfs -o size=4k tmpfs "$full" 2> /dev/null; then
+  status=0
+  "$compile" "$model" -o "$work/on-full" --cache-dir "$full" --quantization=none \
+    > /dev/null 2> "$work/full.log" || status=$?
+  umount "$full"
+  [[ $status == 0 ]] || { echo "FAIL: the compile with a full cache failed"; cat "$work/full.log"; exit 1; }
+  grep -q "warning: the plan is not cached: .*No space left on device" "$work/full.log" ||
+    { echo "FAIL: no clear warning for the full cache"; cat "$work/full.log"; exit 1; }
+  cmp -s "$work/reference/plan.hyplan" "$work/on-full/plan.hyplan" ||
+    { echo "FAIL: the uncached plan differs"; exit 1; }
+  echo "full disk: warned ($(sed 's/^warning: //' "$work/full.log")), plan written uncached"
+else
+  echo "full disk: skipped (this user cannot mount a tmpfs)"
+fi
 echo "CACHE FAULTS OK"

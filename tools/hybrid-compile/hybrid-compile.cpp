@@ -140,6 +140,8 @@ int main(int argc, char **argv) {
     if (!report->cacheRejected.empty())
       llvm::errs() << "warning: rejected a bad cache entry and recompiled: "
                    << report->cacheRejected << "\n";
+    if (!report->cacheWriteFailed.empty())
+      llvm::errs() << "warning: the plan is not cached: " << report->cacheWriteFailed << "\n";
     llvm::outs() << "plan     " << report->planPath << " (" << report->planBytes << " bytes, "
                  << (report->cacheHit ? "cache hit" : "compiled") << ", key "
                  << report->cacheKey << ")\n"
