@@ -6,6 +6,11 @@
 #include "hybrid/runtime/Server.h"
 
 #include <gtest/gtest.h>
+#include <cerrno>
+#include <unistd.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
@@ -273,6 +278,66 @@ TEST_F(ServeTest, LimitsOnBodiesAndQueueHold) {
   holder.join();
   auto [status, body] = complete({{"prompt", {4}}, {"max_tokens", 1}});
   EXPECT_EQ(status, 200) << body.dump();
+}
+
+// Raw bytes to the server on a fresh connection; what comes back until the server closes it or
+// `waitSeconds` pass, and whether it closed.
+struct RawReply {
+  std::string bytes;
+  bool closed = false;
+  double seconds = 0;
+};
+RawReply rawExchange(int port, const std::string &request, int waitSeconds) {
+  RawReply reply;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr *>(&address), sizeof address) != 0) {
+    if (fd >= 0)
+      ::close(fd);
+    return reply;
+  }
+  timeval timeout{waitSeconds, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  const auto start = std::chrono::steady_clock::now();
+  (void)::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+  char buffer[4096];
+  while (true) {
+    const ssize_t got = ::recv(fd, buffer, sizeof buffer, 0);
+    if (got > 0) {
+      reply.bytes.append(buffer, size_t(got));
+      continue;
+    }
+    reply.closed = got == 0 || errno == ECONNRESET;
+    break;
+  }
+  reply.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ::close(fd);
+  return reply;
+}
+
+// A client that stops sending in the middle of its headers loses the connection after the read
+// timeout instead of holding a server thread; an oversized header line gets 400.
+TEST_F(ServeTest, StalledClientsAndHugeHeadersAreCutOff) {
+  ServeOptions options;
+  options.readTimeoutSeconds = 1;
+  options.keepAliveSeconds = 1; // cpp-httplib waits this long for a request's next bytes too
+  startServer({}, options);
+  const RawReply stalled =
+      rawExchange(server_->port(), "POST /v1/completions HTTP/1.1\r\nHost: test\r\n", 10);
+  EXPECT_TRUE(stalled.closed);
+  EXPECT_LT(stalled.seconds, 5.0);
+  EXPECT_GE(stalled.seconds, 0.5);
+  const RawReply huge = rawExchange(
+      server_->port(), "GET /health HTTP/1.1\r\nX-Big: " + std::string(65536, 'a') + "\r\n\r\n", 10);
+  EXPECT_EQ(huge.bytes.rfind("HTTP/1.1 400", 0), 0u) << huge.bytes.substr(0, 80);
+  // The server is still serving.
+  auto health = client_->Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
 }
 
 // The /v1/completions body parser alone (also a fuzz target: tests/fuzz).

@@ -22,6 +22,12 @@ int main(int argc, char **argv) {
   app.add_option("--port", serve.port, "Port (0: any free one, printed)")->default_val(8000);
   app.add_option("--api-key", serve.apiKey,
                  "Require 'Authorization: Bearer KEY' (needed off loopback)");
+  app.add_option("--read-timeout", serve.readTimeoutSeconds,
+                 "Seconds a client may stall while sending a request")
+      ->default_val(serve.readTimeoutSeconds)->check(CLI::PositiveNumber);
+  app.add_option("--write-timeout", serve.writeTimeoutSeconds,
+                 "Seconds a client may stall while reading a response")
+      ->default_val(serve.writeTimeoutSeconds)->check(CLI::PositiveNumber);
   app.add_option("--model-name", serve.modelName, "The id /v1/models reports")
       ->default_val("hybrid");
   app.add_option("--max-sequences", load.maxSequences, "Requests running at once")

@@ -409,6 +409,9 @@ std::string Server::Impl::metrics() {
 
 void Server::Impl::routes() {
   http.set_payload_max_length(options.maxBodyBytes);
+  http.set_read_timeout(options.readTimeoutSeconds, 0);
+  http.set_write_timeout(options.writeTimeoutSeconds, 0);
+  http.set_keep_alive_timeout(options.keepAliveSeconds);
   http.Get("/health", [](const httplib::Request &, httplib::Response &response) {
     response.set_content("ok\n", "text/plain");
   });
@@ -440,6 +443,9 @@ StatusOr<std::unique_ptr<Server>> Server::start(Model &model, const ServeOptions
                          " (not loopback) needs an API key (--api-key)");
   if (options.port < 0 || options.port > 65535)
     return Status::error("port " + std::to_string(options.port) + " is not in [0, 65535]");
+  if (options.readTimeoutSeconds < 1 || options.writeTimeoutSeconds < 1 ||
+      options.keepAliveSeconds < 1)
+    return Status::error("the read, write and keep-alive timeouts must be at least 1 second");
   auto impl = std::make_unique<Impl>(model, options);
   impl->routes();
   // Handlers block while their request runs: enough threads for the requests in flight.

@@ -24,6 +24,13 @@ struct ServeOptions {
   size_t maxBodyBytes = 1 << 20;
   size_t maxQueuedRequests = 256; // waiting + running; more get 503
   int64_t defaultMaxTokens = 16;
+  // A client that stops sending (a request's headers or body) or reading (a response) loses its
+  // connection after about keepAliveSeconds + readTimeoutSeconds (cpp-httplib first waits up to
+  // the keep-alive time for more bytes), so stalled clients cannot hold the server's threads.
+  // Header lines are bounded by cpp-httplib (longer ones get 400).
+  int readTimeoutSeconds = 30;
+  int writeTimeoutSeconds = 30;
+  int keepAliveSeconds = 5; // an idle kept-alive connection is closed after this
 };
 
 // A /v1/completions body: the request the scheduler gets, and whether to stream. Checks the JSON
