@@ -280,6 +280,60 @@ TEST_F(ServeTest, LimitsOnBodiesAndQueueHold) {
   EXPECT_EQ(status, 200) << body.dump();
 }
 
+// Under memory pressure (KV pages for about two of the twelve requests at once), requests wait or
+// are preempted and recomputed, and every one still completes with the greedy ids; a prompt
+// longer than the context gets a 400 naming the limit, and the server stays up (issue 12).
+TEST_F(ServeTest, MemoryPressurePreemptsButNeverDrops) {
+  LoadOptions load;
+  load.maxSequences = 4;
+  load.maxContextTokens = 64;
+  load.kvCacheTokens = 64;
+  startServer(load, {});
+  const std::vector<int64_t> golden = goldenTensor("kimi_linear_tiny", "input_ids");
+  constexpr int kClients = 12;
+  std::vector<std::vector<int64_t>> prompts(kClients), results(kClients);
+  std::vector<int> statuses(kClients, 0);
+  std::vector<std::string> errors(kClients);
+  for (int i = 0; i < kClients; ++i)
+    prompts[i].assign(golden.begin() + i % 5, golden.begin() + 20 + i % 9);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kClients; ++i)
+    clients.emplace_back([&, i] {
+      auto [status, body] = complete({{"prompt", prompts[i]}, {"max_tokens", 12}});
+      statuses[i] = status;
+      if (status == 200)
+        results[i] = body["choices"][0]["token_ids"].get<std::vector<int64_t>>();
+      else
+        errors[i] = body.dump();
+    });
+  for (std::thread &client : clients)
+    client.join();
+  auto reference = Model::load(compiledDir("kimi_linear_tiny")).value();
+  GenerationOptions greedy;
+  greedy.maxNewTokens = 12;
+  for (int i = 0; i < kClients; ++i) {
+    ASSERT_EQ(statuses[i], 200) << "client " << i << ": " << errors[i];
+    EXPECT_EQ(results[i], generateGreedy(*reference, prompts[i], greedy).value().generated)
+        << "client " << i;
+  }
+  auto metrics = client_->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  const size_t at = metrics->body.find("\nhybrid_preemptions_total ");
+  ASSERT_NE(at, std::string::npos) << metrics->body;
+  EXPECT_GT(std::stod(metrics->body.substr(at + 26)), 0.0)
+      << "the pages never ran out: the test no longer exercises preemption";
+
+  std::vector<int64_t> tooLong(golden.begin(), golden.end());
+  while (tooLong.size() < 70)
+    tooLong.insert(tooLong.end(), golden.begin(), golden.end());
+  auto [status, body] = complete({{"prompt", tooLong}, {"max_tokens", 1}});
+  EXPECT_EQ(status, 400);
+  EXPECT_NE(body.dump().find("exceed the context of 64"), std::string::npos) << body.dump();
+  auto health = client_->Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+}
+
 // Raw bytes to the server on a fresh connection; what comes back until the server closes it or
 // `waitSeconds` pass, and whether it closed.
 struct RawReply {
