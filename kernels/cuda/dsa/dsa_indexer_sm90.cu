@@ -22,42 +22,24 @@ namespace {
 constexpr int kScoreThreads = 128; // keys per block
 constexpr int kMxBlock = 32;
 
-// 32 consecutive values of a key, dequantized exactly as ref::unpackIndexKeyToken does.
-template <IndexKeyType Type, int D>
-__device__ inline void loadKeyChunk(const unsigned char *page, int pageTokens, int slot, int chunk,
-                                    float keyScale, float (&k)[kMxBlock]) {
-  if constexpr (Type == IndexKeyType::F32) {
-    const float4 *source =
-        reinterpret_cast<const float4 *>(page + (size_t(slot) * D + chunk * kMxBlock) * 4);
+// 32 consecutive values of an fp32 key.
+template <int D>
+__device__ inline void loadKeyChunk(const unsigned char *page, int slot, int chunk,
+                                    float (&k)[kMxBlock]) {
+  const float4 *source =
+      reinterpret_cast<const float4 *>(page + (size_t(slot) * D + chunk * kMxBlock) * 4);
 #pragma unroll
-    for (int i = 0; i < kMxBlock / 4; ++i) {
-      const float4 v = source[i];
-      k[4 * i] = v.x;
-      k[4 * i + 1] = v.y;
-      k[4 * i + 2] = v.z;
-      k[4 * i + 3] = v.w;
-    }
-  } else {
-    const float scale =
-        Type == IndexKeyType::Mxfp8
-            ? e8m0ToFloat(page[size_t(pageTokens) * D + size_t(slot) * (D / kMxBlock) + chunk])
-            : keyScale;
-    const uint4 *source =
-        reinterpret_cast<const uint4 *>(page + size_t(slot) * D + chunk * kMxBlock);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const uint4 v = source[i];
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-#pragma unroll
-        for (int b = 0; b < 4; ++b)
-          k[16 * i + 4 * w + b] = e4m3ToFloat(uint8_t(words[w] >> (8 * b))) * scale;
-    }
+  for (int i = 0; i < kMxBlock / 4; ++i) {
+    const float4 v = source[i];
+    k[4 * i] = v.x;
+    k[4 * i + 1] = v.y;
+    k[4 * i + 2] = v.z;
+    k[4 * i + 3] = v.w;
   }
 }
 
-template <IndexKeyType Type, int D>
+// fp32 keys (the unquantized policy), one thread per key; FP8 keys take the MMA kernel below.
+template <int D>
 __global__ void __launch_bounds__(kScoreThreads)
     indexerScoresKernel(IndexerParams p, int64_t pageBytes) {
   extern __shared__ float shared[];
@@ -83,9 +65,6 @@ __global__ void __launch_bounds__(kScoreThreads)
       p.blockTables[size_t(p.sequences[row]) * p.maxPages + s / p.pageTokens];
   const int slot = s % p.pageTokens;
   const unsigned char *base = static_cast<const unsigned char *>(p.keyPages) + page * pageBytes;
-  float keyScale = 1.0f;
-  if constexpr (Type == IndexKeyType::Fp8PerKey)
-    keyScale = *reinterpret_cast<const float *>(base + size_t(p.pageTokens) * D + size_t(slot) * 4);
 
   float acc[kIndexerMaxHeads];
 #pragma unroll
@@ -94,7 +73,7 @@ __global__ void __launch_bounds__(kScoreThreads)
 #pragma unroll 1
   for (int chunk = 0; chunk < D / kMxBlock; ++chunk) {
     float k[kMxBlock];
-    loadKeyChunk<Type, D>(base, p.pageTokens, slot, chunk, keyScale, k);
+    loadKeyChunk<D>(base, slot, chunk, k);
 #pragma unroll
     for (int j = 0; j < kIndexerMaxHeads; ++j) {
       if (j < heads) {
@@ -502,11 +481,11 @@ int launchSelect(const IndexerParams &p, cudaStream_t stream) {
   return int(cudaGetLastError());
 }
 
-template <IndexKeyType Type, int D> int launchScores(const IndexerParams &p, cudaStream_t stream) {
+template <int D> int launchFp32Scores(const IndexerParams &p, cudaStream_t stream) {
   const dim3 grid(unsigned(p.rows), unsigned((p.maxKeys + kScoreThreads - 1) / kScoreThreads));
   const size_t shared = size_t(p.heads) * (D + 1) * sizeof(float);
-  indexerScoresKernel<Type, D><<<grid, kScoreThreads, shared, stream>>>(
-      p, indexerPageBytes(Type, p.pageTokens, D));
+  indexerScoresKernel<D><<<grid, kScoreThreads, shared, stream>>>(
+      p, indexerPageBytes(IndexKeyType::F32, p.pageTokens, D));
   return int(cudaGetLastError());
 }
 
@@ -531,13 +510,9 @@ int launchMmaScores(const IndexerParams &p, cudaStream_t stream) {
   return int(cudaGetLastError());
 }
 
-template <IndexKeyType Type> int launchScoresOf(const IndexerParams &p, cudaStream_t stream) {
-  if constexpr (Type == IndexKeyType::F32)
-    return p.headDim == 128 ? launchScores<Type, 128>(p, stream)
-                            : launchScores<Type, 64>(p, stream);
-  else
-    return p.headDim == 128 ? launchMmaScores<Type, 128>(p, stream)
-                            : launchMmaScores<Type, 64>(p, stream);
+template <IndexKeyType Type> int launchMmaScoresOf(const IndexerParams &p, cudaStream_t stream) {
+  return p.headDim == 128 ? launchMmaScores<Type, 128>(p, stream)
+                          : launchMmaScores<Type, 64>(p, stream);
 }
 
 } // namespace
@@ -564,9 +539,11 @@ int launchIndexerTopK(const IndexerParams &p, void *stream) {
       (p.maxKeys + kScoreThreads - 1) / kScoreThreads > 65535)
     return cudaErrorInvalidValue;
   const auto s = static_cast<cudaStream_t>(stream);
-  int status = p.keyType == IndexKeyType::F32     ? launchScoresOf<IndexKeyType::F32>(p, s)
-               : p.keyType == IndexKeyType::Mxfp8 ? launchScoresOf<IndexKeyType::Mxfp8>(p, s)
-                                                  : launchScoresOf<IndexKeyType::Fp8PerKey>(p, s);
+  const int status =
+      p.keyType == IndexKeyType::F32 ? (p.headDim == 128 ? launchFp32Scores<128>(p, s)
+                                                          : launchFp32Scores<64>(p, s))
+      : p.keyType == IndexKeyType::Mxfp8 ? launchMmaScoresOf<IndexKeyType::Mxfp8>(p, s)
+                                         : launchMmaScoresOf<IndexKeyType::Fp8PerKey>(p, s);
   if (status != 0)
     return status;
   return launchSelect(p, s);

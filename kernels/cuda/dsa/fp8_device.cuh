@@ -1,4 +1,4 @@
-// FP8 decoding shared by the DSA kernels: E4M3 codes and E8M0 scales to fp32 or bf16, exactly.
+// FP8 decoding shared by the DSA kernels: E8M0 scales to fp32, E4M3 code pairs to bf16, exactly.
 #pragma once
 
 #include "../common/warp_mma.cuh"
@@ -10,12 +10,6 @@
 #include <cstdint>
 
 namespace hybrid::kernels::cuda {
-
-__device__ inline float e4m3ToFloat(uint8_t code) {
-  __nv_fp8_e4m3 value;
-  value.__x = code;
-  return float(value);
-}
 
 // E8M0: 2^(code - 127); 0xFF is NaN (ref::e8m0ToFloat).
 __device__ inline float e8m0ToFloat(uint8_t code) {
