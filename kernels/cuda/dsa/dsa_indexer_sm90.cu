@@ -6,6 +6,7 @@
 // multiplies the dot product. fp32 keys (the unquantized policy) take the CUDA-core kernel, one
 // thread per key.
 #include "hybrid/kernels/cuda/DsaIndexer.h"
+#include "../common/device_setup.cuh"
 #include "../common/warp_mma.cuh"
 #include "fp8_device.cuh"
 
@@ -491,20 +492,19 @@ template <int D> int launchFp32Scores(const IndexerParams &p, cudaStream_t strea
 
 template <IndexKeyType Type, int D>
 int launchMmaScores(const IndexerParams &p, cudaStream_t stream) {
+  const size_t shared = mmaSharedBytes<D>();
+  const DeviceSetup setup = deviceSetup([shared] {
+    return cudaFuncSetAttribute(indexerScoresMmaKernel<Type, D>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  });
+  if (setup.status != cudaSuccess)
+    return int(setup.status);
   // As many key tiles per block as keep about two waves of blocks on the GPU: each block
   // converts its row's q once, so fewer, longer blocks when there are many rows.
-  int device = 0, sms = 132;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
-  const int wantedBlocks = std::max(1, 2 * kBlocksPerSm * sms / p.rows);
+  const int wantedBlocks = std::max(1, 2 * kBlocksPerSm * setup.multiprocessors / p.rows);
   const int tilesPerBlock = std::max(1, (tiles + wantedBlocks - 1) / wantedBlocks);
   const dim3 grid(unsigned(p.rows), unsigned((tiles + tilesPerBlock - 1) / tilesPerBlock));
-  const size_t shared = mmaSharedBytes<D>();
-  const cudaError_t attribute = cudaFuncSetAttribute(
-      indexerScoresMmaKernel<Type, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
-  if (attribute != cudaSuccess)
-    return int(attribute);
   indexerScoresMmaKernel<Type, D><<<grid, kMmaThreads, shared, stream>>>(
       p, indexerPageBytes(Type, p.pageTokens, D), tilesPerBlock);
   return int(cudaGetLastError());

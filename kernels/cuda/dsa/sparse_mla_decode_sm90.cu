@@ -5,6 +5,7 @@
 // quarter of the latent dimensions (V = the latent part of the same rows, read transposed).
 // Few rows split the positions over several blocks (flash-decoding), merged by a second kernel.
 #include "hybrid/kernels/cuda/SparseMla.h"
+#include "../common/device_setup.cuh"
 #include "../common/warp_mma.cuh"
 #include "fp8_device.cuh"
 
@@ -266,24 +267,23 @@ __global__ void __launch_bounds__(kThreads)
 
 // Splits of the positions so that about two waves of blocks run: batch 1 needs many, batch 64
 // none.
-int splitCount(const SparseMlaDecodeParams &p) {
-  int device = 0, sms = 132;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+int splitCount(const SparseMlaDecodeParams &p, int sms) {
   const int tiles = (p.topK + kTileKeys - 1) / kTileKeys;
   const int blocks = p.rows * ((p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
   return std::max(1, std::min({tiles, kMaxSplits, (4 * sms + blocks - 1) / blocks}));
 }
 
 template <int L, int R> int launchShape(const SparseMlaDecodeParams &p, cudaStream_t stream) {
-  const int splits = splitCount(p);
+  const size_t shared = Shape<L, R>::sharedBytes();
+  const DeviceSetup setup = deviceSetup([shared] {
+    return cudaFuncSetAttribute(sparseMlaDecodeKernel<L, R>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  });
+  if (setup.status != cudaSuccess)
+    return int(setup.status);
+  const int splits = splitCount(p, setup.multiprocessors);
   const int tiles = (p.topK + kTileKeys - 1) / kTileKeys;
   const int tilesPerSplit = (tiles + splits - 1) / splits;
-  const size_t shared = Shape<L, R>::sharedBytes();
-  const cudaError_t attribute = cudaFuncSetAttribute(
-      sparseMlaDecodeKernel<L, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
-  if (attribute != cudaSuccess)
-    return int(attribute);
   const int used = (tiles + tilesPerSplit - 1) / tilesPerSplit; // no empty split
   const dim3 grid(unsigned(p.rows), unsigned((p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock),
                   unsigned(used));

@@ -11,15 +11,13 @@
 //  3. gatedNormKernel: the gated RMSNorm over each (token, head) in place.
 // Every exponent is of a difference G_a - G_b <= 0 (the diagonal 16-token blocks are exact running
 // products of decays), so any gate, including the unbounded softplus one, is safe.
+#include "../common/device_setup.cuh"
 #include "../common/warp_mma.cuh"
 #include "hybrid/kernels/cuda/KdaPrefill.h"
 #include "kda_device_math.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-
-#include <map>
-#include <mutex>
 
 namespace hybrid::kernels::cuda {
 namespace {
@@ -1094,46 +1092,30 @@ constexpr FactorsKernel kFactorsKernels[2][kKdaMaxConvKernel] = {
     {chunkFactorsKernel<1, true>, chunkFactorsKernel<2, true>, chunkFactorsKernel<3, true>,
      chunkFactorsKernel<4, true>}};
 
-// Per device (function attributes belong to a device's context): the shared-memory opt-ins of
-// every kernel, set once, and the SM count.
-struct DeviceSetup {
-  cudaError_t status = cudaSuccess;
-  int multiprocessors = 0;
-};
-DeviceSetup deviceSetup() {
-  static std::mutex mutex;
-  static std::map<int, DeviceSetup> setups;
-  int device = 0;
-  if (const cudaError_t status = cudaGetDevice(&device); status != cudaSuccess)
-    return {status, 0};
-  std::lock_guard<std::mutex> lock(mutex);
-  if (auto found = setups.find(device); found != setups.end())
-    return found->second;
-  DeviceSetup setup;
-  for (const auto &byGate : kFactorsKernels)
-    for (FactorsKernel kernel : byGate)
-      if (setup.status == cudaSuccess)
-        setup.status = cudaFuncSetAttribute(
-            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(FactorShared));
-  for (KdaStateType type : {KdaStateType::F32, KdaStateType::BF16})
-    if (setup.status == cudaSuccess)
-      setup.status = static_cast<cudaError_t>(withStateType(type, [](auto tag) {
-        using State = typename decltype(tag)::type;
-        cudaError_t status =
-            cudaFuncSetAttribute(twoRoleChainKernel<State>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(TwoRoleShared));
+// The shared-memory opt-ins of every kernel and the SM count, once per device.
+DeviceSetup chunkedPrefillSetup() {
+  return deviceSetup([] {
+    cudaError_t status = cudaSuccess;
+    for (const auto &byGate : kFactorsKernels)
+      for (FactorsKernel kernel : byGate)
         if (status == cudaSuccess)
-          status = cudaFuncSetAttribute(oneRoleChainKernel<State>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        sizeof(OneRoleShared));
-        return static_cast<int>(status);
-      }));
-  if (setup.status == cudaSuccess)
-    setup.status = cudaDeviceGetAttribute(&setup.multiprocessors,
-                                          cudaDevAttrMultiProcessorCount, device);
-  if (setup.status == cudaSuccess)
-    setups.emplace(device, setup); // a failure is retried by the next launch
-  return setup;
+          status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        sizeof(FactorShared));
+    for (KdaStateType type : {KdaStateType::F32, KdaStateType::BF16})
+      if (status == cudaSuccess)
+        status = static_cast<cudaError_t>(withStateType(type, [](auto tag) {
+          using State = typename decltype(tag)::type;
+          cudaError_t set = cudaFuncSetAttribute(twoRoleChainKernel<State>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 sizeof(TwoRoleShared));
+          if (set == cudaSuccess)
+            set = cudaFuncSetAttribute(oneRoleChainKernel<State>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       sizeof(OneRoleShared));
+          return static_cast<int>(set);
+        }));
+    return status;
+  });
 }
 
 } // namespace
@@ -1159,7 +1141,7 @@ int launchKdaChunkedPrefill(const KdaPrefillParams &params, void *stream) {
       reinterpret_cast<bf16 *>(base + layout.w),   reinterpret_cast<bf16 *>(base + layout.u),
       reinterpret_cast<bf16 *>(base + layout.qg),  reinterpret_cast<bf16 *>(base + layout.kgT),
       reinterpret_cast<bf16 *>(base + layout.aqk), reinterpret_cast<float *>(base + layout.gam)};
-  const DeviceSetup setup = deviceSetup();
+  const DeviceSetup setup = chunkedPrefillSetup();
   if (setup.status != cudaSuccess)
     return setup.status;
   const FactorsKernel factorsKernel =
