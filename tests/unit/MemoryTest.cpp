@@ -313,6 +313,58 @@ TEST(PagedKvCache, WritingIntoASharedPageCopiesItFirst) {
   EXPECT_EQ(gatheredRows(cache, 1, 1, 6), rowsFor(1, 0, 6, 5));
 }
 
+// What a device mirror of the pages (the cuda device's KV pools) relies on: prepareWrite makes
+// the positions' pages exclusive before anything is written, advance grows a layer without host
+// rows, and every page copy the cache makes is reported in order, so that repeating the copies
+// on a mirror keeps it equal to the host pages.
+TEST(PagedKvCache, DeviceMirrorsSeeEveryPageCopy) {
+  CacheSpecBuffer spec = twoLayerKvSpec();
+  PagedKvCache cache = PagedKvCache::create(spec.spec(), 8, 3).value();
+  cache.recordPageCopies(true);
+  fillBothLayers(cache, 0, 6); // pages 0 and 1 (partial)
+  EXPECT_TRUE(cache.takePageCopies().empty()) << "fresh pages are not copies";
+  ASSERT_EQ(cache.pageTable(0).size(), 2u);
+  EXPECT_TRUE(cache.pageTable(7).empty());
+
+  ASSERT_TRUE(cache.fork(0, 1, 6).isOk()); // shares page 0, copies the partial page 1
+  std::vector<PagedKvCache::PageCopy> copies = cache.takePageCopies();
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].from, cache.pageTable(0)[1]);
+  EXPECT_EQ(copies[0].to, cache.pageTable(1)[1]);
+  EXPECT_EQ(copies[0].rows, 2);
+  EXPECT_TRUE(cache.takePageCopies().empty()) << "taking them empties the log";
+
+  // Sequence 1 rewinds into the shared page 0 and writes there: prepareWrite copies it first.
+  ASSERT_TRUE(cache.truncate(1, 3).isOk());
+  const int32_t shared = cache.pageTable(1)[0];
+  ASSERT_EQ(cache.pageReferences(shared), 2);
+  ASSERT_TRUE(cache.prepareWrite(1, 3, 2).isOk());
+  copies = cache.takePageCopies();
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].from, shared);
+  EXPECT_EQ(copies[0].to, cache.pageTable(1)[0]);
+  EXPECT_NE(cache.pageTable(1)[0], shared);
+  EXPECT_EQ(cache.pageReferences(shared), 1);
+  EXPECT_EQ(cache.length(0, 1), 3) << "prepareWrite grows no layer";
+
+  // advance grows one layer; the pages are already exclusive, so nothing more is copied.
+  ASSERT_TRUE(cache.advance(0, 1, 2).isOk());
+  EXPECT_EQ(cache.length(0, 1), 5);
+  EXPECT_EQ(cache.length(1, 1), 3);
+  EXPECT_TRUE(cache.takePageCopies().empty());
+  // Past the reserved pages it reserves more; a bad slot or sequence is an error.
+  ASSERT_TRUE(cache.advance(1, 1, 6).isOk());
+  EXPECT_EQ(cache.capacity(1), 12);
+  EXPECT_FALSE(cache.advance(2, 1, 1).isOk());
+  EXPECT_FALSE(cache.advance(0, 5, 1).isOk());
+  EXPECT_FALSE(cache.prepareWrite(1, -1, 1).isOk());
+
+  // Without recording nothing is kept.
+  cache.recordPageCopies(false);
+  ASSERT_TRUE(cache.fork(0, 2, 6).isOk());
+  EXPECT_TRUE(cache.takePageCopies().empty());
+}
+
 TEST(PagedKvCache, PagesReturnWhenTheLastSharerLetsGo) {
   CacheSpecBuffer spec = twoLayerKvSpec();
   PagedKvCache cache = PagedKvCache::create(spec.spec(), 4, 2).value();

@@ -235,6 +235,8 @@ void PagedKvCache::releasePage(int32_t page) {
 
 // Rows [0, rows) of page `from` into page `to`, in every layer.
 void PagedKvCache::copyPage(int32_t from, int32_t to, int64_t rows) {
+  if (recordCopies_)
+    pageCopies_.push_back({from, to, rows});
   for (int32_t kvSlot = 0; kvSlot < numLayers(); ++kvSlot)
     std::memcpy(rowPointer(kvSlot, to, 0), rowPointer(kvSlot, from, 0),
                 static_cast<size_t>(rows * layers_[static_cast<size_t>(kvSlot)].shape.rowElements()) *
@@ -347,6 +349,50 @@ Status PagedKvCache::fork(int32_t from, int32_t to, int64_t tokens) {
   return adopted;
 }
 
+Status PagedKvCache::makeWritable(int32_t sequence, int64_t begin, int64_t count) {
+  HYBRID_RETURN_IF_ERROR(checkSequence(sequence));
+  if (begin < 0 || count < 0)
+    return Status::error("KV cache: cannot write " + std::to_string(count) + " positions from " +
+                         std::to_string(begin));
+  if (layers_.empty() || count == 0)
+    return Status::ok();
+  // The pages written to that this sequence shares with another are copied first; all free
+  // pages needed (copies and new pages) are checked before anything changes.
+  const std::vector<int32_t> &held = pageTables_[static_cast<size_t>(sequence)];
+  const int64_t firstWritten = begin / pageSize_;
+  const int64_t lastWritten = pagesFor(begin + count, pageSize_); // exclusive
+  int64_t copies = 0;
+  for (int64_t index = firstWritten; index < std::min<int64_t>(lastWritten, held.size()); ++index)
+    copies += references_[static_cast<size_t>(held[static_cast<size_t>(index)])] > 1 ? 1 : 0;
+  const int64_t newPages = std::max<int64_t>(0, lastWritten - static_cast<int64_t>(held.size()));
+  if (copies > 0 && copies + newPages > freePages())
+    return Status::exhausted("KV cache out of pages: sequence " + std::to_string(sequence) +
+                             " needs " + std::to_string(newPages) + " new pages and copies of " +
+                             std::to_string(copies) + " pages it shares, " +
+                             std::to_string(freePages()) + " of " + std::to_string(numPages_) +
+                             " pages are free");
+  HYBRID_RETURN_IF_ERROR(reservePages(sequence, begin + count));
+  for (int64_t index = firstWritten; index < lastWritten; ++index)
+    HYBRID_RETURN_IF_ERROR(ensureExclusive(sequence, index));
+  return Status::ok();
+}
+
+Status PagedKvCache::prepareWrite(int32_t sequence, int64_t begin, int64_t count) {
+  return catchExceptions("KV cache",
+                         [&]() -> Status { return makeWritable(sequence, begin, count); });
+}
+
+Status PagedKvCache::advance(int32_t kvSlot, int32_t sequence, int64_t count) {
+  return catchExceptions("KV cache", [&]() -> Status {
+    HYBRID_RETURN_IF_ERROR(checkLayer(kvSlot));
+    HYBRID_RETURN_IF_ERROR(checkSequence(sequence));
+    int64_t &length = lengthRef(kvSlot, sequence);
+    HYBRID_RETURN_IF_ERROR(makeWritable(sequence, length, count));
+    length += count;
+    return Status::ok();
+  });
+}
+
 Status PagedKvCache::append(int32_t kvSlot, int32_t sequence, std::span<const float> rows) {
   return catchExceptions("KV cache", [&]() -> Status {
     HYBRID_RETURN_IF_ERROR(checkLayer(kvSlot));
@@ -359,24 +405,7 @@ Status PagedKvCache::append(int32_t kvSlot, int32_t sequence, std::span<const fl
                            std::to_string(rowElements) + "-float row");
     auto numRows = static_cast<int64_t>(rows.size() / rowElements);
     int64_t &length = lengthRef(kvSlot, sequence);
-    // The pages written to that this sequence shares with another are copied first; all free
-    // pages needed (copies and new pages) are checked before anything changes.
-    const std::vector<int32_t> &held = pageTables_[static_cast<size_t>(sequence)];
-    const int64_t firstWritten = length / pageSize_;
-    const int64_t lastWritten = pagesFor(length + numRows, pageSize_); // exclusive
-    int64_t copies = 0;
-    for (int64_t index = firstWritten; index < std::min<int64_t>(lastWritten, held.size()); ++index)
-      copies += references_[static_cast<size_t>(held[static_cast<size_t>(index)])] > 1 ? 1 : 0;
-    const int64_t newPages = std::max<int64_t>(0, lastWritten - static_cast<int64_t>(held.size()));
-    if (copies > 0 && copies + newPages > freePages())
-      return Status::exhausted("KV cache out of pages: sequence " + std::to_string(sequence) +
-                           " needs " + std::to_string(newPages) + " new pages and copies of " +
-                           std::to_string(copies) + " pages it shares, " +
-                           std::to_string(freePages()) + " of " + std::to_string(numPages_) +
-                           " pages are free");
-    HYBRID_RETURN_IF_ERROR(reservePages(sequence, length + numRows));
-    for (int64_t index = firstWritten; index < lastWritten; ++index)
-      HYBRID_RETURN_IF_ERROR(ensureExclusive(sequence, index));
+    HYBRID_RETURN_IF_ERROR(makeWritable(sequence, length, numRows));
     // Rows within a page are contiguous: copy one page's worth at a time.
     const std::vector<int32_t> &pageTable = pageTables_[static_cast<size_t>(sequence)];
     const float *source = rows.data();
@@ -392,6 +421,12 @@ Status PagedKvCache::append(int32_t kvSlot, int32_t sequence, std::span<const fl
     length += numRows;
     return Status::ok();
   });
+}
+
+std::span<const int32_t> PagedKvCache::pageTable(int32_t sequence) const {
+  if (!checkSequence(sequence).isOk())
+    return {};
+  return pageTables_[static_cast<size_t>(sequence)];
 }
 
 int64_t PagedKvCache::length(int32_t kvSlot, int32_t sequence) const {

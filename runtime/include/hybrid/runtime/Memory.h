@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace hybrid {
@@ -147,8 +148,28 @@ public:
   // Writes rows [numRows, rowElements] to layer kvSlot at positions [length, length + numRows),
   // reserving pages as needed.
   Status append(int32_t kvSlot, int32_t sequence, std::span<const float> rows);
+  // Makes positions [begin, begin + count) of `sequence` writable in every layer: reserves their
+  // pages and copies the ones it shares (copy-on-write). Fails, changing nothing, when there are
+  // not enough free pages. append does this itself; a device writing its own mirror of the pages
+  // calls it before it writes.
+  Status prepareWrite(int32_t sequence, int64_t begin, int64_t count);
+  // Layer kvSlot of `sequence` grows by `count` positions whose rows only a device mirror holds
+  // (the cuda device's KV pools): as append, without writing the host rows.
+  Status advance(int32_t kvSlot, int32_t sequence, int64_t count);
   // Positions written so far to layer kvSlot of `sequence` (0 for a bad index).
   int64_t length(int32_t kvSlot, int32_t sequence) const;
+  // The sequence's physical pages in position order (empty for a bad index).
+  std::span<const int32_t> pageTable(int32_t sequence) const;
+  // A page copy the cache made itself (copy-on-write, a held prefix's partial last page): rows
+  // [0, rows) of page `from` went to page `to`. A device mirroring the pages repeats them, in
+  // order, before it next writes or reads a page.
+  struct PageCopy {
+    int32_t from = 0;
+    int32_t to = 0;
+    int64_t rows = 0;
+  };
+  void recordPageCopies(bool on) { recordCopies_ = on; }
+  std::vector<PageCopy> takePageCopies() { return std::exchange(pageCopies_, {}); }
   // Positions the sequence's pages can hold.
   int64_t capacity(int32_t sequence) const;
   // Positions [0, numTokens) of layer kvSlot; numTokens must not exceed length().
@@ -179,6 +200,7 @@ private:
 
   PagedKvCache() = default;
   Status reservePages(int32_t sequence, int64_t tokens);
+  Status makeWritable(int32_t sequence, int64_t begin, int64_t count);
   // Gives `sequence` its own copy of its page `index` if another sequence holds it too.
   Status ensureExclusive(int32_t sequence, int64_t index);
   int32_t takeFreePage();
@@ -200,6 +222,8 @@ private:
   std::vector<int32_t> references_;              // per page: the page tables holding it
   std::vector<std::vector<int32_t>> pageTables_; // per sequence
   std::vector<int64_t> lengths_;                 // [layer][sequence]
+  bool recordCopies_ = false;
+  std::vector<PageCopy> pageCopies_;
 };
 
 //===------------------------------------------------------------------------------------------===//
