@@ -1,7 +1,8 @@
 // The cuda device against itself: decode graphs against plain launches (several sequences
 // decoding in turn, a slot reused by a new sequence; fp32 and bf16 KDA states), batched decode
-// against single sequences, prefix-cache hits (states copied off and back onto the GPU) against
-// full prefills; and FP8 projections against the cpu oracle. Labelled `gpu`; skipped where there
+// against single sequences, prefix-cache hits (states copied off and back onto the GPU, KV pages
+// shared and copied in the device pools) against full prefills; and FP8 projections against the
+// cpu oracle. Labelled `gpu`; skipped where there
 // is no GPU.
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Generate.h"
@@ -296,8 +297,12 @@ TEST_P(CudaDeviceTest, SpeculativeDecodingKeepsTheGreedyTokens) {
   EXPECT_LE(difference, 1e-5 * magnitude);
 }
 
-INSTANTIATE_TEST_SUITE_P(KdaModels, CudaDeviceTest,
-                         testing::Values("kimi_linear_tiny", "kimi_attnres_tiny"));
+// The Kimi models' MLA layers and every DeepSeek layer keep their KV rows in the device pools:
+// interleaved sequences, batches, prefix hits and speculative rollbacks share, copy and truncate
+// pages there.
+INSTANTIATE_TEST_SUITE_P(Models, CudaDeviceTest,
+                         testing::Values("kimi_linear_tiny", "kimi_attnres_tiny",
+                                         "deepseek_v32_tiny"));
 
 // Relative RMS error of each row of `actual` against `expected` ([rows, width]), sorted.
 std::vector<double> sortedRowErrors(const std::vector<float> &expected,

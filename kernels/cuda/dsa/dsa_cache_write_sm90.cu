@@ -32,6 +32,14 @@ __global__ void __launch_bounds__(kThreads) writeLatentRows(LatentWriteParams p,
   unsigned char *row = static_cast<unsigned char *>(p.pages) +
                        slotOffset(p.where, t, int64_t(p.where.pageTokens) * rowBytes, rowBytes);
   const float *latent = p.latent + int64_t(t) * p.latentDim;
+  if (p.type == LatentCacheType::F32) { // [latent | rope], as computed
+    float *target = reinterpret_cast<float *>(row);
+    for (int i = threadIdx.x; i < p.latentDim; i += kThreads)
+      target[i] = latent[i];
+    for (int i = threadIdx.x; i < p.ropeDim; i += kThreads)
+      target[p.latentDim + i] = p.rope[int64_t(t) * p.ropeDim + i];
+    return;
+  }
   const int tiles = (p.latentDim + kTile - 1) / kTile;
   for (int tile = warp; tile < tiles; tile += kThreads / kWarpSize) {
     const int begin = tile * kTile, count = min(kTile, p.latentDim - begin);
@@ -110,7 +118,7 @@ int launchWriteLatentRows(const LatentWriteParams &p, void *stream) {
       !p.latent || (p.ropeDim > 0 && !p.rope) || !p.pages)
     return cudaErrorInvalidValue;
   writeLatentRows<<<unsigned(p.where.tokens), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      p, sparseMlaRowBytes(p.latentDim, p.ropeDim));
+      p, latentRowBytes(p.type, p.latentDim, p.ropeDim));
   return int(cudaGetLastError());
 }
 

@@ -301,6 +301,11 @@ int64_t sparseMlaRowBytes(int32_t latentDim, int32_t ropeDim) {
   return int64_t(latentDim) + 4 * ((latentDim + kScaleTile - 1) / kScaleTile) + 2 * int64_t(ropeDim);
 }
 
+int64_t latentRowBytes(LatentCacheType type, int32_t latentDim, int32_t ropeDim) {
+  return type == LatentCacheType::F32 ? 4 * (int64_t(latentDim) + ropeDim)
+                                      : sparseMlaRowBytes(latentDim, ropeDim);
+}
+
 size_t sparseMlaWorkspaceBytes(int32_t rows, int32_t heads, int32_t latentDim) {
   return rows > 0 && heads > 0 && latentDim > 0
              ? size_t(rows) * heads * kMaxSplits * (size_t(latentDim) + 2) * sizeof(float)

@@ -1,6 +1,8 @@
-// Embedding gather, residual add and silu(gate) * up on CUDA (see Elementwise.h): grid-stride
-// loops over the elements.
+// Embedding gather, residual add, silu(gate) * up, the sigmoid gate and the MXFP8 round trip on
+// CUDA (see Elementwise.h): grid-stride loops over the elements (warps over 32-value blocks).
 #include "hybrid/kernels/cuda/Elementwise.h"
+#include "../common/fp8_quant.cuh"
+#include "../dsa/fp8_device.cuh" // e8m0ToFloat
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -47,6 +49,32 @@ __global__ void siluMulKernel(const float *gate, const float *up, int64_t rows, 
   }
 }
 
+__global__ void sigmoidGateKernel(float *x, const float *gate, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] *= 1.0f / (1.0f + expf(-gate[i]));
+}
+
+// A warp per 32-value block, lane i on value i (a block per warp-sized slice of the grid).
+__global__ void mxfp8RoundTripKernel(float *x, int64_t blocks) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t block = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; block < blocks;
+       block += int64_t(gridDim.x) * blockDim.x / 32) {
+    float &value = x[block * 32 + lane];
+    if (!__all_sync(0xffffffffu, isfinite(value))) { // NaN codes and a NaN scale
+      value = __int_as_float(0x7fc00000);
+      continue;
+    }
+    float amax = fabsf(value);
+    for (int offset = 16; offset > 0; offset /= 2)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const uint8_t scale = quant::mxScaleCodeRoundUp(amax);
+    const uint8_t code = quant::floatToE4M3(ldexpf(value, -(int(scale) - 127)));
+    const __half_raw decoded = __nv_cvt_fp8_to_halfraw(code, __NV_E4M3);
+    value = __half2float(__half(decoded)) * e8m0ToFloat(scale);
+  }
+}
+
 int finish() { return static_cast<int>(cudaGetLastError()); }
 
 } // namespace
@@ -78,6 +106,22 @@ int launchSiluMul(const float *gate, const float *up, int64_t rows, int64_t widt
     return cudaErrorInvalidValue;
   siluMulKernel<<<blocksFor(rows * width), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       gate, up, rows, width, inputStride, out);
+  return finish();
+}
+
+int launchSigmoidGate(float *x, const float *gate, int64_t n, void *stream) {
+  if (n <= 0 || !x || !gate)
+    return cudaErrorInvalidValue;
+  sigmoidGateKernel<<<blocksFor(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, gate,
+                                                                                      n);
+  return finish();
+}
+
+int launchMxfp8RoundTrip(float *x, int64_t n, void *stream) {
+  if (n <= 0 || n % 32 != 0 || !x)
+    return cudaErrorInvalidValue;
+  mxfp8RoundTripKernel<<<blocksFor(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(x,
+                                                                                         n / 32);
   return finish();
 }
 

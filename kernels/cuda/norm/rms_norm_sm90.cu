@@ -1,4 +1,4 @@
-// RMSNorm (+ residual add) on CUDA (see Norm.h): one block per row, the row's squares summed in
+// RMSNorm (+ residual add) and LayerNorm on CUDA (see Norm.h): one block per row, the row's squares summed in
 // fp32 by the block, then each element normalised and scaled.
 #include "hybrid/kernels/cuda/Norm.h"
 
@@ -43,7 +43,48 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormParams p) {
   }
 }
 
+__device__ inline float blockSum(float value, float *warpSums) {
+  for (int offset = 16; offset > 0; offset /= 2)
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  __syncthreads(); // warpSums may still be read by an earlier call
+  if (threadIdx.x % 32 == 0)
+    warpSums[threadIdx.x / 32] = value;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w)
+    total += warpSums[w];
+  return total;
+}
+
+// Two passes over the row (mean, then the centred squares), as the reference.
+__global__ void __launch_bounds__(kThreads) layerNormKernel(LayerNormParams p) {
+  __shared__ float warpSums[kThreads / 32];
+  const int64_t row = blockIdx.x;
+  const float *x = p.x + row * p.dim;
+  float *y = p.y + row * p.dim;
+  float sum = 0.0f;
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads)
+    sum += x[i];
+  const float mean = blockSum(sum, warpSums) / float(p.dim);
+  float squares = 0.0f;
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads)
+    squares += (x[i] - mean) * (x[i] - mean);
+  const float scale = 1.0f / sqrtf(blockSum(squares, warpSums) / float(p.dim) + p.epsilon);
+  for (int64_t i = threadIdx.x; i < p.dim; i += kThreads)
+    y[i] = (x[i] - mean) * scale * p.weight[i] + p.bias[i];
+}
+
 } // namespace
+
+int launchLayerNorm(const LayerNormParams &params, void *stream) {
+  if (params.rows <= 0 || params.dim <= 0 || !params.x || !params.y || !params.weight ||
+      !params.bias || params.rows > 0x7fffffff)
+    return cudaErrorInvalidValue;
+  layerNormKernel<<<unsigned(params.rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      params);
+  return static_cast<int>(cudaGetLastError());
+}
 
 int launchRmsNorm(const RmsNormParams &params, void *stream) {
   if (params.rows <= 0 || params.dim <= 0 || !params.x || !params.y ||

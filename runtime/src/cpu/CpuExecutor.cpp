@@ -107,6 +107,8 @@ std::vector<int64_t> positions(const StepContext &context) {
   return result;
 }
 
+} // namespace
+
 ref::RopeLayout ropeLayout(const fb::Rope *rope) {
   if (!rope || rope->kind() == fb::RopeKind::None)
     return ref::RopeLayout::None;
@@ -124,6 +126,8 @@ std::vector<float> ropeFrequencies(const fb::Rope *rope, int64_t rotaryDim) {
                         rope->beta_slow(), rope->mscale(), rope->mscale_all_dim()});
   return ref::ropeInverseFrequencies(rotaryDim, rope->theta());
 }
+
+namespace {
 
 // MXFP8 round trip of rows of `cols` values: the values a kernel reading the E4M3 elements and
 // E8M0 scales sees, bit-exact to the definitions in kernels/ref/Quant.h.

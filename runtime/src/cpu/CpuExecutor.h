@@ -2,6 +2,7 @@
 // Internal to the runtime; Model.cpp owns the state it works on.
 #pragma once
 
+#include "hybrid/kernels/ref/Mla.h" // RopeLayout
 #include "hybrid/kernels/ref/Quant.h"
 #include "hybrid/kernels/ref/TiledLayout.h"
 #include "hybrid/runtime/Memory.h"
@@ -95,6 +96,11 @@ Status runDispatch(const StepContext &context, const plan::fb::Dispatch &dispatc
 // row's sequence, state slot, position and staging (batchScratch->staging: one entry per row,
 // each with one vector per KV slot, cleared at the step's start).
 Status runStepDispatch(const StepContext &context, const plan::fb::Dispatch &dispatch);
+
+// A plan's RoPE: which values pair up (None: no rotation), and the inverse frequencies of a
+// rotaryDim-long slice (zeros without rotation). The cuda device uses the same frequencies.
+kernels::ref::RopeLayout ropeLayout(const plan::fb::Rope *rope);
+std::vector<float> ropeFrequencies(const plan::fb::Rope *rope, int64_t rotaryDim);
 
 // A float view of value `index` for the step's rows (F32 values only).
 StatusOr<std::span<float>> floatValue(const StepContext &context, int32_t index);

@@ -1,8 +1,9 @@
 // The `cuda` device: runs a program's dispatches on the GPU (kernels/cuda) on the plan's streams
-// and events. Dispatches it has no GPU kernel for yet (MLA, DSA, MoE, AttnRes: issues 6 and 7) or
-// whose weights it cannot read on the GPU (anything but bf16 GEMM weights) run on the cpu
-// reference, on copies of exactly their input and output values; which ones do is decided once,
-// at load, and reported (placementReport). Internal to the runtime; built when CUDA is found.
+// and events. Dispatches it has no GPU kernel for yet (MoE, AttnRes: issue 7) or whose shapes or
+// weights its kernels do not take run on the cpu reference, on copies of exactly their input and
+// output values; which ones do is decided once, at load, and reported (placementReport). The
+// MLA / DSA layers it runs keep their KV rows in device pools that share the host PagedKvCache's
+// page numbers (CudaAttention.cpp). Internal to the runtime; built when CUDA is found.
 #pragma once
 
 #include "cpu/CpuExecutor.h"
@@ -23,13 +24,14 @@ class CudaExecutor {
 public:
   // Uploads the weights (GEMM weights as stored, small ones as fp32 from `hostWeights`) and makes
   // one device allocation for the programs' arenas, a mirror of `states`, and the scratch every
-  // stream needs. GEMM inputs go to the tensor cores split into two bf16 halves (close to the fp32
+  // stream needs, and one for the KV pools of `kvCache`'s layers that run here (it then records
+  // its page copies for this device to repeat). GEMM inputs go to the tensor cores split into two bf16 halves (close to the fp32
   // oracle) unless options.bf16GemmInputs (Linear.h); options.kdaPrefill picks the KDA prefill
   // kernel. Fails with "no CUDA device" where there is no GPU.
   static StatusOr<std::unique_ptr<CudaExecutor>>
   create(const std::string &dir, const plan::fb::Plan &plan, const WeightArchive &archive,
          const std::vector<std::vector<float>> &hostWeights, const RecurrentStatePool &states,
-         const LoadOptions &options);
+         PagedKvCache &kvCache, const LoadOptions &options);
   ~CudaExecutor();
   CudaExecutor(const CudaExecutor &) = delete;
   CudaExecutor &operator=(const CudaExecutor &) = delete;

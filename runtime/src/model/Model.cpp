@@ -331,7 +331,7 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
 #ifdef HYBRID_HAS_CUDA_DEVICE
   if (cudaDevice) {
     auto cuda = cudadev::CudaExecutor::create(dir, root, impl->archive, impl->weights,
-                                              impl->states, options);
+                                              impl->states, impl->kvCache, options);
     if (!cuda)
       return Status(cuda.status()).withContext("cuda device");
     impl->cuda = std::move(*cuda);

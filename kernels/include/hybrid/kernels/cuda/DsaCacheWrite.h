@@ -1,11 +1,12 @@
 // Writing a step's tokens into the DSA caches on CUDA (docs/dsa-cache-layout.md): the MLA latent
-// rows in FlashMLA's FP8 "V32" layout and the indexer keys in any IndexKeyType, each token at its
+// rows in FlashMLA's FP8 "V32" layout (or fp32 rows for the unquantized policy) and the indexer keys in any IndexKeyType, each token at its
 // position's slot of its sequence's page. Bit-identical to the reference packers
 // (ref::packLatentToken, ref::packIndexKeyToken), so a cache the GPU writes reads back exactly as
 // the cpu device's. CUDA-free header.
 #pragma once
 
 #include "hybrid/kernels/cuda/DsaIndexer.h" // IndexKeyType
+#include "hybrid/kernels/cuda/SparseMla.h"  // LatentCacheType
 
 #include <cstdint>
 
@@ -26,7 +27,8 @@ struct LatentWriteParams {
   int32_t latentDim = 0, ropeDim = 0; // 512 + 64 (DeepSeek-V3.2); latentDim % 4, ropeDim % 2 == 0
   const float *latent = nullptr;      // [tokens, latentDim], after kv_a_layernorm
   const float *rope = nullptr;        // [tokens, ropeDim], rotated
-  void *pages = nullptr;              // rows of sparseMlaRowBytes(latentDim, ropeDim) bytes
+  LatentCacheType type = LatentCacheType::Fp8Tiles;
+  void *pages = nullptr;              // rows of latentRowBytes(type, latentDim, ropeDim) bytes
 };
 
 // The scale rule of an Fp8PerKey key (ref::Fp8ScaleRule; the V3.2 indexer uses ue8m0).

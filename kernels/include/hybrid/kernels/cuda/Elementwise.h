@@ -1,6 +1,6 @@
 // Small CUDA kernels a model's plan needs between the big ones: the embedding gather, the
-// residual add and SwiGLU's silu(gate) * up. fp32 activations; tables in bf16 or fp32 as the
-// weight archive stores them. CUDA-free header. Every launch returns 0 or the CUDA error code
+// residual add, SwiGLU's silu(gate) * up, an output gate and the MXFP8 round trip of an
+// activation. fp32 activations; tables in bf16 or fp32 as the weight archive stores them. CUDA-free header. Every launch returns 0 or the CUDA error code
 // (cudaErrorInvalidValue for bad shapes or missing pointers).
 #pragma once
 
@@ -22,5 +22,13 @@ int launchAdd(const float *a, const float *b, float *y, int64_t n, void *stream)
 // (they may be the two halves of one [rows, 2 * width] projection).
 int launchSiluMul(const float *gate, const float *up, int64_t rows, int64_t width,
                   int64_t inputStride, float *out, void *stream);
+
+// x[i] *= sigmoid(gate[i]) over n elements (an attention output gate).
+int launchSigmoidGate(float *x, const float *gate, int64_t n, void *stream);
+
+// In place: each 32-value block of x [n] replaced by what its MXFP8 encoding (E4M3 elements, one
+// E8M0 scale by the RoundUp rule) decodes to, bit for bit ref::quantizeMxfp8 then
+// dequantizeMxfp8 (a block with a non-finite value becomes NaNs). n % 32 == 0.
+int launchMxfp8RoundTrip(float *x, int64_t n, void *stream);
 
 } // namespace hybrid::kernels::cuda

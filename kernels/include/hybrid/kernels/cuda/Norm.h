@@ -21,4 +21,17 @@ struct RmsNormParams {
 // Launches on `stream`; 0 or the CUDA error code (cudaErrorInvalidValue for bad shapes).
 int launchRmsNorm(const RmsNormParams &params, void *stream);
 
+// LayerNorm with bias (the DSA indexer's key norm, ref::layerNorm): y = (x - mean) / sqrt(var +
+// eps) * weight + bias per row, the biased variance, fp32. y may alias x.
+struct LayerNormParams {
+  int64_t rows = 0;
+  int64_t dim = 0;
+  float epsilon = 1e-6f;
+  const float *x = nullptr;      // [rows, dim]
+  const float *weight = nullptr; // [dim]
+  const float *bias = nullptr;   // [dim]
+  float *y = nullptr;            // [rows, dim]
+};
+int launchLayerNorm(const LayerNormParams &params, void *stream);
+
 } // namespace hybrid::kernels::cuda

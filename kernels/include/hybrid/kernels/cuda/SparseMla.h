@@ -12,6 +12,10 @@
 
 namespace hybrid::kernels::cuda {
 
+// How a latent page stores a token's row: FlashMLA's FP8 "V32" row (E4M3 latent, one power-of-two
+// fp32 scale per 128 elements, bf16 rope key), or fp32 [latent | rope] (the unquantized policy).
+enum class LatentCacheType { Fp8Tiles, F32 };
+
 struct SparseMlaDecodeParams {
   int32_t rows = 0;      // query rows (one per sequence in decode)
   int32_t heads = 0;     // query heads (padded to 16 inside)
@@ -36,6 +40,8 @@ size_t sparseMlaWorkspaceBytes(int32_t rows, int32_t heads, int32_t latentDim);
 
 // Bytes of one cached row (ref::kvRowBytes with 128-element tiles).
 int64_t sparseMlaRowBytes(int32_t latentDim, int32_t ropeDim);
+// Bytes of one cached row in either format.
+int64_t latentRowBytes(LatentCacheType type, int32_t latentDim, int32_t ropeDim);
 
 // 0 or a cudaError_t (cudaErrorInvalidValue for an unsupported shape or a missing pointer).
 int launchSparseMlaDecode(const SparseMlaDecodeParams &params, void *stream);

@@ -1,0 +1,349 @@
+// MLA pieces around the attention (see Mla.h). Simple CUDA-core kernels: the per-head absorption
+// and expansion read kv_b_proj once per block of rows (bandwidth-bound in decode), and the latent
+// attention keeps a block's queries and a tile of gathered rows in shared memory with an online
+// softmax. The FP8 sparse decode on tensor cores is sparse_mla_decode_sm90.cu.
+#include "hybrid/kernels/cuda/Mla.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+namespace hybrid::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 128, kWarpSize = 32;
+constexpr int kScaleTile = 128; // latent elements per FP8 row scale
+
+__device__ inline float warpSum(float value) {
+  for (int offset = 16; offset > 0; offset /= 2)
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+// Pair i of a rotated slice: the two values it mixes.
+__device__ inline void ropePair(float *x, int i, int pairs, RopePairing pairing, float angle) {
+  const int first = pairing == RopePairing::Interleaved ? 2 * i : i;
+  const int second = pairing == RopePairing::Interleaved ? 2 * i + 1 : i + pairs;
+  const float cosine = cosf(angle), sine = sinf(angle);
+  const float a = x[first], b = x[second];
+  x[first] = a * cosine - b * sine;
+  x[second] = b * cosine + a * sine;
+}
+
+// One block per row; threads over (head, pair).
+__global__ void __launch_bounds__(kThreads) rope(RopeParams p) {
+  const int r = blockIdx.x, pairs = p.dims / 2;
+  const float position = float(p.positions[r]);
+  for (int item = threadIdx.x; item < p.heads * pairs; item += kThreads) {
+    const int h = item / pairs, i = item % pairs;
+    ropePair(p.x + int64_t(r) * p.rowStride + int64_t(h) * p.headStride + p.offset, i, pairs,
+             p.pairing, position * p.inverseFrequencies[i]);
+  }
+}
+
+__device__ inline float blockSum(float value, float *shared) {
+  value = warpSum(value);
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  __syncthreads(); // `shared` may still be read from a previous call
+  if (lane == 0)
+    shared[warp] = value;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < kThreads / kWarpSize; ++w)
+    total += shared[w];
+  return total;
+}
+
+__global__ void __launch_bounds__(kThreads) latentRows(MlaLatentRowsParams p) {
+  __shared__ float partial[kThreads / kWarpSize];
+  const int r = blockIdx.x, wide = p.latentDim + p.ropeDim;
+  const float *in = p.kvA + int64_t(r) * wide;
+  float squares = 0.0f;
+  for (int i = threadIdx.x; i < p.latentDim; i += kThreads)
+    squares += in[i] * in[i];
+  const float scale = 1.0f / sqrtf(blockSum(squares, partial) / float(p.latentDim) + p.epsilon);
+  float *latent = p.latent + int64_t(r) * p.latentDim;
+  for (int i = threadIdx.x; i < p.latentDim; i += kThreads)
+    latent[i] = p.normWeight[i] * (in[i] * scale); // the reference's order
+  float *rope = p.rope + int64_t(r) * p.ropeDim;
+  for (int i = threadIdx.x; i < p.ropeDim; i += kThreads)
+    rope[i] = in[p.latentDim + i];
+  if (!p.inverseFrequencies)
+    return;
+  __syncthreads();
+  const int pairs = p.ropeDim / 2;
+  const float position = float(p.positions[r]);
+  for (int i = threadIdx.x; i < pairs; i += kThreads)
+    ropePair(rope, i, pairs, p.pairing, position * p.inverseFrequencies[i]);
+}
+
+__device__ inline float weightAt(const MlaHeadWeights &w, int64_t index) {
+  return w.type == WeightType::BF16
+             ? __bfloat162float(static_cast<const __nv_bfloat16 *>(w.kvB)[index])
+             : static_cast<const float *>(w.kvB)[index];
+}
+
+constexpr int kRowsPerBlock = 8;
+constexpr int kColumnsPerThread = kMlaMaxLatentDim / kThreads;
+constexpr int kMaxNopeDim = 256;
+
+// Block (head, row block): each thread owns latent columns c = threadIdx.x + k * kThreads for
+// kRowsPerBlock rows, summing over the nope dims in order (as the reference).
+__global__ void __launch_bounds__(kThreads)
+    absorbQueries(MlaHeadWeights w, int32_t rows, int32_t ropeDim, const float *queries,
+                  float *absorbed) {
+  __shared__ float nope[kRowsPerBlock][kMaxNopeDim];
+  const int h = blockIdx.x, firstRow = blockIdx.y * kRowsPerBlock;
+  const int count = min(kRowsPerBlock, rows - firstRow), qkDim = w.nopeDim + ropeDim;
+  const int wide = w.latentDim + ropeDim;
+  for (int item = threadIdx.x; item < count * w.nopeDim; item += kThreads) {
+    const int rb = item / w.nopeDim, n = item % w.nopeDim;
+    nope[rb][n] = queries[(int64_t(firstRow + rb) * w.heads + h) * qkDim + n];
+  }
+  __syncthreads();
+  float sums[kRowsPerBlock][kColumnsPerThread] = {};
+  const int64_t uk = int64_t(h) * (w.nopeDim + w.valueDim) * w.latentDim;
+  for (int n = 0; n < w.nopeDim; ++n)
+#pragma unroll
+    for (int k = 0; k < kColumnsPerThread; ++k) {
+      const int c = threadIdx.x + k * kThreads;
+      if (c >= w.latentDim)
+        continue;
+      const float weight = weightAt(w, uk + int64_t(n) * w.latentDim + c);
+#pragma unroll
+      for (int rb = 0; rb < kRowsPerBlock; ++rb)
+        sums[rb][k] += nope[rb][n] * weight;
+    }
+#pragma unroll
+  for (int rb = 0; rb < kRowsPerBlock; ++rb) {
+    if (rb >= count)
+      break;
+    float *target = absorbed + (int64_t(firstRow + rb) * w.heads + h) * wide;
+#pragma unroll
+    for (int k = 0; k < kColumnsPerThread; ++k) {
+      const int c = threadIdx.x + k * kThreads;
+      if (c < w.latentDim)
+        target[c] = sums[rb][k];
+    }
+    const float *query = queries + (int64_t(firstRow + rb) * w.heads + h) * qkDim + w.nopeDim;
+    for (int i = threadIdx.x; i < ropeDim; i += kThreads)
+      target[w.latentDim + i] = query[i];
+  }
+}
+
+// Block (head, row block): a warp per output value, its lanes along the W_UV row.
+__global__ void __launch_bounds__(kThreads)
+    expandOutputs(MlaHeadWeights w, int32_t rows, const float *latentOut, float *out) {
+  __shared__ float latent[kRowsPerBlock][kMlaMaxLatentDim];
+  const int h = blockIdx.x, firstRow = blockIdx.y * kRowsPerBlock;
+  const int count = min(kRowsPerBlock, rows - firstRow);
+  for (int item = threadIdx.x; item < count * w.latentDim; item += kThreads) {
+    const int rb = item / w.latentDim, l = item % w.latentDim;
+    latent[rb][l] = latentOut[(int64_t(firstRow + rb) * w.heads + h) * w.latentDim + l];
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  for (int v = warp; v < w.valueDim; v += kThreads / kWarpSize) {
+    const int64_t uv = (int64_t(h) * (w.nopeDim + w.valueDim) + w.nopeDim + v) * w.latentDim;
+    float sums[kRowsPerBlock] = {};
+    for (int l = lane; l < w.latentDim; l += kWarpSize) {
+      const float weight = weightAt(w, uv + l);
+#pragma unroll
+      for (int rb = 0; rb < kRowsPerBlock; ++rb)
+        sums[rb] += weight * latent[rb][l];
+    }
+#pragma unroll
+    for (int rb = 0; rb < kRowsPerBlock; ++rb) {
+      const float total = warpSum(sums[rb]);
+      if (lane == 0 && rb < count)
+        out[int64_t(firstRow + rb) * w.heads * w.valueDim + int64_t(h) * w.valueDim + v] = total;
+    }
+  }
+}
+
+constexpr int kHeadsPerBlock = 8, kKeysPerTile = 8, kMaxRopeDim = 64;
+constexpr int kMaxWide = kMlaMaxLatentDim + kMaxRopeDim;
+
+// One value of a cached row, dequantized: the latent code times its tile's scale, or the bf16
+// rope key (FP8 rows); the fp32 value (F32 rows).
+__device__ inline float cachedValue(const unsigned char *row, LatentCacheType type, int latentDim,
+                                    int e) {
+  if (type == LatentCacheType::F32)
+    return reinterpret_cast<const float *>(row)[e];
+  const int tiles = (latentDim + kScaleTile - 1) / kScaleTile;
+  if (e < latentDim) {
+    const __half_raw code = __nv_cvt_fp8_to_halfraw(row[e], __NV_E4M3);
+    return __half2float(__half(code)) * reinterpret_cast<const float *>(row + latentDim)[e / kScaleTile];
+  }
+  const uint16_t bits = reinterpret_cast<const uint16_t *>(row + latentDim + 4 * tiles)[e - latentDim];
+  return __uint_as_float(uint32_t(bits) << 16);
+}
+
+// Block (row, head group): the group's queries and a tile of gathered rows in shared memory;
+// a warp per (head, key) score; each thread accumulates latent columns of every head.
+__global__ void __launch_bounds__(kThreads) latentAttention(LatentAttentionParams p, int64_t rowBytes) {
+  __shared__ float q[kHeadsPerBlock][kMaxWide];
+  __shared__ float rows[kKeysPerTile][kMaxWide];
+  __shared__ float weights[kHeadsPerBlock][kKeysPerTile];
+  __shared__ float rescale[kHeadsPerBlock];
+  __shared__ int keys[kKeysPerTile];
+  const int r = blockIdx.x, firstHead = blockIdx.y * kHeadsPerBlock;
+  const int heads = min(kHeadsPerBlock, p.heads - firstHead);
+  const int wide = p.latentDim + p.ropeDim;
+  for (int item = threadIdx.x; item < kHeadsPerBlock * wide; item += kThreads) {
+    const int h = item / wide, e = item % wide;
+    q[h][e] = h < heads ? p.q[(int64_t(r) * p.heads + firstHead + h) * wide + e] : 0.0f;
+  }
+  const int candidates = p.indices ? p.topK : p.positions[r] + 1;
+  const int32_t *table = p.blockTables + int64_t(p.sequences[r]) * p.maxPages;
+  const int64_t pageBytes = int64_t(p.pageTokens) * rowBytes;
+  const unsigned char *pages = static_cast<const unsigned char *>(p.latentPages);
+  float running[kHeadsPerBlock], total[kHeadsPerBlock]; // per head: max logit, sum of weights
+  float sums[kHeadsPerBlock][kColumnsPerThread] = {};
+#pragma unroll
+  for (int h = 0; h < kHeadsPerBlock; ++h) {
+    running[h] = -INFINITY;
+    total[h] = 0.0f;
+  }
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  for (int first = 0; first < candidates; first += kKeysPerTile) {
+    __syncthreads(); // the previous tile is consumed
+    if (threadIdx.x < kKeysPerTile) {
+      const int j = first + threadIdx.x;
+      keys[threadIdx.x] = j >= candidates ? -1 : p.indices ? p.indices[int64_t(r) * p.topK + j] : j;
+    }
+    __syncthreads();
+    for (int item = threadIdx.x; item < kKeysPerTile * wide; item += kThreads) {
+      const int k = item / wide, e = item % wide, position = keys[k];
+      if (position < 0)
+        continue;
+      const unsigned char *row = pages + int64_t(table[position / p.pageTokens]) * pageBytes +
+                                 int64_t(position % p.pageTokens) * rowBytes;
+      rows[k][e] = cachedValue(row, p.cacheType, p.latentDim, e);
+    }
+    __syncthreads();
+    for (int pair = warp; pair < kHeadsPerBlock * kKeysPerTile; pair += kThreads / kWarpSize) {
+      const int h = pair / kKeysPerTile, k = pair % kKeysPerTile;
+      float dot = 0.0f;
+      if (keys[k] >= 0)
+        for (int e = lane; e < wide; e += kWarpSize)
+          dot += q[h][e] * rows[k][e];
+      dot = warpSum(dot);
+      if (lane == 0)
+        weights[h][k] = keys[k] >= 0 ? dot * p.softmaxScale : -INFINITY;
+    }
+    __syncthreads();
+    if (threadIdx.x < kHeadsPerBlock) { // online softmax, one thread per head
+      const int h = threadIdx.x;
+      float best = running[h];
+      for (int k = 0; k < kKeysPerTile; ++k)
+        best = fmaxf(best, weights[h][k]);
+      const float alpha = best == -INFINITY ? 1.0f : expf(running[h] - best);
+      float added = 0.0f;
+      for (int k = 0; k < kKeysPerTile; ++k) {
+        const float weight = weights[h][k] == -INFINITY ? 0.0f : expf(weights[h][k] - best);
+        weights[h][k] = weight;
+        added += weight;
+      }
+      rescale[h] = alpha;
+      running[h] = best;
+      total[h] = total[h] * alpha + added;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < kHeadsPerBlock; ++h) {
+      const float alpha = rescale[h];
+#pragma unroll
+      for (int c = 0; c < kColumnsPerThread; ++c) {
+        const int e = threadIdx.x + c * kThreads;
+        if (e >= p.latentDim)
+          continue;
+        float sum = sums[h][c] * alpha;
+        for (int k = 0; k < kKeysPerTile; ++k)
+          if (keys[k] >= 0)
+            sum += weights[h][k] * rows[k][e];
+        sums[h][c] = sum;
+      }
+    }
+  }
+  __syncthreads();
+  __shared__ float totals[kHeadsPerBlock];
+  if (threadIdx.x < kHeadsPerBlock)
+    totals[threadIdx.x] = total[threadIdx.x];
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < kHeadsPerBlock; ++h) {
+    if (h >= heads)
+      break;
+    float *target = p.out + (int64_t(r) * p.heads + firstHead + h) * p.latentDim;
+#pragma unroll
+    for (int c = 0; c < kColumnsPerThread; ++c) {
+      const int e = threadIdx.x + c * kThreads;
+      if (e < p.latentDim)
+        target[e] = totals[h] > 0.0f ? sums[h][c] / totals[h] : 0.0f;
+    }
+  }
+}
+
+bool validWeights(const MlaHeadWeights &w) {
+  return w.heads > 0 && w.nopeDim > 0 && w.nopeDim <= kMaxNopeDim && w.valueDim > 0 &&
+         w.latentDim > 0 && w.latentDim <= kMlaMaxLatentDim && w.kvB;
+}
+
+unsigned rowBlocks(int32_t rows) { return unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock); }
+
+} // namespace
+
+int launchRope(const RopeParams &p, void *stream) {
+  if (p.rows < 0 || p.heads <= 0 || p.dims < 0 || p.dims % 2 != 0 ||
+      (p.rows > 0 && p.dims > 0 && (!p.x || !p.positions || !p.inverseFrequencies)))
+    return cudaErrorInvalidValue;
+  if (p.rows == 0 || p.dims == 0)
+    return 0;
+  rope<<<unsigned(p.rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return int(cudaGetLastError());
+}
+
+int launchMlaLatentRows(const MlaLatentRowsParams &p, void *stream) {
+  if (p.rows <= 0 || p.latentDim <= 0 || p.ropeDim < 0 || p.ropeDim % 2 != 0 || !p.kvA ||
+      !p.normWeight || !p.latent || (p.ropeDim > 0 && !p.rope) ||
+      (p.inverseFrequencies && !p.positions))
+    return cudaErrorInvalidValue;
+  latentRows<<<unsigned(p.rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return int(cudaGetLastError());
+}
+
+int launchMlaAbsorbQueries(const MlaHeadWeights &w, int32_t rows, int32_t ropeDim,
+                           const float *queries, float *absorbed, void *stream) {
+  if (!validWeights(w) || rows <= 0 || ropeDim < 0 || !queries || !absorbed)
+    return cudaErrorInvalidValue;
+  absorbQueries<<<dim3(unsigned(w.heads), rowBlocks(rows)), kThreads, 0,
+                  static_cast<cudaStream_t>(stream)>>>(w, rows, ropeDim, queries, absorbed);
+  return int(cudaGetLastError());
+}
+
+int launchMlaExpandOutputs(const MlaHeadWeights &w, int32_t rows, const float *latentOut,
+                           float *out, void *stream) {
+  if (!validWeights(w) || rows <= 0 || !latentOut || !out)
+    return cudaErrorInvalidValue;
+  expandOutputs<<<dim3(unsigned(w.heads), rowBlocks(rows)), kThreads, 0,
+                  static_cast<cudaStream_t>(stream)>>>(w, rows, latentOut, out);
+  return int(cudaGetLastError());
+}
+
+int launchLatentAttention(const LatentAttentionParams &p, void *stream) {
+  if (p.rows <= 0 || p.heads <= 0 || p.latentDim <= 0 || p.latentDim > kMlaMaxLatentDim ||
+      p.latentDim % 4 != 0 || p.ropeDim < 0 || p.ropeDim > kMaxRopeDim || !p.q ||
+      (p.indices ? p.topK <= 0 : !p.positions) || !p.sequences || !p.latentPages ||
+      p.pageTokens <= 0 || !p.blockTables || p.maxPages <= 0 || !p.out)
+    return cudaErrorInvalidValue;
+  const dim3 grid(unsigned(p.rows), unsigned((p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock));
+  latentAttention<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      p, latentRowBytes(p.cacheType, p.latentDim, p.ropeDim));
+  return int(cudaGetLastError());
+}
+
+} // namespace hybrid::kernels::cuda

@@ -1,0 +1,286 @@
+// The cuda device's internals, shared by its source files (CudaExecutor.cpp: placement, GEMMs,
+// KDA, graphs; CudaAttention.cpp: the MLA and DSA layers over the device KV pools). Internal to
+// the runtime.
+#pragma once
+
+#include "cuda/CudaExecutor.h"
+
+#include "hybrid/kernels/cuda/DsaIndexer.h"
+#include "hybrid/kernels/cuda/KdaDecode.h"
+#include "hybrid/kernels/cuda/KdaPrefill.h"
+#include "hybrid/kernels/cuda/Linear.h"
+#include "hybrid/kernels/cuda/SparseMla.h"
+#include "hybrid/runtime/Memory.h"
+#include "runtime/schema/kernel_signatures.h"
+
+#include <cuda_runtime.h>
+
+#include <map>
+#include <set>
+#include <tuple>
+
+namespace hybrid::cudadev {
+namespace fb = plan::fb;
+namespace kc = kernels::cuda;
+
+inline std::string kernelName(fb::KernelId kernel) {
+  const plan::KernelSignature *signature = plan::kernelSignature(kernel);
+  return signature ? std::string(signature->name) : "kernel " + std::to_string(int(kernel));
+}
+
+inline Status cudaStatus(cudaError_t status, const std::string &what) {
+  if (status == cudaSuccess)
+    return Status::ok();
+  return Status::error(what + ": cuda: " + cudaGetErrorName(status) + " (" +
+                       cudaGetErrorString(status) + ")");
+}
+
+// A kernel launcher's int result (a cudaError_t, or a cuBLASLt status for GEMMs) as a Status.
+inline Status launchStatus(int code, const char *what) {
+  if (code == 0)
+    return Status::ok();
+  return Status::error(std::string(what) + ": " + kc::linearErrorText(code));
+}
+
+#define CUDA_RETURN_IF_ERROR(expr, what) HYBRID_RETURN_IF_ERROR(cudaStatus((expr), (what)))
+#define LAUNCH_RETURN_IF_ERROR(expr, what) HYBRID_RETURN_IF_ERROR(launchStatus((expr), (what)))
+
+// KDA weight roles (KdaParams in plan.fbs).
+enum KdaRole { Q, Kp, V, QConv, KConv, VConv, FA, FB, ALog, DtBias, B, GA, GB, G, ONorm, O };
+
+inline size_t alignUp(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// Per stream: its own cuBLASLt workspace and scratch, so steps on different streams never share
+// a buffer.
+struct StreamResources {
+  cudaStream_t stream = nullptr;
+  kc::LinearContext linear;
+  void *xBf16 = nullptr; // GEMM inputs in bf16 (both halves when split)
+  float *splitOutput = nullptr; // the two halves' products of a split GEMM
+  float *scratch = nullptr;
+  void *kdaWorkspace = nullptr;
+  void *fp8Scratch = nullptr; // an FP8 GEMM's quantized activations (linearFp8ScratchBytes)
+  void *attentionWorkspace = nullptr; // the indexer's scores and select state, sparse MLA splits
+};
+
+// One KV layer (CacheSpec.kv slot) whose attention runs on the GPU: its pools in the kernels'
+// formats (docs/dsa-cache-layout.md), addressed by the host PagedKvCache's page numbers.
+struct DeviceKvLayer {
+  bool onGpu = false;
+  int32_t latentDim = 0, ropeDim = 0, indexDim = 0;
+  kc::LatentCacheType latentType = kc::LatentCacheType::F32;
+  kc::IndexKeyType keyType = kc::IndexKeyType::F32;
+  int64_t latentPageBytes = 0, indexPageBytes = 0;
+  unsigned char *latentPages = nullptr, *indexPages = nullptr;
+};
+
+// Consecutive steps of a program that all run on the GPU, or all on the cpu reference:
+// [begin, end) step indices. A GPU run is what one decode graph holds.
+struct StepRun {
+  size_t begin = 0, end = 0;
+  bool gpu = true;
+};
+
+struct CudaExecutor::Impl {
+  const fb::Plan *plan = nullptr;
+  std::vector<const fb::Program *> programs; // prefill, decode
+  std::vector<std::vector<StepRun>> runs;     // per program
+  unsigned char *weights = nullptr; // the archive's data region, at the plan's offsets
+  std::vector<fb::DType> weightTypes;
+  std::map<int32_t, float *> fp32Weights;          // small weights the kernels read as fp32
+  // FP8 weights' block scales, each row padded to linearFp8WeightScaleStride (cuBLASLt's layout),
+  // and how their GEMMs quantize activations (the plan's fp8_activation_scale).
+  std::map<int32_t, float *> fp8WeightScales;
+  kc::Fp8ActivationScale fp8ActivationScale = kc::Fp8ActivationScale::DeepSeekLinear;
+  size_t fp8ScratchBytes = 0;
+  std::map<const fb::Dispatch *, float *> kdaConvTaps; // [3, P, W]: q, k, v taps together
+  unsigned char *pool = nullptr;                   // the one allocation of everything else
+  std::vector<unsigned char *> arenas;             // per program
+  // The KDA layers' recurrent states on the device, per slot: every layer's state (fp32, or bf16
+  // with LoadOptions::kdaBf16State) in one region, their conv states (fp32) in another. The host
+  // RecurrentStatePool still checks slots; these are the device's own offsets.
+  kc::KdaStateType stateType = kc::KdaStateType::F32;
+  unsigned char *stateRegion = nullptr;
+  float *convRegion = nullptr;
+  uint64_t slotStateBytes = 0, slotConvFloats = 0;
+  std::vector<uint64_t> layerStateBytes, layerConvFloats; // within a slot, per KdaParams.state_slot
+  std::set<int32_t> gpuStateLayers; // state slots of the KDA dispatches that run on the GPU
+  // Copies layer `layer`'s states of `slot` between the device and `pool` (Down: to the pool).
+  enum class Direction { Down, Up };
+  Status transferSlot(int32_t slot, RecurrentStatePool &pool, Direction direction);
+  std::vector<std::unique_ptr<StreamResources>> streams;
+  std::vector<cudaEvent_t> events;
+  std::set<const fb::Dispatch *> onCpu;
+  size_t scratchFloats = 0, xBf16Elements = 0, kdaWorkspaceBytes = 0, gemmOutputs = 0;
+  bool splitGemmInputs = true;
+  kc::KdaPrefillPath kdaPrefillPath = kc::KdaPrefillPath::Auto;
+  int64_t *pinnedTokens = nullptr; // token ids staged for an asynchronous upload
+  int32_t *pinnedSlots = nullptr;  // and each decode row's state slot
+  int32_t *rowSlots = nullptr;     // the device copy the KDA decode kernels index states with
+  int32_t *pinnedCuSeqlens = nullptr, *cuSeqlens = nullptr; // {0, rows} of a prefill step
+  // Stream 0 forks the other streams at the start of a GPU run and joins them at its end, so a
+  // run is ordered after the token upload and a captured run is one graph on stream 0.
+  cudaEvent_t forkEvent = nullptr;
+  std::vector<cudaEvent_t> joinEvents; // per stream
+  // Decode graphs per (GPU run, rows): a batch bucket. Everything a captured step reads from the
+  // host must be in this key or in device memory: the rows' state slots, positions and block
+  // tables are (uploaded each step with the token ids), and the attention kernels' launch shapes
+  // depend only on the rows and the block-table width.
+  bool cudaGraphs = true;
+  std::map<std::tuple<size_t, int64_t>, cudaGraphExec_t> decodeGraphs;
+
+  ~Impl() {
+    for (auto &[key, graph] : decodeGraphs)
+      cudaGraphExecDestroy(graph);
+    for (cudaEvent_t event : events)
+      cudaEventDestroy(event);
+    for (cudaEvent_t event : joinEvents)
+      cudaEventDestroy(event);
+    if (forkEvent)
+      cudaEventDestroy(forkEvent);
+    cudaFreeHost(pinnedTokens);
+    cudaFreeHost(pinnedSlots);
+    cudaFreeHost(pinnedCuSeqlens);
+    for (LoggedKda &entry : kdaLog)
+      cudaFree(entry.inputs);
+    for (auto &resources : streams)
+      if (resources->stream)
+        cudaStreamDestroy(resources->stream);
+    for (auto &[index, pointer] : fp32Weights)
+      cudaFree(pointer);
+    for (auto &[index, pointer] : fp8WeightScales)
+      cudaFree(pointer);
+    for (auto &[dispatch, pointer] : kdaConvTaps)
+      cudaFree(pointer);
+    for (auto &[dispatch, pointer] : ropeFrequencies)
+      cudaFree(pointer);
+    for (auto &[index, pointer] : kvBWeights)
+      cudaFree(pointer);
+    cudaFreeHost(pinnedPositions);
+    cudaFreeHost(pinnedSequences);
+    cudaFreeHost(pinnedTables);
+    cudaFree(kvPool);
+    cudaFree(pool);
+    cudaFree(weights);
+  }
+
+  const void *weight(int32_t index) const {
+    return weights + plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->offset();
+  }
+  // A weight the GEMMs take: bf16, or FP8 with 128x128 block scales in shapes cuBLASLt's FP8
+  // kernels accept (in % 16, out % 4; LinearFp8Params); row-major either way.
+  bool gemmWeight(int32_t index) const {
+    if (index < 0 ||
+        plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->layout() !=
+            fb::Layout::RowMajor)
+      return false;
+    return weightTypes[static_cast<size_t>(index)] == fb::DType::BF16 || fp8GemmWeight(index);
+  }
+  bool fp8GemmWeight(int32_t index) const {
+    const fb::Weight *w = plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index));
+    return weightTypes[static_cast<size_t>(index)] == fb::DType::F8_E4M3 &&
+           w->quant() == fb::QuantKind::Fp8Block && w->scale() >= 0 && w->shape() &&
+           w->shape()->size() == 2 && w->block() && w->block()->size() == 2 &&
+           w->block()->Get(0) == kc::kFp8BlockSize && w->block()->Get(1) == kc::kFp8BlockSize &&
+           w->shape()->Get(1) % 16 == 0 && w->shape()->Get(0) % 4 == 0;
+  }
+  int64_t weightRows(int32_t index) const {
+    return plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->shape()->Get(0);
+  }
+  bool runsOnGpu(const fb::Dispatch &dispatch) const;
+  Status runOnGpu(const fb::Program &program, unsigned char *arena, const fb::Dispatch &dispatch,
+                  StreamResources &resources, const cpu::StepContext &host);
+  Status runOnCpu(const fb::Program &program, const fb::Dispatch &dispatch, unsigned char *arena,
+                  const cpu::StepContext &host);
+  Status runKda(const fb::Program &program, unsigned char *arena, const fb::Dispatch &dispatch,
+                StreamResources &resources, const cpu::StepContext &host);
+  Status gemm(StreamResources &resources, const float *x, int64_t xStride, int32_t weightIndex,
+              float *y, int64_t yStride, int64_t rows, int64_t in, int64_t out);
+  // At load: an FP8 weight's scales in cuBLASLt's layout, and the scratch its GEMMs need.
+  Status prepareFp8Weight(int32_t index, int64_t rows,
+                          const std::vector<std::vector<float>> &hostWeights);
+  StreamResources &streamOf(const fb::Dispatch &dispatch) {
+    return *streams[static_cast<size_t>(std::max(0, dispatch.stream())) % streams.size()];
+  }
+  // Launches a GPU run's steps on the plan's streams. While `capturing`, waits on events that
+  // were recorded before the run are dropped: the cpu step before it synchronized the device.
+  Status launchRun(const fb::Program &program, unsigned char *arena, const StepRun &run,
+                   const cpu::StepContext &host, HiddenStates *hidden, bool capturing);
+  // cu_seqlens {0, tokens} of a one-sequence KDA prefill, from pinned memory on stream 0 (the
+  // runs fork from it); the previous upload finished with its step's synchronization.
+  Status uploadCuSeqlens(int64_t tokens) {
+    pinnedCuSeqlens[0] = 0;
+    pinnedCuSeqlens[1] = static_cast<int32_t>(tokens);
+    return cudaStatus(cudaMemcpyAsync(cuSeqlens, pinnedCuSeqlens, 2 * sizeof(int32_t),
+                                      cudaMemcpyHostToDevice, streams[0]->stream),
+                      "cu_seqlens upload");
+  }
+  // A KDA layer's weights and `stateSlot`'s state pointers, for its kernels.
+  kc::KdaLayerCall layerCall(const fb::Dispatch &dispatch, int32_t stateSlot) const;
+  // Keeps copies of a KDA prefill's inputs (a logged step: Model::verifyDraft) for replayKdaLog.
+  Status logKdaInputs(const fb::Dispatch &dispatch, const kc::KdaLayerCall &call, int64_t rows,
+                      StreamResources &resources);
+  struct LoggedKda {
+    const fb::Dispatch *dispatch = nullptr;
+    float *inputs = nullptr; // one allocation: qkv [T, 3P], forget, beta, gate, then an output
+    size_t capacity = 0;
+    float *qkv = nullptr, *forget = nullptr, *beta = nullptr, *gate = nullptr, *out = nullptr;
+  };
+  std::vector<LoggedKda> kdaLog; // reused across logged steps
+  size_t kdaLogUsed = 0;
+  int64_t kdaLogRows = 0;
+  // Replays the run's graph for this slot, capturing it the first time.
+  Status replayRun(const fb::Program &program, unsigned char *arena, size_t runIndex,
+                   const cpu::StepContext &host);
+
+  // ---- MLA and DSA layers (CudaAttention.cpp) ----
+  // The KV pools of the layers whose attention runs on the GPU (all of a layer's MLA and indexer
+  // dispatches have GPU kernels, or none runs there). The host PagedKvCache still hands out,
+  // shares and copies pages and counts lengths; the rows live only here, its page copies are
+  // repeated here (prepareKvStep) and its lengths advanced after each step (finishKvStep).
+  std::vector<DeviceKvLayer> kvLayers; // per CacheSpec.kv slot
+  bool kvOnGpu = false;
+  unsigned char *kvPool = nullptr;
+  int64_t pageTokens = 0;
+  int32_t maxPages = 0; // block-table width: pages of the longest sequence (maxContextTokens)
+  // Per row of a step: its token's position and block-table row; the tables [rows, maxPages]
+  // (one row in a prefill). Device copies in `pool`, staged in pinned memory.
+  int32_t *rowPositions = nullptr, *rowSequences = nullptr, *blockTables = nullptr;
+  int32_t *pinnedPositions = nullptr, *pinnedSequences = nullptr, *pinnedTables = nullptr;
+  std::map<const fb::Dispatch *, float *> ropeFrequencies; // per dispatch that rotates
+  std::map<int32_t, void *> kvBWeights; // FP8 kv_b_proj weights, dequantized to bf16 at load
+  size_t attentionWorkspaceBytes = 0;
+  std::vector<std::vector<const fb::Dispatch *>> kvWriters; // per program: GPU MLA dispatches
+
+  // At load, before placement: which KV layers run on the GPU, and their pools.
+  Status planKvLayers(const fb::Plan &plan, PagedKvCache &kvCache, const LoadOptions &options,
+                      int64_t maxRows);
+  bool attentionRunsOnGpu(const fb::Dispatch &dispatch) const;
+  // At load, for a GPU attention dispatch: its small weights, RoPE frequencies and kv_b_proj on
+  // the device, and the scratch it needs (floats per stream, GEMM input / output widths).
+  Status prepareAttention(const fb::Dispatch &dispatch, const fb::Program &program, int64_t rows,
+                          const std::vector<std::vector<float>> &hostWeights, size_t &floats,
+                          size_t &xWidth, size_t &outWidth);
+  Status runAttention(const fb::Program &program, unsigned char *arena, const fb::Dispatch &dispatch,
+                      StreamResources &resources, const cpu::StepContext &host);
+  Status runMla(const fb::Program &program, unsigned char *arena, const fb::Dispatch &dispatch,
+                StreamResources &resources, const cpu::StepContext &host);
+  Status runDsaIndexer(const fb::Program &program, unsigned char *arena,
+                       const fb::Dispatch &dispatch, StreamResources &resources,
+                       const cpu::StepContext &host);
+  // Per step, before any launch: the rows' pages made writable (their copies repeated on the
+  // pools), positions and block tables uploaded. After the step: the host lengths advanced.
+  Status prepareKvStep(const cpu::StepContext &host);
+  Status finishKvStep(size_t programIndex, const cpu::StepContext &host);
+};
+
+inline const fb::Value &valueOf(const fb::Program &program, int32_t index) {
+  return *program.values()->Get(static_cast<flatbuffers::uoffset_t>(index));
+}
+
+inline uint64_t valueBytes(const fb::Value &value, int64_t rows) {
+  return static_cast<uint64_t>(rows * value.row_elements()) * dtypeByteSize(value.dtype());
+}
+
+
+} // namespace hybrid::cudadev

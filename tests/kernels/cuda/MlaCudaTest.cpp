@@ -1,0 +1,399 @@
+// The MLA pieces on CUDA (Mla.h) and the small kernels the DSA prolog needs (LayerNorm, MXFP8
+// round trip, sigmoid gate) against the reference: RoPE in both pairings, the cache rows of a
+// step, absorption / expansion through kv_b_proj in bf16 and fp32, and the CUDA-core latent
+// attention over scattered pages in both row formats, sparse and dense causal. Labelled `gpu`;
+// skipped without a GPU.
+#include "hybrid/kernels/cuda/DsaCacheWrite.h"
+#include "hybrid/kernels/cuda/Elementwise.h"
+#include "hybrid/kernels/cuda/Mla.h"
+#include "hybrid/kernels/cuda/Norm.h"
+#include "hybrid/kernels/ref/Mla.h"
+#include "hybrid/kernels/ref/Norm.h"
+#include "hybrid/kernels/ref/PagedCacheLayout.h"
+#include "hybrid/kernels/ref/Quant.h"
+#include "CudaTestSupport.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+namespace hybrid::kernels {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                                         \
+  if (!gpuPresent())                                                                               \
+  GTEST_SKIP() << "no CUDA device"
+
+double maxAbsDiff(const std::vector<float> &a, const std::vector<float> &b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, std::fabs(double(a[i]) - b[i]));
+  return worst;
+}
+
+TEST(MlaCuda, RopeMatchesTheReferenceInBothPairings) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(5);
+  const int rows = 5, heads = 3, headDim = 48, offset = 16, dims = 32;
+  const std::vector<float> frequencies = ref::ropeInverseFrequencies(dims, 10000.0);
+  const std::vector<int32_t> positions = {0, 1, 17, 4095, 131071};
+  for (auto [pairing, layout] : {std::pair{cuda::RopePairing::Interleaved, ref::RopeLayout::Interleaved},
+                                 {cuda::RopePairing::HalfSplit, ref::RopeLayout::HalfSplit}}) {
+    const std::vector<float> x = random(size_t(rows) * heads * headDim, rng, 1.0f);
+    std::vector<float> expected = x;
+    for (int r = 0; r < rows; ++r)
+      for (int h = 0; h < heads; ++h)
+        ref::applyRope({expected.data() + (r * heads + h) * headDim + offset, size_t(dims)},
+                       positions[size_t(r)], frequencies, layout);
+    DeviceBuffer<float> dX(x), dFrequencies(frequencies);
+    DeviceBuffer<int32_t> dPositions(positions);
+    cuda::RopeParams p;
+    p.rows = rows;
+    p.heads = heads;
+    p.rowStride = heads * headDim;
+    p.headStride = headDim;
+    p.offset = offset;
+    p.dims = dims;
+    p.pairing = pairing;
+    p.inverseFrequencies = dFrequencies.data;
+    p.positions = dPositions.data;
+    p.x = dX.data;
+    ASSERT_EQ(cuda::launchRope(p, nullptr), 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    // cosf/sinf of the same fp32 angles: a few ulp of the values.
+    EXPECT_LT(maxAbsDiff(dX.download(), expected), 1e-5);
+  }
+}
+
+TEST(MlaCuda, LatentRowsAreTheNormalisedLatentAndTheRotatedKey) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(6);
+  const int rows = 4, latentDim = 512, ropeDim = 64;
+  const std::vector<float> kvA = random(size_t(rows) * (latentDim + ropeDim), rng, 2.0f);
+  const std::vector<float> weight = random(latentDim, rng, 0.1f, 1.0f);
+  const std::vector<float> frequencies = ref::ropeInverseFrequencies(ropeDim, 10000.0);
+  const std::vector<int32_t> positions = {3, 0, 900, 65};
+  std::vector<float> latent(size_t(rows) * latentDim), rope(size_t(rows) * ropeDim);
+  for (int r = 0; r < rows; ++r) {
+    const float *row = kvA.data() + r * (latentDim + ropeDim);
+    ref::rmsNorm({row, size_t(latentDim)}, weight, {latent.data() + r * latentDim, size_t(latentDim)},
+                 1, latentDim, 1e-6f);
+    std::copy_n(row + latentDim, ropeDim, rope.data() + r * ropeDim);
+    ref::applyRope({rope.data() + r * ropeDim, size_t(ropeDim)}, positions[size_t(r)], frequencies,
+                   ref::RopeLayout::Interleaved);
+  }
+  DeviceBuffer<float> dKvA(kvA), dWeight(weight), dFrequencies(frequencies);
+  DeviceBuffer<int32_t> dPositions(positions);
+  DeviceBuffer<float> dLatent{std::vector<float>(latent.size())}, dRope{std::vector<float>(rope.size())};
+  cuda::MlaLatentRowsParams p;
+  p.rows = rows;
+  p.latentDim = latentDim;
+  p.ropeDim = ropeDim;
+  p.epsilon = 1e-6f;
+  p.kvA = dKvA.data;
+  p.normWeight = dWeight.data;
+  p.inverseFrequencies = dFrequencies.data;
+  p.positions = dPositions.data;
+  p.latent = dLatent.data;
+  p.rope = dRope.data;
+  ASSERT_EQ(cuda::launchMlaLatentRows(p, nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_LT(relativeRms(dLatent.download(), latent), 1e-6);
+  EXPECT_LT(maxAbsDiff(dRope.download(), rope), 1e-5);
+  // NoPE: the key part is copied as it is.
+  p.inverseFrequencies = nullptr;
+  ASSERT_EQ(cuda::launchMlaLatentRows(p, nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> raw = dRope.download();
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < ropeDim; ++i)
+      EXPECT_EQ(raw[size_t(r * ropeDim + i)], kvA[size_t(r * (latentDim + ropeDim) + latentDim + i)]);
+}
+
+// Absorption and expansion against ref::absorbMlaQueries / expandLatentOutputs, with kv_b_proj
+// stored in bf16 (the reference reads the same rounded values) or fp32.
+TEST(MlaCuda, AbsorptionAndExpansionMatchTheReference) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(7);
+  struct Shape { int heads, nope, rope, value, latent, rows; };
+  for (Shape s : {Shape{16, 128, 64, 128, 512, 11}, Shape{2, 64, 32, 64, 64, 3}})
+    for (bool bf16 : {true, false}) {
+      std::vector<float> kvB = random(size_t(s.heads) * (s.nope + s.value) * s.latent, rng, 0.05f);
+      if (bf16)
+        kvB = roundedToBf16(kvB);
+      const std::vector<float> queries = random(size_t(s.rows) * s.heads * (s.nope + s.rope), rng, 1.0f);
+      const std::vector<float> latentOut = random(size_t(s.rows) * s.heads * s.latent, rng, 1.0f);
+      ref::MlaAttentionParams m;
+      m.numQueries = s.rows;
+      m.numHeads = s.heads;
+      m.nopeDim = s.nope;
+      m.ropeDim = s.rope;
+      m.valueDim = s.value;
+      m.latentDim = s.latent;
+      m.queries = queries.data();
+      m.kvBProj = kvB.data();
+      std::vector<float> absorbed(size_t(s.rows) * s.heads * (s.latent + s.rope));
+      std::vector<float> expanded(size_t(s.rows) * s.heads * s.value);
+      ref::absorbMlaQueries(m, absorbed.data());
+      ref::expandLatentOutputs(m, latentOut.data(), expanded.data());
+
+      const std::vector<uint16_t> bits = bf16Bits(kvB);
+      DeviceBuffer<float> dKvB32(kvB);
+      DeviceBuffer<uint16_t> dKvB16(bits);
+      DeviceBuffer<float> dQueries(queries), dLatentOut(latentOut);
+      DeviceBuffer<float> dAbsorbed{std::vector<float>(absorbed.size())};
+      DeviceBuffer<float> dExpanded{std::vector<float>(expanded.size())};
+      cuda::MlaHeadWeights w;
+      w.heads = s.heads;
+      w.nopeDim = s.nope;
+      w.valueDim = s.value;
+      w.latentDim = s.latent;
+      w.kvB = bf16 ? static_cast<const void *>(dKvB16.data) : dKvB32.data;
+      w.type = bf16 ? cuda::WeightType::BF16 : cuda::WeightType::F32;
+      ASSERT_EQ(cuda::launchMlaAbsorbQueries(w, s.rows, s.rope, dQueries.data, dAbsorbed.data, nullptr), 0);
+      ASSERT_EQ(cuda::launchMlaExpandOutputs(w, s.rows, dLatentOut.data, dExpanded.data, nullptr), 0);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_LT(relativeRms(dAbsorbed.download(), absorbed), 1e-6) << "heads " << s.heads;
+      EXPECT_LT(relativeRms(dExpanded.download(), expanded), 1e-6) << "heads " << s.heads;
+    }
+}
+
+struct AttentionCase {
+  std::string name;
+  cuda::LatentCacheType type;
+  bool sparse;
+  int latent, rope, heads, pageTokens, topK;
+  std::vector<int> lengths;
+};
+
+class LatentAttentionCuda : public testing::TestWithParam<AttentionCase> {};
+
+// Rows written by the cache writer into shuffled pages; the reference attends over the values the
+// pages hold (for FP8 rows: unpacked by ref::unpackLatentToken).
+TEST_P(LatentAttentionCuda, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const AttentionCase c = GetParam();
+  std::mt19937 rng(8);
+  const bool fp8 = c.type == cuda::LatentCacheType::Fp8Tiles;
+  const int64_t rowBytes = cuda::latentRowBytes(c.type, c.latent, c.rope);
+  int maxPages = 0, totalPages = 1;
+  for (int length : c.lengths) {
+    maxPages = std::max(maxPages, (length + c.pageTokens - 1) / c.pageTokens);
+    totalPages += (length + c.pageTokens - 1) / c.pageTokens;
+  }
+  std::vector<int32_t> physical(static_cast<size_t>(totalPages));
+  std::iota(physical.begin(), physical.end(), 0);
+  std::shuffle(physical.begin(), physical.end(), rng);
+  std::vector<int32_t> tables(c.lengths.size() * size_t(maxPages), 0);
+  // Every sequence's rows written in one call of the writer: positions, sequences, values.
+  std::vector<int32_t> writePositions, writeSequences;
+  std::vector<float> latents, ropes;
+  size_t next = 0;
+  for (size_t b = 0; b < c.lengths.size(); ++b)
+    for (int s = 0; s < c.lengths[b]; ++s) {
+      if (s % c.pageTokens == 0)
+        tables[b * maxPages + s / c.pageTokens] = physical[next++];
+      writePositions.push_back(s);
+      writeSequences.push_back(int32_t(b));
+    }
+  latents = random(writePositions.size() * c.latent, rng, 1.0f);
+  ropes = random(writePositions.size() * c.rope, rng, 1.0f);
+  DeviceBuffer<uint8_t> dPool{std::vector<uint8_t>(size_t(totalPages) * c.pageTokens * rowBytes, 0)};
+  DeviceBuffer<int32_t> dTables(tables), dWritePositions(writePositions), dWriteSequences(writeSequences);
+  DeviceBuffer<float> dLatents(latents), dRopes(ropes);
+  cuda::LatentWriteParams write;
+  write.where.tokens = int32_t(writePositions.size());
+  write.where.positions = dWritePositions.data;
+  write.where.sequences = dWriteSequences.data;
+  write.where.blockTables = dTables.data;
+  write.where.maxPages = maxPages;
+  write.where.pageTokens = c.pageTokens;
+  write.latentDim = c.latent;
+  write.ropeDim = c.rope;
+  write.latent = dLatents.data;
+  write.rope = dRopes.data;
+  write.type = c.type;
+  write.pages = dPool.data;
+  ASSERT_EQ(cuda::launchWriteLatentRows(write, nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (fp8) { // what the pages hold
+    ref::PagedCacheLayout layout;
+    layout.pageTokens = c.pageTokens;
+    layout.latentDim = c.latent;
+    layout.ropeDim = c.rope;
+    layout.indexDim = 64;
+    for (size_t t = 0; t < writePositions.size(); ++t) {
+      std::vector<uint8_t> page(size_t(layout.latentPageBytes()));
+      ASSERT_TRUE(ref::packLatentToken(layout, page, 0,
+                                       std::span(latents).subspan(t * c.latent, size_t(c.latent)),
+                                       std::span(ropes).subspan(t * c.rope, size_t(c.rope))));
+      ASSERT_TRUE(ref::unpackLatentToken(layout, page, 0,
+                                         std::span(latents).subspan(t * c.latent, size_t(c.latent)),
+                                         std::span(ropes).subspan(t * c.rope, size_t(c.rope))));
+    }
+  }
+
+  // Decode-style rows (the last position of each sequence) plus, for the first sequence, a
+  // causal prefill row in the middle.
+  std::vector<int32_t> positions, sequences;
+  for (size_t b = 0; b < c.lengths.size(); ++b) {
+    positions.push_back(c.lengths[b] - 1);
+    sequences.push_back(int32_t(b));
+  }
+  positions.push_back(c.lengths[0] / 2);
+  sequences.push_back(0);
+  const int rows = int(positions.size()), wide = c.latent + c.rope;
+  std::vector<int32_t> indices;
+  if (c.sparse) {
+    indices.assign(size_t(rows) * c.topK, -1);
+    for (int r = 0; r < rows; ++r) {
+      std::vector<int32_t> candidates(size_t(positions[size_t(r)]) + 1);
+      std::iota(candidates.begin(), candidates.end(), 0);
+      std::shuffle(candidates.begin(), candidates.end(), rng);
+      for (int j = 0; j < std::min<int>(c.topK - 1, int(candidates.size())); ++j)
+        indices[size_t(r) * c.topK + size_t(j)] = candidates[size_t(j)];
+    }
+  }
+  const std::vector<float> q = random(size_t(rows) * c.heads * wide, rng, 0.3f);
+  const float scale = 0.125f;
+  std::vector<float> expected(size_t(rows) * c.heads * c.latent);
+  size_t first = 0;
+  std::vector<size_t> firstRow;
+  for (int length : c.lengths) {
+    firstRow.push_back(first);
+    first += size_t(length);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const size_t b = size_t(sequences[size_t(r)]);
+    const int64_t position = positions[size_t(r)];
+    ref::LatentAttentionParams l;
+    l.numQueries = 1;
+    l.numKeys = c.lengths[b];
+    l.numHeads = c.heads;
+    l.latentDim = c.latent;
+    l.ropeDim = c.rope;
+    l.softmaxScale = scale;
+    l.queries = q.data() + size_t(r) * c.heads * wide;
+    l.queryPositions = &position;
+    l.latents = latents.data() + firstRow[b] * c.latent;
+    l.ropeKeys = ropes.data() + firstRow[b] * c.rope;
+    l.sparseIndices = c.sparse ? indices.data() + size_t(r) * c.topK : nullptr;
+    l.topK = c.topK;
+    l.out = expected.data() + size_t(r) * c.heads * c.latent;
+    ref::latentAttention(l);
+  }
+  DeviceBuffer<float> dQ(q), dOut{std::vector<float>(expected.size(), -7.0f)};
+  DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences);
+  DeviceBuffer<int32_t> dIndices(c.sparse ? indices : std::vector<int32_t>{0});
+  cuda::LatentAttentionParams p;
+  p.rows = rows;
+  p.heads = c.heads;
+  p.latentDim = c.latent;
+  p.ropeDim = c.rope;
+  p.softmaxScale = scale;
+  p.q = dQ.data;
+  p.indices = c.sparse ? dIndices.data : nullptr;
+  p.topK = c.topK;
+  p.positions = dPositions.data;
+  p.sequences = dSequences.data;
+  p.latentPages = dPool.data;
+  p.cacheType = c.type;
+  p.pageTokens = c.pageTokens;
+  p.blockTables = dTables.data;
+  p.maxPages = maxPages;
+  p.out = dOut.data;
+  ASSERT_EQ(cuda::launchLatentAttention(p, nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // fp32 arithmetic on the same values, online softmax: summation order only.
+  EXPECT_LT(relativeRms(dOut.download(), expected), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Formats, LatentAttentionCuda,
+    testing::Values(
+        AttentionCase{"f32_sparse_tiny", cuda::LatentCacheType::F32, true, 64, 32, 2, 16, 8, {40, 3, 17}},
+        AttentionCase{"f32_causal_tiny", cuda::LatentCacheType::F32, false, 64, 32, 2, 16, 0, {40, 1, 17}},
+        AttentionCase{"f32_causal_v32", cuda::LatentCacheType::F32, false, 512, 64, 20, 64, 0, {300, 70}},
+        AttentionCase{"fp8_sparse_v32", cuda::LatentCacheType::Fp8Tiles, true, 512, 64, 16, 64, 100, {500, 90}},
+        AttentionCase{"fp8_causal_tiny", cuda::LatentCacheType::Fp8Tiles, false, 64, 32, 3, 16, 0, {33, 9}}),
+    [](const testing::TestParamInfo<AttentionCase> &info) { return info.param.name; });
+
+TEST(MlaCuda, LayerNormMatchesTheReference) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(9);
+  const int rows = 6, dim = 128;
+  const std::vector<float> x = random(size_t(rows) * dim, rng, 3.0f, 0.5f);
+  const std::vector<float> weight = random(dim, rng, 0.2f, 1.0f), bias = random(dim, rng, 0.1f);
+  std::vector<float> expected(x.size());
+  ref::layerNorm(x, weight, bias, expected, rows, dim, 1e-6f);
+  DeviceBuffer<float> dX(x), dWeight(weight), dBias(bias);
+  cuda::LayerNormParams p;
+  p.rows = rows;
+  p.dim = dim;
+  p.epsilon = 1e-6f;
+  p.x = dX.data;
+  p.weight = dWeight.data;
+  p.bias = dBias.data;
+  p.y = dX.data; // in place
+  ASSERT_EQ(cuda::launchLayerNorm(p, nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_LT(relativeRms(dX.download(), expected), 1e-6);
+}
+
+// Bit for bit the reference's quantize-then-dequantize, including a block with a NaN.
+TEST(MlaCuda, Mxfp8RoundTripIsTheReferenceBitForBit) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(10);
+  const int rows = 7, cols = 128;
+  std::vector<float> x = random(size_t(rows) * cols, rng, 4.0f);
+  x[5] = 1e-30f;
+  x[40] = 3e5f;
+  x[3 * cols + 33] = std::numeric_limits<float>::quiet_NaN();
+  for (int i = 0; i < 32; ++i)
+    x[size_t(4 * cols + 64 + i)] = 0.0f; // an all-zero block
+  std::vector<uint8_t> codes(x.size()), scales(x.size() / 32);
+  std::vector<float> expected(x.size());
+  ASSERT_TRUE(ref::quantizeMxfp8(x, rows, cols, codes, scales, ref::MxScaleRule::RoundUp));
+  ASSERT_TRUE(ref::dequantizeMxfp8(codes, scales, rows, cols, expected));
+  DeviceBuffer<float> dX(x);
+  ASSERT_EQ(cuda::launchMxfp8RoundTrip(dX.data, int64_t(x.size()), nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> got = dX.download();
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(expected[i])) {
+      EXPECT_TRUE(std::isnan(got[i])) << i;
+      continue;
+    }
+    uint32_t a, b;
+    std::memcpy(&a, &got[i], 4);
+    std::memcpy(&b, &expected[i], 4);
+    EXPECT_EQ(a, b) << "value " << i << " (" << x[i] << ")";
+  }
+  EXPECT_EQ(cuda::launchMxfp8RoundTrip(dX.data, 33, nullptr), int(cudaErrorInvalidValue));
+}
+
+TEST(MlaCuda, SigmoidGateAndBadShapes) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<float> x = {1.0f, -2.0f, 3.0f}, gate = {0.0f, 2.0f, -40.0f};
+  DeviceBuffer<float> dX(x), dGate(gate);
+  ASSERT_EQ(cuda::launchSigmoidGate(dX.data, dGate.data, 3, nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> got = dX.download();
+  for (size_t i = 0; i < x.size(); ++i)
+    EXPECT_NEAR(got[i], x[i] / (1.0f + std::exp(-gate[i])), 1e-6f);
+  cuda::LatentAttentionParams attention; // nothing set
+  EXPECT_EQ(cuda::launchLatentAttention(attention, nullptr), int(cudaErrorInvalidValue));
+  cuda::MlaHeadWeights w;
+  EXPECT_EQ(cuda::launchMlaAbsorbQueries(w, 1, 0, dX.data, dX.data, nullptr),
+            int(cudaErrorInvalidValue));
+  w = {2, 64, 64, 1024, dX.data, cuda::WeightType::F32}; // latent wider than the kernels hold
+  EXPECT_EQ(cuda::launchMlaExpandOutputs(w, 1, dX.data, dX.data, nullptr), int(cudaErrorInvalidValue));
+  cuda::RopeParams rope;
+  rope.rows = 1;
+  rope.dims = 3;
+  EXPECT_EQ(cuda::launchRope(rope, nullptr), int(cudaErrorInvalidValue));
+}
+
+} // namespace
+} // namespace hybrid::kernels
