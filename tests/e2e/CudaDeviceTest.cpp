@@ -366,5 +366,46 @@ TEST(CudaDeviceFp8, FirstLayerMatchesTheCpuOracle) {
   EXPECT_LE(errors.back(), 5e-2);
 }
 
+// The default precision policy on the GPU: FP8 latent pages read by the tensor-core sparse MLA
+// (bf16 queries and softmax weights, FlashMLA's precision) and MXFP8 indexer queries and keys,
+// against the cpu oracle's simulation of the same rounding. Each layer's rows are compared; the
+// errors are printed for docs/performance.md.
+TEST(CudaDeviceQuantizedCache, LayersMatchTheCpuOracle) {
+  const std::string base = directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/deepseek_v32_tiny-quantized";
+  const std::vector<int64_t> prompt = goldenPrompt("deepseek_v32_tiny");
+  LoadOptions options;
+  options.device = "cuda";
+  auto gpu = Model::load(base + "-cuda", options);
+  if (noGpu(gpu))
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(gpu.isOk()) << gpu.status().message();
+  options.device = "cpu";
+  auto cpu = Model::load(base, options);
+  ASSERT_TRUE(cpu.isOk()) << cpu.status().message();
+  const std::string report = (*gpu)->placementReport();
+  EXPECT_NE(report.substr(0, report.find(';')).find("sparse_mla_prefill x"), std::string::npos)
+      << report;
+
+  HiddenStates expected, actual;
+  for (auto [model, hidden] : {std::pair{cpu->get(), &expected}, {gpu->get(), &actual}}) {
+    auto sequence = model->newSequence();
+    ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
+    auto logits = (*sequence)->prefill(prompt, hidden);
+    ASSERT_TRUE(logits.isOk()) << logits.status().message();
+  }
+  ASSERT_EQ(actual.layers.size(), expected.layers.size());
+  for (size_t layer = 1; layer < expected.layers.size(); ++layer) {
+    const std::vector<double> errors =
+        sortedRowErrors(expected.layers[layer], actual.layers[layer], expected.width);
+    ASSERT_EQ(errors.size(), prompt.size());
+    std::printf("layer %zu: row relative RMS error median %.3g, worst %.3g\n", layer - 1,
+                errors[errors.size() / 2], errors.back());
+    if (layer == 1) {
+      EXPECT_LE(errors[errors.size() / 2], 2e-3);
+      EXPECT_LE(errors.back(), 1e-2);
+    }
+  }
+}
+
 } // namespace
 } // namespace hybrid

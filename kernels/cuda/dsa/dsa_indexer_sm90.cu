@@ -450,6 +450,39 @@ __global__ void __launch_bounds__(kHistogramThreads)
       out[atomicAdd(&states[row].written, 1)] = i;
 }
 
+// The selected positions of a row in ascending order, -1s last: the write order above depends on
+// which blocks ran first, and an attention summing over them in that order would not give the
+// same bits twice. A bitonic sort in shared memory, one block per row.
+__global__ void __launch_bounds__(kHistogramThreads) selectSortKernel(IndexerParams p) {
+  __shared__ uint32_t values[kIndexerMaxTopK];
+  const int k = p.topK;
+  int size = 1;
+  while (size < k)
+    size *= 2;
+  int32_t *out = p.indices + size_t(blockIdx.x) * k;
+  // As unsigned, -1 sorts after every position; padding too.
+  for (int i = threadIdx.x; i < size; i += kHistogramThreads)
+    values[i] = i < k ? uint32_t(out[i]) : 0xffffffffu;
+  __syncthreads();
+  for (int block = 2; block <= size; block *= 2)
+    for (int stride = block / 2; stride > 0; stride /= 2) {
+      for (int i = threadIdx.x; i < size; i += kHistogramThreads) {
+        const int partner = i ^ stride;
+        if (partner > i) {
+          const bool ascending = (i & block) == 0;
+          const uint32_t a = values[i], b = values[partner];
+          if ((a > b) == ascending) {
+            values[i] = b;
+            values[partner] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  for (int i = threadIdx.x; i < k; i += kHistogramThreads)
+    out[i] = int32_t(values[i]);
+}
+
 // Fresh states and zero histograms (the digit passes leave them zero again behind them).
 __global__ void selectResetKernel(SelectState *states, uint32_t *histograms, int rows, int topK) {
   const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -479,6 +512,7 @@ int launchSelect(const IndexerParams &p, cudaStream_t stream) {
     top = shift;
   }
   selectWriteKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, positionBits);
+  selectSortKernel<<<unsigned(p.rows), kHistogramThreads, 0, stream>>>(p);
   return int(cudaGetLastError());
 }
 
@@ -534,7 +568,8 @@ int launchIndexerTopK(const IndexerParams &p, void *stream) {
   if (p.rows <= 0 || p.heads <= 0 || p.heads > kIndexerMaxHeads ||
       (p.headDim != 64 && p.headDim != 128) || !p.q || !p.headWeights || !p.positions ||
       !p.sequences || !p.keyPages || p.pageTokens <= 0 || !p.blockTables || p.maxPages <= 0 ||
-      !p.scores || p.maxKeys <= 0 || p.topK <= 0 || p.topK > p.maxKeys || !p.indices ||
+      !p.scores || p.maxKeys <= 0 || p.topK <= 0 || p.topK > p.maxKeys ||
+      p.topK > kIndexerMaxTopK || !p.indices ||
       !p.selectWorkspace ||
       (p.maxKeys + kScoreThreads - 1) / kScoreThreads > 65535)
     return cudaErrorInvalidValue;

@@ -119,7 +119,7 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
     return p->index_heads() > 0 && p->index_heads() <= kc::kIndexerMaxHeads &&
            (p->index_head_dim() == 64 || p->index_head_dim() == 128) &&
            layer->index_key_dim() == p->index_head_dim() && p->top_k() > 0 &&
-           p->top_k() <= maxKeys;
+           p->top_k() <= std::min<int64_t>(maxKeys, kc::kIndexerMaxTopK);
   };
   for (const fb::Program *program : programs)
     for (const fb::Step *step : *program->steps()) {
@@ -269,6 +269,8 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
     return Status::ok();
   }
   default:
+    if (!isMla(d.kernel()))
+      return Status::error("no GPU attention kernel (placement error)");
     break;
   }
   const fb::MlaParams *p = d.params_as_MlaParams();

@@ -510,7 +510,9 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
                                             kc::kdaDecodeWorkspaceBytes(step)});
         break;
       }
-      default: // the MLA and DSA kernels
+      default:
+        if (!impl->attentionRunsOnGpu(*d))
+          break; // Embed, Add: nothing to prepare
         HYBRID_RETURN_IF_ERROR(
             impl->prepareAttention(*d, *program, rows, hostWeights, floats, xWidth, outWidth)
                 .withContext(kernelName(d->kernel()) + " (layer " + std::to_string(d->layer()) +

@@ -179,6 +179,10 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
       EXPECT_TRUE(gotSet.insert(got[size_t(i)]).second) << "position " << got[size_t(i)] << " twice";
     }
     EXPECT_EQ(std::count(got.begin(), got.end(), -1), c.topK - selected);
+    EXPECT_TRUE(std::is_sorted(got.begin(), got.begin() + selected))
+        << "positions in ascending order (the same bits for whoever sums over them)";
+    EXPECT_TRUE(std::all_of(got.begin() + selected, got.end(), [](int32_t v) { return v == -1; }))
+        << "the -1s last";
     const float kth = expected[size_t(chosen[size_t(selected - 1)])];
     for (int32_t s : gotSet) {
       if (!chosenSet.count(s)) {

@@ -21,6 +21,7 @@ namespace hybrid::kernels::cuda {
 enum class IndexKeyType { Fp8PerKey, Mxfp8, F32 };
 
 inline constexpr int kIndexerMaxHeads = 64;
+inline constexpr int kIndexerMaxTopK = 4096;
 
 struct IndexerParams {
   int32_t rows = 0;    // query rows
@@ -40,9 +41,10 @@ struct IndexerParams {
   // Workspace: scores [rows, maxKeys]; every position + 1 must be <= maxKeys.
   float *scores = nullptr;
   int32_t maxKeys = 0;
-  int32_t topK = 0;          // 1..maxKeys
-  int32_t *indices = nullptr; // [rows, topK]: the selected positions, in no particular order;
-                              // a row with fewer than topK keys gets all of them, then -1s
+  int32_t topK = 0;          // 1..min(maxKeys, kIndexerMaxTopK)
+  int32_t *indices = nullptr; // [rows, topK]: the selected positions in ascending order (the
+                              // same bits every run); a row with fewer than topK keys gets all
+                              // of them, then -1s
   void *selectWorkspace = nullptr; // indexerSelectWorkspaceBytes(rows), 8-byte aligned
 };
 
