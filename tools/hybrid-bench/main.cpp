@@ -266,6 +266,7 @@ struct IndexerOptions {
   std::vector<int32_t> contexts = {131072};
   int32_t heads = 64, headDim = 128, topK = 2048, iterations = 20;
   std::string keys = "mxfp8";
+  std::string form = "fused"; // fused (where the shape allows) or unfused
 };
 
 int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
@@ -274,32 +275,33 @@ int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
                                                   : kc::IndexKeyType::Mxfp8;
   std::string error;
   const auto results = kc::benchIndexerDecode(o.batches, o.contexts, o.heads, o.headDim, o.topK,
-                                              type, o.iterations, error);
+                                              type, o.form == "fused", o.iterations, error);
   if (!error.empty()) {
     std::cerr << "error: dsa-indexer: " << error << "\n";
     return 1;
   }
-  std::printf("%-12s %6s %8s %6s %5s %6s %6s %10s %10s %9s %8s  %s\n", "kernel", "batch",
-              "context", "heads", "dim", "top-k", "keys", "us", "floor us", "key TB/s",
+  std::printf("%-12s %6s %8s %6s %5s %6s %6s %8s %10s %10s %9s %8s  %s\n", "kernel", "batch",
+              "context", "heads", "dim", "top-k", "keys", "form", "us", "floor us", "key TB/s",
               "% floor", "target (H200)");
   std::vector<hybrid::bench::BenchRow> rows;
   for (const auto &r : results) {
     const double tbPerSecond = r.keyBytes / (r.microseconds * 1e-6) / 1e12;
-    std::printf("%-12s %6d %8d %6d %5d %6d %6s %10.1f %10.1f %9.2f %7.1f%%  %s\n", "dsa-indexer",
-                r.batch, r.context, r.heads, r.headDim, r.topK, o.keys.c_str(), r.microseconds,
+    std::printf("%-12s %6d %8d %6d %5d %6d %6s %8s %10.1f %10.1f %9.2f %7.1f%%  %s\n",
+                "dsa-indexer", r.batch, r.context, r.heads, r.headDim, r.topK, o.keys.c_str(),
+                r.fused ? "fused" : "unfused", r.microseconds,
                 r.floorMicroseconds, tbPerSecond, 100.0 * r.floorMicroseconds / r.microseconds,
                 kc::indexerTargetVerdict(r).c_str());
     std::ostringstream json;
     json << "{\"kernel\": \"dsa-indexer\", \"batch\": " << r.batch << ", \"context\": "
          << r.context << ", \"heads\": " << r.heads << ", \"head_dim\": " << r.headDim
-         << ", \"top_k\": " << r.topK << ", \"keys\": \"" << o.keys
-         << "\", \"us\": " << r.microseconds << ", \"key_bytes\": " << r.keyBytes
+         << ", \"top_k\": " << r.topK << ", \"keys\": \"" << o.keys << "\", \"form\": \""
+         << (r.fused ? "fused" : "unfused") << "\", \"us\": " << r.microseconds << ", \"key_bytes\": " << r.keyBytes
          << ", \"floor_us\": " << r.floorMicroseconds << ", \"target\": \""
          << kc::indexerTargetVerdict(r) << "\"}";
     rows.push_back({"dsa-indexer batch=" + std::to_string(r.batch) + " context=" +
                         std::to_string(r.context) + " heads=" + std::to_string(r.heads) +
                         " dim=" + std::to_string(r.headDim) + " top_k=" + std::to_string(r.topK) +
-                        " keys=" + o.keys,
+                        " keys=" + o.keys + (r.fused ? " form=fused" : ""),
                     r.microseconds, json.str()});
   }
   return finishRecord(record, kc::benchDeviceName(), std::move(rows));
@@ -361,6 +363,7 @@ struct IndexerOptions {
   std::vector<int32_t> contexts = {131072};
   int32_t heads = 64, headDim = 128, topK = 2048, iterations = 20;
   std::string keys = "mxfp8";
+  std::string form = "fused";
 };
 int runDsaIndexer(const IndexerOptions &, const RecordOptions &) { return noCuda("dsa-indexer"); }
 struct SparseMlaOptions {
@@ -540,6 +543,10 @@ int main(int argc, char **argv) {
   dsaIndexer->add_option("--keys", indexer.keys, "Key cache format: mxfp8, fp8 (one scale per "
                                                  "key) or f32")
       ->check(CLI::IsMember({"mxfp8", "fp8", "f32"}));
+  dsaIndexer->add_option("--form", indexer.form,
+                         "fused: scores and top-k in one launch, the scores kept on chip (FP8 "
+                         "keys); unfused: scores through a workspace, then the top-k")
+      ->check(CLI::IsMember({"fused", "unfused"}));
   dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(dsaIndexer, record);

@@ -44,8 +44,8 @@ std::vector<uint8_t> randomPage(IndexKeyType type, int32_t headDim, std::mt19937
 std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &batches,
                                                    const std::vector<int32_t> &contexts,
                                                    int32_t heads, int32_t headDim, int32_t topK,
-                                                   IndexKeyType keyType, int32_t iterations,
-                                                   std::string &error) {
+                                                   IndexKeyType keyType, bool fused,
+                                                   int32_t iterations, std::string &error) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     error = "no CUDA device";
@@ -99,7 +99,7 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
           !upload(dSequences, sequences) ||
           cudaMalloc(&dIndices, size_t(batch) * topK * 4) != cudaSuccess ||
           cudaMalloc(&dScores, size_t(batch) * context * 4) != cudaSuccess ||
-          cudaMalloc(&dSelect, indexerSelectWorkspaceBytes(batch)) != cudaSuccess)
+          cudaMalloc(&dSelect, indexerSelectWorkspaceBytes(batch, context)) != cudaSuccess)
         return fail("the table and workspace allocation");
       IndexerParams p;
       p.rows = batch;
@@ -129,11 +129,12 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
       p.pageTokens = kPageTokens;
       p.blockTables = dTables;
       p.maxPages = pagesPerSequence;
-      p.scores = dScores;
+      const bool oneLaunch = fused && indexerFusedSupported(keyType, headDim, context);
+      p.scores = oneLaunch ? nullptr : dScores;
       p.maxKeys = context;
       p.topK = std::min(topK, context);
       p.indices = dIndices;
-      p.selectWorkspace = dSelect;
+      p.selectWorkspace = oneLaunch ? nullptr : dSelect;
       if (launchIndexerTopK(p, nullptr) != 0 || cudaDeviceSynchronize() != cudaSuccess)
         return fail("the indexer launch");
       IndexerBenchResult r;
@@ -143,6 +144,7 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
       r.headDim = headDim;
       r.topK = p.topK;
       r.keyType = keyType;
+      r.fused = oneLaunch;
       // Replayed from a CUDA graph, as a decode step runs it: the launches cost no host time.
       r.microseconds =
           graphMicroseconds(iterations, [&](cudaStream_t s) { return launchIndexerTopK(p, s); });

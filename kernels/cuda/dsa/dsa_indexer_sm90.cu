@@ -13,9 +13,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 namespace hybrid::kernels::cuda {
 namespace {
@@ -121,11 +125,11 @@ template <IndexKeyType Type, int D> struct KeyTileLoad {
   static constexpr int kPieces = kTileKeys * (D / 16) / kMmaThreads;
   uint4 codes[kPieces];
   uint8_t blockScales[kPieces];
-  float keyScale = 0.0f; // Fp8PerKey: the scale of key `threadIdx.x` when < kTileKeys
+  float keyScale = 0.0f; // Fp8PerKey: the scale of key `tid` when < kTileKeys
 
   __device__ __forceinline__ void load(const IndexerParams &p, const unsigned char *pool,
                                        const int32_t *table, int64_t pageBytes, int tileKey,
-                                       int position) {
+                                       int position, int tid) {
     constexpr int kBlocks = D / kMxBlock;
     if (p.pageTokens % kTileKeys == 0) {
       // The tile is 64 consecutive slots of one page: one page lookup, contiguous codes.
@@ -135,7 +139,7 @@ template <IndexKeyType Type, int D> struct KeyTileLoad {
       const unsigned char *tileScales = page + size_t(p.pageTokens) * D;
 #pragma unroll
       for (int i = 0; i < kPieces; ++i) {
-        const int c = threadIdx.x + i * kMmaThreads, k = c / (D / 16), piece = c % (D / 16);
+        const int c = tid + i * kMmaThreads, k = c / (D / 16), piece = c % (D / 16);
         const bool live = tileKey + k <= position;
         codes[i] = live ? reinterpret_cast<const uint4 *>(tileCodes)[c] : make_uint4(0, 0, 0, 0);
         if constexpr (Type == IndexKeyType::Mxfp8)
@@ -143,14 +147,14 @@ template <IndexKeyType Type, int D> struct KeyTileLoad {
               live ? tileScales[size_t(firstSlot + k) * kBlocks + piece / 2] : uint8_t(0);
       }
       if constexpr (Type == IndexKeyType::Fp8PerKey)
-        keyScale = threadIdx.x < kTileKeys && tileKey + int(threadIdx.x) <= position
-                       ? reinterpret_cast<const float *>(tileScales)[firstSlot + threadIdx.x]
+        keyScale = tid < kTileKeys && tileKey + int(tid) <= position
+                       ? reinterpret_cast<const float *>(tileScales)[firstSlot + tid]
                        : 0.0f;
       return;
     }
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
-      const int c = threadIdx.x + i * kMmaThreads, k = c / (D / 16), piece = c % (D / 16);
+      const int c = tid + i * kMmaThreads, k = c / (D / 16), piece = c % (D / 16);
       const int s = tileKey + k;
       codes[i] = make_uint4(0, 0, 0, 0);
       blockScales[i] = 0;
@@ -163,9 +167,9 @@ template <IndexKeyType Type, int D> struct KeyTileLoad {
       }
     }
     if constexpr (Type == IndexKeyType::Fp8PerKey) {
-      const int s = tileKey + int(threadIdx.x);
+      const int s = tileKey + int(tid);
       keyScale = 0.0f;
-      if (threadIdx.x < kTileKeys && s <= position) {
+      if (tid < kTileKeys && s <= position) {
         const unsigned char *page = pool + table[s / p.pageTokens] * pageBytes;
         keyScale = *reinterpret_cast<const float *>(page + size_t(p.pageTokens) * D +
                                                      size_t(s % p.pageTokens) * 4);
@@ -176,10 +180,10 @@ template <IndexKeyType Type, int D> struct KeyTileLoad {
   // Into shared memory as bf16: an MXFP8 key's code times its power-of-two block scale is exact
   // in bf16 (for scales above 2^-124); an Fp8PerKey key stays a code, its scale applied to the
   // dot product.
-  __device__ __forceinline__ void store(__nv_bfloat16 *keys, float *keyScales) const {
+  __device__ __forceinline__ void store(__nv_bfloat16 *keys, float *keyScales, int tid) const {
 #pragma unroll
     for (int i = 0; i < kPieces; ++i) {
-      const int c = threadIdx.x + i * kMmaThreads, k = c / (D / 16), piece = c % (D / 16);
+      const int c = tid + i * kMmaThreads, k = c / (D / 16), piece = c % (D / 16);
       const float scale = Type == IndexKeyType::Mxfp8 ? e8m0ToFloat(blockScales[i]) : 1.0f;
       const uint32_t words[4] = {codes[i].x, codes[i].y, codes[i].z, codes[i].w};
       uint32_t packed[8];
@@ -193,46 +197,36 @@ template <IndexKeyType Type, int D> struct KeyTileLoad {
       target[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
     }
     if constexpr (Type == IndexKeyType::Fp8PerKey)
-      if (threadIdx.x < kTileKeys)
-        keyScales[threadIdx.x] = keyScale;
+      if (tid < kTileKeys)
+        keyScales[tid] = keyScale;
   }
 };
 
-template <IndexKeyType Type, int D>
-__global__ void __launch_bounds__(kMmaThreads, kBlocksPerSm)
-    indexerScoresMmaKernel(IndexerParams p, int64_t pageBytes, int tilesPerBlock) {
-  static_assert(Type != IndexKeyType::F32, "fp32 keys take the CUDA-core kernel");
-  constexpr int kStride = mmaStride<D>();
-  extern __shared__ __align__(16) unsigned char smem[];
-  auto *qHi = reinterpret_cast<__nv_bfloat16 *>(smem); // [64 heads, kStride]
-  __nv_bfloat16 *qLo = qHi + kMmaMaxHeads * kStride;     // [64 heads, kStride]
-  __nv_bfloat16 *keys = qLo + kMmaMaxHeads * kStride;    // [kTileKeys, kStride]
-  auto *keyScales = reinterpret_cast<float *>(keys + kTileKeys * kStride); // [kTileKeys]
-  float *weights = keyScales + kTileKeys;                                  // [64]: w * heads^-1/2
-  const int row = blockIdx.x, heads = p.heads, tid = threadIdx.x;
-  const int position = p.positions[row];
-  const int firstKey = int(blockIdx.y) * kTileKeys * tilesPerBlock;
-  if (firstKey > position)
-    return;
-  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
-  const auto *pool = static_cast<const unsigned char *>(p.keyPages);
-  KeyTileLoad<Type, D> next;
-  next.load(p, pool, table, pageBytes, firstKey, position); // in flight while q is staged
+// A barrier of the 128 threads of one group (named barrier `id`, 1 or 2; 0 is __syncthreads).
+__device__ __forceinline__ void groupSync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(kMmaThreads));
+}
 
-  // q as bf16 hi + lo, four values per load and several loads in flight.
+// The row's q in shared memory as bf16 hi + lo (four values per load, several loads in flight) and
+// its head weights times heads^-1/2, by all `threads` of the block; whether any lo is non-zero.
+template <int D>
+__device__ __forceinline__ bool stageQuery(const IndexerParams &p, int row, __nv_bfloat16 *qHi,
+                                           __nv_bfloat16 *qLo, float *weights, int threads) {
+  constexpr int kStride = mmaStride<D>();
+  const int heads = p.heads, tid = threadIdx.x;
   const float4 *q = reinterpret_cast<const float4 *>(p.q + size_t(row) * heads * D);
   bool anyLo = false;
   constexpr int kQuads = kMmaMaxHeads * D / 4, kInFlight = 4;
-  for (int first = tid; first < kQuads; first += kInFlight * kMmaThreads) {
+  for (int first = tid; first < kQuads; first += kInFlight * threads) {
     float4 loaded[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int i = first + u * kMmaThreads;
+      const int i = first + u * threads;
       loaded[u] = i < kQuads && i * 4 / D < heads ? q[i] : make_float4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int i = first + u * kMmaThreads;
+      const int i = first + u * threads;
       if (i >= kQuads)
         continue;
       const int j = i * 4 / D, d = i * 4 % D;
@@ -248,21 +242,36 @@ __global__ void __launch_bounds__(kMmaThreads, kBlocksPerSm)
     }
   }
   const float headScale = 1.0f / sqrtf(float(heads));
-  for (int j = tid; j < kMmaMaxHeads; j += kMmaThreads)
+  for (int j = tid; j < kMmaMaxHeads; j += threads)
     weights[j] = j < heads ? p.headWeights[size_t(row) * heads + j] * headScale : 0.0f;
-  const bool useLo = __syncthreads_or(anyLo);
-  const int warp = tid / 32, lane = tid % 32, mTiles = (heads + 15) / 16;
-  const float dotScale = 1.0f / sqrtf(float(D));
+  return __syncthreads_or(anyLo);
+}
 
-  for (int tile = 0; tile < tilesPerBlock; ++tile) {
-    const int tileKey = firstKey + tile * kTileKeys;
+// The scores of `tiles` key tiles of a row, tile t at firstKey + t * keyStep (those past the row's
+// position skipped), by one group of 128 threads (group thread `tid`, named barrier `barrier`)
+// with its own key buffer; `next` holds the first tile's keys, loaded. sink(s, score) receives
+// the score of each position s <= position.
+template <IndexKeyType Type, int D, typename Sink>
+__device__ __forceinline__ void scoreTiles(const IndexerParams &p, int64_t pageBytes,
+                                           int position, const int32_t *table,
+                                           const __nv_bfloat16 *qHi, const __nv_bfloat16 *qLo,
+                                           bool useLo, const float *weights,
+                                           __nv_bfloat16 *keys, float *keyScales,
+                                           KeyTileLoad<Type, D> &next, int firstKey, int keyStep,
+                                           int tiles, int tid, int barrier, Sink &&sink) {
+  constexpr int kStride = mmaStride<D>();
+  const auto *pool = static_cast<const unsigned char *>(p.keyPages);
+  const int warp = tid / 32, lane = tid % 32, mTiles = (p.heads + 15) / 16;
+  const float dotScale = 1.0f / sqrtf(float(D));
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int tileKey = firstKey + tile * keyStep;
     if (tileKey > position)
       break;
-    __syncthreads(); // the previous tile's keys are consumed
-    next.store(keys, keyScales);
-    __syncthreads();
-    if (tile + 1 < tilesPerBlock && tileKey + kTileKeys <= position)
-      next.load(p, pool, table, pageBytes, tileKey + kTileKeys, position); // during the MMAs
+    groupSync(barrier); // the previous tile's keys are consumed
+    next.store(keys, keyScales, tid);
+    groupSync(barrier);
+    if (tile + 1 < tiles && tileKey + keyStep <= position)
+      next.load(p, pool, table, pageBytes, tileKey + keyStep, position, tid); // during the MMAs
 
     // This warp's 16 keys (two 8-key n-tiles) against every head (m-tiles of 16).
     float acc[4][2][4] = {};
@@ -314,9 +323,36 @@ __global__ void __launch_bounds__(kMmaThreads, kBlocksPerSm)
         for (int c = 0; c < 2; ++c) {
           const int s = tileKey + warp * 16 + nt * 8 + 2 * lane + c;
           if (s <= position)
-            p.scores[size_t(row) * p.maxKeys + s] = sums[nt][c];
+            sink(s, sums[nt][c]);
         }
   }
+}
+
+template <IndexKeyType Type, int D>
+__global__ void __launch_bounds__(kMmaThreads, kBlocksPerSm)
+    indexerScoresMmaKernel(IndexerParams p, int64_t pageBytes, int tilesPerBlock) {
+  static_assert(Type != IndexKeyType::F32, "fp32 keys take the CUDA-core kernel");
+  constexpr int kStride = mmaStride<D>();
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto *qHi = reinterpret_cast<__nv_bfloat16 *>(smem); // [64 heads, kStride]
+  __nv_bfloat16 *qLo = qHi + kMmaMaxHeads * kStride;     // [64 heads, kStride]
+  __nv_bfloat16 *keys = qLo + kMmaMaxHeads * kStride;    // [kTileKeys, kStride]
+  auto *keyScales = reinterpret_cast<float *>(keys + kTileKeys * kStride); // [kTileKeys]
+  float *weights = keyScales + kTileKeys;                                  // [64]: w * heads^-1/2
+  const int row = blockIdx.x;
+  const int position = p.positions[row];
+  const int firstKey = int(blockIdx.y) * kTileKeys * tilesPerBlock;
+  if (firstKey > position)
+    return;
+  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
+  KeyTileLoad<Type, D> next;
+  next.load(p, static_cast<const unsigned char *>(p.keyPages), table, pageBytes, firstKey,
+            position, threadIdx.x); // in flight while q is staged
+  const bool useLo = stageQuery<D>(p, row, qHi, qLo, weights, kMmaThreads);
+  float *scores = p.scores + size_t(row) * p.maxKeys;
+  scoreTiles<Type, D>(p, pageBytes, position, table, qHi, qLo, useLo, weights, keys, keyScales,
+                      next, firstKey, kTileKeys, tilesPerBlock, threadIdx.x, /*barrier=*/1,
+                      [&](int s, float score) { scores[s] = score; });
 }
 
 // Larger float -> larger unsigned key.
@@ -345,6 +381,30 @@ struct SelectState {
   int remaining;             // keys still to take below the prefix's digits
   int written;               // output slots handed out by the last pass
 };
+
+// Exclusive prefix of `value` over the block's threads in thread order, and the block's total
+// (warpSums: one word per warp).
+__device__ inline int blockExclusiveScan(int value, int *warpSums, int &total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int inclusive = value;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const int lower = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset)
+      inclusive += lower;
+  }
+  __syncthreads(); // warpSums may still be read by a previous scan
+  if (lane == 31)
+    warpSums[warp] = inclusive;
+  __syncthreads();
+  int before = 0;
+  total = 0;
+  for (int w = 0; w < int(blockDim.x) / 32; ++w) {
+    before += w < warp ? warpSums[w] : 0;
+    total += warpSums[w];
+  }
+  return before + inclusive - value;
+}
 
 __device__ inline unsigned long long selectionKey(const float *scores, int i, int positionBits) {
   const unsigned long long low = ~(unsigned long long)i & ((1ull << positionBits) - 1);
@@ -432,8 +492,34 @@ __global__ void __launch_bounds__(kSelectThreads)
     histogram[b] = 0;
 }
 
+// Per chunk of a row: how many of its keys are in the top k (every chunk, written or not).
 __global__ void __launch_bounds__(kHistogramThreads)
-    selectWriteKernel(IndexerParams p, SelectState *states, int positionBits) {
+    selectCountKernel(IndexerParams p, SelectState *states, uint32_t *chunkCounts,
+                      int positionBits) {
+  __shared__ int warpSums[kHistogramThreads / 32];
+  const int row = blockIdx.x, n = p.positions[row] + 1;
+  const int begin = int(blockIdx.y) * kChunkKeys, end = min(n, begin + kChunkKeys);
+  const unsigned long long threshold = states[row].prefix;
+  const float *scores = p.scores + size_t(row) * p.maxKeys;
+  int count = 0;
+  if (n > p.topK)
+    for (int i = begin + int(threadIdx.x); i < end; i += kHistogramThreads)
+      count += selectionKey(scores, i, positionBits) >= threshold;
+  int total = 0;
+  blockExclusiveScan(count, warpSums, total);
+  if (threadIdx.x == 0)
+    chunkCounts[size_t(row) * gridDim.y + blockIdx.y] = uint32_t(total);
+}
+
+// The top k of each row in ascending position order: a chunk's keys at its offset (the counts of
+// the chunks before it), in order within the chunk (a block scan), so the output is the same
+// every run whatever order the blocks ran in.
+__global__ void __launch_bounds__(kHistogramThreads)
+    selectWriteKernel(IndexerParams p, SelectState *states, const uint32_t *chunkCounts,
+                      int positionBits) {
+  __shared__ int warpSums[kHistogramThreads / 32];
+  __shared__ int chunkOffset;
+  constexpr int kRun = kChunkKeys / kHistogramThreads;
   const int row = blockIdx.x, n = p.positions[row] + 1, k = p.topK;
   int32_t *out = p.indices + size_t(row) * k;
   if (n <= k) { // every causal position, then -1s
@@ -442,45 +528,27 @@ __global__ void __launch_bounds__(kHistogramThreads)
         out[i] = i < n ? i : -1;
     return;
   }
-  const int begin = int(blockIdx.y) * kChunkKeys, end = min(n, begin + kChunkKeys);
+  const int begin = int(blockIdx.y) * kChunkKeys;
+  if (begin >= n)
+    return;
+  if (threadIdx.x == 0) {
+    uint32_t offset = 0;
+    for (unsigned c = 0; c < blockIdx.y; ++c)
+      offset += chunkCounts[size_t(row) * gridDim.y + c];
+    chunkOffset = int(offset);
+  }
   const unsigned long long threshold = states[row].prefix;
   const float *scores = p.scores + size_t(row) * p.maxKeys;
-  for (int i = begin + int(threadIdx.x); i < end; i += kHistogramThreads)
-    if (selectionKey(scores, i, positionBits) >= threshold)
-      out[atomicAdd(&states[row].written, 1)] = i;
-}
-
-// The selected positions of a row in ascending order, -1s last: the write order above depends on
-// which blocks ran first, and an attention summing over them in that order would not give the
-// same bits twice. A bitonic sort in shared memory, one block per row.
-__global__ void __launch_bounds__(kHistogramThreads) selectSortKernel(IndexerParams p) {
-  __shared__ uint32_t values[kIndexerMaxTopK];
-  const int k = p.topK;
-  int size = 1;
-  while (size < k)
-    size *= 2;
-  int32_t *out = p.indices + size_t(blockIdx.x) * k;
-  // As unsigned, -1 sorts after every position; padding too.
-  for (int i = threadIdx.x; i < size; i += kHistogramThreads)
-    values[i] = i < k ? uint32_t(out[i]) : 0xffffffffu;
-  __syncthreads();
-  for (int block = 2; block <= size; block *= 2)
-    for (int stride = block / 2; stride > 0; stride /= 2) {
-      for (int i = threadIdx.x; i < size; i += kHistogramThreads) {
-        const int partner = i ^ stride;
-        if (partner > i) {
-          const bool ascending = (i & block) == 0;
-          const uint32_t a = values[i], b = values[partner];
-          if ((a > b) == ascending) {
-            values[i] = b;
-            values[partner] = a;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  for (int i = threadIdx.x; i < k; i += kHistogramThreads)
-    out[i] = int32_t(values[i]);
+  const int first = begin + int(threadIdx.x) * kRun, last = min(n, first + kRun);
+  unsigned taken = 0; // bit j: key first + j is in the top k
+  for (int i = first; i < last; ++i)
+    taken |= unsigned(selectionKey(scores, i, positionBits) >= threshold) << (i - first);
+  int total = 0;
+  int slot = blockExclusiveScan(__popc(taken), warpSums, total); // also orders chunkOffset
+  slot += chunkOffset;
+  for (int i = first; i < last; ++i)
+    if (taken >> (i - first) & 1u)
+      out[slot++] = i;
 }
 
 // Fresh states and zero histograms (the digit passes leave them zero again behind them).
@@ -511,9 +579,219 @@ int launchSelect(const IndexerParams &p, cudaStream_t stream) {
                                                                        shift, bits);
     top = shift;
   }
-  selectWriteKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, positionBits);
-  selectSortKernel<<<unsigned(p.rows), kHistogramThreads, 0, stream>>>(p);
+  uint32_t *chunkCounts = histograms + (size_t(p.rows) << kMaxDigitBits);
+  selectCountKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, chunkCounts,
+                                                               positionBits);
+  selectWriteKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, chunkCounts,
+                                                               positionBits);
   return int(cudaGetLastError());
+}
+
+// ---- The fused indexer: scores and top-k in one launch, the scores never leaving the chip.
+//
+// A cluster of blocks per row, block r scoring the keys [r * slice, (r + 1) * slice) into its
+// shared memory as order-preserving 32-bit keys (two groups of four warps on alternate tiles).
+// The top k: a radix select over the cluster (four 8-bit digits), each block histogramming its
+// own keys and summing every block's histogram through distributed shared memory; then each
+// block writes, at its offset in position order, its keys above the threshold and the ties at it
+// that the lower positions leave over, so the output is ascending without a sort.
+constexpr int kFusedThreads = 2 * kMmaThreads;
+constexpr int kFusedMaxCluster = 16;
+constexpr int kFusedSliceTarget = 2048; // keys per block the cluster size aims at
+constexpr int kDigitBins = 256;
+static_assert(kFusedThreads == kDigitBins, "one thread per histogram bin");
+
+// Shared memory besides the slice's keys: q hi/lo, two key tiles and their scales, the weights,
+// two histograms, their cluster totals, and scan / broadcast words.
+template <int D> constexpr size_t fusedFixedSharedBytes() {
+  return size_t(2 * kMmaMaxHeads + 2 * kTileKeys) * mmaStride<D>() * 2 + 2 * kTileKeys * 4 +
+         kMmaMaxHeads * 4 + 3 * kDigitBins * 4 + 16 * 4;
+}
+
+template <IndexKeyType Type, int D>
+__global__ void __launch_bounds__(kFusedThreads)
+    indexerFusedKernel(IndexerParams p, int64_t pageBytes, int sliceKeys) {
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  constexpr int kStride = mmaStride<D>();
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto *qHi = reinterpret_cast<__nv_bfloat16 *>(smem);     // [64 heads, kStride]
+  __nv_bfloat16 *qLo = qHi + kMmaMaxHeads * kStride;         // [64 heads, kStride]
+  __nv_bfloat16 *keyTiles = qLo + kMmaMaxHeads * kStride;    // [2 groups][kTileKeys, kStride]
+  auto *keyScales = reinterpret_cast<float *>(keyTiles + 2 * kTileKeys * kStride); // [2][64]
+  float *weights = keyScales + 2 * kTileKeys;                                      // [64]
+  auto *histograms = reinterpret_cast<uint32_t *>(weights + kMmaMaxHeads);       // [2][256]
+  uint32_t *totals = histograms + 2 * kDigitBins;                                // [256]
+  int *words = reinterpret_cast<int *>(totals + kDigitBins); // [16]: scans, broadcasts, counts
+  uint32_t *sliceKeys32 = reinterpret_cast<uint32_t *>(words + 16); // [sliceKeys]
+
+  const int row = blockIdx.y, rank = int(cluster.block_rank());
+  const int blocks = int(cluster.num_blocks()), tid = threadIdx.x, k = p.topK;
+  const int position = p.positions[row], n = position + 1;
+  int32_t *out = p.indices + size_t(row) * k;
+  if (n <= k) { // every causal position, then -1s; the whole cluster leaves here
+    if (rank == 0)
+      for (int i = tid; i < k; i += kFusedThreads)
+        out[i] = i < n ? i : -1;
+    return;
+  }
+  const int sliceBegin = rank * sliceKeys;
+  const int localCount = max(0, min(n - sliceBegin, sliceKeys));
+  const int group = tid / kMmaThreads, groupTid = tid % kMmaThreads;
+  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
+  KeyTileLoad<Type, D> next;
+  const int firstKey = sliceBegin + group * kTileKeys;
+  if (localCount > group * kTileKeys) // in flight while q is staged
+    next.load(p, static_cast<const unsigned char *>(p.keyPages), table, pageBytes, firstKey,
+              position, groupTid);
+  const bool useLo = stageQuery<D>(p, row, qHi, qLo, weights, kFusedThreads);
+  const int groupTiles = (sliceKeys / kTileKeys + 1 - group) / 2;
+  scoreTiles<Type, D>(p, pageBytes, position, table, qHi, qLo, useLo, weights,
+                      keyTiles + group * kTileKeys * kStride, keyScales + group * kTileKeys, next,
+                      firstKey, 2 * kTileKeys, groupTiles, groupTid, /*barrier=*/1 + group,
+                      [&](int s, float score) { sliceKeys32[s - sliceBegin] = orderKey(score); });
+  __syncthreads();
+
+  // The k-th largest key over the cluster, digit by digit: `remaining` of the keys equal to it
+  // are taken (the lowest positions), with every larger key.
+  uint32_t prefix = 0, mask = 0;
+  int remaining = k;
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = 24 - 8 * pass;
+    uint32_t *histogram = histograms + (pass & 1) * kDigitBins; // pass p-2's readers are done
+    histogram[tid] = 0;
+    __syncthreads();
+    // The first digits of near scores agree: lanes with the same bin add once (a warp's
+    // same-address shared atomics would run one by one).
+    const int lane = tid % 32;
+    for (int base = 0; base < localCount; base += kFusedThreads) {
+      const int i = base + tid;
+      const uint32_t key = i < localCount ? sliceKeys32[i] : 0u;
+      const bool counted = i < localCount && (key & mask) == prefix;
+      const uint32_t bin = counted ? (key >> shift) & 0xFFu : uint32_t(kDigitBins);
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (counted && lane == __ffs(peers) - 1)
+        atomicAdd(&histogram[bin], uint32_t(__popc(peers)));
+    }
+    cluster.sync(); // every block's histogram is complete
+    uint32_t total = 0;
+    for (int r = 0; r < blocks; ++r)
+      total += cluster.map_shared_rank(histogram, r)[tid];
+    totals[tid] = total;
+    __syncthreads();
+    if (tid == 0) {
+      uint32_t above = 0;
+      int bin = kDigitBins - 1;
+      for (; bin > 0; --bin) {
+        if (above + totals[bin] >= uint32_t(remaining))
+          break;
+        above += totals[bin];
+      }
+      words[8] = bin;
+      words[9] = int(above);
+    }
+    __syncthreads();
+    prefix |= uint32_t(words[8]) << shift;
+    mask |= 0xFFu << shift;
+    remaining -= words[9];
+  }
+  const uint32_t threshold = prefix;
+
+  // This thread's contiguous run of the slice, its keys above the threshold and at it.
+  const int run = (localCount + kFusedThreads - 1) / kFusedThreads;
+  const int runBegin = min(localCount, tid * run), runEnd = min(localCount, runBegin + run);
+  int greater = 0, equal = 0;
+  for (int i = runBegin; i < runEnd; ++i) {
+    greater += sliceKeys32[i] > threshold;
+    equal += sliceKeys32[i] == threshold;
+  }
+  int blockGreater = 0, blockEqual = 0;
+  const int equalBefore = blockExclusiveScan(equal, words, blockEqual);
+  blockExclusiveScan(greater, words, blockGreater);
+  if (tid == 0) {
+    words[10] = blockGreater;
+    words[11] = blockEqual;
+  }
+  cluster.sync(); // every block's counts are published
+  if (tid == 0) { // the ties and the outputs of the blocks before this one
+    int tiesBefore = 0, written = 0;
+    for (int r = 0; r < rank; ++r) {
+      const int *counts = cluster.map_shared_rank(words, r);
+      const int g = counts[10], e = counts[11];
+      written += g + min(max(remaining - tiesBefore, 0), e);
+      tiesBefore += e;
+    }
+    words[12] = tiesBefore;
+    words[13] = written;
+  }
+  cluster.sync(); // no block leaves while another reads its counts
+  const int tiesHere = min(max(remaining - words[12], 0), blockEqual);
+  const int tiesMine = min(max(tiesHere - equalBefore, 0), equal);
+  int unused = 0;
+  int slot = words[13] + blockExclusiveScan(greater + tiesMine, words, unused);
+  int tie = equalBefore;
+  for (int i = runBegin; i < runEnd; ++i) {
+    const uint32_t key = sliceKeys32[i];
+    if (key > threshold || (key == threshold && tie++ < tiesHere))
+      out[slot++] = sliceBegin + i;
+  }
+}
+
+template <int D> int fusedSliceKeys(int maxKeys, int &blocks) {
+  blocks = std::clamp((maxKeys + kFusedSliceTarget - 1) / kFusedSliceTarget, 1, kFusedMaxCluster);
+  const int perBlock = (maxKeys + blocks - 1) / blocks;
+  return (perBlock + kTileKeys - 1) / kTileKeys * kTileKeys;
+}
+
+// The opt-in shared memory of a block on this device (227 KB on H100/H200).
+int maxSharedPerBlock() {
+  static std::mutex mutex;
+  static std::map<int, int> bytes;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess)
+    return 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = bytes.find(device);
+  if (found != bytes.end())
+    return found->second;
+  int value = 0;
+  if (cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return 0;
+  bytes.emplace(device, value);
+  return value;
+}
+
+template <IndexKeyType Type, int D> int launchFused(const IndexerParams &p, cudaStream_t stream) {
+  int blocks = 1;
+  const int slice = fusedSliceKeys<D>(p.maxKeys, blocks);
+  const size_t shared = fusedFixedSharedBytes<D>() + size_t(slice) * 4;
+  const int limit = maxSharedPerBlock();
+  const DeviceSetup setup = deviceSetup([limit] {
+    cudaError_t status = cudaFuncSetAttribute(indexerFusedKernel<Type, D>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
+    if (status == cudaSuccess)
+      status = cudaFuncSetAttribute(indexerFusedKernel<Type, D>,
+                                    cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    return status;
+  });
+  if (setup.status != cudaSuccess)
+    return int(setup.status);
+  if (shared > size_t(limit))
+    return cudaErrorInvalidValue;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(blocks), unsigned(p.rows));
+  config.blockDim = dim3(kFusedThreads);
+  config.dynamicSmemBytes = shared;
+  config.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = unsigned(blocks);
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = 1;
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  return int(cudaLaunchKernelEx(&config, indexerFusedKernel<Type, D>, p,
+                                indexerPageBytes(Type, p.pageTokens, D), slice));
 }
 
 template <int D> int launchFp32Scores(const IndexerParams &p, cudaStream_t stream) {
@@ -559,21 +837,41 @@ int64_t indexerPageBytes(IndexKeyType type, int32_t pageTokens, int32_t headDim)
   return int64_t(pageTokens) * (codes + scales);
 }
 
-size_t indexerSelectWorkspaceBytes(int32_t rows) {
-  return rows > 0 ? size_t(rows) * (sizeof(SelectState) + (sizeof(uint32_t) << kMaxDigitBits))
+size_t indexerSelectWorkspaceBytes(int32_t rows, int32_t maxKeys) {
+  const size_t chunks = maxKeys > 0 ? size_t(maxKeys + kChunkKeys - 1) / kChunkKeys : 0;
+  return rows > 0 ? size_t(rows) * (sizeof(SelectState) + (sizeof(uint32_t) << kMaxDigitBits) +
+                                    chunks * sizeof(uint32_t))
                   : 0;
 }
 
+bool indexerFusedSupported(IndexKeyType type, int32_t headDim, int32_t maxKeys) {
+  if (type == IndexKeyType::F32 || (headDim != 64 && headDim != 128) || maxKeys <= 0)
+    return false;
+  int blocks = 1;
+  const int slice = headDim == 128 ? fusedSliceKeys<128>(maxKeys, blocks)
+                                   : fusedSliceKeys<64>(maxKeys, blocks);
+  const size_t fixed =
+      headDim == 128 ? fusedFixedSharedBytes<128>() : fusedFixedSharedBytes<64>();
+  return fixed + size_t(slice) * 4 <= size_t(maxSharedPerBlock());
+}
+
 int launchIndexerTopK(const IndexerParams &p, void *stream) {
-  if (p.rows <= 0 || p.heads <= 0 || p.heads > kIndexerMaxHeads ||
+  const bool fused = !p.scores;
+  if (p.rows <= 0 || p.rows > 65535 || p.heads <= 0 || p.heads > kIndexerMaxHeads ||
       (p.headDim != 64 && p.headDim != 128) || !p.q || !p.headWeights || !p.positions ||
       !p.sequences || !p.keyPages || p.pageTokens <= 0 || !p.blockTables || p.maxPages <= 0 ||
-      !p.scores || p.maxKeys <= 0 || p.topK <= 0 || p.topK > p.maxKeys ||
-      p.topK > kIndexerMaxTopK || !p.indices ||
-      !p.selectWorkspace ||
+      p.maxKeys <= 0 || p.topK <= 0 || p.topK > p.maxKeys || p.topK > kIndexerMaxTopK ||
+      !p.indices || (!fused && !p.selectWorkspace) ||
+      (fused && !indexerFusedSupported(p.keyType, p.headDim, p.maxKeys)) ||
       (p.maxKeys + kScoreThreads - 1) / kScoreThreads > 65535)
     return cudaErrorInvalidValue;
   const auto s = static_cast<cudaStream_t>(stream);
+  if (fused)
+    return p.keyType == IndexKeyType::Mxfp8
+               ? (p.headDim == 128 ? launchFused<IndexKeyType::Mxfp8, 128>(p, s)
+                                   : launchFused<IndexKeyType::Mxfp8, 64>(p, s))
+               : (p.headDim == 128 ? launchFused<IndexKeyType::Fp8PerKey, 128>(p, s)
+                                   : launchFused<IndexKeyType::Fp8PerKey, 64>(p, s));
   const int status =
       p.keyType == IndexKeyType::F32 ? (p.headDim == 128 ? launchFp32Scores<128>(p, s)
                                                           : launchFp32Scores<64>(p, s))

@@ -79,14 +79,14 @@ struct IndexerRun {
 IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int dim,
                       const std::vector<float> &q, const std::vector<float> &w,
                       const std::vector<int32_t> &positions, const std::vector<int32_t> &sequences,
-                      int maxKeys, int topK) {
+                      int maxKeys, int topK, bool fused = false) {
   const int rows = int(positions.size());
   DeviceBuffer<float> dQ(q), dW(w), dScores{std::vector<float>(size_t(rows) * maxKeys, 0.0f)};
   DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
       dIndices{std::vector<int32_t>(size_t(rows) * topK, -7)};
   DeviceBuffer<uint8_t> dPool(paged.pool);
   // Garbage in the select workspace: the launch must not depend on its contents.
-  DeviceBuffer<uint8_t> dSelect{std::vector<uint8_t>(cuda::indexerSelectWorkspaceBytes(rows), 0xA5)};
+  DeviceBuffer<uint8_t> dSelect{std::vector<uint8_t>(cuda::indexerSelectWorkspaceBytes(rows, maxKeys), 0xA5)};
   cuda::IndexerParams p;
   p.rows = rows;
   p.heads = heads;
@@ -100,11 +100,11 @@ IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int 
   p.pageTokens = int32_t(paged.layout.pageTokens);
   p.blockTables = dTables.data;
   p.maxPages = paged.maxPages;
-  p.scores = dScores.data;
+  p.scores = fused ? nullptr : dScores.data; // fused: no workspace, the scores stay on chip
   p.maxKeys = maxKeys;
   p.topK = topK;
   p.indices = dIndices.data;
-  p.selectWorkspace = dSelect.data;
+  p.selectWorkspace = fused ? nullptr : dSelect.data;
   EXPECT_EQ(cuda::indexerPageBytes(type, p.pageTokens, dim), paged.layout.indexPageBytes());
   EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), 0);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -146,6 +146,14 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
       runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences, maxKeys, c.topK);
   const std::vector<float> &scores = run.scores;
   const std::vector<int32_t> &indices = run.indices;
+  // The fused form computes the same scores and selects by the same rule: the same positions.
+  if (cuda::indexerFusedSupported(c.type, c.dim, maxKeys)) {
+    const IndexerRun fused = runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences,
+                                        maxKeys, c.topK, /*fused=*/true);
+    EXPECT_EQ(fused.indices, indices) << "fused and unfused selections differ";
+  } else {
+    EXPECT_EQ(c.type, IndexKeyType::F32) << "the fused form takes every FP8 case here";
+  }
 
   for (int r = 0; r < rows; ++r) {
     SCOPED_TRACE("row " + std::to_string(r) + ", position " + std::to_string(positions[r]));
@@ -220,10 +228,21 @@ TEST(DsaIndexerCudaTies, LowestPositionsWin) {
                                         random(64 * 128, rng, 0.5f), random(64, rng, 1.0f),
                                         {n - 1}, {0}, n, k)
                                  .indices;
-  std::sort(got.begin(), got.end());
   std::vector<int32_t> lowest(k);
   std::iota(lowest.begin(), lowest.end(), 0);
   EXPECT_EQ(got, lowest);
+  // The fused form across a cluster: with k = 2000 the ties taken run over two blocks' slices
+  // (1536 keys each for 3000 keys, 2560 for 40000), the lowest positions first.
+  std::vector<int32_t> lowest2000(2000);
+  std::iota(lowest2000.begin(), lowest2000.end(), 0);
+  for (int maxKeys : {n, 40000})
+    for (int topK : {k, 2000}) {
+      const std::vector<int32_t> fused =
+          runIndexer(paged, IndexKeyType::Mxfp8, 64, 128, random(64 * 128, rng, 0.5f),
+                     random(64, rng, 1.0f), {n - 1}, {0}, maxKeys, topK, /*fused=*/true)
+              .indices;
+      EXPECT_EQ(fused, topK == k ? lowest : lowest2000) << "maxKeys " << maxKeys << ", k " << topK;
+    }
 }
 
 TEST(DsaIndexerCudaErrors, RejectsBadShapes) {

@@ -1,5 +1,5 @@
-// The DSA kernels' benchmarks (hybrid-bench dsa-indexer, dsa-sparse-mla): CUDA events, warm-up, median of 7, on
-// random data. CUDA-free header.
+// The DSA kernels' benchmarks (hybrid-bench dsa-indexer, dsa-sparse-mla): CUDA events, warm-up,
+// median of 7, on random data. CUDA-free header.
 #pragma once
 
 #include "hybrid/kernels/cuda/DsaIndexer.h"
@@ -14,6 +14,7 @@ namespace hybrid::kernels::cuda {
 struct IndexerBenchResult {
   int32_t batch = 0, context = 0, heads = 0, headDim = 0, topK = 0;
   IndexKeyType keyType = IndexKeyType::Mxfp8;
+  bool fused = false;      // the one-launch form (no scores workspace)
   double microseconds = 0; // one decode step (every sequence's query against its whole
                            // context), replayed from a CUDA graph
   double keyBytes = 0;     // the key cache the step must read: batch x context keys
@@ -21,12 +22,12 @@ struct IndexerBenchResult {
 };
 
 // Decode: `batch` sequences, each with `context` keys in its own (scattered) pages of 64 tokens,
-// one query row each.
+// one query row each; the fused form where `fused` and it takes the shape (result.fused says).
 std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &batches,
                                                    const std::vector<int32_t> &contexts,
                                                    int32_t heads, int32_t headDim, int32_t topK,
-                                                   IndexKeyType keyType, int32_t iterations,
-                                                   std::string &error);
+                                                   IndexKeyType keyType, bool fused,
+                                                   int32_t iterations, std::string &error);
 
 // "meets" / "x.xx of the target": the issue's >= 70% of the key-cache bandwidth floor.
 std::string indexerTargetVerdict(const IndexerBenchResult &result);

@@ -6,10 +6,13 @@
 // One launch serves decode (one row per sequence, its last position) and causal prefill (one row
 // per token, each with its position). CUDA-free header.
 //
-// First version: the scores of a row are written to a workspace row, then selected by a radix
-// select spread over many blocks per row (the fused form that never writes the scores is still
-// to come). FP8 keys multiply on the bf16 tensor cores exactly (see dsa_indexer_sm90.cu), fp32
-// keys on CUDA cores; either way the cpu oracle's values up to fp32 summation order.
+// Two forms, the same selection. Fused (no `scores` workspace; FP8 keys, contexts up to
+// indexerFusedSupported): one launch, a cluster of blocks per row keeping the row's scores in
+// their shared memory and selecting over distributed shared memory, so the scores never reach
+// global memory. Unfused (a `scores` workspace; also fp32 keys and longer contexts): the scores
+// of a row are written to a workspace row, then selected by a radix select spread over many
+// blocks. FP8 keys multiply on the bf16 tensor cores exactly (see dsa_indexer_sm90.cu), fp32 keys
+// on CUDA cores; either way the cpu oracle's values up to fp32 summation order.
 #pragma once
 
 #include <cstddef>
@@ -38,18 +41,24 @@ struct IndexerParams {
   int32_t pageTokens = 64;
   const int32_t *blockTables = nullptr;
   int32_t maxPages = 0;
-  // Workspace: scores [rows, maxKeys]; every position + 1 must be <= maxKeys.
+  // Every position + 1 must be <= maxKeys. Unfused: the scores workspace [rows, maxKeys]; null
+  // for the fused form.
   float *scores = nullptr;
   int32_t maxKeys = 0;
   int32_t topK = 0;          // 1..min(maxKeys, kIndexerMaxTopK)
   int32_t *indices = nullptr; // [rows, topK]: the selected positions in ascending order (the
                               // same bits every run); a row with fewer than topK keys gets all
                               // of them, then -1s
-  void *selectWorkspace = nullptr; // indexerSelectWorkspaceBytes(rows), 8-byte aligned
+  // Unfused: indexerSelectWorkspaceBytes(rows, maxKeys), 8-byte aligned.
+  void *selectWorkspace = nullptr;
 };
 
+// Whether the fused form takes these keys: FP8 keys, and maxKeys whose scores fit the shared
+// memory of a cluster of 16 blocks (about 600K keys on H200). Queries the current device.
+bool indexerFusedSupported(IndexKeyType type, int32_t headDim, int32_t maxKeys);
+
 // The top-k's scratch: per row its radix-select state and a digit histogram.
-size_t indexerSelectWorkspaceBytes(int32_t rows);
+size_t indexerSelectWorkspaceBytes(int32_t rows, int32_t maxKeys);
 
 // Bytes of one index-key page (PagedCacheLayout::indexPageBytes for the same format).
 int64_t indexerPageBytes(IndexKeyType type, int32_t pageTokens, int32_t headDim);
