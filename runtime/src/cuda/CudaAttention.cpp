@@ -262,9 +262,6 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
   }
   case fb::KernelId::DsaIndexer: {
     const int64_t maxKeys = int64_t(maxPages) * pageTokens;
-    const DeviceKvLayer &kv = kvLayers[static_cast<size_t>(d.params_as_DsaIndexerParams()->kv_slot())];
-    if (kc::indexerFusedSupported(kv.keyType, kv.indexDim, static_cast<int32_t>(maxKeys)))
-      return Status::ok(); // one launch, the scores on chip: no workspace
     const int64_t chunk = chunkRows(maxKeys, rows);
     attentionWorkspaceBytes = std::max(
         attentionWorkspaceBytes, alignUp(static_cast<size_t>(chunk * maxKeys) * sizeof(float)) +
@@ -469,15 +466,14 @@ Status CudaExecutor::Impl::runDsaIndexer(const fb::Program &program, unsigned ch
   LAUNCH_RETURN_IF_ERROR(kc::launchWriteIndexKeys(write, r.stream), "index-key cache write");
 
   const int64_t maxKeys = int64_t(maxPages) * pageTokens;
-  // The fused form keeps a row's scores on chip; otherwise they go through the workspace, rows
-  // in chunks.
-  const bool fused = kc::indexerFusedSupported(kv.keyType, static_cast<int32_t>(Di),
-                                               static_cast<int32_t>(maxKeys));
-  const int64_t chunk = fused ? std::min<int64_t>(T, 65535) : chunkRows(maxKeys, T);
+  // The workspace form, rows in chunks: on the H200 it is faster than the fused form at every
+  // measured shape (docs/performance.md, 2026-11-30), whose cluster of blocks per row leaves
+  // most of the GPU idle at small batches.
+  const int64_t chunk = chunkRows(maxKeys, T);
   const size_t scoreBytes = alignUp(static_cast<size_t>(chunk * maxKeys) * sizeof(float));
-  if (!fused && scoreBytes + kc::indexerSelectWorkspaceBytes(static_cast<int32_t>(chunk),
-                                                             static_cast<int32_t>(maxKeys)) >
-                    attentionWorkspaceBytes)
+  if (scoreBytes + kc::indexerSelectWorkspaceBytes(static_cast<int32_t>(chunk),
+                                                   static_cast<int32_t>(maxKeys)) >
+      attentionWorkspaceBytes)
     return Status::error("indexer workspace larger than planned at load");
   for (int64_t first = 0; first < T; first += chunk) {
     kc::IndexerParams s;
@@ -493,12 +489,11 @@ Status CudaExecutor::Impl::runDsaIndexer(const fb::Program &program, unsigned ch
     s.pageTokens = static_cast<int32_t>(pageTokens);
     s.blockTables = blockTables;
     s.maxPages = maxPages;
-    s.scores = fused ? nullptr : static_cast<float *>(r.attentionWorkspace);
+    s.scores = static_cast<float *>(r.attentionWorkspace);
     s.maxKeys = static_cast<int32_t>(maxKeys);
     s.topK = static_cast<int32_t>(topK);
     s.indices = indices + first * topK;
-    s.selectWorkspace =
-        fused ? nullptr : static_cast<unsigned char *>(r.attentionWorkspace) + scoreBytes;
+    s.selectWorkspace = static_cast<unsigned char *>(r.attentionWorkspace) + scoreBytes;
     LAUNCH_RETURN_IF_ERROR(kc::launchIndexerTopK(s, r.stream), "DSA indexer");
   }
   return Status::ok();
