@@ -267,6 +267,7 @@ struct IndexerOptions {
   int32_t heads = 64, headDim = 128, topK = 2048, iterations = 20;
   std::string keys = "mxfp8";
   std::string form = "fused"; // fused (where the shape allows) or unfused
+  std::string scores = "auto"; // the unfused form's tensor-core scores: auto, bf16 or fp8
 };
 
 int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
@@ -275,7 +276,11 @@ int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
                                                   : kc::IndexKeyType::Mxfp8;
   std::string error;
   const auto results = kc::benchIndexerDecode(o.batches, o.contexts, o.heads, o.headDim, o.topK,
-                                              type, o.form == "fused", o.iterations, error);
+                                              type, o.form == "fused",
+                                              o.scores == "fp8"    ? kc::IndexerParams::ScoreKernel::Fp8
+                                              : o.scores == "bf16" ? kc::IndexerParams::ScoreKernel::Bf16
+                                                                   : kc::IndexerParams::ScoreKernel::Auto,
+                                              o.iterations, error);
   if (!error.empty()) {
     std::cerr << "error: dsa-indexer: " << error << "\n";
     return 1;
@@ -364,6 +369,7 @@ struct IndexerOptions {
   int32_t heads = 64, headDim = 128, topK = 2048, iterations = 20;
   std::string keys = "mxfp8";
   std::string form = "fused";
+  std::string scores = "auto";
 };
 int runDsaIndexer(const IndexerOptions &, const RecordOptions &) { return noCuda("dsa-indexer"); }
 struct SparseMlaOptions {
@@ -547,6 +553,10 @@ int main(int argc, char **argv) {
                          "fused: scores and top-k in one launch, the scores kept on chip (FP8 "
                          "keys); unfused: scores through a workspace, then the top-k")
       ->check(CLI::IsMember({"fused", "unfused"}));
+  dsaIndexer->add_option("--scores", indexer.scores,
+                         "unfused form, FP8 keys: auto, bf16 (codes widened for the bf16 tensor "
+                         "cores) or fp8 (E4M3 MMAs on the MXFP8 queries)")
+      ->check(CLI::IsMember({"auto", "bf16", "fp8"}));
   dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(dsaIndexer, record);

@@ -1,4 +1,5 @@
-// Warp-level tensor-core helpers: mma.sync m16n8k16 (bf16 in, fp32 accumulate) with fragments
+// Warp-level tensor-core helpers: mma.sync m16n8k16 (bf16 in, fp32 accumulate) and m16n8k32 (E4M3
+// in) with fragments
 // loaded from shared memory, and cp.async for staging tiles. Fragment layouts are those of the PTX
 // ISA ("Matrix Fragments for mma.m16n8k16"): lane = 4 * group + pair.
 #pragma once
@@ -66,6 +67,17 @@ __device__ inline void loadBTrans(uint32_t (&b)[2], const __nv_bfloat16 *tile, i
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
                : "=r"(b[0]), "=r"(b[1])
                : "r"(sharedAddress(p)));
+}
+
+// d = a * b for one 16x32 (A, row-major) by 32x8 (B, column-major) tile of E4M3 codes, fp32
+// out (sm_89+). Fragments ("Matrix Fragments for mma.m16n8k32", 8-bit types): a[0] holds row
+// `group`, k 4*pair..+3; a[1] row group+8; a[2], a[3] the same rows at k + 16; b[0] column
+// `group`, k 4*pair..+3; b[1] k + 16. Four codes per register, the lowest k in the low byte.
+__device__ inline void mmaE4m3(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, "
+               "{%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};\n"
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
 }
 
 // The (row, column) of accumulator element e (0..3) of this lane within its 16x8 tile.

@@ -45,6 +45,7 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
                                                    const std::vector<int32_t> &contexts,
                                                    int32_t heads, int32_t headDim, int32_t topK,
                                                    IndexKeyType keyType, bool fused,
+                                                   IndexerParams::ScoreKernel scoreKernel,
                                                    int32_t iterations, std::string &error) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
@@ -119,6 +120,8 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
           return fail("the query quantization");
       }
       p.q = floats.emplace_back(deviceCopy(q));
+      p.mxfp8Queries = keyType != IndexKeyType::F32;
+      p.scoreKernel = scoreKernel;
       p.headWeights = floats.emplace_back(deviceRandom(size_t(batch) * heads, 1.0f, 0, rng, error));
       if (!p.q || !p.headWeights)
         return fail("the query upload");

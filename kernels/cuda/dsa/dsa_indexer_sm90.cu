@@ -7,6 +7,7 @@
 // thread per key.
 #include "hybrid/kernels/cuda/DsaIndexer.h"
 #include "../common/device_setup.cuh"
+#include "../common/fp8_quant.cuh"
 #include "../common/warp_mma.cuh"
 #include "fp8_device.cuh"
 
@@ -353,6 +354,191 @@ __global__ void __launch_bounds__(kMmaThreads, kBlocksPerSm)
   scoreTiles<Type, D>(p, pageBytes, position, table, qHi, qLo, useLo, weights, keys, keyScales,
                       next, firstKey, kTileKeys, tilesPerBlock, threadIdx.x, /*barrier=*/1,
                       [&](int s, float score) { scores[s] = score; });
+}
+
+// ---- Scores on the FP8 tensor cores (MXFP8 queries): codes straight from the pages.
+//
+// When the queries are MXFP8-rounded (the policy's indexer Q), both operands are E4M3 codes with
+// power-of-two scales per 32 values, one MX block per m16n8k32 MMA: each block's product comes out
+// of the tensor cores in fp32 and is scaled by its query and key block scales before it joins the
+// sum (Fp8PerKey keys: block scale 1, the key's scale on the dot product). No conversion of the
+// keys, half the MMAs of the bf16 form, and the queries' fragments stay in registers: warp w owns
+// heads [16w, 16w + 16) for every key of a tile. Key tiles (codes and scales) stream through a
+// three-stage cp.async ring; pages must hold a multiple of 64 tokens.
+constexpr int kFp8Stages = 3;
+
+template <int D> __host__ __device__ constexpr int fp8RowBytes() { return D + 16; } // no bank conflicts
+template <int D> __host__ __device__ constexpr size_t fp8StageBytes() {
+  return size_t(kTileKeys) * fp8RowBytes<D>() + size_t(kTileKeys) * 4;
+}
+template <int D> size_t fp8SharedBytes() {
+  return kFp8Stages * fp8StageBytes<D>() + size_t(kMmaMaxHeads) * fp8RowBytes<D>() +
+         size_t(4) * kTileKeys * 4 + size_t(kMmaMaxHeads + kTileKeys) * (D / kMxBlock) * 4;
+}
+
+template <IndexKeyType Type, int D>
+__global__ void __launch_bounds__(kMmaThreads, kBlocksPerSm)
+    indexerScoresFp8Kernel(IndexerParams p, int64_t pageBytes, int tilesPerBlock) {
+  static_assert(Type != IndexKeyType::F32, "fp32 keys take the CUDA-core kernel");
+  constexpr int kRow = fp8RowBytes<D>(), kBlocks = D / kMxBlock;
+  constexpr int kScaleBytes = Type == IndexKeyType::Mxfp8 ? kBlocks : 4; // per key
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char *stages = smem;                                        // [3][codes, scales]
+  unsigned char *qCodes = stages + kFp8Stages * fp8StageBytes<D>();    // [64 heads][kRow]
+  auto *partials = reinterpret_cast<float *>(qCodes + kMmaMaxHeads * kRow); // [4 warps][64 keys]
+  float *qScales = partials + 4 * kTileKeys;                           // [64 heads][kBlocks]
+  float *blockScales = qScales + kMmaMaxHeads * kBlocks; // the tile's key block scales, decoded
+  const int row = blockIdx.x, heads = p.heads, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32, group = lane / 4, pair = lane % 4;
+  const int position = p.positions[row];
+  const int firstKey = int(blockIdx.y) * kTileKeys * tilesPerBlock;
+  if (firstKey > position)
+    return;
+  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
+  const auto *pool = static_cast<const unsigned char *>(p.keyPages);
+
+  // A tile's codes and scales into stage `stage` (a committed group either way).
+  auto issue = [&](int tile) {
+    const int tileKey = firstKey + tile * kTileKeys;
+    if (tile < tilesPerBlock && tileKey <= position) {
+      const unsigned char *page = pool + table[tileKey / p.pageTokens] * pageBytes;
+      const int slot = tileKey % p.pageTokens;
+      unsigned char *stage = stages + (tile % kFp8Stages) * fp8StageBytes<D>();
+      constexpr int kPieces = kTileKeys * D / 16;
+      for (int c = tid; c < kPieces; c += kMmaThreads) {
+        const int k = c / (D / 16), piece = c % (D / 16);
+        mma::copyAsync16(stage + k * kRow + piece * 16, page + size_t(slot + k) * D + piece * 16);
+      }
+      constexpr int kScalePieces = kTileKeys * kScaleBytes / 16;
+      const unsigned char *scales = page + size_t(p.pageTokens) * D + size_t(slot) * kScaleBytes;
+      for (int c = tid; c < kScalePieces; c += kMmaThreads)
+        mma::copyAsync16(stage + kTileKeys * kRow + c * 16, scales + c * 16);
+    }
+    mma::commitAsyncCopies();
+  };
+  issue(0);
+  issue(1);
+
+  // The queries as E4M3 codes and E8M0 scales (exact: they are MXFP8-rounded): every load in
+  // flight at once, eight lanes per 32-value block (a float4 each); then this warp's A fragments
+  // and scales into registers.
+  const float4 *q = reinterpret_cast<const float4 *>(p.q + size_t(row) * heads * D);
+  constexpr int kQuads = kMmaMaxHeads * D / 4, kPerThread = kQuads / kMmaThreads;
+  float4 loaded[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = tid + j * kMmaThreads;
+    loaded[j] = i * 4 / D < heads ? q[i] : make_float4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int i = tid + j * kMmaThreads, head = i * 4 / D, d = i * 4 % D;
+    float amax = fmaxf(fmaxf(fabsf(loaded[j].x), fabsf(loaded[j].y)),
+                       fmaxf(fabsf(loaded[j].z), fabsf(loaded[j].w)));
+#pragma unroll
+    for (int offset = 1; offset < 8; offset *= 2) // the 8 lanes of this 32-value block
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const uint8_t scale = quant::mxScaleCodeRoundUp(amax);
+    const int shift = -(int(scale) - 127);
+    const uint32_t codes = uint32_t(quant::floatToE4M3(ldexpf(loaded[j].x, shift))) |
+                           uint32_t(quant::floatToE4M3(ldexpf(loaded[j].y, shift))) << 8 |
+                           uint32_t(quant::floatToE4M3(ldexpf(loaded[j].z, shift))) << 16 |
+                           uint32_t(quant::floatToE4M3(ldexpf(loaded[j].w, shift))) << 24;
+    *reinterpret_cast<uint32_t *>(qCodes + head * kRow + d) = codes;
+    if (d % kMxBlock == 0)
+      qScales[head * kBlocks + d / kMxBlock] = e8m0ToFloat(scale);
+  }
+  const float headScale = 1.0f / sqrtf(float(heads)), dotScale = 1.0f / sqrtf(float(D));
+  const int head0 = warp * 16 + group, head1 = head0 + 8;
+  const float weight0 = head0 < heads ? p.headWeights[size_t(row) * heads + head0] * headScale : 0.0f;
+  const float weight1 = head1 < heads ? p.headWeights[size_t(row) * heads + head1] * headScale : 0.0f;
+  __syncthreads();
+  uint32_t a[kBlocks][4];
+  float scale0[kBlocks], scale1[kBlocks];
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b) {
+    const unsigned char *base = qCodes + b * kMxBlock + pair * 4;
+    a[b][0] = *reinterpret_cast<const uint32_t *>(base + head0 * kRow);
+    a[b][1] = *reinterpret_cast<const uint32_t *>(base + head1 * kRow);
+    a[b][2] = *reinterpret_cast<const uint32_t *>(base + head0 * kRow + 16);
+    a[b][3] = *reinterpret_cast<const uint32_t *>(base + head1 * kRow + 16);
+    scale0[b] = qScales[head0 * kBlocks + b];
+    scale1[b] = qScales[head1 * kBlocks + b];
+  }
+  const bool active = warp * 16 < heads;
+
+  for (int tile = 0; tile < tilesPerBlock; ++tile) {
+    const int tileKey = firstKey + tile * kTileKeys;
+    if (tileKey > position)
+      break;
+    mma::waitAsyncCopies<1>(); // this tile's group has landed
+    __syncthreads();           // for every thread; the stage refilled next was consumed
+    issue(tile + 2);
+    const unsigned char *codes = stages + (tile % kFp8Stages) * fp8StageBytes<D>();
+    const unsigned char *keyScales = codes + kTileKeys * kRow;
+    if constexpr (Type == IndexKeyType::Mxfp8) { // decoded once, not by every lane that uses it
+      for (int i = tid; i < kTileKeys * kBlocks; i += kMmaThreads)
+        blockScales[i] = e8m0ToFloat(keyScales[i]);
+      __syncthreads();
+    }
+    float sums[8][2] = {};
+    if (active) {
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const int key0 = n * 8 + 2 * pair; // this lane's two key columns
+        float acc[4] = {};
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b) {
+          const unsigned char *column = codes + (n * 8 + group) * kRow + b * kMxBlock + pair * 4;
+          const uint32_t bFragment[2] = {*reinterpret_cast<const uint32_t *>(column),
+                                         *reinterpret_cast<const uint32_t *>(column + 16)};
+          float product[4];
+          mma::mmaE4m3(product, a[b], bFragment);
+          float k0 = 1.0f, k1 = 1.0f;
+          if constexpr (Type == IndexKeyType::Mxfp8) {
+            k0 = blockScales[key0 * kBlocks + b];
+            k1 = blockScales[(key0 + 1) * kBlocks + b];
+          }
+          acc[0] = fmaf(product[0], scale0[b] * k0, acc[0]);
+          acc[1] = fmaf(product[1], scale0[b] * k1, acc[1]);
+          acc[2] = fmaf(product[2], scale1[b] * k0, acc[2]);
+          acc[3] = fmaf(product[3], scale1[b] * k1, acc[3]);
+        }
+        float key0Scale = 1.0f, key1Scale = 1.0f;
+        if constexpr (Type == IndexKeyType::Fp8PerKey) {
+          key0Scale = reinterpret_cast<const float *>(keyScales)[key0];
+          key1Scale = reinterpret_cast<const float *>(keyScales)[key0 + 1];
+        }
+        sums[n][0] = weight0 * fmaxf(0.0f, acc[0] * key0Scale * dotScale) +
+                     weight1 * fmaxf(0.0f, acc[2] * key0Scale * dotScale);
+        sums[n][1] = weight0 * fmaxf(0.0f, acc[1] * key1Scale * dotScale) +
+                     weight1 * fmaxf(0.0f, acc[3] * key1Scale * dotScale);
+      }
+      // Over the 8 lane groups (this warp's 16 heads); lanes 0-3 keep the sums.
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+#pragma unroll
+          for (int offset = 4; offset < 32; offset *= 2)
+            sums[n][c] += __shfl_xor_sync(0xffffffffu, sums[n][c], offset);
+    }
+    if (lane < 4)
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+          partials[warp * kTileKeys + n * 8 + 2 * lane + c] = sums[n][c];
+    __syncthreads();
+    if (tid < kTileKeys) { // over the warps' heads, in warp order
+      const int s = tileKey + tid;
+      if (s <= position)
+        p.scores[size_t(row) * p.maxKeys + s] = partials[tid] + partials[kTileKeys + tid] +
+                                                 partials[2 * kTileKeys + tid] +
+                                                 partials[3 * kTileKeys + tid];
+    }
+  }
+  mma::waitAsyncCopies<0>(); // nothing in flight when the block ends
 }
 
 // Larger float -> larger unsigned key.
@@ -822,7 +1008,42 @@ int launchMmaScores(const IndexerParams &p, cudaStream_t stream) {
   return int(cudaGetLastError());
 }
 
+template <IndexKeyType Type, int D>
+int launchFp8Scores(const IndexerParams &p, cudaStream_t stream) {
+  const size_t shared = fp8SharedBytes<D>();
+  const DeviceSetup setup = deviceSetup([shared] {
+    return cudaFuncSetAttribute(indexerScoresFp8Kernel<Type, D>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  });
+  if (setup.status != cudaSuccess)
+    return int(setup.status);
+  const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
+  const int wantedBlocks = std::max(1, 2 * kBlocksPerSm * setup.multiprocessors / p.rows);
+  const int tilesPerBlock = std::max(1, (tiles + wantedBlocks - 1) / wantedBlocks);
+  const dim3 grid(unsigned(p.rows), unsigned((tiles + tilesPerBlock - 1) / tilesPerBlock));
+  indexerScoresFp8Kernel<Type, D><<<grid, kMmaThreads, shared, stream>>>(
+      p, indexerPageBytes(Type, p.pageTokens, D), tilesPerBlock);
+  return int(cudaGetLastError());
+}
+
+// Key tiles per block at which the FP8 form pays for quantizing the queries in every block (on
+// the H200 it is 3-11% faster at batch 64 x 128K, 128 tiles a block, and 15-25% slower with 16 or
+// fewer; docs/performance.md, 2026-11-30).
+constexpr int kFp8MinTilesPerBlock = 64;
+
 template <IndexKeyType Type> int launchMmaScoresOf(const IndexerParams &p, cudaStream_t stream) {
+  const DeviceSetup setup = deviceSetup([] { return cudaSuccess; });
+  if (setup.status != cudaSuccess)
+    return int(setup.status);
+  const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
+  const int wantedBlocks = std::max(1, 2 * kBlocksPerSm * setup.multiprocessors / p.rows);
+  const int tilesPerBlock = (tiles + wantedBlocks - 1) / wantedBlocks;
+  const bool fp8 = p.scoreKernel == IndexerParams::ScoreKernel::Fp8 ||
+                   (p.scoreKernel == IndexerParams::ScoreKernel::Auto &&
+                    tilesPerBlock >= kFp8MinTilesPerBlock);
+  if (fp8 && p.mxfp8Queries && p.pageTokens % kTileKeys == 0)
+    return p.headDim == 128 ? launchFp8Scores<Type, 128>(p, stream)
+                            : launchFp8Scores<Type, 64>(p, stream);
   return p.headDim == 128 ? launchMmaScores<Type, 128>(p, stream)
                           : launchMmaScores<Type, 64>(p, stream);
 }

@@ -90,6 +90,7 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
   // shapes and weights; the index keys' format is what the layer's IndexerKey rounds them to.
   std::vector<int> verdict(static_cast<size_t>(numKv), 0); // 0: unseen, 1: fits, -1: does not
   std::vector<kc::IndexKeyType> keyTypes(static_cast<size_t>(numKv), kc::IndexKeyType::F32);
+  std::vector<bool> mxfp8Queries(static_cast<size_t>(numKv), false);
   auto fits = [&](const fb::Dispatch &d, int32_t slot) {
     const fb::KvCacheLayer *layer = spec->kv()->Get(static_cast<flatbuffers::uoffset_t>(slot));
     if (isMla(d.kernel())) {
@@ -126,6 +127,12 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
       const fb::Dispatch *d = step->op_as_Dispatch();
       if (!d)
         continue;
+      if (d->kernel() == fb::KernelId::IndexerQuery && d->params_as_DsaIndexerParams()) {
+        const fb::DsaIndexerParams *p = d->params_as_DsaIndexerParams();
+        if (p->kv_slot() >= 0 && p->kv_slot() < numKv)
+          mxfp8Queries[static_cast<size_t>(p->kv_slot())] =
+              p->quantize() == fb::ActivationQuant::Mxfp8;
+      }
       if (d->kernel() == fb::KernelId::IndexerKey && d->params_as_DsaIndexerParams()) {
         const fb::DsaIndexerParams *p = d->params_as_DsaIndexerParams();
         if (p->kv_slot() >= 0 && p->kv_slot() < numKv)
@@ -155,6 +162,7 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
     kv.latentType = layer->quant() == fb::KvQuant::Fp8Tiles ? kc::LatentCacheType::Fp8Tiles
                                                            : kc::LatentCacheType::F32;
     kv.keyType = keyTypes[static_cast<size_t>(slot)];
+    kv.mxfp8Queries = mxfp8Queries[static_cast<size_t>(slot)];
     if (kv.keyType == kc::IndexKeyType::Mxfp8 && kv.indexDim % 32 != 0)
       kv.keyType = kc::IndexKeyType::F32; // never: IndexerKey rounds only multiples of 32
     kv.latentPageBytes = pageTokens * kc::latentRowBytes(kv.latentType, kv.latentDim, kv.ropeDim);
@@ -481,6 +489,7 @@ Status CudaExecutor::Impl::runDsaIndexer(const fb::Program &program, unsigned ch
     s.heads = static_cast<int32_t>(Hi);
     s.headDim = static_cast<int32_t>(Di);
     s.q = queries + first * Hi * Di;
+    s.mxfp8Queries = kv.mxfp8Queries;
     s.headWeights = headWeights + first * Hi;
     s.positions = rowPositions + first;
     s.sequences = rowSequences + first;

@@ -79,7 +79,7 @@ struct IndexerRun {
 IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int dim,
                       const std::vector<float> &q, const std::vector<float> &w,
                       const std::vector<int32_t> &positions, const std::vector<int32_t> &sequences,
-                      int maxKeys, int topK, bool fused = false) {
+                      int maxKeys, int topK, bool fused = false, bool mxfp8Queries = false) {
   const int rows = int(positions.size());
   DeviceBuffer<float> dQ(q), dW(w), dScores{std::vector<float>(size_t(rows) * maxKeys, 0.0f)};
   DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
@@ -92,6 +92,9 @@ IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int 
   p.heads = heads;
   p.headDim = dim;
   p.q = dQ.data;
+  p.mxfp8Queries = mxfp8Queries;
+  if (mxfp8Queries) // the FP8 tensor-core scores at any size
+    p.scoreKernel = cuda::IndexerParams::ScoreKernel::Fp8;
   p.headWeights = dW.data;
   p.positions = dPositions.data;
   p.sequences = dSequences.data;
@@ -117,6 +120,7 @@ struct IndexerCase {
   int heads, dim, pageTokens, topK;
   std::vector<int> lengths;
   int prefillRows; // extra rows of the last sequence at earlier positions (causal prefill)
+  bool mxfp8Queries = false; // queries rounded to MXFP8 as the policy leaves them: FP8 MMAs
 };
 
 class DsaIndexerCuda : public testing::TestWithParam<IndexerCase> {};
@@ -139,19 +143,26 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
   }
   const int rows = int(positions.size());
   const int maxKeys = *std::max_element(c.lengths.begin(), c.lengths.end());
-  const std::vector<float> q = random(size_t(rows) * c.heads * c.dim, rng, 0.5f);
+  std::vector<float> q = random(size_t(rows) * c.heads * c.dim, rng, 0.5f);
+  if (c.mxfp8Queries) {
+    std::vector<uint8_t> codes(q.size()), scales(q.size() / 32);
+    ASSERT_TRUE(ref::quantizeMxfp8(q, int64_t(q.size()) / c.dim, c.dim, codes, scales,
+                                   ref::MxScaleRule::RoundUp));
+    ASSERT_TRUE(ref::dequantizeMxfp8(codes, scales, int64_t(q.size()) / c.dim, c.dim, q));
+  }
   const std::vector<float> w = random(size_t(rows) * c.heads, rng, 1.0f);
 
-  const IndexerRun run =
-      runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences, maxKeys, c.topK);
+  const IndexerRun run = runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences,
+                                    maxKeys, c.topK, /*fused=*/false, c.mxfp8Queries);
   const std::vector<float> &scores = run.scores;
   const std::vector<int32_t> &indices = run.indices;
-  // The fused form computes the same scores and selects by the same rule: the same positions.
-  if (cuda::indexerFusedSupported(c.type, c.dim, maxKeys)) {
+  // The fused form computes the same scores (bf16 MMAs: the FP8 ones may differ in the last bits)
+  // and selects by the same rule: the same positions.
+  if (!c.mxfp8Queries && cuda::indexerFusedSupported(c.type, c.dim, maxKeys)) {
     const IndexerRun fused = runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences,
                                         maxKeys, c.topK, /*fused=*/true);
     EXPECT_EQ(fused.indices, indices) << "fused and unfused selections differ";
-  } else {
+  } else if (!c.mxfp8Queries) {
     EXPECT_EQ(c.type, IndexKeyType::F32) << "the fused form takes every FP8 case here";
   }
 
@@ -214,7 +225,12 @@ INSTANTIATE_TEST_SUITE_P(
         IndexerCase{"v32_fp8_per_key", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2},
         // The tiny test model's shape (4 heads x 64), small pages.
         IndexerCase{"tiny_mxfp8", IndexKeyType::Mxfp8, 4, 64, 16, 32, {1, 17, 100, 300}, 5},
-        IndexerCase{"tiny_f32_odd_heads", IndexKeyType::F32, 3, 64, 16, 7, {40, 9}, 2}),
+        IndexerCase{"tiny_f32_odd_heads", IndexKeyType::F32, 3, 64, 16, 7, {40, 9}, 2},
+        // MXFP8 queries on the FP8 tensor cores (64-token pages): both key formats, both dims,
+        // fewer than 64 heads (idle warps).
+        IndexerCase{"v32_mxfp8_fp8mma", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {1, 2100, 4133}, 3, true},
+        IndexerCase{"v32_fp8_per_key_fp8mma", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2, true},
+        IndexerCase{"tiny_mxfp8_fp8mma", IndexKeyType::Mxfp8, 20, 64, 64, 32, {1, 17, 100, 300}, 5, true}),
     [](const testing::TestParamInfo<IndexerCase> &info) { return info.param.name; });
 
 // Every key the same: all scores tie, and the lowest positions win (ref::topKIndices' rule).

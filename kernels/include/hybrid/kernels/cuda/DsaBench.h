@@ -27,6 +27,7 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
                                                    const std::vector<int32_t> &contexts,
                                                    int32_t heads, int32_t headDim, int32_t topK,
                                                    IndexKeyType keyType, bool fused,
+                                                   IndexerParams::ScoreKernel scoreKernel,
                                                    int32_t iterations, std::string &error);
 
 // "meets" / "x.xx of the target": the issue's >= 70% of the key-cache bandwidth floor.
