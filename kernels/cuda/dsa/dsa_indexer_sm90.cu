@@ -847,17 +847,12 @@ __global__ void __launch_bounds__(kFusedThreads)
     uint32_t *histogram = histograms + (pass & 1) * kDigitBins; // pass p-2's readers are done
     histogram[tid] = 0;
     __syncthreads();
-    // The first digits of near scores agree: lanes with the same bin add once (a warp's
-    // same-address shared atomics would run one by one).
-    const int lane = tid % 32;
-    for (int base = 0; base < localCount; base += kFusedThreads) {
-      const int i = base + tid;
-      const uint32_t key = i < localCount ? sliceKeys32[i] : 0u;
-      const bool counted = i < localCount && (key & mask) == prefix;
-      const uint32_t bin = counted ? (key >> shift) & 0xFFu : uint32_t(kDigitBins);
-      const unsigned peers = __match_any_sync(0xffffffffu, bin);
-      if (counted && lane == __ffs(peers) - 1)
-        atomicAdd(&histogram[bin], uint32_t(__popc(peers)));
+    // Plain shared atomics: aggregating equal bins across a warp (__match_any_sync) measured
+    // 10-15% slower here.
+    for (int i = tid; i < localCount; i += kFusedThreads) {
+      const uint32_t key = sliceKeys32[i];
+      if ((key & mask) == prefix)
+        atomicAdd(&histogram[(key >> shift) & 0xFFu], 1u);
     }
     cluster.sync(); // every block's histogram is complete
     uint32_t total = 0;
