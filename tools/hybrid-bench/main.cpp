@@ -574,6 +574,14 @@ int main(int argc, char **argv) {
   dsaSparseMla->add_option("--iterations", sparseMla.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(dsaSparseMla, record);
+  IndexerOptions dsaAllIndexer;
+  SparseMlaOptions dsaAllSparseMla;
+  CLI::App *dsaAll = app.add_subcommand(
+      "dsa", "Both DSA kernels at their default shapes: dsa-indexer, then dsa-sparse-mla");
+  dsaAll->add_option("--batch", dsaAllIndexer.batches, "Sequences (one query each)")
+      ->delimiter(',')->check(CLI::PositiveNumber);
+  dsaAll->add_option("--iterations", dsaAllIndexer.iterations, "Calls per timing")
+      ->check(CLI::PositiveNumber);
   hybrid::LoadGeneratorOptions load;
   hybrid::LoadOptions modelOptions;
   std::string modelDir;
@@ -653,6 +661,13 @@ int main(int argc, char **argv) {
     return runKda(o, record);
   if (dsaIndexer->parsed())
     return runDsaIndexer(indexer, record);
+  if (dsaAll->parsed()) {
+    dsaAllIndexer.form = "unfused"; // the form the runtime runs
+    dsaAllSparseMla.batches = dsaAllIndexer.batches;
+    dsaAllSparseMla.iterations = dsaAllIndexer.iterations;
+    const int indexerStatus = runDsaIndexer(dsaAllIndexer, RecordOptions{});
+    return runDsaSparseMla(dsaAllSparseMla, RecordOptions{}) | indexerStatus;
+  }
   if (dsaSparseMla->parsed())
     return runDsaSparseMla(sparseMla, record);
   if (kdaPrefill->parsed())

@@ -3,6 +3,8 @@
 // operations as the reference so that a GPU-written cache or activation equals the cpu's.
 #pragma once
 
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -88,6 +90,21 @@ __device__ inline uint8_t mxScaleCodeRoundUp(float amax) {
   const int candidate = ceilLog2(amax) - (kE4M3MaxExponent + 1);
   const int exponent = ldexpf(amax, -candidate) <= kE4M3Max ? candidate : candidate + 1;
   return uint8_t(min(max(exponent, -127), 127) + 127);
+}
+
+// Warp-collective: lane i's value of a 32-value block replaced by what its MXFP8 encoding
+// (RoundUp scale) decodes to, as ref::quantizeMxfp8 then dequantizeMxfp8; a block with a
+// non-finite value becomes NaNs. Every lane of the warp must call it.
+__device__ inline float mxfp8RoundTrip(float value) {
+  if (!__all_sync(0xffffffffu, isfinite(value)))
+    return __int_as_float(0x7fc00000);
+  float amax = fabsf(value);
+  for (int offset = 16; offset > 0; offset /= 2)
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  const int exponent = int(mxScaleCodeRoundUp(amax)) - 127; // finite: never the NaN code
+  const uint8_t code = floatToE4M3(ldexpf(value, -exponent));
+  const __half_raw decoded = __nv_cvt_fp8_to_halfraw(code, __NV_E4M3);
+  return ldexpf(__half2float(__half(decoded)), exponent); // exact: a power-of-two scale
 }
 
 } // namespace hybrid::kernels::cuda::quant

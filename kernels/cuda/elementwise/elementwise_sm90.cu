@@ -2,7 +2,6 @@
 // CUDA (see Elementwise.h): grid-stride loops over the elements (warps over 32-value blocks).
 #include "hybrid/kernels/cuda/Elementwise.h"
 #include "../common/fp8_quant.cuh"
-#include "../dsa/fp8_device.cuh" // e8m0ToFloat
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -55,23 +54,13 @@ __global__ void sigmoidGateKernel(float *x, const float *gate, int64_t n) {
     x[i] *= 1.0f / (1.0f + expf(-gate[i]));
 }
 
-// A warp per 32-value block, lane i on value i (a block per warp-sized slice of the grid).
+// A warp per 32-value block, lane i on value i.
 __global__ void mxfp8RoundTripKernel(float *x, int64_t blocks) {
   const int lane = threadIdx.x % 32;
   for (int64_t block = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; block < blocks;
        block += int64_t(gridDim.x) * blockDim.x / 32) {
     float &value = x[block * 32 + lane];
-    if (!__all_sync(0xffffffffu, isfinite(value))) { // NaN codes and a NaN scale
-      value = __int_as_float(0x7fc00000);
-      continue;
-    }
-    float amax = fabsf(value);
-    for (int offset = 16; offset > 0; offset /= 2)
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const uint8_t scale = quant::mxScaleCodeRoundUp(amax);
-    const uint8_t code = quant::floatToE4M3(ldexpf(value, -(int(scale) - 127)));
-    const __half_raw decoded = __nv_cvt_fp8_to_halfraw(code, __NV_E4M3);
-    value = __half2float(__half(decoded)) * e8m0ToFloat(scale);
+    value = quant::mxfp8RoundTrip(value);
   }
 }
 

@@ -3,6 +3,7 @@
 // attention keeps a block's queries and a tile of gathered rows in shared memory with an online
 // softmax. The FP8 sparse decode on tensor cores is sparse_mla_decode_sm90.cu.
 #include "hybrid/kernels/cuda/Mla.h"
+#include "../common/fp8_quant.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -33,15 +34,24 @@ __device__ inline void ropePair(float *x, int i, int pairs, RopePairing pairing,
   x[second] = b * cosine + a * sine;
 }
 
-// One block per row; threads over (head, pair).
+// One block per row; threads over (head, pair); then warps over the row's 32-value blocks.
 __global__ void __launch_bounds__(kThreads) rope(RopeParams p) {
   const int r = blockIdx.x, pairs = p.dims / 2;
-  const float position = float(p.positions[r]);
-  for (int item = threadIdx.x; item < p.heads * pairs; item += kThreads) {
-    const int h = item / pairs, i = item % pairs;
-    ropePair(p.x + int64_t(r) * p.rowStride + int64_t(h) * p.headStride + p.offset, i, pairs,
-             p.pairing, position * p.inverseFrequencies[i]);
+  float *row = p.x + int64_t(r) * p.rowStride;
+  if (pairs > 0) {
+    const float position = float(p.positions[r]);
+    for (int item = threadIdx.x; item < p.heads * pairs; item += kThreads) {
+      const int h = item / pairs, i = item % pairs;
+      ropePair(row + int64_t(h) * p.headStride + p.offset, i, pairs, p.pairing,
+               position * p.inverseFrequencies[i]);
+    }
   }
+  if (p.mxfp8Width == 0)
+    return;
+  __syncthreads(); // the rotated values are in place
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  for (int64_t block = warp; block < p.mxfp8Width / 32; block += kThreads / kWarpSize)
+    row[block * 32 + lane] = quant::mxfp8RoundTrip(row[block * 32 + lane]);
 }
 
 __device__ inline float blockSum(float value, float *shared) {
@@ -298,10 +308,12 @@ unsigned rowBlocks(int32_t rows) { return unsigned((rows + kRowsPerBlock - 1) / 
 } // namespace
 
 int launchRope(const RopeParams &p, void *stream) {
-  if (p.rows < 0 || p.heads <= 0 || p.dims < 0 || p.dims % 2 != 0 ||
-      (p.rows > 0 && p.dims > 0 && (!p.x || !p.positions || !p.inverseFrequencies)))
+  if (p.rows < 0 || p.heads <= 0 || p.dims < 0 || p.dims % 2 != 0 || p.mxfp8Width < 0 ||
+      p.mxfp8Width % 32 != 0 || p.mxfp8Width > p.rowStride ||
+      (p.rows > 0 && p.dims > 0 && (!p.x || !p.positions || !p.inverseFrequencies)) ||
+      (p.rows > 0 && p.mxfp8Width > 0 && !p.x))
     return cudaErrorInvalidValue;
-  if (p.rows == 0 || p.dims == 0)
+  if (p.rows == 0 || (p.dims == 0 && p.mxfp8Width == 0))
     return 0;
   rope<<<unsigned(p.rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return int(cudaGetLastError());

@@ -431,22 +431,20 @@ Status CudaExecutor::Impl::runAttention(const fb::Program &program, unsigned cha
     norm.y = out;
     LAUNCH_RETURN_IF_ERROR(kc::launchLayerNorm(norm, r.stream), "indexer key LayerNorm");
   }
-  if (rotates(p->rope()) && p->rope_head_dim() > 0) {
-    kc::RopeParams rope;
-    rope.rows = static_cast<int32_t>(T);
-    rope.heads = static_cast<int32_t>(heads);
-    rope.rowStride = heads * Di;
-    rope.headStride = Di;
-    rope.dims = p->rope_head_dim();
-    rope.pairing = pairingOf(p->rope());
-    rope.inverseFrequencies = ropeFrequencies.at(&d);
-    rope.positions = rowPositions;
-    rope.x = out;
-    LAUNCH_RETURN_IF_ERROR(kc::launchRope(rope, r.stream), "indexer RoPE");
-  }
-  if (p->quantize() == fb::ActivationQuant::Mxfp8)
-    LAUNCH_RETURN_IF_ERROR(kc::launchMxfp8RoundTrip(out, T * heads * Di, r.stream),
-                           "indexer MXFP8 rounding");
+  // RoPE and the MXFP8 rounding in one launch (the prolog's quantization fused).
+  const bool rotated = rotates(p->rope()) && p->rope_head_dim() > 0;
+  kc::RopeParams rope;
+  rope.rows = static_cast<int32_t>(T);
+  rope.heads = static_cast<int32_t>(heads);
+  rope.rowStride = heads * Di;
+  rope.headStride = Di;
+  rope.dims = rotated ? p->rope_head_dim() : 0;
+  rope.pairing = pairingOf(p->rope());
+  rope.inverseFrequencies = rotated ? ropeFrequencies.at(&d) : nullptr;
+  rope.positions = rowPositions;
+  rope.x = out;
+  rope.mxfp8Width = p->quantize() == fb::ActivationQuant::Mxfp8 ? heads * Di : 0;
+  LAUNCH_RETURN_IF_ERROR(kc::launchRope(rope, r.stream), "indexer RoPE and MXFP8 rounding");
   return Status::ok();
 }
 

@@ -66,6 +66,55 @@ TEST(MlaCuda, RopeMatchesTheReferenceInBothPairings) {
   }
 }
 
+// The indexer's prolog: RoPE on each head's leading dims, then the whole row rounded to MXFP8, in
+// one launch, bit for bit the reference's rounding of the rotated values.
+TEST(MlaCuda, RopeThenMxfp8InOneLaunch) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(11);
+  const int rows = 3, heads = 4, headDim = 64, dims = 32;
+  const std::vector<float> frequencies = ref::ropeInverseFrequencies(dims, 10000.0);
+  const std::vector<int32_t> positions = {0, 7, 9000};
+  const std::vector<float> x = random(size_t(rows) * heads * headDim, rng, 2.0f);
+  DeviceBuffer<float> dX(x), dFrequencies(frequencies);
+  DeviceBuffer<int32_t> dPositions(positions);
+  cuda::RopeParams p;
+  p.rows = rows;
+  p.heads = heads;
+  p.rowStride = heads * headDim;
+  p.headStride = headDim;
+  p.dims = dims;
+  p.pairing = cuda::RopePairing::HalfSplit;
+  p.inverseFrequencies = dFrequencies.data;
+  p.positions = dPositions.data;
+  p.x = dX.data;
+  p.mxfp8Width = heads * headDim;
+  ASSERT_EQ(cuda::launchRope(p, nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> got = dX.download();
+  // The reference rounding of the GPU's rotated values must give the GPU's values back: the
+  // rounding is idempotent, and a rotation differing from the reference's by an ulp would still
+  // round to a representable neighbour, so also compare with the reference pipeline closely.
+  std::vector<float> rotated = x;
+  for (int r = 0; r < rows; ++r)
+    for (int h = 0; h < heads; ++h)
+      ref::applyRope({rotated.data() + (r * heads + h) * headDim, size_t(dims)},
+                     positions[size_t(r)], frequencies, ref::RopeLayout::HalfSplit);
+  std::vector<uint8_t> codes(x.size()), scales(x.size() / 32);
+  std::vector<float> expected(x.size()), again(x.size());
+  ASSERT_TRUE(ref::quantizeMxfp8(rotated, rows * heads, headDim, codes, scales, ref::MxScaleRule::RoundUp));
+  ASSERT_TRUE(ref::dequantizeMxfp8(codes, scales, rows * heads, headDim, expected));
+  ASSERT_TRUE(ref::quantizeMxfp8(got, rows * heads, headDim, codes, scales, ref::MxScaleRule::RoundUp));
+  ASSERT_TRUE(ref::dequantizeMxfp8(codes, scales, rows * heads, headDim, again));
+  EXPECT_EQ(again, got) << "every value is an MXFP8 value";
+  EXPECT_LT(relativeRms(got, expected), 1e-3); // a rotated value off by an ulp may round apart
+  size_t same = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    same += got[i] == expected[i];
+  EXPECT_GE(same, got.size() * 99 / 100);
+  p.mxfp8Width = 33; // not whole blocks
+  EXPECT_EQ(cuda::launchRope(p, nullptr), int(cudaErrorInvalidValue));
+}
+
 TEST(MlaCuda, LatentRowsAreTheNormalisedLatentAndTheRotatedKey) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(6);

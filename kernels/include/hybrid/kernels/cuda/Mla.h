@@ -31,6 +31,9 @@ struct RopeParams {
   const float *inverseFrequencies = nullptr; // [dims / 2]
   const int32_t *positions = nullptr;        // [rows]
   float *x = nullptr;
+  // Then, in the same launch, the first `mxfp8Width` values of each row (a multiple of 32)
+  // rounded to MXFP8 as launchMxfp8RoundTrip does: the DSA indexer's query / key prolog.
+  int64_t mxfp8Width = 0;
 };
 int launchRope(const RopeParams &params, void *stream);
 
