@@ -42,7 +42,10 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
       return gemmWeight(weightAt(G));
     return gemmWeight(weightAt(GA)) && gemmWeight(weightAt(GB));
   }
-  default: // MLA and DSA where their layer's kernels fit; MoE, AttnRes: the cpu reference
+  case fb::KernelId::RouterTopK:
+  case fb::KernelId::MoeExperts:
+    return moeRunsOnGpu(d);
+  default: // MLA and DSA where their layer's kernels fit; AttnRes: the cpu reference
     return attentionRunsOnGpu(d);
   }
 }
@@ -324,6 +327,10 @@ Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *a
   case fb::KernelId::KdaChunkPrefill:
   case fb::KernelId::KdaRecurrentDecode:
     return runKda(program, arena, d, r, host);
+  case fb::KernelId::RouterTopK:
+    return runRouter(program, arena, d, r, host);
+  case fb::KernelId::MoeExperts:
+    return runMoeExperts(program, arena, d, r, host);
   default:
     if (attentionRunsOnGpu(d))
       return runAttention(program, arena, d, r, host);
@@ -510,6 +517,14 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
                                             kc::kdaDecodeWorkspaceBytes(step)});
         break;
       }
+      case fb::KernelId::RouterTopK:
+      case fb::KernelId::MoeExperts:
+        HYBRID_RETURN_IF_ERROR(
+            impl->prepareMoe(*d, *program, rows, program->name()->string_view() == "decode",
+                             hostWeights, floats, xWidth, outWidth)
+                .withContext(kernelName(d->kernel()) + " (layer " + std::to_string(d->layer()) +
+                             ")"));
+        break;
       default:
         if (!impl->attentionRunsOnGpu(*d))
           break; // Embed, Add: nothing to prepare

@@ -1,5 +1,5 @@
 // The `cuda` device: runs a program's dispatches on the GPU (kernels/cuda) on the plan's streams
-// and events. Dispatches it has no GPU kernel for yet (MoE, AttnRes: issue 7) or whose shapes or
+// and events. Dispatches it has no GPU kernel for yet (AttnRes: issue 7) or whose shapes or
 // weights its kernels do not take run on the cpu reference, on copies of exactly their input and
 // output values; which ones do is decided once, at load, and reported (placementReport). The
 // MLA / DSA layers it runs keep their KV rows in device pools that share the host PagedKvCache's

@@ -160,6 +160,14 @@ struct CudaExecutor::Impl {
     cudaFreeHost(pinnedPositions);
     cudaFreeHost(pinnedSequences);
     cudaFreeHost(pinnedTables);
+    cudaFreeHost(pinnedExpertIds);
+    cudaFreeHost(pinnedExpertTokens);
+    cudaFreeHost(pinnedExpertWeights);
+    cudaFreeHost(pinnedListWeights);
+    cudaFree(expertTokens);
+    cudaFree(expertListWeights);
+    for (auto &[dispatch, pointers] : expertPointers)
+      cudaFree(pointers);
     cudaFree(kvPool);
     cudaFree(pool);
     cudaFree(weights);
@@ -273,6 +281,26 @@ struct CudaExecutor::Impl {
   // pools), positions and block tables uploaded. After the step: the host lengths advanced.
   Status prepareKvStep(const cpu::StepContext &host);
   Status finishKvStep(size_t programIndex, const cpu::StepContext &host);
+
+  // ---- MoE (CudaMoe.cpp) ----
+  // Per MoeExperts dispatch: device arrays of its experts' gate, up and down weight pointers.
+  std::map<const fb::Dispatch *, const void **> expertPointers;
+  // The grouped form's host round trip: each row's experts and weights down, per-expert token
+  // lists and weights up (pinned, and their device copies in `pool`).
+  int32_t *pinnedExpertIds = nullptr, *pinnedExpertTokens = nullptr;
+  float *pinnedExpertWeights = nullptr, *pinnedListWeights = nullptr;
+  int32_t *expertTokens = nullptr;
+  float *expertListWeights = nullptr;
+  size_t expertListCapacity = 0; // entries (rows x top-k) the buffers above hold
+  bool moeRunsOnGpu(const fb::Dispatch &dispatch) const;
+  Status prepareMoe(const fb::Dispatch &dispatch, const fb::Program &program, int64_t rows,
+                    bool decodeProgram, const std::vector<std::vector<float>> &hostWeights,
+                    size_t &floats, size_t &xWidth, size_t &outWidth);
+  Status runRouter(const fb::Program &program, unsigned char *arena, const fb::Dispatch &dispatch,
+                   StreamResources &resources, const cpu::StepContext &host);
+  Status runMoeExperts(const fb::Program &program, unsigned char *arena,
+                       const fb::Dispatch &dispatch, StreamResources &resources,
+                       const cpu::StepContext &host);
 };
 
 inline const fb::Value &valueOf(const fb::Program &program, int32_t index) {

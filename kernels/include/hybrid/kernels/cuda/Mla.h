@@ -9,14 +9,14 @@
 // pointer; positions and page numbers are the caller's to keep in range).
 #pragma once
 
-#include "hybrid/kernels/cuda/SparseMla.h" // LatentCacheType
+#include "hybrid/kernels/cuda/Elementwise.h" // WeightType
+#include "hybrid/kernels/cuda/SparseMla.h"   // LatentCacheType
 
 #include <cstdint>
 
 namespace hybrid::kernels::cuda {
 
 enum class RopePairing { Interleaved, HalfSplit };
-enum class WeightType { F32, BF16 };
 
 // Rotates `dims` values (dims / 2 pairs) at `offset` of every head of every row by the row's
 // position, as ref::applyRope: x[r * rowStride + h * headStride + offset + ...], in floats.

@@ -1,0 +1,331 @@
+// MoE (see Moe.h): the router in one block per token (its choices made by one thread in the
+// reference's order where the order decides ties or sums), and the per-(token, expert) SwiGLU on
+// CUDA cores: a warp per output row reading the expert's weight row once, the token's input in
+// shared memory.
+#include "hybrid/kernels/cuda/Moe.h"
+#include "../common/device_setup.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace hybrid::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256, kWarps = kThreads / 32;
+
+__device__ inline float warpSum(float value) {
+  for (int offset = 16; offset > 0; offset /= 2)
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+// a before b in the router's order: larger value, then lower index.
+__device__ inline bool ranksBefore(float a, int ia, float b, int ib) {
+  return a > b || (a == b && ia < ib);
+}
+
+__global__ void __launch_bounds__(kThreads) routerKernel(MoeRouterParams p) {
+  __shared__ float scores[kMoeMaxExperts], choice[kMoeMaxExperts];
+  __shared__ bool taken[kMoeMaxExperts];
+  __shared__ float bestValues[kWarps];
+  __shared__ int bestIndices[kWarps];
+  __shared__ int chosen[kMoeMaxTopK];
+  const int t = blockIdx.x, E = p.experts, tid = threadIdx.x;
+  const float *logits = p.logits + size_t(t) * E;
+  if (!p.softmax) {
+    for (int e = tid; e < E; e += kThreads)
+      scores[e] = 1.0f / (1.0f + expf(-logits[e]));
+  } else {
+    for (int e = tid; e < E; e += kThreads)
+      scores[e] = logits[e];
+    __syncthreads();
+    if (tid == 0) { // the reference's order of the max and the sum
+      float largest = scores[0];
+      for (int e = 1; e < E; ++e)
+        largest = fmaxf(largest, scores[e]);
+      float sum = 0.0f;
+      for (int e = 0; e < E; ++e)
+        sum += scores[e] = expf(scores[e] - largest);
+      for (int e = 0; e < E; ++e)
+        scores[e] /= sum;
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += kThreads) {
+    choice[e] = scores[e] + (p.correctionBias ? p.correctionBias[e] : 0.0f);
+    taken[e] = false;
+  }
+  __syncthreads();
+  if (p.groups > 1 && tid == 0) {
+    // Each group's score (its top two biased scores, or its top one), the best groups kept.
+    const int size = E / p.groups;
+    float groupScores[64];
+    for (int g = 0; g < p.groups; ++g) {
+      float first = -INFINITY, second = -INFINITY;
+      for (int e = g * size; e < (g + 1) * size; ++e) {
+        const float v = choice[e];
+        if (v > first) {
+          second = first;
+          first = v;
+        } else if (v > second) {
+          second = v;
+        }
+      }
+      groupScores[g] = p.correctionBias && size >= 2 ? first + second : first;
+    }
+    bool keep[64] = {};
+    for (int k = 0; k < p.topKGroups; ++k) {
+      int best = -1;
+      for (int g = 0; g < p.groups; ++g)
+        if (!keep[g] && (best < 0 || ranksBefore(groupScores[g], g, groupScores[best], best)))
+          best = g;
+      keep[best] = true;
+    }
+    for (int e = 0; e < E; ++e)
+      if (!keep[e / size])
+        choice[e] = -INFINITY;
+  }
+  __syncthreads();
+  // The top k, one block-wide argmax per pick.
+  const int lane = tid % 32, warp = tid / 32;
+  for (int k = 0; k < p.topK; ++k) {
+    float best = -INFINITY;
+    int index = -1;
+    for (int e = tid; e < E; e += kThreads)
+      if (!taken[e] && (index < 0 || ranksBefore(choice[e], e, best, index))) {
+        best = choice[e];
+        index = e;
+      }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float otherValue = __shfl_xor_sync(0xffffffffu, best, offset);
+      const int otherIndex = __shfl_xor_sync(0xffffffffu, index, offset);
+      if (otherIndex >= 0 && (index < 0 || ranksBefore(otherValue, otherIndex, best, index))) {
+        best = otherValue;
+        index = otherIndex;
+      }
+    }
+    if (lane == 0) {
+      bestValues[warp] = best;
+      bestIndices[warp] = index;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      int winner = -1;
+      for (int w = 0; w < kWarps; ++w)
+        if (bestIndices[w] >= 0 &&
+            (winner < 0 || ranksBefore(bestValues[w], bestIndices[w], choice[winner], winner)))
+          winner = bestIndices[w];
+      chosen[k] = winner;
+      taken[winner] = true;
+    }
+    __syncthreads();
+  }
+  if (tid == 0) { // weights in the choice order, summed in that order
+    float sum = 0.0f;
+    for (int k = 0; k < p.topK; ++k)
+      sum += scores[chosen[k]];
+    for (int k = 0; k < p.topK; ++k) {
+      float weight = scores[chosen[k]];
+      if (p.renormalize)
+        weight /= sum + 1e-20f;
+      weight *= p.routedScalingFactor;
+      p.ids[size_t(t) * p.topK + k] = chosen[k];
+      p.weights[size_t(t) * p.topK + k] = weight;
+    }
+  }
+}
+
+template <typename T> __device__ inline float2 pairAt(const T *row, int i);
+template <> __device__ inline float2 pairAt<__nv_bfloat16>(const __nv_bfloat16 *row, int i) {
+  return __bfloat1622float2(reinterpret_cast<const __nv_bfloat162 *>(row)[i]);
+}
+template <> __device__ inline float2 pairAt<float>(const float *row, int i) {
+  return reinterpret_cast<const float2 *>(row)[i];
+}
+
+// row . v over `width` values (even), lanes over value pairs.
+template <typename T>
+__device__ inline float rowDot(const T *row, const float *v, int width, int lane) {
+  float sum = 0.0f;
+  for (int i = lane; i < width / 2; i += 32) {
+    const float2 w = pairAt(row, i);
+    sum = fmaf(w.x, v[2 * i], sum);
+    sum = fmaf(w.y, v[2 * i + 1], sum);
+  }
+  return warpSum(sum);
+}
+
+// Block (token-slot, 8 rows of the intermediate): h = silu(gate x) * up x.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) gateUpKernel(MoeExpertsParams p, float *h) {
+  extern __shared__ float x[];
+  const int slot = blockIdx.x, token = slot / p.topK;
+  const int expert = p.ids[slot];
+  for (int i = threadIdx.x; i < p.hidden; i += kThreads)
+    x[i] = p.x[size_t(token) * p.hidden + i];
+  __syncthreads();
+  if (expert < 0 || expert >= p.experts)
+    return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = int(blockIdx.y) * kWarps + warp;
+  if (row >= p.intermediate)
+    return;
+  const T *gate = static_cast<const T *>(p.gate[expert]) + size_t(row) * p.hidden;
+  const T *up = static_cast<const T *>(p.up[expert]) + size_t(row) * p.hidden;
+  const float g = rowDot(gate, x, p.hidden, lane), u = rowDot(up, x, p.hidden, lane);
+  if (lane == 0)
+    h[size_t(slot) * p.intermediate + row] = g * (1.0f / (1.0f + expf(-g))) * u;
+}
+
+// Block (token-slot, 8 rows of the output): y = down h.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const float *h,
+                                                       float *y) {
+  extern __shared__ float hs[];
+  const int slot = blockIdx.x, expert = p.ids[slot];
+  for (int i = threadIdx.x; i < p.intermediate; i += kThreads)
+    hs[i] = h[size_t(slot) * p.intermediate + i];
+  __syncthreads();
+  if (expert < 0 || expert >= p.experts)
+    return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = int(blockIdx.y) * kWarps + warp;
+  if (row >= p.hidden)
+    return;
+  const T *down = static_cast<const T *>(p.down[expert]) + size_t(row) * p.intermediate;
+  const float v = rowDot(down, hs, p.intermediate, lane);
+  if (lane == 0)
+    y[size_t(slot) * p.hidden + row] = v;
+}
+
+// Block per token: its experts' weighted outputs added in ascending expert order, from zero.
+__global__ void __launch_bounds__(kThreads) combineKernel(MoeExpertsParams p, const float *y) {
+  __shared__ int order[kMoeMaxTopK];
+  const int token = blockIdx.x;
+  const int32_t *ids = p.ids + size_t(token) * p.topK;
+  if (threadIdx.x == 0) { // insertion sort of the slots by expert id
+    for (int k = 0; k < p.topK; ++k) {
+      int at = k;
+      while (at > 0 && ids[order[at - 1]] > ids[k]) {
+        order[at] = order[at - 1];
+        --at;
+      }
+      order[at] = k;
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < p.hidden; j += kThreads) {
+    float sum = 0.0f;
+    for (int k = 0; k < p.topK; ++k) {
+      const int slot = order[k];
+      if (ids[slot] < 0 || ids[slot] >= p.experts)
+        continue;
+      sum = __fadd_rn(sum, __fmul_rn(p.weights[size_t(token) * p.topK + slot],
+                                     y[(size_t(token) * p.topK + slot) * p.hidden + j]));
+    }
+    p.out[size_t(token) * p.hidden + j] = sum;
+  }
+}
+
+__global__ void gatherRowsKernel(const float *x, int64_t width, const int32_t *rows, int32_t count,
+                                 float *out) {
+  const int64_t total = int64_t(count) * width;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = x[int64_t(rows[i / width]) * width + i % width];
+}
+
+__global__ void scatterAddRowsKernel(const float *in, int64_t width, const int32_t *rows,
+                                     const float *scales, int32_t count, float *out) {
+  const int64_t total = int64_t(count) * width;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width;
+    float &target = out[int64_t(rows[r]) * width + i % width];
+    target = __fadd_rn(target, __fmul_rn(scales[r], in[i]));
+  }
+}
+
+unsigned gridFor(int64_t n) {
+  return unsigned(std::min<int64_t>(std::max<int64_t>(1, (n + kThreads - 1) / kThreads), 8192));
+}
+
+template <typename T> int launchPerToken(const MoeExpertsParams &p, cudaStream_t stream) {
+  const DeviceSetup setup = deviceSetup([] {
+    const int limit = kMoeMaxHidden * int(sizeof(float));
+    cudaError_t status = cudaFuncSetAttribute(gateUpKernel<T>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
+    if (status == cudaSuccess)
+      status = cudaFuncSetAttribute(downKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    limit);
+    return status;
+  });
+  if (setup.status != cudaSuccess)
+    return int(setup.status);
+  auto *h = static_cast<float *>(p.workspace);
+  float *y = h + size_t(p.tokens) * p.topK * p.intermediate;
+  const unsigned slots = unsigned(p.tokens * p.topK);
+  gateUpKernel<T><<<dim3(slots, unsigned((p.intermediate + kWarps - 1) / kWarps)), kThreads,
+                    size_t(p.hidden) * sizeof(float), stream>>>(p, h);
+  downKernel<T><<<dim3(slots, unsigned((p.hidden + kWarps - 1) / kWarps)), kThreads,
+                  size_t(p.intermediate) * sizeof(float), stream>>>(p, h, y);
+  combineKernel<<<unsigned(p.tokens), kThreads, 0, stream>>>(p, y);
+  return int(cudaGetLastError());
+}
+
+} // namespace
+
+int launchMoeRouter(const MoeRouterParams &p, void *stream) {
+  if (p.tokens <= 0 || p.experts <= 0 || p.experts > kMoeMaxExperts || p.topK <= 0 ||
+      p.topK > kMoeMaxTopK || p.topK > p.experts || p.groups <= 0 || p.groups > 64 ||
+      p.experts % p.groups != 0 || p.topKGroups <= 0 || p.topKGroups > p.groups || !p.logits ||
+      !p.ids || !p.weights)
+    return cudaErrorInvalidValue;
+  routerKernel<<<unsigned(p.tokens), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  return int(cudaGetLastError());
+}
+
+size_t moeExpertsWorkspaceBytes(int32_t tokens, int32_t topK, int32_t hidden,
+                                int32_t intermediate) {
+  return tokens > 0 && topK > 0
+             ? size_t(tokens) * topK * (size_t(hidden) + size_t(intermediate)) * sizeof(float)
+             : 0;
+}
+
+int launchMoeExpertsPerToken(const MoeExpertsParams &p, void *stream) {
+  if (p.tokens <= 0 || p.hidden <= 0 || p.hidden > kMoeMaxHidden || p.hidden % 2 != 0 ||
+      p.intermediate <= 0 || p.intermediate > kMoeMaxHidden || p.intermediate % 2 != 0 ||
+      p.experts <= 0 || p.topK <= 0 || p.topK > kMoeMaxTopK || !p.x || !p.ids || !p.weights ||
+      !p.gate || !p.up || !p.down || !p.out || !p.workspace)
+    return cudaErrorInvalidValue;
+  const auto s = static_cast<cudaStream_t>(stream);
+  return p.type == WeightType::BF16 ? launchPerToken<__nv_bfloat16>(p, s)
+                                    : launchPerToken<float>(p, s);
+}
+
+int launchGatherRows(const float *x, int64_t width, const int32_t *rows, int32_t count, float *out,
+                     void *stream) {
+  if (width <= 0 || count < 0 || (count > 0 && (!x || !rows || !out)))
+    return cudaErrorInvalidValue;
+  if (count == 0)
+    return 0;
+  gatherRowsKernel<<<gridFor(int64_t(count) * width), kThreads, 0,
+                     static_cast<cudaStream_t>(stream)>>>(x, width, rows, count, out);
+  return int(cudaGetLastError());
+}
+
+int launchScatterAddRows(const float *in, int64_t width, const int32_t *rows, const float *scales,
+                         int32_t count, float *out, void *stream) {
+  if (width <= 0 || count < 0 || (count > 0 && (!in || !rows || !scales || !out)))
+    return cudaErrorInvalidValue;
+  if (count == 0)
+    return 0;
+  scatterAddRowsKernel<<<gridFor(int64_t(count) * width), kThreads, 0,
+                         static_cast<cudaStream_t>(stream)>>>(in, width, rows, scales, count, out);
+  return int(cudaGetLastError());
+}
+
+} // namespace hybrid::kernels::cuda

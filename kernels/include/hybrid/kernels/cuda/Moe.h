@@ -1,0 +1,74 @@
+// MoE on CUDA (MODEL_SPEC 5, issue 7): the noaux_tc router as one kernel after the router GEMM,
+// and the routed experts' SwiGLU MLPs, either per (token, expert) on CUDA cores (decode: no host
+// round trip, so it can be captured in a graph) or grouped by expert around the runtime's
+// GEMMs (prefill: gather, GEMMs, scatter-add). fp32 activations, expert weights in bf16 or fp32;
+// the reference's arithmetic up to summation order, every token's experts added in ascending
+// expert order as ref::moeExperts does. CUDA-free header. Launches return 0 or a cudaError_t
+// (cudaErrorInvalidValue for a bad shape or a missing pointer).
+#pragma once
+
+#include "hybrid/kernels/cuda/Elementwise.h" // WeightType
+
+#include <cstddef>
+#include <cstdint>
+
+namespace hybrid::kernels::cuda {
+
+inline constexpr int kMoeMaxExperts = 1024;
+inline constexpr int kMoeMaxTopK = 32;
+
+// ref::routeTokens: scores (sigmoid or softmax of the logits), the correction bias for the choice
+// only, grouped top-k (groups ranked by their top-2 biased scores, or top-1 without a bias), the
+// top-k experts of the kept groups (ties: lower id), their unbiased scores renormalized and
+// scaled. ids / weights [tokens, topK] in descending order of the biased score.
+struct MoeRouterParams {
+  int32_t tokens = 0;
+  int32_t experts = 0; // <= kMoeMaxExperts, a multiple of groups
+  int32_t topK = 0;    // <= kMoeMaxTopK
+  int32_t groups = 1;
+  int32_t topKGroups = 1;
+  bool softmax = false;                  // else sigmoid
+  const float *logits = nullptr;         // [tokens, experts]
+  const float *correctionBias = nullptr; // [experts] or null
+  bool renormalize = true;
+  float routedScalingFactor = 1.0f;
+  int32_t *ids = nullptr;
+  float *weights = nullptr;
+};
+int launchMoeRouter(const MoeRouterParams &params, void *stream);
+
+// The routed experts of `tokens` rows: out[t] = sum over the row's topK experts e (ascending) of
+// weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t). Per expert e, gate[e] / up[e] point to
+// [intermediate, hidden] matrices and down[e] to [hidden, intermediate] (device arrays of
+// device pointers, all of one type).
+struct MoeExpertsParams {
+  int32_t tokens = 0;
+  int32_t hidden = 0;       // <= kMoeMaxHidden
+  int32_t intermediate = 0; // <= kMoeMaxHidden
+  int32_t experts = 0;
+  int32_t topK = 0;
+  const float *x = nullptr;          // [tokens, hidden]
+  const int32_t *ids = nullptr;      // [tokens, topK]
+  const float *weights = nullptr;    // [tokens, topK]
+  const void *const *gate = nullptr; // [experts]
+  const void *const *up = nullptr;
+  const void *const *down = nullptr;
+  WeightType type = WeightType::BF16;
+  float *out = nullptr;       // [tokens, hidden]
+  void *workspace = nullptr;  // moeExpertsWorkspaceBytes
+};
+inline constexpr int kMoeMaxHidden = 16384;
+
+// Decode form: every (token, expert) pair on CUDA cores, one launch chain, no host round trip.
+size_t moeExpertsWorkspaceBytes(int32_t tokens, int32_t topK, int32_t hidden, int32_t intermediate);
+int launchMoeExpertsPerToken(const MoeExpertsParams &params, void *stream);
+
+// Grouped form's pieces: rows[r] of x into out[r] (count rows of `width`), and out[rows[r]] +=
+// scales[r] * in[r] (each target row at most once per call, so calls made expert by expert add
+// in expert order).
+int launchGatherRows(const float *x, int64_t width, const int32_t *rows, int32_t count, float *out,
+                     void *stream);
+int launchScatterAddRows(const float *in, int64_t width, const int32_t *rows, const float *scales,
+                         int32_t count, float *out, void *stream);
+
+} // namespace hybrid::kernels::cuda

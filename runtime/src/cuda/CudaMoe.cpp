@@ -1,0 +1,257 @@
+// MoE layers on the cuda device (issue 7): the router (its GEMM, then the fused noaux_tc
+// selection) and the routed experts, per (token, expert) on CUDA cores in decode steps (no host
+// round trip, so decode graphs hold them) and small prefills, grouped by expert around the GEMMs
+// in larger prefills (the chosen experts come to the host, each expert runs once on its tokens).
+#include "cuda/CudaExecutorImpl.h"
+
+#include "hybrid/kernels/cuda/Elementwise.h"
+#include "hybrid/kernels/cuda/Moe.h"
+
+#include <algorithm>
+
+namespace hybrid::cudadev {
+namespace {
+
+// Above this many (token, expert) pairs a prefill groups the tokens by expert: each expert's
+// weights are then read once, not once per token.
+constexpr int64_t kPerTokenMaxPairs = 64;
+
+int64_t pad(int64_t floats) { return (floats + 63) / 64 * 64; }
+
+int32_t roleOf(const fb::Dispatch &d, int role) {
+  return d.weights() && role < static_cast<int>(d.weights()->size()) ? d.weights()->Get(role) : -1;
+}
+
+bool groupedForm(const cpu::StepContext &host, int64_t topK) {
+  return !host.decode && host.rows * topK > kPerTokenMaxPairs;
+}
+
+} // namespace
+
+bool CudaExecutor::Impl::moeRunsOnGpu(const fb::Dispatch &d) const {
+  const fb::MoeParams *p = d.params_as_MoeParams();
+  if (!p || p->num_experts() <= 0 || p->top_k() <= 0 || p->top_k() > kc::kMoeMaxTopK ||
+      p->top_k() > p->num_experts())
+    return false;
+  if (d.kernel() == fb::KernelId::RouterTopK)
+    return p->num_experts() <= kc::kMoeMaxExperts && p->num_groups() >= 1 &&
+           p->num_groups() <= 64 && p->num_experts() % p->num_groups() == 0 &&
+           p->topk_groups() >= 1 && p->topk_groups() <= p->num_groups() &&
+           gemmWeight(roleOf(d, 0));
+  // Experts: bf16 row-major weights the GEMMs and the CUDA-core kernels both read.
+  if (!d.weights() || static_cast<int64_t>(d.weights()->size()) < 3 * p->num_experts() ||
+      p->intermediate_size() <= 0 || p->intermediate_size() > kc::kMoeMaxHidden ||
+      p->intermediate_size() % 2 != 0)
+    return false;
+  for (int64_t i = 0; i < 3 * p->num_experts(); ++i) {
+    const int32_t index = d.weights()->Get(static_cast<flatbuffers::uoffset_t>(i));
+    if (!gemmWeight(index) || weightTypes[static_cast<size_t>(index)] != fb::DType::BF16)
+      return false;
+  }
+  return true;
+}
+
+Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &program,
+                                      int64_t rows, bool decodeProgram,
+                                      const std::vector<std::vector<float>> &hostWeights,
+                                      size_t &floats, size_t &xWidth, size_t &outWidth) {
+  const fb::MoeParams *p = d.params_as_MoeParams();
+  const int64_t E = p->num_experts(), K = p->top_k(), inner = p->intermediate_size();
+  const int64_t hidden = valueOf(program, d.inputs()->Get(0)).row_elements();
+  if (hidden > kc::kMoeMaxHidden || hidden % 2 != 0)
+    return Status::error("MoE hidden size " + std::to_string(hidden) + " is not an even number "
+                         "up to " + std::to_string(kc::kMoeMaxHidden));
+  if (d.kernel() == fb::KernelId::RouterTopK) {
+    const int32_t bias = roleOf(d, 1);
+    if (bias >= 0 && !fp32Weights.count(bias)) {
+      const std::vector<float> &values = hostWeights[static_cast<size_t>(bias)];
+      if (static_cast<int64_t>(values.size()) != E)
+        return Status::error("router correction bias has " + std::to_string(values.size()) +
+                             " values for " + std::to_string(E) + " experts");
+      float *&device = fp32Weights[bias];
+      CUDA_RETURN_IF_ERROR(cudaMalloc(&device, values.size() * sizeof(float)), "router bias");
+      CUDA_RETURN_IF_ERROR(cudaMemcpy(device, values.data(), values.size() * sizeof(float),
+                                      cudaMemcpyHostToDevice),
+                           "router bias");
+    }
+    floats = static_cast<size_t>(pad(rows * E));
+    xWidth = static_cast<size_t>(hidden);
+    outWidth = static_cast<size_t>(E);
+    return Status::ok();
+  }
+  if (!expertPointers.count(&d)) {
+    std::vector<const void *> pointers(static_cast<size_t>(3 * E));
+    for (int64_t e = 0; e < E; ++e)
+      for (int m = 0; m < 3; ++m) // gate, up, down: three arrays of E pointers
+        pointers[static_cast<size_t>(m * E + e)] =
+            weight(d.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e + m)));
+    const void **&device = expertPointers[&d];
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&device, pointers.size() * sizeof(void *)),
+                         "expert weight pointers");
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(device, pointers.data(), pointers.size() * sizeof(void *),
+                                    cudaMemcpyHostToDevice),
+                         "expert weight pointers");
+  }
+  // Per-token form: hidden and output rows per pair; grouped form (prefill): gathered rows, gate,
+  // up, the expert's output.
+  const int64_t pairs = decodeProgram ? rows * K : std::min(rows * K, kPerTokenMaxPairs);
+  const int64_t perToken = pad(static_cast<int64_t>(
+      kc::moeExpertsWorkspaceBytes(static_cast<int32_t>(pairs), 1, static_cast<int32_t>(hidden),
+                                   static_cast<int32_t>(inner)) / sizeof(float)));
+  const int64_t grouped = decodeProgram ? 0 : 2 * pad(rows * hidden) + 2 * pad(rows * inner);
+  floats = static_cast<size_t>(std::max(perToken, grouped));
+  xWidth = static_cast<size_t>(std::max(hidden, inner));
+  outWidth = static_cast<size_t>(std::max(hidden, inner));
+  if (!decodeProgram && static_cast<size_t>(rows * K) > expertListCapacity) {
+    const size_t entries = static_cast<size_t>(rows * K);
+    cudaFreeHost(pinnedExpertIds);
+    cudaFreeHost(pinnedExpertTokens);
+    cudaFreeHost(pinnedExpertWeights);
+    cudaFreeHost(pinnedListWeights);
+    cudaFree(expertTokens);
+    cudaFree(expertListWeights);
+    pinnedExpertIds = pinnedExpertTokens = expertTokens = nullptr;
+    pinnedExpertWeights = pinnedListWeights = expertListWeights = nullptr;
+    expertListCapacity = 0;
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinnedExpertIds, entries * sizeof(int32_t)), "MoE lists");
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinnedExpertTokens, entries * sizeof(int32_t)),
+                         "MoE lists");
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinnedExpertWeights, entries * sizeof(float)), "MoE lists");
+    CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinnedListWeights, entries * sizeof(float)), "MoE lists");
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&expertTokens, entries * sizeof(int32_t)), "MoE lists");
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&expertListWeights, entries * sizeof(float)), "MoE lists");
+    expertListCapacity = entries;
+  }
+  return Status::ok();
+}
+
+Status CudaExecutor::Impl::runRouter(const fb::Program &program, unsigned char *arena,
+                                     const fb::Dispatch &d, StreamResources &r,
+                                     const cpu::StepContext &host) {
+  const fb::MoeParams *p = d.params_as_MoeParams();
+  const fb::Value &in = valueOf(program, d.inputs()->Get(0));
+  const int64_t T = host.rows, E = p->num_experts(), hidden = in.row_elements();
+  if (static_cast<size_t>(pad(T * E)) > scratchFloats)
+    return Status::error("router scratch larger than planned at load");
+  float *logits = r.scratch;
+  HYBRID_RETURN_IF_ERROR(gemm(r, reinterpret_cast<const float *>(arena + in.arena_offset()), hidden,
+                              roleOf(d, 0), logits, E, T, hidden, E));
+  kc::MoeRouterParams router;
+  router.tokens = static_cast<int32_t>(T);
+  router.experts = static_cast<int32_t>(E);
+  router.topK = p->top_k();
+  router.groups = p->num_groups();
+  router.topKGroups = p->topk_groups();
+  router.softmax = p->score_function() == fb::ScoreFunction::Softmax;
+  router.logits = logits;
+  router.correctionBias = roleOf(d, 1) >= 0 ? fp32Weights.at(roleOf(d, 1)) : nullptr;
+  router.renormalize = p->renormalize();
+  router.routedScalingFactor = p->routed_scaling_factor();
+  router.ids = reinterpret_cast<int32_t *>(arena + valueOf(program, d.outputs()->Get(0)).arena_offset());
+  router.weights = reinterpret_cast<float *>(arena + valueOf(program, d.outputs()->Get(1)).arena_offset());
+  LAUNCH_RETURN_IF_ERROR(kc::launchMoeRouter(router, r.stream), "MoE router");
+  return Status::ok();
+}
+
+Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned char *arena,
+                                         const fb::Dispatch &d, StreamResources &r,
+                                         const cpu::StepContext &host) {
+  const fb::MoeParams *p = d.params_as_MoeParams();
+  auto value = [&](int position) { return arena + valueOf(program, d.inputs()->Get(position)).arena_offset(); };
+  const int64_t T = host.rows, E = p->num_experts(), K = p->top_k(), inner = p->intermediate_size();
+  const int64_t hidden = valueOf(program, d.inputs()->Get(0)).row_elements();
+  const auto *x = reinterpret_cast<const float *>(value(0));
+  const auto *ids = reinterpret_cast<const int32_t *>(value(1));
+  const auto *weights = reinterpret_cast<const float *>(value(2));
+  auto *out = reinterpret_cast<float *>(arena + valueOf(program, d.outputs()->Get(0)).arena_offset());
+  const void **pointers = expertPointers.at(&d);
+
+  if (!groupedForm(host, K)) {
+    kc::MoeExpertsParams m;
+    m.tokens = static_cast<int32_t>(T);
+    m.hidden = static_cast<int32_t>(hidden);
+    m.intermediate = static_cast<int32_t>(inner);
+    m.experts = static_cast<int32_t>(E);
+    m.topK = static_cast<int32_t>(K);
+    m.x = x;
+    m.ids = ids;
+    m.weights = weights;
+    m.gate = pointers;
+    m.up = pointers + E;
+    m.down = pointers + 2 * E;
+    m.type = kc::WeightType::BF16;
+    m.out = out;
+    m.workspace = r.scratch;
+    if (kc::moeExpertsWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate) >
+        scratchFloats * sizeof(float))
+      return Status::error("MoE workspace larger than planned at load");
+    LAUNCH_RETURN_IF_ERROR(kc::launchMoeExpertsPerToken(m, r.stream), "MoE experts");
+    return Status::ok();
+  }
+
+  // Grouped: the chosen experts come to the host, each expert runs once on its tokens.
+  const size_t pairs = static_cast<size_t>(T * K);
+  if (pairs > expertListCapacity)
+    return Status::error("MoE step of " + std::to_string(pairs) +
+                         " (token, expert) pairs is larger than planned at load");
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pinnedExpertIds, ids, pairs * sizeof(int32_t),
+                                       cudaMemcpyDeviceToHost, r.stream),
+                       "MoE expert ids download");
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pinnedExpertWeights, weights, pairs * sizeof(float),
+                                       cudaMemcpyDeviceToHost, r.stream),
+                       "MoE expert weights download");
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(r.stream), "MoE expert ids download");
+  std::vector<int64_t> starts(static_cast<size_t>(E) + 1, 0);
+  for (size_t i = 0; i < pairs; ++i) {
+    const int32_t expert = pinnedExpertIds[i];
+    if (expert < 0 || expert >= E)
+      return Status::error("router chose expert " + std::to_string(expert) + " of " +
+                           std::to_string(E));
+    ++starts[static_cast<size_t>(expert) + 1];
+  }
+  for (int64_t e = 0; e < E; ++e)
+    starts[static_cast<size_t>(e) + 1] += starts[static_cast<size_t>(e)];
+  std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+  for (size_t i = 0; i < pairs; ++i) { // tokens in ascending order within each expert
+    const int64_t slot = next[static_cast<size_t>(pinnedExpertIds[i])]++;
+    pinnedExpertTokens[slot] = static_cast<int32_t>(i / static_cast<size_t>(K));
+    pinnedListWeights[slot] = pinnedExpertWeights[i];
+  }
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(expertTokens, pinnedExpertTokens, pairs * sizeof(int32_t),
+                                       cudaMemcpyHostToDevice, r.stream),
+                       "MoE token lists upload");
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(expertListWeights, pinnedListWeights, pairs * sizeof(float),
+                                       cudaMemcpyHostToDevice, r.stream),
+                       "MoE token lists upload");
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(out, 0, static_cast<size_t>(T * hidden) * sizeof(float),
+                                       r.stream),
+                       "MoE output");
+  if (static_cast<size_t>(2 * pad(T * hidden) + 2 * pad(T * inner)) > scratchFloats)
+    return Status::error("MoE scratch larger than planned at load");
+  float *gathered = r.scratch, *gate = gathered + pad(T * hidden), *up = gate + pad(T * inner);
+  float *result = up + pad(T * inner);
+  for (int64_t e = 0; e < E; ++e) { // in expert order: each token's sum is in that order too
+    const int64_t begin = starts[static_cast<size_t>(e)], n = starts[static_cast<size_t>(e) + 1] - begin;
+    if (n == 0)
+      continue;
+    const int32_t count = static_cast<int32_t>(n);
+    LAUNCH_RETURN_IF_ERROR(kc::launchGatherRows(x, hidden, expertTokens + begin, count, gathered,
+                                                r.stream),
+                           "MoE token gather");
+    HYBRID_RETURN_IF_ERROR(gemm(r, gathered, hidden, d.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e)),
+                                gate, inner, n, hidden, inner));
+    HYBRID_RETURN_IF_ERROR(gemm(r, gathered, hidden, d.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e + 1)),
+                                up, inner, n, hidden, inner));
+    LAUNCH_RETURN_IF_ERROR(kc::launchSiluMul(gate, up, n, inner, inner, gate, r.stream),
+                           "MoE silu(gate) * up");
+    HYBRID_RETURN_IF_ERROR(gemm(r, gate, inner, d.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e + 2)),
+                                result, hidden, n, inner, hidden));
+    LAUNCH_RETURN_IF_ERROR(kc::launchScatterAddRows(result, hidden, expertTokens + begin,
+                                                    expertListWeights + begin, count, out,
+                                                    r.stream),
+                           "MoE weighted scatter-add");
+  }
+  return Status::ok();
+}
+
+} // namespace hybrid::cudadev
