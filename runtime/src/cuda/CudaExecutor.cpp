@@ -1,5 +1,6 @@
 #include "cuda/CudaExecutorImpl.h"
 
+#include "hybrid/kernels/cuda/AttnRes.h"
 #include "hybrid/kernels/cuda/Elementwise.h"
 #include "hybrid/kernels/cuda/Norm.h"
 #include "hybrid/kernels/ref/Quant.h"
@@ -45,7 +46,19 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
   case fb::KernelId::RouterTopK:
   case fb::KernelId::MoeExperts:
     return moeRunsOnGpu(d);
-  default: // MLA and DSA where their layer's kernels fit; AttnRes: the cpu reference
+  case fb::KernelId::AttnRes:
+  case fb::KernelId::AttnResRmsNorm: { // inputs: the partial sum, then the completed blocks
+    const size_t roles = d.kernel() == fb::KernelId::AttnResRmsNorm ? 3 : 2;
+    if (!d.params_as_AttnResParams() || !d.inputs() || d.inputs()->size() < 1 ||
+        d.inputs()->size() > kc::kAttnResMaxCandidates || !d.weights() ||
+        d.weights()->size() < roles)
+      return false;
+    for (size_t i = 0; i < roles; ++i)
+      if (weightAt(static_cast<int>(i)) < 0)
+        return false;
+    return true;
+  }
+  default: // MLA and DSA where their layer's kernels fit
     return attentionRunsOnGpu(d);
   }
 }
@@ -327,6 +340,29 @@ Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *a
   case fb::KernelId::KdaChunkPrefill:
   case fb::KernelId::KdaRecurrentDecode:
     return runKda(program, arena, d, r, host);
+  case fb::KernelId::AttnRes:
+  case fb::KernelId::AttnResRmsNorm: {
+    // The plan lists the partial sum first; the mix takes the completed blocks, then the partial.
+    const fb::AttnResParams *p = d.params_as_AttnResParams();
+    kc::AttnResParams mix;
+    mix.tokens = static_cast<int32_t>(rows);
+    mix.dim = static_cast<int32_t>(width(d.outputs()->Get(0)));
+    mix.candidates = static_cast<int32_t>(d.inputs()->size());
+    for (int m = 1; m < mix.candidates; ++m)
+      mix.values[m - 1] = input(m);
+    mix.values[mix.candidates - 1] = input(0);
+    mix.normWeight = fp32Weights.at(role(0));
+    mix.projWeight = fp32Weights.at(role(1));
+    mix.epsilon = p->epsilon();
+    mix.mixed = output(0);
+    if (d.kernel() == fb::KernelId::AttnResRmsNorm) {
+      mix.outputNormWeight = fp32Weights.at(role(2));
+      mix.outputEpsilon = p->output_norm_epsilon();
+      mix.normed = output(1);
+    }
+    LAUNCH_RETURN_IF_ERROR(kc::launchAttnResMix(mix, r.stream), "AttnRes mix");
+    return Status::ok();
+  }
   case fb::KernelId::RouterTopK:
     return runRouter(program, arena, d, r, host);
   case fb::KernelId::MoeExperts:
@@ -517,6 +553,12 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
                                             kc::kdaDecodeWorkspaceBytes(step)});
         break;
       }
+      case fb::KernelId::AttnRes:
+      case fb::KernelId::AttnResRmsNorm:
+        for (int32_t index : *d->weights())
+          if (index >= 0 && !impl->fp32Weights.count(index))
+            HYBRID_RETURN_IF_ERROR(uploadFloats(hostWeights[index], impl->fp32Weights[index]));
+        break;
       case fb::KernelId::RouterTopK:
       case fb::KernelId::MoeExperts:
         HYBRID_RETURN_IF_ERROR(
