@@ -236,7 +236,7 @@ bool CudaExecutor::Impl::attentionRunsOnGpu(const fb::Dispatch &d) const {
 
 Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Program &program,
                                             int64_t rows,
-                                            const std::vector<std::vector<float>> &hostWeights,
+                                            const HostWeights &hostWeights,
                                             size_t &floats, size_t &xWidth, size_t &outWidth) {
   auto width = [&](int32_t value) { return static_cast<size_t>(valueOf(program, value).row_elements()); };
   auto uploadFloats = [&](const std::vector<float> &values, float *&device) -> Status {
@@ -250,7 +250,8 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
   auto smallWeight = [&](int32_t index) -> Status {
     if (index < 0 || fp32Weights.count(index))
       return Status::ok();
-    return uploadFloats(hostWeights[static_cast<size_t>(index)], fp32Weights[index]);
+    HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *values, hostWeights(index));
+    return uploadFloats(*values, fp32Weights[index]);
   };
   auto frequencies = [&](const fb::Rope *rope, int64_t dims) -> Status {
     if (!rotates(rope) || dims == 0 || ropeFrequencies.count(&d))
@@ -297,7 +298,8 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
   if (weightTypes[kvB] == fb::DType::F8_E4M3 && !kvBWeights.count(kvB)) {
     // Codes times their block scale, as the cpu reads them; exact in bf16 for power-of-two
     // scales (DeepSeek-V3.2's ue8m0), rounded otherwise.
-    const std::vector<float> &values = hostWeights[static_cast<size_t>(kvB)];
+    HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *converted, hostWeights(kvB));
+    const std::vector<float> &values = *converted;
     std::vector<uint16_t> bits(values.size());
     std::transform(values.begin(), values.end(), bits.begin(), kernels::ref::floatToBf16);
     void *&device = kvBWeights[kvB];

@@ -108,7 +108,7 @@ Status CudaExecutor::Impl::gemm(StreamResources &r, const float *x, int64_t xStr
 }
 
 Status CudaExecutor::Impl::prepareFp8Weight(int32_t index, int64_t rows,
-                                            const std::vector<std::vector<float>> &hostWeights) {
+                                            const HostWeights &hostWeights) {
   const fb::Weight *w = plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index));
   const int64_t out = w->shape()->Get(0), in = w->shape()->Get(1);
   fp8ScratchBytes = std::max(fp8ScratchBytes, kc::linearFp8MaxScratchBytes(rows, in, out));
@@ -117,7 +117,8 @@ Status CudaExecutor::Impl::prepareFp8Weight(int32_t index, int64_t rows,
   const int64_t blockRows = (out + kc::kFp8BlockSize - 1) / kc::kFp8BlockSize;
   const int64_t blockCols = (in + kc::kFp8BlockSize - 1) / kc::kFp8BlockSize;
   const int64_t stride = kc::linearFp8WeightScaleStride(in);
-  const std::vector<float> &scales = hostWeights[static_cast<size_t>(w->scale())];
+  HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *converted, hostWeights(w->scale()));
+  const std::vector<float> &scales = *converted;
   if (static_cast<int64_t>(scales.size()) != blockRows * blockCols)
     return Status::error("fp8 weight '" + w->name()->str() + "': " +
                          std::to_string(scales.size()) + " block scales, expected " +
@@ -403,7 +404,7 @@ Status CudaExecutor::Impl::runOnCpu(const fb::Program &program, const fb::Dispat
 
 StatusOr<std::unique_ptr<CudaExecutor>>
 CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightArchive &archive,
-                     const std::vector<std::vector<float>> &hostWeights,
+                     const HostWeights &hostWeights,
                      const RecurrentStatePool &states, PagedKvCache &kvCache,
                      const LoadOptions &options) {
   int devices = 0;
@@ -451,6 +452,15 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
                          "upload of '" + weight->name()->str() + "'");
     impl->weightTypes.push_back(entry->dtype);
   }
+  auto uploadWeight = [&](int32_t index, float *&device) -> Status {
+    HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *values, hostWeights(index));
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&device, std::max<size_t>(1, values->size()) * sizeof(float)),
+                         "small weights");
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(device, values->data(), values->size() * sizeof(float),
+                                    cudaMemcpyHostToDevice),
+                         "small weights");
+    return Status::ok();
+  };
   auto uploadFloats = [&](const std::vector<float> &values, float *&device) -> Status {
     CUDA_RETURN_IF_ERROR(cudaMalloc(&device, std::max<size_t>(1, values.size()) * sizeof(float)),
                          "small weights");
@@ -461,6 +471,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   };
 
   // Placement, scratch sizes and fp32 copies of the small weights the GPU kernels read.
+  std::vector<int32_t> cpuStepWeights;
   int32_t maxStreams = 1, maxEvents = 0;
   int64_t maxRows = 1;
   for (const fb::Program *program : impl->programs)
@@ -482,6 +493,10 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       if (!impl->runsOnGpu(*d)) {
         impl->onCpu.insert(d);
         ++cpuKernels[kernelName(d->kernel())];
+        if (d->weights())
+          for (int32_t index : *d->weights())
+            if (index >= 0)
+              cpuStepWeights.push_back(index);
         continue;
       }
       ++gpu[kernelName(d->kernel())];
@@ -499,7 +514,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       case fb::KernelId::AddRmsNorm:
         if (d->weights() && d->weights()->size() > 0 && role(0) >= 0 &&
             !impl->fp32Weights.count(role(0)))
-          HYBRID_RETURN_IF_ERROR(uploadFloats(hostWeights[role(0)], impl->fp32Weights[role(0)]));
+          HYBRID_RETURN_IF_ERROR(uploadWeight(role(0), impl->fp32Weights[role(0)]));
         break;
       case fb::KernelId::Linear:
       case fb::KernelId::LmHead:
@@ -526,10 +541,11 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         for (int small : {ALog, DtBias, ONorm})
           if (!impl->fp32Weights.count(role(small)))
             HYBRID_RETURN_IF_ERROR(
-                uploadFloats(hostWeights[role(small)], impl->fp32Weights[role(small)]));
+                uploadWeight(role(small), impl->fp32Weights[role(small)]));
         std::vector<float> taps;
         for (int conv : {QConv, KConv, VConv}) {
-          const std::vector<float> &source = hostWeights[role(conv)];
+          HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *converted, hostWeights(role(conv)));
+          const std::vector<float> &source = *converted;
           if (static_cast<int64_t>(source.size()) != P * W)
             return Status::error("weight '" +
                                  plan.weights()->Get(role(conv))->name()->str() + "' has " +
@@ -557,7 +573,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       case fb::KernelId::AttnResRmsNorm:
         for (int32_t index : *d->weights())
           if (index >= 0 && !impl->fp32Weights.count(index))
-            HYBRID_RETURN_IF_ERROR(uploadFloats(hostWeights[index], impl->fp32Weights[index]));
+            HYBRID_RETURN_IF_ERROR(uploadWeight(index, impl->fp32Weights[index]));
         break;
       case fb::KernelId::RouterTopK:
       case fb::KernelId::MoeExperts:
@@ -680,6 +696,10 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
                        "pinned slot buffer");
   auto executor = std::unique_ptr<CudaExecutor>(new CudaExecutor(std::move(impl)));
   executor->report_ = std::move(report);
+  std::sort(cpuStepWeights.begin(), cpuStepWeights.end());
+  cpuStepWeights.erase(std::unique(cpuStepWeights.begin(), cpuStepWeights.end()),
+                       cpuStepWeights.end());
+  executor->cpuStepWeights_ = std::move(cpuStepWeights);
   return executor;
 }
 

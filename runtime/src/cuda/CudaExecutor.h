@@ -13,12 +13,18 @@
 #include "runtime/schema/plan_generated.h"
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
 namespace hybrid::cudadev {
+
+// The fp32 values of plan weight `index`, converted from the archive on first use: the cuda device
+// reads only its small weights (norms, biases, conv taps, block scales) and those of the steps it
+// leaves to the cpu reference, so a large model's GEMM weights never take host memory in fp32.
+using HostWeights = std::function<StatusOr<const std::vector<float> *>(int32_t index)>;
 
 class CudaExecutor {
 public:
@@ -30,7 +36,7 @@ public:
   // kernel. Fails with "no CUDA device" where there is no GPU.
   static StatusOr<std::unique_ptr<CudaExecutor>>
   create(const std::string &dir, const plan::fb::Plan &plan, const WeightArchive &archive,
-         const std::vector<std::vector<float>> &hostWeights, const RecurrentStatePool &states,
+         const HostWeights &hostWeights, const RecurrentStatePool &states,
          PagedKvCache &kvCache, const LoadOptions &options);
   ~CudaExecutor();
   CudaExecutor(const CudaExecutor &) = delete;
@@ -56,6 +62,8 @@ public:
   Status replayKdaLog(int32_t slot, int64_t tokens);
   // Which kernels run where, one line per program.
   const std::string &placementReport() const { return report_; }
+  // The weights of the steps that run on the cpu reference: what the host must hold in fp32.
+  const std::vector<int32_t> &cpuStepWeights() const { return cpuStepWeights_; }
 
   struct Impl;
 
@@ -63,6 +71,7 @@ private:
   explicit CudaExecutor(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
   std::string report_;
+  std::vector<int32_t> cpuStepWeights_;
 };
 
 } // namespace hybrid::cudadev

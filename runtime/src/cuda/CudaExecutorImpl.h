@@ -207,7 +207,7 @@ struct CudaExecutor::Impl {
               float *y, int64_t yStride, int64_t rows, int64_t in, int64_t out);
   // At load: an FP8 weight's scales in cuBLASLt's layout, and the scratch its GEMMs need.
   Status prepareFp8Weight(int32_t index, int64_t rows,
-                          const std::vector<std::vector<float>> &hostWeights);
+                          const HostWeights &hostWeights);
   StreamResources &streamOf(const fb::Dispatch &dispatch) {
     return *streams[static_cast<size_t>(std::max(0, dispatch.stream())) % streams.size()];
   }
@@ -268,7 +268,7 @@ struct CudaExecutor::Impl {
   // At load, for a GPU attention dispatch: its small weights, RoPE frequencies and kv_b_proj on
   // the device, and the scratch it needs (floats per stream, GEMM input / output widths).
   Status prepareAttention(const fb::Dispatch &dispatch, const fb::Program &program, int64_t rows,
-                          const std::vector<std::vector<float>> &hostWeights, size_t &floats,
+                          const HostWeights &hostWeights, size_t &floats,
                           size_t &xWidth, size_t &outWidth);
   Status runAttention(const fb::Program &program, unsigned char *arena, const fb::Dispatch &dispatch,
                       StreamResources &resources, const cpu::StepContext &host);
@@ -294,7 +294,7 @@ struct CudaExecutor::Impl {
   size_t expertListCapacity = 0; // entries (rows x top-k) the buffers above hold
   bool moeRunsOnGpu(const fb::Dispatch &dispatch) const;
   Status prepareMoe(const fb::Dispatch &dispatch, const fb::Program &program, int64_t rows,
-                    bool decodeProgram, const std::vector<std::vector<float>> &hostWeights,
+                    bool decodeProgram, const HostWeights &hostWeights,
                     size_t &floats, size_t &xWidth, size_t &outWidth);
   Status runRouter(const fb::Program &program, unsigned char *arena, const fb::Dispatch &dispatch,
                    StreamResources &resources, const cpu::StepContext &host);

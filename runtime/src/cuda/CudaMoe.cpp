@@ -53,7 +53,7 @@ bool CudaExecutor::Impl::moeRunsOnGpu(const fb::Dispatch &d) const {
 
 Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &program,
                                       int64_t rows, bool decodeProgram,
-                                      const std::vector<std::vector<float>> &hostWeights,
+                                      const HostWeights &hostWeights,
                                       size_t &floats, size_t &xWidth, size_t &outWidth) {
   const fb::MoeParams *p = d.params_as_MoeParams();
   const int64_t E = p->num_experts(), K = p->top_k(), inner = p->intermediate_size();
@@ -64,7 +64,8 @@ Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &
   if (d.kernel() == fb::KernelId::RouterTopK) {
     const int32_t bias = roleOf(d, 1);
     if (bias >= 0 && !fp32Weights.count(bias)) {
-      const std::vector<float> &values = hostWeights[static_cast<size_t>(bias)];
+      HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *converted, hostWeights(bias));
+      const std::vector<float> &values = *converted;
       if (static_cast<int64_t>(values.size()) != E)
         return Status::error("router correction bias has " + std::to_string(values.size()) +
                              " values for " + std::to_string(E) + " experts");

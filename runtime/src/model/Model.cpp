@@ -299,10 +299,26 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
   const fb::Plan &root = impl->plan.plan();
   impl->weights.resize(root.weights() ? root.weights()->size() : 0);
   impl->weightLayouts.resize(impl->weights.size());
+  // fp32 host copies: every weight for the cpu device; for the cuda device only what it asks for
+  // (its small weights) and the weights of the steps it leaves to the cpu reference, so a large
+  // model's GEMM weights are never held in fp32 on the host.
+  std::vector<bool> converted(impl->weights.size(), false);
+  auto convert = [&](int32_t index) -> StatusOr<const std::vector<float> *> {
+    if (index < 0 || static_cast<size_t>(index) >= impl->weights.size())
+      return Status::error(impl->plan.path() + ": weight index " + std::to_string(index) +
+                           " is outside the plan's " + std::to_string(impl->weights.size()) +
+                           " weights");
+    if (!converted[static_cast<size_t>(index)]) {
+      // Converted element by element; a tiled weight stays tiled for the tiled GEMM.
+      HYBRID_ASSIGN_OR_RETURN(impl->weights[static_cast<size_t>(index)],
+                              toFloat(impl->archive, root, index));
+      converted[static_cast<size_t>(index)] = true;
+    }
+    return &impl->weights[static_cast<size_t>(index)];
+  };
   for (size_t i = 0; i < impl->weights.size(); ++i) {
-    HYBRID_ASSIGN_OR_RETURN(impl->weights[i],
-                            toFloat(impl->archive, root, static_cast<int32_t>(i)));
-    // Converted element by element; a tiled weight stays tiled for the tiled GEMM.
+    if (!cudaDevice)
+      HYBRID_RETURN_IF_ERROR(convert(static_cast<int32_t>(i)).status());
     const fb::Weight *weight = root.weights()->Get(static_cast<flatbuffers::uoffset_t>(i));
     cpu::WeightLayout &layout = impl->weightLayouts[i];
     if (weight->shape() && weight->shape()->size() == 2) {
@@ -330,11 +346,13 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
   }
 #ifdef HYBRID_HAS_CUDA_DEVICE
   if (cudaDevice) {
-    auto cuda = cudadev::CudaExecutor::create(dir, root, impl->archive, impl->weights,
-                                              impl->states, impl->kvCache, options);
+    auto cuda = cudadev::CudaExecutor::create(dir, root, impl->archive, convert, impl->states,
+                                              impl->kvCache, options);
     if (!cuda)
       return Status(cuda.status()).withContext("cuda device");
     impl->cuda = std::move(*cuda);
+    for (int32_t index : impl->cuda->cpuStepWeights())
+      HYBRID_RETURN_IF_ERROR(convert(index).status());
   }
 #else
   (void)cudaDevice;
