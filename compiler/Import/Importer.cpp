@@ -104,6 +104,27 @@ private:
     return format.value_or("amax");
   }
 
+  // hybrid.model's fp8_weight_block: quantization_config.weight_block_size ([128, 128] for
+  // DeepSeek-V3.2), when the checkpoint has one.
+  StatusOr<std::optional<std::vector<int64_t>>> fp8WeightBlock() {
+    if (!mapping_.config.count("fp8.weight_block"))
+      return std::optional<std::vector<int64_t>>();
+    HYBRID_ASSIGN_OR_RETURN(std::optional<llvm::json::Value> value, config_.get("fp8.weight_block"));
+    if (!value || value->kind() == llvm::json::Value::Null)
+      return std::optional<std::vector<int64_t>>();
+    const llvm::json::Array *array = value->getAsArray();
+    std::vector<int64_t> block;
+    if (array)
+      for (const llvm::json::Value &element : *array)
+        if (std::optional<int64_t> size = element.getAsInteger(); size && *size > 0)
+          block.push_back(*size);
+    if (!array || block.size() != 2 || array->size() != 2)
+      return Status::error(config_.path() +
+                           ": quantization_config.weight_block_size must be two positive "
+                           "integers (rows, columns of a scale's block)");
+    return std::optional<std::vector<int64_t>>(block);
+  }
+
   MLIRContext &context_;
   OpBuilder builder_;
   const Checkpoint &checkpoint_;
@@ -464,7 +485,7 @@ StatusOr<OwningOpRef<ModuleOp>> ModelImporter::run() {
       modelLoc, builder_.getStringAttr(mapping_.modelType),
       builder_.getStringAttr(mapping_.modelType), builder_.getI64IntegerAttr(hidden_),
       builder_.getI64IntegerAttr(vocab), builder_.getI64IntegerAttr(numLayers_),
-      /*fp8_activation_scale=*/nullptr);
+      /*fp8_activation_scale=*/nullptr, /*fp8_weight_block=*/nullptr);
   Block *body = builder_.createBlock(&model.getBody());
   Value ids = body->addArgument(
       RankedTensorType::get({ShapedType::kDynamic}, builder_.getI64Type()), modelLoc);
@@ -535,6 +556,9 @@ StatusOr<OwningOpRef<ModuleOp>> ModelImporter::run() {
   if (hasFp8Weights_) {
     HYBRID_ASSIGN_OR_RETURN(std::string scale, fp8ActivationScale());
     model.setFp8ActivationScale(scale);
+    HYBRID_ASSIGN_OR_RETURN(std::optional<std::vector<int64_t>> block, fp8WeightBlock());
+    if (block)
+      model.setFp8WeightBlock(*block);
   }
   HYBRID_RETURN_IF_ERROR(checkAllTensorsUsed());
   HYBRID_RETURN_IF_ERROR(verify(*module));

@@ -100,7 +100,7 @@ public:
 private:
   void collectWeights();
   void collectCacheSlots();
-  void emitHeader(plan::PlanOp planOp);
+  LogicalResult emitHeader(plan::PlanOp planOp);
   LogicalResult emitProgram(plan::PlanOp planOp, StringRef name, int64_t maxTokens, bool decode);
 
   // Dispatch construction.
@@ -165,7 +165,7 @@ void ModelLowering::collectCacheSlots() {
   });
 }
 
-void ModelLowering::emitHeader(plan::PlanOp planOp) {
+LogicalResult ModelLowering::emitHeader(plan::PlanOp planOp) {
   builder_.setInsertionPointToEnd(&planOp.getBodyBlock());
   Location loc = planOp.getLoc();
 
@@ -190,10 +190,25 @@ void ModelLowering::emitHeader(plan::PlanOp planOp) {
         DenseI32ArrayAttr(), builder_.getI32IntegerAttr(-1), DenseI32ArrayAttr());
     auto weight = tables_.weights.lookup(name);
     if (weight && !weight.getScaleName().empty()) {
-      // Block dims: how many weight elements one scale covers along each axis.
+      // Block dims: how many weight elements one scale covers along each axis, as the
+      // checkpoint's weight_block_size says (a 576-row weight has blocks of 128 and a last one of
+      // 64), else inferred from the scale grid.
       SmallVector<int32_t> block;
-      for (auto [dim, scaleDim] : llvm::zip(weight.getShape(), weight.getScaleType().getShape()))
-        block.push_back(static_cast<int32_t>((dim + scaleDim - 1) / scaleDim));
+      std::optional<ArrayRef<int64_t>> declared = model_.getFp8WeightBlock();
+      for (auto [axis, sizes] :
+           llvm::enumerate(llvm::zip(weight.getShape(), weight.getScaleType().getShape()))) {
+        auto [dim, scaleDim] = sizes;
+        int64_t size = (dim + scaleDim - 1) / scaleDim;
+        if (declared && declared->size() == weight.getShape().size()) {
+          size = (*declared)[axis];
+          if ((dim + size - 1) / size != scaleDim)
+            return model_.emitOpError()
+                   << "weight '" << name << "' has " << scaleDim << " block scales along axis "
+                   << axis << " (" << dim << " elements); weight_block_size " << size
+                   << " needs " << (dim + size - 1) / size;
+        }
+        block.push_back(static_cast<int32_t>(size));
+      }
       op.setBlockAttr(builder_.getDenseI32ArrayAttr(block));
       op.setScaleAttr(builder_.getI32IntegerAttr(static_cast<int32_t>(i + 1)));
     }
@@ -242,6 +257,7 @@ void ModelLowering::emitHeader(plan::PlanOp planOp) {
         builder_.getI32IntegerAttr(static_cast<int32_t>(channels)),
         builder_.getI32IntegerAttr(static_cast<int32_t>(kda.getConvKernel())));
   }
+  return success();
 }
 
 SmallVector<int32_t> ModelLowering::weightList(ArrayRef<WeightAttr> weights) {
@@ -514,7 +530,8 @@ LogicalResult ModelLowering::run() {
       builder_.getStringAttr(""), builder_.getI64IntegerAttr(0),
       builder_.getI32IntegerAttr(options_.pageSize), model_.getFp8ActivationScaleAttr());
   builder_.createBlock(&planOp.getBody());
-  emitHeader(planOp);
+  if (failed(emitHeader(planOp)))
+    return failure();
   if (failed(emitProgram(planOp, "prefill", options_.prefillTokens, /*decode=*/false)) ||
       failed(emitProgram(planOp, "decode", options_.decodeTokens, /*decode=*/true)))
     return failure();

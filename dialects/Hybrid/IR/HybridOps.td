@@ -28,7 +28,9 @@ def Hybrid_ModelOp : Hybrid_Op<"model", [IsolatedFromAbove, Symbol, NoTerminator
     several models (a draft and a target for speculative decoding). A model with FP8 weights says
     how the activations they multiply are quantized (MODEL_SPEC 8.1): `fp8_activation_scale` is
     "amax" (s = amax / 448, act_quant's default) or "ue8m0" (s rounded up to a power of two, the
-    checkpoint's `scale_fmt`).
+    checkpoint's `scale_fmt`); `fp8_weight_block` is the checkpoint's `weight_block_size` (the
+    weight elements one block scale covers per axis; a last, shorter block keeps its scale) when
+    it says one, else the blocks are inferred from the scale grids.
 
     ```mlir
     hybrid.model @kimi_linear attributes {model_type = "kimi_linear", hidden_size = 256 : i64,
@@ -43,7 +45,8 @@ def Hybrid_ModelOp : Hybrid_Op<"model", [IsolatedFromAbove, Symbol, NoTerminator
   }];
   let arguments = (ins SymbolNameAttr:$sym_name, StrAttr:$model_type, I64Attr:$hidden_size,
                        I64Attr:$vocab_size, I64Attr:$num_layers,
-                       OptionalAttr<StrAttr>:$fp8_activation_scale);
+                       OptionalAttr<StrAttr>:$fp8_activation_scale,
+                       OptionalAttr<DenseI64ArrayAttr>:$fp8_weight_block);
   let regions = (region SizedRegion<1>:$body);
   let assemblyFormat = "$sym_name attr-dict-with-keyword $body";
   let hasVerifier = 1;

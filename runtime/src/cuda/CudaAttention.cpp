@@ -33,7 +33,8 @@ bool isSparseMla(fb::KernelId kernel) {
 int32_t kvSlotOf(const fb::Dispatch &d) {
   if (isMla(d.kernel()))
     return d.params_as_MlaParams() ? d.params_as_MlaParams()->kv_slot() : -1;
-  if (d.kernel() == fb::KernelId::DsaIndexer)
+  if (d.kernel() == fb::KernelId::DsaIndexer || d.kernel() == fb::KernelId::IndexerQuery ||
+      d.kernel() == fb::KernelId::IndexerKey)
     return d.params_as_DsaIndexerParams() ? d.params_as_DsaIndexerParams()->kv_slot() : -1;
   return -1;
 }
@@ -86,8 +87,8 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
   if (numKv == 0)
     return Status::ok();
 
-  // A layer runs on the GPU when each of its MLA and indexer dispatches has kernels for its
-  // shapes and weights; the index keys' format is what the layer's IndexerKey rounds them to.
+  // A layer runs on the GPU when each of its MLA and indexer dispatches (the indexer prolog's
+  // too) has kernels for its shapes and weights; the index keys' format is what the layer's IndexerKey rounds them to.
   std::vector<int> verdict(static_cast<size_t>(numKv), 0); // 0: unseen, 1: fits, -1: does not
   std::vector<kc::IndexKeyType> keyTypes(static_cast<size_t>(numKv), kc::IndexKeyType::F32);
   std::vector<bool> mxfp8Queries(static_cast<size_t>(numKv), false);
@@ -116,6 +117,8 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
              gemmWeight(roleOf(d, p->q_lora_rank() > 0 ? MlaQBProj : MlaQProj)) &&
              gemmWeight(roleOf(d, MlaKvA)) && gemmWeight(roleOf(d, MlaOProj));
     }
+    if (d.kernel() != fb::KernelId::DsaIndexer)
+      return indexerPrologFits(d);
     const fb::DsaIndexerParams *p = d.params_as_DsaIndexerParams();
     return p->index_heads() > 0 && p->index_heads() <= kc::kIndexerMaxHeads &&
            (p->index_head_dim() == 64 || p->index_head_dim() == 128) &&
@@ -207,28 +210,30 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
   return Status::ok();
 }
 
+bool CudaExecutor::Impl::indexerPrologFits(const fb::Dispatch &d) const {
+  const fb::DsaIndexerParams *p = d.params_as_DsaIndexerParams();
+  if (!p || p->index_heads() <= 0 || p->index_head_dim() <= 0 || p->rope_head_dim() < 0 ||
+      p->rope_head_dim() % 2 != 0 || p->rope_head_dim() > p->index_head_dim() ||
+      (p->quantize() == fb::ActivationQuant::Mxfp8 && p->index_head_dim() % 32 != 0) ||
+      !gemmWeight(roleOf(d, 0)))
+    return false;
+  return d.kernel() == fb::KernelId::IndexerQuery ||
+         (roleOf(d, IndexerKNorm) >= 0 && roleOf(d, IndexerKNormBias) >= 0);
+}
+
 bool CudaExecutor::Impl::attentionRunsOnGpu(const fb::Dispatch &d) const {
+  const int32_t slot = kvSlotOf(d);
+  const bool layerOnGpu = slot >= 0 && slot < static_cast<int32_t>(kvLayers.size()) &&
+                          kvLayers[static_cast<size_t>(slot)].onGpu;
   switch (d.kernel()) {
   case fb::KernelId::IndexerQuery:
-  case fb::KernelId::IndexerKey: {
-    const fb::DsaIndexerParams *p = d.params_as_DsaIndexerParams();
-    if (!p || p->index_heads() <= 0 || p->index_head_dim() <= 0 || p->rope_head_dim() < 0 ||
-        p->rope_head_dim() % 2 != 0 || p->rope_head_dim() > p->index_head_dim() ||
-        (p->quantize() == fb::ActivationQuant::Mxfp8 && p->index_head_dim() % 32 != 0) ||
-        !gemmWeight(roleOf(d, 0)))
-      return false;
-    return d.kernel() == fb::KernelId::IndexerQuery ||
-           (roleOf(d, IndexerKNorm) >= 0 && roleOf(d, IndexerKNormBias) >= 0);
-  }
+  case fb::KernelId::IndexerKey: // with the rest of their layer (they read its step positions)
   case fb::KernelId::DsaIndexer:
   case fb::KernelId::MlaPrefill:
   case fb::KernelId::MlaDecode:
   case fb::KernelId::SparseMlaPrefill:
-  case fb::KernelId::SparseMlaDecode: {
-    const int32_t slot = kvSlotOf(d);
-    return slot >= 0 && slot < static_cast<int32_t>(kvLayers.size()) &&
-           kvLayers[static_cast<size_t>(slot)].onGpu;
-  }
+  case fb::KernelId::SparseMlaDecode:
+    return layerOnGpu;
   default:
     return false;
   }

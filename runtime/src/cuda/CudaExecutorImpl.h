@@ -185,13 +185,20 @@ struct CudaExecutor::Impl {
       return false;
     return weightTypes[static_cast<size_t>(index)] == fb::DType::BF16 || fp8GemmWeight(index);
   }
+  // A block dimension may be the whole (shorter) dimension: one block of fewer than 128, whose
+  // scales are laid out as a 128-block's.
   bool fp8GemmWeight(int32_t index) const {
     const fb::Weight *w = plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index));
-    return weightTypes[static_cast<size_t>(index)] == fb::DType::F8_E4M3 &&
-           w->quant() == fb::QuantKind::Fp8Block && w->scale() >= 0 && w->shape() &&
-           w->shape()->size() == 2 && w->block() && w->block()->size() == 2 &&
-           w->block()->Get(0) == kc::kFp8BlockSize && w->block()->Get(1) == kc::kFp8BlockSize &&
-           w->shape()->Get(1) % 16 == 0 && w->shape()->Get(0) % 4 == 0;
+    if (weightTypes[static_cast<size_t>(index)] != fb::DType::F8_E4M3 ||
+        w->quant() != fb::QuantKind::Fp8Block || w->scale() < 0 || !w->shape() ||
+        w->shape()->size() != 2 || !w->block() || w->block()->size() != 2)
+      return false;
+    auto blockFits = [&](flatbuffers::uoffset_t axis) {
+      const int64_t block = w->block()->Get(axis), size = w->shape()->Get(axis);
+      return block == kc::kFp8BlockSize || (block == size && size < kc::kFp8BlockSize);
+    };
+    return blockFits(0) && blockFits(1) && w->shape()->Get(1) % 16 == 0 &&
+           w->shape()->Get(0) % 4 == 0;
   }
   int64_t weightRows(int32_t index) const {
     return plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->shape()->Get(0);
@@ -265,6 +272,7 @@ struct CudaExecutor::Impl {
   Status planKvLayers(const fb::Plan &plan, PagedKvCache &kvCache, const LoadOptions &options,
                       int64_t maxRows);
   bool attentionRunsOnGpu(const fb::Dispatch &dispatch) const;
+  bool indexerPrologFits(const fb::Dispatch &dispatch) const; // IndexerQuery / IndexerKey
   // At load, for a GPU attention dispatch: its small weights, RoPE frequencies and kv_b_proj on
   // the device, and the scratch it needs (floats per stream, GEMM input / output widths).
   Status prepareAttention(const fb::Dispatch &dispatch, const fb::Program &program, int64_t rows,
