@@ -325,11 +325,14 @@ std::vector<double> sortedRowErrors(const std::vector<float> &expected,
 // GEMMs (cuBLASLt, block-scaled, on activations quantized bit-exactly like the cpu's) against the
 // cpu oracle (the same quantization, exact fp32 sums). Hopper's FP8 tensor cores accumulate with
 // fewer bits within each 128-wide block (about 1e-4 relative per GEMM, LinearFp8CudaTest), and a
-// re-quantized activation near an E4M3 rounding boundary can land one step away, so the first
-// layer's output differs slightly (measured on H200: median row 2.9e-4, worst row 1.4e-2, where
-// the indexer's top-k picks another position). A wrong activation scale rule or scale layout
-// moves the median row by about 1e-1. Later layers are not compared: this random model's router
-// has near-ties that such differences flip (whole experts change for a token).
+// re-quantized activation near an E4M3 rounding boundary can land one step away. With only the
+// MLP's three FP8 GEMMs on the GPU the first layer's rows differed by a median 2.9e-4 (H200); with
+// the whole layer there since 2026-11-30 (q_a, q_b, kv_a, the indexer's wq_b and wk, o_proj: each
+// GEMM's accumulation error moves the next quantized activation, whose flipped E4M3 steps are 6-12%
+// of an element) they differ by a median 1.5e-2, worst 6.7e-2 (rows whose indexer top-k picks
+// another position). A wrong activation scale rule or scale layout moves the median row by about
+// 1e-1. Later layers are not compared: this random model's router has near-ties that such
+// differences flip (whole experts change for a token).
 TEST(CudaDeviceFp8, FirstLayerMatchesTheCpuOracle) {
   const std::string base = directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/synth-dsv32-fp8";
   std::vector<int64_t> prompt;
@@ -344,10 +347,11 @@ TEST(CudaDeviceFp8, FirstLayerMatchesTheCpuOracle) {
   options.device = "cpu";
   auto cpu = Model::load(base + "-cpu", options);
   ASSERT_TRUE(cpu.isOk()) << cpu.status().message();
-  // The dense FP8 MLP of layer 0 runs on the GPU ("cuda prefill: GPU: ..., mlp x1, ...; cpu ...").
+  // Layer 0 (FP8 MLA with the indexer, dense FP8 MLP) runs on the GPU ("cuda prefill: GPU: ...;").
   const std::string report = (*gpu)->placementReport();
   const std::string onGpu = report.substr(0, report.find(';'));
   EXPECT_NE(onGpu.find("mlp x"), std::string::npos) << report;
+  EXPECT_NE(onGpu.find("sparse_mla_prefill x"), std::string::npos) << report;
 
   HiddenStates expected, actual;
   for (auto [model, hidden] : {std::pair{cpu->get(), &expected}, {gpu->get(), &actual}}) {
@@ -362,8 +366,10 @@ TEST(CudaDeviceFp8, FirstLayerMatchesTheCpuOracle) {
   const std::vector<double> errors =
       sortedRowErrors(expected.layers[1], actual.layers[1], expected.width);
   ASSERT_EQ(errors.size(), prompt.size());
-  EXPECT_LE(errors[errors.size() / 2], 1e-3);
-  EXPECT_LE(errors.back(), 5e-2);
+  std::printf("first layer: row relative RMS error median %.3g, worst %.3g\n",
+              errors[errors.size() / 2], errors.back());
+  EXPECT_LE(errors[errors.size() / 2], 3e-2); // a third of a wrong rule's
+  EXPECT_LE(errors.back(), 1.5e-1);
 }
 
 // The default precision policy on the GPU: FP8 latent pages read by the tensor-core sparse MLA

@@ -301,17 +301,15 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
     return Status::error("weight '" + kvBWeight->name()->str() + "' is not [" +
                          std::to_string(H * (dn + dv)) + ", " + std::to_string(rkv) + "]");
   if (weightTypes[kvB] == fb::DType::F8_E4M3 && !kvBWeights.count(kvB)) {
-    // Codes times their block scale, as the cpu reads them; exact in bf16 for power-of-two
-    // scales (DeepSeek-V3.2's ue8m0), rounded otherwise.
-    HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *converted, hostWeights(kvB));
-    const std::vector<float> &values = *converted;
-    std::vector<uint16_t> bits(values.size());
-    std::transform(values.begin(), values.end(), bits.begin(), kernels::ref::floatToBf16);
+    // Codes times their block scale in fp32, as the cpu reads them: rounded to bf16 they would
+    // move the attention output enough (about 1e-3) to flip the E4M3 rounding of o_proj's
+    // quantized input here and there. Twice the memory of a bf16 copy (4 GB for DeepSeek-V3.2).
+    HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *values, hostWeights(kvB));
     void *&device = kvBWeights[kvB];
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&device, bits.size() * sizeof(uint16_t)), "kv_b_proj in bf16");
-    CUDA_RETURN_IF_ERROR(cudaMemcpy(device, bits.data(), bits.size() * sizeof(uint16_t),
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&device, values->size() * sizeof(float)), "kv_b_proj in fp32");
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(device, values->data(), values->size() * sizeof(float),
                                     cudaMemcpyHostToDevice),
-                         "kv_b_proj in bf16");
+                         "kv_b_proj in fp32");
   }
   const size_t dModel = width(d.inputs()->Get(0));
   const size_t qIn = p->q_lora_rank() > 0 ? static_cast<size_t>(p->q_lora_rank()) : dModel;
@@ -540,7 +538,7 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
   heads.valueDim = static_cast<int32_t>(dv);
   heads.latentDim = static_cast<int32_t>(rkv);
   heads.kvB = kvBWeights.count(kvB) ? kvBWeights.at(kvB) : weight(kvB);
-  heads.type = weightTypes[kvB] == fb::DType::F32 ? kc::WeightType::F32 : kc::WeightType::BF16;
+  heads.type = weightTypes[kvB] == fb::DType::BF16 ? kc::WeightType::BF16 : kc::WeightType::F32;
 
   if (static_cast<size_t>(mlaScratchFloats(*p, T)) > scratchFloats)
     return Status::error("MLA scratch larger than planned at load");

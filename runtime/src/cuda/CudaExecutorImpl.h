@@ -264,7 +264,7 @@ struct CudaExecutor::Impl {
   int32_t *rowPositions = nullptr, *rowSequences = nullptr, *blockTables = nullptr;
   int32_t *pinnedPositions = nullptr, *pinnedSequences = nullptr, *pinnedTables = nullptr;
   std::map<const fb::Dispatch *, float *> ropeFrequencies; // per dispatch that rotates
-  std::map<int32_t, void *> kvBWeights; // FP8 kv_b_proj weights, dequantized to bf16 at load
+  std::map<int32_t, void *> kvBWeights; // FP8 kv_b_proj weights, dequantized to fp32 at load
   size_t attentionWorkspaceBytes = 0;
   std::vector<std::vector<const fb::Dispatch *>> kvWriters; // per program: GPU MLA dispatches
 

@@ -471,7 +471,14 @@ INSTANTIATE_TEST_SUITE_P(
                     GemmShape{64, 768, 520, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
                     GemmShape{3, 96, 96, 0, 0, 0, false},
                     GemmShape{130, 512, 384, 5, 0, 8, true, Fp8ActivationScale::DeepSeekUe8m0},
-                    GemmShape{16, 7168, 576, 0, 0, 0, false}),
+                    GemmShape{16, 7168, 576, 0, 0, 0, false},
+                    // The tiny FP8 DeepSeek's MLA and indexer projections (40 prompt rows):
+                    // q_a / kv_a, q_b, wq_b, wk, o_proj.
+                    GemmShape{40, 256, 96, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
+                    GemmShape{40, 96, 192, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
+                    GemmShape{40, 96, 256, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
+                    GemmShape{40, 256, 64, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
+                    GemmShape{40, 128, 256, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0}),
     gemmName);
 
 // ---- (c) rejected problems
