@@ -321,6 +321,17 @@ std::vector<double> sortedRowErrors(const std::vector<float> &expected,
   return errors;
 }
 
+// The hidden states of a prefill of `prompt` by the cpu oracle and by the cuda device.
+void prefillBoth(Model &cpu, Model &gpu, const std::vector<int64_t> &prompt,
+                 HiddenStates &expected, HiddenStates &actual) {
+  for (auto [model, hidden] : {std::pair{&cpu, &expected}, {&gpu, &actual}}) {
+    auto sequence = model->newSequence();
+    ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
+    auto logits = (*sequence)->prefill(prompt, hidden);
+    ASSERT_TRUE(logits.isOk()) << logits.status().message();
+  }
+}
+
 // DeepSeek-V3.2 with FP8 weights (synthetic, tests/e2e/CMakeLists.txt): the cuda device's FP8
 // GEMMs (cuBLASLt, block-scaled, on activations quantized bit-exactly like the cpu's) against the
 // cpu oracle (the same quantization, exact fp32 sums). Hopper's FP8 tensor cores accumulate with
@@ -354,12 +365,7 @@ TEST(CudaDeviceFp8, FirstLayerMatchesTheCpuOracle) {
   EXPECT_NE(onGpu.find("sparse_mla_prefill x"), std::string::npos) << report;
 
   HiddenStates expected, actual;
-  for (auto [model, hidden] : {std::pair{cpu->get(), &expected}, {gpu->get(), &actual}}) {
-    auto sequence = model->newSequence();
-    ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
-    auto logits = (*sequence)->prefill(prompt, hidden);
-    ASSERT_TRUE(logits.isOk()) << logits.status().message();
-  }
+  prefillBoth(**cpu, **gpu, prompt, expected, actual);
   ASSERT_GE(expected.layers.size(), 2u);
   ASSERT_EQ(actual.layers.size(), expected.layers.size());
   EXPECT_EQ(actual.layers[0], expected.layers[0]); // the embedding
@@ -393,12 +399,7 @@ TEST(CudaDeviceQuantizedCache, LayersMatchTheCpuOracle) {
       << report;
 
   HiddenStates expected, actual;
-  for (auto [model, hidden] : {std::pair{cpu->get(), &expected}, {gpu->get(), &actual}}) {
-    auto sequence = model->newSequence();
-    ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
-    auto logits = (*sequence)->prefill(prompt, hidden);
-    ASSERT_TRUE(logits.isOk()) << logits.status().message();
-  }
+  prefillBoth(**cpu, **gpu, prompt, expected, actual);
   ASSERT_EQ(actual.layers.size(), expected.layers.size());
   for (size_t layer = 1; layer < expected.layers.size(); ++layer) {
     const std::vector<double> errors =

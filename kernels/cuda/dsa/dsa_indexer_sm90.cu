@@ -983,6 +983,28 @@ template <int D> int launchFp32Scores(const IndexerParams &p, cudaStream_t strea
   return int(cudaGetLastError());
 }
 
+// As many key tiles per block as keep about two waves of blocks on the GPU: each block stages
+// its row's q once, so fewer, longer blocks when there are many rows.
+int tilesPerBlock(const IndexerParams &p, int multiprocessors) {
+  const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
+  const int wantedBlocks = std::max(1, 2 * kBlocksPerSm * multiprocessors / p.rows);
+  return std::max(1, (tiles + wantedBlocks - 1) / wantedBlocks);
+}
+
+// One of the tensor-core score kernels (`kernel`, with `shared` bytes of shared memory) over
+// rows x tile groups.
+template <typename Kernel>
+int launchScoreTiles(Kernel kernel, size_t shared, const IndexerParams &p, int64_t pageBytes,
+                     const DeviceSetup &setup, cudaStream_t stream) {
+  if (setup.status != cudaSuccess)
+    return int(setup.status);
+  const int perBlock = tilesPerBlock(p, setup.multiprocessors);
+  const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
+  const dim3 grid(unsigned(p.rows), unsigned((tiles + perBlock - 1) / perBlock));
+  kernel<<<grid, kMmaThreads, shared, stream>>>(p, pageBytes, perBlock);
+  return int(cudaGetLastError());
+}
+
 template <IndexKeyType Type, int D>
 int launchMmaScores(const IndexerParams &p, cudaStream_t stream) {
   const size_t shared = mmaSharedBytes<D>();
@@ -990,17 +1012,8 @@ int launchMmaScores(const IndexerParams &p, cudaStream_t stream) {
     return cudaFuncSetAttribute(indexerScoresMmaKernel<Type, D>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
   });
-  if (setup.status != cudaSuccess)
-    return int(setup.status);
-  // As many key tiles per block as keep about two waves of blocks on the GPU: each block
-  // converts its row's q once, so fewer, longer blocks when there are many rows.
-  const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
-  const int wantedBlocks = std::max(1, 2 * kBlocksPerSm * setup.multiprocessors / p.rows);
-  const int tilesPerBlock = std::max(1, (tiles + wantedBlocks - 1) / wantedBlocks);
-  const dim3 grid(unsigned(p.rows), unsigned((tiles + tilesPerBlock - 1) / tilesPerBlock));
-  indexerScoresMmaKernel<Type, D><<<grid, kMmaThreads, shared, stream>>>(
-      p, indexerPageBytes(Type, p.pageTokens, D), tilesPerBlock);
-  return int(cudaGetLastError());
+  return launchScoreTiles(indexerScoresMmaKernel<Type, D>, shared, p,
+                          indexerPageBytes(Type, p.pageTokens, D), setup, stream);
 }
 
 template <IndexKeyType Type, int D>
@@ -1010,15 +1023,8 @@ int launchFp8Scores(const IndexerParams &p, cudaStream_t stream) {
     return cudaFuncSetAttribute(indexerScoresFp8Kernel<Type, D>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
   });
-  if (setup.status != cudaSuccess)
-    return int(setup.status);
-  const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
-  const int wantedBlocks = std::max(1, 2 * kBlocksPerSm * setup.multiprocessors / p.rows);
-  const int tilesPerBlock = std::max(1, (tiles + wantedBlocks - 1) / wantedBlocks);
-  const dim3 grid(unsigned(p.rows), unsigned((tiles + tilesPerBlock - 1) / tilesPerBlock));
-  indexerScoresFp8Kernel<Type, D><<<grid, kMmaThreads, shared, stream>>>(
-      p, indexerPageBytes(Type, p.pageTokens, D), tilesPerBlock);
-  return int(cudaGetLastError());
+  return launchScoreTiles(indexerScoresFp8Kernel<Type, D>, shared, p,
+                          indexerPageBytes(Type, p.pageTokens, D), setup, stream);
 }
 
 // Key tiles per block at which the FP8 form pays for quantizing the queries in every block (on
@@ -1030,12 +1036,9 @@ template <IndexKeyType Type> int launchMmaScoresOf(const IndexerParams &p, cudaS
   const DeviceSetup setup = deviceSetup([] { return cudaSuccess; });
   if (setup.status != cudaSuccess)
     return int(setup.status);
-  const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
-  const int wantedBlocks = std::max(1, 2 * kBlocksPerSm * setup.multiprocessors / p.rows);
-  const int tilesPerBlock = (tiles + wantedBlocks - 1) / wantedBlocks;
   const bool fp8 = p.scoreKernel == IndexerParams::ScoreKernel::Fp8 ||
                    (p.scoreKernel == IndexerParams::ScoreKernel::Auto &&
-                    tilesPerBlock >= kFp8MinTilesPerBlock);
+                    tilesPerBlock(p, setup.multiprocessors) >= kFp8MinTilesPerBlock);
   if (fp8 && p.mxfp8Queries && p.pageTokens % kTileKeys == 0)
     return p.headDim == 128 ? launchFp8Scores<Type, 128>(p, stream)
                             : launchFp8Scores<Type, 64>(p, stream);

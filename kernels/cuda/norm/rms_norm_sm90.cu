@@ -9,6 +9,20 @@ namespace {
 
 constexpr int kThreads = 256;
 
+__device__ inline float blockSum(float value, float *warpSums) {
+  for (int offset = 16; offset > 0; offset /= 2)
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  __syncthreads(); // warpSums may still be read by an earlier call
+  if (threadIdx.x % 32 == 0)
+    warpSums[threadIdx.x / 32] = value;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w)
+    total += warpSums[w];
+  return total;
+}
+
 __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormParams p) {
   __shared__ float warpSums[kThreads / 32];
   const int64_t row = blockIdx.x;
@@ -25,36 +39,13 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormParams p) {
     }
     squares += value * value;
   }
-  for (int offset = 16; offset > 0; offset /= 2)
-    squares += __shfl_xor_sync(0xffffffffu, squares, offset);
-  if (threadIdx.x % 32 == 0)
-    warpSums[threadIdx.x / 32] = squares;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w)
-    total += warpSums[w];
-  const float scale = rsqrtf(total / float(p.dim) + p.epsilon);
+  const float scale = rsqrtf(blockSum(squares, warpSums) / float(p.dim) + p.epsilon);
   // Each thread reads back what it wrote itself (sum), so no barrier is needed before this pass.
   const float *source = addend ? sum : x;
   for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
     const float normalised = source[i] * scale;
     y[i] = p.weight ? p.weight[i] * normalised : normalised;
   }
-}
-
-__device__ inline float blockSum(float value, float *warpSums) {
-  for (int offset = 16; offset > 0; offset /= 2)
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  __syncthreads(); // warpSums may still be read by an earlier call
-  if (threadIdx.x % 32 == 0)
-    warpSums[threadIdx.x / 32] = value;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w)
-    total += warpSums[w];
-  return total;
 }
 
 // Two passes over the row (mean, then the centred squares), as the reference.

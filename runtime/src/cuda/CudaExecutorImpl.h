@@ -160,12 +160,7 @@ struct CudaExecutor::Impl {
     cudaFreeHost(pinnedPositions);
     cudaFreeHost(pinnedSequences);
     cudaFreeHost(pinnedTables);
-    cudaFreeHost(pinnedExpertIds);
-    cudaFreeHost(pinnedExpertTokens);
-    cudaFreeHost(pinnedExpertWeights);
-    cudaFreeHost(pinnedListWeights);
-    cudaFree(expertTokens);
-    cudaFree(expertListWeights);
+    releaseExpertLists();
     for (auto &[dispatch, pointers] : expertPointers)
       cudaFree(pointers);
     cudaFree(kvPool);
@@ -300,6 +295,17 @@ struct CudaExecutor::Impl {
   int32_t *expertTokens = nullptr;
   float *expertListWeights = nullptr;
   size_t expertListCapacity = 0; // entries (rows x top-k) the buffers above hold
+  void releaseExpertLists() {
+    cudaFreeHost(pinnedExpertIds);
+    cudaFreeHost(pinnedExpertTokens);
+    cudaFreeHost(pinnedExpertWeights);
+    cudaFreeHost(pinnedListWeights);
+    cudaFree(expertTokens);
+    cudaFree(expertListWeights);
+    pinnedExpertIds = pinnedExpertTokens = expertTokens = nullptr;
+    pinnedExpertWeights = pinnedListWeights = expertListWeights = nullptr;
+    expertListCapacity = 0;
+  }
   bool moeRunsOnGpu(const fb::Dispatch &dispatch) const;
   Status prepareMoe(const fb::Dispatch &dispatch, const fb::Program &program, int64_t rows,
                     bool decodeProgram, const HostWeights &hostWeights,

@@ -105,15 +105,7 @@ Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &
   outWidth = static_cast<size_t>(std::max(hidden, inner));
   if (!decodeProgram && static_cast<size_t>(rows * K) > expertListCapacity) {
     const size_t entries = static_cast<size_t>(rows * K);
-    cudaFreeHost(pinnedExpertIds);
-    cudaFreeHost(pinnedExpertTokens);
-    cudaFreeHost(pinnedExpertWeights);
-    cudaFreeHost(pinnedListWeights);
-    cudaFree(expertTokens);
-    cudaFree(expertListWeights);
-    pinnedExpertIds = pinnedExpertTokens = expertTokens = nullptr;
-    pinnedExpertWeights = pinnedListWeights = expertListWeights = nullptr;
-    expertListCapacity = 0;
+    releaseExpertLists();
     CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinnedExpertIds, entries * sizeof(int32_t)), "MoE lists");
     CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinnedExpertTokens, entries * sizeof(int32_t)),
                          "MoE lists");
