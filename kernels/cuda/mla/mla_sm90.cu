@@ -300,7 +300,8 @@ __global__ void __launch_bounds__(kThreads) latentAttention(LatentAttentionParam
 
 bool validWeights(const MlaHeadWeights &w) {
   return w.heads > 0 && w.nopeDim > 0 && w.nopeDim <= kMaxNopeDim && w.valueDim > 0 &&
-         w.latentDim > 0 && w.latentDim <= kMlaMaxLatentDim && w.kvB;
+         w.latentDim > 0 && w.latentDim <= kMlaMaxLatentDim && w.kvB &&
+         w.type != WeightType::Fp8Block;
 }
 
 unsigned rowBlocks(int32_t rows) { return unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock); }

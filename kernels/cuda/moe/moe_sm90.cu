@@ -4,8 +4,11 @@
 // shared memory.
 #include "hybrid/kernels/cuda/Moe.h"
 #include "../common/device_setup.cuh"
+#include "../common/fp8_quant.cuh"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -146,16 +149,51 @@ template <> __device__ inline float2 pairAt<float>(const float *row, int i) {
   return reinterpret_cast<const float2 *>(row)[i];
 }
 
-// row . v over `width` values (even), lanes over value pairs.
+template <> __device__ inline float2 pairAt<uint8_t>(const uint8_t *row, int i) {
+  const __half2_raw halves =
+      __nv_cvt_fp8x2_to_halfraw2(reinterpret_cast<const __nv_fp8x2_storage_t *>(row)[i], __NV_E4M3);
+  return __half22float2(*reinterpret_cast<const __half2 *>(&halves));
+}
+
+// row . v over `width` values (even), lanes over value pairs. For FP8 rows `scales` holds the
+// row's block scales, one per 128 columns: each weight is its code times its block's scale.
 template <typename T>
-__device__ inline float rowDot(const T *row, const float *v, int width, int lane) {
+__device__ inline float rowDot(const T *row, const float *v, int width, int lane,
+                               const float *scales = nullptr) {
   float sum = 0.0f;
   for (int i = lane; i < width / 2; i += 32) {
-    const float2 w = pairAt(row, i);
+    float2 w = pairAt(row, i);
+    if constexpr (sizeof(T) == 1) {
+      const float scale = scales[2 * i / 128];
+      w.x *= scale;
+      w.y *= scale;
+    }
     sum = fmaf(w.x, v[2 * i], sum);
     sum = fmaf(w.y, v[2 * i + 1], sum);
   }
   return warpSum(sum);
+}
+
+// The FP8 GEMM's activation rounding of v[0, width) in shared memory, in place: per 128 values
+// (a warp each) the tile scale by `rule`, then each value to the E4M3 code of v / scale and back
+// times scale, as ref::quantizeFp8Tiles then dequantizeFp8Tiles.
+__device__ inline void roundFp8Tiles(float *v, int width, Fp8ActivationScale rule) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int first = warp * 128; first < width; first += kWarps * 128) {
+    float amax = 0.0f;
+    for (int i = lane; i < 128 && first + i < width; i += 32)
+      amax = fmaxf(amax, fabsf(v[first + i]));
+    for (int offset = 16; offset > 0; offset /= 2)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const float scale = quant::fp8TileScale(amax, rule == Fp8ActivationScale::DeepSeekLinear
+                                                       ? quant::Fp8Rule::DeepSeekLinear
+                                                       : quant::Fp8Rule::DeepSeekUe8m0);
+    for (int i = lane; i < 128 && first + i < width; i += 32) {
+      const __half_raw code = __nv_cvt_fp8_to_halfraw(quant::floatToE4M3(__fdiv_rn(v[first + i], scale)),
+                                                      __NV_E4M3);
+      v[first + i] = __half2float(__half(code)) * scale;
+    }
+  }
 }
 
 // Block (token-slot, 8 rows of the intermediate): h = silu(gate x) * up x.
@@ -167,6 +205,10 @@ __global__ void __launch_bounds__(kThreads) gateUpKernel(MoeExpertsParams p, flo
   for (int i = threadIdx.x; i < p.hidden; i += kThreads)
     x[i] = p.x[size_t(token) * p.hidden + i];
   __syncthreads();
+  if constexpr (sizeof(T) == 1) {
+    roundFp8Tiles(x, p.hidden, p.activationScale);
+    __syncthreads();
+  }
   if (expert < 0 || expert >= p.experts)
     return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -175,7 +217,13 @@ __global__ void __launch_bounds__(kThreads) gateUpKernel(MoeExpertsParams p, flo
     return;
   const T *gate = static_cast<const T *>(p.gate[expert]) + size_t(row) * p.hidden;
   const T *up = static_cast<const T *>(p.up[expert]) + size_t(row) * p.hidden;
-  const float g = rowDot(gate, x, p.hidden, lane), u = rowDot(up, x, p.hidden, lane);
+  const float *gateScales = nullptr, *upScales = nullptr;
+  if constexpr (sizeof(T) == 1) {
+    gateScales = p.gateScales[expert] + size_t(row / 128) * p.gateScaleStride;
+    upScales = p.upScales[expert] + size_t(row / 128) * p.gateScaleStride;
+  }
+  const float g = rowDot(gate, x, p.hidden, lane, gateScales);
+  const float u = rowDot(up, x, p.hidden, lane, upScales);
   if (lane == 0)
     h[size_t(slot) * p.intermediate + row] = g * (1.0f / (1.0f + expf(-g))) * u;
 }
@@ -189,6 +237,10 @@ __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const
   for (int i = threadIdx.x; i < p.intermediate; i += kThreads)
     hs[i] = h[size_t(slot) * p.intermediate + i];
   __syncthreads();
+  if constexpr (sizeof(T) == 1) {
+    roundFp8Tiles(hs, p.intermediate, p.activationScale);
+    __syncthreads();
+  }
   if (expert < 0 || expert >= p.experts)
     return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -196,7 +248,10 @@ __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const
   if (row >= p.hidden)
     return;
   const T *down = static_cast<const T *>(p.down[expert]) + size_t(row) * p.intermediate;
-  const float v = rowDot(down, hs, p.intermediate, lane);
+  const float *scales = nullptr;
+  if constexpr (sizeof(T) == 1)
+    scales = p.downScales[expert] + size_t(row / 128) * p.downScaleStride;
+  const float v = rowDot(down, hs, p.intermediate, lane, scales);
   if (lane == 0)
     y[size_t(slot) * p.hidden + row] = v;
 }
@@ -302,6 +357,12 @@ int launchMoeExpertsPerToken(const MoeExpertsParams &p, void *stream) {
       !p.gate || !p.up || !p.down || !p.out || !p.workspace)
     return cudaErrorInvalidValue;
   const auto s = static_cast<cudaStream_t>(stream);
+  if (p.type == WeightType::Fp8Block) {
+    if (!p.gateScales || !p.upScales || !p.downScales || p.gateScaleStride <= 0 ||
+        p.downScaleStride <= 0)
+      return cudaErrorInvalidValue;
+    return launchPerToken<uint8_t>(p, s);
+  }
   return p.type == WeightType::BF16 ? launchPerToken<__nv_bfloat16>(p, s)
                                     : launchPerToken<float>(p, s);
 }

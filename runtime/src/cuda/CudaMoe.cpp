@@ -2,6 +2,7 @@
 // selection) and the routed experts, per (token, expert) on CUDA cores in decode steps (no host
 // round trip, so decode graphs hold them) and small prefills, grouped by expert around the GEMMs
 // in larger prefills (the chosen experts come to the host, each expert runs once on its tokens).
+// Experts in bf16 or FP8 with block scales (their inputs then rounded to E4M3 as the FP8 GEMMs do).
 #include "cuda/CudaExecutorImpl.h"
 
 #include "hybrid/kernels/cuda/Elementwise.h"
@@ -38,17 +39,19 @@ bool CudaExecutor::Impl::moeRunsOnGpu(const fb::Dispatch &d) const {
            p->num_groups() <= 64 && p->num_experts() % p->num_groups() == 0 &&
            p->topk_groups() >= 1 && p->topk_groups() <= p->num_groups() &&
            gemmWeight(roleOf(d, 0));
-  // Experts: bf16 row-major weights the GEMMs and the CUDA-core kernels both read.
+  // Experts: row-major weights the GEMMs and the CUDA-core kernels both read, all bf16 or all
+  // FP8 with block scales.
   if (!d.weights() || static_cast<int64_t>(d.weights()->size()) < 3 * p->num_experts() ||
       p->intermediate_size() <= 0 || p->intermediate_size() > kc::kMoeMaxHidden ||
       p->intermediate_size() % 2 != 0)
     return false;
+  const fb::DType type = weightTypes[static_cast<size_t>(d.weights()->Get(0))];
   for (int64_t i = 0; i < 3 * p->num_experts(); ++i) {
     const int32_t index = d.weights()->Get(static_cast<flatbuffers::uoffset_t>(i));
-    if (!gemmWeight(index) || weightTypes[static_cast<size_t>(index)] != fb::DType::BF16)
+    if (!gemmWeight(index) || weightTypes[static_cast<size_t>(index)] != type)
       return false;
   }
-  return true;
+  return type == fb::DType::BF16 || type == fb::DType::F8_E4M3;
 }
 
 Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &program,
@@ -81,11 +84,15 @@ Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &
     return Status::ok();
   }
   if (!expertPointers.count(&d)) {
-    std::vector<const void *> pointers(static_cast<size_t>(3 * E));
+    // gate, up, down, then (FP8 experts) their block scales: six arrays of E pointers.
+    std::vector<const void *> pointers(static_cast<size_t>(6 * E), nullptr);
     for (int64_t e = 0; e < E; ++e)
-      for (int m = 0; m < 3; ++m) // gate, up, down: three arrays of E pointers
-        pointers[static_cast<size_t>(m * E + e)] =
-            weight(d.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e + m)));
+      for (int m = 0; m < 3; ++m) {
+        const int32_t index = d.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e + m));
+        pointers[static_cast<size_t>(m * E + e)] = weight(index);
+        if (fp8WeightScales.count(index)) // prepared with the dispatch's FP8 weights
+          pointers[static_cast<size_t>((3 + m) * E + e)] = fp8WeightScales.at(index);
+      }
     const void **&device = expertPointers[&d];
     CUDA_RETURN_IF_ERROR(cudaMalloc(&device, pointers.size() * sizeof(void *)),
                          "expert weight pointers");
@@ -173,6 +180,15 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
     m.up = pointers + E;
     m.down = pointers + 2 * E;
     m.type = kc::WeightType::BF16;
+    if (weightTypes[static_cast<size_t>(d.weights()->Get(0))] == fb::DType::F8_E4M3) {
+      m.type = kc::WeightType::Fp8Block;
+      m.gateScales = reinterpret_cast<const float *const *>(pointers + 3 * E);
+      m.upScales = reinterpret_cast<const float *const *>(pointers + 4 * E);
+      m.downScales = reinterpret_cast<const float *const *>(pointers + 5 * E);
+      m.gateScaleStride = static_cast<int32_t>(kc::linearFp8WeightScaleStride(hidden));
+      m.downScaleStride = static_cast<int32_t>(kc::linearFp8WeightScaleStride(inner));
+      m.activationScale = fp8ActivationScale;
+    }
     m.out = out;
     m.workspace = r.scratch;
     if (kc::moeExpertsWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate) >

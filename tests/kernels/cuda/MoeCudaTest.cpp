@@ -3,6 +3,7 @@
 // plus the grouped form's gather / scatter-add. Labelled `gpu`; skipped without a GPU.
 #include "hybrid/kernels/cuda/Moe.h"
 #include "hybrid/kernels/ref/Moe.h"
+#include "hybrid/kernels/ref/Quant.h"
 #include "CudaTestSupport.h"
 
 #include <string>
@@ -158,6 +159,104 @@ TEST(MoeExpertsCuda, PerTokenMatchesReference) {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       EXPECT_LT(relativeRms(dOut.download(), expected), 1e-5);
     }
+}
+
+// FP8 experts (DeepSeek-V3.2's): E4M3 codes with 128 x 128 block scales in the FP8 GEMM's padded
+// layout, each projection's input rounded to E4M3 per 128 values first, against ref::moeExperts
+// on the dequantized weights with the same activation rule.
+TEST(MoeExpertsCuda, Fp8ExpertsMatchReference) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(5);
+  const int tokens = 3, hidden = 384, inner = 192, experts = 6, topK = 2;
+  const std::vector<float> x = random(size_t(tokens) * hidden, rng, 1.0f);
+  struct Matrix {
+    std::vector<uint8_t> codes;
+    std::vector<float> padded, values; // scales in the GEMM's layout; dequantized weights
+  };
+  auto makeMatrix = [&](int rows, int cols) {
+    Matrix m;
+    const int blockRows = (rows + 127) / 128, blockCols = (cols + 127) / 128;
+    const int stride = int(cuda::linearFp8WeightScaleStride(cols));
+    std::uniform_real_distribution<float> scale(0.001f, 0.004f);
+    std::vector<float> scales(size_t(blockRows) * blockCols);
+    for (float &v : scales)
+      v = scale(rng);
+    m.padded.assign(size_t(blockRows) * stride, 0.0f);
+    for (int r = 0; r < blockRows; ++r)
+      for (int c = 0; c < blockCols; ++c)
+        m.padded[size_t(r) * stride + c] = scales[size_t(r) * blockCols + c];
+    m.codes.resize(size_t(rows) * cols);
+    m.values.resize(m.codes.size());
+    for (size_t i = 0; i < m.codes.size(); ++i) {
+      m.codes[i] = uint8_t(rng() % 0x7E) | uint8_t((rng() & 1u) << 7); // never NaN
+      const int r = int(i / cols), c = int(i % cols);
+      m.values[i] = ref::e4m3ToFloat(m.codes[i]) * scales[size_t(r / 128) * blockCols + c / 128];
+    }
+    return m;
+  };
+  std::vector<Matrix> matrices;
+  for (int e = 0; e < experts; ++e) {
+    matrices.push_back(makeMatrix(inner, hidden)); // gate
+    matrices.push_back(makeMatrix(inner, hidden)); // up
+    matrices.push_back(makeMatrix(hidden, inner)); // down
+  }
+  const std::vector<int32_t> ids = {4, 1, 0, 5, 2, 4};
+  const std::vector<float> weights = {0.7f, 0.3f, 0.5f, 0.5f, 0.9f, 0.1f};
+  for (auto rule : {cuda::Fp8ActivationScale::DeepSeekUe8m0, cuda::Fp8ActivationScale::DeepSeekLinear}) {
+    const ref::Fp8ScaleRule refRule = rule == cuda::Fp8ActivationScale::DeepSeekUe8m0
+                                          ? ref::Fp8ScaleRule::DeepSeekUe8m0
+                                          : ref::Fp8ScaleRule::DeepSeekLinear;
+    std::vector<ref::SwiGluWeights> reference;
+    for (int e = 0; e < experts; ++e)
+      reference.push_back({matrices[size_t(3 * e)].values, matrices[size_t(3 * e + 1)].values,
+                           matrices[size_t(3 * e + 2)].values, hidden, inner, refRule});
+    std::vector<float> expected(size_t(tokens) * hidden);
+    ref::moeExperts(x, tokens, hidden, ids, weights, topK, reference, {}, expected);
+
+    std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> codes;
+    std::vector<std::unique_ptr<DeviceBuffer<float>>> scales;
+    std::vector<uint64_t> pointers[3], scalePointers[3];
+    for (size_t m = 0; m < matrices.size(); ++m) {
+      codes.push_back(std::make_unique<DeviceBuffer<uint8_t>>(matrices[m].codes));
+      scales.push_back(std::make_unique<DeviceBuffer<float>>(matrices[m].padded));
+      pointers[m % 3].push_back(reinterpret_cast<uint64_t>(codes.back()->data));
+      scalePointers[m % 3].push_back(reinterpret_cast<uint64_t>(scales.back()->data));
+    }
+    DeviceBuffer<uint64_t> gate(pointers[0]), up(pointers[1]), down(pointers[2]);
+    DeviceBuffer<uint64_t> gateScales(scalePointers[0]), upScales(scalePointers[1]),
+        downScales(scalePointers[2]);
+    DeviceBuffer<float> dX(x), dWeights(weights), dOut{std::vector<float>(expected.size())};
+    DeviceBuffer<int32_t> dIds(ids);
+    DeviceBuffer<uint8_t> dWorkspace{
+        std::vector<uint8_t>(cuda::moeExpertsWorkspaceBytes(tokens, topK, hidden, inner))};
+    cuda::MoeExpertsParams p;
+    p.tokens = tokens;
+    p.hidden = hidden;
+    p.intermediate = inner;
+    p.experts = experts;
+    p.topK = topK;
+    p.x = dX.data;
+    p.ids = dIds.data;
+    p.weights = dWeights.data;
+    p.gate = reinterpret_cast<const void *const *>(gate.data);
+    p.up = reinterpret_cast<const void *const *>(up.data);
+    p.down = reinterpret_cast<const void *const *>(down.data);
+    p.type = cuda::WeightType::Fp8Block;
+    p.gateScales = reinterpret_cast<const float *const *>(gateScales.data);
+    p.upScales = reinterpret_cast<const float *const *>(upScales.data);
+    p.downScales = reinterpret_cast<const float *const *>(downScales.data);
+    p.gateScaleStride = int32_t(cuda::linearFp8WeightScaleStride(hidden));
+    p.downScaleStride = int32_t(cuda::linearFp8WeightScaleStride(inner));
+    p.activationScale = rule;
+    p.out = dOut.data;
+    p.workspace = dWorkspace.data;
+    ASSERT_EQ(cuda::launchMoeExpertsPerToken(p, nullptr), 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    // The same rounded activations and weights; fp32 sums in another order (a rounding of the
+    // hidden activation may land one E4M3 step apart where the gate's sum is on a boundary).
+    EXPECT_LT(relativeRms(dOut.download(), expected), 1e-4);
+  }
 }
 
 TEST(MoeExpertsCuda, GatherAndScatterAddRows) {

@@ -9,8 +9,9 @@
 namespace hybrid::kernels::cuda {
 
 enum class TableType : int32_t { F32, BF16 };
-// How a weight matrix the CUDA-core kernels read is stored.
-enum class WeightType { F32, BF16 };
+// How a weight matrix the CUDA-core kernels read is stored (Fp8Block: E4M3 codes with one fp32
+// scale per 128 x 128 block, where the kernel says it takes them).
+enum class WeightType { F32, BF16, Fp8Block };
 
 // out[t] = table[ids[t]] for t < rows; the ids are device int64 and must be in [0, vocab) (the
 // caller checks them on the host, where it has them, and names the bad one).

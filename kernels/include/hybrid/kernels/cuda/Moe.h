@@ -1,13 +1,15 @@
 // MoE on CUDA (MODEL_SPEC 5, issue 7): the noaux_tc router as one kernel after the router GEMM,
 // and the routed experts' SwiGLU MLPs, either per (token, expert) on CUDA cores (decode: no host
 // round trip, so it can be captured in a graph) or grouped by expert around the runtime's
-// GEMMs (prefill: gather, GEMMs, scatter-add). fp32 activations, expert weights in bf16 or fp32;
+// GEMMs (prefill: gather, GEMMs, scatter-add). fp32 activations, expert weights in bf16, fp32
+// or FP8 with block scales;
 // the reference's arithmetic up to summation order, every token's experts added in ascending
 // expert order as ref::moeExperts does. CUDA-free header. Launches return 0 or a cudaError_t
 // (cudaErrorInvalidValue for a bad shape or a missing pointer).
 #pragma once
 
 #include "hybrid/kernels/cuda/Elementwise.h" // WeightType
+#include "hybrid/kernels/cuda/Linear.h"      // Fp8ActivationScale
 
 #include <cstddef>
 #include <cstdint>
@@ -54,6 +56,15 @@ struct MoeExpertsParams {
   const void *const *up = nullptr;
   const void *const *down = nullptr;
   WeightType type = WeightType::BF16;
+  // Fp8Block experts (DeepSeek-V3.2's): per expert its block scales, rows of `gateScaleStride`
+  // (gate and up) or `downScaleStride` (down) floats per 128 weight rows, one per 128 columns (the
+  // FP8 GEMM's layout, linearFp8WeightScaleStride); the inputs of each projection are rounded to
+  // E4M3 per 128 values first (`activationScale`'s rule), as ref::linearFp8Activations does.
+  const float *const *gateScales = nullptr;
+  const float *const *upScales = nullptr;
+  const float *const *downScales = nullptr;
+  int32_t gateScaleStride = 0, downScaleStride = 0;
+  Fp8ActivationScale activationScale = Fp8ActivationScale::DeepSeekLinear;
   float *out = nullptr;       // [tokens, hidden]
   void *workspace = nullptr;  // moeExpertsWorkspaceBytes
 };
