@@ -10,6 +10,7 @@
 #include "hybrid/kernels/cuda/BenchDevice.h"
 #include "hybrid/kernels/cuda/DsaBench.h" // and SparseMla.h
 #include "hybrid/kernels/cuda/KdaBench.h"
+#include "hybrid/kernels/cuda/MoeBench.h"
 #endif
 
 #include <CLI/CLI.hpp>
@@ -351,6 +352,42 @@ int runDsaSparseMla(const SparseMlaOptions &o, const RecordOptions &record) {
   return finishRecord(record, kc::benchDeviceName(), std::move(rows));
 }
 
+// The routed experts of a decode step: each token's top-k experts' weights read once.
+struct MoeOptions {
+  std::vector<int32_t> tokens = {1, 8, 64};
+  int32_t experts = 256, topK = 8, hidden = 2304, intermediate = 1024, iterations = 20;
+};
+
+int runMoe(const MoeOptions &o, const RecordOptions &record) {
+  std::string error;
+  const auto results = kc::benchMoeDecode(o.tokens, o.experts, o.topK, o.hidden, o.intermediate,
+                                          o.iterations, error);
+  if (!error.empty()) {
+    std::cerr << "error: moe: " << error << "\n";
+    return 1;
+  }
+  std::printf("%-12s %6s %7s %5s %6s %6s %10s %10s %9s  %s\n", "kernel", "tokens", "experts",
+              "top-k", "hidden", "inter", "us", "floor us", "TB/s", "target (H200)");
+  std::vector<hybrid::bench::BenchRow> rows;
+  for (const auto &r : results) {
+    std::printf("%-12s %6d %7d %5d %6d %6d %10.1f %10.1f %9.2f  %s\n", "moe-experts", r.tokens,
+                r.experts, r.topK, r.hidden, r.intermediate, r.microseconds, r.floorMicroseconds,
+                r.terabytesPerSecond, kc::moeTargetVerdict(r).c_str());
+    std::ostringstream json;
+    json << "{\"kernel\": \"moe-experts\", \"tokens\": " << r.tokens << ", \"experts\": "
+         << r.experts << ", \"top_k\": " << r.topK << ", \"hidden\": " << r.hidden
+         << ", \"intermediate\": " << r.intermediate << ", \"us\": " << r.microseconds
+         << ", \"weight_bytes\": " << r.weightBytes << ", \"floor_us\": " << r.floorMicroseconds
+         << ", \"target\": \"" << kc::moeTargetVerdict(r) << "\"}";
+    rows.push_back({"moe-experts tokens=" + std::to_string(r.tokens) + " experts=" +
+                        std::to_string(r.experts) + " top_k=" + std::to_string(r.topK) +
+                        " hidden=" + std::to_string(r.hidden) +
+                        " intermediate=" + std::to_string(r.intermediate),
+                    r.microseconds, json.str()});
+  }
+  return finishRecord(record, kc::benchDeviceName(), std::move(rows));
+}
+
 #else
 int noCuda(const char *subcommand) {
   std::cerr << "error: " << subcommand
@@ -372,6 +409,11 @@ struct IndexerOptions {
   std::string scores = "auto";
 };
 int runDsaIndexer(const IndexerOptions &, const RecordOptions &) { return noCuda("dsa-indexer"); }
+struct MoeOptions {
+  std::vector<int32_t> tokens = {1, 8, 64};
+  int32_t experts = 256, topK = 8, hidden = 2304, intermediate = 1024, iterations = 20;
+};
+int runMoe(const MoeOptions &, const RecordOptions &) { return noCuda("moe"); }
 struct SparseMlaOptions {
   std::vector<int32_t> batches = {1, 8, 64};
   std::vector<int32_t> heads = {128, 16};
@@ -574,6 +616,19 @@ int main(int argc, char **argv) {
   dsaSparseMla->add_option("--iterations", sparseMla.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(dsaSparseMla, record);
+  MoeOptions moe;
+  CLI::App *moeCommand = app.add_subcommand(
+      "moe", "MoE routed experts of a decode step (each token's top-k experts, bf16)");
+  moeCommand->add_option("--tokens", moe.tokens, "Tokens in the step")
+      ->delimiter(',')->check(CLI::PositiveNumber);
+  moeCommand->add_option("--experts", moe.experts, "Routed experts")->check(CLI::Range(1, 1024));
+  moeCommand->add_option("--top-k", moe.topK, "Experts per token")->check(CLI::Range(1, 32));
+  moeCommand->add_option("--hidden", moe.hidden, "Hidden size (even)")->check(CLI::Range(2, 16384));
+  moeCommand->add_option("--intermediate", moe.intermediate, "Expert intermediate size (even)")
+      ->check(CLI::Range(2, 16384));
+  moeCommand->add_option("--iterations", moe.iterations, "Calls per timing")
+      ->check(CLI::PositiveNumber);
+  addRecordOptions(moeCommand, record);
   IndexerOptions dsaAllIndexer;
   SparseMlaOptions dsaAllSparseMla;
   CLI::App *dsaAll = app.add_subcommand(
@@ -661,6 +716,8 @@ int main(int argc, char **argv) {
     return runKda(o, record);
   if (dsaIndexer->parsed())
     return runDsaIndexer(indexer, record);
+  if (moeCommand->parsed())
+    return runMoe(moe, record);
   if (dsaAll->parsed()) {
     dsaAllIndexer.form = "unfused"; // the form the runtime runs
     dsaAllSparseMla.batches = dsaAllIndexer.batches;

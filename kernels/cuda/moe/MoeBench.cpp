@@ -1,0 +1,154 @@
+#include "hybrid/kernels/cuda/MoeBench.h"
+#include "hybrid/kernels/cuda/KdaBench.h" // kH200CopyTbPerSecond
+#include "hybrid/kernels/cuda/Moe.h"
+#include "../common/bench_support.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <set>
+
+namespace hybrid::kernels::cuda {
+using namespace bench;
+
+namespace {
+constexpr int kDistinctMatrices = 4; // random sources copied into every expert's weights
+constexpr double kTargetTbPerSecond = 3.5;
+} // namespace
+
+std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCounts,
+                                           int32_t experts, int32_t topK, int32_t hidden,
+                                           int32_t intermediate, int32_t iterations,
+                                           std::string &error) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    error = "no CUDA device";
+    return {};
+  }
+  if (topK > experts) {
+    error = "top-k " + std::to_string(topK) + " is more than the " + std::to_string(experts) +
+            " experts";
+    return {};
+  }
+  std::mt19937 rng(13);
+  const size_t matrix = size_t(hidden) * intermediate; // every projection has this many weights
+  // Every expert's three matrices apart in device memory (so nothing is read twice from L2),
+  // filled from a few random sources.
+  std::vector<void *> sources, weights;
+  auto release = [&]() {
+    for (void *p : sources)
+      cudaFree(p);
+    for (void *p : weights)
+      cudaFree(p);
+  };
+  for (int i = 0; i < kDistinctMatrices; ++i) {
+    void *source = deviceRandomBf16(matrix, 0.02f, 0.0f, rng, error);
+    if (!source) {
+      release();
+      return {};
+    }
+    sources.push_back(source);
+  }
+  for (int i = 0; i < 3 * experts; ++i) {
+    void *device = nullptr;
+    if (cudaMalloc(&device, matrix * 2) != cudaSuccess ||
+        cudaMemcpy(device, sources[size_t(i % kDistinctMatrices)], matrix * 2,
+                   cudaMemcpyDeviceToDevice) != cudaSuccess) {
+      cudaFree(device);
+      error = "cannot allocate " + std::to_string(3 * experts) + " expert matrices";
+      release();
+      return {};
+    }
+    weights.push_back(device);
+  }
+  std::vector<const void *> gate, up, down;
+  for (int e = 0; e < experts; ++e) {
+    gate.push_back(weights[size_t(3 * e)]);
+    up.push_back(weights[size_t(3 * e + 1)]);
+    down.push_back(weights[size_t(3 * e + 2)]);
+  }
+  auto pointerArray = [](const std::vector<const void *> &host) {
+    std::vector<uint64_t> bits(host.size());
+    std::transform(host.begin(), host.end(), bits.begin(),
+                   [](const void *p) { return reinterpret_cast<uint64_t>(p); });
+    return deviceCopy(bits);
+  };
+  uint64_t *dGate = pointerArray(gate), *dUp = pointerArray(up), *dDown = pointerArray(down);
+  std::vector<MoeBenchResult> results;
+  for (int32_t tokens : tokenCounts) {
+    std::vector<int32_t> ids;
+    std::vector<float> routing;
+    std::set<int32_t> distinct;
+    for (int32_t t = 0; t < tokens; ++t) {
+      std::vector<int32_t> order(static_cast<size_t>(experts));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int32_t k = 0; k < topK; ++k) {
+        ids.push_back(order[size_t(k)]);
+        routing.push_back(1.0f / float(topK));
+        distinct.insert(order[size_t(k)]);
+      }
+    }
+    int32_t *dIds = deviceCopy(ids);
+    float *dRouting = deviceCopy(routing);
+    float *x = deviceRandom(size_t(tokens) * hidden, 1.0f, 0.0f, rng, error);
+    float *out = nullptr;
+    void *workspace = nullptr;
+    const bool ready =
+        dIds && dRouting && x && dGate && dUp && dDown &&
+        cudaMalloc(&out, size_t(tokens) * hidden * sizeof(float)) == cudaSuccess &&
+        cudaMalloc(&workspace, moeExpertsWorkspaceBytes(tokens, topK, hidden, intermediate)) ==
+            cudaSuccess;
+    MoeExpertsParams p;
+    p.tokens = tokens;
+    p.hidden = hidden;
+    p.intermediate = intermediate;
+    p.experts = experts;
+    p.topK = topK;
+    p.x = x;
+    p.ids = dIds;
+    p.weights = dRouting;
+    p.gate = reinterpret_cast<const void *const *>(dGate);
+    p.up = reinterpret_cast<const void *const *>(dUp);
+    p.down = reinterpret_cast<const void *const *>(dDown);
+    p.type = WeightType::BF16;
+    p.out = out;
+    p.workspace = workspace;
+    MoeBenchResult r;
+    r.tokens = tokens;
+    r.experts = experts;
+    r.topK = topK;
+    r.hidden = hidden;
+    r.intermediate = intermediate;
+    r.microseconds =
+        ready ? graphMicroseconds(iterations,
+                                  [&](cudaStream_t s) { return launchMoeExpertsPerToken(p, s); })
+              : -1;
+    cudaFree(dIds);
+    cudaFree(dRouting);
+    cudaFree(x);
+    cudaFree(out);
+    cudaFree(workspace);
+    if (r.microseconds < 0) {
+      error = "the MoE launch failed for " + std::to_string(tokens) + " tokens";
+      break;
+    }
+    r.weightBytes = double(distinct.size()) * 3.0 * double(matrix) * 2.0;
+    r.floorMicroseconds = r.weightBytes / (kH200CopyTbPerSecond * 1e12) * 1e6;
+    r.terabytesPerSecond = r.weightBytes / (r.microseconds * 1e-6) / 1e12;
+    results.push_back(r);
+  }
+  cudaFree(dGate);
+  cudaFree(dUp);
+  cudaFree(dDown);
+  release();
+  return error.empty() ? results : std::vector<MoeBenchResult>{};
+}
+
+std::string moeTargetVerdict(const MoeBenchResult &r) {
+  return floorShareVerdict(r.terabytesPerSecond / kTargetTbPerSecond, 1.0, "3.5 TB/s");
+}
+
+} // namespace hybrid::kernels::cuda
