@@ -2,6 +2,7 @@
 // squares, and proj * norm_weight * value) in one pass, the softmax by one thread in candidate
 // order, then the mix and its RMSNorm.
 #include "hybrid/kernels/cuda/AttnRes.h"
+#include "../common/block_reduce.cuh"
 
 #include <cuda_runtime.h>
 
@@ -11,19 +12,6 @@ namespace hybrid::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ inline float blockSum(float value, float *shared) {
-  for (int offset = 16; offset > 0; offset /= 2)
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  __syncthreads(); // `shared` may still be read from the previous sum
-  if (threadIdx.x % 32 == 0)
-    shared[threadIdx.x / 32] = value;
-  __syncthreads();
-  float total = 0.0f;
-  for (int w = 0; w < kThreads / 32; ++w)
-    total += shared[w];
-  return total;
-}
 
 __global__ void __launch_bounds__(kThreads) attnResKernel(AttnResParams p) {
   __shared__ float partial[kThreads / 32];
@@ -36,8 +24,8 @@ __global__ void __launch_bounds__(kThreads) attnResKernel(AttnResParams p) {
       squares += value[d] * value[d];
       projected += p.projWeight[d] * (p.normWeight[d] * value[d]);
     }
-    const float sumSquares = blockSum(squares, partial);
-    const float sumProjected = blockSum(projected, partial);
+    const float sumSquares = reduce::blockSum<kThreads>(squares, partial);
+    const float sumProjected = reduce::blockSum<kThreads>(projected, partial);
     if (threadIdx.x == 0) // the score: proj . (w * v * rms^-1), the scalar factored out
       weights[m] = sumProjected * (1.0f / sqrtf(sumSquares / float(dim) + p.epsilon));
   }
@@ -64,7 +52,8 @@ __global__ void __launch_bounds__(kThreads) attnResKernel(AttnResParams p) {
   }
   if (!p.normed)
     return;
-  const float scale = 1.0f / sqrtf(blockSum(squares, partial) / float(dim) + p.outputEpsilon);
+  const float scale =
+      1.0f / sqrtf(reduce::blockSum<kThreads>(squares, partial) / float(dim) + p.outputEpsilon);
   float *normed = p.normed + size_t(t) * dim;
   for (int d = threadIdx.x; d < dim; d += kThreads) // each thread reads back its own values
     normed[d] = p.outputNormWeight[d] * (mixed[d] * scale);

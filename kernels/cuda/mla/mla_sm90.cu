@@ -3,6 +3,7 @@
 // attention keeps a block's queries and a tile of gathered rows in shared memory with an online
 // softmax. The FP8 sparse decode on tensor cores is sparse_mla_decode_sm90.cu.
 #include "hybrid/kernels/cuda/Mla.h"
+#include "../common/block_reduce.cuh"
 #include "../common/fp8_quant.cuh"
 
 #include <cuda_bf16.h>
@@ -18,11 +19,7 @@ namespace {
 constexpr int kThreads = 128, kWarpSize = 32;
 constexpr int kScaleTile = 128; // latent elements per FP8 row scale
 
-__device__ inline float warpSum(float value) {
-  for (int offset = 16; offset > 0; offset /= 2)
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
-}
+using reduce::warpSum;
 
 // Pair i of a rotated slice: the two values it mixes.
 __device__ inline void ropePair(float *x, int i, int pairs, RopePairing pairing, float angle) {
@@ -54,19 +51,6 @@ __global__ void __launch_bounds__(kThreads) rope(RopeParams p) {
     row[block * 32 + lane] = quant::mxfp8RoundTrip(row[block * 32 + lane]);
 }
 
-__device__ inline float blockSum(float value, float *shared) {
-  value = warpSum(value);
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  __syncthreads(); // `shared` may still be read from a previous call
-  if (lane == 0)
-    shared[warp] = value;
-  __syncthreads();
-  float total = 0.0f;
-  for (int w = 0; w < kThreads / kWarpSize; ++w)
-    total += shared[w];
-  return total;
-}
-
 __global__ void __launch_bounds__(kThreads) latentRows(MlaLatentRowsParams p) {
   __shared__ float partial[kThreads / kWarpSize];
   const int r = blockIdx.x, wide = p.latentDim + p.ropeDim;
@@ -74,7 +58,9 @@ __global__ void __launch_bounds__(kThreads) latentRows(MlaLatentRowsParams p) {
   float squares = 0.0f;
   for (int i = threadIdx.x; i < p.latentDim; i += kThreads)
     squares += in[i] * in[i];
-  const float scale = 1.0f / sqrtf(blockSum(squares, partial) / float(p.latentDim) + p.epsilon);
+  const float scale =
+      1.0f / sqrtf(reduce::blockSum<kThreads>(squares, partial) / float(p.latentDim) +
+                   p.epsilon);
   float *latent = p.latent + int64_t(r) * p.latentDim;
   for (int i = threadIdx.x; i < p.latentDim; i += kThreads)
     latent[i] = p.normWeight[i] * (in[i] * scale); // the reference's order

@@ -3,6 +3,7 @@
 // CUDA cores: a warp per output row reading the expert's weight row once, the token's input in
 // shared memory.
 #include "hybrid/kernels/cuda/Moe.h"
+#include "../common/block_reduce.cuh"
 #include "../common/device_setup.cuh"
 #include "../common/fp8_quant.cuh"
 
@@ -19,11 +20,7 @@ namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 
-__device__ inline float warpSum(float value) {
-  for (int offset = 16; offset > 0; offset /= 2)
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
-}
+using reduce::warpSum;
 
 // a before b in the router's order: larger value, then lower index.
 __device__ inline bool ranksBefore(float a, int ia, float b, int ib) {

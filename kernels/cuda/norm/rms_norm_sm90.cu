@@ -1,6 +1,7 @@
-// RMSNorm (+ residual add) and LayerNorm on CUDA (see Norm.h): one block per row, the row's squares summed in
-// fp32 by the block, then each element normalised and scaled.
+// RMSNorm (+ residual add) and LayerNorm on CUDA (see Norm.h): one block per row, the row's
+// squares summed in fp32 by the block, then each element normalised and scaled.
 #include "hybrid/kernels/cuda/Norm.h"
+#include "../common/block_reduce.cuh"
 
 #include <cuda_runtime.h>
 
@@ -8,20 +9,6 @@ namespace hybrid::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ inline float blockSum(float value, float *warpSums) {
-  for (int offset = 16; offset > 0; offset /= 2)
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  __syncthreads(); // warpSums may still be read by an earlier call
-  if (threadIdx.x % 32 == 0)
-    warpSums[threadIdx.x / 32] = value;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w)
-    total += warpSums[w];
-  return total;
-}
 
 __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormParams p) {
   __shared__ float warpSums[kThreads / 32];
@@ -39,7 +26,8 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormParams p) {
     }
     squares += value * value;
   }
-  const float scale = rsqrtf(blockSum(squares, warpSums) / float(p.dim) + p.epsilon);
+  const float scale =
+      rsqrtf(reduce::blockSum<kThreads>(squares, warpSums) / float(p.dim) + p.epsilon);
   // Each thread reads back what it wrote itself (sum), so no barrier is needed before this pass.
   const float *source = addend ? sum : x;
   for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
@@ -57,11 +45,12 @@ __global__ void __launch_bounds__(kThreads) layerNormKernel(LayerNormParams p) {
   float sum = 0.0f;
   for (int64_t i = threadIdx.x; i < p.dim; i += kThreads)
     sum += x[i];
-  const float mean = blockSum(sum, warpSums) / float(p.dim);
+  const float mean = reduce::blockSum<kThreads>(sum, warpSums) / float(p.dim);
   float squares = 0.0f;
   for (int64_t i = threadIdx.x; i < p.dim; i += kThreads)
     squares += (x[i] - mean) * (x[i] - mean);
-  const float scale = 1.0f / sqrtf(blockSum(squares, warpSums) / float(p.dim) + p.epsilon);
+  const float scale =
+      1.0f / sqrtf(reduce::blockSum<kThreads>(squares, warpSums) / float(p.dim) + p.epsilon);
   for (int64_t i = threadIdx.x; i < p.dim; i += kThreads)
     y[i] = (x[i] - mean) * scale * p.weight[i] + p.bias[i];
 }

@@ -18,10 +18,6 @@ namespace {
 enum MlaRole { MlaQProj, MlaQBProj, MlaKvA, MlaKvANorm, MlaKvB, MlaGate, MlaOProj };
 enum IndexerKeyRole { IndexerWk, IndexerKNorm, IndexerKNormBias };
 
-int32_t roleOf(const fb::Dispatch &d, int role) {
-  return d.weights() && role < static_cast<int>(d.weights()->size()) ? d.weights()->Get(role) : -1;
-}
-
 bool isMla(fb::KernelId kernel) {
   return kernel == fb::KernelId::MlaPrefill || kernel == fb::KernelId::MlaDecode ||
          kernel == fb::KernelId::SparseMlaPrefill || kernel == fb::KernelId::SparseMlaDecode;
@@ -49,7 +45,6 @@ kc::RopePairing pairingOf(const fb::Rope *rope) {
 // absorbed queries, latent outputs, heads, gate; indexer: a row of scores per key) stay within
 // kChunkFloats however long the prefill.
 constexpr int64_t kChunkFloats = int64_t(32) << 20;
-int64_t pad(int64_t floats) { return (floats + 63) / 64 * 64; } // 256-byte aligned parts
 
 int64_t mlaFloatsPerChunkRow(const fb::MlaParams &p) {
   const int64_t H = p.num_heads(), dn = p.qk_nope_head_dim(), dr = p.qk_rope_head_dim();
@@ -244,32 +239,19 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
                                             const HostWeights &hostWeights,
                                             size_t &floats, size_t &xWidth, size_t &outWidth) {
   auto width = [&](int32_t value) { return static_cast<size_t>(valueOf(program, value).row_elements()); };
-  auto uploadFloats = [&](const std::vector<float> &values, float *&device) -> Status {
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&device, std::max<size_t>(1, values.size()) * sizeof(float)),
-                         "attention weights");
-    CUDA_RETURN_IF_ERROR(cudaMemcpy(device, values.data(), values.size() * sizeof(float),
-                                    cudaMemcpyHostToDevice),
-                         "attention weights");
-    return Status::ok();
-  };
-  auto smallWeight = [&](int32_t index) -> Status {
-    if (index < 0 || fp32Weights.count(index))
-      return Status::ok();
-    HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *values, hostWeights(index));
-    return uploadFloats(*values, fp32Weights[index]);
-  };
   auto frequencies = [&](const fb::Rope *rope, int64_t dims) -> Status {
     if (!rotates(rope) || dims == 0 || ropeFrequencies.count(&d))
       return Status::ok();
-    return uploadFloats(cpu::ropeFrequencies(rope, dims), ropeFrequencies[&d]);
+    return uploadFloats(cpu::ropeFrequencies(rope, dims), ropeFrequencies[&d],
+                        "RoPE frequencies");
   };
   switch (d.kernel()) {
   case fb::KernelId::IndexerQuery:
   case fb::KernelId::IndexerKey: {
     const fb::DsaIndexerParams *p = d.params_as_DsaIndexerParams();
     HYBRID_RETURN_IF_ERROR(frequencies(p->rope(), p->rope_head_dim()));
-    HYBRID_RETURN_IF_ERROR(smallWeight(roleOf(d, IndexerKNorm)));
-    HYBRID_RETURN_IF_ERROR(smallWeight(roleOf(d, IndexerKNormBias)));
+    HYBRID_RETURN_IF_ERROR(uploadSmallWeight(roleOf(d, IndexerKNorm), hostWeights));
+    HYBRID_RETURN_IF_ERROR(uploadSmallWeight(roleOf(d, IndexerKNormBias), hostWeights));
     xWidth = width(d.inputs()->Get(0));
     outWidth = width(d.outputs()->Get(0));
     return Status::ok();
@@ -292,7 +274,7 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
   const int64_t H = p->num_heads(), dn = p->qk_nope_head_dim(), dr = p->qk_rope_head_dim();
   const int64_t rkv = p->kv_lora_rank(), dv = p->v_head_dim();
   HYBRID_RETURN_IF_ERROR(frequencies(p->rope(), dr));
-  HYBRID_RETURN_IF_ERROR(smallWeight(roleOf(d, MlaKvANorm)));
+  HYBRID_RETURN_IF_ERROR(uploadSmallWeight(roleOf(d, MlaKvANorm), hostWeights));
   const int32_t kvB = roleOf(d, MlaKvB);
   const fb::Weight *kvBWeight = plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(kvB));
   const int64_t kvBValues = H * (dn + dv) * rkv;
@@ -468,8 +450,7 @@ Status CudaExecutor::Impl::runDsaIndexer(const fb::Program &program, unsigned ch
 
   // The step's keys join the pool first: every row attends to its own and earlier positions.
   kc::IndexKeyWriteParams write;
-  write.where = {static_cast<int32_t>(T), rowPositions, rowSequences, blockTables, maxPages,
-                 static_cast<int32_t>(pageTokens)};
+  write.where = stepTokens(T);
   write.dim = static_cast<int32_t>(Di);
   write.type = kv.keyType;
   write.keys = keys;
@@ -571,8 +552,7 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
   rows.rope = rope;
   LAUNCH_RETURN_IF_ERROR(kc::launchMlaLatentRows(rows, r.stream), "MLA cache rows");
   kc::LatentWriteParams write;
-  write.where = {static_cast<int32_t>(T), rowPositions, rowSequences, blockTables, maxPages,
-                 static_cast<int32_t>(pageTokens)};
+  write.where = stepTokens(T);
   write.latentDim = static_cast<int32_t>(rkv);
   write.ropeDim = static_cast<int32_t>(dr);
   write.latent = latent;

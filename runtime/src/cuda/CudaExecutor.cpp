@@ -10,13 +10,9 @@
 namespace hybrid::cudadev {
 
 bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
-  auto weightAt = [&](int role) {
-    return d.weights() && role < static_cast<int>(d.weights()->size()) ? d.weights()->Get(role)
-                                                                        : -1;
-  };
   switch (d.kernel()) {
   case fb::KernelId::Embed: {
-    const int32_t table = weightAt(0);
+    const int32_t table = roleOf(d, 0);
     return table >= 0 && (weightTypes[table] == fb::DType::BF16 ||
                           weightTypes[table] == fb::DType::F32);
   }
@@ -26,9 +22,9 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
     return true;
   case fb::KernelId::Linear:
   case fb::KernelId::LmHead:
-    return gemmWeight(weightAt(0));
+    return gemmWeight(roleOf(d, 0));
   case fb::KernelId::Mlp:
-    return gemmWeight(weightAt(0)) && gemmWeight(weightAt(1)) && gemmWeight(weightAt(2));
+    return gemmWeight(roleOf(d, 0)) && gemmWeight(roleOf(d, 1)) && gemmWeight(roleOf(d, 2));
   case fb::KernelId::KdaChunkPrefill:
   case fb::KernelId::KdaRecurrentDecode: {
     const fb::KdaParams *p = d.params_as_KdaParams();
@@ -37,11 +33,11 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
         (kdaPrefillPath == kc::KdaPrefillPath::Chunked && p->head_dim() != 128))
       return false;
     for (int role : {Q, Kp, V, FA, FB, B, O})
-      if (!gemmWeight(weightAt(role)))
+      if (!gemmWeight(roleOf(d, role)))
         return false;
-    if (weightAt(G) >= 0)
-      return gemmWeight(weightAt(G));
-    return gemmWeight(weightAt(GA)) && gemmWeight(weightAt(GB));
+    if (roleOf(d, G) >= 0)
+      return gemmWeight(roleOf(d, G));
+    return gemmWeight(roleOf(d, GA)) && gemmWeight(roleOf(d, GB));
   }
   case fb::KernelId::RouterTopK:
   case fb::KernelId::MoeExperts:
@@ -54,7 +50,7 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
         d.weights()->size() < roles)
       return false;
     for (size_t i = 0; i < roles; ++i)
-      if (weightAt(static_cast<int>(i)) < 0)
+      if (roleOf(d, static_cast<int>(i)) < 0)
         return false;
     return true;
   }
@@ -105,6 +101,16 @@ Status CudaExecutor::Impl::gemm(StreamResources &r, const float *x, int64_t xStr
                          std::to_string(out) + " is larger than the scratch planned at load");
   LAUNCH_RETURN_IF_ERROR(r.linear.run(p, r.stream), ("GEMM with '" + w->name()->str() + "'").c_str());
   return Status::ok();
+}
+
+Status CudaExecutor::Impl::uploadSmallWeight(int32_t index, const HostWeights &hostWeights) {
+  if (index < 0 || fp32Weights.count(index))
+    return Status::ok();
+  HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *values, hostWeights(index));
+  return uploadFloats(*values, fp32Weights[index],
+                      "upload of '" +
+                          plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))
+                              ->name()->str() + "'");
 }
 
 Status CudaExecutor::Impl::prepareFp8Weight(int32_t index, int64_t rows,
@@ -280,10 +286,7 @@ Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *a
     return reinterpret_cast<float *>(arena + valueOf(program, d.outputs()->Get(position)).arena_offset());
   };
   auto width = [&](int32_t value) { return valueOf(program, value).row_elements(); };
-  auto role = [&](int index) {
-    return d.weights() && index < static_cast<int>(d.weights()->size()) ? d.weights()->Get(index)
-                                                                        : -1;
-  };
+  auto role = [&](int index) { return roleOf(d, index); };
   auto normWeight = [&]() -> const float * {
     return role(0) >= 0 ? fp32Weights.at(role(0)) : nullptr;
   };
@@ -452,23 +455,6 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
                          "upload of '" + weight->name()->str() + "'");
     impl->weightTypes.push_back(entry->dtype);
   }
-  auto uploadWeight = [&](int32_t index, float *&device) -> Status {
-    HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *values, hostWeights(index));
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&device, std::max<size_t>(1, values->size()) * sizeof(float)),
-                         "small weights");
-    CUDA_RETURN_IF_ERROR(cudaMemcpy(device, values->data(), values->size() * sizeof(float),
-                                    cudaMemcpyHostToDevice),
-                         "small weights");
-    return Status::ok();
-  };
-  auto uploadFloats = [&](const std::vector<float> &values, float *&device) -> Status {
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&device, std::max<size_t>(1, values.size()) * sizeof(float)),
-                         "small weights");
-    CUDA_RETURN_IF_ERROR(cudaMemcpy(device, values.data(), values.size() * sizeof(float),
-                                    cudaMemcpyHostToDevice),
-                         "small weights");
-    return Status::ok();
-  };
 
   // Placement, scratch sizes and fp32 copies of the small weights the GPU kernels read.
   std::vector<int32_t> cpuStepWeights;
@@ -512,9 +498,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       switch (d->kernel()) {
       case fb::KernelId::RmsNorm:
       case fb::KernelId::AddRmsNorm:
-        if (d->weights() && d->weights()->size() > 0 && role(0) >= 0 &&
-            !impl->fp32Weights.count(role(0)))
-          HYBRID_RETURN_IF_ERROR(uploadWeight(role(0), impl->fp32Weights[role(0)]));
+        HYBRID_RETURN_IF_ERROR(impl->uploadSmallWeight(roleOf(*d, 0), hostWeights));
         break;
       case fb::KernelId::Linear:
       case fb::KernelId::LmHead:
@@ -539,9 +523,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
                                               static_cast<size_t>(P), static_cast<size_t>(rankF),
                                               static_cast<size_t>(rankG)});
         for (int small : {ALog, DtBias, ONorm})
-          if (!impl->fp32Weights.count(role(small)))
-            HYBRID_RETURN_IF_ERROR(
-                uploadWeight(role(small), impl->fp32Weights[role(small)]));
+          HYBRID_RETURN_IF_ERROR(impl->uploadSmallWeight(role(small), hostWeights));
         std::vector<float> taps;
         for (int conv : {QConv, KConv, VConv}) {
           HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *converted, hostWeights(role(conv)));
@@ -553,7 +535,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
                                  std::to_string(P * W) + " conv taps");
           taps.insert(taps.end(), source.begin(), source.end());
         }
-        HYBRID_RETURN_IF_ERROR(uploadFloats(taps, impl->kdaConvTaps[d]));
+        HYBRID_RETURN_IF_ERROR(uploadFloats(taps, impl->kdaConvTaps[d], "KDA conv taps"));
         kc::KdaPrefillParams prefill;
         prefill.sequences = 1;
         prefill.heads = static_cast<int32_t>(H);
@@ -572,8 +554,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       case fb::KernelId::AttnRes:
       case fb::KernelId::AttnResRmsNorm:
         for (int32_t index : *d->weights())
-          if (index >= 0 && !impl->fp32Weights.count(index))
-            HYBRID_RETURN_IF_ERROR(uploadWeight(index, impl->fp32Weights[index]));
+          HYBRID_RETURN_IF_ERROR(impl->uploadSmallWeight(index, hostWeights));
         break;
       case fb::KernelId::RouterTopK:
       case fb::KernelId::MoeExperts:

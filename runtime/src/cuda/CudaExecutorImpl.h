@@ -5,6 +5,7 @@
 
 #include "cuda/CudaExecutor.h"
 
+#include "hybrid/kernels/cuda/DsaCacheWrite.h"
 #include "hybrid/kernels/cuda/DsaIndexer.h"
 #include "hybrid/kernels/cuda/KdaDecode.h"
 #include "hybrid/kernels/cuda/KdaPrefill.h"
@@ -15,6 +16,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <tuple>
@@ -49,6 +51,24 @@ inline Status launchStatus(int code, const char *what) {
 enum KdaRole { Q, Kp, V, QConv, KConv, VConv, FA, FB, ALog, DtBias, B, GA, GB, G, ONorm, O };
 
 inline size_t alignUp(size_t bytes) { return (bytes + 255) / 256 * 256; }
+// Floats rounded up to 256-byte multiples: the parts a kernel's scratch is carved into.
+inline int64_t pad(int64_t floats) { return (floats + 63) / 64 * 64; }
+
+// Weight `role` of a dispatch (its plan weight index), or -1 when it has none.
+inline int32_t roleOf(const fb::Dispatch &d, int role) {
+  return d.weights() && role < static_cast<int>(d.weights()->size()) ? d.weights()->Get(role) : -1;
+}
+
+// `values` in a new device allocation; `what` names it in errors.
+inline Status uploadFloats(const std::vector<float> &values, float *&device,
+                           const std::string &what) {
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&device, std::max<size_t>(1, values.size()) * sizeof(float)),
+                       what);
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(device, values.data(), values.size() * sizeof(float),
+                                  cudaMemcpyHostToDevice),
+                       what);
+  return Status::ok();
+}
 
 // Per stream: its own cuBLASLt workspace and scratch, so steps on different streams never share
 // a buffer.
@@ -207,6 +227,8 @@ struct CudaExecutor::Impl {
                 StreamResources &resources, const cpu::StepContext &host);
   Status gemm(StreamResources &resources, const float *x, int64_t xStride, int32_t weightIndex,
               float *y, int64_t yStride, int64_t rows, int64_t in, int64_t out);
+  // At load: a small weight's fp32 values on the device (fp32Weights), once; -1 is no weight.
+  Status uploadSmallWeight(int32_t index, const HostWeights &hostWeights);
   // At load: an FP8 weight's scales in cuBLASLt's layout, and the scratch its GEMMs need.
   Status prepareFp8Weight(int32_t index, int64_t rows,
                           const HostWeights &hostWeights);
@@ -258,6 +280,11 @@ struct CudaExecutor::Impl {
   // (one row in a prefill). Device copies in `pool`, staged in pinned memory.
   int32_t *rowPositions = nullptr, *rowSequences = nullptr, *blockTables = nullptr;
   int32_t *pinnedPositions = nullptr, *pinnedSequences = nullptr, *pinnedTables = nullptr;
+  // Where a step's `rows` tokens go in the pools: their positions and block-table rows.
+  kc::PagedTokens stepTokens(int64_t rows) const {
+    return {static_cast<int32_t>(rows), rowPositions, rowSequences, blockTables, maxPages,
+            static_cast<int32_t>(pageTokens)};
+  }
   std::map<const fb::Dispatch *, float *> ropeFrequencies; // per dispatch that rotates
   std::map<int32_t, void *> kvBWeights; // FP8 kv_b_proj weights, dequantized to fp32 at load
   size_t attentionWorkspaceBytes = 0;

@@ -17,12 +17,6 @@ namespace {
 // weights are then read once, not once per token.
 constexpr int64_t kPerTokenMaxPairs = 64;
 
-int64_t pad(int64_t floats) { return (floats + 63) / 64 * 64; }
-
-int32_t roleOf(const fb::Dispatch &d, int role) {
-  return d.weights() && role < static_cast<int>(d.weights()->size()) ? d.weights()->Get(role) : -1;
-}
-
 bool groupedForm(const cpu::StepContext &host, int64_t topK) {
   return !host.decode && host.rows * topK > kPerTokenMaxPairs;
 }
@@ -66,17 +60,12 @@ Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &
                          "up to " + std::to_string(kc::kMoeMaxHidden));
   if (d.kernel() == fb::KernelId::RouterTopK) {
     const int32_t bias = roleOf(d, 1);
-    if (bias >= 0 && !fp32Weights.count(bias)) {
-      HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *converted, hostWeights(bias));
-      const std::vector<float> &values = *converted;
-      if (static_cast<int64_t>(values.size()) != E)
-        return Status::error("router correction bias has " + std::to_string(values.size()) +
+    if (bias >= 0) {
+      HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *values, hostWeights(bias));
+      if (static_cast<int64_t>(values->size()) != E)
+        return Status::error("router correction bias has " + std::to_string(values->size()) +
                              " values for " + std::to_string(E) + " experts");
-      float *&device = fp32Weights[bias];
-      CUDA_RETURN_IF_ERROR(cudaMalloc(&device, values.size() * sizeof(float)), "router bias");
-      CUDA_RETURN_IF_ERROR(cudaMemcpy(device, values.data(), values.size() * sizeof(float),
-                                      cudaMemcpyHostToDevice),
-                           "router bias");
+      HYBRID_RETURN_IF_ERROR(uploadSmallWeight(bias, hostWeights));
     }
     floats = static_cast<size_t>(pad(rows * E));
     xWidth = static_cast<size_t>(hidden);
