@@ -69,6 +69,18 @@ __device__ inline void loadBTrans(uint32_t (&b)[2], const __nv_bfloat16 *tile, i
                : "r"(sharedAddress(p)));
 }
 
+// The B fragments of two adjacent 8-column tiles of the k-major storage at `tile` (columns 0-7
+// and 8-15, k 0-15): one ldmatrix.x4.trans, lanes 8m..8m+7 naming rows k 8(m%2).. at column
+// 8(m/2).
+__device__ inline void loadBTransPair(uint32_t (&first)[2], uint32_t (&second)[2],
+                                      const __nv_bfloat16 *tile, int stride) {
+  const int lane = threadIdx.x % 32;
+  const __nv_bfloat16 *p = tile + (lane % 8 + 8 * ((lane / 8) % 2)) * stride + 8 * (lane / 16);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(first[0]), "=r"(first[1]), "=r"(second[0]), "=r"(second[1])
+               : "r"(sharedAddress(p)));
+}
+
 // d = a * b for one 16x32 (A, row-major) by 32x8 (B, column-major) tile of E4M3 codes, fp32
 // out (sm_89+). Fragments ("Matrix Fragments for mma.m16n8k32", 8-bit types): a[0] holds row
 // `group`, k 4*pair..+3; a[1] row group+8; a[2], a[3] the same rows at k + 16; b[0] column
@@ -92,6 +104,11 @@ __device__ inline uint32_t packBf16(float low, float high) {
 // 16-byte global -> shared copy that bypasses the registers; completes at waitAsyncCopies.
 __device__ inline void copyAsync16(void *shared, const void *global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sharedAddress(shared)),
+               "l"(global));
+}
+// 4-byte copy for rows that are only 4-byte aligned.
+__device__ inline void copyAsync4(void *shared, const void *global) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(sharedAddress(shared)),
                "l"(global));
 }
 __device__ inline void commitAsyncCopies() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -1,9 +1,13 @@
-// Sparse MLA decode (see SparseMla.h). One block per (row, 16 heads), 4 warps. Per tile of 32
-// selected positions: the block gathers the rows from their pages into shared memory as bf16
-// (exact), each warp computes the 16 x 8 scores of its 8 positions (bf16 MMAs over the 576-wide
-// keys), 16 threads run the online softmax of the 16 heads, and each warp adds P V for its
-// quarter of the latent dimensions (V = the latent part of the same rows, read transposed).
-// Few rows split the positions over several blocks (flash-decoding), merged by a second kernel.
+// Sparse MLA decode (see SparseMla.h). One block per (row, 16 G heads); warp w serves head group
+// w / (warps / G) and a slice of the tile's positions (scores) and of the latent dimensions (P V).
+// The block first resolves every selected position of its split to a cache row (index -> table
+// -> page, all at once). Per tile: the raw FP8 rows of the next tile are in flight (cp.async into
+// a staging area) while the block computes this one from its bf16 copy in shared memory (exact
+// dequantization by bit moves): scores on bf16 MMAs over the 576-wide keys, the online softmax
+// with the row maxima exchanged between a head group's warps, then P V with V the latent part of
+// the same rows read transposed. 64 heads per block (G = 4) convert each row once for 64 heads
+// (FlashMLA's grouping). Few rows split the positions over several blocks (flash-decoding),
+// merged by a second kernel.
 #include "hybrid/kernels/cuda/SparseMla.h"
 #include "../common/device_setup.cuh"
 #include "../common/warp_mma.cuh"
@@ -14,35 +18,55 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 namespace hybrid::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 128, kWarps = 4;
-constexpr int kHeadsPerBlock = 16;
-constexpr int kTileKeys = 32;       // positions per tile: 8 per warp for the scores
-constexpr int kScaleTile = 128;     // latent elements per fp32 scale (FlashMLA)
-constexpr int kPStride = kTileKeys + 8; // bf16 per softmax-weight row (conflict-free ldmatrix)
+constexpr int kScaleTile = 128; // latent elements per fp32 scale (FlashMLA)
 constexpr int kMaxSplits = 32;
+constexpr int kMaxPositionsPerBlock = 2048; // a split's resolved rows live in shared memory
+constexpr int kCombineThreads = 128;
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
-template <int L, int R> struct Shape {
+// G head groups of 16 per block. 64 or 32 heads: 8 warps, tiles of 64 positions, one block per
+// SM (the queries and the tile fill shared memory). 16 heads: 4 warps and tiles of 32, small
+// enough for two blocks per SM, whose phases (gather, conversion, MMAs) then overlap.
+template <int L, int R, int G> struct Shape {
+  static constexpr int kWarps = G == 1 ? 4 : 8;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlocksPerSm = G == 1 ? 2 : 1;
+  static constexpr int kTileKeys = 8 * kWarps; // positions per tile
+  static constexpr int kMaxTiles = kMaxPositionsPerBlock / kTileKeys;
+  static constexpr int kPStride = kTileKeys + 8; // bf16 per softmax-weight row (conflict-free)
+  static constexpr int kHeads = 16 * G;
+  static constexpr int kSlices = kWarps / G;               // warps per head group
+  static constexpr int kKeysPerWarp = kTileKeys / kSlices; // scores
+  static constexpr int kScoreTiles = kKeysPerWarp / 8;
+  static constexpr int kDimsPerWarp = L / kSlices; // P V
+  static constexpr int kValueTiles = kDimsPerWarp / 8;
+  static_assert(kDimsPerWarp % 8 == 0 && (kValueTiles == 1 || kValueTiles % 2 == 0),
+                "one value tile or pairs");
   static constexpr int kWide = L + R;
   static constexpr int kStride = kWide + 8; // bf16 per shared row
   static constexpr int kScaleTiles = (L + kScaleTile - 1) / kScaleTile;
   static constexpr int kRopeOffset = L + 4 * kScaleTiles;
   static constexpr int kRowBytes = kRopeOffset + 2 * R;
-  static constexpr int kCodePieces = L / 16;  // 16 codes each
-  static constexpr int kRopePieces = R / 8;   // 8 bf16 each
+  static constexpr int kCodePieces = L / 16; // 16 codes each
+  static constexpr int kRopePieces = R / 8;  // 8 bf16 each
   static constexpr int kPieces = kCodePieces + kRopePieces;
-  // 16-byte loads need 16-byte aligned rows and rope parts (DeepSeek-V3.2's 656-byte rows are;
-  // the tiny model's 132-byte rows are not: 4-byte loads there).
-  static constexpr bool kVectorLoads = kRowBytes % 16 == 0 && kRopeOffset % 16 == 0;
-  static constexpr int kDimsPerWarp = L / kWarps;
-  static constexpr int kValueTiles = kDimsPerWarp / 8;
-  static size_t sharedBytes() {
-    return size_t(kHeadsPerBlock + kTileKeys) * kStride * 2 +
-           size_t(kHeadsPerBlock) * kTileKeys * 4 + size_t(kHeadsPerBlock) * kPStride * 2 +
-           size_t(kHeadsPerBlock) * 4 * 2 + size_t(kTileKeys) * (4 + sizeof(void *));
+  // 16-byte copies need 16-byte aligned rows and rope parts (DeepSeek-V3.2's 656-byte rows are;
+  // the tiny model's 132-byte rows are not: 4-byte copies there).
+  static constexpr bool kVector = kRowBytes % 16 == 0 && kRopeOffset % 16 == 0;
+  static constexpr int kCopyBytes = kVector ? 16 : 4;
+  static constexpr int kCopiesPerRow = kRowBytes / kCopyBytes;
+  static_assert(kRowBytes % 4 == 0 && kRopeOffset % 4 == 0, "4-byte aligned rows");
+  static constexpr size_t kStageOffset = size_t(kHeads + kTileKeys) * kStride * 2;
+  static constexpr size_t kWeightsOffset = kStageOffset + size_t(kTileKeys) * kRowBytes;
+  static constexpr size_t kPartsOffset = kWeightsOffset + size_t(kHeads) * kPStride * 2;
+  static constexpr size_t kRowsOffset = kPartsOffset + 2 * size_t(kSlices) * kHeads * 4;
+  static size_t sharedBytes(int tilesPerSplit) {
+    return kRowsOffset + size_t(tilesPerSplit) * kTileKeys * 4;
   }
 };
 
@@ -53,199 +77,311 @@ template <bool kVector> __device__ inline uint4 load16(const unsigned char *p) {
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
-template <int L, int R>
-__global__ void __launch_bounds__(kThreads)
+template <int L, int R, int G>
+__global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlocksPerSm)
     sparseMlaDecodeKernel(SparseMlaDecodeParams p, int tilesPerSplit, float *partials) {
-  using S = Shape<L, R>;
-  constexpr int kStride = S::kStride;
+  using S = Shape<L, R, G>;
+  constexpr int kStride = S::kStride, kHeads = S::kHeads, kSlices = S::kSlices;
+  constexpr int kThreads = S::kThreads, kTileKeys = S::kTileKeys, kPStride = S::kPStride;
   extern __shared__ __align__(16) unsigned char smem[];
-  auto *qs = reinterpret_cast<__nv_bfloat16 *>(smem);               // [16 heads, kStride]
-  __nv_bfloat16 *ks = qs + kHeadsPerBlock * kStride;                 // [32 positions, kStride]
-  auto *scores = reinterpret_cast<float *>(ks + kTileKeys * kStride); // [16, 32]
-  auto *weights = reinterpret_cast<__nv_bfloat16 *>(scores + kHeadsPerBlock * kTileKeys); // [16, kPStride]
-  auto *rescale = reinterpret_cast<float *>(weights + kHeadsPerBlock * kPStride); // [16]
-  float *denominators = rescale + kHeadsPerBlock;                                 // [16]
-  auto *live = reinterpret_cast<int *>(denominators + kHeadsPerBlock);           // [32]
-  auto *rows = reinterpret_cast<const unsigned char **>(live + kTileKeys);       // [32]
+  auto *qs = reinterpret_cast<__nv_bfloat16 *>(smem);            // [kHeads, kStride]
+  __nv_bfloat16 *kv = qs + kHeads * kStride;                      // [64 positions, kStride]
+  unsigned char *stage = smem + S::kStageOffset;                  // [64, kRowBytes] raw rows
+  auto *weights = reinterpret_cast<__nv_bfloat16 *>(smem + S::kWeightsOffset); // [kHeads, kPStride]
+  auto *maxParts = reinterpret_cast<float *>(smem + S::kPartsOffset); // [kSlices, kHeads]
+  float *sumParts = maxParts + kSlices * kHeads;                       // [kSlices, kHeads]
+  auto *cacheRows = reinterpret_cast<int32_t *>(smem + S::kRowsOffset); // [split positions]
 
-  const int row = blockIdx.x, headBase = int(blockIdx.y) * kHeadsPerBlock, tid = threadIdx.x;
-  const int warp = tid / 32;
-  // The 16 heads' absorbed queries in bf16 (heads past p.heads are zero).
-  for (int i = tid; i < kHeadsPerBlock * S::kWide; i += kThreads) {
-    const int h = i / S::kWide, d = i % S::kWide;
-    const float v = headBase + h < p.heads
-                        ? p.q[(size_t(row) * p.heads + headBase + h) * S::kWide + d]
-                        : 0.0f;
-    qs[h * kStride + d] = __float2bfloat16_rn(v);
-  }
-  static_assert(kHeadsPerBlock * 8 == kThreads, "8 lanes per head in the softmax");
-  const int head = tid / 8, part = tid % 8;         // the softmax's head and positions
-  float runningMax = -INFINITY, runningSum = 0.0f; // head `head`'s softmax state
-  float o[S::kValueTiles][4] = {};
-  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
-  const int32_t *indices = p.indices + size_t(row) * p.topK;
-  const auto *pool = static_cast<const unsigned char *>(p.latentPages);
-  const int64_t pageBytes = int64_t(p.pageTokens) * S::kRowBytes;
-
-  // This block's split of the positions (flash-decoding): partial results when there are several.
+  const int row = blockIdx.x, headBase = int(blockIdx.y) * kHeads, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int group = warp / kSlices, slice = warp % kSlices;
   const int splits = int(gridDim.z), split = int(blockIdx.z);
   const int splitBegin = split * tilesPerSplit * kTileKeys;
   const int splitEnd = min(p.topK, splitBegin + tilesPerSplit * kTileKeys);
-  for (int first = splitBegin; first < splitEnd; first += kTileKeys) {
-    __syncthreads(); // the previous tile's rows and weights are consumed
-    // Gather: the 32 rows' addresses first (one index -> table -> page chain per row, all rows
-    // at once), then every 16-byte piece of them loaded before any is converted.
-    if (tid < kTileKeys) {
-      const int position = first + tid < splitEnd ? indices[first + tid] : -1;
-      live[tid] = position >= 0;
-      rows[tid] = position >= 0 ? pool + table[position / p.pageTokens] * pageBytes +
-                                      size_t(position % p.pageTokens) * S::kRowBytes
-                                : nullptr;
+  const int tiles = (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys;
+
+  // This split's positions resolved to cache rows (page * pageTokens + offset; -1: none).
+  {
+    const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
+    const int32_t *indices = p.indices + size_t(row) * p.topK;
+    for (int i = tid; i < tiles * kTileKeys; i += kThreads) {
+      const int position = splitBegin + i < splitEnd ? indices[splitBegin + i] : -1;
+      cacheRows[i] = position >= 0
+                         ? table[position / p.pageTokens] * p.pageTokens + position % p.pageTokens
+                         : -1;
     }
-    __syncthreads();
-    constexpr int kPerThread = kTileKeys * S::kPieces / kThreads;
-    uint4 raw[kPerThread];
-    float scales[kPerThread];
+  }
+  // The heads' absorbed queries in bf16 (heads past p.heads are zero).
+  static_assert(S::kWide % 4 == 0, "queries in fours");
+  for (int i = tid; i < kHeads * S::kWide / 4; i += kThreads) {
+    const int h = i / (S::kWide / 4), d = 4 * (i % (S::kWide / 4));
+    const float4 v = headBase + h < p.heads
+                         ? *reinterpret_cast<const float4 *>(
+                               p.q + (size_t(row) * p.heads + headBase + h) * S::kWide + d)
+                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    *reinterpret_cast<uint2 *>(qs + h * kStride + d) =
+        make_uint2(mma::packBf16(v.x, v.y), mma::packBf16(v.z, v.w));
+  }
+  __syncthreads();
+
+  const auto *pool = static_cast<const unsigned char *>(p.latentPages);
+  // Staging and conversion: thread tid serves row tid / 4 of a tile and every fourth piece of it
+  // from tid % 4 (no divisions, one row address per tile).
+  static_assert(kThreads == 4 * kTileKeys, "four threads per row");
+  const int ownRow = tid / 4, ownPiece = tid % 4;
+  // The raw row of tile t into the staging area (a dead position copies nothing).
+  auto issueTile = [&](int t) {
+    const int32_t cacheRow = cacheRows[t * kTileKeys + ownRow];
+    if (cacheRow >= 0) {
+      const unsigned char *from = pool + int64_t(cacheRow) * S::kRowBytes;
+      unsigned char *to = stage + ownRow * S::kRowBytes;
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int c = tid + i * kThreads, k = c / S::kPieces, piece = c % S::kPieces;
-      const unsigned char *rowBytes = rows[k];
-      raw[i] = make_uint4(0, 0, 0, 0);
-      scales[i] = 0.0f;
-      if (rowBytes) {
-        if (piece < S::kCodePieces) {
-          raw[i] = load16<S::kVectorLoads>(rowBytes + piece * 16);
-          scales[i] = reinterpret_cast<const float *>(rowBytes + L)[piece * 16 / kScaleTile];
+      for (int piece = ownPiece; piece < S::kCopiesPerRow; piece += 4) {
+        if constexpr (S::kVector)
+          mma::copyAsync16(to + piece * 16, from + piece * 16);
+        else
+          mma::copyAsync4(to + piece * 4, from + piece * 4);
+      }
+    }
+    mma::commitAsyncCopies();
+  };
+  // The staged row of tile t as bf16 (exact); a dead position as zeros (its weights are zero,
+  // and 0 * garbage could be NaN).
+  static_assert(S::kCodePieces % 4 == 0 && S::kRopePieces % 4 == 0, "pieces in fours");
+  auto convertTile = [&](int t) {
+    const bool live = cacheRows[t * kTileKeys + ownRow] >= 0;
+    const unsigned char *from = stage + ownRow * S::kRowBytes;
+    __nv_bfloat16 *to = kv + ownRow * kStride;
+#pragma unroll
+    for (int piece = ownPiece; piece < S::kCodePieces; piece += 4) {
+      uint4 packed[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+      if (live) {
+        const uint4 raw = load16<S::kVector>(from + piece * 16);
+        const float scale = reinterpret_cast<const float *>(from + L)[piece * 16 / kScaleTile];
+        if (quadConversionExact(scale)) {
+          const __nv_bfloat162 factor = __float2bfloat162_rn(scale * 0x1p120f);
+          e4m3QuadToBf16(raw.x, factor, packed[0].x, packed[0].y);
+          e4m3QuadToBf16(raw.y, factor, packed[0].z, packed[0].w);
+          e4m3QuadToBf16(raw.z, factor, packed[1].x, packed[1].y);
+          e4m3QuadToBf16(raw.w, factor, packed[1].z, packed[1].w);
         } else {
-          raw[i] = load16<S::kVectorLoads>(rowBytes + S::kRopeOffset +
-                                           (piece - S::kCodePieces) * 16);
+          packed[0] = make_uint4(e4m3PairToBf16(uint16_t(raw.x), scale),
+                                 e4m3PairToBf16(uint16_t(raw.x >> 16), scale),
+                                 e4m3PairToBf16(uint16_t(raw.y), scale),
+                                 e4m3PairToBf16(uint16_t(raw.y >> 16), scale));
+          packed[1] = make_uint4(e4m3PairToBf16(uint16_t(raw.z), scale),
+                                 e4m3PairToBf16(uint16_t(raw.z >> 16), scale),
+                                 e4m3PairToBf16(uint16_t(raw.w), scale),
+                                 e4m3PairToBf16(uint16_t(raw.w >> 16), scale));
         }
       }
+      auto *target = reinterpret_cast<uint4 *>(to + piece * 16);
+      target[0] = packed[0];
+      target[1] = packed[1];
     }
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int c = tid + i * kThreads, k = c / S::kPieces, piece = c % S::kPieces;
-      if (piece < S::kCodePieces) {
-        const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
-        uint32_t packed[8];
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          packed[2 * w] = e4m3PairToBf16(uint16_t(words[w]), scales[i]);
-          packed[2 * w + 1] = e4m3PairToBf16(uint16_t(words[w] >> 16), scales[i]);
-        }
-        auto *target = reinterpret_cast<uint4 *>(ks + k * kStride + piece * 16);
-        target[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-        target[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    for (int piece = ownPiece; piece < S::kRopePieces; piece += 4)
+      *reinterpret_cast<uint4 *>(to + L + piece * 8) =
+          live ? load16<S::kVector>(from + S::kRopeOffset + piece * 16) : make_uint4(0, 0, 0, 0);
+  };
+
+  // Per thread: rows r0 = lane / 4 and r0 + 8 of its head group's 16.
+  const int r0 = lane / 4, headRow = group * 16;
+  float runningMax[2] = {-INFINITY, -INFINITY}, runningSum[2] = {0.0f, 0.0f};
+  float o[S::kValueTiles][4] = {};
+  const float scoreScale = p.softmaxScale * kLog2e; // exp2 domain
+
+  if (tiles > 0) {
+    issueTile(0);
+    mma::waitAsyncCopies<0>();
+    __syncthreads();
+    convertTile(0);
+    __syncthreads();
+  }
+  for (int t = 0; t < tiles; ++t) {
+    if (t + 1 < tiles)
+      issueTile(t + 1); // in flight while this tile computes
+    const int32_t *tileRows = cacheRows + t * kTileKeys;
+
+    // Scores of this warp's positions for the group's 16 heads. The fragments of k step s + 1
+    // load while step s multiplies (two warps per scheduler hide little latency); two
+    // accumulator chains when the warp has a single score tile.
+    constexpr int kChains = S::kScoreTiles >= 2 ? 1 : 2;
+    constexpr int kSteps = S::kWide / 16;
+    float acc[kChains][S::kScoreTiles][4] = {};
+    const __nv_bfloat16 *keys = kv + slice * S::kKeysPerWarp * kStride;
+    const __nv_bfloat16 *queries = qs + headRow * kStride;
+    uint32_t a[2][4], b[2][S::kScoreTiles][2];
+    auto loadStep = [&](int step, int buffer) {
+      mma::loadA(a[buffer], queries + 16 * step, kStride);
+      if constexpr (S::kScoreTiles == 1) {
+        mma::loadB(b[buffer][0], keys + 16 * step, kStride);
       } else {
-        *reinterpret_cast<uint4 *>(ks + k * kStride + L + (piece - S::kCodePieces) * 8) = raw[i];
+#pragma unroll
+        for (int n = 0; n < S::kScoreTiles; n += 2)
+          mma::loadBPair(b[buffer][n], b[buffer][n + 1], keys + n * 8 * kStride + 16 * step,
+                         kStride);
       }
+    };
+    loadStep(0, 0);
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      if (step + 1 < kSteps)
+        loadStep(step + 1, (step + 1) % 2);
+#pragma unroll
+      for (int n = 0; n < S::kScoreTiles; ++n)
+        mma::mma16816(acc[step % kChains][n], a[step % 2], b[step % 2][n]);
     }
-    __syncthreads();
-
-    // Scores: this warp's 8 positions against the 16 heads.
-    // Two accumulators (even and odd k steps): half the dependent MMA chain.
-    static_assert(S::kWide % 32 == 0, "k steps in pairs");
-    float acc[2][4] = {};
-#pragma unroll 2
-    for (int k0 = 0; k0 < S::kWide; k0 += 32) {
+    // The tile's live positions as a bit mask (two ballots instead of a shared load per score).
+    uint64_t liveMask = __ballot_sync(0xffffffffu, tileRows[lane] >= 0);
+    if constexpr (kTileKeys == 64)
+      liveMask |= uint64_t(__ballot_sync(0xffffffffu, tileRows[32 + lane] >= 0)) << 32;
+    float scores[S::kScoreTiles][4];
+    float tileMax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        uint32_t a[4], b[2];
-        mma::loadA(a, qs + k0 + 16 * half, kStride);
-        mma::loadB(b, ks + warp * 8 * kStride + k0 + 16 * half, kStride);
-        mma::mma16816(acc[half], a, b);
+    for (int n = 0; n < S::kScoreTiles; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float sum = acc[0][n][e];
+        if constexpr (kChains == 2)
+          sum += acc[1][n][e];
+        const int key = slice * S::kKeysPerWarp + n * 8 + mma::accColumn(e);
+        scores[n][e] = (liveMask >> key) & 1 ? sum * scoreScale : -INFINITY;
+        tileMax[e / 2] = fmaxf(tileMax[e / 2], scores[n][e]);
       }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      tileMax[half] = fmaxf(tileMax[half], __shfl_xor_sync(0xffffffffu, tileMax[half], 1));
+      tileMax[half] = fmaxf(tileMax[half], __shfl_xor_sync(0xffffffffu, tileMax[half], 2));
     }
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      scores[mma::accRow(e) * kTileKeys + warp * 8 + mma::accColumn(e)] =
-          (acc[0][e] + acc[1][e]) * p.softmaxScale;
-    __syncthreads();
-
-    // Online softmax: 8 lanes per head, 4 positions per lane; every lane of a head keeps the
-    // head's running max and sum.
-    {
-      float values[kTileKeys / 8];
-      float tileMax = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kTileKeys / 8; ++j) {
-        const int k = part * (kTileKeys / 8) + j;
-        values[j] = live[k] ? scores[head * kTileKeys + k] : -INFINITY;
-        tileMax = fmaxf(tileMax, values[j]);
-      }
-#pragma unroll
-      for (int offset = 1; offset < 8; offset *= 2)
-        tileMax = fmaxf(tileMax, __shfl_xor_sync(0xffffffffu, tileMax, offset));
-      const float newMax = fmaxf(runningMax, tileMax);
-      const float factor = newMax == -INFINITY ? 1.0f : expf(runningMax - newMax);
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kTileKeys / 8; ++j) {
-        const float w = values[j] == -INFINITY ? 0.0f : expf(values[j] - newMax);
-        sum += w;
-        weights[head * kPStride + part * (kTileKeys / 8) + j] = __float2bfloat16_rn(w);
-      }
-#pragma unroll
-      for (int offset = 1; offset < 8; offset *= 2)
-        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      runningSum = runningSum * factor + sum;
-      runningMax = newMax;
-      if (part == 0)
-        rescale[head] = factor;
+    if (lane % 4 == 0) {
+      maxParts[slice * kHeads + headRow + r0] = tileMax[0];
+      maxParts[slice * kHeads + headRow + r0 + 8] = tileMax[1];
     }
-    __syncthreads();
+    __syncthreads(); // (1) the slices' maxima
 
-    // O = O * rescale + P V over this warp's latent dimensions.
+    float factor[2], newMax[2];
 #pragma unroll
-    for (int t = 0; t < S::kValueTiles; ++t)
+    for (int half = 0; half < 2; ++half) {
+      float m = runningMax[half];
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        o[t][e] *= rescale[mma::accRow(e)];
+      for (int s = 0; s < kSlices; ++s)
+        m = fmaxf(m, maxParts[s * kHeads + headRow + r0 + 8 * half]);
+      newMax[half] = m;
+      factor[half] = m == -INFINITY ? 1.0f : exp2f(runningMax[half] - m);
+      runningMax[half] = m;
+    }
+    float localSum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < S::kScoreTiles; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int half = e / 2;
+        const float w0 = scores[n][e] == -INFINITY ? 0.0f : exp2f(scores[n][e] - newMax[half]);
+        const float w1 =
+            scores[n][e + 1] == -INFINITY ? 0.0f : exp2f(scores[n][e + 1] - newMax[half]);
+        localSum[half] += w0 + w1;
+        const int key = slice * S::kKeysPerWarp + n * 8 + mma::accColumn(e);
+        *reinterpret_cast<uint32_t *>(weights + (headRow + r0 + 8 * half) * kPStride + key) =
+            mma::packBf16(w0, w1);
+      }
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      runningSum[half] = runningSum[half] * factor[half] + localSum[half];
+    // Most tiles leave the maxima as they are: rescale only when one of the warp's changed.
+    if (__any_sync(0xffffffffu, factor[0] != 1.0f || factor[1] != 1.0f))
+#pragma unroll
+      for (int v = 0; v < S::kValueTiles; ++v)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          o[v][e] *= factor[e / 2];
+    __syncthreads(); // (2) the group's weights
+
+    // O += P V over this warp's latent dimensions.
 #pragma unroll
     for (int k0 = 0; k0 < kTileKeys; k0 += 16) {
       uint32_t a[4];
-      mma::loadA(a, weights + k0, kPStride);
-#pragma unroll
-      for (int t = 0; t < S::kValueTiles; ++t) {
+      mma::loadA(a, weights + headRow * kPStride + k0, kPStride);
+      const __nv_bfloat16 *values = kv + k0 * kStride + slice * S::kDimsPerWarp;
+      if constexpr (S::kValueTiles == 1) {
         uint32_t b[2];
-        mma::loadBTrans(b, ks + k0 * kStride + warp * S::kDimsPerWarp + t * 8, kStride);
-        mma::mma16816(o[t], a, b);
+        mma::loadBTrans(b, values, kStride);
+        mma::mma16816(o[0], a, b);
+      } else {
+#pragma unroll
+        for (int v = 0; v < S::kValueTiles; v += 2) {
+          uint32_t b0[2], b1[2];
+          mma::loadBTransPair(b0, b1, values + v * 8, kStride);
+          mma::mma16816(o[v], a, b0);
+          mma::mma16816(o[v + 1], a, b1);
+        }
       }
+    }
+    if (t + 1 < tiles) {
+      mma::waitAsyncCopies<0>();
+      __syncthreads(); // (3) this tile consumed, the next one staged
+      convertTile(t + 1);
+      __syncthreads(); // (4) the next tile converted, the staging area free
     }
   }
 
-  if (part == 0)
-    denominators[head] = runningSum;
-  // A split's partial: per head its running max and sum, then the unnormalized output.
+  // Each thread summed only its own positions: the row sums over the quad and the slices.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    runningSum[half] += __shfl_xor_sync(0xffffffffu, runningSum[half], 1);
+    runningSum[half] += __shfl_xor_sync(0xffffffffu, runningSum[half], 2);
+  }
+  __syncthreads(); // the last tile's maxima are read
+  if (lane % 4 == 0) {
+    sumParts[slice * kHeads + headRow + r0] = runningSum[0];
+    sumParts[slice * kHeads + headRow + r0 + 8] = runningSum[1];
+  }
+  __syncthreads();
+  float denominator[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    denominator[half] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kSlices; ++s)
+      denominator[half] += sumParts[s * kHeads + headRow + r0 + 8 * half];
+  }
+
+  // A split's partial: per head its running max (natural log domain) and sum, then the
+  // unnormalized output.
   const size_t partialStride = size_t(L) + 2;
   auto partial = [&](int h) {
     return partials + ((size_t(row) * p.heads + headBase + h) * splits + split) * partialStride;
   };
-  if (splits > 1 && part == 0 && headBase + head < p.heads) {
-    partial(head)[0] = runningMax;
-    partial(head)[1] = runningSum;
-  }
-  __syncthreads();
+  if (splits > 1 && slice == 0 && lane % 4 == 0)
 #pragma unroll
-  for (int t = 0; t < S::kValueTiles; ++t)
+    for (int half = 0; half < 2; ++half) {
+      const int h = headRow + r0 + 8 * half;
+      if (headBase + h < p.heads) {
+        partial(h)[0] = runningMax[half] == -INFINITY ? -INFINITY : runningMax[half] * kLn2;
+        partial(h)[1] = denominator[half];
+      }
+    }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int h = mma::accRow(e);
+  for (int v = 0; v < S::kValueTiles; ++v)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int half = e / 2, h = headRow + r0 + 8 * half;
       if (headBase + h >= p.heads)
         continue;
-      const int d = warp * S::kDimsPerWarp + t * 8 + mma::accColumn(e);
+      const int d = slice * S::kDimsPerWarp + v * 8 + mma::accColumn(e);
       if (splits > 1) {
-        partial(h)[2 + d] = o[t][e];
+        *reinterpret_cast<float2 *>(partial(h) + 2 + d) = make_float2(o[v][e], o[v][e + 1]);
       } else {
-        const float sum = denominators[h];
-        p.out[(size_t(row) * p.heads + headBase + h) * L + d] = sum > 0.0f ? o[t][e] / sum : 0.0f;
+        const float inverse = denominator[half] > 0.0f ? 1.0f / denominator[half] : 0.0f;
+        *reinterpret_cast<float2 *>(p.out + (size_t(row) * p.heads + headBase + h) * L + d) =
+            make_float2(o[v][e] * inverse, o[v][e + 1] * inverse);
       }
     }
 }
 
 // The splits' partials of one (row, head) merged: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
 template <int L>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kCombineThreads)
     sparseMlaCombineKernel(SparseMlaDecodeParams p, int splits, const float *partials) {
   const size_t item = size_t(blockIdx.x) * p.heads + blockIdx.y; // (row, head)
   const float *first = partials + item * splits * (size_t(L) + 2);
@@ -256,7 +392,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int s = 0; s < splits; ++s)
     if (first[s * (L + 2)] != -INFINITY)
       denominator += expf(first[s * (L + 2)] - largest) * first[s * (L + 2) + 1];
-  for (int d = threadIdx.x; d < L; d += kThreads) {
+  for (int d = threadIdx.x; d < L; d += kCombineThreads) {
     float sum = 0.0f;
     for (int s = 0; s < splits; ++s)
       if (first[s * (L + 2)] != -INFINITY)
@@ -265,34 +401,63 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Splits of the positions so that about two waves of blocks run: batch 1 needs many, batch 64
-// none.
-int splitCount(const SparseMlaDecodeParams &p, int sms) {
-  const int tiles = (p.topK + kTileKeys - 1) / kTileKeys;
-  const int blocks = p.rows * ((p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
-  return std::max(1, std::min({tiles, kMaxSplits, (4 * sms + blocks - 1) / blocks}));
+// Splits of the positions over blocks (flash-decoding): the count that finishes soonest, counting
+// waves of blocks times tiles per block, and of those the fewest (each split writes partials).
+// Batch 1 takes many, batch 64 with 128 heads none.
+template <int L, int R, int G> int splitCount(const SparseMlaDecodeParams &p, int sms) {
+  using S = Shape<L, R, G>;
+  const int tiles = (p.topK + S::kTileKeys - 1) / S::kTileKeys;
+  const int64_t blocks = int64_t(p.rows) * ((p.heads + S::kHeads - 1) / S::kHeads);
+  const int64_t slots = int64_t(sms) * S::kBlocksPerSm;
+  int best = 0;
+  int64_t bestTime = 0;
+  for (int splits = (tiles + S::kMaxTiles - 1) / S::kMaxTiles;
+       splits <= std::min(tiles, kMaxSplits); ++splits) {
+    const int64_t perSplit = (tiles + splits - 1) / splits;
+    const int64_t used = (tiles + perSplit - 1) / perSplit;
+    const int64_t time = (blocks * used + slots - 1) / slots * perSplit;
+    if (best == 0 || time < bestTime) {
+      best = splits;
+      bestTime = time;
+    }
+  }
+  return best; // 0: more positions than kMaxSplits blocks hold
 }
 
-template <int L, int R> int launchShape(const SparseMlaDecodeParams &p, cudaStream_t stream) {
-  const size_t shared = Shape<L, R>::sharedBytes();
-  const DeviceSetup setup = deviceSetup([shared] {
-    return cudaFuncSetAttribute(sparseMlaDecodeKernel<L, R>,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, cudaStream_t stream) {
+  using S = Shape<L, R, G>;
+  const size_t largest = S::sharedBytes(S::kMaxTiles);
+  const DeviceSetup setup = deviceSetup([largest] {
+    return cudaFuncSetAttribute(sparseMlaDecodeKernel<L, R, G>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(largest));
   });
   if (setup.status != cudaSuccess)
     return int(setup.status);
-  const int splits = splitCount(p, setup.multiprocessors);
-  const int tiles = (p.topK + kTileKeys - 1) / kTileKeys;
+  const int tiles = (p.topK + S::kTileKeys - 1) / S::kTileKeys;
+  const int splits = splitCount<L, R, G>(p, setup.multiprocessors);
+  if (splits == 0)
+    return cudaErrorInvalidValue; // top-k past kMaxSplits * kMaxPositionsPerBlock
   const int tilesPerSplit = (tiles + splits - 1) / splits;
   const int used = (tiles + tilesPerSplit - 1) / tilesPerSplit; // no empty split
-  const dim3 grid(unsigned(p.rows), unsigned((p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock),
-                  unsigned(used));
+  const dim3 grid(unsigned(p.rows), unsigned((p.heads + S::kHeads - 1) / S::kHeads), unsigned(used));
   auto *partials = static_cast<float *>(p.workspace);
-  sparseMlaDecodeKernel<L, R><<<grid, kThreads, shared, stream>>>(p, tilesPerSplit, partials);
+  sparseMlaDecodeKernel<L, R, G>
+      <<<grid, S::kThreads, S::sharedBytes(tilesPerSplit), stream>>>(p, tilesPerSplit, partials);
   if (used > 1)
-    sparseMlaCombineKernel<L><<<dim3(unsigned(p.rows), unsigned(p.heads)), kThreads, 0, stream>>>(
-        p, used, partials);
+    sparseMlaCombineKernel<L>
+        <<<dim3(unsigned(p.rows), unsigned(p.heads)), kCombineThreads, 0, stream>>>(p, used,
+                                                                                   partials);
   return int(cudaGetLastError());
+}
+
+// 64 heads per block when there are that many (each row converted once for all of them), else
+// the smallest group that holds the heads.
+template <int L, int R> int launchHeads(const SparseMlaDecodeParams &p, cudaStream_t stream) {
+  if (p.heads > 32)
+    return launchShape<L, R, 4>(p, stream);
+  if (p.heads > 16)
+    return launchShape<L, R, 2>(p, stream);
+  return launchShape<L, R, 1>(p, stream);
 }
 
 } // namespace
@@ -315,13 +480,13 @@ size_t sparseMlaWorkspaceBytes(int32_t rows, int32_t heads, int32_t latentDim) {
 int launchSparseMlaDecode(const SparseMlaDecodeParams &p, void *stream) {
   if (p.rows <= 0 || p.heads <= 0 || p.topK <= 0 || !p.q || !p.indices || !p.sequences || !p.workspace ||
       !p.latentPages || p.pageTokens <= 0 || !p.blockTables || p.maxPages <= 0 || !p.out ||
-      !std::isfinite(p.softmaxScale) || (p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock > 65535)
+      !std::isfinite(p.softmaxScale) || reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || (p.heads + 15) / 16 > 65535)
     return cudaErrorInvalidValue;
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.latentDim == 512 && p.ropeDim == 64)
-    return launchShape<512, 64>(p, s);
+    return launchHeads<512, 64>(p, s);
   if (p.latentDim == 64 && p.ropeDim == 32)
-    return launchShape<64, 32>(p, s);
+    return launchHeads<64, 32>(p, s);
   return cudaErrorInvalidValue;
 }
 

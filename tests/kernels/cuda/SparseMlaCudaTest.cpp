@@ -1,7 +1,8 @@
 // Sparse MLA decode on CUDA (SparseMla.h) against ref::latentAttention on the values a kernel
 // reading the paged FP8 latent cache sees (rows packed into scattered pages by
-// ref::packLatentToken): DeepSeek-V3.2's 512 + 64 and the tiny model's 64 + 32, 128 and 16 heads
-// (a TP=8 shard), top-k not a multiple of the tile, -1 padding, a row with no position.
+// ref::packLatentToken): DeepSeek-V3.2's 512 + 64 and the tiny model's 64 + 32; 128 and 16 heads
+// (a TP=8 shard) and counts that fill a block's 64, 32 or 16 heads partly; positions split over
+// blocks and not; top-k not a multiple of the tile, -1 padding, a row with no position.
 // Labelled `gpu`; skipped without a GPU.
 #include "hybrid/kernels/cuda/SparseMla.h"
 #include "hybrid/kernels/ref/Mla.h"
@@ -150,7 +151,13 @@ INSTANTIATE_TEST_SUITE_P(
     testing::Values(
         SparseMlaCase{"v32_128_heads", 512, 64, 128, 2048, 64, {3000, 1, 700}},
         SparseMlaCase{"v32_16_heads_odd_topk", 512, 64, 16, 100, 64, {300, 90}},
-        SparseMlaCase{"tiny_model", 64, 32, 4, 32, 16, {50, 1, 33, 7}}),
+        SparseMlaCase{"v32_40_heads", 512, 64, 40, 2048, 64, {2500, 64}},
+        SparseMlaCase{"v32_32_heads", 512, 64, 32, 300, 64, {400, 250}},
+        // Enough blocks that the positions are not split (one block per row and 16 heads).
+        SparseMlaCase{"v32_16_heads_unsplit", 512, 64, 16, 256, 64, std::vector<int>(270, 300)},
+        SparseMlaCase{"tiny_model", 64, 32, 4, 32, 16, {50, 1, 33, 7}},
+        SparseMlaCase{"tiny_shape_48_heads", 64, 32, 48, 100, 16, {150, 33}},
+        SparseMlaCase{"tiny_shape_20_heads", 64, 32, 20, 40, 16, {70, 2}}),
     [](const testing::TestParamInfo<SparseMlaCase> &info) { return info.param.name; });
 
 TEST(SparseMlaDecodeCudaErrors, RejectsUnsupportedShapes) {

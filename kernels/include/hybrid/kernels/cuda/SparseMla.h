@@ -22,7 +22,7 @@ struct SparseMlaDecodeParams {
   int32_t latentDim = 0; // 512 (DeepSeek-V3.2) or 64 (the tiny model)
   int32_t ropeDim = 0;   // 64 or 32, with latentDim
   float softmaxScale = 0.0f;
-  const float *q = nullptr;           // [rows, heads, latentDim + ropeDim], absorbed
+  const float *q = nullptr; // [rows, heads, latentDim + ropeDim], absorbed; 16-byte aligned
   const int32_t *indices = nullptr;   // [rows, topK] positions; -1 entries are skipped
   int32_t topK = 0;
   const int32_t *sequences = nullptr; // [rows]: the row's block-table row
