@@ -27,16 +27,20 @@ __device__ inline uint32_t e4m3PairToBf16(uint16_t pair, float scale) {
 }
 
 // Four E4M3 codes (the low byte first) times a power-of-two `scale` <= 2^7 as two bf16 pairs, by
-// bit moves: a code's sign, exponent and mantissa placed in a bf16's fields read as the value
-// times 2^-120 (E4M3 subnormals land on bf16 subnormals with the same factor), and one packed
-// bf16 multiply by 2^120 * scale restores it exactly. Three instructions per pair instead of
-// six for the f16 -> fp32 -> bf16 route; e4m3PairToBf16 is the general form.
+// bit moves: each code goes to a 16-bit lane over a byte of its sign (prmt's sign replication),
+// four bits up, masked: sign, exponent and mantissa then sit in a bf16's fields and read as the
+// value times 2^-120 (E4M3 subnormals land on bf16 subnormals with the same factor); one packed
+// bf16 multiply by 2^120 * scale restores it exactly. Four instructions per pair instead of six
+// for the f16 -> fp32 -> bf16 route; e4m3PairToBf16 is the general form.
+__device__ inline uint32_t e4m3PairFields(uint32_t codes, uint32_t selector) {
+  uint32_t lanes;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(lanes) : "r"(codes), "r"(selector));
+  return (lanes << 4) & 0x87F087F0u;
+}
 __device__ inline void e4m3QuadToBf16(uint32_t codes, __nv_bfloat162 factor, uint32_t &low,
                                       uint32_t &high) {
-  const uint32_t first = __byte_perm(codes, 0, 0x1404);  // codes 0, 1 in the high bytes
-  const uint32_t second = __byte_perm(codes, 0, 0x3424); // codes 2, 3
-  const uint32_t fields[2] = {(first & 0x80008000u) | ((first & 0x7F007F00u) >> 4),
-                              (second & 0x80008000u) | ((second & 0x7F007F00u) >> 4)};
+  // Selector nibbles 8 + i: the sign of byte i replicated.
+  const uint32_t fields[2] = {e4m3PairFields(codes, 0x9180u), e4m3PairFields(codes, 0xB3A2u)};
   const __nv_bfloat162 a = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&fields[0]), factor);
   const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&fields[1]), factor);
   low = *reinterpret_cast<const uint32_t *>(&a);

@@ -36,13 +36,22 @@ template <int L, int R, int G> struct Shape {
   static constexpr int kWarps = G == 1 ? 4 : 8;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlocksPerSm = G == 1 ? 2 : 1;
+  // Tiles in flight while one computes: two where shared memory allows (fewer heads compute
+  // less per tile, so the gather's latency shows unless more rows are on their way).
+  static constexpr int kStages = G == 4 ? 1 : 2;
   static constexpr int kTileKeys = 8 * kWarps; // positions per tile
   static constexpr int kMaxTiles = kMaxPositionsPerBlock / kTileKeys;
   static constexpr int kPStride = kTileKeys + 8; // bf16 per softmax-weight row (conflict-free)
   static constexpr int kHeads = 16 * G;
   static constexpr int kSlices = kWarps / G;               // warps per head group
   static constexpr int kKeysPerWarp = kTileKeys / kSlices; // scores
-  static constexpr int kScoreTiles = kKeysPerWarp / 8;
+  static constexpr int kScoreTiles = kKeysPerWarp / 8; // softmax
+  // The score MMAs: a warp multiplies a 16 x 32 block; a group with more warps than 32-position
+  // blocks splits the 576-wide keys into kParts parts, whose sums meet in shared memory.
+  static constexpr int kKeyBlocks = kTileKeys / 32;
+  static constexpr int kParts = kSlices / kKeyBlocks;
+  static_assert(kKeyBlocks * kParts == kSlices, "key blocks times parts");
+  static constexpr size_t kScratchBytes = kParts > 1 ? size_t(kWarps) * 16 * 32 * 4 : 0;
   static constexpr int kDimsPerWarp = L / kSlices; // P V
   static constexpr int kValueTiles = kDimsPerWarp / 8;
   static_assert(kDimsPerWarp % 8 == 0 && (kValueTiles == 1 || kValueTiles % 2 == 0),
@@ -62,8 +71,12 @@ template <int L, int R, int G> struct Shape {
   static constexpr int kCopiesPerRow = kRowBytes / kCopyBytes;
   static_assert(kRowBytes % 4 == 0 && kRopeOffset % 4 == 0, "4-byte aligned rows");
   static constexpr size_t kStageOffset = size_t(kHeads + kTileKeys) * kStride * 2;
-  static constexpr size_t kWeightsOffset = kStageOffset + size_t(kTileKeys) * kRowBytes;
-  static constexpr size_t kPartsOffset = kWeightsOffset + size_t(kHeads) * kPStride * 2;
+  static constexpr size_t kStageBytes = size_t(kTileKeys) * kRowBytes;
+  static constexpr size_t kWeightsOffset = kStageOffset + kStages * kStageBytes;
+  // The softmax weights share their space with the score parts (read before the weights are
+  // written, a barrier apart).
+  static constexpr size_t kPartsOffset =
+      kWeightsOffset + std::max(size_t(kHeads) * kPStride * 2, kScratchBytes);
   static constexpr size_t kRowsOffset = kPartsOffset + 2 * size_t(kSlices) * kHeads * 4;
   static size_t sharedBytes(int tilesPerSplit) {
     return kRowsOffset + size_t(tilesPerSplit) * kTileKeys * 4;
@@ -86,8 +99,9 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
   extern __shared__ __align__(16) unsigned char smem[];
   auto *qs = reinterpret_cast<__nv_bfloat16 *>(smem);            // [kHeads, kStride]
   __nv_bfloat16 *kv = qs + kHeads * kStride;                      // [64 positions, kStride]
-  unsigned char *stage = smem + S::kStageOffset;                  // [64, kRowBytes] raw rows
+  unsigned char *stages = smem + S::kStageOffset; // [kStages][tile, kRowBytes] raw rows
   auto *weights = reinterpret_cast<__nv_bfloat16 *>(smem + S::kWeightsOffset); // [kHeads, kPStride]
+  auto *scoreParts = reinterpret_cast<float *>(smem + S::kWeightsOffset); // [warps][n][e][lane]
   auto *maxParts = reinterpret_cast<float *>(smem + S::kPartsOffset); // [kSlices, kHeads]
   float *sumParts = maxParts + kSlices * kHeads;                       // [kSlices, kHeads]
   auto *cacheRows = reinterpret_cast<int32_t *>(smem + S::kRowsOffset); // [split positions]
@@ -134,7 +148,7 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
     const int32_t cacheRow = cacheRows[t * kTileKeys + ownRow];
     if (cacheRow >= 0) {
       const unsigned char *from = pool + int64_t(cacheRow) * S::kRowBytes;
-      unsigned char *to = stage + ownRow * S::kRowBytes;
+      unsigned char *to = stages + t % S::kStages * S::kStageBytes + ownRow * S::kRowBytes;
 #pragma unroll
       for (int piece = ownPiece; piece < S::kCopiesPerRow; piece += 4) {
         if constexpr (S::kVector)
@@ -150,7 +164,7 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
   static_assert(S::kCodePieces % 4 == 0 && S::kRopePieces % 4 == 0, "pieces in fours");
   auto convertTile = [&](int t) {
     const bool live = cacheRows[t * kTileKeys + ownRow] >= 0;
-    const unsigned char *from = stage + ownRow * S::kRowBytes;
+    const unsigned char *from = stages + t % S::kStages * S::kStageBytes + ownRow * S::kRowBytes;
     __nv_bfloat16 *to = kv + ownRow * kStride;
 #pragma unroll
     for (int piece = ownPiece; piece < S::kCodePieces; piece += 4) {
@@ -193,44 +207,84 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
 
   if (tiles > 0) {
     issueTile(0);
-    mma::waitAsyncCopies<0>();
+    if constexpr (S::kStages == 2) {
+      if (tiles > 1)
+        issueTile(1);
+      else
+        mma::commitAsyncCopies(); // an empty group: the waits below count kStages - 1
+    }
+    mma::waitAsyncCopies<S::kStages - 1>();
     __syncthreads();
     convertTile(0);
     __syncthreads();
   }
   for (int t = 0; t < tiles; ++t) {
-    if (t + 1 < tiles)
-      issueTile(t + 1); // in flight while this tile computes
+    // The tile kStages ahead into the staging area tile t left (converted before the last
+    // barrier); in flight while this tile computes.
+    if (t + S::kStages < tiles)
+      issueTile(t + S::kStages);
+    else
+      mma::commitAsyncCopies();
     const int32_t *tileRows = cacheRows + t * kTileKeys;
 
-    // Scores of this warp's positions for the group's 16 heads. The fragments of k step s + 1
-    // load while step s multiplies (two warps per scheduler hide little latency); two
-    // accumulator chains when the warp has a single score tile.
-    constexpr int kChains = S::kScoreTiles >= 2 ? 1 : 2;
-    constexpr int kSteps = S::kWide / 16;
-    float acc[kChains][S::kScoreTiles][4] = {};
-    const __nv_bfloat16 *keys = kv + slice * S::kKeysPerWarp * kStride;
-    const __nv_bfloat16 *queries = qs + headRow * kStride;
-    uint32_t a[2][4], b[2][S::kScoreTiles][2];
-    auto loadStep = [&](int step, int buffer) {
-      mma::loadA(a[buffer], queries + 16 * step, kStride);
-      if constexpr (S::kScoreTiles == 1) {
-        mma::loadB(b[buffer][0], keys + 16 * step, kStride);
-      } else {
+    // Scores: this warp's 16 x 32 block (its head group, key block) over its part of the
+    // 576-wide keys; the fragments of k step s + 1 load while step s multiplies.
+    constexpr int kSteps = S::kWide / 16, kPartSteps = (kSteps + S::kParts - 1) / S::kParts;
+    float acc[4][4] = {};
+    {
+      const int keyBlock = slice % S::kKeyBlocks, part = slice / S::kKeyBlocks;
+      const __nv_bfloat16 *keys = kv + keyBlock * 32 * kStride + part * kPartSteps * 16;
+      const __nv_bfloat16 *queries = qs + headRow * kStride + part * kPartSteps * 16;
+      const int steps = min(kPartSteps, kSteps - part * kPartSteps); // the last part may be short
+      uint32_t a[2][4], b[2][4][2];
+      auto loadStep = [&](int step, int buffer) {
+        mma::loadA(a[buffer], queries + 16 * step, kStride);
+        mma::loadBPair(b[buffer][0], b[buffer][1], keys + 16 * step, kStride);
+        mma::loadBPair(b[buffer][2], b[buffer][3], keys + 16 * kStride + 16 * step, kStride);
+      };
+      if (steps > 0)
+        loadStep(0, 0);
 #pragma unroll
-        for (int n = 0; n < S::kScoreTiles; n += 2)
-          mma::loadBPair(b[buffer][n], b[buffer][n + 1], keys + n * 8 * kStride + 16 * step,
-                         kStride);
+      for (int step = 0; step < kPartSteps; ++step) {
+        if (kSteps % S::kParts == 0 || step < steps) {
+          if (step + 1 < steps)
+            loadStep(step + 1, (step + 1) % 2);
+#pragma unroll
+          for (int n = 0; n < 4; ++n)
+            mma::mma16816(acc[n], a[step % 2], b[step % 2][n]);
+        }
       }
-    };
-    loadStep(0, 0);
+    }
+    // This warp's softmax positions: kKeysPerWarp of them, summed over the parts.
+    float blockScores[S::kScoreTiles][4];
+    if constexpr (S::kParts == 1) {
+      static_assert(S::kScoreTiles == 4, "one part: the warp's own block");
 #pragma unroll
-    for (int step = 0; step < kSteps; ++step) {
-      if (step + 1 < kSteps)
-        loadStep(step + 1, (step + 1) % 2);
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          blockScores[n][e] = acc[n][e];
+    } else {
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          scoreParts[((warp * 4 + n) * 4 + e) * 32 + lane] = acc[n][e];
+      __syncthreads(); // (0) the parts
+      const int keyBlock = slice * S::kKeysPerWarp / 32;
+      const int firstTile = slice * S::kKeysPerWarp % 32 / 8;
 #pragma unroll
       for (int n = 0; n < S::kScoreTiles; ++n)
-        mma::mma16816(acc[step % kChains][n], a[step % 2], b[step % 2][n]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float sum = 0.0f;
+#pragma unroll
+          for (int part = 0; part < S::kParts; ++part) {
+            const int from = group * kSlices + part * S::kKeyBlocks + keyBlock;
+            sum += scoreParts[((from * 4 + firstTile + n) * 4 + e) * 32 + lane];
+          }
+          blockScores[n][e] = sum;
+        }
     }
     // The tile's live positions as a bit mask (two ballots instead of a shared load per score).
     uint64_t liveMask = __ballot_sync(0xffffffffu, tileRows[lane] >= 0);
@@ -242,11 +296,8 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
     for (int n = 0; n < S::kScoreTiles; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float sum = acc[0][n][e];
-        if constexpr (kChains == 2)
-          sum += acc[1][n][e];
         const int key = slice * S::kKeysPerWarp + n * 8 + mma::accColumn(e);
-        scores[n][e] = (liveMask >> key) & 1 ? sum * scoreScale : -INFINITY;
+        scores[n][e] = (liveMask >> key) & 1 ? blockScores[n][e] * scoreScale : -INFINITY;
         tileMax[e / 2] = fmaxf(tileMax[e / 2], scores[n][e]);
       }
 #pragma unroll
@@ -318,7 +369,7 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
       }
     }
     if (t + 1 < tiles) {
-      mma::waitAsyncCopies<0>();
+      mma::waitAsyncCopies<S::kStages - 1>(); // tile t + 1 staged
       __syncthreads(); // (3) this tile consumed, the next one staged
       convertTile(t + 1);
       __syncthreads(); // (4) the next tile converted, the staging area free
