@@ -11,6 +11,7 @@
 #include "hybrid/kernels/cuda/SparseMla.h"
 #include "../common/device_setup.cuh"
 #include "../common/warp_mma.cuh"
+#include "../common/warpgroup_mma.cuh"
 #include "fp8_device.cuh"
 
 #include <cuda_bf16.h>
@@ -63,7 +64,6 @@ template <int L, int R, int G> struct Shape {
   static constexpr int kRowBytes = kRopeOffset + 2 * R;
   static constexpr int kCodePieces = L / 16; // 16 codes each
   static constexpr int kRopePieces = R / 8;  // 8 bf16 each
-  static constexpr int kPieces = kCodePieces + kRopePieces;
   // 16-byte copies need 16-byte aligned rows and rope parts (DeepSeek-V3.2's 656-byte rows are;
   // the tiny model's 132-byte rows are not: 4-byte copies there).
   static constexpr bool kVector = kRowBytes % 16 == 0 && kRopeOffset % 16 == 0;
@@ -90,6 +90,43 @@ template <bool kVector> __device__ inline uint4 load16(const unsigned char *p) {
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
+// A split's positions resolved to cache rows (page * pageTokens + offset; -1: none), `count`
+// entries (the split's tiles; past splitEnd -1).
+__device__ inline void resolveCacheRows(const SparseMlaDecodeParams &p, int row, int splitBegin,
+                                        int splitEnd, int count, int32_t *cacheRows, int tid,
+                                        int threads) {
+  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
+  const int32_t *indices = p.indices + size_t(row) * p.topK;
+  for (int i = tid; i < count; i += threads) {
+    const int position = splitBegin + i < splitEnd ? indices[splitBegin + i] : -1;
+    cacheRows[i] =
+        position >= 0 ? table[position / p.pageTokens] * p.pageTokens + position % p.pageTokens : -1;
+  }
+}
+
+// 16 E4M3 codes (the first at `codes`, `kVector`: 16-byte aligned) times their tile scale as 16
+// bf16 (exact): by bit moves for a power-of-two scale, else through f16 and fp32.
+template <bool kVector>
+__device__ inline void convertCodes16(const unsigned char *codes, float scale, uint4 (&packed)[2]) {
+  const uint4 raw = load16<kVector>(codes);
+  if (quadConversionExact(scale)) {
+    const __nv_bfloat162 factor = __float2bfloat162_rn(scale * 0x1p120f);
+    e4m3QuadToBf16(raw.x, factor, packed[0].x, packed[0].y);
+    e4m3QuadToBf16(raw.y, factor, packed[0].z, packed[0].w);
+    e4m3QuadToBf16(raw.z, factor, packed[1].x, packed[1].y);
+    e4m3QuadToBf16(raw.w, factor, packed[1].z, packed[1].w);
+  } else {
+    packed[0] = make_uint4(e4m3PairToBf16(uint16_t(raw.x), scale),
+                           e4m3PairToBf16(uint16_t(raw.x >> 16), scale),
+                           e4m3PairToBf16(uint16_t(raw.y), scale),
+                           e4m3PairToBf16(uint16_t(raw.y >> 16), scale));
+    packed[1] = make_uint4(e4m3PairToBf16(uint16_t(raw.z), scale),
+                           e4m3PairToBf16(uint16_t(raw.z >> 16), scale),
+                           e4m3PairToBf16(uint16_t(raw.w), scale),
+                           e4m3PairToBf16(uint16_t(raw.w >> 16), scale));
+  }
+}
+
 template <int L, int R, int G>
 __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlocksPerSm)
     sparseMlaDecodeKernel(SparseMlaDecodeParams p, int tilesPerSplit, float *partials) {
@@ -114,17 +151,7 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
   const int splitEnd = min(p.topK, splitBegin + tilesPerSplit * kTileKeys);
   const int tiles = (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys;
 
-  // This split's positions resolved to cache rows (page * pageTokens + offset; -1: none).
-  {
-    const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
-    const int32_t *indices = p.indices + size_t(row) * p.topK;
-    for (int i = tid; i < tiles * kTileKeys; i += kThreads) {
-      const int position = splitBegin + i < splitEnd ? indices[splitBegin + i] : -1;
-      cacheRows[i] = position >= 0
-                         ? table[position / p.pageTokens] * p.pageTokens + position % p.pageTokens
-                         : -1;
-    }
-  }
+  resolveCacheRows(p, row, splitBegin, splitEnd, tiles * kTileKeys, cacheRows, tid, kThreads);
   // The heads' absorbed queries in bf16 (heads past p.heads are zero).
   static_assert(S::kWide % 4 == 0, "queries in fours");
   for (int i = tid; i < kHeads * S::kWide / 4; i += kThreads) {
@@ -169,26 +196,10 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
 #pragma unroll
     for (int piece = ownPiece; piece < S::kCodePieces; piece += 4) {
       uint4 packed[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-      if (live) {
-        const uint4 raw = load16<S::kVector>(from + piece * 16);
-        const float scale = reinterpret_cast<const float *>(from + L)[piece * 16 / kScaleTile];
-        if (quadConversionExact(scale)) {
-          const __nv_bfloat162 factor = __float2bfloat162_rn(scale * 0x1p120f);
-          e4m3QuadToBf16(raw.x, factor, packed[0].x, packed[0].y);
-          e4m3QuadToBf16(raw.y, factor, packed[0].z, packed[0].w);
-          e4m3QuadToBf16(raw.z, factor, packed[1].x, packed[1].y);
-          e4m3QuadToBf16(raw.w, factor, packed[1].z, packed[1].w);
-        } else {
-          packed[0] = make_uint4(e4m3PairToBf16(uint16_t(raw.x), scale),
-                                 e4m3PairToBf16(uint16_t(raw.x >> 16), scale),
-                                 e4m3PairToBf16(uint16_t(raw.y), scale),
-                                 e4m3PairToBf16(uint16_t(raw.y >> 16), scale));
-          packed[1] = make_uint4(e4m3PairToBf16(uint16_t(raw.z), scale),
-                                 e4m3PairToBf16(uint16_t(raw.z >> 16), scale),
-                                 e4m3PairToBf16(uint16_t(raw.w), scale),
-                                 e4m3PairToBf16(uint16_t(raw.w >> 16), scale));
-        }
-      }
+      if (live)
+        convertCodes16<S::kVector>(
+            from + piece * 16, reinterpret_cast<const float *>(from + L)[piece * 16 / kScaleTile],
+            packed);
       auto *target = reinterpret_cast<uint4 *>(to + piece * 16);
       target[0] = packed[0];
       target[1] = packed[1];
@@ -430,6 +441,267 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
     }
 }
 
+// 64 heads per block on warpgroup MMAs (sm_90a wgmma), DeepSeek-V3.2's 512 + 64 rows. Two
+// warpgroups; per tile of 64 positions warpgroup w multiplies the 64 heads' scores for positions
+// 32w..32w+31 (Q and the tile straight from shared memory, 128-byte swizzled), the two share
+// their row maxima and softmax weights through shared memory, then warpgroup w adds P V for
+// latent dimensions 256w..256w+255 (V: the same tile read N-major). Gather, conversion, splits
+// and partials as in sparseMlaDecodeKernel.
+struct WgmmaShape {
+  static constexpr int kLatent = 512, kWide = 576;
+  static constexpr int kThreads = 256, kHeads = 64, kTileKeys = 64;
+  static constexpr int kRowBytes = 656, kRopeOffset = 528, kCopiesPerRow = kRowBytes / 16;
+  static constexpr int kCodePieces = 32, kRopePieces = 8;
+  static constexpr uint32_t kMatrixBytes = 64 * kWide * 2; // 64 rows, swizzled
+  static constexpr uint32_t kQueryOffset = 0, kTileOffset = kMatrixBytes;
+  static constexpr uint32_t kWeightsOffset = 2 * kMatrixBytes;     // P: 64 x 64 bf16
+  static constexpr uint32_t kStageOffset = kWeightsOffset + 64 * 64 * 2;
+  static constexpr uint32_t kPartsOffset = kStageOffset + kTileKeys * kRowBytes;
+  static constexpr uint32_t kRowsOffset = kPartsOffset + 2 * 2 * kHeads * 4;
+  static size_t sharedBytes(int tilesPerSplit) {
+    return 1024 + kRowsOffset + size_t(tilesPerSplit) * kTileKeys * 4; // + alignment slack
+  }
+};
+
+__global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
+    sparseMlaWgmmaKernel(SparseMlaDecodeParams p, int tilesPerSplit, float *partials) {
+  using S = WgmmaShape;
+  constexpr int L = S::kLatent, kTileKeys = S::kTileKeys, kThreads = S::kThreads;
+  extern __shared__ __align__(16) unsigned char rawShared[];
+  // The swizzled operands need 1024-byte aligned chunks.
+  unsigned char *smem = rawShared + ((1024 - mma::sharedAddress(rawShared) % 1024) % 1024);
+  const uint32_t base = mma::sharedAddress(smem);
+  unsigned char *queries = smem + S::kQueryOffset, *tile = smem + S::kTileOffset;
+  unsigned char *weights = smem + S::kWeightsOffset, *stage = smem + S::kStageOffset;
+  auto *maxParts = reinterpret_cast<float *>(smem + S::kPartsOffset); // [2][64]
+  float *sumParts = maxParts + 2 * S::kHeads;                         // [2][64]
+  auto *cacheRows = reinterpret_cast<int32_t *>(smem + S::kRowsOffset);
+
+  const int row = blockIdx.x, headBase = int(blockIdx.y) * S::kHeads, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int half = warp / 4;                    // the warpgroup: positions and latent half
+  const int r0 = 16 * (warp % 4) + lane / 4;    // this thread's rows r0 and r0 + 8
+  const int q = lane % 4;
+  const int splits = int(gridDim.z), split = int(blockIdx.z);
+  const int splitBegin = split * tilesPerSplit * kTileKeys;
+  const int splitEnd = min(p.topK, splitBegin + tilesPerSplit * kTileKeys);
+  const int tiles = (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys;
+
+  resolveCacheRows(p, row, splitBegin, splitEnd, tiles * kTileKeys, cacheRows, tid, kThreads);
+  // The 64 heads' absorbed queries in bf16, swizzled (heads past p.heads are zero).
+  for (int i = tid; i < S::kHeads * S::kWide / 8; i += kThreads) {
+    const int h = i / (S::kWide / 8), column = 8 * (i % (S::kWide / 8));
+    uint4 packed = make_uint4(0, 0, 0, 0);
+    if (headBase + h < p.heads) {
+      const float *from = p.q + (size_t(row) * p.heads + headBase + h) * S::kWide + column;
+      const float4 a = *reinterpret_cast<const float4 *>(from);
+      const float4 b = *reinterpret_cast<const float4 *>(from + 4);
+      packed = make_uint4(mma::packBf16(a.x, a.y), mma::packBf16(a.z, a.w),
+                          mma::packBf16(b.x, b.y), mma::packBf16(b.z, b.w));
+    }
+    *reinterpret_cast<uint4 *>(queries + wgmma::swizzledOffset(64, h, column)) = packed;
+  }
+  wgmma::sharedWritesToAsyncProxy();
+  __syncthreads();
+
+  const auto *pool = static_cast<const unsigned char *>(p.latentPages);
+  const int ownRow = tid / 4, ownPiece = tid % 4; // staging and conversion: four threads a row
+  auto issueTile = [&](int t) {
+    const int32_t cacheRow = cacheRows[t * kTileKeys + ownRow];
+    if (cacheRow >= 0) {
+      const unsigned char *from = pool + int64_t(cacheRow) * S::kRowBytes;
+      unsigned char *to = stage + ownRow * S::kRowBytes;
+#pragma unroll
+      for (int piece = ownPiece; piece < S::kCopiesPerRow; piece += 4)
+        mma::copyAsync16(to + piece * 16, from + piece * 16);
+    }
+    mma::commitAsyncCopies();
+  };
+  auto convertTile = [&](int t) {
+    const bool live = cacheRows[t * kTileKeys + ownRow] >= 0;
+    const unsigned char *from = stage + ownRow * S::kRowBytes;
+#pragma unroll
+    for (int piece = ownPiece; piece < S::kCodePieces; piece += 4) {
+      uint4 packed[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+      if (live)
+        convertCodes16<true>(from + piece * 16, reinterpret_cast<const float *>(from + L)[piece / 8],
+                       packed);
+      *reinterpret_cast<uint4 *>(tile + wgmma::swizzledOffset(64, ownRow, 16 * piece)) = packed[0];
+      *reinterpret_cast<uint4 *>(tile + wgmma::swizzledOffset(64, ownRow, 16 * piece + 8)) =
+          packed[1];
+    }
+#pragma unroll
+    for (int piece = ownPiece; piece < S::kRopePieces; piece += 4)
+      *reinterpret_cast<uint4 *>(tile + wgmma::swizzledOffset(64, ownRow, L + 8 * piece)) =
+          live ? *reinterpret_cast<const uint4 *>(from + S::kRopeOffset + piece * 16)
+               : make_uint4(0, 0, 0, 0);
+    wgmma::sharedWritesToAsyncProxy();
+  };
+
+  float runningMax[2] = {-INFINITY, -INFINITY}, runningSum[2] = {0.0f, 0.0f};
+  float o[4][32] = {}; // latent dimensions 256 half + 64 c + 8 n + 2 q (+1), rows r0 / r0 + 8
+  const float scoreScale = p.softmaxScale * kLog2e;
+
+  if (tiles > 0) {
+    issueTile(0);
+    mma::waitAsyncCopies<0>();
+    __syncthreads();
+    convertTile(0);
+    __syncthreads();
+  }
+  for (int t = 0; t < tiles; ++t) {
+    if (t + 1 < tiles)
+      issueTile(t + 1); // in flight while this tile computes
+    else
+      mma::commitAsyncCopies();
+    const int32_t *tileRows = cacheRows + t * kTileKeys;
+
+    // Scores of the 64 heads for this warpgroup's 32 positions: 36 k steps of 16.
+    float s[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      s[i] = 0.0f;
+    wgmma::fence();
+#pragma unroll
+    for (int step = 0; step < S::kWide / 16; ++step) {
+      const uint32_t chunk = uint32_t(step / 4) * 64 * 128, within = uint32_t(step % 4) * 32;
+      wgmma::mma64x32(s, wgmma::descriptor(base + S::kQueryOffset + chunk + within),
+                      wgmma::descriptor(base + S::kTileOffset + chunk + 32 * 128 * half + within));
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fenceOperands(s);
+
+    uint64_t liveMask = __ballot_sync(0xffffffffu, tileRows[lane] >= 0) |
+                        uint64_t(__ballot_sync(0xffffffffu, tileRows[32 + lane] >= 0)) << 32;
+    float tileMax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = 32 * half + 8 * n + 2 * q + (e & 1);
+        float &v = s[4 * n + e];
+        v = (liveMask >> key) & 1 ? v * scoreScale : -INFINITY;
+        tileMax[e / 2] = fmaxf(tileMax[e / 2], v);
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tileMax[h] = fmaxf(tileMax[h], __shfl_xor_sync(0xffffffffu, tileMax[h], 1));
+      tileMax[h] = fmaxf(tileMax[h], __shfl_xor_sync(0xffffffffu, tileMax[h], 2));
+    }
+    if (q == 0) {
+      maxParts[half * S::kHeads + r0] = tileMax[0];
+      maxParts[half * S::kHeads + r0 + 8] = tileMax[1];
+    }
+    __syncthreads(); // (1) both halves' maxima
+
+    float factor[2], newMax[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m = fmaxf(runningMax[h], fmaxf(maxParts[r0 + 8 * h],
+                                                 maxParts[S::kHeads + r0 + 8 * h]));
+      newMax[h] = m;
+      factor[h] = m == -INFINITY ? 1.0f : exp2f(runningMax[h] - m);
+      runningMax[h] = m;
+    }
+    float localSum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int h = e / 2;
+        const float w0 = s[4 * n + e] == -INFINITY ? 0.0f : exp2f(s[4 * n + e] - newMax[h]);
+        const float w1 =
+            s[4 * n + e + 1] == -INFINITY ? 0.0f : exp2f(s[4 * n + e + 1] - newMax[h]);
+        localSum[h] += w0 + w1;
+        *reinterpret_cast<uint32_t *>(
+            weights + wgmma::swizzledOffset(64, r0 + 8 * h, 32 * half + 8 * n + 2 * q)) =
+            mma::packBf16(w0, w1);
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      runningSum[h] = runningSum[h] * factor[h] + localSum[h];
+    if (__any_sync(0xffffffffu, factor[0] != 1.0f || factor[1] != 1.0f))
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+          o[c][i] *= factor[(i % 4) / 2];
+    wgmma::sharedWritesToAsyncProxy();
+    __syncthreads(); // (2) the weights of all 64 positions
+
+    // O += P V: 4 k steps of 16 positions, 4 chunks of 64 latent dimensions.
+    wgmma::fence();
+#pragma unroll
+    for (int step = 0; step < kTileKeys / 16; ++step)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        wgmma::mma64x64Transposed(
+            o[c], wgmma::descriptor(base + S::kWeightsOffset + 32 * step),
+            wgmma::descriptor(base + S::kTileOffset + (4 * half + c) * 64 * 128 + 16 * 128 * step));
+    wgmma::commit();
+    wgmma::wait<0>();
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      wgmma::fenceOperands(o[c]);
+
+    if (t + 1 < tiles) {
+      mma::waitAsyncCopies<0>();
+      __syncthreads(); // (3) this tile consumed, the next one staged
+      convertTile(t + 1);
+      __syncthreads(); // (4) the next tile converted, the staging area free
+    }
+  }
+
+  // Row sums: over the quad, then the two warpgroups' positions.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    runningSum[h] += __shfl_xor_sync(0xffffffffu, runningSum[h], 1);
+    runningSum[h] += __shfl_xor_sync(0xffffffffu, runningSum[h], 2);
+  }
+  __syncthreads();
+  if (q == 0) {
+    sumParts[half * S::kHeads + r0] = runningSum[0];
+    sumParts[half * S::kHeads + r0 + 8] = runningSum[1];
+  }
+  __syncthreads();
+  float denominator[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    denominator[h] = sumParts[r0 + 8 * h] + sumParts[S::kHeads + r0 + 8 * h];
+
+  const size_t partialStride = size_t(L) + 2;
+  auto partial = [&](int h) {
+    return partials + ((size_t(row) * p.heads + headBase + h) * splits + split) * partialStride;
+  };
+  if (splits > 1 && half == 0 && q == 0)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (headBase + r0 + 8 * h < p.heads) {
+        partial(r0 + 8 * h)[0] = runningMax[h] == -INFINITY ? -INFINITY : runningMax[h] * kLn2;
+        partial(r0 + 8 * h)[1] = denominator[h];
+      }
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int head = r0 + 8 * h;
+        if (headBase + head >= p.heads)
+          continue;
+        const int d = 256 * half + 64 * c + 8 * n + 2 * q;
+        const float v0 = o[c][4 * n + 2 * h], v1 = o[c][4 * n + 2 * h + 1];
+        if (splits > 1) {
+          *reinterpret_cast<float2 *>(partial(head) + 2 + d) = make_float2(v0, v1);
+        } else {
+          const float inverse = denominator[h] > 0.0f ? 1.0f / denominator[h] : 0.0f;
+          *reinterpret_cast<float2 *>(p.out + (size_t(row) * p.heads + headBase + head) * L + d) =
+              make_float2(v0 * inverse, v1 * inverse);
+        }
+      }
+}
+
 // The splits' partials of one (row, head) merged: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
 template <int L>
 __global__ void __launch_bounds__(kCombineThreads)
@@ -475,10 +747,22 @@ template <int L, int R, int G> int splitCount(const SparseMlaDecodeParams &p, in
   return best; // 0: more positions than kMaxSplits blocks hold
 }
 
+// DeepSeek-V3.2's rows with 64 heads per block run on warpgroup MMAs (same tiles, splits and
+// partials as the warp-MMA kernel's Shape<512, 64, 4>).
+template <int L, int R, int G> constexpr bool kOnWarpgroups = L == 512 && R == 64 && G == 4;
+
 template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, cudaStream_t stream) {
   using S = Shape<L, R, G>;
-  const size_t largest = S::sharedBytes(S::kMaxTiles);
+  auto sharedBytes = [](int tilesPerSplit) {
+    if constexpr (kOnWarpgroups<L, R, G>)
+      return WgmmaShape::sharedBytes(tilesPerSplit);
+    return S::sharedBytes(tilesPerSplit);
+  };
+  const size_t largest = sharedBytes(S::kMaxTiles);
   const DeviceSetup setup = deviceSetup([largest] {
+    if constexpr (kOnWarpgroups<L, R, G>)
+      return cudaFuncSetAttribute(sparseMlaWgmmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  int(largest));
     return cudaFuncSetAttribute(sparseMlaDecodeKernel<L, R, G>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(largest));
   });
@@ -492,8 +776,12 @@ template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, c
   const int used = (tiles + tilesPerSplit - 1) / tilesPerSplit; // no empty split
   const dim3 grid(unsigned(p.rows), unsigned((p.heads + S::kHeads - 1) / S::kHeads), unsigned(used));
   auto *partials = static_cast<float *>(p.workspace);
-  sparseMlaDecodeKernel<L, R, G>
-      <<<grid, S::kThreads, S::sharedBytes(tilesPerSplit), stream>>>(p, tilesPerSplit, partials);
+  if constexpr (kOnWarpgroups<L, R, G>)
+    sparseMlaWgmmaKernel<<<grid, WgmmaShape::kThreads, sharedBytes(tilesPerSplit), stream>>>(
+        p, tilesPerSplit, partials);
+  else
+    sparseMlaDecodeKernel<L, R, G>
+        <<<grid, S::kThreads, sharedBytes(tilesPerSplit), stream>>>(p, tilesPerSplit, partials);
   if (used > 1)
     sparseMlaCombineKernel<L>
         <<<dim3(unsigned(p.rows), unsigned(p.heads)), kCombineThreads, 0, stream>>>(p, used,
