@@ -549,6 +549,11 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
     convertTile(0);
     __syncthreads();
   }
+  // Descriptors of the operands' first k step; later steps add their byte offsets / 16.
+  const uint64_t queryDescriptor = wgmma::descriptor(base + S::kQueryOffset);
+  const uint64_t keyDescriptor = wgmma::descriptor(base + S::kTileOffset + 32 * 128 * half);
+  const uint64_t weightDescriptor = wgmma::descriptor(base + S::kWeightsOffset);
+  const uint64_t valueDescriptor = wgmma::descriptor(base + S::kTileOffset + 4 * half * 64 * 128);
   for (int t = 0; t < tiles; ++t) {
     if (t + 1 < tiles)
       issueTile(t + 1); // in flight while this tile computes
@@ -564,9 +569,8 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
     wgmma::fence();
 #pragma unroll
     for (int step = 0; step < S::kWide / 16; ++step) {
-      const uint32_t chunk = uint32_t(step / 4) * 64 * 128, within = uint32_t(step % 4) * 32;
-      wgmma::mma64x32(s, wgmma::descriptor(base + S::kQueryOffset + chunk + within),
-                      wgmma::descriptor(base + S::kTileOffset + chunk + 32 * 128 * half + within));
+      const uint32_t offset = (step / 4 * 64 * 128 + step % 4 * 32) / 16;
+      wgmma::mma64x32(s, queryDescriptor + offset, keyDescriptor + offset);
     }
     wgmma::commit();
     wgmma::wait<0>();
@@ -636,9 +640,8 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
     for (int step = 0; step < kTileKeys / 16; ++step)
 #pragma unroll
       for (int c = 0; c < 4; ++c)
-        wgmma::mma64x64Transposed(
-            o[c], wgmma::descriptor(base + S::kWeightsOffset + 32 * step),
-            wgmma::descriptor(base + S::kTileOffset + (4 * half + c) * 64 * 128 + 16 * 128 * step));
+        wgmma::mma64x64Transposed(o[c], weightDescriptor + 32 * step / 16,
+                                  valueDescriptor + (c * 64 * 128 + 16 * 128 * step) / 16);
     wgmma::commit();
     wgmma::wait<0>();
 #pragma unroll
