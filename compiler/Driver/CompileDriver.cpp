@@ -97,6 +97,7 @@ StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &conte
                                                        Phase stopAfter) {
   import::ImportOptions importOptions;
   importOptions.mappingPath = options.mappingPath;
+  importOptions.syntheticSeed = options.syntheticSeed;
   HYBRID_ASSIGN_OR_RETURN(mlir::OwningOpRef<mlir::ModuleOp> module,
                           import::importCheckpoint(context, options.modelDir, importOptions));
   context.getOrLoadDialect<plan::PlanDialect>();
@@ -152,6 +153,7 @@ StatusOr<std::vector<uint8_t>> compilePlan(mlir::MLIRContext &context,
   auto start = std::chrono::steady_clock::now();
   import::ImportOptions importOptions;
   importOptions.mappingPath = options.mappingPath;
+  importOptions.syntheticSeed = options.syntheticSeed;
   HYBRID_ASSIGN_OR_RETURN(mlir::OwningOpRef<mlir::ModuleOp> imported,
                           import::importCheckpoint(context, options.modelDir, importOptions));
   report.importSeconds = secondsSince(start);
@@ -229,7 +231,8 @@ StatusOr<CompileReport> compileToDirectory(mlir::MLIRContext &context,
   const plan::fb::Plan *plan = plan::fb::GetPlan(planBytes.data());
   std::vector<target::WeightPlacement> placements = target::weightPlacements(*plan);
   HYBRID_ASSIGN_OR_RETURN(target::PackResult packed,
-                          target::packWeights(placements, options.modelDir, report.archivePath));
+                          target::packWeights(placements, options.modelDir, report.archivePath,
+                                              options.syntheticSeed));
   report.weightSeconds = secondsSince(start);
   report.archiveBytes = packed.bytes;
   report.archiveReused = packed.reused;

@@ -29,6 +29,9 @@ struct CompileOptions {
   bool fuse = true;             // --hybrid-fuse-super-kernels (off: the unfused reference path)
   bool tileWeights = true;      // --hybrid-assign-weight-layout (off: every weight row-major)
   std::string quantization = "default"; // --hybrid-annotate-quantization policy
+  // --synthetic-weights=SEED: the model directory holds config.json alone; the weight archive
+  // holds generator descriptors the runtime fills at load (docs/weight-archive.md, version 2).
+  std::optional<uint64_t> syntheticSeed;
 };
 
 // The compiler identity in every cache key: version plus a hash of this executable, so any

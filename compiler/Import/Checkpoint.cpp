@@ -95,6 +95,37 @@ StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::open(const std::string &dir) {
   return checkpoint;
 }
 
+StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::openSynthetic(const std::string &dir,
+                                                                uint64_t seed) {
+  auto checkpoint = std::unique_ptr<Checkpoint>(new Checkpoint());
+  checkpoint->dir_ = dir;
+  if (!llvm::sys::fs::is_directory(dir))
+    return Status::error(dir + ": not a model directory");
+  const std::string configPath = checkpoint->configPath();
+  auto text = llvm::MemoryBuffer::getFile(configPath, /*IsText=*/true);
+  if (!text)
+    return Status::error(configPath + ": cannot read: " + text.getError().message());
+  HYBRID_ASSIGN_OR_RETURN(synth::SyntheticSpec spec,
+                          synth::specFromConfigJson((*text)->getBuffer().str(), configPath, seed));
+  StatusOr<llvm::json::Value> config = readJsonFile(configPath);
+  if (!config)
+    return config.status();
+  checkpoint->config_ = std::move(*config->getAsObject()); // specFromConfigJson saw an object
+
+  checkpoint->syntheticTensors_ = synth::listSyntheticTensors(spec);
+  checkpoint->synthetic_ = std::move(spec);
+  checkpoint->syntheticInfos_.reserve(checkpoint->syntheticTensors_.size());
+  for (const synth::SyntheticTensor &tensor : checkpoint->syntheticTensors_) {
+    safetensors::TensorInfo &info = checkpoint->syntheticInfos_.emplace_back();
+    info.name = tensor.name;
+    info.dtype = tensor.dtype;
+    info.shape = tensor.shape;
+    info.end = tensor.byteSize();
+    checkpoint->tensors_.emplace(tensor.name, CheckpointTensor{nullptr, &info, &tensor});
+  }
+  return checkpoint;
+}
+
 const CheckpointTensor *Checkpoint::find(const std::string &name) const {
   auto it = tensors_.find(name);
   return it == tensors_.end() ? nullptr : &it->second;

@@ -153,7 +153,7 @@ StatusOr<Type> ModelImporter::elementType(const std::string &tensor,
     break;
   }
   const CheckpointTensor *found = checkpoint_.find(tensor);
-  return Status::error(found->shard->path() + ": tensor '" + tensor + "' has dtype " +
+  return Status::error(checkpoint_.pathOf(*found) + ": tensor '" + tensor + "' has dtype " +
                        std::string(safetensors::dtypeName(dtype)) +
                        ", not a weight dtype (BF16, F16, F32 or F8_E4M3)");
 }
@@ -189,16 +189,16 @@ StatusOr<WeightAttr> ModelImporter::weight(const std::string &group, const std::
   const std::string scaleName = name + mapping_.fp8ScaleSuffix;
   const CheckpointTensor *scale = checkpoint_.find(scaleName);
   if (mapping_.fp8ScaleSuffix.empty() || !scale)
-    return Status::error(tensor->shard->path() + ": fp8 tensor '" + name +
+    return Status::error(checkpoint_.pathOf(*tensor) + ": fp8 tensor '" + name +
                          "' has no block scale tensor '" + scaleName + "'");
   if (scale->info->dtype != safetensors::DType::F32)
-    return Status::error(scale->shard->path() + ": scale tensor '" + scaleName + "' must be F32");
+    return Status::error(checkpoint_.pathOf(*scale) + ": scale tensor '" + scaleName + "' must be F32");
   referencedBy_.emplace(scaleName, group + "." + role + " scale");
   auto scaleType = RankedTensorType::get(scale->info->shape, builder_.getF32Type());
   if (std::optional<std::string> error = attributeError(context_, [&](auto diagnose) {
         return WeightAttr::verify(diagnose, name, type, scaleName, scaleType);
       }))
-    return Status::error(scale->shard->path() + ": " + *error);
+    return Status::error(checkpoint_.pathOf(*scale) + ": " + *error);
   return WeightAttr::get(&context_, name, type, scaleName, scaleType);
 }
 
@@ -332,7 +332,7 @@ StatusOr<Value> ModelImporter::buildMla(int64_t layer, Value input, bool sparse)
     attrs.push_back(i64("q_lora_rank", *qLoraRank));
     HYBRID_ASSIGN_OR_RETURN(WeightAttr qa, weight("mla", "q_a_proj", layer));
     if (qa.getType().getRank() != 2)
-      return Status::error(checkpoint_.find(qa.getName().str())->shard->path() + ": tensor '" +
+      return Status::error(checkpoint_.pathOf(*checkpoint_.find(qa.getName().str())) + ": tensor '" +
                            qa.getName().str() + "' must be 2-D");
     Value projected =
         builder_.create<LinearOp>(loc, activations(qa.getShape()[0]), input, qa).getResult();
@@ -587,7 +587,7 @@ Status ModelImporter::checkAllTensorsUsed() {
     }
     if (llvm::any_of(patterns, [&](const llvm::Regex &re) { return re.match(name); }))
       continue;
-    return Status::error(tensor.shard->path() + ": tensor '" + name + "' is not used by the " +
+    return Status::error(checkpoint_.pathOf(tensor) + ": tensor '" + name + "' is not used by the " +
                          mapping_.modelType + " layout described by " + config_.path() +
                          " (does the config match the checkpoint?)");
   }
@@ -609,7 +609,7 @@ Status ModelImporter::verify(ModuleOp module) const {
   if (at != llvm::StringRef::npos) {
     llvm::StringRef name = message.drop_front(at + 8).take_until([](char c) { return c == '\''; });
     if (const CheckpointTensor *tensor = checkpoint_.find(name.str()))
-      return Status::error(tensor->shard->path() + ": tensor '" + name.str() +
+      return Status::error(checkpoint_.pathOf(*tensor) + ": tensor '" + name.str() +
                            "' does not fit " + config_.path() + ": " + first);
   }
   return Status::error(config_.path() + ": " + first);
@@ -620,7 +620,9 @@ Status ModelImporter::verify(ModuleOp module) const {
 StatusOr<OwningOpRef<ModuleOp>> importCheckpoint(MLIRContext &context, const std::string &dir,
                                                  const ImportOptions &options) {
   context.getOrLoadDialect<HybridDialect>();
-  HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint, Checkpoint::open(dir));
+  HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint,
+                          options.syntheticSeed ? Checkpoint::openSynthetic(dir, *options.syntheticSeed)
+                                                : Checkpoint::open(dir));
   std::optional<llvm::StringRef> modelType = checkpoint->config().getString("model_type");
   if (!modelType && options.mappingPath.empty())
     return Status::error(checkpoint->configPath() + ": field 'model_type' missing or not a string");

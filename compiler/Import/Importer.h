@@ -6,6 +6,8 @@
 #include "mlir/IR/BuiltinOps.h"
 #include "mlir/IR/OwningOpRef.h"
 
+#include <cstdint>
+#include <optional>
 #include <string>
 
 namespace hybrid::import {
@@ -13,6 +15,9 @@ namespace hybrid::import {
 struct ImportOptions {
   // An architecture mapping file to use instead of the built-in one for the config's model_type.
   std::string mappingPath;
+  // Synthetic weights (hybrid-compile --synthetic-weights=SEED): the tensors come from config.json
+  // alone (Checkpoint::openSynthetic), no weight file is read; the built-in mappings only.
+  std::optional<uint64_t> syntheticSeed;
 };
 
 // Reads config.json and every shard, maps the layers through the architecture mapping of the

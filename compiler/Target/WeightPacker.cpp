@@ -54,6 +54,41 @@ StatusOr<TiledWeight> retile(const WeightPlacement &weight, std::span<const std:
   return tiled;
 }
 
+// A synthetic weight's descriptor in the plan's layout: the logical matrix is the weight's 2-D
+// shape (other ranks: one row), stored row-major or in the plan's tiles.
+Status addSyntheticWeight(WeightArchiveWriter &writer, const WeightPlacement &weight,
+                          const synth::SyntheticSpec &spec, const synth::SyntheticTensor &tensor) {
+  const synth::SyntheticValues values = synth::syntheticValuesFor(spec, tensor);
+  SyntheticWeight synthetic{values.kind, values.key, values.a, values.b};
+  std::vector<int64_t> stored = weight.shape;
+  if (weight.shape.size() == 2) {
+    synthetic.rows = weight.shape[0];
+    synthetic.cols = weight.shape[1];
+  } else {
+    synthetic.rows = 1;
+    synthetic.cols = 1;
+    for (int64_t dim : weight.shape)
+      synthetic.cols *= dim;
+  }
+  if (weight.nzTiled) {
+    if (weight.shape.size() != 2 || weight.tile.size() != 2 || weight.tile[0] <= 0 ||
+        weight.tile[1] <= 0)
+      return Status::error("weight '" + weight.name + "' cannot be tiled (needs a 2-D shape and "
+                                                      "a 2-D tile)");
+    kernels::ref::TiledLayout layout{synthetic.rows, synthetic.cols,
+                                     {weight.tile[0], weight.tile[1]}};
+    synthetic.tileRows = weight.tile[0];
+    synthetic.tileCols = weight.tile[1];
+    stored = {layout.paddedRows(), layout.paddedCols()};
+  }
+  HYBRID_RETURN_IF_ERROR(writer.addSynthetic(weight.name, weight.dtype, stored, synthetic));
+  if (writer.entries().back().size != weight.size)
+    return Status::error("weight '" + weight.name + "': the synthetic entry's " +
+                         std::to_string(writer.entries().back().size) +
+                         " bytes do not match the plan's " + std::to_string(weight.size));
+  return Status::ok();
+}
+
 } // namespace
 
 std::vector<WeightPlacement> weightPlacements(plan::PlanOp planOp) {
@@ -111,7 +146,19 @@ ArchiveKey weightLayoutKey(std::span<const WeightPlacement> placements) {
   return toArchiveKey(key.finish());
 }
 
-StatusOr<std::string> checkpointFingerprint(const std::string &checkpointDir) {
+StatusOr<std::string> checkpointFingerprint(const std::string &checkpointDir,
+                                            std::optional<uint64_t> syntheticSeed) {
+  if (syntheticSeed) {
+    const std::string configPath = checkpointDir + "/config.json";
+    auto config = llvm::MemoryBuffer::getFile(configPath, /*IsText=*/true);
+    if (!config)
+      return Status::error(configPath + ": cannot read: " + config.getError().message());
+    cache::KeyBuilder key;
+    key.add("record", "hybrid synthetic checkpoint fingerprint v1");
+    key.add("config", (*config)->getBuffer().str());
+    key.add("seed", *syntheticSeed);
+    return key.finish().hex();
+  }
   HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<import::Checkpoint> checkpoint,
                           import::Checkpoint::open(checkpointDir));
   cache::KeyBuilder key;
@@ -140,9 +187,11 @@ StatusOr<std::string> checkpointFingerprint(const std::string &checkpointDir) {
 
 StatusOr<PackResult> packWeights(std::span<const WeightPlacement> placements,
                                  const std::string &checkpointDir,
-                                 const std::string &archivePath) {
+                                 const std::string &archivePath,
+                                 std::optional<uint64_t> syntheticSeed) {
   const ArchiveKey layoutKey = weightLayoutKey(placements);
-  HYBRID_ASSIGN_OR_RETURN(std::string fingerprint, checkpointFingerprint(checkpointDir));
+  HYBRID_ASSIGN_OR_RETURN(std::string fingerprint,
+                          checkpointFingerprint(checkpointDir, syntheticSeed));
   const std::string sourcePath = archivePath + ".source";
   const std::string source = "layout " + formatArchiveKey(layoutKey) + "\ncheckpoint " +
                              fingerprint + "\n";
@@ -160,7 +209,9 @@ StatusOr<PackResult> packWeights(std::span<const WeightPlacement> placements,
   }
 
   HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<import::Checkpoint> checkpoint,
-                          import::Checkpoint::open(checkpointDir));
+                          syntheticSeed
+                              ? import::Checkpoint::openSynthetic(checkpointDir, *syntheticSeed)
+                              : import::Checkpoint::open(checkpointDir));
   HYBRID_ASSIGN_OR_RETURN(WeightArchiveWriter writer,
                           WeightArchiveWriter::create(archivePath, layoutKey));
   for (const WeightPlacement &weight : placements) {
@@ -169,8 +220,14 @@ StatusOr<PackResult> packWeights(std::span<const WeightPlacement> placements,
       return Status::error(checkpointDir + ": tensor '" + weight.name +
                            "' the plan needs is not in the checkpoint");
     if (weight.shape != tensor->info->shape)
-      return Status::error(tensor->shard->path() + ": tensor '" + weight.name +
+      return Status::error(checkpoint->pathOf(*tensor) + ": tensor '" + weight.name +
                            "' does not match the plan's shape");
+    if (tensor->synthetic) {
+      HYBRID_RETURN_IF_ERROR(addSyntheticWeight(writer, weight, *checkpoint->syntheticSpec(),
+                                                *tensor->synthetic));
+      ++result.entries;
+      continue;
+    }
     std::span<const std::byte> data = tensor->shard->bytes(*tensor->info);
     if (!weight.nzTiled) {
       if (weight.size != data.size())

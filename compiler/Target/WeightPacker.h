@@ -7,6 +7,7 @@
 #include "hybrid/runtime/Status.h"
 #include "hybrid/runtime/WeightArchive.h"
 
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -34,8 +35,10 @@ std::vector<WeightPlacement> weightPlacements(const plan::fb::Plan &plan);
 ArchiveKey weightLayoutKey(std::span<const WeightPlacement> placements);
 
 // A fingerprint of the checkpoint's weight files (every shard's size, modification time and
-// header), cheap to compute on a terabyte checkpoint.
-StatusOr<std::string> checkpointFingerprint(const std::string &checkpointDir);
+// header), cheap to compute on a terabyte checkpoint. With a synthetic seed: of config.json and
+// the seed (no weight file is read).
+StatusOr<std::string> checkpointFingerprint(const std::string &checkpointDir,
+                                            std::optional<uint64_t> syntheticSeed = {});
 
 struct PackResult {
   bool reused = false; // an archive of the same layout from the same checkpoint was already there
@@ -44,9 +47,12 @@ struct PackResult {
 };
 
 // Writes `archivePath` (atomically) unless it already holds this layout packed from a checkpoint
-// with this fingerprint (recorded in `archivePath + ".source"`).
+// with this fingerprint (recorded in `archivePath + ".source"`). With a synthetic seed the archive
+// is a synthetic one (docs/weight-archive.md, format version 2): one generator descriptor per
+// weight (synth::syntheticValuesFor, in the plan's layout), no data; its file is a few pages.
 StatusOr<PackResult> packWeights(std::span<const WeightPlacement> placements,
                                  const std::string &checkpointDir,
-                                 const std::string &archivePath);
+                                 const std::string &archivePath,
+                                 std::optional<uint64_t> syntheticSeed = {});
 
 } // namespace hybrid::target

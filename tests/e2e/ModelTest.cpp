@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -346,6 +347,66 @@ TEST(QuantizedPolicy, DeepseekDriftIsMeasured) {
               report->maxLogitsDiff, report->genIdsMatch ? "identical" : "different", agreeing,
               result->generated.size());
 }
+
+// Synthetic weights (hybrid-compile --synthetic-weights=5 on a tiny preset's config.json alone):
+// generated at load, finite logits, and the same greedy ids and logits on every load.
+class SyntheticWeightsTest : public testing::TestWithParam<std::string> {};
+
+TEST_P(SyntheticWeightsTest, FiniteLogitsAndTheSameIdsOnEveryLoad) {
+  const std::string dir = compiledDir("synthetic-" + GetParam() + "-cpu");
+  LoadOptions options;
+  options.syntheticWeights = true;
+  const std::vector<int64_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6};
+  GenerationOptions generation;
+  generation.maxNewTokens = 8;
+  std::vector<GenerationResult> runs;
+  for (int load = 0; load < 2; ++load) {
+    auto model = loadOrDie(dir, options);
+    ASSERT_TRUE(model);
+    EXPECT_GT(model->weightGeneration().hostBytes, 0u);
+    EXPECT_EQ(model->weightGeneration().deviceBytes, 0u);
+    auto result = generateGreedy(*model, prompt, generation);
+    ASSERT_TRUE(result.isOk()) << result.status().message();
+    runs.push_back(std::move(*result));
+  }
+  const GenerationResult &first = runs[0];
+  ASSERT_EQ(first.promptLogits.size(), prompt.size() * static_cast<size_t>(first.vocabSize));
+  double spread = 0;
+  for (float logit : first.promptLogits) {
+    ASSERT_TRUE(std::isfinite(logit));
+    spread = std::max(spread, std::abs(double(logit) - first.promptLogits[0]));
+  }
+  EXPECT_GT(spread, 1e-3); // the weights are not degenerate
+  ASSERT_EQ(first.generated.size(), 8u);
+  for (int64_t id : first.generated) {
+    EXPECT_GE(id, 0);
+    EXPECT_LT(id, first.vocabSize);
+  }
+  EXPECT_EQ(runs[1].generated, first.generated);
+  EXPECT_EQ(runs[1].promptLogits, first.promptLogits); // bit for bit
+}
+
+TEST_P(SyntheticWeightsTest, LoadsOnlyWhenAskedFor) {
+  auto refused = Model::load(compiledDir("synthetic-" + GetParam() + "-cpu"));
+  ASSERT_FALSE(refused.isOk());
+  EXPECT_NE(refused.status().message().find("holds synthetic weights"), std::string::npos)
+      << refused.status().message();
+  LoadOptions options;
+  options.syntheticWeights = true;
+  auto real = Model::load(compiledDir("kimi_linear_tiny"), options);
+  ASSERT_FALSE(real.isOk());
+  EXPECT_NE(real.status().message().find("holds real weights"), std::string::npos)
+      << real.status().message();
+}
+
+INSTANTIATE_TEST_SUITE_P(TinyPresets, SyntheticWeightsTest,
+                         testing::Values("kimi-linear-tiny", "deepseek-v32-tiny",
+                                         "kimi-attnres-tiny"),
+                         [](const auto &info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
 
 TEST(ModelErrors, TokenOutsideVocabulary) {
   auto model = loadOrDie(compiledDir("kimi_linear_tiny"));

@@ -574,5 +574,118 @@ TEST_F(SyntheticCheckpointTest, Fp8WeightsDequantizeToTheBf16Originals) {
   EXPECT_EQ(quantized.tensors().size(), original.tensors().size() + fp8Tensors);
 }
 
+//===------------------------------------------------------------------------------------------===//
+// config.json -> spec (hybrid-compile --synthetic-weights) and the generator parameters.
+//===------------------------------------------------------------------------------------------===//
+
+void expectSameTensors(const SyntheticSpec &a, const SyntheticSpec &b) {
+  const std::vector<SyntheticTensor> left = listSyntheticTensors(a), right = listSyntheticTensors(b);
+  ASSERT_EQ(left.size(), right.size());
+  for (size_t i = 0; i < left.size(); ++i) {
+    EXPECT_EQ(left[i].name, right[i].name);
+    EXPECT_EQ(left[i].shape, right[i].shape) << left[i].name;
+    EXPECT_EQ(left[i].dtype, right[i].dtype) << left[i].name;
+    EXPECT_EQ(left[i].kind, right[i].kind) << left[i].name;
+  }
+}
+
+TEST(SpecFromConfigJson, EveryPresetRoundTripsThroughItsConfig) {
+  for (const std::string &name : SyntheticSpec::presetNames()) {
+    SCOPED_TRACE(name);
+    StatusOr<SyntheticSpec> preset = SyntheticSpec::preset(name);
+    ASSERT_TRUE(preset.isOk());
+    for (bool fp8 : {false, true}) {
+      if (fp8 && preset->isKimi())
+        continue;
+      preset->fp8Weights = fp8;
+      StatusOr<SyntheticSpec> read =
+          specFromConfigJson(syntheticConfigJson(*preset), "config.json", 42);
+      ASSERT_TRUE(read.isOk()) << read.status().message();
+      EXPECT_EQ(read->seed, 42u);
+      EXPECT_EQ(read->fp8Weights, fp8);
+      expectSameTensors(*preset, *read);
+    }
+  }
+}
+
+TEST(SpecFromConfigJson, ReadsThePublishedKimiLayerLists) {
+  // MODEL_SPEC 1.2: the published lists, here with one layer fewer than the config's 27 would
+  // need for the period rule to end on a full-attention layer.
+  StatusOr<SyntheticSpec> preset = SyntheticSpec::preset("kimi-linear-48b");
+  ASSERT_TRUE(preset.isOk());
+  Json config = Json::parse(syntheticConfigJson(*preset));
+  config["linear_attn_config"]["full_attn_layers"] = Json::array({2, 27});
+  StatusOr<SyntheticSpec> read = specFromConfigJson(config.dump(), "config.json");
+  ASSERT_TRUE(read.isOk()) << read.status().message();
+  EXPECT_EQ(read->fullAttentionLayers, (std::vector<int64_t>{1, 26}));
+  EXPECT_TRUE(read->isFullAttentionLayer(1));
+  EXPECT_FALSE(read->isFullAttentionLayer(3));
+  bool mla = false;
+  for (const SyntheticTensor &tensor : listSyntheticTensors(*read))
+    mla |= tensor.name == "model.layers.1.self_attn.kv_b_proj.weight";
+  EXPECT_TRUE(mla);
+}
+
+TEST(SpecFromConfigJson, ErrorsNameTheFileAndField) {
+  StatusOr<SyntheticSpec> preset = SyntheticSpec::preset("deepseek-v32-tiny");
+  ASSERT_TRUE(preset.isOk());
+  const Json config = Json::parse(syntheticConfigJson(*preset));
+  auto error = [](const Json &edited) {
+    StatusOr<SyntheticSpec> read = specFromConfigJson(edited.dump(), "/m/config.json");
+    EXPECT_FALSE(read.isOk());
+    return read.isOk() ? std::string() : read.status().message();
+  };
+  Json missing = config;
+  missing.erase("hidden_size");
+  EXPECT_EQ(error(missing), "/m/config.json: field 'hidden_size' missing or not an integer");
+  Json wrongType = config;
+  wrongType["index_topk"] = "many";
+  EXPECT_EQ(error(wrongType), "/m/config.json: field 'index_topk' missing or not an integer");
+  Json otherModel = config;
+  otherModel["model_type"] = "llama";
+  EXPECT_NE(error(otherModel).find("model_type 'llama'"), std::string::npos);
+  Json blocks = config;
+  blocks["quantization_config"] = {{"quant_method", "fp8"},
+                                   {"weight_block_size", Json::array({64, 64})}};
+  EXPECT_NE(error(blocks).find("field 'quantization_config'"), std::string::npos);
+  Json negative = config;
+  negative["num_hidden_layers"] = -1;
+  EXPECT_NE(error(negative).find("/m/config.json: synthetic spec: 'num_hidden_layers'"),
+            std::string::npos);
+  EXPECT_NE(specFromConfigJson("{", "/m/config.json").status().message().find("not a JSON"),
+            std::string::npos);
+}
+
+TEST(SyntheticValuesFor, ParametersGiveTheSpecsDistributions) {
+  StatusOr<SyntheticSpec> spec = SyntheticSpec::preset("deepseek-v32-tiny");
+  ASSERT_TRUE(spec.isOk());
+  spec->fp8Weights = true;
+  spec->seed = 3;
+  const double unit = std::sqrt(3.0) / 65536.0; // one deviation of the Irwin-Hall sum
+  bool sawFp8 = false, sawScale = false, sawNorm = false;
+  for (const SyntheticTensor &tensor : listSyntheticTensors(*spec)) {
+    const SyntheticValues values = syntheticValuesFor(*spec, tensor);
+    if (tensor.kind == ValueKind::BlockScale) {
+      sawScale = true;
+      EXPECT_EQ(values.kind, kernels::SyntheticKind::Constant);
+      EXPECT_FLOAT_EQ(values.b, static_cast<float>(3.5 * spec->weightStd / 448.0));
+    } else if (tensor.dtype == DType::F8_E4M3) {
+      sawFp8 = true; // codes * scale = N(0, 1) * 128 * 3.5 std / 448 = N(0, std^2)
+      EXPECT_FLOAT_EQ(values.a, static_cast<float>(128.0 * unit));
+    } else if (tensor.kind == ValueKind::NormWeight) {
+      sawNorm = true;
+      EXPECT_FLOAT_EQ(values.a, static_cast<float>(0.1 * unit));
+      EXPECT_EQ(values.b, 1.0f);
+    }
+  }
+  EXPECT_TRUE(sawFp8 && sawScale && sawNorm);
+  // Keys: per tensor and per seed.
+  const std::vector<SyntheticTensor> tensors = listSyntheticTensors(*spec);
+  const uint64_t first = syntheticValuesFor(*spec, tensors[0]).key;
+  EXPECT_NE(first, syntheticValuesFor(*spec, tensors[1]).key);
+  spec->seed = 4;
+  EXPECT_NE(first, syntheticValuesFor(*spec, tensors[0]).key);
+}
+
 } // namespace
 } // namespace hybrid::synth

@@ -11,6 +11,7 @@
 #include <functional>
 #include <gtest/gtest.h>
 #include <iterator>
+#include <limits>
 #include <string>
 #include <vector>
 #include <xxhash.h>
@@ -421,10 +422,10 @@ TEST_F(WeightArchiveTest, CorruptEntryDataFoundByVerifyContents) {
 
 TEST_F(WeightArchiveTest, UnsupportedFormatVersion) {
   std::string message = corruptedOpenError([](std::string &bytes) {
-    storeU32(bytes, kFormatVersionField, 2);
+    storeU32(bytes, kFormatVersionField, 3);
     reseal(bytes);
   });
-  EXPECT_NE(message.find("'format_version' is 2"), std::string::npos) << message;
+  EXPECT_NE(message.find("'format_version' is 3"), std::string::npos) << message;
 }
 
 TEST_F(WeightArchiveTest, BadPageSize) {
@@ -544,6 +545,217 @@ TEST_F(WeightArchiveTest, RandomByteFlipsNeverCrash) {
     else
       EXPECT_EQ(archive.status().message().rfind(corrupted + ": ", 0), 0u)
           << archive.status().message();
+  }
+}
+
+//===------------------------------------------------------------------------------------------===//
+// Synthetic archives (format version 2): descriptors instead of data.
+//===------------------------------------------------------------------------------------------===//
+
+using kernels::SyntheticKind;
+
+struct SyntheticTestEntry {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  SyntheticWeight synthetic;
+};
+
+std::vector<SyntheticTestEntry> sampleSyntheticEntries() {
+  return {
+      {"model.embed_tokens.weight", DType::BF16, {3, 5},
+       {SyntheticKind::Normal, 0x1234, 0.5f, 0.0f, 3, 5, 0, 0}},
+      {"model.layers.0.self_attn.A_log", DType::F32, {1, 1, 4, 1},
+       {SyntheticKind::LogUniform, 7, 1.0f, 16.0f, 1, 4, 0, 0}},
+      // [10, 40] in tiles of 8 x 32, stored padded to [16, 64].
+      {"model.layers.0.mlp.gate_proj.weight", DType::F8_E4M3, {16, 64},
+       {SyntheticKind::Normal, 9, 0.25f, 0.0f, 10, 40, 8, 32}},
+      {"model.layers.0.mlp.gate_proj.weight_scale_inv", DType::F32, {1, 1},
+       {SyntheticKind::Constant, 11, 0.0f, 0.125f, 1, 1, 0, 0}},
+  };
+}
+
+class SyntheticArchiveTest : public WeightArchiveTest {
+protected:
+  std::string writeSynthetic(const std::string &name,
+                             const std::vector<SyntheticTestEntry> &entries) {
+    std::string path = pathFor(name);
+    StatusOr<WeightArchiveWriter> writer = WeightArchiveWriter::create(path, testKey());
+    EXPECT_TRUE(writer.isOk()) << writer.status().message();
+    if (!writer.isOk())
+      return path;
+    for (const SyntheticTestEntry &entry : entries) {
+      Status status = writer->addSynthetic(entry.name, entry.dtype, entry.shape, entry.synthetic);
+      EXPECT_TRUE(status.isOk()) << status.message();
+    }
+    Status status = writer->finish();
+    EXPECT_TRUE(status.isOk()) << status.message();
+    return path;
+  }
+
+  std::string corruptedSyntheticError(const std::function<void(std::string &)> &edit) {
+    std::string bytes = readWholeFile(writeSynthetic("synthetic.hyw", sampleSyntheticEntries()));
+    edit(bytes);
+    std::string corrupted = pathFor("corrupted.hyw");
+    writeWholeFile(corrupted, bytes);
+    return openError(corrupted);
+  }
+
+  // The first record's data_hash and descriptor (name "model.embed_tokens.weight", rank 2).
+  static size_t firstDescriptorField(const std::string &archive, const std::string &field) {
+    const size_t hash = loadU64(archive, kTableOffsetField) + 4 +
+                        std::string("model.embed_tokens.weight").size() + 1 + 4 + 2 * 8 + 16;
+    const size_t kind = hash + 8;
+    if (field == "data_hash")
+      return hash;
+    if (field == "kind")
+      return kind;
+    if (field == "a")
+      return kind + 1 + 8;
+    return kind + 1 + 8 + 4 + 4; // rows
+  }
+};
+
+TEST_F(SyntheticArchiveTest, RoundTripKeepsDescriptorsAndPlannedOffsets) {
+  const std::vector<SyntheticTestEntry> entries = sampleSyntheticEntries();
+  const std::string path = writeSynthetic("synthetic.hyw", entries);
+  const std::string bytes = readWholeFile(path);
+  uint32_t version = 0;
+  std::memcpy(&version, bytes.data() + kFormatVersionField, 4);
+  EXPECT_EQ(version, kSyntheticWeightArchiveFormatVersion);
+  // No data: the table follows the header page and the file ends with it.
+  EXPECT_EQ(loadU64(bytes, kTableOffsetField), kPage);
+  EXPECT_EQ(bytes.size(), kPage + loadU64(bytes, kTableSizeField));
+
+  StatusOr<WeightArchive> archive = WeightArchive::open(path);
+  ASSERT_TRUE(archive.isOk()) << archive.status().message();
+  EXPECT_TRUE(archive->synthetic());
+  ASSERT_EQ(archive->entries().size(), entries.size());
+  const std::vector<uint64_t> sizes = {30, 16, 1024, 4};
+  const std::vector<uint64_t> offsets = planWeightOffsets(sizes);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const WeightArchiveEntry &entry = archive->entries()[i];
+    EXPECT_EQ(entry.name, entries[i].name);
+    EXPECT_EQ(entry.dtype, entries[i].dtype);
+    EXPECT_EQ(entry.shape, entries[i].shape);
+    EXPECT_EQ(entry.size, sizes[i]) << entry.name;
+    EXPECT_EQ(entry.offset, offsets[i]) << entry.name;
+    EXPECT_EQ(entry.dataHash, 0u);
+    ASSERT_TRUE(entry.synthetic.has_value());
+    EXPECT_EQ(*entry.synthetic, entries[i].synthetic) << entry.name;
+    EXPECT_TRUE(archive->bytes(entry).empty());
+  }
+  const kernels::SyntheticFill fill = syntheticFill(archive->entries()[2]);
+  EXPECT_EQ(fill.storage, kernels::SyntheticStorage::F8E4M3);
+  EXPECT_EQ(fill.storedElements, 1024);
+  EXPECT_EQ(fill.tileRows, 8);
+  EXPECT_EQ(fill.cols, 40);
+  EXPECT_TRUE(archive->verifyContents().isOk());
+}
+
+TEST_F(SyntheticArchiveTest, WriterRejectsBadDescriptorsAndStaysUsable) {
+  StatusOr<WeightArchiveWriter> writer =
+      WeightArchiveWriter::create(pathFor("bad.hyw"), testKey());
+  ASSERT_TRUE(writer.isOk());
+  auto error = [&](DType dtype, std::vector<int64_t> shape, SyntheticWeight synthetic) {
+    Status status = writer->addSynthetic("w", dtype, std::move(shape), synthetic);
+    EXPECT_FALSE(status.isOk());
+    return status.message();
+  };
+  const SyntheticWeight normal{SyntheticKind::Normal, 1, 0.5f, 0.0f, 2, 3, 0, 0};
+  SyntheticWeight unknownKind = normal;
+  unknownKind.kind = static_cast<SyntheticKind>(9);
+  EXPECT_NE(error(DType::BF16, {2, 3}, unknownKind).find("'synthetic.kind'"), std::string::npos);
+  EXPECT_NE(error(DType::I32, {2, 3}, normal).find("F32, BF16 or F8_E4M3, not I32"),
+            std::string::npos);
+  SyntheticWeight infinite = normal;
+  infinite.a = std::numeric_limits<float>::infinity();
+  EXPECT_NE(error(DType::BF16, {2, 3}, infinite).find("must be finite"), std::string::npos);
+  const SyntheticWeight backwards{SyntheticKind::LogUniform, 1, 16.0f, 1.0f, 1, 6, 0, 0};
+  EXPECT_NE(error(DType::F32, {6}, backwards).find("0 < a < b"), std::string::npos);
+  EXPECT_NE(error(DType::BF16, {3, 3}, normal).find("do not match the 9 elements"),
+            std::string::npos);
+  SyntheticWeight halfTiled = normal;
+  halfTiled.tileRows = 8;
+  EXPECT_NE(error(DType::BF16, {2, 3}, halfTiled).find("both be 0"), std::string::npos);
+  SyntheticWeight tiled = normal;
+  tiled.tileRows = tiled.tileCols = 8;
+  EXPECT_NE(error(DType::BF16, {2, 3}, tiled).find("stored padded, not as [2, 3]"),
+            std::string::npos);
+  // A synthetic archive takes no data entry (nor the reverse).
+  ASSERT_TRUE(writer->addSynthetic("w", DType::BF16, {2, 3}, normal).isOk());
+  Status mixed = writer->add("data", DType::F32, {1}, patternBytes(4, 1));
+  EXPECT_NE(mixed.message().find("data entries or synthetic ones, not both"), std::string::npos)
+      << mixed.message();
+  ASSERT_TRUE(writer->addSynthetic("w8", DType::BF16, {8, 8}, tiled).isOk());
+  ASSERT_TRUE(writer->finish().isOk());
+  StatusOr<WeightArchive> archive = WeightArchive::open(pathFor("bad.hyw"));
+  ASSERT_TRUE(archive.isOk()) << archive.status().message();
+  EXPECT_EQ(archive->entries().size(), 2u);
+}
+
+TEST_F(SyntheticArchiveTest, ReaderRejectsAnUnknownKind) {
+  std::string message = corruptedSyntheticError([](std::string &bytes) {
+    bytes[firstDescriptorField(bytes, "kind")] = 9;
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("entry 0 'model.embed_tokens.weight': field 'synthetic.kind' has the "
+                         "unknown value 9"),
+            std::string::npos)
+      << message;
+}
+
+TEST_F(SyntheticArchiveTest, ReaderRejectsADataHash) {
+  std::string message = corruptedSyntheticError([](std::string &bytes) {
+    storeU64(bytes, firstDescriptorField(bytes, "data_hash"), 5);
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("field 'data_hash' is 0x0000000000000005, expected 0"),
+            std::string::npos)
+      << message;
+}
+
+TEST_F(SyntheticArchiveTest, ReaderRejectsANonFiniteParameter) {
+  std::string message = corruptedSyntheticError([](std::string &bytes) {
+    storeU32(bytes, firstDescriptorField(bytes, "a"), 0x7fc00000u); // NaN
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("must be finite"), std::string::npos) << message;
+}
+
+TEST_F(SyntheticArchiveTest, ReaderRejectsALayoutThatMissesTheShape) {
+  std::string message = corruptedSyntheticError([](std::string &bytes) {
+    storeU64(bytes, firstDescriptorField(bytes, "rows"), 4);
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("(4 x 5) do not match the 15 elements of [3, 5]"), std::string::npos)
+      << message;
+}
+
+TEST_F(SyntheticArchiveTest, DataArchiveReadAsSyntheticIsRejected) {
+  // Version 1 records read as version 2 ones: each has a data hash and lacks a descriptor.
+  std::string message = corruptedOpenError([](std::string &bytes) {
+    storeU32(bytes, kFormatVersionField, kSyntheticWeightArchiveFormatVersion);
+    reseal(bytes);
+  });
+  EXPECT_NE(message.find("expected 0 for a synthetic entry"), std::string::npos) << message;
+}
+
+TEST_F(SyntheticArchiveTest, RandomByteFlipsNeverCrash) {
+  const std::string original =
+      readWholeFile(writeSynthetic("synthetic.hyw", sampleSyntheticEntries()));
+  const std::string corrupted = pathFor("flipped.hyw");
+  const uint64_t tableOffset = loadU64(original, kTableOffsetField);
+  std::srand(4321);
+  for (int round = 0; round < 300; ++round) {
+    std::string bytes = original;
+    const size_t at = tableOffset + static_cast<size_t>(std::rand()) % (bytes.size() - tableOffset);
+    bytes[at] = static_cast<char>(bytes[at] ^ (1 + std::rand() % 255));
+    reseal(bytes);
+    writeWholeFile(corrupted, bytes);
+    StatusOr<WeightArchive> archive = WeightArchive::open(corrupted);
+    if (!archive.isOk())
+      EXPECT_EQ(archive.status().message().find('\n'), std::string::npos);
   }
 }
 

@@ -73,6 +73,12 @@ cl::opt<std::string> quantization(
     cl::value_desc("policy"), cl::init("default"));
 cl::opt<bool> noCache("no-cache", cl::desc("Neither read nor write the compilation cache"),
                       cl::init(false));
+cl::opt<std::string> syntheticWeights(
+    "synthetic-weights",
+    cl::desc("Weights generated at load from a seed (default 0) instead of read: the model "
+             "directory needs only config.json (kimi_linear or deepseek_v32); the archive holds "
+             "generator descriptors"),
+    cl::value_desc("seed"), cl::ValueOptional, cl::init(""));
 cl::opt<bool> report("report",
                      cl::desc("With --emit=plan: print the plan's arena sizes, fused kernels, "
                               "streams, events and weight bytes per dtype"),
@@ -112,6 +118,13 @@ int main(int argc, char **argv) {
   options.fuse = !noFuse;
   options.tileWeights = !rowMajorWeights;
   options.quantization = quantization;
+  if (syntheticWeights.getNumOccurrences() > 0) {
+    uint64_t seed = 0;
+    if (!syntheticWeights.empty() && llvm::StringRef(syntheticWeights).getAsInteger(10, seed))
+      return fail("--synthetic-weights=" + syntheticWeights +
+                  " is not a seed (a non-negative integer below 2^64)");
+    options.syntheticSeed = seed;
+  }
 
   if (!compileTo.empty()) {
     std::optional<hybrid::driver::Phase> phase = hybrid::driver::parsePhase(compileTo);
@@ -146,7 +159,12 @@ int main(int argc, char **argv) {
                  << (report->cacheHit ? "cache hit" : "compiled") << ", key "
                  << report->cacheKey << ")\n"
                  << "weights  " << report->archivePath << " (" << report->archiveBytes
-                 << " bytes, " << (report->archiveReused ? "reused" : "written") << ")\n"
+                 << " bytes, " << (report->archiveReused ? "reused" : "written")
+                 << (options.syntheticSeed
+                         ? ", synthetic: generated at load from seed " +
+                               std::to_string(*options.syntheticSeed)
+                         : std::string())
+                 << ")\n"
                  << llvm::format("time     import %.3f s, plan %.3f s, weights %.3f s\n",
                                  report->importSeconds, report->planSeconds,
                                  report->weightSeconds);

@@ -60,6 +60,9 @@ int main(int argc, char **argv) {
                "cuda: launch every decode kernel each step instead of replaying CUDA graphs");
   app.add_flag("--verify-weights", load.verifyWeightContents,
                "Re-hash every weight archive entry while loading");
+  app.add_flag("--synthetic-weights", load.syntheticWeights,
+               "Generate the weights of an archive compiled with hybrid-compile "
+               "--synthetic-weights (seeded random values, on the GPU with --device cuda)");
   CLI11_PARSE(app, argc, argv);
   load.cudaGraphs = !noCudaGraphs;
 
@@ -79,6 +82,13 @@ int main(int argc, char **argv) {
     return fail(model.status().message());
   if (const std::string placement = (*model)->placementReport(); !placement.empty())
     std::cerr << placement;
+  if (load.syntheticWeights) {
+    const hybrid::WeightGeneration &generated = (*model)->weightGeneration();
+    std::fprintf(stderr, "synthetic weights: %.3f GB generated on the device in %.3f s, "
+                 "%.3f GB on the host in %.3f s\n",
+                 generated.deviceBytes / 1e9, generated.deviceSeconds, generated.hostBytes / 1e9,
+                 generated.hostSeconds);
+  }
   auto result = hybrid::generateGreedy(**model, *prompt, generation);
   if (!result)
     return fail(result.status().message());

@@ -1,11 +1,13 @@
 // hybrid-synth: writes a synthetic Hub-format checkpoint (random weights, published layout).
 //   hybrid-synth --preset kimi-linear-tiny --out DIR [--seed N] [--layers N] [--fp8]
-//                [--max-shard-mib N] [--threads N] [--force]
+//                [--max-shard-mib N] [--threads N] [--force] [--config-only]
 #include "hybrid/runtime/SyntheticCheckpoint.h"
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -43,6 +45,7 @@ int main(int argc, char **argv) {
   std::optional<uint64_t> maxShardMiB;
   int threads = 0;
   bool force = false;
+  bool configOnly = false;
   app.add_option("--preset", presetName,
                  "Model preset: " + joined(hybrid::synth::SyntheticSpec::presetNames()))
       ->required();
@@ -56,6 +59,9 @@ int main(int argc, char **argv) {
   app.add_option("--threads", threads, "Generator threads (default: all cores)")
       ->check(CLI::Range(0, 4096));
   app.add_flag("--force", force, "Replace an existing checkpoint directory");
+  app.add_flag("--config-only", configOnly,
+               "Write only DIR/config.json, for hybrid-compile --synthetic-weights (no weights on "
+               "disk: full sizes fit)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp &help) {
@@ -73,6 +79,24 @@ int main(int argc, char **argv) {
     spec->numLayers = *layers;
   if (maxShardMiB)
     spec->maxShardBytes = *maxShardMiB << 20;
+
+  if (configOnly) {
+    if (hybrid::Status valid = spec->validate(); !valid)
+      return fail(valid.message());
+    std::error_code error;
+    std::filesystem::create_directories(outDir, error);
+    const std::string path = outDir + "/config.json";
+    if (!error && std::filesystem::exists(path) && !force)
+      return fail(path + ": exists (replace it with --force)");
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << hybrid::synth::syntheticConfigJson(*spec);
+    out.close();
+    if (error || !out)
+      return fail(path + ": cannot write" + (error ? ": " + error.message() : std::string()));
+    std::cout << "wrote " << path << " (" << presetName << ", " << spec->numLayers
+              << " layers" << (fp8 ? ", fp8" : "") << ")\n";
+    return 0;
+  }
 
   hybrid::synth::SyntheticWriteOptions options;
   options.overwrite = force;

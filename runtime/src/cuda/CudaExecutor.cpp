@@ -3,9 +3,11 @@
 #include "hybrid/kernels/cuda/AttnRes.h"
 #include "hybrid/kernels/cuda/Elementwise.h"
 #include "hybrid/kernels/cuda/Norm.h"
+#include "hybrid/kernels/cuda/SyntheticWeights.h"
 #include "hybrid/kernels/ref/Quant.h"
 
 #include <algorithm>
+#include <chrono>
 
 namespace hybrid::cudadev {
 
@@ -437,23 +439,38 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
     impl->programs.push_back(program);
   }
 
-  // Weights: the archive's entries at the plan's offsets, as stored.
+  // Weights: the archive's entries at the plan's offsets, as stored; a synthetic archive's are
+  // generated in place (no host copy).
   const auto *weights = plan.weights();
   const size_t numWeights = weights ? weights->size() : 0;
   CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->weights, std::max<uint64_t>(1, plan.weight_archive_bytes())),
                        "weights (" + std::to_string(plan.weight_archive_bytes()) + " bytes)");
+  const auto generationStart = std::chrono::steady_clock::now();
+  WeightGeneration generation;
   for (size_t i = 0; i < numWeights; ++i) {
     const fb::Weight *weight = weights->Get(static_cast<flatbuffers::uoffset_t>(i));
     const WeightArchiveEntry *entry = archive.find(weight->name()->string_view());
     if (!entry)
       return Status::error("weight '" + weight->name()->str() + "' is not in the archive");
-    std::span<const std::byte> bytes = archive.bytes(*entry);
-    if (weight->offset() + bytes.size() > plan.weight_archive_bytes())
+    if (weight->offset() + entry->size > plan.weight_archive_bytes())
       return Status::error("weight '" + weight->name()->str() + "' ends past the archive");
+    impl->weightTypes.push_back(entry->dtype);
+    if (entry->synthetic) {
+      LAUNCH_RETURN_IF_ERROR(
+          kc::launchSyntheticFill(syntheticFill(*entry), impl->weights + weight->offset(), nullptr),
+          ("generating '" + weight->name()->str() + "'").c_str());
+      generation.deviceBytes += entry->size;
+      continue;
+    }
+    std::span<const std::byte> bytes = archive.bytes(*entry);
     CUDA_RETURN_IF_ERROR(cudaMemcpy(impl->weights + weight->offset(), bytes.data(), bytes.size(),
                                     cudaMemcpyHostToDevice),
                          "upload of '" + weight->name()->str() + "'");
-    impl->weightTypes.push_back(entry->dtype);
+  }
+  if (generation.deviceBytes > 0) {
+    CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), "generating synthetic weights");
+    generation.deviceSeconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - generationStart).count();
   }
 
   // Placement, scratch sizes and fp32 copies of the small weights the GPU kernels read.
@@ -681,6 +698,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   cpuStepWeights.erase(std::unique(cpuStepWeights.begin(), cpuStepWeights.end()),
                        cpuStepWeights.end());
   executor->cpuStepWeights_ = std::move(cpuStepWeights);
+  executor->generation_ = generation;
   return executor;
 }
 

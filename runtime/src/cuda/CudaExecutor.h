@@ -64,6 +64,8 @@ public:
   const std::string &placementReport() const { return report_; }
   // The weights of the steps that run on the cpu reference: what the host must hold in fp32.
   const std::vector<int32_t> &cpuStepWeights() const { return cpuStepWeights_; }
+  // A synthetic archive's weights generated on the device at create (deviceBytes, deviceSeconds).
+  const WeightGeneration &weightGeneration() const { return generation_; }
 
   struct Impl;
 
@@ -72,6 +74,7 @@ private:
   std::unique_ptr<Impl> impl_;
   std::string report_;
   std::vector<int32_t> cpuStepWeights_;
+  WeightGeneration generation_;
 };
 
 } // namespace hybrid::cudadev

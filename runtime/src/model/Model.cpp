@@ -12,6 +12,7 @@
 #include "hybrid/runtime/WeightArchive.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <random>
 
@@ -28,13 +29,24 @@ struct ProgramRunner {
 
 // Converts one archive entry to fp32; FP8 block-quantized weights are dequantized with their
 // block scales (W[i, j] = fp8[i, j] * scale[i / block0, j / block1]).
+// A synthetic entry's values are generated first (into a buffer of this entry's size only).
 StatusOr<std::vector<float>> toFloat(const WeightArchive &archive, const fb::Plan &plan,
-                                     int32_t index) {
+                                     int32_t index, WeightGeneration &generation) {
   const fb::Weight *weight = plan.weights()->Get(index);
   const WeightArchiveEntry *entry = archive.find(weight->name()->string_view());
   if (!entry)
     return Status::error("weight '" + weight->name()->str() + "' is not in the archive");
   std::span<const std::byte> bytes = archive.bytes(*entry);
+  std::vector<std::byte> generated;
+  if (entry->synthetic) {
+    const auto start = std::chrono::steady_clock::now();
+    generated.resize(entry->size);
+    kernels::ref::fillSynthetic(syntheticFill(*entry), generated.data());
+    bytes = generated;
+    generation.hostBytes += entry->size;
+    generation.hostSeconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   const size_t count = bytes.size() / dtypeByteSize(entry->dtype);
   std::vector<float> values(count);
   auto load16 = [&](size_t i) {
@@ -69,7 +81,8 @@ StatusOr<std::vector<float>> toFloat(const WeightArchive &archive, const fb::Pla
       weight->block()->size() != 2 || weight->scale() < 0)
     return Status::error("fp8 weight '" + weight->name()->str() +
                          "' needs a 2-D shape, a 2-D block and a scale");
-  HYBRID_ASSIGN_OR_RETURN(std::vector<float> scales, toFloat(archive, plan, weight->scale()));
+  HYBRID_ASSIGN_OR_RETURN(std::vector<float> scales,
+                          toFloat(archive, plan, weight->scale(), generation));
   const int64_t rows = weight->shape()->Get(0), cols = weight->shape()->Get(1);
   const int64_t blockRows = weight->block()->Get(0), blockCols = weight->block()->Get(1);
   const int64_t scaleCols = (cols + blockCols - 1) / blockCols;
@@ -157,6 +170,7 @@ struct Model::Impl {
   std::vector<std::vector<float>> kvStaging;
   cpu::BatchScratch batchScratch; // decodeBatch's per-row runs of per-sequence kernels
   PrefixCache prefixCache{0, 1};
+  WeightGeneration generation; // a synthetic archive's, at load
 #ifdef HYBRID_HAS_CUDA_DEVICE
   // The cuda device; the members above still serve the dispatches it runs on the cpu reference.
   std::unique_ptr<cudadev::CudaExecutor> cuda;
@@ -259,6 +273,14 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
   HYBRID_RETURN_IF_ERROR(checkTarget(plan, options.device, /*worldSize=*/1));
   HYBRID_ASSIGN_OR_RETURN(WeightArchive archive, WeightArchive::open(dir + "/weights.hyw"));
   HYBRID_RETURN_IF_ERROR(checkWeights(plan, archive));
+  if (archive.synthetic() && !options.syntheticWeights)
+    return Status::error(archive.path() + " holds synthetic weights (hybrid-compile "
+                                          "--synthetic-weights): load it with syntheticWeights "
+                                          "(hybrid-run --synthetic-weights) to generate them");
+  if (options.syntheticWeights && !archive.synthetic())
+    return Status::error(archive.path() + " holds real weights; syntheticWeights "
+                                          "(--synthetic-weights) is for archives compiled with "
+                                          "hybrid-compile --synthetic-weights");
   if (options.verifyWeightContents)
     HYBRID_RETURN_IF_ERROR(archive.verifyContents());
   if (options.maxSequences < 1 || options.maxContextTokens < 1)
@@ -311,7 +333,7 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
     if (!converted[static_cast<size_t>(index)]) {
       // Converted element by element; a tiled weight stays tiled for the tiled GEMM.
       HYBRID_ASSIGN_OR_RETURN(impl->weights[static_cast<size_t>(index)],
-                              toFloat(impl->archive, root, index));
+                              toFloat(impl->archive, root, index, impl->generation));
       converted[static_cast<size_t>(index)] = true;
     }
     return &impl->weights[static_cast<size_t>(index)];
@@ -351,6 +373,8 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
     if (!cuda)
       return Status(cuda.status()).withContext("cuda device");
     impl->cuda = std::move(*cuda);
+    impl->generation.deviceBytes = impl->cuda->weightGeneration().deviceBytes;
+    impl->generation.deviceSeconds = impl->cuda->weightGeneration().deviceSeconds;
     for (int32_t index : impl->cuda->cpuStepWeights())
       HYBRID_RETURN_IF_ERROR(convert(index).status());
   }
@@ -361,6 +385,8 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
 }
 
 Model::Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+const WeightGeneration &Model::weightGeneration() const { return impl_->generation; }
 Model::~Model() = default;
 
 const fb::Plan &Model::plan() const { return impl_->plan.plan(); }

@@ -29,6 +29,9 @@ constexpr int64_t kFp8BlockSize = 128;   // DeepSeek's weight_block_size [128, 1
 constexpr float kFp8E4M3Max = 448.0f;    // largest finite E4M3 "fn" value
 constexpr double kNormWeightNoise = 0.1; // norm weights are 1 + N(0, this)
 constexpr const char *kScaleSuffix = "_scale_inv";
+// KDA's decay initialisation (fla): A = U(1, 16), dt log-uniform in [1e-3, 1e-1].
+constexpr double kDecayMin = 1.0, kDecayMax = 16.0;
+constexpr double kDecayTimeMin = 1e-3, kDecayTimeMax = 1e-1;
 
 //===------------------------------------------------------------------------------------------===//
 // Deterministic random numbers.
@@ -39,12 +42,7 @@ constexpr const char *kScaleSuffix = "_scale_inv";
 // generated in independent pieces on many threads with the same result as one sequential pass.
 // Integer arithmetic only, unlike std::normal_distribution, whose output differs between
 // standard libraries.
-uint64_t splitMix64At(uint64_t key, uint64_t position) {
-  uint64_t z = key + (position + 1) * 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
+using kernels::splitMix64At;
 
 // Uniform in the open interval (0, 1), so log() below never sees 0.
 double unitInterval(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) * 0x1.0p-53; }
@@ -66,15 +64,6 @@ uint64_t tensorKey(uint64_t seed, std::string_view name) {
 //===------------------------------------------------------------------------------------------===//
 // The tensor plan.
 //===------------------------------------------------------------------------------------------===//
-
-// How a tensor's values are drawn.
-enum class ValueKind {
-  Weight,        // N(0, weightStd): linear, embedding, conv, router and AttnRes projections
-  NormWeight,    // 1 + N(0, kNormWeightNoise)
-  Bias,          // N(0, weightStd): LayerNorm bias, router correction bias
-  DecayLog,      // KDA A_log = log(U(1, 16)), fla's initialisation
-  DecayTimeBias, // KDA dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1], fla's init
-};
 
 struct PlannedTensor {
   std::string name;
@@ -296,9 +285,11 @@ public:
     case ValueKind::NormWeight:
       return 1.0 + kNormWeightNoise * standardNormal();
     case ValueKind::DecayLog:
-      return std::log(1.0 + 15.0 * uniform());
+      return std::log(kDecayMin + (kDecayMax - kDecayMin) * uniform());
+    case ValueKind::BlockScale: // written by fillFp8Rows, never drawn
+      return 0.0;
     case ValueKind::DecayTimeBias: {
-      const double logMin = std::log(1e-3), logMax = std::log(1e-1);
+      const double logMin = std::log(kDecayTimeMin), logMax = std::log(kDecayTimeMax);
       double dt = std::max(std::exp(logMin + (logMax - logMin) * uniform()), 1e-4);
       return dt + std::log(-std::expm1(-dt)); // inverse softplus
     }
@@ -913,6 +904,9 @@ std::vector<std::string> SyntheticSpec::presetNames() {
 bool SyntheticSpec::isFullAttentionLayer(int64_t layer) const {
   if (!isKimi())
     return true;
+  if (!fullAttentionLayers.empty())
+    return std::find(fullAttentionLayers.begin(), fullAttentionLayers.end(), layer) !=
+           fullAttentionLayers.end();
   const int64_t oneBased = layer + 1;
   return oneBased % fullAttentionPeriod == 0 || oneBased == numLayers;
 }
@@ -979,6 +973,13 @@ Status SyntheticSpec::validate() const {
   if (scoringFunction != "sigmoid" && scoringFunction != "softmax")
     return Status::error("synthetic spec: unknown scoring function '" + scoringFunction +
                          "' (sigmoid or softmax)");
+  for (size_t i = 0; i < fullAttentionLayers.size(); ++i)
+    if (fullAttentionLayers[i] < 0 || fullAttentionLayers[i] >= numLayers ||
+        (i > 0 && fullAttentionLayers[i] <= fullAttentionLayers[i - 1]))
+      return Status::error("synthetic spec: full attention layer " +
+                           std::to_string(fullAttentionLayers[i] + 1) +
+                           " (1-based) is not an increasing layer number of the " +
+                           std::to_string(numLayers) + " layers");
   if (attnResBlockSize) {
     if (!kimi)
       return Status::error("synthetic spec: attn_res_block_size is a kimi_linear option");
@@ -1006,15 +1007,212 @@ uint64_t SyntheticTensor::byteSize() const {
 std::vector<SyntheticTensor> listSyntheticTensors(const SyntheticSpec &spec) {
   std::vector<SyntheticTensor> list;
   for (const PlannedTensor &tensor : TensorPlanner(spec).plan()) {
-    list.push_back({tensor.name, tensor.dtype, tensor.shape});
+    list.push_back({tensor.name, tensor.dtype, tensor.shape, tensor.kind});
     if (tensor.isFp8())
-      list.push_back({tensor.name + kScaleSuffix, DType::F32, tensor.scaleShape()});
+      list.push_back(
+          {tensor.name + kScaleSuffix, DType::F32, tensor.scaleShape(), ValueKind::BlockScale});
   }
   return list;
 }
 
 std::string syntheticConfigJson(const SyntheticSpec &spec) {
   return (spec.isKimi() ? kimiConfig(spec) : deepseekConfig(spec)).dump(2) + "\n";
+}
+
+namespace {
+
+// Reads config.json fields for specFromConfigJson; every error names the file and the field.
+class ConfigReader {
+public:
+  ConfigReader(const Json &root, std::string path) : root_(root), path_(std::move(path)) {}
+
+  const Json *find(std::string_view dotted) const {
+    const Json *node = &root_;
+    while (node->is_object()) {
+      const size_t dot = dotted.find('.');
+      auto it = node->find(std::string(dotted.substr(0, dot)));
+      if (it == node->end())
+        return nullptr;
+      node = &*it;
+      if (dot == std::string_view::npos)
+        return node;
+      dotted.remove_prefix(dot + 1);
+    }
+    return nullptr;
+  }
+  StatusOr<int64_t> integer(std::string_view field) const {
+    const Json *value = find(field);
+    if (!value || !value->is_number_integer())
+      return missing(field, "an integer");
+    return value->get<int64_t>();
+  }
+  StatusOr<int64_t> integer(std::string_view field, int64_t fallback) const {
+    const Json *value = find(field);
+    return !value || value->is_null() ? StatusOr<int64_t>(fallback) : integer(field);
+  }
+  StatusOr<std::optional<int64_t>> optionalInteger(std::string_view field) const {
+    const Json *value = find(field);
+    if (!value || value->is_null())
+      return std::optional<int64_t>();
+    HYBRID_ASSIGN_OR_RETURN(int64_t number, integer(field));
+    return std::optional<int64_t>(number);
+  }
+  StatusOr<double> number(std::string_view field, double fallback) const {
+    const Json *value = find(field);
+    if (!value || value->is_null())
+      return fallback;
+    if (!value->is_number())
+      return missing(field, "a number");
+    return value->get<double>();
+  }
+  StatusOr<bool> boolean(std::string_view field, bool fallback) const {
+    const Json *value = find(field);
+    if (!value || value->is_null())
+      return fallback;
+    if (!value->is_boolean())
+      return missing(field, "true or false");
+    return value->get<bool>();
+  }
+  StatusOr<std::string> string(std::string_view field, std::string fallback) const {
+    const Json *value = find(field);
+    if (!value || value->is_null())
+      return fallback;
+    if (!value->is_string())
+      return missing(field, "a string");
+    return value->get<std::string>();
+  }
+  Status missing(std::string_view field, const char *what) const {
+    return Status::error(path_ + ": field '" + std::string(field) + "' missing or not " + what);
+  }
+  const std::string &path() const { return path_; }
+
+private:
+  const Json &root_;
+  std::string path_;
+};
+
+Status readKimiFields(const ConfigReader &config, SyntheticSpec &spec) {
+  HYBRID_ASSIGN_OR_RETURN(spec.kdaNumHeads, config.integer("linear_attn_config.num_heads"));
+  HYBRID_ASSIGN_OR_RETURN(spec.kdaHeadDim, config.integer("linear_attn_config.head_dim"));
+  HYBRID_ASSIGN_OR_RETURN(spec.shortConvKernelSize,
+                          config.integer("linear_attn_config.short_conv_kernel_size"));
+  HYBRID_ASSIGN_OR_RETURN(spec.maxPositionEmbeddings,
+                          config.integer("model_max_length", int64_t{1} << 20));
+  HYBRID_ASSIGN_OR_RETURN(spec.mlaUseNope, config.boolean("mla_use_nope", false));
+  if (const Json *layers = config.find("linear_attn_config.full_attn_layers")) {
+    if (!layers->is_array())
+      return config.missing("linear_attn_config.full_attn_layers", "a list of layer numbers");
+    for (const Json &layer : *layers) {
+      if (!layer.is_number_integer())
+        return config.missing("linear_attn_config.full_attn_layers", "a list of layer numbers");
+      spec.fullAttentionLayers.push_back(layer.get<int64_t>() - 1); // 1-based in the config
+    }
+  }
+  HYBRID_ASSIGN_OR_RETURN(spec.numExperts, config.integer("num_experts", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.numExpertsPerToken, config.integer("num_experts_per_token", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.numSharedExperts, config.integer("num_shared_experts", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.numExpertGroups, config.integer("num_expert_group", 1));
+  HYBRID_ASSIGN_OR_RETURN(spec.renormalize, config.boolean("moe_renormalize", true));
+  HYBRID_ASSIGN_OR_RETURN(spec.scoringFunction,
+                          config.string("moe_router_activation_func", "sigmoid"));
+  HYBRID_ASSIGN_OR_RETURN(spec.attnResBlockSize, config.optionalInteger("attn_res_block_size"));
+  return Status::ok();
+}
+
+Status readDeepseekFields(const ConfigReader &config, SyntheticSpec &spec) {
+  HYBRID_ASSIGN_OR_RETURN(spec.indexNumHeads, config.integer("index_n_heads"));
+  HYBRID_ASSIGN_OR_RETURN(spec.indexHeadDim, config.integer("index_head_dim"));
+  HYBRID_ASSIGN_OR_RETURN(spec.indexTopK, config.integer("index_topk"));
+  HYBRID_ASSIGN_OR_RETURN(spec.maxPositionEmbeddings, config.integer("max_position_embeddings"));
+  HYBRID_ASSIGN_OR_RETURN(spec.numExperts, config.integer("n_routed_experts", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.numExpertsPerToken, config.integer("num_experts_per_tok", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.numSharedExperts, config.integer("n_shared_experts", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.numExpertGroups, config.integer("n_group", 1));
+  HYBRID_ASSIGN_OR_RETURN(spec.renormalize, config.boolean("norm_topk_prob", true));
+  HYBRID_ASSIGN_OR_RETURN(spec.scoringFunction, config.string("scoring_func", "sigmoid"));
+  if (const Json *quantization = config.find("quantization_config");
+      quantization && !quantization->is_null()) {
+    HYBRID_ASSIGN_OR_RETURN(std::string method, config.string("quantization_config.quant_method",
+                                                              ""));
+    const Json *block = config.find("quantization_config.weight_block_size");
+    if (method != "fp8" || !block || *block != Json::array({kFp8BlockSize, kFp8BlockSize}))
+      return Status::error(config.path() + ": field 'quantization_config': synthetic weights "
+                                           "are bf16, or fp8 with weight_block_size [128, 128]");
+    spec.fp8Weights = true;
+  }
+  return Status::ok();
+}
+
+} // namespace
+
+StatusOr<SyntheticSpec> specFromConfigJson(const std::string &text, const std::string &path,
+                                           uint64_t seed) {
+  Json root = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object())
+    return Status::error(path + ": not a JSON object");
+  const ConfigReader config(root, path);
+  SyntheticSpec spec;
+  HYBRID_ASSIGN_OR_RETURN(spec.modelType, config.string("model_type", ""));
+  if (spec.modelType != "kimi_linear" && spec.modelType != "deepseek_v32")
+    return Status::error(path + ": model_type '" + spec.modelType +
+                         "': synthetic weights know the tensors of kimi_linear and deepseek_v32");
+  spec.seed = seed;
+  HYBRID_ASSIGN_OR_RETURN(spec.hiddenSize, config.integer("hidden_size"));
+  HYBRID_ASSIGN_OR_RETURN(spec.vocabSize, config.integer("vocab_size"));
+  HYBRID_ASSIGN_OR_RETURN(spec.numLayers, config.integer("num_hidden_layers"));
+  HYBRID_ASSIGN_OR_RETURN(spec.intermediateSize, config.integer("intermediate_size"));
+  HYBRID_ASSIGN_OR_RETURN(spec.rmsNormEps, config.number("rms_norm_eps", 1e-6));
+  HYBRID_ASSIGN_OR_RETURN(spec.numAttentionHeads, config.integer("num_attention_heads"));
+  HYBRID_ASSIGN_OR_RETURN(spec.qLoraRank, config.optionalInteger("q_lora_rank"));
+  HYBRID_ASSIGN_OR_RETURN(spec.kvLoraRank, config.integer("kv_lora_rank"));
+  HYBRID_ASSIGN_OR_RETURN(spec.qkNopeHeadDim, config.integer("qk_nope_head_dim"));
+  HYBRID_ASSIGN_OR_RETURN(spec.qkRopeHeadDim, config.integer("qk_rope_head_dim"));
+  HYBRID_ASSIGN_OR_RETURN(spec.vHeadDim, config.integer("v_head_dim"));
+  HYBRID_ASSIGN_OR_RETURN(spec.firstKDenseReplace, config.integer("first_k_dense_replace", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.moeLayerFreq, config.integer("moe_layer_freq", 1));
+  HYBRID_ASSIGN_OR_RETURN(spec.moeIntermediateSize, config.integer("moe_intermediate_size", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.topkGroup, config.integer("topk_group", 1));
+  HYBRID_ASSIGN_OR_RETURN(spec.routedScalingFactor, config.number("routed_scaling_factor", 1.0));
+  HYBRID_RETURN_IF_ERROR(spec.isKimi() ? readKimiFields(config, spec)
+                                       : readDeepseekFields(config, spec));
+  if (Status valid = spec.validate(); !valid)
+    return Status::error(path + ": " + valid.message());
+  return spec;
+}
+
+SyntheticValues syntheticValuesFor(const SyntheticSpec &spec, const SyntheticTensor &tensor) {
+  using kernels::SyntheticKind;
+  // a * X with X the Irwin-Hall sum (standard deviation 65536 / sqrt(3)) has deviation a * 65536
+  // / sqrt(3); and its largest magnitude 131070 * sqrt(3) / 65536 = 3.464 deviations.
+  const double perUnit = std::numbers::sqrt3 / 65536.0;
+  constexpr double kFp8CodesPerDeviation = 128.0;   // 3.464 * 128 = 443.4 <= 448
+  constexpr double kFp8DeviationsPerScale = 3.5;    // scale = 3.5 * std / 448
+  SyntheticValues values;
+  values.key = tensorKey(spec.seed, tensor.name);
+  switch (tensor.kind) {
+  case ValueKind::Weight:
+  case ValueKind::Bias:
+    values.a = static_cast<float>(
+        (tensor.dtype == DType::F8_E4M3 ? kFp8CodesPerDeviation : spec.weightStd) * perUnit);
+    break;
+  case ValueKind::NormWeight:
+    values.a = static_cast<float>(kNormWeightNoise * perUnit);
+    values.b = 1.0f;
+    break;
+  case ValueKind::DecayLog:
+    values = {SyntheticKind::LogUniform, values.key, static_cast<float>(kDecayMin),
+              static_cast<float>(kDecayMax)};
+    break;
+  case ValueKind::DecayTimeBias:
+    values = {SyntheticKind::DecayTimeBias, values.key, static_cast<float>(kDecayTimeMin),
+              static_cast<float>(kDecayTimeMax)};
+    break;
+  case ValueKind::BlockScale:
+    values.kind = SyntheticKind::Constant;
+    values.b = static_cast<float>(kFp8DeviationsPerScale * spec.weightStd / kFp8E4M3Max);
+    break;
+  }
+  return values;
 }
 
 Status writeSyntheticCheckpoint(const SyntheticSpec &spec, const std::string &dir,

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -42,6 +43,8 @@ constexpr uint32_t kMaxNameBytes = 64 * 1024;
 constexpr uint32_t kMaxRank = 32;
 // name length + dtype + rank + offset + size + hash: the smallest possible table record.
 constexpr uint64_t kMinEntryRecordBytes = 4 + 1 + 4 + 8 + 8 + 8;
+// A synthetic record's descriptor after data_hash: kind, key, a, b, rows, cols, tile rows, cols.
+constexpr uint64_t kSyntheticDescriptorBytes = 1 + 8 + 4 + 4 + 8 + 8 + 8 + 8;
 
 //===------------------------------------------------------------------------------------------===//
 // Small helpers.
@@ -155,6 +158,8 @@ private:
   size_t position_ = 0;
 };
 
+void putF32(std::string &out, float value) { putU32(out, std::bit_cast<uint32_t>(value)); }
+
 std::string encodeTable(const std::vector<WeightArchiveEntry> &entries) {
   std::string table;
   for (const WeightArchiveEntry &entry : entries) {
@@ -167,14 +172,23 @@ std::string encodeTable(const std::vector<WeightArchiveEntry> &entries) {
     putU64(table, entry.offset);
     putU64(table, entry.size);
     putU64(table, entry.dataHash);
+    if (const std::optional<SyntheticWeight> &synthetic = entry.synthetic) {
+      putU8(table, static_cast<uint8_t>(synthetic->kind));
+      putU64(table, synthetic->key);
+      putF32(table, synthetic->a);
+      putF32(table, synthetic->b);
+      for (int64_t value : {synthetic->rows, synthetic->cols, synthetic->tileRows,
+                            synthetic->tileCols})
+        putU64(table, static_cast<uint64_t>(value));
+    }
   }
   return table;
 }
 
-std::string encodeHeader(const ArchiveKey &key, uint64_t pageSize, uint64_t entryCount,
-                         uint64_t tableOffset, std::string_view table) {
+std::string encodeHeader(uint32_t formatVersion, const ArchiveKey &key, uint64_t pageSize,
+                         uint64_t entryCount, uint64_t tableOffset, std::string_view table) {
   std::string header(kMagic, sizeof kMagic);
-  putU32(header, kWeightArchiveFormatVersion);
+  putU32(header, formatVersion);
   putU32(header, static_cast<uint32_t>(pageSize));
   header.append(reinterpret_cast<const char *>(key.data()), key.size());
   putU64(header, entryCount);
@@ -211,6 +225,7 @@ Status writeAllAt(int fd, const void *data, size_t size, uint64_t offset) {
 //===------------------------------------------------------------------------------------------===//
 
 struct ParsedHeader {
+  bool synthetic = false; // format version 2
   ArchiveKey key{};
   uint64_t pageSize = 0;
   uint64_t entryCount = 0;
@@ -236,12 +251,15 @@ StatusOr<ParsedHeader> parseHeader(std::span<const std::byte> file) {
                          " but the header bytes hash to " + hex64(actualHeaderHash) +
                          " (corrupt header)");
   auto formatVersion = static_cast<uint32_t>(loadLittleEndian(header + kFormatVersionOffset, 4));
-  if (formatVersion != kWeightArchiveFormatVersion)
+  if (formatVersion != kWeightArchiveFormatVersion &&
+      formatVersion != kSyntheticWeightArchiveFormatVersion)
     return Status::error("header field 'format_version' is " + std::to_string(formatVersion) +
-                         ", this runtime reads version " +
-                         std::to_string(kWeightArchiveFormatVersion));
+                         ", this runtime reads versions " +
+                         std::to_string(kWeightArchiveFormatVersion) + " (data) and " +
+                         std::to_string(kSyntheticWeightArchiveFormatVersion) + " (synthetic)");
 
   ParsedHeader parsed;
+  parsed.synthetic = formatVersion == kSyntheticWeightArchiveFormatVersion;
   parsed.pageSize = loadLittleEndian(header + kPageSizeOffset, 4);
   std::memcpy(parsed.key.data(), header + kKeyOffset, parsed.key.size());
   parsed.entryCount = loadLittleEndian(header + kEntryCountOffset, 8);
@@ -329,6 +347,32 @@ Status parseEntry(TableReader &reader, size_t index, const ParsedHeader &header,
     return truncated("size");
   if (!reader.readU64(entry.dataHash))
     return truncated("data_hash");
+  if (header.synthetic) {
+    SyntheticWeight synthetic;
+    uint8_t kind = 0;
+    uint32_t a = 0, b = 0;
+    uint64_t layout[4] = {};
+    if (!reader.readU8(kind))
+      return truncated("synthetic.kind");
+    if (!reader.readU64(synthetic.key))
+      return truncated("synthetic.key");
+    if (!reader.readU32(a) || !reader.readU32(b))
+      return truncated("synthetic.a");
+    for (uint64_t &value : layout)
+      if (!reader.readU64(value))
+        return truncated("synthetic.layout");
+    synthetic.kind = static_cast<kernels::SyntheticKind>(kind);
+    synthetic.a = std::bit_cast<float>(a);
+    synthetic.b = std::bit_cast<float>(b);
+    synthetic.rows = static_cast<int64_t>(layout[0]);
+    synthetic.cols = static_cast<int64_t>(layout[1]);
+    synthetic.tileRows = static_cast<int64_t>(layout[2]);
+    synthetic.tileCols = static_cast<int64_t>(layout[3]);
+    entry.synthetic = synthetic;
+    if (entry.dataHash != 0)
+      return Status::error(context + ": field 'data_hash' is " + hex64(entry.dataHash) +
+                           ", expected 0 for a synthetic entry (it has no data)");
+  }
 
   std::optional<uint64_t> expectedBytes = expectedByteSize(entry.dtype, entry.shape);
   if (!expectedBytes)
@@ -343,6 +387,16 @@ Status parseEntry(TableReader &reader, size_t index, const ParsedHeader &header,
                          ", expected a multiple of the page size " +
                          std::to_string(header.pageSize) + " past the header page");
   uint64_t end = 0;
+  if (entry.synthetic) {
+    // No bytes in the file: only the range the plan addresses must exist.
+    if (__builtin_add_overflow(entry.offset, entry.size, &end))
+      return Status::error(context + ": data [" + std::to_string(entry.offset) + ", +" +
+                           std::to_string(entry.size) + ") passes 2^64 bytes");
+    if (std::optional<std::string> error =
+            syntheticWeightError(*entry.synthetic, entry.dtype, entry.shape))
+      return Status::error(context + ": " + *error);
+    return Status::ok();
+  }
   if (__builtin_add_overflow(entry.offset, entry.size, &end) || end > header.tableOffset)
     return Status::error(context + ": data [" + std::to_string(entry.offset) + ", +" +
                          std::to_string(entry.size) + ") runs past the entry table at " +
@@ -445,6 +499,72 @@ std::vector<uint64_t> planWeightOffsets(std::span<const uint64_t> sizes, uint64_
   return offsets;
 }
 
+std::optional<std::string> syntheticWeightError(const SyntheticWeight &synthetic,
+                                                plan::fb::DType dtype,
+                                                const std::vector<int64_t> &shape) {
+  using kernels::SyntheticKind;
+  if (static_cast<uint8_t>(synthetic.kind) >= kernels::kSyntheticKindCount)
+    return "field 'synthetic.kind' has the unknown value " +
+           std::to_string(static_cast<int>(synthetic.kind));
+  if (dtype != plan::fb::DType::F32 && dtype != plan::fb::DType::BF16 &&
+      dtype != plan::fb::DType::F8_E4M3)
+    return "synthetic values are generated as F32, BF16 or F8_E4M3, not " + dtypeName(dtype);
+  if (!std::isfinite(synthetic.a) || !std::isfinite(synthetic.b))
+    return std::string("fields 'synthetic.a' and 'synthetic.b' must be finite");
+  if ((synthetic.kind == SyntheticKind::LogUniform ||
+       synthetic.kind == SyntheticKind::DecayTimeBias) &&
+      !(synthetic.a > 0.0f && synthetic.a < synthetic.b))
+    return "fields 'synthetic.a' " + std::to_string(synthetic.a) + " and 'synthetic.b' " +
+           std::to_string(synthetic.b) + " must satisfy 0 < a < b for this kind";
+  if (synthetic.rows < 0 || synthetic.cols < 0)
+    return std::string("fields 'synthetic.rows' and 'synthetic.cols' must not be negative");
+  uint64_t elements = 1;
+  for (int64_t dim : shape)
+    elements *= static_cast<uint64_t>(dim); // the caller checked the byte size for overflow
+  uint64_t logical = 0;
+  if (__builtin_mul_overflow(static_cast<uint64_t>(synthetic.rows),
+                             static_cast<uint64_t>(synthetic.cols), &logical))
+    return std::string("fields 'synthetic.rows' x 'synthetic.cols' overflow");
+  if (synthetic.tileRows == 0 && synthetic.tileCols == 0) {
+    if (logical != elements)
+      return "fields 'synthetic.rows' x 'synthetic.cols' (" + std::to_string(synthetic.rows) +
+             " x " + std::to_string(synthetic.cols) + ") do not match the " +
+             std::to_string(elements) + " elements of " + formatShape(shape);
+    return std::nullopt;
+  }
+  if (synthetic.tileRows < 1 || synthetic.tileCols < 1)
+    return std::string("fields 'synthetic.tile_rows' and 'synthetic.tile_cols' must both be 0 "
+                       "(row-major) or both positive (tiled)");
+  auto padded = [](int64_t extent, int64_t tile) {
+    return (extent / tile + (extent % tile != 0 ? 1 : 0)) * tile;
+  };
+  if (shape.size() != 2 || shape[0] != padded(synthetic.rows, synthetic.tileRows) ||
+      shape[1] != padded(synthetic.cols, synthetic.tileCols))
+    return "a tiled synthetic entry of " + std::to_string(synthetic.rows) + " x " +
+           std::to_string(synthetic.cols) + " in tiles of " + std::to_string(synthetic.tileRows) +
+           " x " + std::to_string(synthetic.tileCols) + " is stored padded, not as " +
+           formatShape(shape);
+  return std::nullopt;
+}
+
+kernels::SyntheticFill syntheticFill(const WeightArchiveEntry &entry) {
+  const SyntheticWeight &synthetic = *entry.synthetic;
+  kernels::SyntheticFill fill;
+  fill.kind = synthetic.kind;
+  fill.storage = entry.dtype == plan::fb::DType::F32    ? kernels::SyntheticStorage::F32
+                 : entry.dtype == plan::fb::DType::BF16 ? kernels::SyntheticStorage::BF16
+                                                        : kernels::SyntheticStorage::F8E4M3;
+  fill.key = synthetic.key;
+  fill.a = synthetic.a;
+  fill.b = synthetic.b;
+  fill.rows = synthetic.rows;
+  fill.cols = synthetic.cols;
+  fill.tileRows = synthetic.tileRows;
+  fill.tileCols = synthetic.tileCols;
+  fill.storedElements = static_cast<int64_t>(entry.size / dtypeByteSize(entry.dtype));
+  return fill;
+}
+
 //===------------------------------------------------------------------------------------------===//
 // WeightArchiveWriter.
 //===------------------------------------------------------------------------------------------===//
@@ -478,7 +598,7 @@ StatusOr<WeightArchiveWriter> WeightArchiveWriter::create(const std::string &pat
 WeightArchiveWriter::WeightArchiveWriter(WeightArchiveWriter &&other) noexcept
     : path_(std::move(other.path_)), tempPath_(std::exchange(other.tempPath_, {})),
       fd_(std::exchange(other.fd_, -1)), key_(other.key_), pageSize_(other.pageSize_),
-      dataEnd_(other.dataEnd_), entries_(std::move(other.entries_)),
+      dataEnd_(other.dataEnd_), synthetic_(other.synthetic_), entries_(std::move(other.entries_)),
       index_(std::move(other.index_)), fileSize_(other.fileSize_), failed_(other.failed_),
       finished_(other.finished_) {}
 
@@ -491,6 +611,7 @@ WeightArchiveWriter &WeightArchiveWriter::operator=(WeightArchiveWriter &&other)
     key_ = other.key_;
     pageSize_ = other.pageSize_;
     dataEnd_ = other.dataEnd_;
+    synthetic_ = other.synthetic_;
     entries_ = std::move(other.entries_);
     index_ = std::move(other.index_);
     fileSize_ = other.fileSize_;
@@ -513,6 +634,18 @@ void WeightArchiveWriter::abandon() {
 
 Status WeightArchiveWriter::add(std::string name, plan::fb::DType dtype, std::vector<int64_t> shape,
                                 std::span<const std::byte> data) {
+  return addEntry(std::move(name), dtype, std::move(shape), data, nullptr);
+}
+
+Status WeightArchiveWriter::addSynthetic(std::string name, plan::fb::DType dtype,
+                                         std::vector<int64_t> shape,
+                                         const SyntheticWeight &synthetic) {
+  return addEntry(std::move(name), dtype, std::move(shape), {}, &synthetic);
+}
+
+Status WeightArchiveWriter::addEntry(std::string name, plan::fb::DType dtype,
+                                     std::vector<int64_t> shape, std::span<const std::byte> data,
+                                     const SyntheticWeight *synthetic) {
   return catchExceptions(path_, [&]() -> Status {
     std::string context =
         path_ + ": entry " + std::to_string(entries_.size()) + " '" + printable(name) + "'";
@@ -535,13 +668,20 @@ Status WeightArchiveWriter::add(std::string name, plan::fb::DType dtype, std::ve
     if (!expectedBytes)
       return Status::error(context + ": shape " + formatShape(shape) +
                            " has a negative dimension or too many elements");
-    if (data.size() != *expectedBytes)
+    if (synthetic_ && *synthetic_ != (synthetic != nullptr))
+      return Status::error(context + ": an archive holds data entries or synthetic ones, not both");
+    if (synthetic) {
+      if (std::optional<std::string> error = syntheticWeightError(*synthetic, dtype, shape))
+        return Status::error(context + ": " + *error);
+    } else if (data.size() != *expectedBytes) {
       return Status::error(context + ": has " + std::to_string(data.size()) + " bytes but " +
                            dtypeName(dtype) + " " + formatShape(shape) + " needs " +
                            std::to_string(*expectedBytes));
+    }
+    const uint64_t size = *expectedBytes;
     std::optional<uint64_t> offset = alignUp(dataEnd_, pageSize_);
     uint64_t end = 0;
-    if (!offset || __builtin_add_overflow(*offset, data.size(), &end))
+    if (!offset || __builtin_add_overflow(*offset, size, &end))
       return Status::error(context + ": the archive would exceed 2^64 bytes");
 
     if (Status status = writeAllAt(fd_, data.data(), data.size(), *offset); !status) {
@@ -553,8 +693,12 @@ Status WeightArchiveWriter::add(std::string name, plan::fb::DType dtype, std::ve
     entry.dtype = dtype;
     entry.shape = std::move(shape);
     entry.offset = *offset;
-    entry.size = data.size();
-    entry.dataHash = XXH3_64bits(data.data(), data.size());
+    entry.size = size;
+    if (synthetic)
+      entry.synthetic = *synthetic;
+    else
+      entry.dataHash = XXH3_64bits(data.data(), data.size());
+    synthetic_ = synthetic != nullptr;
     index_.emplace(entry.name, entries_.size());
     entries_.push_back(std::move(entry));
     dataEnd_ = end;
@@ -570,11 +714,15 @@ Status WeightArchiveWriter::finish() {
       return Status::error(path_ + ": cannot finish, an earlier write failed");
     // From here any failure leaves the temp file to the destructor.
     failed_ = true;
-    std::optional<uint64_t> tableOffset = alignUp(dataEnd_, pageSize_);
+    // A synthetic archive's entries have no bytes: its table follows the header page.
+    const bool synthetic = synthetic_.value_or(false);
+    std::optional<uint64_t> tableOffset = synthetic ? pageSize_ : alignUp(dataEnd_, pageSize_);
     if (!tableOffset)
       return Status::error(path_ + ": the archive would exceed 2^64 bytes");
     std::string table = encodeTable(entries_);
-    std::string header = encodeHeader(key_, pageSize_, entries_.size(), *tableOffset, table);
+    std::string header = encodeHeader(
+        synthetic ? kSyntheticWeightArchiveFormatVersion : kWeightArchiveFormatVersion, key_,
+        pageSize_, entries_.size(), *tableOffset, table);
     uint64_t fileSize = *tableOffset + table.size();
 
     HYBRID_RETURN_IF_ERROR(
@@ -639,6 +787,7 @@ StatusOr<WeightArchive> WeightArchive::open(const std::string &path) {
       return Status(header.status()).withContext(path);
     archive.key_ = header->key;
     archive.pageSize_ = header->pageSize;
+    archive.synthetic_ = header->synthetic;
 
     TableReader reader(file.subspan(header->tableOffset, header->tableSize));
     archive.entries_.resize(header->entryCount);
@@ -659,7 +808,7 @@ StatusOr<WeightArchive> WeightArchive::open(const std::string &path) {
 
 WeightArchive::WeightArchive(WeightArchive &&other) noexcept
     : path_(std::move(other.path_)), key_(other.key_), pageSize_(other.pageSize_),
-      entries_(std::move(other.entries_)), index_(std::move(other.index_)),
+      synthetic_(other.synthetic_), entries_(std::move(other.entries_)), index_(std::move(other.index_)),
       mapping_(std::exchange(other.mapping_, nullptr)),
       fileSize_(std::exchange(other.fileSize_, 0)) {}
 
@@ -670,6 +819,7 @@ WeightArchive &WeightArchive::operator=(WeightArchive &&other) noexcept {
     path_ = std::move(other.path_);
     key_ = other.key_;
     pageSize_ = other.pageSize_;
+    synthetic_ = other.synthetic_;
     entries_ = std::move(other.entries_);
     index_ = std::move(other.index_);
     mapping_ = std::exchange(other.mapping_, nullptr);
@@ -689,13 +839,15 @@ const WeightArchive::Entry *WeightArchive::find(std::string_view name) const {
 }
 
 std::span<const std::byte> WeightArchive::bytes(const Entry &entry) const {
-  // open() checked every entry lies inside the mapping.
+  // open() checked every data entry lies inside the mapping.
+  if (entry.synthetic)
+    return {};
   return {mapping_ + entry.offset, entry.size};
 }
 
 Status WeightArchive::verifyContents() const {
   return catchExceptions(path_, [&]() -> Status {
-    for (size_t i = 0; i < entries_.size(); ++i) {
+    for (size_t i = 0; i < entries_.size() && !synthetic_; ++i) {
       const Entry &entry = entries_[i];
       std::span<const std::byte> data = bytes(entry);
       uint64_t actual = XXH3_64bits(data.data(), data.size());

@@ -59,6 +59,20 @@ struct LoadOptions {
   // when kept and back when restored.
   int32_t prefixCacheEntries = 0;
   int64_t prefixCacheBlockTokens = 64;
+  // The weight archive is a synthetic one (hybrid-compile --synthetic-weights): its values are
+  // generated at load from the seed it records, in place on the GPU for the cuda device and on the
+  // host for the cpu device (and for the small weights the cuda device reads on the host). Must be
+  // set to load such an archive and only such, so random weights are never served by accident.
+  bool syntheticWeights = false;
+};
+
+// What loading a synthetic archive generated (Model::weightGeneration): bytes in the stored
+// dtypes, and the time it took (the device's includes waiting for the kernels).
+struct WeightGeneration {
+  uint64_t hostBytes = 0;
+  double hostSeconds = 0;
+  uint64_t deviceBytes = 0;
+  double deviceSeconds = 0;
 };
 
 // What Sequence::prefillWithPrefixCache did: how many leading prompt tokens came from the cache,
@@ -151,6 +165,8 @@ public:
   // Which kernels run on the GPU and which on the cpu reference, a line per program (cuda
   // device); empty on the cpu device.
   std::string placementReport() const;
+  // What was generated at load for a synthetic archive (all zero otherwise).
+  const WeightGeneration &weightGeneration() const;
 
   // A fresh sequence (zero state, empty cache); fails when maxSequences are alive.
   StatusOr<std::unique_ptr<Sequence>> newSequence();

@@ -9,6 +9,7 @@
 // values do not depend on the shard size, the thread count or the other tensors.
 #pragma once
 
+#include "hybrid/kernels/SyntheticWeights.h"
 #include "hybrid/runtime/Safetensors.h"
 #include "hybrid/runtime/Status.h"
 
@@ -63,6 +64,9 @@ struct SyntheticSpec {
   int64_t kdaHeadDim = 0;
   int64_t shortConvKernelSize = 0;
   int64_t fullAttentionPeriod = 4;
+  // When non-empty, the 0-based full-attention layers instead of the period rule (a config.json's
+  // linear_attn_config.full_attn_layers, read by specFromConfigJson).
+  std::vector<int64_t> fullAttentionLayers;
 
   // DSA lightning indexer (deepseek_v32).
   int64_t indexNumHeads = 0;
@@ -109,11 +113,22 @@ struct SyntheticSpec {
   bool isMoeLayer(int64_t layer) const;
 };
 
+// How a tensor's values are drawn.
+enum class ValueKind {
+  Weight,        // N(0, weightStd): linear, embedding, conv, router and AttnRes projections
+  NormWeight,    // 1 + N(0, 0.1)
+  Bias,          // N(0, weightStd): LayerNorm bias, router correction bias
+  DecayLog,      // KDA A_log = log(U(1, 16)), fla's initialisation
+  DecayTimeBias, // KDA dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1], fla's init
+  BlockScale,    // the F32 block scales of an F8_E4M3 weight
+};
+
 // One tensor of the checkpoint, in file order.
 struct SyntheticTensor {
   std::string name;
   safetensors::DType dtype = safetensors::DType::BF16;
   std::vector<int64_t> shape;
+  ValueKind kind = ValueKind::Weight;
   uint64_t byteSize() const;
 };
 
@@ -124,6 +139,26 @@ std::vector<SyntheticTensor> listSyntheticTensors(const SyntheticSpec &spec);
 
 // The text of config.json in the published Hub spelling.
 std::string syntheticConfigJson(const SyntheticSpec &spec);
+
+// The spec a config.json describes (kimi_linear or deepseek_v32, in the published spelling or
+// syntheticConfigJson's), validated; `seed` is the spec's seed. Errors are one line naming `path`
+// and the field. Fields that do not change the tensor list (token ids, rope) are not read.
+StatusOr<SyntheticSpec> specFromConfigJson(const std::string &text, const std::string &path,
+                                           uint64_t seed = 0);
+
+// Weights generated where they are used instead of read from files (hybrid-compile
+// --synthetic-weights): the generator parameters of one tensor of listSyntheticTensors(spec), for
+// kernels::SyntheticFill. These values are not those of writeSyntheticCheckpoint's files (the
+// same distributions, drawn so that a GPU produces the host's bits): normals are a scaled sum of
+// four uniform 16-bit draws (bounded at 3.46 sigma); an F8_E4M3 weight stores codes of N(0, 1) *
+// 128 and its block scales are all 3.5 * weightStd / 448, so code * scale is N(0, weightStd^2).
+struct SyntheticValues {
+  kernels::SyntheticKind kind = kernels::SyntheticKind::Normal;
+  uint64_t key = 0; // from the spec's seed and the tensor's name
+  float a = 0.0f;
+  float b = 0.0f;
+};
+SyntheticValues syntheticValuesFor(const SyntheticSpec &spec, const SyntheticTensor &tensor);
 
 struct SyntheticWriteOptions {
   // Replace an existing non-empty directory; only one that holds a checkpoint (config.json or

@@ -6,6 +6,7 @@
 // compiler that links them is built with -fno-exceptions.
 #pragma once
 
+#include "hybrid/kernels/SyntheticWeights.h"
 #include "hybrid/runtime/Status.h"
 #include "runtime/schema/plan_generated.h"
 
@@ -26,6 +27,9 @@ namespace hybrid {
 using ArchiveKey = std::array<uint8_t, 16>;
 
 inline constexpr uint32_t kWeightArchiveFormatVersion = 1;
+// Format version 2: a synthetic archive, whose entries hold generator descriptors instead of data
+// (hybrid-compile --synthetic-weights); the runtime generates their values at load.
+inline constexpr uint32_t kSyntheticWeightArchiveFormatVersion = 2;
 inline constexpr uint64_t kDefaultWeightArchivePageSize = 4096;
 // Page sizes accepted by the writer and reader: powers of two in this range.
 inline constexpr uint64_t kMinWeightArchivePageSize = 4096;
@@ -49,6 +53,22 @@ std::string dtypeName(plan::fb::DType dtype);
 std::vector<uint64_t> planWeightOffsets(std::span<const uint64_t> sizes,
                                         uint64_t pageSize = kDefaultWeightArchivePageSize);
 
+// How a synthetic entry's values are generated (kernels/include/hybrid/kernels/SyntheticWeights.h):
+// the logical tensor is a row-major [rows, cols] matrix, stored row-major (tile 0 x 0) or tiled
+// with zero padding (the entry's shape is then the padded [rows, cols]).
+struct SyntheticWeight {
+  kernels::SyntheticKind kind = kernels::SyntheticKind::Normal;
+  uint64_t key = 0;
+  float a = 0.0f;
+  float b = 0.0f;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t tileRows = 0;
+  int64_t tileCols = 0;
+
+  bool operator==(const SyntheticWeight &) const = default;
+};
+
 // One entry of the archive's table.
 struct WeightArchiveEntry {
   std::string name;
@@ -56,8 +76,21 @@ struct WeightArchiveEntry {
   std::vector<int64_t> shape; // the stored shape: size == product(shape) * dtypeByteSize(dtype)
   uint64_t offset = 0;        // from the start of the file, a multiple of the page size
   uint64_t size = 0;          // bytes
-  uint64_t dataHash = 0;      // XXH3-64 of the entry's bytes
+  uint64_t dataHash = 0;      // XXH3-64 of the entry's bytes; 0 for a synthetic entry
+  // Set in a synthetic archive (format version 2): the entry has no bytes in the file; offset and
+  // size still place it in the data region the plan addresses.
+  std::optional<SyntheticWeight> synthetic;
 };
+
+// The generator call for a synthetic entry (entry.synthetic set, as WeightArchive::open checked).
+kernels::SyntheticFill syntheticFill(const WeightArchiveEntry &entry);
+
+// Why `synthetic` cannot describe values of `dtype` and stored `shape` (an unknown kind, a dtype
+// other than F32, BF16 or F8_E4M3, non-finite or out-of-range parameters, a layout that does not
+// give `shape`), naming the field; nullopt when it can.
+std::optional<std::string> syntheticWeightError(const SyntheticWeight &synthetic,
+                                                plan::fb::DType dtype,
+                                                const std::vector<int64_t> &shape);
 
 // Writes an archive: data streams to a temp file beside `path` as entries are added, and finish()
 // writes the table and header, fsyncs and renames into place, so a reader never sees a partial
@@ -78,6 +111,12 @@ public:
   // usable; a failed write poisons it (every later call fails).
   Status add(std::string name, plan::fb::DType dtype, std::vector<int64_t> shape,
              std::span<const std::byte> data);
+  // Adds an entry without data whose values the runtime generates from `synthetic` (checked with
+  // syntheticWeightError). Such an entry takes its planned offset and size but no file bytes, and
+  // makes the archive a synthetic one (format version 2): an archive holds data entries or
+  // synthetic ones, never both.
+  Status addSynthetic(std::string name, plan::fb::DType dtype, std::vector<int64_t> shape,
+                      const SyntheticWeight &synthetic);
   // Writes the table and the header, fsyncs and renames the temp file to the final path.
   Status finish();
 
@@ -88,6 +127,8 @@ public:
 private:
   WeightArchiveWriter() = default;
   void abandon();
+  Status addEntry(std::string name, plan::fb::DType dtype, std::vector<int64_t> shape,
+                  std::span<const std::byte> data, const SyntheticWeight *synthetic);
 
   std::string path_;
   std::string tempPath_;
@@ -95,6 +136,7 @@ private:
   ArchiveKey key_{};
   uint64_t pageSize_ = kDefaultWeightArchivePageSize;
   uint64_t dataEnd_ = 0; // end of the last entry's data (pageSize_ while empty)
+  std::optional<bool> synthetic_; // decided by the first entry
   std::vector<WeightArchiveEntry> entries_;
   std::map<std::string, size_t, std::less<>> index_;
   uint64_t fileSize_ = 0;
@@ -120,12 +162,16 @@ public:
   const ArchiveKey &key() const { return key_; }
   uint64_t pageSize() const { return pageSize_; }
   uint64_t fileSize() const { return fileSize_; }
+  // A synthetic archive (format version 2): every entry has a descriptor and no bytes.
+  bool synthetic() const { return synthetic_; }
   // In table order (the order they were added).
   const std::vector<Entry> &entries() const { return entries_; }
   const Entry *find(std::string_view name) const;
-  // The entry's bytes inside the mapping; `entry` must come from this archive.
+  // The entry's bytes inside the mapping; `entry` must come from this archive. Empty for a
+  // synthetic entry, whose values are generated instead (syntheticFill).
   std::span<const std::byte> bytes(const Entry &entry) const;
   // Recomputes every entry's XXH3-64 (reads the whole file); names the first mismatching entry.
+  // A synthetic archive has no data to hash: its descriptors were checked by open().
   Status verifyContents() const;
 
 private:
@@ -134,6 +180,7 @@ private:
   std::string path_;
   ArchiveKey key_{};
   uint64_t pageSize_ = 0;
+  bool synthetic_ = false;
   std::vector<Entry> entries_;
   std::map<std::string, size_t, std::less<>> index_;
   const std::byte *mapping_ = nullptr;

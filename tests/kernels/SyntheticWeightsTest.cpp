@@ -1,0 +1,121 @@
+// The host generator of synthetic weights (kernels/ref/synthetic_weights.cc): the distributions it
+// promises, a tiled fill equal to the re-tiled row-major fill, FP8 codes inside E4M3's range.
+#include "hybrid/kernels/SyntheticWeights.h"
+#include "hybrid/kernels/ref/Quant.h"
+#include "hybrid/kernels/ref/TiledLayout.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numbers>
+#include <vector>
+
+namespace hybrid::kernels {
+namespace {
+
+constexpr double kPerUnit = std::numbers::sqrt3 / 65536.0; // Irwin-Hall sum -> unit deviation
+
+SyntheticFill fillOf(SyntheticKind kind, SyntheticStorage storage, float a, float b, int64_t rows,
+                     int64_t cols) {
+  SyntheticFill fill;
+  fill.kind = kind;
+  fill.storage = storage;
+  fill.key = 0x5eed;
+  fill.a = a;
+  fill.b = b;
+  fill.rows = rows;
+  fill.cols = cols;
+  fill.storedElements = rows * cols;
+  return fill;
+}
+
+std::vector<float> generateF32(const SyntheticFill &fill) {
+  std::vector<float> values(static_cast<size_t>(fill.storedElements));
+  ref::fillSynthetic(fill, values.data());
+  return values;
+}
+
+TEST(SyntheticWeights, NormalHasTheAskedMeanAndDeviationAndIsBounded) {
+  const double sigma = 0.06;
+  const SyntheticFill fill = fillOf(SyntheticKind::Normal, SyntheticStorage::F32,
+                                    static_cast<float>(sigma * kPerUnit), 1.0f, 256, 1024);
+  const std::vector<float> values = generateF32(fill);
+  double sum = 0, squares = 0, largest = 0;
+  for (float v : values) {
+    sum += v - 1.0;
+    squares += (v - 1.0) * (v - 1.0);
+    largest = std::max(largest, std::fabs(v - 1.0));
+  }
+  const double n = static_cast<double>(values.size());
+  EXPECT_NEAR(sum / n, 0.0, 0.01 * sigma);
+  EXPECT_NEAR(std::sqrt(squares / n), sigma, 0.01 * sigma);
+  EXPECT_LE(largest, 3.4642 * sigma + 1e-6);
+  EXPECT_GT(largest, 2.5 * sigma); // 262144 draws reach the tails
+  // Another key gives other values; the same key the same ones.
+  SyntheticFill other = fill;
+  other.key += 1;
+  EXPECT_NE(generateF32(other), values);
+  EXPECT_EQ(generateF32(fill), values);
+}
+
+TEST(SyntheticWeights, DecayKindsStayInTheirRanges) {
+  const std::vector<float> aLog =
+      generateF32(fillOf(SyntheticKind::LogUniform, SyntheticStorage::F32, 1.0f, 16.0f, 1, 4096));
+  for (float v : aLog) {
+    EXPECT_GE(v, 0.0f);
+    EXPECT_LE(v, std::log(16.0f));
+  }
+  const std::vector<float> dtBias = generateF32(
+      fillOf(SyntheticKind::DecayTimeBias, SyntheticStorage::F32, 1e-3f, 1e-1f, 1, 4096));
+  for (float v : dtBias) {
+    const double dt = std::log1p(std::exp(static_cast<double>(v))); // softplus
+    EXPECT_GE(dt, 1e-3 * 0.999);
+    EXPECT_LE(dt, 1e-1 * 1.001);
+  }
+  const std::vector<float> constant =
+      generateF32(fillOf(SyntheticKind::Constant, SyntheticStorage::F32, 0.0f, 0.25f, 3, 3));
+  EXPECT_TRUE(std::all_of(constant.begin(), constant.end(), [](float v) { return v == 0.25f; }));
+}
+
+TEST(SyntheticWeights, TiledFillIsTheRowMajorFillRetiled) {
+  // 70 x 100 bf16 in tiles of 16 x 32: padding on both edges.
+  SyntheticFill rowMajor = fillOf(SyntheticKind::Normal, SyntheticStorage::BF16,
+                                  static_cast<float>(0.06 * kPerUnit), 0.0f, 70, 100);
+  std::vector<std::byte> rowBytes(static_cast<size_t>(rowMajor.storedElements) * 2);
+  ref::fillSynthetic(rowMajor, rowBytes.data());
+
+  const ref::TiledLayout layout{70, 100, {16, 32}};
+  SyntheticFill tiled = rowMajor;
+  tiled.tileRows = 16;
+  tiled.tileCols = 32;
+  tiled.storedElements = layout.paddedRows() * layout.paddedCols();
+  std::vector<std::byte> tiledBytes(static_cast<size_t>(tiled.storedElements) * 2);
+  ref::fillSynthetic(tiled, tiledBytes.data());
+
+  std::vector<std::byte> expected(tiledBytes.size());
+  ref::packTiled(rowBytes, expected, layout, 2);
+  EXPECT_EQ(tiledBytes, expected);
+}
+
+TEST(SyntheticWeights, Fp8CodesUseTheRangeWithoutSaturating) {
+  // The compiler's FP8 parameters: codes of N(0, 1) * 128 (synth::syntheticValuesFor).
+  const SyntheticFill fill = fillOf(SyntheticKind::Normal, SyntheticStorage::F8E4M3,
+                                    static_cast<float>(128.0 * kPerUnit), 0.0f, 128, 2048);
+  std::vector<uint8_t> codes(static_cast<size_t>(fill.storedElements));
+  ref::fillSynthetic(fill, codes.data());
+  double squares = 0, largest = 0;
+  for (uint8_t code : codes) {
+    ASSERT_NE(code & 0x7f, 0x7f) << "NaN code";
+    const double value = ref::e4m3ToFloat(code);
+    squares += value * value;
+    largest = std::max(largest, std::fabs(value));
+  }
+  EXPECT_NEAR(std::sqrt(squares / codes.size()), 128.0, 4.0);
+  EXPECT_LE(largest, 448.0);
+  EXPECT_GT(largest, 300.0);
+}
+
+} // namespace
+} // namespace hybrid::kernels
