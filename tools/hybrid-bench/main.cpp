@@ -318,12 +318,13 @@ struct SparseMlaOptions {
   std::vector<int32_t> batches = {1, 8, 64};
   std::vector<int32_t> heads = {128, 16};
   int32_t topK = 2048, context = 8192, iterations = 20;
+  bool prefill = false;
 };
 
 int runDsaSparseMla(const SparseMlaOptions &o, const RecordOptions &record) {
   std::string error;
-  const auto results = kc::benchSparseMlaDecode(o.batches, o.heads, o.topK, o.context,
-                                                o.iterations, error);
+  const auto results =
+      kc::benchSparseMla(o.batches, o.heads, o.topK, o.context, o.prefill, o.iterations, error);
   if (!error.empty()) {
     std::cerr << "error: dsa-sparse-mla: " << error << "\n";
     return 1;
@@ -339,12 +340,13 @@ int runDsaSparseMla(const SparseMlaOptions &o, const RecordOptions &record) {
                 100.0 * r.floorMicroseconds / r.microseconds,
                 kc::sparseMlaTargetVerdict(r).c_str());
     std::ostringstream json;
-    json << "{\"kernel\": \"dsa-sparse-mla-decode\", \"batch\": " << r.batch
+    const std::string kind = r.prefill ? "dsa-sparse-mla-prefill" : "dsa-sparse-mla-decode";
+    json << "{\"kernel\": \"" << kind << "\", \"batch\": " << r.batch
          << ", \"heads\": " << r.heads << ", \"top_k\": " << r.topK << ", \"context\": "
          << r.context << ", \"us\": " << r.microseconds << ", \"bytes\": " << r.bytes
          << ", \"floor_us\": " << r.floorMicroseconds << ", \"tflops\": " << r.tflops
          << ", \"target\": \"" << kc::sparseMlaTargetVerdict(r) << "\"}";
-    rows.push_back({"dsa-sparse-mla-decode batch=" + std::to_string(r.batch) + " heads=" +
+    rows.push_back({kind + " batch=" + std::to_string(r.batch) + " heads=" +
                         std::to_string(r.heads) + " top_k=" + std::to_string(r.topK) +
                         " context=" + std::to_string(r.context),
                     r.microseconds, json.str()});
@@ -418,6 +420,7 @@ struct SparseMlaOptions {
   std::vector<int32_t> batches = {1, 8, 64};
   std::vector<int32_t> heads = {128, 16};
   int32_t topK = 2048, context = 8192, iterations = 20;
+  bool prefill = false;
 };
 int runDsaSparseMla(const SparseMlaOptions &, const RecordOptions &) {
   return noCuda("dsa-sparse-mla");
@@ -605,7 +608,8 @@ int main(int argc, char **argv) {
   SparseMlaOptions sparseMla;
   CLI::App *dsaSparseMla = app.add_subcommand(
       "dsa-sparse-mla", "Sparse MLA decode over the top-k rows of the paged FP8 latent cache");
-  dsaSparseMla->add_option("--batch", sparseMla.batches, "Sequences (one query row each)")
+  dsaSparseMla->add_option("--batch", sparseMla.batches,
+                           "Sequences (one query row each); with --prefill, query rows")
       ->delimiter(',')->check(CLI::PositiveNumber);
   dsaSparseMla->add_option("--heads", sparseMla.heads, "Query heads (128; 16 for a TP=8 shard)")
       ->delimiter(',')->check(CLI::PositiveNumber);
@@ -615,6 +619,8 @@ int main(int argc, char **argv) {
       ->check(CLI::PositiveNumber);
   dsaSparseMla->add_option("--iterations", sparseMla.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
+  dsaSparseMla->add_flag("--prefill", sparseMla.prefill,
+                         "The rows are tokens of one sequence (prefill), not one row per sequence");
   addRecordOptions(dsaSparseMla, record);
   MoeOptions moe;
   CLI::App *moeCommand = app.add_subcommand(

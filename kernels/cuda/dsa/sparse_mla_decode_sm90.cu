@@ -728,20 +728,23 @@ __global__ void __launch_bounds__(kCombineThreads)
 }
 
 // Splits of the positions over blocks (flash-decoding): the count that finishes soonest, counting
-// waves of blocks times tiles per block, and of those the fewest (each split writes partials).
-// Batch 1 takes many, batch 64 with 128 heads none.
+// waves of blocks times the tiles of a block plus its fixed cost (the queries read, the output or
+// partials written: about two tiles' time with 64 heads, one with fewer), and of those the fewest.
+// Batch 1 takes many, batch 64 with 128 heads and prefill none. Without the fixed cost, 128 rows
+// of 128 heads took 32 splits of one tile each and ran 13x slower than unsplit.
 template <int L, int R, int G> int splitCount(const SparseMlaDecodeParams &p, int sms) {
   using S = Shape<L, R, G>;
   const int tiles = (p.topK + S::kTileKeys - 1) / S::kTileKeys;
   const int64_t blocks = int64_t(p.rows) * ((p.heads + S::kHeads - 1) / S::kHeads);
   const int64_t slots = int64_t(sms) * S::kBlocksPerSm;
+  constexpr int64_t kBlockOverheadTiles = G == 4 ? 2 : 1;
   int best = 0;
   int64_t bestTime = 0;
   for (int splits = (tiles + S::kMaxTiles - 1) / S::kMaxTiles;
        splits <= std::min(tiles, kMaxSplits); ++splits) {
     const int64_t perSplit = (tiles + splits - 1) / splits;
     const int64_t used = (tiles + perSplit - 1) / perSplit;
-    const int64_t time = (blocks * used + slots - 1) / slots * perSplit;
+    const int64_t time = (blocks * used + slots - 1) / slots * (perSplit + kBlockOverheadTiles);
     if (best == 0 || time < bestTime) {
       best = splits;
       bestTime = time;

@@ -35,20 +35,24 @@ std::string indexerTargetVerdict(const IndexerBenchResult &result);
 
 struct SparseMlaBenchResult {
   int32_t batch = 0, heads = 0, topK = 0, context = 0;
-  double microseconds = 0;      // one decode step, replayed from a CUDA graph
+  bool prefill = false;
+  double microseconds = 0;      // one call, replayed from a CUDA graph
   double bytes = 0;             // what the step must move: the selected rows, q, the output
   double floorMicroseconds = 0; // bytes at the measured copy bandwidth
   double tflops = 0;            // QK (576 wide) and PV (512 wide) per head and position
 };
 
 // Decode: `batch` sequences of `context` cached DeepSeek-V3.2 rows (512 + 64, FP8) each, one
-// query row each selecting `topK` random distinct positions.
-std::vector<SparseMlaBenchResult> benchSparseMlaDecode(const std::vector<int32_t> &batches,
-                                                       const std::vector<int32_t> &heads,
-                                                       int32_t topK, int32_t context,
-                                                       int32_t iterations, std::string &error);
+// query row each selecting `topK` random distinct positions. Prefill: `batch` query rows (tokens)
+// of one sequence of `context` cached rows, each selecting its own `topK` of them.
+std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &batches,
+                                                 const std::vector<int32_t> &heads, int32_t topK,
+                                                 int32_t context, bool prefill,
+                                                 int32_t iterations, std::string &error);
 
-// The target: >= 60% of HBM bandwidth for the bytes the kernel must read.
+// The targets: decode >= 60% of HBM bandwidth for the bytes the kernel must read;
+// prefill reported against the 640 TFLOP/s FlashMLA publishes for its sparse prefill (H800).
 std::string sparseMlaTargetVerdict(const SparseMlaBenchResult &result);
+inline constexpr double kFlashMlaSparsePrefillTflops = 640.0;
 
 } // namespace hybrid::kernels::cuda
