@@ -90,15 +90,22 @@ template <bool kVector> __device__ inline uint4 load16(const unsigned char *p) {
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
+// Where a block's split of a row's positions ends: splitEnd, or for causal rows just past the
+// row's own position (a split past it has nothing to do).
+__device__ inline int rowSplitEnd(const SparseMlaDecodeParams &p, int row, int splitEnd) {
+  return p.indices ? splitEnd : min(splitEnd, p.positions[row] + 1);
+}
+
 // A split's positions resolved to cache rows (page * pageTokens + offset; -1: none), `count`
-// entries (the split's tiles; past splitEnd -1).
+// entries (the split's tiles; past splitEnd -1). Causal rows: the positions themselves.
 __device__ inline void resolveCacheRows(const SparseMlaDecodeParams &p, int row, int splitBegin,
                                         int splitEnd, int count, int32_t *cacheRows, int tid,
                                         int threads) {
   const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
-  const int32_t *indices = p.indices + size_t(row) * p.topK;
+  const int32_t *indices = p.indices ? p.indices + size_t(row) * p.topK : nullptr;
   for (int i = tid; i < count; i += threads) {
-    const int position = splitBegin + i < splitEnd ? indices[splitBegin + i] : -1;
+    const int at = splitBegin + i;
+    const int position = at < splitEnd ? (indices ? indices[at] : at) : -1;
     cacheRows[i] =
         position >= 0 ? table[position / p.pageTokens] * p.pageTokens + position % p.pageTokens : -1;
   }
@@ -148,13 +155,13 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
   const int group = warp / kSlices, slice = warp % kSlices;
   const int splits = int(gridDim.z), split = int(blockIdx.z);
   const int splitBegin = split * tilesPerSplit * kTileKeys;
-  const int splitEnd = min(p.topK, splitBegin + tilesPerSplit * kTileKeys);
-  const int tiles = (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys;
+  const int splitEnd = rowSplitEnd(p, row, min(p.topK, splitBegin + tilesPerSplit * kTileKeys));
+  const int tiles = max(0, (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys);
 
   resolveCacheRows(p, row, splitBegin, splitEnd, tiles * kTileKeys, cacheRows, tid, kThreads);
   // The heads' absorbed queries in bf16 (heads past p.heads are zero).
   static_assert(S::kWide % 4 == 0, "queries in fours");
-  for (int i = tid; i < kHeads * S::kWide / 4; i += kThreads) {
+  for (int i = tid; i < (tiles > 0 ? kHeads * S::kWide / 4 : 0); i += kThreads) {
     const int h = i / (S::kWide / 4), d = 4 * (i % (S::kWide / 4));
     const float4 v = headBase + h < p.heads
                          ? *reinterpret_cast<const float4 *>(
@@ -484,12 +491,12 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
   const int q = lane % 4;
   const int splits = int(gridDim.z), split = int(blockIdx.z);
   const int splitBegin = split * tilesPerSplit * kTileKeys;
-  const int splitEnd = min(p.topK, splitBegin + tilesPerSplit * kTileKeys);
-  const int tiles = (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys;
+  const int splitEnd = rowSplitEnd(p, row, min(p.topK, splitBegin + tilesPerSplit * kTileKeys));
+  const int tiles = max(0, (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys);
 
   resolveCacheRows(p, row, splitBegin, splitEnd, tiles * kTileKeys, cacheRows, tid, kThreads);
   // The 64 heads' absorbed queries in bf16, swizzled (heads past p.heads are zero).
-  for (int i = tid; i < S::kHeads * S::kWide / 8; i += kThreads) {
+  for (int i = tid; i < (tiles > 0 ? S::kHeads * S::kWide / 8 : 0); i += kThreads) {
     const int h = i / (S::kWide / 8), column = 8 * (i % (S::kWide / 8));
     uint4 packed = make_uint4(0, 0, 0, 0);
     if (headBase + h < p.heads) {
@@ -807,6 +814,8 @@ template <int L, int R> int launchHeads(const SparseMlaDecodeParams &p, cudaStre
 
 } // namespace
 
+int32_t sparseMlaMaxCausalPositions() { return kMaxSplits * kMaxPositionsPerBlock; }
+
 int64_t sparseMlaRowBytes(int32_t latentDim, int32_t ropeDim) {
   return int64_t(latentDim) + 4 * ((latentDim + kScaleTile - 1) / kScaleTile) + 2 * int64_t(ropeDim);
 }
@@ -823,7 +832,8 @@ size_t sparseMlaWorkspaceBytes(int32_t rows, int32_t heads, int32_t latentDim) {
 }
 
 int launchSparseMlaDecode(const SparseMlaDecodeParams &p, void *stream) {
-  if (p.rows <= 0 || p.heads <= 0 || p.topK <= 0 || !p.q || !p.indices || !p.sequences || !p.workspace ||
+  if (p.rows <= 0 || p.heads <= 0 || p.topK <= 0 || !p.q || !(p.indices || p.positions) ||
+      !p.sequences || !p.workspace ||
       !p.latentPages || p.pageTokens <= 0 || !p.blockTables || p.maxPages <= 0 || !p.out ||
       !std::isfinite(p.softmaxScale) || reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || (p.heads + 15) / 16 > 65535)
     return cudaErrorInvalidValue;

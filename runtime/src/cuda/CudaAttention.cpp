@@ -69,6 +69,14 @@ bool tensorCoreSparseShape(int64_t latentDim, int64_t ropeDim) {
   return (latentDim == 512 && ropeDim == 64) || (latentDim == 64 && ropeDim == 32);
 }
 
+// Whether an MLA dispatch over `kv` runs on the tensor-core kernel: FP8 pages of its shapes, and
+// for dense (causal) attention a context the kernel's grid can cover; else the CUDA-core one.
+bool onTensorCoreKernel(bool sparse, const DeviceKvLayer &kv, int64_t latentDim, int64_t ropeDim,
+                        int64_t capacity) {
+  return kv.latentType == kc::LatentCacheType::Fp8Tiles && tensorCoreSparseShape(latentDim, ropeDim) &&
+         (sparse || capacity <= kc::sparseMlaMaxCausalPositions());
+}
+
 } // namespace
 
 Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCache,
@@ -299,7 +307,10 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
   xWidth = std::max({dModel, qIn, static_cast<size_t>(H * dv)});
   outWidth = std::max({dModel, static_cast<size_t>(H * (dn + dr)), static_cast<size_t>(rkv + dr),
                        static_cast<size_t>(H * dv)});
-  if (isSparseMla(d.kernel()) && tensorCoreSparseShape(rkv, dr)) {
+  const int32_t slot = kvSlotOf(d);
+  if (slot >= 0 && slot < static_cast<int32_t>(kvLayers.size()) &&
+      onTensorCoreKernel(isSparseMla(d.kernel()), kvLayers[static_cast<size_t>(slot)], rkv, dr,
+                         int64_t(maxPages) * pageTokens)) {
     const int64_t chunk = chunkRows(mlaFloatsPerChunkRow(*p), rows);
     attentionWorkspaceBytes =
         std::max(attentionWorkspaceBytes,
@@ -584,7 +595,7 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
     LAUNCH_RETURN_IF_ERROR(kc::launchMlaAbsorbQueries(heads, rowsNow, static_cast<int32_t>(dr),
                                                       queries, absorbed, r.stream),
                            "MLA query absorption");
-    if (sparse && kv.latentType == kc::LatentCacheType::Fp8Tiles && tensorCoreSparseShape(rkv, dr)) {
+    if (onTensorCoreKernel(sparse, kv, rkv, dr, int64_t(maxPages) * pageTokens)) {
       kc::SparseMlaDecodeParams s;
       s.rows = rowsNow;
       s.heads = static_cast<int32_t>(H);
@@ -592,8 +603,13 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
       s.ropeDim = static_cast<int32_t>(dr);
       s.softmaxScale = p->softmax_scale();
       s.q = absorbed;
-      s.indices = indices + first * topK;
-      s.topK = static_cast<int32_t>(topK);
+      if (sparse) {
+        s.indices = indices + first * topK;
+        s.topK = static_cast<int32_t>(topK);
+      } else { // causal: every position up to the row's, the grid sized for a full sequence
+        s.positions = rowPositions + first;
+        s.topK = maxPages * static_cast<int32_t>(pageTokens);
+      }
       s.sequences = rowSequences + first;
       s.latentPages = kv.latentPages;
       s.pageTokens = static_cast<int32_t>(pageTokens);

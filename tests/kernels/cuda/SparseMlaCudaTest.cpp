@@ -21,6 +21,7 @@ struct SparseMlaCase {
   std::string name;
   int latent, rope, heads, topK, pageTokens;
   std::vector<int> lengths; // one decode row per sequence
+  bool causal = false;      // no indices: each row attends to all its positions (topK: capacity)
 };
 
 class SparseMlaDecodeCuda : public testing::TestWithParam<SparseMlaCase> {};
@@ -72,7 +73,7 @@ TEST_P(SparseMlaDecodeCuda, MatchesReference) {
   // in; the last row of a one-token sequence selects nothing at all.
   const int rows = int(c.lengths.size());
   std::vector<int32_t> indices(size_t(rows) * c.topK, -1), sequences(static_cast<size_t>(rows));
-  for (int r = 0; r < rows; ++r) {
+  for (int r = 0; r < rows && !c.causal; ++r) {
     sequences[size_t(r)] = r;
     std::vector<int32_t> positions(size_t(c.lengths[size_t(r)]));
     std::iota(positions.begin(), positions.end(), 0);
@@ -80,6 +81,11 @@ TEST_P(SparseMlaDecodeCuda, MatchesReference) {
     const int kept = c.lengths[size_t(r)] == 1 ? 0 : std::min<int>(c.topK - 3, int(positions.size()));
     for (int j = 0; j < kept; ++j)
       indices[size_t(r) * c.topK + size_t(j + (j % 7 == 3 ? 1 : 0)) % c.topK] = positions[size_t(j)];
+  }
+  std::vector<int32_t> lastPositions(static_cast<size_t>(rows));
+  for (int r = 0; r < rows; ++r) {
+    sequences[size_t(r)] = r;
+    lastPositions[size_t(r)] = c.lengths[size_t(r)] - 1;
   }
   const int wide = c.latent + c.rope;
   const std::vector<float> q = random(size_t(rows) * c.heads * wide, rng, 0.3f);
@@ -97,14 +103,20 @@ TEST_P(SparseMlaDecodeCuda, MatchesReference) {
     l.queries = q.data() + size_t(r) * c.heads * wide;
     l.latents = latents[size_t(r)].data();
     l.ropeKeys = ropes[size_t(r)].data();
-    l.sparseIndices = indices.data() + size_t(r) * c.topK;
-    l.topK = c.topK;
+    const int64_t queryPosition = c.lengths[size_t(r)] - 1;
+    if (c.causal) {
+      l.queryPositions = &queryPosition;
+    } else {
+      l.sparseIndices = indices.data() + size_t(r) * c.topK;
+      l.topK = c.topK;
+    }
     l.out = expected.data() + size_t(r) * c.heads * c.latent;
     ref::latentAttention(l);
   }
 
   DeviceBuffer<float> dQ(q), dOut{std::vector<float>(expected.size(), -9.0f)};
   DeviceBuffer<int32_t> dIndices(indices), dSequences(sequences), dTables(tables);
+  DeviceBuffer<int32_t> dPositions(lastPositions);
   DeviceBuffer<uint8_t> dPool(pool);
   DeviceBuffer<uint8_t> dWorkspace{
       std::vector<uint8_t>(cuda::sparseMlaWorkspaceBytes(rows, c.heads, c.latent), 0xA5)};
@@ -115,7 +127,8 @@ TEST_P(SparseMlaDecodeCuda, MatchesReference) {
   p.ropeDim = c.rope;
   p.softmaxScale = scale;
   p.q = dQ.data;
-  p.indices = dIndices.data;
+  p.indices = c.causal ? nullptr : dIndices.data;
+  p.positions = c.causal ? dPositions.data : nullptr;
   p.topK = c.topK;
   p.sequences = dSequences.data;
   p.latentPages = dPool.data;
@@ -157,7 +170,12 @@ INSTANTIATE_TEST_SUITE_P(
         SparseMlaCase{"v32_16_heads_unsplit", 512, 64, 16, 256, 64, std::vector<int>(270, 300)},
         SparseMlaCase{"tiny_model", 64, 32, 4, 32, 16, {50, 1, 33, 7}},
         SparseMlaCase{"tiny_shape_48_heads", 64, 32, 48, 100, 16, {150, 33}},
-        SparseMlaCase{"tiny_shape_20_heads", 64, 32, 20, 40, 16, {70, 2}}),
+        SparseMlaCase{"tiny_shape_20_heads", 64, 32, 20, 40, 16, {70, 2}},
+        // Dense causal rows (MLA layers without an indexer): every position up to the row's.
+        SparseMlaCase{"v32_causal_32_heads", 512, 64, 32, 8192, 64, {3000, 1, 700, 65}, true},
+        SparseMlaCase{"v32_causal_64_heads", 512, 64, 64, 4096, 64, {4000, 129}, true},
+        SparseMlaCase{"v32_causal_16_heads", 512, 64, 16, 2048, 64, {2000, 64}, true},
+        SparseMlaCase{"tiny_shape_causal", 64, 32, 4, 256, 16, {50, 1, 33}, true}),
     [](const testing::TestParamInfo<SparseMlaCase> &info) { return info.param.name; });
 
 TEST(SparseMlaDecodeCudaErrors, RejectsUnsupportedShapes) {

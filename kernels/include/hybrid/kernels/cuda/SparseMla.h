@@ -25,6 +25,11 @@ struct SparseMlaDecodeParams {
   const float *q = nullptr; // [rows, heads, latentDim + ropeDim], absorbed; 16-byte aligned
   const int32_t *indices = nullptr;   // [rows, topK] positions; -1 entries are skipped
   int32_t topK = 0;
+  // Without indices, dense causal attention (MLA layers without an indexer): row r attends to
+  // positions 0..positions[r], and topK is the most positions any row may have (it sizes the
+  // grid, so a captured launch stays valid as sequences grow; at most
+  // sparseMlaMaxCausalPositions()).
+  const int32_t *positions = nullptr; // [rows]
   const int32_t *sequences = nullptr; // [rows]: the row's block-table row
   // The cache: pages of pageTokens rows of ref::kvRowBytes(latentDim, ropeDim) bytes.
   const void *latentPages = nullptr;
@@ -34,6 +39,9 @@ struct SparseMlaDecodeParams {
   float *out = nullptr; // [rows, heads, latentDim]: o^ (zero for a row without positions)
   void *workspace = nullptr; // sparseMlaWorkspaceBytes(rows, heads, latentDim): split partials
 };
+
+// The most positions a causal (index-free) launch may cover.
+int32_t sparseMlaMaxCausalPositions();
 
 // The scratch of a launch: partial results when the positions are split over blocks.
 size_t sparseMlaWorkspaceBytes(int32_t rows, int32_t heads, int32_t latentDim);
