@@ -19,12 +19,13 @@ namespace {
 struct QuantizationPolicy {
   bool indexerMxfp8 = true;   // indexer query and key activations
   bool sparseKvFp8 = true;    // the sparse-attention (DSA) latent cache
+  bool denseKvFp8 = false;    // the latent cache of MLA layers without an indexer (opt-in)
   int32_t kvTile = 128;       // elements per scale of the FP8 KV cache
 };
 
 // "default", "none", or a JSON file:
 //   {"indexer_qk": "mxfp8"|"none", "sparse_attention_kv_cache": "fp8_tiles"|"none",
-//    "kv_tile": 128, "projections": "bf16"}
+//    "dense_attention_kv_cache": "fp8_tiles"|"none", "kv_tile": 128, "projections": "bf16"}
 FailureOr<QuantizationPolicy> loadPolicy(StringRef spec, Operation *op) {
   QuantizationPolicy policy;
   if (spec == "default")
@@ -57,13 +58,14 @@ FailureOr<QuantizationPolicy> loadPolicy(StringRef spec, Operation *op) {
                            << "' must be \"" << on << "\" or \"none\"";
   };
   for (const auto &[key, value] : *root) {
-    if (key != "indexer_qk" && key != "sparse_attention_kv_cache" && key != "kv_tile" &&
-        key != "projections")
+    if (key != "indexer_qk" && key != "sparse_attention_kv_cache" &&
+        key != "dense_attention_kv_cache" && key != "kv_tile" && key != "projections")
       return op->emitError() << "quantization policy '" << spec << "': unknown field '"
                              << key.str() << "'";
   }
   if (failed(choice("indexer_qk", "mxfp8", policy.indexerMxfp8)) ||
-      failed(choice("sparse_attention_kv_cache", "fp8_tiles", policy.sparseKvFp8)))
+      failed(choice("sparse_attention_kv_cache", "fp8_tiles", policy.sparseKvFp8)) ||
+      failed(choice("dense_attention_kv_cache", "fp8_tiles", policy.denseKvFp8)))
     return failure();
   if (const llvm::json::Value *tile = root->get("kv_tile")) {
     std::optional<int64_t> value = tile->getAsInteger();
@@ -101,13 +103,13 @@ LogicalResult annotate(plan::PlanOp planOp, const QuantizationPolicy &policy) {
     if (result.wasInterrupted())
       return failure();
   }
-  // The sparse-attention cache: the KV layers that carry indexer keys (DSA layers).
-  if (policy.sparseKvFp8)
-    for (plan::KvCacheLayerOp layer : planOp.getBodyBlock().getOps<plan::KvCacheLayerOp>())
-      if (layer.getIndexKeyDim() > 0) {
-        layer.setQuantAttr(builder.getStringAttr("fp8_tiles"));
-        layer.setQuantTileAttr(builder.getI32IntegerAttr(policy.kvTile));
-      }
+  // The sparse-attention cache: the KV layers that carry indexer keys (DSA layers); the dense
+  // one: the other MLA layers' (Kimi's), when the policy asks.
+  for (plan::KvCacheLayerOp layer : planOp.getBodyBlock().getOps<plan::KvCacheLayerOp>())
+    if (layer.getIndexKeyDim() > 0 ? policy.sparseKvFp8 : policy.denseKvFp8) {
+      layer.setQuantAttr(builder.getStringAttr("fp8_tiles"));
+      layer.setQuantTileAttr(builder.getI32IntegerAttr(policy.kvTile));
+    }
   return success();
 }
 
