@@ -1,6 +1,7 @@
 // hybrid-bench: kernel benchmarks on the GPU and the serving benchmark, a table on stdout and
 // JSON for the record.
 #include "hybrid/runtime/BenchRecord.h"
+#include "hybrid/runtime/E2eBench.h"
 #include "hybrid_bench_commit.h" // HYBRID_BENCH_COMMIT, written at build time
 #include "hybrid/runtime/Generate.h"
 #include "hybrid/runtime/LoadGenerator.h"
@@ -15,6 +16,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
@@ -427,6 +430,79 @@ int runDsaSparseMla(const SparseMlaOptions &, const RecordOptions &) {
 }
 #endif
 
+// The whole model: prefill (TTFT) and decode (TPOT) per batch and context, each decode row
+// against the bytes a step must move.
+struct E2eCommandOptions {
+  std::string model, plotPath;
+  hybrid::LoadOptions load;
+  hybrid::bench::E2eOptions bench;
+};
+
+int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
+  int64_t maxBatch = 1, maxContext = 1, kvTokens = 0;
+  for (int64_t batch : o.bench.batches)
+    for (int64_t context : o.bench.contexts) {
+      maxBatch = std::max(maxBatch, batch);
+      maxContext = std::max(maxContext, context);
+      kvTokens = std::max(kvTokens, batch * (context + o.bench.decodeSteps + 2 + 64));
+    }
+  o.load.maxSequences = int32_t(maxBatch);
+  o.load.maxContextTokens = maxContext + o.bench.decodeSteps + 2;
+  o.load.kvCacheTokens = kvTokens; // the largest row's, not every batch at the longest context
+  const auto loadStart = std::chrono::steady_clock::now();
+  auto model = hybrid::Model::load(o.model, o.load);
+  if (!model) {
+    std::cerr << "error: e2e: " << model.status().message() << "\n";
+    return 1;
+  }
+  const double loadSeconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - loadStart).count();
+  const hybrid::WeightGeneration &generated = (*model)->weightGeneration();
+  std::fprintf(stderr, "e2e: loaded %s on %s in %.1f s (synthetic weights: %.1f GB generated)\n",
+               o.model.c_str(), o.load.device.c_str(), loadSeconds,
+               double(generated.hostBytes + generated.deviceBytes) / 1e9);
+  auto rows = hybrid::bench::runE2e(**model, o.bench, [](const std::string &line) {
+    std::fprintf(stderr, "e2e: %s\n", line.c_str());
+  });
+  if (!rows) {
+    std::cerr << "error: e2e: " << rows.status().message() << "\n";
+    return 1;
+  }
+  std::printf("%-5s %6s %8s %10s %12s %10s %12s %10s %7s %9s\n", "", "batch", "context",
+              "TTFT ms", "prefill t/s", "TPOT us", "decode t/s", "floor us", "ratio", "GB/step");
+  std::vector<hybrid::bench::BenchRow> records;
+  for (const auto &r : *rows) {
+    std::printf("%-5s %6lld %8lld %10.1f %12.0f %10.1f %12.1f %10.1f %6.2fx %9.3f\n", "e2e",
+                static_cast<long long>(r.batch), static_cast<long long>(r.context), r.ttftMs,
+                r.prefillTokensPerSecond, r.tpotUs, r.decodeTokensPerSecond, r.floorUs, r.ratio(),
+                r.bytes.total() / 1e9);
+    std::ostringstream json;
+    json << "{\"kernel\": \"e2e\", \"model\": \"" << o.model << "\", \"device\": \""
+         << o.load.device << "\", \"batch\": " << r.batch << ", \"context\": " << r.context
+         << ", \"ttft_ms\": " << r.ttftMs << ", \"prefill_tokens_per_s\": "
+         << r.prefillTokensPerSecond << ", \"tpot_us\": " << r.tpotUs
+         << ", \"decode_tokens_per_s\": " << r.decodeTokensPerSecond
+         << ", \"floor_us\": " << r.floorUs << ", \"ratio\": " << r.ratio()
+         << ", \"bytes\": {\"weights\": " << r.bytes.weights << ", \"experts\": "
+         << r.bytes.experts << ", \"kv_cache\": " << r.bytes.kvCache
+         << ", \"recurrent_state\": " << r.bytes.recurrentState << "}}";
+    records.push_back({"e2e batch=" + std::to_string(r.batch) + " context=" +
+                           std::to_string(r.context),
+                       r.tpotUs, json.str()});
+  }
+  if (!o.plotPath.empty())
+    if (hybrid::Status plotted = hybrid::bench::writeE2ePlot(*rows, o.plotPath); !plotted) {
+      std::cerr << "error: e2e: --plot: " << plotted.message() << "\n";
+      return 1;
+    }
+  std::string device = o.load.device;
+#ifdef HYBRID_BENCH_KDA
+  if (o.load.device == "cuda")
+    device = kc::benchDeviceName();
+#endif
+  return finishRecord(record, device, std::move(records));
+}
+
 // The serving benchmark against `--host:--port`, or against a server started here on `--model`.
 int runServe(hybrid::LoadGeneratorOptions load, const std::string &modelDir,
              hybrid::LoadOptions modelOptions, const std::string &jsonPath) {
@@ -707,8 +783,35 @@ int main(int argc, char **argv) {
   decodeBatch->add_option("--steps", batchSteps, "Timed steps per batch size")
       ->check(CLI::PositiveNumber);
   decodeBatch->add_flag("--no-cuda-graphs", batchNoGraphs, "cuda: launch every kernel each step");
+  E2eCommandOptions e2e;
+  bool e2eNoGraphs = false;
+  CLI::App *e2eCommand = app.add_subcommand(
+      "e2e", "A compiled model's prefill (TTFT) and decode (TPOT) per batch and context, with "
+             "the floor of each decode step (bytes it must move / bandwidth)");
+  e2eCommand->add_option("--model", e2e.model, "A compiled model directory")->required();
+  e2eCommand->add_option("--device", e2e.load.device, "cpu or cuda")->default_val("cpu");
+  e2eCommand->add_flag("--synthetic-weights", e2e.load.syntheticWeights,
+                       "The model was compiled with --synthetic-weights (values generated at load)");
+  e2eCommand->add_option("--batch", e2e.bench.batches, "Sequences decoded together")
+      ->delimiter(',')->check(CLI::PositiveNumber);
+  e2eCommand->add_option("--context", e2e.bench.contexts, "Prompt tokens per sequence")
+      ->delimiter(',')->check(CLI::PositiveNumber);
+  e2eCommand->add_option("--decode-steps", e2e.bench.decodeSteps, "Timed decode steps per row")
+      ->check(CLI::PositiveNumber);
+  e2eCommand->add_option("--bandwidth", e2e.bench.bandwidthTbPerSecond,
+                         "TB/s of the floor (default: the H200's measured device copy)")
+      ->check(CLI::PositiveNumber);
+  e2eCommand->add_option("--kda-prefill", e2e.load.kdaPrefill, "cuda: auto, chunked or recurrent")
+      ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
+  e2eCommand->add_flag("--no-cuda-graphs", e2eNoGraphs, "cuda: launch every kernel each step");
+  e2eCommand->add_option("--plot", e2e.plotPath, "Write TPOT against context as a PNG");
+  addRecordOptions(e2eCommand, record);
   CLI11_PARSE(app, argc, argv);
 
+  if (e2eCommand->parsed()) {
+    e2e.load.cudaGraphs = !e2eNoGraphs;
+    return runE2eCommand(e2e, record);
+  }
   if (decodeBatch->parsed()) {
     batchOptions.cudaGraphs = !batchNoGraphs;
     return runDecodeBatch(batchModel, batchOptions, decodeBatches, batchPromptTokens, batchSteps);
