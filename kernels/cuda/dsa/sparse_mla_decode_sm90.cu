@@ -67,8 +67,6 @@ template <int L, int R, int G> struct Shape {
   // 16-byte copies need 16-byte aligned rows and rope parts (DeepSeek-V3.2's 656-byte rows are;
   // the tiny model's 132-byte rows are not: 4-byte copies there).
   static constexpr bool kVector = kRowBytes % 16 == 0 && kRopeOffset % 16 == 0;
-  static constexpr int kCopyBytes = kVector ? 16 : 4;
-  static constexpr int kCopiesPerRow = kRowBytes / kCopyBytes;
   static_assert(kRowBytes % 4 == 0 && kRopeOffset % 4 == 0, "4-byte aligned rows");
   static constexpr size_t kStageOffset = size_t(kHeads + kTileKeys) * kStride * 2;
   static constexpr size_t kStageBytes = size_t(kTileKeys) * kRowBytes;
@@ -134,6 +132,43 @@ __device__ inline void convertCodes16(const unsigned char *codes, float scale, u
   }
 }
 
+// Stages one cached row (kRowBytes bytes; `cacheRow` < 0: none) into `to`: this thread's pieces
+// `ownPiece`, ownPiece + 4, ... (four threads a row), 16-byte copies where rows are 16-byte
+// aligned, else 4-byte ones; then commits the thread's copy group.
+template <int kRowBytes, bool kVector>
+__device__ inline void stageRow(unsigned char *to, const unsigned char *pool, int32_t cacheRow,
+                                int ownPiece) {
+  constexpr int kCopyBytes = kVector ? 16 : 4;
+  if (cacheRow >= 0) {
+    const unsigned char *from = pool + int64_t(cacheRow) * kRowBytes;
+#pragma unroll
+    for (int piece = ownPiece; piece < kRowBytes / kCopyBytes; piece += 4) {
+      if constexpr (kVector)
+        mma::copyAsync16(to + piece * 16, from + piece * 16);
+      else
+        mma::copyAsync4(to + piece * 4, from + piece * 4);
+    }
+  }
+  mma::commitAsyncCopies();
+}
+
+// Reductions over the four lanes of a quad (the lanes sharing an accumulator row) of both rows
+// a thread holds.
+__device__ inline void quadMax(float (&v)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    v[h] = fmaxf(v[h], __shfl_xor_sync(0xffffffffu, v[h], 1));
+    v[h] = fmaxf(v[h], __shfl_xor_sync(0xffffffffu, v[h], 2));
+  }
+}
+__device__ inline void quadSum(float (&v)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    v[h] += __shfl_xor_sync(0xffffffffu, v[h], 1);
+    v[h] += __shfl_xor_sync(0xffffffffu, v[h], 2);
+  }
+}
+
 template <int L, int R, int G>
 __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlocksPerSm)
     sparseMlaDecodeKernel(SparseMlaDecodeParams p, int tilesPerSplit, float *partials) {
@@ -179,19 +214,9 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
   const int ownRow = tid / 4, ownPiece = tid % 4;
   // The raw row of tile t into the staging area (a dead position copies nothing).
   auto issueTile = [&](int t) {
-    const int32_t cacheRow = cacheRows[t * kTileKeys + ownRow];
-    if (cacheRow >= 0) {
-      const unsigned char *from = pool + int64_t(cacheRow) * S::kRowBytes;
-      unsigned char *to = stages + t % S::kStages * S::kStageBytes + ownRow * S::kRowBytes;
-#pragma unroll
-      for (int piece = ownPiece; piece < S::kCopiesPerRow; piece += 4) {
-        if constexpr (S::kVector)
-          mma::copyAsync16(to + piece * 16, from + piece * 16);
-        else
-          mma::copyAsync4(to + piece * 4, from + piece * 4);
-      }
-    }
-    mma::commitAsyncCopies();
+    stageRow<S::kRowBytes, S::kVector>(
+        stages + t % S::kStages * S::kStageBytes + ownRow * S::kRowBytes, pool,
+        cacheRows[t * kTileKeys + ownRow], ownPiece);
   };
   // The staged row of tile t as bf16 (exact); a dead position as zeros (its weights are zero,
   // and 0 * garbage could be NaN).
@@ -318,11 +343,7 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
         scores[n][e] = (liveMask >> key) & 1 ? blockScores[n][e] * scoreScale : -INFINITY;
         tileMax[e / 2] = fmaxf(tileMax[e / 2], scores[n][e]);
       }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      tileMax[half] = fmaxf(tileMax[half], __shfl_xor_sync(0xffffffffu, tileMax[half], 1));
-      tileMax[half] = fmaxf(tileMax[half], __shfl_xor_sync(0xffffffffu, tileMax[half], 2));
-    }
+    quadMax(tileMax);
     if (lane % 4 == 0) {
       maxParts[slice * kHeads + headRow + r0] = tileMax[0];
       maxParts[slice * kHeads + headRow + r0 + 8] = tileMax[1];
@@ -395,11 +416,7 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
   }
 
   // Each thread summed only its own positions: the row sums over the quad and the slices.
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    runningSum[half] += __shfl_xor_sync(0xffffffffu, runningSum[half], 1);
-    runningSum[half] += __shfl_xor_sync(0xffffffffu, runningSum[half], 2);
-  }
+  quadSum(runningSum);
   __syncthreads(); // the last tile's maxima are read
   if (lane % 4 == 0) {
     sumParts[slice * kHeads + headRow + r0] = runningSum[0];
@@ -457,7 +474,7 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
 struct WgmmaShape {
   static constexpr int kLatent = 512, kWide = 576;
   static constexpr int kThreads = 256, kHeads = 64, kTileKeys = 64;
-  static constexpr int kRowBytes = 656, kRopeOffset = 528, kCopiesPerRow = kRowBytes / 16;
+  static constexpr int kRowBytes = 656, kRopeOffset = 528;
   static constexpr int kCodePieces = 32, kRopePieces = 8;
   static constexpr uint32_t kMatrixBytes = 64 * kWide * 2; // 64 rows, swizzled
   static constexpr uint32_t kQueryOffset = 0, kTileOffset = kMatrixBytes;
@@ -514,15 +531,8 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
   const auto *pool = static_cast<const unsigned char *>(p.latentPages);
   const int ownRow = tid / 4, ownPiece = tid % 4; // staging and conversion: four threads a row
   auto issueTile = [&](int t) {
-    const int32_t cacheRow = cacheRows[t * kTileKeys + ownRow];
-    if (cacheRow >= 0) {
-      const unsigned char *from = pool + int64_t(cacheRow) * S::kRowBytes;
-      unsigned char *to = stage + ownRow * S::kRowBytes;
-#pragma unroll
-      for (int piece = ownPiece; piece < S::kCopiesPerRow; piece += 4)
-        mma::copyAsync16(to + piece * 16, from + piece * 16);
-    }
-    mma::commitAsyncCopies();
+    stageRow<S::kRowBytes, true>(stage + ownRow * S::kRowBytes, pool,
+                                 cacheRows[t * kTileKeys + ownRow], ownPiece);
   };
   auto convertTile = [&](int t) {
     const bool live = cacheRows[t * kTileKeys + ownRow] >= 0;
@@ -595,11 +605,7 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
         v = (liveMask >> key) & 1 ? v * scoreScale : -INFINITY;
         tileMax[e / 2] = fmaxf(tileMax[e / 2], v);
       }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      tileMax[h] = fmaxf(tileMax[h], __shfl_xor_sync(0xffffffffu, tileMax[h], 1));
-      tileMax[h] = fmaxf(tileMax[h], __shfl_xor_sync(0xffffffffu, tileMax[h], 2));
-    }
+    quadMax(tileMax);
     if (q == 0) {
       maxParts[half * S::kHeads + r0] = tileMax[0];
       maxParts[half * S::kHeads + r0 + 8] = tileMax[1];
@@ -664,11 +670,7 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
   }
 
   // Row sums: over the quad, then the two warpgroups' positions.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    runningSum[h] += __shfl_xor_sync(0xffffffffu, runningSum[h], 1);
-    runningSum[h] += __shfl_xor_sync(0xffffffffu, runningSum[h], 2);
-  }
+  quadSum(runningSum);
   __syncthreads();
   if (q == 0) {
     sumParts[half * S::kHeads + r0] = runningSum[0];
