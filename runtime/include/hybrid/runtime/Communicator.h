@@ -1,0 +1,76 @@
+// Collectives between the ranks of a sharded plan (issue 10): tensor parallelism sums partial
+// projections (all-reduce, reduce-scatter), gathers shards (all-gather); expert parallelism sends
+// tokens to the ranks holding their experts (all-to-all); context parallelism passes KDA state
+// summaries. Two backends:
+//   - loopback: the ranks are threads of one process sharing memory; host buffers. What the cpu
+//     device and the tests use, so the whole sharded path runs without a GPU.
+//   - NCCL: one process per GPU, device buffers on the caller's stream (builds with CUDA and
+//     NCCL), rendezvous by the usual RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables so a
+//     multi-node launch works the same as a single-node one.
+// Every rank calls the same collectives in the same order with the same counts. Sums add the
+// ranks' contributions in rank order (loopback: always; NCCL: its own order), so a loopback run
+// gives the same bits every time whatever the threads' timing.
+#pragma once
+
+#include "hybrid/runtime/Status.h"
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace hybrid::comm {
+
+class Communicator {
+public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int worldSize() const = 0;
+  virtual std::string backend() const = 0; // "loopback" or "nccl"
+
+  // In place: data[i] = sum over ranks of their data[i]. `stream`: the CUDA stream for device
+  // buffers (NCCL), ignored by the loopback backend.
+  virtual Status allReduceSum(float *data, size_t count, void *stream = nullptr) = 0;
+  // all[r * count .. (r + 1) * count) = rank r's `mine` (all holds worldSize * count).
+  virtual Status allGather(const float *mine, float *all, size_t count, void *stream = nullptr) = 0;
+  // mine = the sum over ranks of their all[rank * count .. (rank + 1) * count).
+  virtual Status reduceScatterSum(const float *all, float *mine, size_t count,
+                                  void *stream = nullptr) = 0;
+  // received[r * count ..) = rank r's sent[rank * count ..): each pair of ranks swaps a chunk.
+  virtual Status allToAll(const float *sent, float *received, size_t count,
+                          void *stream = nullptr) = 0;
+  virtual Status barrier() = 0;
+};
+
+// `worldSize` communicators of one loopback group, rank r at index r: hand each to its own thread.
+// A collective waits for every rank (at most `timeout`: a rank that never arrives fails the others
+// with an error naming the collective, instead of hanging them).
+StatusOr<std::vector<std::unique_ptr<Communicator>>>
+makeLoopbackGroup(int worldSize, std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+// Where a rank finds the others: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (LOCAL_RANK picks
+// the GPU; defaults to RANK).
+struct RendezvousConfig {
+  int rank = 0;
+  int worldSize = 1;
+  int localRank = 0;
+  std::string masterAddress = "127.0.0.1";
+  int masterPort = 29500;
+  std::chrono::milliseconds timeout = std::chrono::seconds(120);
+};
+// From the environment; an error names the variable that is missing or malformed.
+StatusOr<RendezvousConfig> rendezvousFromEnvironment();
+
+// The rendezvous itself: rank 0 listens on masterAddress:masterPort, every rank sends its
+// `blob`, and every rank receives all ranks' blobs in rank order (NCCL exchanges its unique id
+// this way; tests exchange anything). Fails with a reason after `timeout`.
+StatusOr<std::vector<std::string>> exchangeAtRendezvous(const RendezvousConfig &config,
+                                                        const std::string &blob);
+
+// NCCL over the rendezvous (rank 0's ncclUniqueId to everyone), on GPU `localRank`. An error
+// where the build has no NCCL.
+StatusOr<std::unique_ptr<Communicator>> connectNccl(const RendezvousConfig &config);
+
+} // namespace hybrid::comm
