@@ -224,66 +224,79 @@ void kdaChunked(const KdaParams &params, int64_t chunkSize) {
   });
 }
 
+void kdaSegmentSummary(const KdaParams &segment, float *transition, float *offset) {
+  const int64_t T = segment.numTokens, H = segment.numHeads, K = segment.keyDim,
+                V = segment.valueDim;
+  std::vector<float> ignoredOut(std::max<int64_t>(1, T * H * std::max(K, V)));
+  KdaParams p = segment;
+  p.out = ignoredOut.data();
+  std::fill(offset, offset + H * K * V, 0.0f);
+  p.state = offset;
+  kdaRecurrent(p); // B: the final state from a zero state
+  const std::vector<float> zeros(std::max<int64_t>(1, T * H * K), 0.0f);
+  std::fill(transition, transition + H * K * K, 0.0f);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < K; ++i)
+      transition[(h * K + i) * K + i] = 1.0f;
+  p.v = zeros.data();
+  p.valueDim = K;
+  p.state = transition;
+  kdaRecurrent(p); // M: the recurrence with v = 0 from the identity
+}
+
+void kdaApplySummary(int64_t numHeads, int64_t keyDim, int64_t valueDim, const float *transition,
+                     const float *offset, const float *state, float *next) {
+  const int64_t K = keyDim, V = valueDim;
+  std::copy(offset, offset + numHeads * K * V, next);
+  for (int64_t h = 0; h < numHeads; ++h) {
+    const float *m = transition + h * K * K, *in = state + h * K * V;
+    float *out = next + h * K * V;
+    for (int64_t i = 0; i < K; ++i)
+      for (int64_t x = 0; x < K; ++x)
+        for (int64_t j = 0; j < V; ++j)
+          out[i * V + j] += m[i * K + x] * in[x * V + j];
+  }
+}
+
 void kdaSegmentScan(const KdaParams &params, int64_t segments) {
   const int64_t T = params.numTokens, H = params.numHeads, K = params.keyDim, V = params.valueDim;
   segments = std::clamp<int64_t>(segments, 1, std::max<int64_t>(1, T));
   auto segmentBegin = [&](int64_t s) { return T * s / segments; };
-  // A view of tokens [begin, end) with its own state buffer (and output, possibly unused).
-  auto segmentParams = [&](int64_t begin, int64_t end, const float *v, int64_t valueDim,
-                           float *state, float *out) {
+  // A view of tokens [begin, end) with its own state buffer and output.
+  auto segmentParams = [&](int64_t begin, int64_t end, float *state, float *out) {
     KdaParams p = params;
     p.numTokens = end - begin;
-    p.valueDim = valueDim;
     p.q += begin * H * K;
     p.k += begin * H * K;
     p.g += begin * H * K;
     p.beta += begin * H;
-    p.v = v;
+    p.v += begin * H * V;
     p.state = state;
     p.out = out;
     return p;
   };
 
-  // 1. Per segment, in parallel: B (from a zero state) and M (v = 0 from the identity).
+  // 1. Per segment, in parallel: its summary (M, B).
   std::vector<std::vector<float>> B(segments, std::vector<float>(H * K * V, 0.0f));
   std::vector<std::vector<float>> M(segments, std::vector<float>(H * K * K, 0.0f));
   parallelFor(segments, [&](int64_t first, int64_t last) {
-    for (int64_t s = first; s < last; ++s) {
-      const int64_t begin = segmentBegin(s), end = segmentBegin(s + 1);
-      std::vector<float> ignoredOut(std::max<int64_t>(1, (end - begin) * H * std::max(K, V)));
-      const std::vector<float> zeros((end - begin) * H * K, 0.0f);
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < K; ++i)
-          M[s][(h * K + i) * K + i] = 1.0f;
-      // Inside a parallel body the kernels run inline (no nested parallelism).
-      kdaRecurrent(segmentParams(begin, end, params.v + begin * H * V, V, B[s].data(),
-                                 ignoredOut.data()));
-      kdaRecurrent(segmentParams(begin, end, zeros.data(), K, M[s].data(), ignoredOut.data()));
-    }
+    for (int64_t s = first; s < last; ++s) // inside a parallel body the kernels run inline
+      kdaSegmentSummary(segmentParams(segmentBegin(s), segmentBegin(s + 1), nullptr, nullptr),
+                        M[s].data(), B[s].data());
   });
 
   // 2. Sequential combine: each segment's initial state, per head S_{s+1} = M_s S_s + B_s.
-  std::vector<std::vector<float>> initial(segments);
-  initial[0].assign(params.state, params.state + H * K * V);
-  for (int64_t s = 0; s + 1 < segments; ++s) {
-    initial[s + 1] = B[s];
-    for (int64_t h = 0; h < H; ++h) {
-      const float *m = M[s].data() + h * K * K, *in = initial[s].data() + h * K * V;
-      float *next = initial[s + 1].data() + h * K * V;
-      for (int64_t i = 0; i < K; ++i)
-        for (int64_t x = 0; x < K; ++x)
-          for (int64_t j = 0; j < V; ++j)
-            next[i * V + j] += m[i * K + x] * in[x * V + j];
-    }
-  }
+  std::vector<std::vector<float>> initial(segments, std::vector<float>(H * K * V));
+  std::copy(params.state, params.state + H * K * V, initial[0].begin());
+  for (int64_t s = 0; s + 1 < segments; ++s)
+    kdaApplySummary(H, K, V, M[s].data(), B[s].data(), initial[s].data(), initial[s + 1].data());
 
   // 3. Each segment again from its true initial state, for its outputs; the last one's final
   // state is the sequence's.
   parallelFor(segments, [&](int64_t first, int64_t last) {
     for (int64_t s = first; s < last; ++s) {
       const int64_t begin = segmentBegin(s), end = segmentBegin(s + 1);
-      kdaRecurrent(segmentParams(begin, end, params.v + begin * H * V, V, initial[s].data(),
-                                 params.out + begin * H * V));
+      kdaRecurrent(segmentParams(begin, end, initial[s].data(), params.out + begin * H * V));
     }
   });
   std::copy(initial[segments - 1].begin(), initial[segments - 1].end(), params.state);

@@ -68,4 +68,11 @@ void kdaChunked(const KdaParams &params, int64_t chunkSize = 64);
 // recurrence (M costs K×K per token), at depth T / segments.
 void kdaSegmentScan(const KdaParams &params, int64_t segments);
 
+// The scan's pieces, for segments on different ranks (context parallelism). A segment's summary:
+// `transition` M [H, K, K] and `offset` B [H, K, V] (its state and out are not read or written).
+void kdaSegmentSummary(const KdaParams &segment, float *transition, float *offset);
+// next = M state + B per head (the state after the segment, from `state` before it).
+void kdaApplySummary(int64_t numHeads, int64_t keyDim, int64_t valueDim, const float *transition,
+                     const float *offset, const float *state, float *next);
+
 } // namespace hybrid::kernels::ref
