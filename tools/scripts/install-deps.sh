@@ -8,6 +8,7 @@ packages=(
   libmlir-19-dev mlir-19-tools llvm-19-dev llvm-19-tools
   libflatbuffers-dev flatbuffers-compiler
   libcli11-dev libzstd-dev libxxhash-dev nlohmann-json3-dev libgtest-dev
+  libpcre2-dev # the tokenizer's split regexes
   clang libclang-rt-14-dev # libFuzzer (tools/scripts/fuzz.sh)
 )
 
