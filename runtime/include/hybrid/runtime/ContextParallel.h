@@ -10,6 +10,9 @@
 #include "hybrid/runtime/Communicator.h"
 #include "hybrid/runtime/Status.h"
 
+#include <cstdint>
+#include <vector>
+
 namespace hybrid::parallel {
 
 // `segment` holds this rank's tokens (q, k, v, g, beta and out for its range; numTokens may be
@@ -19,5 +22,39 @@ namespace hybrid::parallel {
 // buffers (the cpu device; the loopback backend).
 Status kdaSequenceParallel(comm::Communicator &communicator,
                            const kernels::ref::KdaParams &segment);
+
+// ---- Zigzag context parallelism for causal DSA prefill.
+//
+// A sequence of T tokens is cut into 2N chunks (chunk c: tokens [T c / 2N, T (c + 1) / 2N)); rank
+// i takes chunks i and 2N - 1 - i, so an early (cheap) and a late (expensive) chunk pair up and
+// every rank scores about the same number of causal (query, key) pairs.
+
+// The global positions rank `rank` of `worldSize` holds, ascending: its two chunks.
+std::vector<int64_t> zigzagPositions(int64_t tokens, int rank, int worldSize);
+// Causal pairs the indexer scores for those positions: sum of (position + 1).
+int64_t zigzagIndexerWork(int64_t tokens, int rank, int worldSize);
+
+// One rank's share of a DSA layer's attention core (MODEL_SPEC 4): its tokens' index queries,
+// head weights and absorbed attention queries, and the index keys, latents and rope keys its
+// tokens wrote, all in zigzagPositions order.
+struct ZigzagDsaShard {
+  int64_t tokens = 0;          // the sequence's length
+  int64_t indexHeads = 0, indexDim = 0, topK = 0;
+  int64_t heads = 0, latentDim = 0, ropeDim = 0;
+  float softmaxScale = 0.0f;
+  const float *indexQueries = nullptr; // [own, indexHeads, indexDim]
+  const float *headWeights = nullptr;  // [own, indexHeads]
+  const float *indexKeys = nullptr;    // [own, indexDim]
+  const float *queries = nullptr;      // [own, heads, latentDim + ropeDim], absorbed
+  const float *latents = nullptr;      // [own, latentDim]
+  const float *ropeKeys = nullptr;     // [own, ropeDim]
+  float *out = nullptr;                // [own, heads, latentDim]: o^ of its tokens
+  int32_t *selected = nullptr;         // [own, topK]: the indexer's positions (may be null)
+};
+
+// All-gathers the keys, latents and rope keys (padded to the longest shard), restores sequence
+// order, then runs the indexer and the sparse latent attention for this rank's tokens against the
+// whole sequence: the rows a single rank computes for those positions, bit for bit.
+Status dsaZigzagPrefill(comm::Communicator &communicator, const ZigzagDsaShard &shard);
 
 } // namespace hybrid::parallel
