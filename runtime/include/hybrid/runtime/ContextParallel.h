@@ -7,10 +7,12 @@
 #pragma once
 
 #include "hybrid/kernels/ref/Kda.h"
+#include "hybrid/kernels/ref/Moe.h"
 #include "hybrid/runtime/Communicator.h"
 #include "hybrid/runtime/Status.h"
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 namespace hybrid::parallel {
@@ -56,5 +58,26 @@ struct ZigzagDsaShard {
 // order, then runs the indexer and the sparse latent attention for this rank's tokens against the
 // whole sequence: the rows a single rank computes for those positions, bit for bit.
 Status dsaZigzagPrefill(comm::Communicator &communicator, const ZigzagDsaShard &shard);
+
+// ---- Expert parallelism for the routed experts of an MoE layer.
+//
+// The experts are split evenly over the ranks (rank r holds experts [r E / N, (r + 1) E / N));
+// every rank routes its own tokens (the router is replicated), sends each (token, choice) row to
+// the rank holding its expert (an all-to-all, padded to the largest count, after an all-gather of
+// the counts), runs the experts it holds on what it received, returns the results (a second
+// all-to-all) and combines its tokens' weighted expert outputs in ascending expert order, as
+// ref::moeExperts does: the same bits as one rank holding every expert.
+struct ExpertParallelShard {
+  int64_t tokens = 0;     // this rank's tokens
+  int64_t hidden = 0;
+  int64_t topK = 0;
+  int64_t numExperts = 0; // all ranks' together: a multiple of the world size
+  const float *x = nullptr;              // [tokens, hidden]
+  const int32_t *expertIds = nullptr;    // [tokens, topK], global ids
+  const float *expertWeights = nullptr;  // [tokens, topK]
+  std::span<const kernels::ref::SwiGluWeights> localExperts; // this rank's numExperts / N
+  float *out = nullptr;                  // [tokens, hidden]: the routed experts' sum
+};
+Status moeExpertParallel(comm::Communicator &communicator, const ExpertParallelShard &shard);
 
 } // namespace hybrid::parallel
