@@ -4,6 +4,7 @@
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Safetensors.h"
 #include "hybrid/runtime/Server.h"
+#include "hybrid/runtime/Tokenizer.h"
 
 #include <gtest/gtest.h>
 #include <cerrno>
@@ -14,6 +15,8 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -68,6 +71,15 @@ protected:
     httplib::Client client("127.0.0.1", server_->port());
     client.set_read_timeout(120);
     auto response = client.Post("/v1/completions", headers, body.dump(), "application/json");
+    if (!response)
+      return {-1, json{{"client_error", httplib::to_string(response.error())}}};
+    return {response->status, json::parse(response->body, nullptr, false)};
+  }
+
+  std::pair<int, json> post(const std::string &path, const json &body) {
+    httplib::Client client("127.0.0.1", server_->port());
+    client.set_read_timeout(120);
+    auto response = client.Post(path, body.dump(), "application/json");
     if (!response)
       return {-1, json{{"client_error", httplib::to_string(response.error())}}};
     return {response->status, json::parse(response->body, nullptr, false)};
@@ -226,8 +238,8 @@ TEST_F(ServeTest, BadRequestsGetAReasonAndTheServerStaysUp) {
   expectError({{"prompt", {1, 2}}}, 401, "missing or wrong API key (Authorization: Bearer ...)",
               {});
   expectError({{"prompt", "hello"}}, 400,
-              "\"prompt\": text prompts need a tokenizer, which this server does not have yet; "
-              "send token ids",
+              "\"prompt\": text prompts need a tokenizer (hybrid-serve --tokenizer DIR); send "
+              "token ids",
               auth);
   expectError({{"prompt", {{1, 2}, {3}}}}, 400,
               "\"prompt\" must be one array of token ids (one prompt per request)", auth);
@@ -421,6 +433,168 @@ TEST(CompletionRequest, ParsesTheFieldsAndNamesTheBadOne) {
   EXPECT_EQ(error(R"({"prompt": [1], "stop_token_ids": 3})"),
             "\"stop_token_ids\" must be an array of token ids");
   EXPECT_EQ(error(R"({"prompt": [1], "stream": "yes"})"), "\"stream\" must be true or false");
+}
+
+// A tokenizer that fits the tiny models' 256 ids: one tiktoken token per byte that can occur in
+// UTF-8 (243), then Kimi's special tokens and reserved ones up to id 255.
+std::unique_ptr<Tokenizer> byteTokenizer() {
+  const std::string dir = std::string(HYBRID_E2E_DIR) + "/byte-tokenizer";
+  std::filesystem::create_directories(dir);
+  static const char *kAlphabet =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::ofstream model(dir + "/tiktoken.model");
+  int64_t rank = 0;
+  for (int byte = 0; byte < 256; ++byte) {
+    if (byte == 0xC0 || byte == 0xC1 || byte >= 0xF5)
+      continue;
+    const std::string base64 = {kAlphabet[byte >> 2], kAlphabet[(byte & 3) << 4], '=', '='};
+    model << base64 << " " << rank++ << "\n";
+  }
+  model.close();
+  json added = json::object();
+  const std::vector<std::string> specials = {"[BOS]",           "[EOS]",         "<|im_end|>",
+                                             "<|im_user|>",     "<|im_assistant|>",
+                                             "<|im_system|>",   "<|im_middle|>"};
+  for (int64_t id = rank; id < 256; ++id) {
+    const size_t k = size_t(id - rank);
+    added[std::to_string(id)] = {
+        {"content", k < specials.size() ? specials[k] : "<|reserved_" + std::to_string(id) + "|>"},
+        {"special", true}};
+  }
+  std::ofstream(dir + "/tokenizer_config.json") << json{{"added_tokens_decoder", added}}.dump();
+  auto tokenizer = Tokenizer::load(dir);
+  EXPECT_TRUE(tokenizer.isOk()) << tokenizer.status().message();
+  return tokenizer.isOk() ? std::move(*tokenizer) : nullptr;
+}
+
+// Collects a server-sent-events body: the ids, the text (completions "text" or chat
+// delta.content) and whether [DONE] came.
+struct Streamed {
+  std::vector<int64_t> tokens;
+  std::string text;
+  bool done = false;
+};
+Streamed readStream(const std::string &body, bool chat) {
+  Streamed out;
+  std::istringstream lines(body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("data: ", 0) != 0)
+      continue;
+    const std::string data = line.substr(6);
+    if (data == "[DONE]") {
+      out.done = true;
+      continue;
+    }
+    const json choice = json::parse(data)["choices"][0];
+    out.tokens.push_back(choice["token_ids"][0].get<int64_t>());
+    out.text += chat ? choice["delta"]["content"].get<std::string>()
+                     : choice["text"].get<std::string>();
+  }
+  return out;
+}
+
+TEST_F(ServeTest, TextPromptsAndChatGoThroughTheTokenizer) {
+  auto tokenizer = byteTokenizer();
+  ASSERT_TRUE(tokenizer);
+  ASSERT_EQ(tokenizer->chatFormat(), ChatFormat::Kimi);
+  ServeOptions options;
+  options.tokenizer = tokenizer.get();
+  startServer({}, options);
+  const std::string prompt = "Hello, 世界 🚀";
+  const std::vector<int64_t> ids = tokenizer->encode(prompt).value();
+  // A text prompt runs exactly as its ids do, and the answer's text is its ids decoded.
+  auto [status, byText] = complete({{"prompt", prompt}, {"max_tokens", 6}});
+  ASSERT_EQ(status, 200) << byText.dump();
+  auto [idStatus, byIds] = complete({{"prompt", ids}, {"max_tokens", 6}});
+  ASSERT_EQ(idStatus, 200) << byIds.dump();
+  const auto generated = byText["choices"][0]["token_ids"].get<std::vector<int64_t>>();
+  EXPECT_EQ(generated, byIds["choices"][0]["token_ids"].get<std::vector<int64_t>>());
+  EXPECT_EQ(byText["usage"]["prompt_tokens"], ids.size());
+  EXPECT_EQ(byText["choices"][0]["text"], tokenizer->decode(generated, true).value());
+
+  // Chat: the Kimi rendering of the messages, with <|im_end|> and [EOS] as stop tokens.
+  const json messages = {{{"role", "system"}, {"content", "Be brief."}},
+                         {{"role", "user"}, {"content", {{{"type", "text"}, {"text", "Hi 👋"}}}}}};
+  const std::vector<ChatMessage> chat = {{"system", "Be brief.", ""}, {"user", "Hi 👋", ""}};
+  const auto chatIds = tokenizer->encode(renderChat(ChatFormat::Kimi, chat).value()).value();
+  auto [chatStatus, chatBody] = post("/v1/chat/completions", {{"messages", messages},
+                                                              {"max_tokens", 8}});
+  ASSERT_EQ(chatStatus, 200) << chatBody.dump();
+  EXPECT_EQ(chatBody["object"], "chat.completion");
+  std::vector<int64_t> stops = tokenizer->endOfTurnTokens();
+  auto [plainStatus, plain] =
+      complete({{"prompt", chatIds}, {"max_tokens", 8}, {"stop_token_ids", stops}});
+  ASSERT_EQ(plainStatus, 200) << plain.dump();
+  const auto answer = chatBody["choices"][0]["token_ids"].get<std::vector<int64_t>>();
+  EXPECT_EQ(answer, plain["choices"][0]["token_ids"].get<std::vector<int64_t>>());
+  EXPECT_EQ(chatBody["usage"]["prompt_tokens"], chatIds.size());
+  EXPECT_EQ(chatBody["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(chatBody["choices"][0]["message"]["content"], tokenizer->decode(answer, true).value());
+
+  // Streaming: the pieces of text add up to the whole answer, in both endpoints.
+  for (const bool isChat : {false, true}) {
+    json body = isChat ? json{{"messages", messages}, {"max_tokens", 8}}
+                       : json{{"prompt", prompt}, {"max_tokens", 6}};
+    body["stream"] = true;
+    auto response = client_->Post(isChat ? "/v1/chat/completions" : "/v1/completions",
+                                  body.dump(), "application/json");
+    ASSERT_TRUE(response);
+    ASSERT_EQ(response->status, 200);
+    const Streamed streamed = readStream(response->body, isChat);
+    EXPECT_TRUE(streamed.done);
+    EXPECT_EQ(streamed.tokens, isChat ? answer : generated);
+    EXPECT_EQ(streamed.text, tokenizer->decode(streamed.tokens, true).value());
+  }
+
+  auto [badStatus, bad] = post("/v1/chat/completions",
+                               {{"messages", {{{"role", "tool"}, {"content", "{}"}}}}});
+  EXPECT_EQ(badStatus, 400);
+  EXPECT_EQ(bad["error"]["message"], "\"messages\"[0]: role \"tool\" is not supported by the "
+                                     "kimi chat format (system, user, assistant)");
+}
+
+TEST_F(ServeTest, ChatWithoutATokenizerIsRefused) {
+  startServer();
+  auto [status, body] =
+      post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}});
+  EXPECT_EQ(status, 400);
+  EXPECT_EQ(body["error"]["message"],
+            "chat completions need a tokenizer (hybrid-serve --tokenizer DIR)");
+}
+
+TEST(ChatRequest, ParsesMessagesAndNamesTheBadField) {
+  auto tokenizer = byteTokenizer();
+  ASSERT_TRUE(tokenizer);
+  auto error = [&](const std::string &body) {
+    auto parsed = parseChatRequest(body, 16, tokenizer.get(), ChatFormat::Kimi);
+    return parsed.isOk() ? std::string("ok") : parsed.status().message();
+  };
+  EXPECT_EQ(error(R"({"messages": [{"role": "user", "content": "x"}]})"), "ok");
+  EXPECT_EQ(error(R"({"messages": []})"), "\"messages\" must be a non-empty array");
+  EXPECT_EQ(error(R"({"messages": [{"content": "x"}]})"),
+            "\"messages\"[0] must be an object with a string \"role\"");
+  EXPECT_EQ(error(R"({"messages": [{"role": "user", "content": 3}]})"),
+            "\"messages\"[0].content must be a string or an array of text parts");
+  EXPECT_EQ(error(R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})"),
+            "\"messages\"[0].content: only {\"type\": \"text\", \"text\": ...} parts are "
+            "supported");
+  EXPECT_EQ(error(R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": "4"})"),
+            "\"max_tokens\" must be an integer");
+  auto parsed = parseChatRequest(R"({"messages": [{"role": "user", "content": "x"}],
+      "max_completion_tokens": 3, "stop_token_ids": [5]})", 16, tokenizer.get(), ChatFormat::Kimi);
+  ASSERT_TRUE(parsed.isOk()) << parsed.status().message();
+  EXPECT_EQ(parsed->generation.maxNewTokens, 3);
+  std::vector<int64_t> stops = {5};
+  for (int64_t id : tokenizer->endOfTurnTokens())
+    stops.push_back(id);
+  EXPECT_EQ(parsed->generation.stopTokens, stops);
+  // Text completions with a tokenizer: an empty or non-UTF-8 prompt is refused.
+  auto text = [&](const std::string &body) {
+    auto parsed = parseCompletionRequest(body, 16, tokenizer.get());
+    return parsed.isOk() ? std::string("ok") : parsed.status().message();
+  };
+  EXPECT_EQ(text(R"({"prompt": "abc"})"), "ok");
+  EXPECT_EQ(text(R"({"prompt": ""})"), "\"prompt\" is empty");
 }
 
 TEST(ServeOptions, OffLoopbackNeedsAnApiKey) {

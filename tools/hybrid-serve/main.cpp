@@ -1,6 +1,7 @@
 // hybrid-serve: an OpenAI-compatible HTTP server for a model compiled by hybrid-compile.
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Server.h"
+#include "hybrid/runtime/Tokenizer.h"
 
 #include <CLI/CLI.hpp>
 
@@ -49,6 +50,13 @@ int main(int argc, char **argv) {
                  "(0: off)")
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
+  std::string tokenizerDir, chatFormat = "auto";
+  app.add_option("--tokenizer", tokenizerDir,
+                 "Checkpoint directory with tokenizer.json or tiktoken.model (+ "
+                 "tokenizer_config.json): text prompts, chat completions, decoded text");
+  app.add_option("--chat-format", chatFormat,
+                 "auto (from the tokenizer), kimi, deepseek-v3, deepseek-v3.2 or none")
+      ->default_val("auto");
   app.add_option("--prefill-chunk", serve.scheduler.prefillChunkTokens,
                  "Prompt tokens a request gets per scheduler step")
       ->default_val(256)
@@ -63,6 +71,27 @@ int main(int argc, char **argv) {
   sigaddset(&stopSignals, SIGINT);
   sigaddset(&stopSignals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stopSignals, nullptr);
+
+  std::unique_ptr<hybrid::Tokenizer> tokenizer;
+  auto format = hybrid::parseChatFormat(chatFormat);
+  if (!format) {
+    std::cerr << "error: --chat-format: " << format.status().message() << "\n";
+    return 1;
+  }
+  serve.chatFormat = *format;
+  if (!tokenizerDir.empty()) {
+    auto loaded = hybrid::Tokenizer::load(tokenizerDir);
+    if (!loaded) {
+      std::cerr << "error: " << loaded.status().message() << "\n";
+      return 1;
+    }
+    tokenizer = std::move(*loaded);
+    serve.tokenizer = tokenizer.get();
+    std::cerr << "hybrid-serve: tokenizer " << tokenizerDir << " (" << tokenizer->vocabSize()
+              << " ids, chat format "
+              << hybrid::chatFormatName(serve.chatFormat.value_or(tokenizer->chatFormat()))
+              << ")\n";
+  }
 
   std::cerr << "hybrid-serve: loading " << modelDir << " (" << load.device << ")\n";
   const auto loadStart = std::chrono::steady_clock::now();

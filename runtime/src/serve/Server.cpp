@@ -109,7 +109,7 @@ struct Server::Impl {
   }
   void routes();
   bool authorized(const httplib::Request &request, httplib::Response &response) const;
-  void completions(const httplib::Request &request, httplib::Response &response);
+  void completions(const httplib::Request &request, httplib::Response &response, bool chat);
   std::string metrics();
 };
 
@@ -215,24 +215,13 @@ bool tokenId(const json &value) {
 
 } // namespace
 
-StatusOr<CompletionRequest> parseCompletionRequest(const std::string &text,
-                                                   int64_t defaultMaxTokens) {
-  const json body = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded() || !body.is_object())
-    return Status::error("the body is not a JSON object");
-  CompletionRequest request;
-  const json prompt = body.value("prompt", json());
-  if (prompt.is_string())
-    return Status::error("\"prompt\": text prompts need a tokenizer, which this server does not "
-                         "have yet; send token ids");
-  if (!prompt.is_array() || prompt.empty())
-    return Status::error("\"prompt\" must be a non-empty array of token ids");
-  for (const json &id : prompt) {
-    if (!tokenId(id))
-      return Status::error("\"prompt\" must be one array of token ids (one prompt per request)");
-    request.generation.prompt.push_back(id.get<int64_t>());
-  }
-  const json maxTokens = body.value("max_tokens", json(defaultMaxTokens));
+namespace {
+
+// The fields /v1/completions and /v1/chat/completions share: max_tokens, stop_token_ids, stream.
+Status parseCommonFields(const json &body, int64_t defaultMaxTokens, CompletionRequest &request) {
+  json maxTokens = body.value("max_tokens", json(defaultMaxTokens));
+  if (!body.contains("max_tokens") && body.contains("max_completion_tokens"))
+    maxTokens = body["max_completion_tokens"];
   if (!tokenId(maxTokens))
     return Status::error("\"max_tokens\" must be an integer");
   request.generation.maxNewTokens = maxTokens.get<int64_t>();
@@ -248,10 +237,101 @@ StatusOr<CompletionRequest> parseCompletionRequest(const std::string &text,
   if (!stream.is_boolean())
     return Status::error("\"stream\" must be true or false");
   request.stream = stream.get<bool>();
+  return Status::ok();
+}
+
+} // namespace
+
+StatusOr<CompletionRequest> parseCompletionRequest(const std::string &text,
+                                                   int64_t defaultMaxTokens,
+                                                   const Tokenizer *tokenizer) {
+  const json body = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object())
+    return Status::error("the body is not a JSON object");
+  CompletionRequest request;
+  const json prompt = body.value("prompt", json());
+  if (prompt.is_string()) {
+    if (!tokenizer)
+      return Status::error("\"prompt\": text prompts need a tokenizer (hybrid-serve --tokenizer "
+                           "DIR); send token ids");
+    if (prompt.get<std::string>().empty())
+      return Status::error("\"prompt\" is empty");
+    StatusOr<std::vector<int64_t>> ids = tokenizer->encode(prompt.get<std::string>());
+    if (!ids)
+      return Status::error("\"prompt\": " + ids.status().message());
+    if (std::optional<int64_t> bos = tokenizer->promptBosToken())
+      request.generation.prompt.push_back(*bos);
+    request.generation.prompt.insert(request.generation.prompt.end(), ids->begin(), ids->end());
+  } else {
+    if (!prompt.is_array() || prompt.empty())
+      return Status::error("\"prompt\" must be a non-empty array of token ids");
+    for (const json &id : prompt) {
+      if (!tokenId(id))
+        return Status::error("\"prompt\" must be one array of token ids (one prompt per request)");
+      request.generation.prompt.push_back(id.get<int64_t>());
+    }
+  }
+  if (Status status = parseCommonFields(body, defaultMaxTokens, request); !status)
+    return status;
   return request;
 }
 
-void Server::Impl::completions(const httplib::Request &request, httplib::Response &response) {
+StatusOr<CompletionRequest> parseChatRequest(const std::string &text, int64_t defaultMaxTokens,
+                                             const Tokenizer *tokenizer, ChatFormat format) {
+  const json body = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object())
+    return Status::error("the body is not a JSON object");
+  if (!tokenizer)
+    return Status::error("chat completions need a tokenizer (hybrid-serve --tokenizer DIR)");
+  const json messages = body.value("messages", json());
+  if (!messages.is_array() || messages.empty())
+    return Status::error("\"messages\" must be a non-empty array");
+  std::vector<ChatMessage> chat;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const std::string field = "\"messages\"[" + std::to_string(i) + "]";
+    const json &message = messages[i];
+    if (!message.is_object() || !message.contains("role") || !message["role"].is_string())
+      return Status::error(field + " must be an object with a string \"role\"");
+    ChatMessage parsed;
+    parsed.role = message["role"].get<std::string>();
+    const json content = message.value("content", json());
+    if (content.is_string()) {
+      parsed.content = content.get<std::string>();
+    } else if (content.is_array()) {
+      for (const json &part : content) {
+        if (!part.is_object() || part.value("type", json()) != json("text") ||
+            !part.contains("text") || !part["text"].is_string())
+          return Status::error(field + ".content: only {\"type\": \"text\", \"text\": ...} parts "
+                                       "are supported");
+        parsed.content += part["text"].get<std::string>();
+      }
+    } else if (!content.is_null()) {
+      return Status::error(field + ".content must be a string or an array of text parts");
+    }
+    if (message.contains("name")) {
+      if (!message["name"].is_string())
+        return Status::error(field + ".name must be a string");
+      parsed.name = message["name"].get<std::string>();
+    }
+    chat.push_back(std::move(parsed));
+  }
+  StatusOr<std::string> rendered = renderChat(format, chat);
+  if (!rendered)
+    return rendered.status();
+  CompletionRequest request;
+  StatusOr<std::vector<int64_t>> ids = tokenizer->encode(*rendered);
+  if (!ids)
+    return Status::error("\"messages\": " + ids.status().message());
+  request.generation.prompt = std::move(*ids);
+  if (Status status = parseCommonFields(body, defaultMaxTokens, request); !status)
+    return status;
+  for (int64_t id : tokenizer->endOfTurnTokens())
+    request.generation.stopTokens.push_back(id);
+  return request;
+}
+
+void Server::Impl::completions(const httplib::Request &request, httplib::Response &response,
+                               bool chat) {
   requests.fetch_add(1);
   auto fail = [&](int status, const std::string &message) {
     failedRequests.fetch_add(1);
@@ -260,7 +340,12 @@ void Server::Impl::completions(const httplib::Request &request, httplib::Respons
                              .dump(),
                          "application/json");
   };
-  StatusOr<CompletionRequest> parsed = parseCompletionRequest(request.body, options.defaultMaxTokens);
+  const Tokenizer *tokenizer = options.tokenizer;
+  StatusOr<CompletionRequest> parsed =
+      chat ? parseChatRequest(request.body, options.defaultMaxTokens, tokenizer,
+                              options.chatFormat.value_or(tokenizer ? tokenizer->chatFormat()
+                                                                    : ChatFormat::None))
+           : parseCompletionRequest(request.body, options.defaultMaxTokens, tokenizer);
   if (!parsed)
     return fail(400, parsed.status().message());
   auto pending = std::make_shared<Pending>();
@@ -277,7 +362,9 @@ void Server::Impl::completions(const httplib::Request &request, httplib::Respons
   }
   wake.notify_one();
 
-  const std::string id = "cmpl-" + std::to_string(nextCompletion.fetch_add(1));
+  const std::string id =
+      (chat ? "chatcmpl-" : "cmpl-") + std::to_string(nextCompletion.fetch_add(1));
+  const char *object = chat ? "chat.completion" : "text_completion";
   const size_t promptTokens = pending->request.prompt.size();
   auto finishReason = [pending](int64_t token) {
     const auto &stopTokens = pending->request.stopTokens;
@@ -298,15 +385,31 @@ void Server::Impl::completions(const httplib::Request &request, httplib::Respons
     std::vector<int64_t> tokens;
     for (const TokenEvent &event : pending->events)
       tokens.push_back(event.token);
+    // Generated ids are the model's, so decoding fails only on a vocabulary mismatch between
+    // the model and the tokenizer: a server error.
+    std::string text;
+    if (tokenizer) {
+      StatusOr<std::string> decoded = tokenizer->decode(tokens, /*skipSpecial=*/true);
+      if (!decoded) {
+        response.status = 500;
+        response.set_content(errorBody(decoded.status().message(), "server_error").dump(),
+                             "application/json");
+        return;
+      }
+      text = std::move(*decoded);
+    }
+    json choice = {{"index", 0},
+                   {"token_ids", tokens},
+                   {"finish_reason", tokens.empty() ? "length" : finishReason(tokens.back())}};
+    if (chat)
+      choice["message"] = {{"role", "assistant"}, {"content", text}};
+    else
+      choice["text"] = text;
     const json result = {
         {"id", id},
-        {"object", "text_completion"},
+        {"object", object},
         {"model", options.modelName},
-        {"choices",
-         {{{"index", 0},
-           {"text", ""},
-           {"token_ids", tokens},
-           {"finish_reason", tokens.empty() ? "length" : finishReason(tokens.back())}}}},
+        {"choices", {choice}},
         {"usage",
          {{"prompt_tokens", promptTokens},
           {"completion_tokens", tokens.size()},
@@ -316,27 +419,44 @@ void Server::Impl::completions(const httplib::Request &request, httplib::Respons
   }
   // Server-sent events: one chunk per token, then [DONE]. A client that goes away is noticed at
   // the next write, and its request is cancelled.
+  // Text is decoded token by token; bytes of a character not yet complete wait for the next.
+  std::shared_ptr<IncrementalDecoder> decoder;
+  if (tokenizer)
+    decoder = std::make_shared<IncrementalDecoder>(*tokenizer, /*skipSpecial=*/true);
   response.set_chunked_content_provider(
-      "text/event-stream", [this, pending, id, finishReason](size_t, httplib::DataSink &sink) {
+      "text/event-stream",
+      [this, pending, id, finishReason, decoder, chat](size_t, httplib::DataSink &sink) {
         std::unique_lock<std::mutex> lock(pending->mutex);
         pending->changed.wait(lock, [&] { return pending->done || !pending->events.empty(); });
         while (!pending->events.empty()) {
           TokenEvent event = std::move(pending->events.front());
           pending->events.pop_front();
           json chunk;
-          if (!event.error.empty())
+          std::string text;
+          if (event.error.empty() && decoder) {
+            StatusOr<std::string> piece = decoder->push(event.token);
+            if (!piece)
+              event.error = piece.status().message();
+            else
+              text = std::move(*piece) + (event.finished ? decoder->finish() : std::string());
+          }
+          if (!event.error.empty()) {
             chunk = errorBody(event.error, pending->rejected ? "invalid_request_error"
                                                              : "server_error");
-          else
+          } else {
+            json choice = {{"index", 0},
+                           {"token_ids", {event.token}},
+                           {"finish_reason",
+                            event.finished ? json(finishReason(event.token)) : json()}};
+            if (chat)
+              choice["delta"] = {{"role", "assistant"}, {"content", text}};
+            else
+              choice["text"] = text;
             chunk = {{"id", id},
-                     {"object", "text_completion"},
+                     {"object", chat ? "chat.completion.chunk" : "text_completion"},
                      {"model", options.modelName},
-                     {"choices",
-                      {{{"index", 0},
-                        {"text", ""},
-                        {"token_ids", {event.token}},
-                        {"finish_reason",
-                         event.finished ? json(finishReason(event.token)) : json()}}}}};
+                     {"choices", {choice}}};
+          }
           const std::string line = "data: " + chunk.dump() + "\n\n";
           if (!sink.write(line.data(), line.size())) {
             // The client left: the engine drops the request at its next step.
@@ -433,7 +553,12 @@ void Server::Impl::routes() {
   http.Post("/v1/completions", [this](const httplib::Request &request,
                                       httplib::Response &response) {
     if (authorized(request, response))
-      completions(request, response);
+      completions(request, response, /*chat=*/false);
+  });
+  http.Post("/v1/chat/completions", [this](const httplib::Request &request,
+                                           httplib::Response &response) {
+    if (authorized(request, response))
+      completions(request, response, /*chat=*/true);
   });
 }
 

@@ -1,13 +1,17 @@
 // An OpenAI-compatible HTTP server over a Model (hybrid-serve): an engine thread runs the
 // Scheduler while HTTP threads queue requests and wait for (or stream) their tokens.
 // Endpoints: GET /health, /ready, /v1/models, /metrics (Prometheus text); POST /v1/completions
-// with a token-id prompt ("prompt": [ids]; text needs a tokenizer, not there yet), "max_tokens",
-// "stream" (server-sent events), "stop_token_ids". Generated ids come back in "token_ids".
+// with a prompt of token ids ("prompt": [ids]) or, with a tokenizer, text; POST
+// /v1/chat/completions with "messages" (a tokenizer with a chat format needed); "max_tokens",
+// "stream" (server-sent events), "stop_token_ids". Generated ids come back in "token_ids", and
+// with a tokenizer as "text" (chat: message "content"), special tokens left out; streamed text is
+// decoded incrementally so a character split over tokens comes out whole.
 #pragma once
 
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Scheduler.h"
 #include "hybrid/runtime/Status.h"
+#include "hybrid/runtime/Tokenizer.h"
 
 #include <memory>
 #include <string>
@@ -31,17 +35,28 @@ struct ServeOptions {
   int readTimeoutSeconds = 30;
   int writeTimeoutSeconds = 30;
   int keepAliveSeconds = 5; // an idle kept-alive connection is closed after this
+  // Text prompts, chat and decoded text need one (hybrid-serve --tokenizer DIR); it must outlive
+  // the server. chatFormat overrides the format the tokenizer detected.
+  const Tokenizer *tokenizer = nullptr;
+  std::optional<ChatFormat> chatFormat;
 };
 
 // A /v1/completions body: the request the scheduler gets, and whether to stream. Checks the JSON
 // shape only (token ranges and lengths are the scheduler's to check); the error is the message a
-// 400 response carries, naming the field.
+// 400 response carries, naming the field. A text prompt is encoded with the tokenizer (special
+// tokens parsed, BOS first where its config asks for one); without one it is refused.
 struct CompletionRequest {
   GenerationRequest generation;
   bool stream = false;
 };
 StatusOr<CompletionRequest> parseCompletionRequest(const std::string &body,
-                                                   int64_t defaultMaxTokens);
+                                                   int64_t defaultMaxTokens,
+                                                   const Tokenizer *tokenizer = nullptr);
+// A /v1/chat/completions body: "messages" ([{"role", "content" (text, or an array of
+// {"type": "text", "text"} parts), "name"?}]) rendered in `format` and encoded; the format's
+// end-of-turn tokens join the stop tokens.
+StatusOr<CompletionRequest> parseChatRequest(const std::string &body, int64_t defaultMaxTokens,
+                                             const Tokenizer *tokenizer, ChatFormat format);
 
 class Server {
 public:
