@@ -5,6 +5,8 @@
 // without a GPU.
 #include "hybrid/runtime/Communicator.h"
 
+#include "RankThreads.h"
+
 #include <gtest/gtest.h>
 
 #include <arpa/inet.h>
@@ -21,17 +23,7 @@
 namespace hybrid::comm {
 namespace {
 
-// Runs body(rank, communicator) on one thread per rank; returns each rank's status.
-std::vector<Status> onEveryRank(std::vector<std::unique_ptr<Communicator>> &ranks,
-                                const std::function<Status(int, Communicator &)> &body) {
-  std::vector<Status> statuses(ranks.size(), Status::ok());
-  std::vector<std::thread> threads;
-  for (size_t r = 0; r < ranks.size(); ++r)
-    threads.emplace_back([&, r] { statuses[r] = body(int(r), *ranks[r]); });
-  for (std::thread &t : threads)
-    t.join();
-  return statuses;
-}
+using rankthreads::onEveryRank;
 
 std::vector<float> randomValues(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);

@@ -7,13 +7,14 @@
 #include "hybrid/kernels/ref/Dsa.h"
 #include "hybrid/kernels/ref/Mla.h"
 
+#include "RankThreads.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <random>
-#include <thread>
 
 namespace hybrid::parallel {
 namespace {
@@ -124,14 +125,9 @@ TEST_P(DsaZigzagRanks, RowsEqualASingleRanksBitForBit) {
   attention.out = expected.data();
   ref::latentAttention(attention);
 
-  auto group = comm::makeLoopbackGroup(world);
-  ASSERT_TRUE(group);
   std::vector<std::vector<float>> outs(static_cast<size_t>(world));
   std::vector<std::vector<int32_t>> picks(static_cast<size_t>(world));
-  std::vector<Status> statuses(static_cast<size_t>(world), Status::ok());
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
+  const auto statuses = comm::rankthreads::onEveryRank(world, [&](int r, comm::Communicator &comm) {
       const auto own = zigzagPositions(T, r, world);
       const auto iq = rows(layer.indexQueries, own, kIndexHeads * kIndexDim);
       const auto hw = rows(layer.headWeights, own, kIndexHeads);
@@ -158,10 +154,8 @@ TEST_P(DsaZigzagRanks, RowsEqualASingleRanksBitForBit) {
       shard.ropeKeys = kr.data();
       shard.out = outs[size_t(r)].data();
       shard.selected = picks[size_t(r)].data();
-      statuses[size_t(r)] = dsaZigzagPrefill(*(*group)[size_t(r)], shard);
+      return dsaZigzagPrefill(comm, shard);
     });
-  for (std::thread &t : threads)
-    t.join();
   for (int r = 0; r < world; ++r) {
     ASSERT_TRUE(statuses[size_t(r)]) << statuses[size_t(r)].message();
     const auto own = zigzagPositions(T, r, world);

@@ -7,13 +7,13 @@
 #include "hybrid/kernels/ref/Kda.h"
 #include "hybrid/kernels/ref/Norm.h"
 
+#include "RankThreads.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <random>
-#include <thread>
 
 namespace hybrid::parallel {
 namespace {
@@ -69,20 +69,12 @@ ref::KdaParams paramsFor(Sequence &s, int64_t begin, int64_t end, float *state, 
 // from its rank) and every rank's final state.
 void runParallel(Sequence &s, int world, std::vector<float> &out,
                  std::vector<std::vector<float>> &states) {
-  auto group = comm::makeLoopbackGroup(world);
-  ASSERT_TRUE(group) << group.status().message();
   out.assign(size_t(s.tokens * kHeads * kValueDim), NAN);
   states.assign(size_t(world), s.state);
-  std::vector<Status> statuses(size_t(world), Status::ok());
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      const int64_t begin = s.tokens * r / world, end = s.tokens * (r + 1) / world;
-      statuses[size_t(r)] = kdaSequenceParallel(
-          *(*group)[size_t(r)], paramsFor(s, begin, end, states[size_t(r)].data(), out.data()));
-    });
-  for (std::thread &t : threads)
-    t.join();
+  const auto statuses = comm::rankthreads::onEveryRank(world, [&](int r, comm::Communicator &c) {
+    const int64_t begin = s.tokens * r / world, end = s.tokens * (r + 1) / world;
+    return kdaSequenceParallel(c, paramsFor(s, begin, end, states[size_t(r)].data(), out.data()));
+  });
   for (const Status &st : statuses)
     ASSERT_TRUE(st) << st.message();
 }

@@ -4,12 +4,13 @@
 // rank with no tokens; bad shards are errors on the rank that passes them.
 #include "hybrid/runtime/ContextParallel.h"
 
+#include "RankThreads.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <random>
-#include <thread>
 
 namespace hybrid::parallel {
 namespace {
@@ -83,14 +84,9 @@ TEST_P(MoeExpertParallelRanks, EqualsOneRankWithEveryExpert) {
   for (int r = 0; r < world; ++r)
     tokens.push_back(makeTokens(rng, r == 1 ? 0 : 5 + 4 * r)); // rank 1 (if any): no tokens
 
-  auto group = comm::makeLoopbackGroup(world);
-  ASSERT_TRUE(group);
   std::vector<std::vector<float>> outs(static_cast<size_t>(world));
-  std::vector<Status> statuses(static_cast<size_t>(world), Status::ok());
-  std::vector<std::thread> threads;
   const int64_t perRank = kExperts / world;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
+  const auto statuses = comm::rankthreads::onEveryRank(world, [&](int r, comm::Communicator &comm) {
       const Tokens &t = tokens[size_t(r)];
       outs[size_t(r)].assign(size_t(t.count * kHidden), NAN);
       ExpertParallelShard shard;
@@ -104,10 +100,8 @@ TEST_P(MoeExpertParallelRanks, EqualsOneRankWithEveryExpert) {
       shard.localExperts = std::span<const ref::SwiGluWeights>(
           experts.weights.data() + r * perRank, size_t(perRank));
       shard.out = outs[size_t(r)].data();
-      statuses[size_t(r)] = moeExpertParallel(*(*group)[size_t(r)], shard);
+      return moeExpertParallel(comm, shard);
     });
-  for (std::thread &t : threads)
-    t.join();
   for (int r = 0; r < world; ++r) {
     ASSERT_TRUE(statuses[size_t(r)]) << statuses[size_t(r)].message();
     const Tokens &t = tokens[size_t(r)];
