@@ -744,6 +744,8 @@ int main(int argc, char **argv) {
   serve->add_option("--prefix-cache", modelOptions.prefixCacheEntries,
                     "--model: prompt prefixes kept")
       ->check(CLI::NonNegativeNumber);
+  serve->add_flag("--synthetic-weights", modelOptions.syntheticWeights,
+                  "--model: compiled with --synthetic-weights (values generated at load)");
   serve->add_option("--json", o.jsonPath, "Write the results as JSON");
   int32_t specPrompts = 8, specPromptTokens = 64, specMaxTokens = 32, specDraft = 4;
   uint64_t specSeed = 1;

@@ -57,6 +57,9 @@ int main(int argc, char **argv) {
   app.add_option("--chat-format", chatFormat,
                  "auto (from the tokenizer), kimi, deepseek-v3, deepseek-v3.2 or none")
       ->default_val("auto");
+  app.add_flag("--synthetic-weights", load.syntheticWeights,
+               "The model was compiled with --synthetic-weights: its values are generated at "
+               "load (benchmarks of full-size shapes; never serve them for real)");
   app.add_option("--prefill-chunk", serve.scheduler.prefillChunkTokens,
                  "Prompt tokens a request gets per scheduler step")
       ->default_val(256)
@@ -103,6 +106,11 @@ int main(int argc, char **argv) {
   std::cerr << "hybrid-serve: loaded in "
             << std::chrono::duration<double>(std::chrono::steady_clock::now() - loadStart).count()
             << " s\n";
+  if (const hybrid::WeightGeneration &g = (*model)->weightGeneration();
+      g.hostBytes + g.deviceBytes > 0)
+    std::cerr << "hybrid-serve: synthetic weights: " << double(g.deviceBytes) / 1e9
+              << " GB generated on the device, " << double(g.hostBytes) / 1e9
+              << " GB on the host\n";
   auto server = hybrid::Server::start(**model, serve);
   if (!server) {
     std::cerr << "error: " << server.status().message() << "\n";
