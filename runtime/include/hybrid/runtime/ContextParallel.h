@@ -80,4 +80,20 @@ struct ExpertParallelShard {
 };
 Status moeExpertParallel(comm::Communicator &communicator, const ExpertParallelShard &shard);
 
+// ---- Tensor parallelism for a dense SwiGLU MLP (the pattern TP uses for every projection pair).
+//
+// Rank r of N holds rows [r I / N, (r + 1) I / N) of gate and up (column-parallel: its slice of
+// the intermediate activations needs no communication) and the same columns of down (row-
+// parallel: its product is a partial sum), so one all-reduce gives every rank the whole output.
+// `slice` is this rank's: gate/up [I_r, hidden], down [hidden, I_r]. Sums differ from one rank's
+// in rounding only (the intermediate dimension is added in N pieces).
+Status mlpTensorParallel(comm::Communicator &communicator, std::span<const float> x,
+                         int64_t tokens, const kernels::ref::SwiGluWeights &slice,
+                         std::span<float> out);
+// The rows of an intermediate dimension of `size` rank `rank` of `worldSize` holds.
+struct RowRange {
+  int64_t begin = 0, end = 0;
+};
+RowRange tensorParallelRows(int64_t size, int rank, int worldSize);
+
 } // namespace hybrid::parallel
