@@ -881,3 +881,49 @@ TEST(ModelErrors, UnknownDevice) {
 
 } // namespace
 } // namespace hybrid
+
+namespace hybrid {
+namespace {
+
+// Model::Usage's sparse-attention counters: per DSA layer and query token, min(top_k, position + 1)
+// positions selected out of position + 1 (deepseek_v32_tiny: every layer is DSA); none without
+// DSA layers (kimi_linear_tiny).
+TEST(ModelUsage, CountsSparseAttentionSelections) {
+  auto deepseek = loadOrDie(compiledDir("deepseek_v32_tiny"));
+  ASSERT_TRUE(deepseek);
+  int64_t layers = 0, topK = 0;
+  for (const plan::fb::Program *program : *deepseek->plan().programs())
+    if (program->name()->str() == "decode")
+      for (const plan::fb::Step *step : *program->steps())
+        if (const plan::fb::Dispatch *d = step->op_as_Dispatch();
+            d && d->kernel() == plan::fb::KernelId::DsaIndexer) {
+          ++layers;
+          topK = d->params_as_DsaIndexerParams()->top_k();
+        }
+  ASSERT_GT(layers, 0);
+  ASSERT_GT(topK, 0);
+  const std::vector<int64_t> prompt = goldenPrompt("deepseek_v32_tiny");
+  auto sequence = deepseek->newSequence();
+  ASSERT_TRUE(sequence);
+  ASSERT_TRUE((*sequence)->prefill(prompt));
+  ASSERT_TRUE((*sequence)->decode(prompt[0]));
+  uint64_t selected = 0, context = 0;
+  for (int64_t position = 0; position <= int64_t(prompt.size()); ++position) { // + the decode
+    selected += uint64_t(layers * std::min(topK, position + 1));
+    context += uint64_t(layers * (position + 1));
+  }
+  EXPECT_EQ(deepseek->usage().sparseSelectedPositions, selected);
+  EXPECT_EQ(deepseek->usage().sparseContextPositions, context);
+  EXPECT_LT(selected, context); // the 40-token prompt is longer than top_k
+
+  auto kimi = loadOrDie(compiledDir("kimi_linear_tiny"));
+  ASSERT_TRUE(kimi);
+  auto other = kimi->newSequence();
+  ASSERT_TRUE(other);
+  ASSERT_TRUE((*other)->prefill(goldenPrompt("kimi_linear_tiny")));
+  EXPECT_EQ(kimi->usage().sparseSelectedPositions, 0u);
+  EXPECT_EQ(kimi->usage().sparseContextPositions, 0u);
+}
+
+} // namespace
+} // namespace hybrid

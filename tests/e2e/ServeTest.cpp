@@ -187,6 +187,14 @@ TEST_F(ServeTest, ManyConcurrentRequestsAllComplete) {
   EXPECT_NE(metrics->body.find("hybrid_generated_tokens_total 96\n"), std::string::npos);
   EXPECT_NE(metrics->body.find("hybrid_time_to_first_token_seconds_count 24\n"),
             std::string::npos);
+  // Every prompt token admitted is counted (the prefix-cache hit rate's denominator); sparse
+  // attention counters are exported (zero or not, by the model's layers).
+  EXPECT_NE(metrics->body.find("\nhybrid_prompt_tokens_total "), std::string::npos);
+  EXPECT_EQ(metrics->body.find("\nhybrid_prompt_tokens_total 0\n"), std::string::npos);
+  EXPECT_NE(metrics->body.find("\nhybrid_sparse_attention_selected_positions_total "),
+            std::string::npos);
+  EXPECT_NE(metrics->body.find("\nhybrid_sparse_attention_context_positions_total "),
+            std::string::npos);
 }
 
 // A streaming client that leaves after its first token: the request is cancelled (its sequence

@@ -12,6 +12,7 @@
 #include "hybrid/runtime/WeightArchive.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -157,6 +158,10 @@ std::vector<size_t> stepOrder(const fb::Program &program, uint64_t seed) {
 
 struct Model::Impl {
   std::string dir;
+  // Usage's sparse-attention counters (read by other threads, e.g. a server's /metrics).
+  std::atomic<uint64_t> sparseSelected{0}, sparseContext{0};
+  void countSparseAttention(const fb::Program &program, int64_t rows, int64_t firstPosition,
+                            std::span<const cpu::BatchRow> batch);
   LoadOptions options;
   LoadedPlan plan;
   WeightArchive archive;
@@ -212,6 +217,7 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   context.kdaLog = kdaLog;
   for (auto &rowsOfSlot : kvStaging)
     rowsOfSlot.clear();
+  countSparseAttention(*program, rows, context.firstPosition, batch);
   if (!batch.empty()) {
     if (batchScratch.rowArena.size() < program->arena_bytes()) {
       HYBRID_ASSIGN_OR_RETURN(batchScratch.rowArena, Arena::create(program->arena_bytes()));
@@ -401,6 +407,28 @@ std::string Model::placementReport() const {
   return {};
 }
 
+// Each DSA layer's indexer picks min(top_k, position + 1) of the position + 1 causal positions
+// for a token at `position`: the counts follow from the step's positions, on either device.
+void Model::Impl::countSparseAttention(const fb::Program &program, int64_t rows,
+                                       int64_t firstPosition,
+                                       std::span<const cpu::BatchRow> batch) {
+  uint64_t selected = 0, context = 0;
+  for (const fb::Step *step : *program.steps()) {
+    const fb::Dispatch *d = step->op_as_Dispatch();
+    if (!d || d->kernel() != fb::KernelId::DsaIndexer || !d->params_as_DsaIndexerParams())
+      continue;
+    const int64_t topK = d->params_as_DsaIndexerParams()->top_k();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t position =
+          batch.empty() ? firstPosition + r : batch[static_cast<size_t>(r)].position;
+      selected += static_cast<uint64_t>(std::min(topK, position + 1));
+      context += static_cast<uint64_t>(position + 1);
+    }
+  }
+  sparseSelected += selected;
+  sparseContext += context;
+}
+
 Model::Usage Model::usage() const {
   Usage usage;
   usage.pageTokens = impl_->kvCache.pageSize();
@@ -411,6 +439,8 @@ Model::Usage Model::usage() const {
   usage.maxSequences = impl_->options.maxSequences;
   usage.keptPrefixes = impl_->prefixCache.size();
   usage.recurrentStateBytes = impl_->states.slotElements() * sizeof(float);
+  usage.sparseSelectedPositions = impl_->sparseSelected.load();
+  usage.sparseContextPositions = impl_->sparseContext.load();
   return usage;
 }
 

@@ -98,6 +98,7 @@ void Scheduler::runOwnStep(Active &active, Outcome &outcome, bool &decodes) {
       outcome.mayPreempt = false;
       return;
     }
+    stats_.promptTokens += contextLength;
     stats_.cachedPromptTokens += *cached;
     active.fed = *cached;
   }

@@ -513,8 +513,18 @@ std::string Server::Impl::metrics() {
          "Batched decode calls (rows / calls = mean decode batch).", double(stats.decodeBatches));
   metric("hybrid_decode_batch_rows_total", "counter", "Decode steps run in batched calls.",
          double(stats.batchedDecodeRows));
+  metric("hybrid_prompt_tokens_total", "counter",
+         "Prompt tokens of admitted requests (cached / prompt = prefix-cache hit rate).",
+         double(stats.promptTokens));
   metric("hybrid_prefix_cached_tokens_total", "counter",
          "Prompt tokens restored from the prefix cache.", double(stats.cachedPromptTokens));
+  metric("hybrid_sparse_attention_selected_positions_total", "counter",
+         "DSA layers: positions the indexer selected, over layers and query tokens.",
+         double(kv.sparseSelectedPositions));
+  metric("hybrid_sparse_attention_context_positions_total", "counter",
+         "DSA layers: causal positions the selections were made from (selected / context = "
+         "attention density).",
+         double(kv.sparseContextPositions));
   metric("hybrid_kv_pages_total", "gauge", "KV cache pages.", double(kv.totalPages));
   metric("hybrid_kv_pages_free", "gauge", "Free KV cache pages.", double(kv.freePages));
   metric("hybrid_sequences_in_use", "gauge", "Sequence slots (KV page tables and state slots) in use.",

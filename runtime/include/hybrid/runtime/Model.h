@@ -191,6 +191,11 @@ public:
     int32_t maxSequences = 0;
     size_t keptPrefixes = 0;
     uint64_t recurrentStateBytes = 0; // one sequence's recurrent state, all layers
+    // Sparse attention (DSA layers) since load, summed over layers and query tokens of every
+    // step run: the positions the indexer selected (min(top_k, causal positions) per token) and
+    // the causal positions it chose them from; selected / context is the attention's density.
+    uint64_t sparseSelectedPositions = 0;
+    uint64_t sparseContextPositions = 0;
   };
   Usage usage() const;
   // KV pages `tokens` positions of one sequence take.

@@ -46,6 +46,7 @@ struct SchedulerStats {
   int64_t running = 0;
   int64_t finished = 0;
   int64_t preemptions = 0;
+  int64_t promptTokens = 0;       // of every admitted request (again after a preemption)
   int64_t cachedPromptTokens = 0; // restored from the prefix cache instead of computed
   int64_t cancelled = 0;
   int64_t verifySteps = 0;    // speculative decoding: verification passes,
