@@ -74,6 +74,23 @@ Tokens makeTokens(std::mt19937 &rng, int64_t count) {
   return t;
 }
 
+// A shard of `t`'s tokens holding `local` experts, writing into `out`.
+ExpertParallelShard shardOf(const Tokens &t, std::span<const ref::SwiGluWeights> local,
+                            std::vector<float> &out) {
+  out.assign(size_t(t.count * kHidden), NAN);
+  ExpertParallelShard shard;
+  shard.tokens = t.count;
+  shard.hidden = kHidden;
+  shard.topK = kTopK;
+  shard.numExperts = kExperts;
+  shard.x = t.x.data();
+  shard.expertIds = t.ids.data();
+  shard.expertWeights = t.weights.data();
+  shard.localExperts = local;
+  shard.out = out.data();
+  return shard;
+}
+
 class MoeExpertParallelRanks : public testing::TestWithParam<int> {};
 
 TEST_P(MoeExpertParallelRanks, EqualsOneRankWithEveryExpert) {
@@ -87,20 +104,9 @@ TEST_P(MoeExpertParallelRanks, EqualsOneRankWithEveryExpert) {
   std::vector<std::vector<float>> outs(static_cast<size_t>(world));
   const int64_t perRank = kExperts / world;
   const auto statuses = comm::rankthreads::onEveryRank(world, [&](int r, comm::Communicator &comm) {
-      const Tokens &t = tokens[size_t(r)];
-      outs[size_t(r)].assign(size_t(t.count * kHidden), NAN);
-      ExpertParallelShard shard;
-      shard.tokens = t.count;
-      shard.hidden = kHidden;
-      shard.topK = kTopK;
-      shard.numExperts = kExperts;
-      shard.x = t.x.data();
-      shard.expertIds = t.ids.data();
-      shard.expertWeights = t.weights.data();
-      shard.localExperts = std::span<const ref::SwiGluWeights>(
-          experts.weights.data() + r * perRank, size_t(perRank));
-      shard.out = outs[size_t(r)].data();
-      return moeExpertParallel(comm, shard);
+      const std::span<const ref::SwiGluWeights> local(experts.weights.data() + r * perRank,
+                                                      size_t(perRank));
+      return moeExpertParallel(comm, shardOf(tokens[size_t(r)], local, outs[size_t(r)]));
     });
   for (int r = 0; r < world; ++r) {
     ASSERT_TRUE(statuses[size_t(r)]) << statuses[size_t(r)].message();
@@ -119,17 +125,9 @@ TEST(MoeExpertParallel, BadShardsAreErrors) {
   Tokens t = makeTokens(rng, 2);
   auto group = comm::makeLoopbackGroup(1);
   ASSERT_TRUE(group);
-  ExpertParallelShard shard;
-  shard.tokens = t.count;
-  shard.hidden = kHidden;
-  shard.topK = kTopK;
-  shard.numExperts = kExperts;
-  shard.x = t.x.data();
-  shard.expertIds = t.ids.data();
-  shard.expertWeights = t.weights.data();
-  std::vector<float> out(size_t(t.count * kHidden));
-  shard.out = out.data();
-  shard.localExperts = std::span<const ref::SwiGluWeights>(experts.weights.data(), 3);
+  std::vector<float> out;
+  ExpertParallelShard shard =
+      shardOf(t, std::span<const ref::SwiGluWeights>(experts.weights.data(), 3), out);
   Status wrongCount = moeExpertParallel(*(*group)[0], shard);
   ASSERT_FALSE(wrongCount);
   EXPECT_NE(wrongCount.message().find("holds 3 experts, not 8"), std::string::npos)
