@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(safetensors_header plan_loader weight_archive cache_entry bench_record completion_request tokenizer_loader model_config)
+[[ ${#targets[@]} -gt 0 ]] || targets=(safetensors_header plan_loader weight_archive cache_entry bench_record completion_request tokenizer_loader model_config config_importer)
 
 mkdir -p build-fuzz
 cmake --preset fuzz > build-fuzz/configure.log 2>&1 || { cat build-fuzz/configure.log; exit 2; }
