@@ -13,11 +13,14 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 
 if [[ ${HYBRID_SKIP_ASAN:-0} != 1 ]]; then
   # Only what those tests run; the libraries parsing untrusted bytes are instrumented.
-  HYBRID_BUILD_TARGETS="hybrid_unit_tests hybrid_serve_tests hybrid_e2e_tests hybrid-opt \
-hybrid-compile hybrid-run hybrid-synth" \
+  HYBRID_BUILD_TARGETS="hybrid_unit_tests hybrid_kernel_tests hybrid_comm_tests hybrid_serve_tests \
+hybrid_e2e_tests hybrid-opt hybrid-compile hybrid-run hybrid-synth" \
     CMAKE_BUILD_TYPE=RelWithDebInfo "$root/tools/scripts/build.sh" "$root/build-asan" \
     -DHYBRID_ENABLE_ASAN=ON -DHYBRID_ENABLE_CUDA=OFF
   ASAN_OPTIONS=detect_leaks=1 "$root/build-asan/bin/hybrid_unit_tests" --gtest_brief=1
+  # The reference kernels (the cpu device's arithmetic) and the collectives between rank threads.
+  ASAN_OPTIONS=detect_leaks=1 "$root/build-asan/bin/hybrid_kernel_tests" --gtest_brief=1
+  ASAN_OPTIONS=detect_leaks=1 "$root/build-asan/bin/hybrid_comm_tests" --gtest_brief=1
   ASAN_OPTIONS=detect_leaks=1 python3 /usr/lib/llvm-19/build/utils/lit/lit.py -sv \
     "$root/build-asan/tests/lit"
   # The runtime's shared pages, snapshots, replay and the server's threads, on the goldens.
