@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace hybrid::kernels::cuda {
 namespace {
@@ -474,6 +475,7 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
 struct WgmmaShape {
   static constexpr int kLatent = 512, kWide = 576;
   static constexpr int kThreads = 256, kHeads = 64, kTileKeys = 64;
+  static constexpr int kBlocksPerSm = 1, kMaxTiles = kMaxPositionsPerBlock / kTileKeys;
   static constexpr int kRowBytes = 656, kRopeOffset = 528;
   static constexpr int kCodePieces = 32, kRopePieces = 8;
   static constexpr uint32_t kMatrixBytes = 64 * kWide * 2; // 64 rows, swizzled
@@ -741,12 +743,11 @@ __global__ void __launch_bounds__(kCombineThreads)
 // partials written: about two tiles' time with 64 heads, one with fewer), and of those the fewest.
 // Batch 1 takes many, batch 64 with 128 heads and prefill none. Without the fixed cost, 128 rows
 // of 128 heads took 32 splits of one tile each and ran 13x slower than unsplit.
-template <int L, int R, int G> int splitCount(const SparseMlaDecodeParams &p, int sms) {
-  using S = Shape<L, R, G>;
+template <typename S> int splitCount(const SparseMlaDecodeParams &p, int sms) {
   const int tiles = (p.topK + S::kTileKeys - 1) / S::kTileKeys;
   const int64_t blocks = int64_t(p.rows) * ((p.heads + S::kHeads - 1) / S::kHeads);
   const int64_t slots = int64_t(sms) * S::kBlocksPerSm;
-  constexpr int64_t kBlockOverheadTiles = G == 4 ? 2 : 1;
+  constexpr int64_t kBlockOverheadTiles = S::kHeads == 64 ? 2 : 1;
   int best = 0;
   int64_t bestTime = 0;
   for (int splits = (tiles + S::kMaxTiles - 1) / S::kMaxTiles;
@@ -763,28 +764,25 @@ template <int L, int R, int G> int splitCount(const SparseMlaDecodeParams &p, in
 }
 
 // DeepSeek-V3.2's rows with 64 heads per block run on warpgroup MMAs (same tiles, splits and
-// partials as the warp-MMA kernel's Shape<512, 64, 4>).
+// partials as the warp-MMA kernel).
 template <int L, int R, int G> constexpr bool kOnWarpgroups = L == 512 && R == 64 && G == 4;
 
 template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, cudaStream_t stream) {
-  using S = Shape<L, R, G>;
-  auto sharedBytes = [](int tilesPerSplit) {
-    if constexpr (kOnWarpgroups<L, R, G>)
-      return WgmmaShape::sharedBytes(tilesPerSplit);
-    return S::sharedBytes(tilesPerSplit);
-  };
-  const size_t largest = sharedBytes(S::kMaxTiles);
+  // The launched kernel's shape; the warp-MMA kernel is not instantiated where wgmma runs.
+  using S = std::conditional_t<kOnWarpgroups<L, R, G>, WgmmaShape, Shape<L, R, G>>;
+  const size_t largest = S::sharedBytes(S::kMaxTiles);
   const DeviceSetup setup = deviceSetup([largest] {
     if constexpr (kOnWarpgroups<L, R, G>)
       return cudaFuncSetAttribute(sparseMlaWgmmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   int(largest));
-    return cudaFuncSetAttribute(sparseMlaDecodeKernel<L, R, G>,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(largest));
+    else
+      return cudaFuncSetAttribute(sparseMlaDecodeKernel<L, R, G>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, int(largest));
   });
   if (setup.status != cudaSuccess)
     return int(setup.status);
   const int tiles = (p.topK + S::kTileKeys - 1) / S::kTileKeys;
-  const int splits = splitCount<L, R, G>(p, setup.multiprocessors);
+  const int splits = splitCount<S>(p, setup.multiprocessors);
   if (splits == 0)
     return cudaErrorInvalidValue; // top-k past kMaxSplits * kMaxPositionsPerBlock
   const int tilesPerSplit = (tiles + splits - 1) / splits;
@@ -792,11 +790,11 @@ template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, c
   const dim3 grid(unsigned(p.rows), unsigned((p.heads + S::kHeads - 1) / S::kHeads), unsigned(used));
   auto *partials = static_cast<float *>(p.workspace);
   if constexpr (kOnWarpgroups<L, R, G>)
-    sparseMlaWgmmaKernel<<<grid, WgmmaShape::kThreads, sharedBytes(tilesPerSplit), stream>>>(
+    sparseMlaWgmmaKernel<<<grid, S::kThreads, S::sharedBytes(tilesPerSplit), stream>>>(
         p, tilesPerSplit, partials);
   else
     sparseMlaDecodeKernel<L, R, G>
-        <<<grid, S::kThreads, sharedBytes(tilesPerSplit), stream>>>(p, tilesPerSplit, partials);
+        <<<grid, S::kThreads, S::sharedBytes(tilesPerSplit), stream>>>(p, tilesPerSplit, partials);
   if (used > 1)
     sparseMlaCombineKernel<L>
         <<<dim3(unsigned(p.rows), unsigned(p.heads)), kCombineThreads, 0, stream>>>(p, used,
