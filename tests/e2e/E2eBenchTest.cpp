@@ -5,6 +5,7 @@
 // figures, and the plot is a well-formed PNG.
 #include "hybrid/runtime/E2eBench.h"
 #include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Plan.h"
 
 #include <gtest/gtest.h>
 
@@ -34,11 +35,10 @@ std::unique_ptr<Model> load(const std::string &model, int32_t sequences = 4) {
 }
 
 const fb::Dispatch *firstDispatch(const fb::Plan &plan, fb::KernelId kernel) {
-  for (const fb::Program *program : *plan.programs())
-    if (program->name()->str() == "decode")
-      for (const fb::Step *step : *program->steps())
-        if (const fb::Dispatch *d = step->op_as_Dispatch(); d && d->kernel() == kernel)
-          return d;
+  if (const fb::Program *decode = findProgram(plan, "decode"))
+    for (const fb::Step *step : *decode->steps())
+      if (const fb::Dispatch *d = step->op_as_Dispatch(); d && d->kernel() == kernel)
+        return d;
   return nullptr;
 }
 

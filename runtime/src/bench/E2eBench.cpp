@@ -1,5 +1,6 @@
 #include "hybrid/runtime/E2eBench.h"
 
+#include "hybrid/runtime/Plan.h"          // findProgram
 #include "hybrid/runtime/WeightArchive.h" // dtypeByteSize
 
 #include <algorithm>
@@ -15,15 +16,6 @@ namespace hybrid::bench {
 namespace fb = plan::fb;
 
 namespace {
-
-const fb::Program *programNamed(const fb::Plan &plan, const std::string &name) {
-  if (!plan.programs())
-    return nullptr;
-  for (const fb::Program *program : *plan.programs())
-    if (program && program->name() && program->name()->str() == name)
-      return program;
-  return nullptr;
-}
 
 // Bytes of weight `index` and of its block scales, if any.
 double weightBytes(const fb::Plan &plan, int32_t index) {
@@ -55,7 +47,7 @@ double secondsSince(std::chrono::steady_clock::time_point start) {
 
 DecodeStepBytes decodeStepBytes(const fb::Plan &plan, int64_t batch, int64_t context) {
   DecodeStepBytes bytes;
-  const fb::Program *decode = programNamed(plan, "decode");
+  const fb::Program *decode = findProgram(plan, "decode");
   std::map<int32_t, int32_t> topKOfSlot;  // DSA layers: positions the sparse attention reads
   std::map<int32_t, bool> mxfp8KeysOfSlot; // DSA layers: index keys in MXFP8 (else fp32)
   std::set<int32_t> counted;

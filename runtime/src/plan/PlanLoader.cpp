@@ -651,7 +651,11 @@ std::span<const std::byte> LoadedPlan::bytes() const {
 }
 
 const fb::Program *LoadedPlan::findProgram(std::string_view name) const {
-  const auto *programs = plan().programs();
+  return hybrid::findProgram(plan(), name);
+}
+
+const fb::Program *findProgram(const fb::Plan &plan, std::string_view name) {
+  const auto *programs = plan.programs();
   for (size_t i = 0; i < lengthOf(programs); ++i) {
     const fb::Program *program = programs->Get(static_cast<flatbuffers::uoffset_t>(i));
     if (program->name() && program->name()->string_view() == name)

@@ -42,6 +42,9 @@ std::optional<int64_t> expectedWeightCount(plan::fb::KernelId kernel, int64_t nu
 // shape padded to whole tiles. Empty when an NzTiled weight lacks a 2-D shape or tile.
 std::vector<int64_t> storedShape(const plan::fb::Weight &weight);
 
+// The program of `plan` named e.g. "prefill" or "decode"; null when absent.
+const plan::fb::Program *findProgram(const plan::fb::Plan &plan, std::string_view name);
+
 class LoadedPlan {
 public:
   // Reads and verifies a plan file.
