@@ -26,6 +26,7 @@ namespace {
 struct ProgramRunner {
   const fb::Program *program = nullptr;
   Arena arena;
+  std::vector<int64_t> dsaTopKs; // each DSA layer's top_k, for Usage's sparse-attention counts
 };
 
 // Converts one archive entry to fp32; FP8 block-quantized weights are dequantized with their
@@ -160,7 +161,7 @@ struct Model::Impl {
   std::string dir;
   // Usage's sparse-attention counters (read by other threads, e.g. a server's /metrics).
   std::atomic<uint64_t> sparseSelected{0}, sparseContext{0};
-  void countSparseAttention(const fb::Program &program, int64_t rows, int64_t firstPosition,
+  void countSparseAttention(const ProgramRunner &runner, int64_t rows, int64_t firstPosition,
                             std::span<const cpu::BatchRow> batch);
   LoadOptions options;
   LoadedPlan plan;
@@ -217,7 +218,7 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   context.kdaLog = kdaLog;
   for (auto &rowsOfSlot : kvStaging)
     rowsOfSlot.clear();
-  countSparseAttention(*program, rows, context.firstPosition, batch);
+  countSparseAttention(runner, rows, context.firstPosition, batch);
   if (!batch.empty()) {
     if (batchScratch.rowArena.size() < program->arena_bytes()) {
       HYBRID_ASSIGN_OR_RETURN(batchScratch.rowArena, Arena::create(program->arena_bytes()));
@@ -371,6 +372,10 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
     if (!runner->program)
       return Status::error(impl->plan.path() + ": the plan has no '" + name + "' program");
     HYBRID_ASSIGN_OR_RETURN(runner->arena, Arena::create(runner->program->arena_bytes()));
+    for (const fb::Step *step : *runner->program->steps())
+      if (const fb::Dispatch *d = step->op_as_Dispatch();
+          d && d->kernel() == fb::KernelId::DsaIndexer && d->params_as_DsaIndexerParams())
+        runner->dsaTopKs.push_back(d->params_as_DsaIndexerParams()->top_k());
   }
 #ifdef HYBRID_HAS_CUDA_DEVICE
   if (cudaDevice) {
@@ -409,22 +414,17 @@ std::string Model::placementReport() const {
 
 // Each DSA layer's indexer picks min(top_k, position + 1) of the position + 1 causal positions
 // for a token at `position`: the counts follow from the step's positions, on either device.
-void Model::Impl::countSparseAttention(const fb::Program &program, int64_t rows,
+void Model::Impl::countSparseAttention(const ProgramRunner &runner, int64_t rows,
                                        int64_t firstPosition,
                                        std::span<const cpu::BatchRow> batch) {
   uint64_t selected = 0, context = 0;
-  for (const fb::Step *step : *program.steps()) {
-    const fb::Dispatch *d = step->op_as_Dispatch();
-    if (!d || d->kernel() != fb::KernelId::DsaIndexer || !d->params_as_DsaIndexerParams())
-      continue;
-    const int64_t topK = d->params_as_DsaIndexerParams()->top_k();
+  for (const int64_t topK : runner.dsaTopKs)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t position =
           batch.empty() ? firstPosition + r : batch[static_cast<size_t>(r)].position;
       selected += static_cast<uint64_t>(std::min(topK, position + 1));
       context += static_cast<uint64_t>(position + 1);
     }
-  }
   sparseSelected += selected;
   sparseContext += context;
 }
