@@ -5,6 +5,7 @@
 #include "hybrid/kernels/cuda/Mla.h"
 #include "../common/block_reduce.cuh"
 #include "../common/fp8_quant.cuh"
+#include "../linear/gemv.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -127,6 +128,73 @@ __global__ void __launch_bounds__(kThreads)
     const float *query = queries + (int64_t(firstRow + rb) * w.heads + h) * qkDim + w.nopeDim;
     for (int i = threadIdx.x; i < ropeDim; i += kThreads)
       target[w.latentDim + i] = query[i];
+  }
+}
+
+// bf16 W_UK at decode rates. Block (head, row block, 256-column slice): each lane owns 8
+// adjacent latent columns (one 16-byte load per nope dim, a warp reads 512 contiguous bytes),
+// the 8 warps split the nope dims, and their partial sums meet in shared memory, summed over
+// the warps in order. The kernel above gives one block per head, too few to stream W_UK.
+constexpr int kAbsorbThreads = 256, kAbsorbWarps = kAbsorbThreads / kWarpSize;
+constexpr int kAbsorbColumns = kWarpSize * 8;
+
+__global__ void __launch_bounds__(kAbsorbThreads)
+    absorbQueriesBf16(MlaHeadWeights w, int32_t rows, int32_t ropeDim, const float *queries,
+                      float *absorbed) {
+  __shared__ float nope[kRowsPerBlock][kMaxNopeDim];
+  __shared__ float partial[kAbsorbWarps][kAbsorbColumns];
+  const int h = blockIdx.x, firstRow = blockIdx.y * kRowsPerBlock;
+  const int count = min(kRowsPerBlock, rows - firstRow), qkDim = w.nopeDim + ropeDim;
+  const int wide = w.latentDim + ropeDim;
+  for (int item = threadIdx.x; item < kRowsPerBlock * w.nopeDim; item += kAbsorbThreads) {
+    const int rb = item / w.nopeDim, n = item % w.nopeDim;
+    nope[rb][n] = rb < count ? queries[(int64_t(firstRow + rb) * w.heads + h) * qkDim + n] : 0.0f;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int column = blockIdx.z * kAbsorbColumns + lane * 8;
+  float sums[kRowsPerBlock][8] = {};
+  if (column < w.latentDim) {
+    const auto *uk = static_cast<const __nv_bfloat16 *>(w.kvB) +
+                     int64_t(h) * (w.nopeDim + w.valueDim) * w.latentDim + column;
+#pragma unroll 4
+    for (int n = warp; n < w.nopeDim; n += kAbsorbWarps) {
+      const uint4 packed = *reinterpret_cast<const uint4 *>(uk + int64_t(n) * w.latentDim);
+      const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+      for (int rb = 0; rb < kRowsPerBlock; ++rb) {
+        const float q = nope[rb][n];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          sums[rb][2 * i] = fmaf(q, __uint_as_float(words[i] << 16), sums[rb][2 * i]);
+          sums[rb][2 * i + 1] = fmaf(q, __uint_as_float(words[i] & 0xffff0000u), sums[rb][2 * i + 1]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int rb = 0; rb < kRowsPerBlock; ++rb) { // unrolled: sums stays in registers
+    if (rb >= count) // the same for the whole block
+      break;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      partial[warp][lane * 8 + i] = sums[rb][i];
+    __syncthreads();
+    const int c = blockIdx.z * kAbsorbColumns + threadIdx.x;
+    float *target = absorbed + (int64_t(firstRow + rb) * w.heads + h) * wide;
+    if (c < w.latentDim) {
+      float total = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kAbsorbWarps; ++k)
+        total += partial[k][threadIdx.x];
+      target[c] = total;
+    }
+    if (blockIdx.z == 0) {
+      const float *query = queries + (int64_t(firstRow + rb) * w.heads + h) * qkDim + w.nopeDim;
+      for (int i = threadIdx.x; i < ropeDim; i += kAbsorbThreads)
+        target[w.latentDim + i] = query[i];
+    }
+    __syncthreads();
   }
 }
 
@@ -319,6 +387,13 @@ int launchMlaAbsorbQueries(const MlaHeadWeights &w, int32_t rows, int32_t ropeDi
                            const float *queries, float *absorbed, void *stream) {
   if (!validWeights(w) || rows <= 0 || ropeDim < 0 || !queries || !absorbed)
     return cudaErrorInvalidValue;
+  if (w.type == WeightType::BF16 && w.latentDim % 8 == 0 &&
+      reinterpret_cast<uintptr_t>(w.kvB) % 16 == 0) {
+    const unsigned slices = unsigned((w.latentDim + kAbsorbColumns - 1) / kAbsorbColumns);
+    absorbQueriesBf16<<<dim3(unsigned(w.heads), rowBlocks(rows), slices), kAbsorbThreads, 0,
+                        static_cast<cudaStream_t>(stream)>>>(w, rows, ropeDim, queries, absorbed);
+    return int(cudaGetLastError());
+  }
   absorbQueries<<<dim3(unsigned(w.heads), rowBlocks(rows)), kThreads, 0,
                   static_cast<cudaStream_t>(stream)>>>(w, rows, ropeDim, queries, absorbed);
   return int(cudaGetLastError());
@@ -328,6 +403,25 @@ int launchMlaExpandOutputs(const MlaHeadWeights &w, int32_t rows, const float *l
                            float *out, void *stream) {
   if (!validWeights(w) || rows <= 0 || !latentOut || !out)
     return cudaErrorInvalidValue;
+  if (w.type == WeightType::BF16 && rows <= kGemvMaxRows) {
+    // Decode: head h is the linear layer W_UV_h over latentOut[:, h], one batched launch.
+    GemvParams gemv;
+    gemv.rows = rows;
+    gemv.in = w.latentDim;
+    gemv.out = w.valueDim;
+    gemv.x = latentOut;
+    gemv.xStride = int64_t(w.heads) * w.latentDim;
+    gemv.weight = static_cast<const __nv_bfloat16 *>(w.kvB) + int64_t(w.nopeDim) * w.latentDim;
+    gemv.weightStride = w.latentDim;
+    gemv.y = out;
+    gemv.yStride = int64_t(w.heads) * w.valueDim;
+    gemv.batch = w.heads;
+    gemv.xBatchStride = w.latentDim;
+    gemv.weightBatchStride = int64_t(w.nopeDim + w.valueDim) * w.latentDim;
+    gemv.yBatchStride = w.valueDim;
+    if (gemvSupports(gemv))
+      return launchGemv(gemv, static_cast<cudaStream_t>(stream));
+  }
   expandOutputs<<<dim3(unsigned(w.heads), rowBlocks(rows)), kThreads, 0,
                   static_cast<cudaStream_t>(stream)>>>(w, rows, latentOut, out);
   return int(cudaGetLastError());

@@ -253,7 +253,8 @@ __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const
     y[size_t(slot) * p.hidden + row] = v;
 }
 
-// Block per token: its experts' weighted outputs added in ascending expert order, from zero.
+// Block (token, kThreads columns): its experts' weighted outputs added in ascending expert
+// order, from zero. Column blocks spread a decode token over many SMs.
 __global__ void __launch_bounds__(kThreads) combineKernel(MoeExpertsParams p, const float *y) {
   __shared__ int order[kMoeMaxTopK];
   const int token = blockIdx.x;
@@ -269,7 +270,8 @@ __global__ void __launch_bounds__(kThreads) combineKernel(MoeExpertsParams p, co
     }
   }
   __syncthreads();
-  for (int j = threadIdx.x; j < p.hidden; j += kThreads) {
+  const int j = int(blockIdx.y) * kThreads + threadIdx.x;
+  if (j < p.hidden) {
     float sum = 0.0f;
     for (int k = 0; k < p.topK; ++k) {
       const int slot = order[k];
@@ -324,7 +326,8 @@ template <typename T> int launchPerToken(const MoeExpertsParams &p, cudaStream_t
                     size_t(p.hidden) * sizeof(float), stream>>>(p, h);
   downKernel<T><<<dim3(slots, unsigned((p.hidden + kWarps - 1) / kWarps)), kThreads,
                   size_t(p.intermediate) * sizeof(float), stream>>>(p, h, y);
-  combineKernel<<<unsigned(p.tokens), kThreads, 0, stream>>>(p, y);
+  combineKernel<<<dim3(unsigned(p.tokens), unsigned((p.hidden + kThreads - 1) / kThreads)),
+                  kThreads, 0, stream>>>(p, y);
   return int(cudaGetLastError());
 }
 

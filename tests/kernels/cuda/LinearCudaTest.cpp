@@ -1,6 +1,6 @@
-// The cuBLASLt linear layer against the reference GEMM: x rounded to bf16 as the kernel does, so
-// only the fp32 accumulation order differs; odd shapes, padded strides, accumulation, and the
-// error path. Labelled `gpu`; skipped where no GPU is present.
+// The linear layer (cuBLASLt, or the decode kernel at <= 8 rows) against the reference GEMM: x
+// rounded to bf16 as the kernel does, so only the fp32 accumulation order differs; odd shapes,
+// padded strides, accumulation, and the error path. Labelled `gpu`; skipped where no GPU is present.
 #include "hybrid/kernels/cuda/Linear.h"
 #include "hybrid/kernels/ref/Linear.h"
 #include "hybrid/kernels/ref/Quant.h"
@@ -87,7 +87,15 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearCuda,
                                          Shape{64, 128, 4096, 0, 8, 0, true},
                                          Shape{3, 72, 40, 4, 8, 4, true},
                                          Shape{1, 256, 128, 0, 0, 0, false, true},
-                                         Shape{9, 2304, 512, 8, 0, 16, true, true}),
+                                         Shape{9, 2304, 512, 8, 0, 16, true, true},
+                                         // The decode kernel (<= 8 rows, in % 8 == 0): a row
+                                         // count between its templates, an out that is not a
+                                         // multiple of its 4 outputs per block, a long k.
+                                         Shape{5, 2304, 1001, 4, 8, 3, false},
+                                         Shape{8, 11264, 64, 0, 0, 0, true, true},
+                                         Shape{2, 4096, 2304, 0, 0, 0, true},
+                                         // in % 8 != 0 at decode rows: cuBLASLt after all.
+                                         Shape{2, 36, 40, 0, 4, 0, false}),
                          [](const testing::TestParamInfo<Shape> &info) {
                            const Shape &s = info.param;
                            std::string name = std::to_string(s.rows);

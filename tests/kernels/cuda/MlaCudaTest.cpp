@@ -166,7 +166,10 @@ TEST(MlaCuda, AbsorptionAndExpansionMatchTheReference) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(7);
   struct Shape { int heads, nope, rope, value, latent, rows; };
-  for (Shape s : {Shape{16, 128, 64, 128, 512, 11}, Shape{2, 64, 32, 64, 64, 3}})
+  // Decode rows (<= 8) of bf16 weights take the column-sliced absorption and the batched decode
+  // linear kernel; 320 latent columns leave the second 256-column slice part empty.
+  for (Shape s : {Shape{16, 128, 64, 128, 512, 11}, Shape{2, 64, 32, 64, 64, 3},
+                  Shape{32, 128, 64, 128, 512, 1}, Shape{4, 128, 64, 128, 320, 8}})
     for (bool bf16 : {true, false}) {
       std::vector<float> kvB = random(size_t(s.heads) * (s.nope + s.value) * s.latent, rng, 0.05f);
       if (bf16)

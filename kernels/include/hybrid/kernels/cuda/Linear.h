@@ -4,6 +4,9 @@
 // x reaches the tensor cores either rounded to bf16 (8 significant bits), or split into
 // hi = bf16(x) and lo = bf16(x - hi) (about 16 bits, close to the fp32 oracle): the two halves
 // are stacked as 2 x rows rows of one GEMM, so the weights are still read once, and summed.
+// At decode row counts (<= 8 rows, in % 8 == 0, 16-byte aligned operands) a bandwidth-bound kernel
+// of our own replaces the three launches: it multiplies fp32 x exactly (the split's intent) or
+// bf16(x), with fp32 sums (kernels/cuda/linear/gemv.cuh). xScratch / splitOutput are then unused.
 // A second path multiplies FP8 weights (DeepSeek-V3.2, MODEL_SPEC §8.1): see LinearFp8Params.
 // CUDA-free header.
 #pragma once

@@ -1,0 +1,43 @@
+// Linear layers at decode row counts (1 to kGemvMaxRows rows) without cuBLASLt: one kernel that
+// streams the bf16 weight once at close to HBM bandwidth and multiplies it by the fp32
+// activations read directly, so no rounding kernel before it and no split-sum kernel after it
+// (cuBLASLt at 1-8 rows reached about a third of HBM bandwidth on the H200, and each linear
+// layer cost three launches). Also batched: grid.y walks `batch` independent problems whose
+// pointers advance by fixed strides (MLA's per-head W_UV expansion).
+//
+// Numerics: each product is x * w in fp32 with x either exact (fp32, `roundInputToBf16` false)
+// or rounded to bf16 first (the cuBLASLt path's bf16 inputs); sums in fp32 in a fixed order (a
+// thread's chunks in k order, then a shuffle tree, then the warps in order), so the result
+// does not depend on timing. Internal to the kernels library.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace hybrid::kernels::cuda {
+
+inline constexpr int32_t kGemvMaxRows = 8;
+
+struct GemvParams {
+  int32_t rows = 0; // 1..kGemvMaxRows
+  int64_t in = 0;   // a multiple of 8
+  int64_t out = 0;
+  const float *x = nullptr; // [rows, in], row stride xStride (a multiple of 4, 16-byte aligned)
+  int64_t xStride = 0;
+  const void *weight = nullptr; // bf16 [out, in], row stride weightStride (a multiple of 8)
+  int64_t weightStride = 0;
+  float *y = nullptr; // [rows, out], row stride yStride
+  int64_t yStride = 0;
+  bool accumulate = false;       // y += x W^T
+  bool roundInputToBf16 = false; // multiply bf16(x) instead of x
+  int32_t batch = 1;             // problems; pointers of problem b advance by b * these
+  int64_t xBatchStride = 0, weightBatchStride = 0, yBatchStride = 0;
+};
+
+// Whether the kernel takes these shapes, strides and alignments (else use the general path).
+bool gemvSupports(const GemvParams &params);
+// 0 or a cudaError_t; cudaErrorInvalidValue when !gemvSupports(params).
+int launchGemv(const GemvParams &params, cudaStream_t stream);
+
+} // namespace hybrid::kernels::cuda

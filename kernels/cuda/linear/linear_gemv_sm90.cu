@@ -1,0 +1,132 @@
+// The decode-size linear layer (see gemv.cuh). A block of 8 warps computes 4 outputs for every
+// row: its threads stride over the 16-byte chunks of the 4 weight rows (8 bf16 each), so each
+// weight byte is loaded once, coalesced, with L1 allocation off (the activations, reread by
+// every block, stay in L1), and every chunk is multiplied by all rows' activations. 4 outputs
+// per block keep the activation reads at rows / 2 times the weight bytes, within L1 bandwidth
+// up to 8 rows, and give even a 2304-wide output 576 blocks to fill the GPU.
+#include "gemv.cuh"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+namespace hybrid::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256, kWarps = kThreads / 32, kOutputsPerBlock = 4;
+
+// 16 bytes of a stream read once: not kept in L1.
+__device__ __forceinline__ uint4 loadStreaming(const void *pointer) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(pointer));
+  return v;
+}
+
+// sum + x[0..7] . w, the 8 bf16 of `packed` (element 2i in the low half of word i), in k order.
+__device__ __forceinline__ float dot8(const uint4 &packed, const float (&x)[8], float sum) {
+  const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    sum = fmaf(x[2 * i], __uint_as_float(words[i] << 16), sum);
+    sum = fmaf(x[2 * i + 1], __uint_as_float(words[i] & 0xffff0000u), sum);
+  }
+  return sum;
+}
+
+template <int MaxRows>
+__global__ void __launch_bounds__(kThreads) gemvKernel(GemvParams p) {
+  __shared__ float partial[kWarps][MaxRows * kOutputsPerBlock];
+  const int64_t problem = blockIdx.y;
+  const float *x = p.x + problem * p.xBatchStride;
+  const auto *weight =
+      static_cast<const __nv_bfloat16 *>(p.weight) + problem * p.weightBatchStride;
+  float *y = p.y + problem * p.yBatchStride;
+  const int64_t firstOut = int64_t(blockIdx.x) * kOutputsPerBlock;
+  const int outputs = int(min(int64_t(kOutputsPerBlock), p.out - firstOut));
+  // Rows past the last output load the last one again (valid memory, products dropped).
+  const __nv_bfloat16 *weightRows[kOutputsPerBlock];
+#pragma unroll
+  for (int o = 0; o < kOutputsPerBlock; ++o)
+    weightRows[o] = weight + (firstOut + min(o, outputs - 1)) * p.weightStride;
+
+  float sums[MaxRows][kOutputsPerBlock] = {};
+  const int64_t chunks = p.in / 8;
+#pragma unroll 2
+  for (int64_t c = threadIdx.x; c < chunks; c += kThreads) {
+    uint4 w[kOutputsPerBlock];
+#pragma unroll
+    for (int o = 0; o < kOutputsPerBlock; ++o)
+      w[o] = loadStreaming(weightRows[o] + c * 8);
+#pragma unroll
+    for (int r = 0; r < MaxRows; ++r) {
+      if (r < p.rows) {
+        const float4 *row = reinterpret_cast<const float4 *>(x + r * p.xStride + c * 8);
+        const float4 low = __ldg(row), high = __ldg(row + 1);
+        float values[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+        if (p.roundInputToBf16) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            values[i] = __bfloat162float(__float2bfloat16(values[i]));
+        }
+#pragma unroll
+        for (int o = 0; o < kOutputsPerBlock; ++o)
+          sums[r][o] = dot8(w[o], values, sums[r][o]);
+      }
+    }
+  }
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < MaxRows; ++r)
+#pragma unroll
+    for (int o = 0; o < kOutputsPerBlock; ++o) {
+      float v = sums[r][o];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2)
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+      if (lane == 0)
+        partial[warp][r * kOutputsPerBlock + o] = v;
+    }
+  __syncthreads();
+  const int r = threadIdx.x / kOutputsPerBlock, o = threadIdx.x % kOutputsPerBlock;
+  if (r < p.rows && r < MaxRows && o < outputs) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w)
+      total += partial[w][threadIdx.x];
+    float &target = y[r * p.yStride + firstOut + o];
+    target = p.accumulate ? target + total : total;
+  }
+}
+
+bool aligned16(const void *pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+
+} // namespace
+
+bool gemvSupports(const GemvParams &p) {
+  return p.rows >= 1 && p.rows <= kGemvMaxRows && p.in > 0 && p.in % 8 == 0 && p.out > 0 &&
+         p.x && p.weight && p.y && p.xStride >= p.in && p.xStride % 4 == 0 &&
+         p.weightStride >= p.in && p.weightStride % 8 == 0 && p.yStride >= p.out &&
+         aligned16(p.x) && aligned16(p.weight) && p.batch >= 1 && p.batch <= 65535 &&
+         p.xBatchStride % 4 == 0 && p.weightBatchStride % 8 == 0 &&
+         (p.out + kOutputsPerBlock - 1) / kOutputsPerBlock <= 0x7fffffff;
+}
+
+int launchGemv(const GemvParams &p, cudaStream_t stream) {
+  if (!gemvSupports(p))
+    return cudaErrorInvalidValue;
+  const dim3 grid(unsigned((p.out + kOutputsPerBlock - 1) / kOutputsPerBlock), unsigned(p.batch));
+  if (p.rows == 1)
+    gemvKernel<1><<<grid, kThreads, 0, stream>>>(p);
+  else if (p.rows == 2)
+    gemvKernel<2><<<grid, kThreads, 0, stream>>>(p);
+  else if (p.rows <= 4)
+    gemvKernel<4><<<grid, kThreads, 0, stream>>>(p);
+  else
+    gemvKernel<8><<<grid, kThreads, 0, stream>>>(p);
+  return int(cudaGetLastError());
+}
+
+} // namespace hybrid::kernels::cuda
