@@ -1,6 +1,6 @@
 // hybrid-synth: writes a synthetic Hub-format checkpoint (random weights, published layout).
 //   hybrid-synth --preset kimi-linear-tiny --out DIR [--seed N] [--layers N] [--fp8]
-//                [--max-shard-mib N] [--threads N] [--force] [--config-only]
+//                [--mtp-layers N] [--max-shard-mib N] [--threads N] [--force] [--config-only]
 #include "hybrid/runtime/SyntheticCheckpoint.h"
 
 #include <CLI/CLI.hpp>
@@ -42,6 +42,7 @@ int main(int argc, char **argv) {
   uint64_t seed = 0;
   std::optional<int64_t> layers;
   bool fp8 = false;
+  std::optional<int64_t> mtpLayers;
   std::optional<uint64_t> maxShardMiB;
   int threads = 0;
   bool force = false;
@@ -54,6 +55,10 @@ int main(int argc, char **argv) {
   app.add_option("--layers", layers, "Override num_hidden_layers")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_flag("--fp8", fp8, "FP8 E4M3 linear weights with 128x128 block scales (deepseek_v32)");
+  app.add_option("--mtp-layers", mtpLayers,
+                 "num_nextn_predict_layers: DeepSeek multi-token-prediction layers after the "
+                 "decoder (deepseek_v32)")
+      ->check(CLI::Range(int64_t{0}, int64_t{8}));
   app.add_option("--max-shard-mib", maxShardMiB, "Shard size limit in MiB (default 5 GB)")
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30));
   app.add_option("--threads", threads, "Generator threads (default: all cores)")
@@ -77,6 +82,8 @@ int main(int argc, char **argv) {
   spec->fp8Weights = fp8;
   if (layers)
     spec->numLayers = *layers;
+  if (mtpLayers)
+    spec->numNextnPredictLayers = *mtpLayers;
   if (maxShardMiB)
     spec->maxShardBytes = *maxShardMiB << 20;
 

@@ -105,6 +105,8 @@ public:
     weight("model.embed_tokens.weight", {spec_.vocabSize, d});
     for (int64_t layer = 0; layer < spec_.numLayers; ++layer)
       addLayer(layer);
+    for (int64_t i = 0; i < spec_.numNextnPredictLayers; ++i)
+      addMtpLayer(spec_.numLayers + i);
     if (spec_.attnResBlockSize) {
       norm("model.output_attn_res_norm.weight", d);
       weight("model.output_attn_res_proj.weight", {1, d});
@@ -155,6 +157,20 @@ private:
       norm(prefix + "mlp_res_norm.weight", d);
       weight(prefix + "mlp_res_proj.weight", {1, d});
     }
+  }
+
+  // DeepSeek-V3's multi-token-prediction layer: the decoder block of `layer` plus its input
+  // projection and output head, in the published checkpoint's names.
+  void addMtpLayer(int64_t layer) {
+    const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+    const int64_t d = spec_.hiddenSize;
+    addLayer(layer);
+    weight(prefix + "embed_tokens.weight", {spec_.vocabSize, d});
+    norm(prefix + "enorm.weight", d);
+    norm(prefix + "hnorm.weight", d);
+    linear(prefix + "eh_proj.weight", d, 2 * d);
+    norm(prefix + "shared_head.norm.weight", d);
+    weight(prefix + "shared_head.head.weight", {spec_.vocabSize, d});
   }
 
   void addKda(const std::string &prefix) {
@@ -478,7 +494,7 @@ Json commonConfig(const SyntheticSpec &spec) {
       {"intermediate_size", spec.intermediateSize},
       {"moe_intermediate_size", spec.moeIntermediateSize},
       {"num_hidden_layers", spec.numLayers},
-      {"num_nextn_predict_layers", 0},
+      {"num_nextn_predict_layers", spec.numNextnPredictLayers},
       {"num_attention_heads", spec.numAttentionHeads},
       {"num_key_value_heads", spec.numAttentionHeads},
       {"q_lora_rank", spec.qLoraRank ? Json(*spec.qLoraRank) : Json(nullptr)},
@@ -985,6 +1001,9 @@ Status SyntheticSpec::validate() const {
       return Status::error("synthetic spec: attn_res_block_size is a kimi_linear option");
     HYBRID_RETURN_IF_ERROR(requirePositive("attn_res_block_size", *attnResBlockSize));
   }
+  if (numNextnPredictLayers < 0 || (numNextnPredictLayers > 0 && kimi))
+    return Status::error("synthetic spec: 'num_nextn_predict_layers' must not be negative and is "
+                         "a deepseek_v32 option");
   if (fp8Weights && kimi)
     return Status::error("synthetic spec: fp8 weights are a deepseek_v32 option (Kimi-Linear "
                          "ships bf16 weights)");
@@ -1130,6 +1149,8 @@ Status readDeepseekFields(const ConfigReader &config, SyntheticSpec &spec) {
   HYBRID_ASSIGN_OR_RETURN(spec.numExpertGroups, config.integer("n_group", 1));
   HYBRID_ASSIGN_OR_RETURN(spec.renormalize, config.boolean("norm_topk_prob", true));
   HYBRID_ASSIGN_OR_RETURN(spec.scoringFunction, config.string("scoring_func", "sigmoid"));
+  HYBRID_ASSIGN_OR_RETURN(spec.numNextnPredictLayers,
+                          config.integer("num_nextn_predict_layers", 0));
   if (const Json *quantization = config.find("quantization_config");
       quantization && !quantization->is_null()) {
     HYBRID_ASSIGN_OR_RETURN(std::string method, config.string("quantization_config.quant_method",

@@ -89,6 +89,12 @@ struct SyntheticSpec {
   // Block AttnRes (Kimi K3 arrangement), counted in decoder layers.
   std::optional<int64_t> attnResBlockSize;
 
+  // DeepSeek multi-token prediction (`num_nextn_predict_layers`): each MTP layer is
+  // model.layers.{numLayers + i}: enorm, hnorm, eh_proj [hidden, 2 * hidden], a full decoder block
+  // shaped like a layer at that index, shared_head.norm and shared_head.head (the published
+  // checkpoints also carry a copy of embed_tokens there, which is generated too).
+  int64_t numNextnPredictLayers = 0;
+
   // Generation.
   uint64_t seed = 0;
   double weightStd = 0.06;
