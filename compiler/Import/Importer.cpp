@@ -75,6 +75,14 @@ private:
                                int64_t layer, Location loc);
   StatusOr<RopeAttr> rope(bool interleaved, bool noRope);
 
+  // DeepSeek-V3's multi-token-prediction layer (docs/mtp.md) as the model's `mtp` region, when
+  // the config announces one (num_nextn_predict_layers).
+  Status buildMtp(ModelOp model, WeightAttr embedWeight, WeightAttr lmHead);
+  // The mixer / feed-forward kind of a layer past num_hidden_layers: per-layer lists stop at
+  // num_hidden_layers, so only the rules that compute a kind from the index apply.
+  StatusOr<std::string> extraLayerKind(const std::vector<llvm::json::Object> &rules,
+                                       int64_t layer, const std::string &what);
+
   Status checkAllTensorsUsed();
   Status verify(ModuleOp module) const;
 
@@ -135,6 +143,7 @@ private:
   bool hasFp8Weights_ = false; // then the model says how FP8 GEMMs quantize their activations
   int64_t hidden_ = 0;
   int64_t numLayers_ = 0;
+  bool mtpImported_ = false; // then layer numLayers_'s tensors must all be referenced
   double rmsNormEps_ = 0;
 };
 
@@ -552,6 +561,7 @@ StatusOr<OwningOpRef<ModuleOp>> ModelImporter::run() {
                                        normed, head)
                      .getResult();
   builder_.create<ReturnOp>(modelLoc, logits);
+  HYBRID_RETURN_IF_ERROR(buildMtp(model, embedWeight, head));
 
   if (hasFp8Weights_) {
     HYBRID_ASSIGN_OR_RETURN(std::string scale, fp8ActivationScale());
@@ -565,6 +575,85 @@ StatusOr<OwningOpRef<ModuleOp>> ModelImporter::run() {
   return module;
 }
 
+StatusOr<std::string> ModelImporter::extraLayerKind(const std::vector<llvm::json::Object> &rules,
+                                                    int64_t layer, const std::string &what) {
+  std::vector<llvm::json::Object> computed;
+  for (const llvm::json::Object &rule : rules)
+    if (!rule.getString("per_layer"))
+      computed.push_back(rule);
+  if (computed.empty())
+    return Status::error(mapping_.source + ": no " + what + " rule gives the kind of layer " +
+                         std::to_string(layer) + " past num_hidden_layers (the MTP layer)");
+  HYBRID_ASSIGN_OR_RETURN(std::vector<std::string> kinds,
+                          config_.layerKinds(computed, layer + 1, what));
+  return kinds.back();
+}
+
+Status ModelImporter::buildMtp(ModelOp model, WeightAttr embedWeight, WeightAttr lmHead) {
+  if (!mapping_.config.count("mtp.num_layers"))
+    return Status::ok();
+  HYBRID_ASSIGN_OR_RETURN(int64_t mtpLayers, config_.getInt("mtp.num_layers"));
+  if (mtpLayers == 0)
+    return Status::ok();
+  if (mtpLayers != 1)
+    return Status::error(config_.path() + ": num_nextn_predict_layers = " +
+                         std::to_string(mtpLayers) +
+                         ": one multi-token-prediction layer is supported (DeepSeek-V3 ships one)");
+  const int64_t layer = numLayers_;
+  HYBRID_ASSIGN_OR_RETURN(std::string mixer, extraLayerKind(mapping_.mixerRules, layer, "mixer"));
+  HYBRID_ASSIGN_OR_RETURN(std::string ffn, extraLayerKind(mapping_.ffnRules, layer, "feed-forward"));
+  if (mixer == "kda")
+    return Status::error(config_.path() + ": the MTP layer " + std::to_string(layer) +
+                         " would be a KDA layer; drafts roll back only attention caches");
+
+  OpBuilder::InsertionGuard guard(builder_);
+  const Location loc = layerLoc(layer, "mtp");
+  Block *block = builder_.createBlock(&model.getMtp());
+  Value next = block->addArgument(RankedTensorType::get({ShapedType::kDynamic},
+                                                        builder_.getI64Type()),
+                                  loc);
+  Value previous = block->addArgument(activations(hidden_), loc);
+  // The embedding is the main model's (the checkpoint's copy under the MTP layer is identical and
+  // only marked as read).
+  Value embedded =
+      builder_.create<EmbedOp>(layerLoc(layer, "embed_tokens"), activations(hidden_), next, embedWeight)
+          .getResult();
+  HYBRID_RETURN_IF_ERROR(weight("mtp", "embed_tokens", layer, -1, /*required=*/false).status());
+  HYBRID_ASSIGN_OR_RETURN(WeightAttr enorm, weight("mtp", "enorm", layer));
+  HYBRID_ASSIGN_OR_RETURN(WeightAttr hnorm, weight("mtp", "hnorm", layer));
+  HYBRID_ASSIGN_OR_RETURN(WeightAttr ehProj, weight("mtp", "eh_proj", layer));
+  Value h = builder_
+                .create<MtpInputOp>(layerLoc(layer, "eh_proj"), activations(hidden_), embedded,
+                                    previous, builder_.getF64FloatAttr(rmsNormEps_), enorm, hnorm,
+                                    ehProj)
+                .getResult();
+  // The decoder block at index `layer`, as in the main model.
+  HYBRID_ASSIGN_OR_RETURN(Value x, buildRmsNorm(h, "layer", "input_norm", layer, rmsNormEps_,
+                                                layerLoc(layer, "input_layernorm")));
+  HYBRID_ASSIGN_OR_RETURN(Value mixed, buildMixer(mixer, layer, x));
+  h = builder_.create<AddOp>(layerLoc(layer, "attn_residual"), h, mixed).getResult();
+  HYBRID_ASSIGN_OR_RETURN(Value y, buildRmsNorm(h, "layer", "post_attention_norm", layer,
+                                                rmsNormEps_,
+                                                layerLoc(layer, "post_attention_layernorm")));
+  HYBRID_ASSIGN_OR_RETURN(Value ffnOut, buildFfn(ffn, layer, y));
+  h = builder_.create<AddOp>(layerLoc(layer, "mlp_residual"), h, ffnOut).getResult();
+  HYBRID_ASSIGN_OR_RETURN(Value normed, buildRmsNorm(h, "mtp", "shared_head_norm", layer,
+                                                     rmsNormEps_,
+                                                     layerLoc(layer, "shared_head.norm")));
+  // shared_head.head is a copy of lm_head in the published checkpoints; absent, lm_head serves.
+  HYBRID_ASSIGN_OR_RETURN(WeightAttr head,
+                          weight("mtp", "shared_head", layer, -1, /*required=*/false));
+  auto logitsType = RankedTensorType::get({ShapedType::kDynamic, lmHead.getShape()[0]},
+                                          builder_.getF32Type());
+  Value logits = builder_
+                     .create<LmHeadOp>(layerLoc(layer, "shared_head.head"), logitsType, normed,
+                                       head ? head : lmHead)
+                     .getResult();
+  builder_.create<ReturnOp>(loc, logits);
+  mtpImported_ = true;
+  return Status::ok();
+}
+
 Status ModelImporter::checkAllTensorsUsed() {
   int64_t extraLayers = 0;
   if (!mapping_.extraLayersSetting.empty()) {
@@ -576,12 +665,12 @@ Status ModelImporter::checkAllTensorsUsed() {
   for (const auto &[name, tensor] : checkpoint_.tensors()) {
     if (referencedBy_.count(name))
       continue;
-    // Layers past num_hidden_layers (DeepSeek's multi-token-prediction layer) are not part of the
-    // decoder we compile.
+    // Layers past num_hidden_layers (DeepSeek's multi-token-prediction layers) that were not
+    // compiled into the `mtp` region are not read.
     llvm::StringRef rest(name);
     if (!mapping_.extraLayerPrefix.empty() && rest.consume_front(mapping_.extraLayerPrefix)) {
       int64_t index = -1;
-      if (!rest.consumeInteger(10, index) && index >= numLayers_ &&
+      if (!rest.consumeInteger(10, index) && index >= numLayers_ + (mtpImported_ ? 1 : 0) &&
           index < numLayers_ + extraLayers)
         continue;
     }

@@ -217,7 +217,8 @@ FailureOr<std::vector<uint8_t>> serializePlan(plan::PlanOp planOp) {
     programs.push_back(fb::CreateProgramDirect(
         b, program.getName().str().c_str(), program.getMaxTokens(), &values, &steps,
         static_cast<uint64_t>(program.getArenaBytes()), program.getTokenIds(),
-        program.getLogits(), &layerOutputs, program.getNumStreams(), program.getNumEvents()));
+        program.getLogits(), &layerOutputs, program.getNumStreams(), program.getNumEvents(),
+        program.getHiddenInput()));
   }
 
   ArrayRef<int32_t> version = planOp.getVersion();

@@ -101,7 +101,9 @@ private:
   void collectWeights();
   void collectCacheSlots();
   LogicalResult emitHeader(plan::PlanOp planOp);
-  LogicalResult emitProgram(plan::PlanOp planOp, StringRef name, int64_t maxTokens, bool decode);
+  // Lowers `block` (the model's body, or its `mtp` region) into the program `name`.
+  LogicalResult emitProgram(plan::PlanOp planOp, StringRef name, int64_t maxTokens, bool decode,
+                            Block &block);
 
   // Dispatch construction.
   SmallVector<int32_t> weightList(ArrayRef<WeightAttr> weights);
@@ -330,6 +332,23 @@ LogicalResult ModelLowering::expand(Operation *op, bool decode, ProgramBuilder &
   }
   if (auto linear = dyn_cast<LinearOp>(op))
     return single(plan::KernelId::linear, weightList({linear.getWeight()}));
+  if (auto mtpInput = dyn_cast<MtpInputOp>(op)) {
+    // enorm(e), hnorm(h), then eh_proj over their concatenation: a two-input linear.
+    DictionaryAttr norm = builder_.getDictionaryAttr(
+        {f32("epsilon", mtpInput.getEpsilon().convertToDouble())});
+    const int64_t width = program.rowElementsOf(mtpInput.getResult());
+    Type activation = program.activationType(mtpInput.getResult());
+    int32_t embedded = program.addValue(activation, width, name + ".enorm");
+    int32_t previous = program.addValue(activation, width, name + ".hnorm");
+    program.addStep({plan::KernelId::rms_norm, norm, {program.valueOf(mtpInput.getEmbedding())},
+                     {embedded}, weightList({mtpInput.getEnorm()}), layer, op->getLoc()});
+    program.addStep({plan::KernelId::rms_norm, norm, {program.valueOf(mtpInput.getHidden())},
+                     {previous}, weightList({mtpInput.getHnorm()}), layer, op->getLoc()});
+    program.addStep({plan::KernelId::linear, builder_.getDictionaryAttr({}), {embedded, previous},
+                     {program.resultOf(mtpInput.getResult())}, weightList({mtpInput.getEhProj()}),
+                     layer, op->getLoc()});
+    return success();
+  }
   if (isa<AddOp>(op))
     return single(plan::KernelId::add, {});
   if (auto head = dyn_cast<LmHeadOp>(op))
@@ -450,23 +469,28 @@ LogicalResult ModelLowering::expand(Operation *op, bool decode, ProgramBuilder &
 }
 
 LogicalResult ModelLowering::emitProgram(plan::PlanOp planOp, StringRef name, int64_t maxTokens,
-                                         bool decode) {
+                                         bool decode, Block &modelBlock) {
   builder_.setInsertionPointToEnd(&planOp.getBodyBlock());
   Location loc = model_.getLoc();
   auto program = builder_.create<plan::ProgramOp>(
       loc, builder_.getStringAttr(name), builder_.getI64IntegerAttr(maxTokens),
       builder_.getI64IntegerAttr(0), builder_.getI32IntegerAttr(0), builder_.getI32IntegerAttr(0),
       builder_.getDenseI32ArrayAttr({}), builder_.getI32IntegerAttr(1),
-      builder_.getI32IntegerAttr(0));
+      builder_.getI32IntegerAttr(0), builder_.getI32IntegerAttr(-1));
   Block *body = builder_.createBlock(&program.getBody());
 
-  // The token ids first, then the ops' results and the intermediates their expansions need.
-  Block &modelBlock = model_.getBodyBlock();
+  // The token ids first (then the mtp region's hidden-state input), then the ops' results and
+  // the intermediates their expansions need.
   // fp32 activations on both devices for now: the cuda device runs the dispatches it has no GPU
   // kernel for yet (MLA, DSA, MoE, AttnRes) with the cpu reference on the same values.
   ProgramBuilder values(builder_, /*fp32Activations=*/true);
   const int32_t tokenIds = values.addValue(builder_.getI64Type(), 1, "input_ids");
   values.bind(modelBlock.getArgument(0), tokenIds);
+  int32_t hiddenInput = -1;
+  if (modelBlock.getNumArguments() > 1) {
+    hiddenInput = values.addValue(builder_.getF32Type(), model_.getHiddenSize(), "hidden_input");
+    values.bind(modelBlock.getArgument(1), hiddenInput);
+  }
   for (Operation &op : modelBlock.without_terminator())
     if (failed(expand(&op, decode, values)))
       return failure();
@@ -492,14 +516,19 @@ LogicalResult ModelLowering::emitProgram(plan::PlanOp planOp, StringRef name, in
       layerOutput[step.layer] = step.outputs.back();
   }
   Operation *head = returnOp.getLogits().getDefiningOp();
+  // The residual stream's start: the embedding, or in the mtp region the input projection.
   Operation *embed = nullptr;
   for (Operation &op : modelBlock)
-    if (isa<EmbedOp>(op))
+    if (isa<EmbedOp>(op) || isa<MtpInputOp>(op))
       embed = &op;
   if (!embed || !head)
     return model_.emitOpError() << "needs an embedding and an LM head to lower";
   SmallVector<int32_t> layerOutputs = {values.valueOf(embed->getResult(0))};
-  for (int32_t layer = 0; layer < static_cast<int32_t>(model_.getNumLayers()); ++layer) {
+  // The main model's layers, or the mtp region's one decoder block (index num_layers).
+  const bool mtp = hiddenInput >= 0;
+  const int32_t firstLayer = mtp ? static_cast<int32_t>(model_.getNumLayers()) : 0;
+  const int32_t endLayer = static_cast<int32_t>(model_.getNumLayers()) + (mtp ? 1 : 0);
+  for (int32_t layer = firstLayer; layer < endLayer; ++layer) {
     auto it = layerOutput.find(layer);
     if (it == layerOutput.end())
       return model_.emitOpError() << "layer " << layer << " has no ops";
@@ -510,6 +539,7 @@ LogicalResult ModelLowering::emitProgram(plan::PlanOp planOp, StringRef name, in
   program.setTokenIdsAttr(builder_.getI32IntegerAttr(tokenIds));
   program.setLogitsAttr(builder_.getI32IntegerAttr(values.valueOf(returnOp.getLogits())));
   program.setLayerOutputsAttr(builder_.getDenseI32ArrayAttr(layerOutputs));
+  program.setHiddenInputAttr(builder_.getI32IntegerAttr(hiddenInput));
   return success();
 }
 
@@ -532,9 +562,16 @@ LogicalResult ModelLowering::run() {
   builder_.createBlock(&planOp.getBody());
   if (failed(emitHeader(planOp)))
     return failure();
-  if (failed(emitProgram(planOp, "prefill", options_.prefillTokens, /*decode=*/false)) ||
-      failed(emitProgram(planOp, "decode", options_.decodeTokens, /*decode=*/true)))
+  if (failed(emitProgram(planOp, "prefill", options_.prefillTokens, /*decode=*/false,
+                         model_.getBodyBlock())) ||
+      failed(emitProgram(planOp, "decode", options_.decodeTokens, /*decode=*/true,
+                         model_.getBodyBlock())))
     return failure();
+  // The multi-token-prediction layer: rows of (next token, main hidden state) at consecutive
+  // positions, prefill kernels like a verification pass (docs/mtp.md).
+  if (Block *mtp = model_.getMtpBlock())
+    if (failed(emitProgram(planOp, "mtp", options_.prefillTokens, /*decode=*/false, *mtp)))
+      return failure();
   model_.erase();
   return success();
 }

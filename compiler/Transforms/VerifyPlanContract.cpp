@@ -118,6 +118,9 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
   auto inRange = [&](int64_t v) { return v >= 0 && v < numValues; };
   if (!inRange(program.getTokenIds()) || !inRange(program.getLogits()))
     return program.emitOpError() << "token_ids or logits is not a value index";
+  if (program.getHiddenInput() != -1 && !inRange(program.getHiddenInput()))
+    return program.emitOpError() << "hidden_input " << program.getHiddenInput()
+                                 << " is not a value index";
   for (int32_t v : program.getLayerOutputs())
     if (!inRange(v))
       return program.emitOpError() << "layer output " << v << " is not a value index";
@@ -125,6 +128,8 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
   // Definitions before uses in program order.
   SmallVector<int64_t> definedAt(numValues, -1);
   definedAt[program.getTokenIds()] = 0;
+  if (program.getHiddenInput() != -1)
+    definedAt[program.getHiddenInput()] = 0;
   int64_t step = 0;
   for (Operation &op : program.getBodyBlock()) {
     auto dispatch = dyn_cast<plan::DispatchOp>(op);

@@ -62,7 +62,8 @@ inline constexpr KernelSignature kKernelSignatures[] = {
      "", 0},
     {fb::KernelId::RmsNorm, "rms_norm", 1, 1, 1, fb::KernelParams::RmsNormParams, 1, 0, false,
      {"weight"}, "", 0},
-    {fb::KernelId::Linear, "linear", 1, 1, 1, fb::KernelParams::LinearParams, 1, 0, false,
+    // Two inputs: the projection of their row-wise concatenation (the MTP input's eh_proj).
+    {fb::KernelId::Linear, "linear", 1, 2, 1, fb::KernelParams::LinearParams, 1, 0, false,
      {"weight"}, "", 1u << 0},
     {fb::KernelId::Add, "add", 2, 2, 1, fb::KernelParams::AddParams, 0, 0, false, {}, "", 0},
     {fb::KernelId::KdaChunkPrefill, "kda_chunk_prefill", 1, 1, 1, fb::KernelParams::KdaParams, 16,

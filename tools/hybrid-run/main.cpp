@@ -27,10 +27,15 @@ int main(int argc, char **argv) {
   app.add_option("--output", output,
                  "Write logits [1,T,V], gen_ids [1,N], gen_logits [N,V] (golden layout)");
   app.add_option("--speculate", generation.draftTokens,
-                 "Speculative decoding with prompt-lookup drafts of at most this many tokens "
-                 "(greedy outputs do not change)")
+                 "Speculative decoding with drafts of at most this many tokens (greedy outputs "
+                 "do not change)")
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
+  std::string draftSource = "prompt-lookup";
+  app.add_option("--draft", draftSource,
+                 "Where --speculate's drafts come from: prompt-lookup (any model) or mtp (the "
+                 "model's multi-token-prediction layer; a plan with an mtp program)")
+      ->default_val("prompt-lookup");
   app.add_flag("--dump-hidden", generation.dumpHidden,
                "Also write hidden.<i> (after the embedding and each layer) and hidden.final");
   app.add_flag("--no-cache-decode", noCacheDecode,
@@ -74,6 +79,10 @@ int main(int argc, char **argv) {
   if (!compareWith.empty())
     generation.dumpHidden = true;
 
+  auto drafts = hybrid::parseDraftSource(draftSource);
+  if (!drafts)
+    return fail("--draft: " + drafts.status().message());
+  generation.draftSource = *drafts;
   auto prompt = hybrid::readInputIds(inputIds);
   if (!prompt)
     return fail(prompt.status().message());
@@ -104,8 +113,9 @@ int main(int argc, char **argv) {
               result->prompt.size() / std::max(result->prefillSeconds, 1e-9),
               decodeTokens / std::max(result->decodeSeconds, 1e-9));
   if (generation.draftTokens > 0)
-    std::printf("speculative: %lld verification passes, %lld draft tokens, %lld accepted "
-                "(%.0f%%), %.2f tokens per pass\n",
+    std::printf("speculative (%s drafts): %lld verification passes, %lld draft tokens, "
+                "%lld accepted (%.0f%%), %.2f tokens per pass\n",
+                std::string(hybrid::draftSourceName(generation.draftSource)).c_str(),
                 static_cast<long long>(result->verifySteps),
                 static_cast<long long>(result->draftedTokens),
                 static_cast<long long>(result->acceptedTokens),

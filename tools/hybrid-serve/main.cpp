@@ -46,10 +46,14 @@ int main(int argc, char **argv) {
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
   app.add_option("--speculate", serve.scheduler.draftTokens,
-                 "Speculative decoding with prompt-lookup drafts of at most this many tokens "
-                 "(0: off)")
+                 "Speculative decoding with drafts of at most this many tokens (0: off)")
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
+  std::string draftSource = "prompt-lookup";
+  app.add_option("--draft", draftSource,
+                 "Where --speculate's drafts come from: prompt-lookup or mtp (the model's "
+                 "multi-token-prediction layer)")
+      ->default_val("prompt-lookup");
   std::string tokenizerDir, chatFormat = "auto";
   app.add_option("--tokenizer", tokenizerDir,
                  "Checkpoint directory with tokenizer.json or tiktoken.model (+ "
@@ -96,11 +100,23 @@ int main(int argc, char **argv) {
               << ")\n";
   }
 
+  auto drafts = hybrid::parseDraftSource(draftSource);
+  if (!drafts) {
+    std::cerr << "error: --draft: " << drafts.status().message() << "\n";
+    return 1;
+  }
+  serve.scheduler.draftSource = *drafts;
+
   std::cerr << "hybrid-serve: loading " << modelDir << " (" << load.device << ")\n";
   const auto loadStart = std::chrono::steady_clock::now();
   auto model = hybrid::Model::load(modelDir, load);
   if (!model) {
     std::cerr << "error: " << model.status().message() << "\n";
+    return 1;
+  }
+  if (*drafts == hybrid::DraftSourceKind::Mtp && !(*model)->hasMtp()) {
+    std::cerr << "error: --draft mtp: " << modelDir << "/plan.hyplan has no 'mtp' program (the "
+                 "checkpoint has no multi-token-prediction layer)\n";
     return 1;
   }
   std::cerr << "hybrid-serve: loaded in "

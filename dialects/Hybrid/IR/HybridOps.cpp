@@ -154,7 +154,7 @@ LogicalResult ModelOp::verify() {
   if (block.empty() || !isa<ReturnOp>(block.back()))
     return emitOpError() << "body must end with hybrid.return";
   auto logits = cast<RankedTensorType>(cast<ReturnOp>(block.back()).getLogits().getType());
-  if (logits.getDimSize(1) != getVocabSize())
+  if (logits.getDimSize(1) != static_cast<int64_t>(getVocabSize()))
     return emitOpError() << "returns logits of width " << logits.getDimSize(1)
                          << " but vocab_size = " << getVocabSize();
   if (getHiddenSize() <= 0 || getVocabSize() <= 0 || getNumLayers() <= 0)
@@ -163,6 +163,22 @@ LogicalResult ModelOp::verify() {
       scale && *scale != "amax" && *scale != "ue8m0")
     return emitOpError() << "fp8_activation_scale must be \"amax\" or \"ue8m0\", got \"" << *scale
                          << "\"";
+  if (Block *mtp = getMtpBlock()) {
+    auto hidden = mtp->getNumArguments() == 2
+                      ? dyn_cast<RankedTensorType>(mtp->getArgument(1).getType())
+                      : RankedTensorType();
+    if (!hidden || mtp->getArgument(0).getType() != block.getArgument(0).getType() ||
+        hidden.getRank() != 2 || hidden.getDimSize(1) != static_cast<int64_t>(getHiddenSize()))
+      return emitOpError() << "mtp region must take the next token ids (tensor<?xi64>) and the "
+                              "main model's hidden states (tensor<?x"
+                           << getHiddenSize() << "x...>)";
+    if (mtp->empty() || !isa<ReturnOp>(mtp->back()))
+      return emitOpError() << "mtp region must end with hybrid.return";
+    auto mtpLogits = cast<RankedTensorType>(cast<ReturnOp>(mtp->back()).getLogits().getType());
+    if (mtpLogits.getDimSize(1) != static_cast<int64_t>(getVocabSize()))
+      return emitOpError() << "mtp region returns logits of width " << mtpLogits.getDimSize(1)
+                           << " but vocab_size = " << getVocabSize();
+  }
   return success();
 }
 
@@ -198,6 +214,24 @@ LogicalResult LinearOp::verify() {
     return failure();
   return checkWeightShape(*this, "weight", getWeight(), {*out, *in},
                           eq("out", *out) + ", " + eq("in", *in));
+}
+
+LogicalResult MtpInputOp::verify() {
+  FailureOr<int64_t> hidden = featureDim(*this, getResult(), "result");
+  FailureOr<int64_t> embedded = featureDim(*this, getEmbedding(), "embedding");
+  FailureOr<int64_t> previous = featureDim(*this, getHidden(), "hidden");
+  if (failed(hidden) || failed(embedded) || failed(previous) ||
+      failed(checkSameTokens(*this, getEmbedding(), getResult(), "result")) ||
+      failed(checkSameTokens(*this, getHidden(), getResult(), "result")))
+    return failure();
+  if (*embedded != *hidden || *previous != *hidden)
+    return emitOpError() << "embedding (" << *embedded << ") and hidden (" << *previous
+                         << ") must both have the result's width " << *hidden;
+  if (failed(checkWeightShape(*this, "enorm", getEnorm(), {*hidden}, eq("hidden", *hidden))) ||
+      failed(checkWeightShape(*this, "hnorm", getHnorm(), {*hidden}, eq("hidden", *hidden))))
+    return failure();
+  return checkWeightShape(*this, "eh_proj", getEhProj(), {*hidden, 2 * *hidden},
+                          eq("hidden", *hidden) + ": [hidden, 2 * hidden]");
 }
 
 LogicalResult LmHeadOp::verify() {

@@ -42,16 +42,34 @@ def Hybrid_ModelOp : Hybrid_Op<"model", [IsolatedFromAbove, Symbol, NoTerminator
       hybrid.return %logits : tensor<?x256xf32>
     }
     ```
+
+    A checkpoint with a multi-token-prediction layer (DeepSeek-V3's `num_nextn_predict_layers`,
+    docs/mtp.md) adds an optional `mtp` region: its block takes the token ids of the *next*
+    tokens and the main model's final hidden states (the LM head's input, one row per token) and
+    returns the logits of the token after next; its ops share the main model's weights by name
+    (the embedding) and hold the MTP layer's own.
+
+    ```mlir
+    } mtp {
+    ^bb0(%next: tensor<?xi64>, %hidden: tensor<?x256xf32>):
+      %e = hybrid.embed %next {weight = ...} : tensor<?xi64> -> tensor<?x256xbf16>
+      %h = hybrid.mtp_input %e, %hidden {...} : tensor<?x256xbf16>, tensor<?x256xf32> -> tensor<?x256xbf16>
+      ...
+      hybrid.return %logits : tensor<?x256xf32>
+    }
+    ```
   }];
   let arguments = (ins SymbolNameAttr:$sym_name, StrAttr:$model_type, I64Attr:$hidden_size,
                        I64Attr:$vocab_size, I64Attr:$num_layers,
                        OptionalAttr<StrAttr>:$fp8_activation_scale,
                        OptionalAttr<DenseI64ArrayAttr>:$fp8_weight_block);
-  let regions = (region SizedRegion<1>:$body);
-  let assemblyFormat = "$sym_name attr-dict-with-keyword $body";
+  let regions = (region SizedRegion<1>:$body, MaxSizedRegion<1>:$mtp);
+  let assemblyFormat = "$sym_name attr-dict-with-keyword $body (`mtp` $mtp^)?";
   let hasVerifier = 1;
   let extraClassDeclaration = [{
     ::mlir::Block &getBodyBlock() { return getBody().front(); }
+    // The multi-token-prediction layer's block, or null when the model has none.
+    ::mlir::Block *getMtpBlock() { return getMtp().empty() ? nullptr : &getMtp().front(); }
   }];
 }
 
@@ -118,6 +136,32 @@ def Hybrid_LinearOp : Hybrid_Op<"linear", [Pure]> {
   let arguments = (ins Hybrid_Activations:$input, Hybrid_WeightAttr:$weight);
   let results = (outs Hybrid_Activations:$result);
   let assemblyFormat = "$input attr-dict `:` type($input) `->` type($result)";
+  let hasVerifier = 1;
+}
+
+def Hybrid_MtpInputOp : Hybrid_Op<"mtp_input", [Pure]> {
+  let summary = "multi-token prediction input: eh_proj(concat(enorm(e), hnorm(h)))";
+  let description = [{
+    DeepSeek-V3's MTP module input (docs/mtp.md): the embedding `e` of the next token and the main
+    model's final hidden state `h` at the same position are each RMS-normalised with their own
+    weight, concatenated in that order (embedding first) and projected back to the hidden size by
+    `eh_proj` `[hidden, 2 * hidden]`.
+
+    ```mlir
+    %x = hybrid.mtp_input %e, %h {epsilon = 1.0e-06 : f64,
+        enorm = #hybrid.weight<"model.layers.3.enorm.weight" : tensor<256xbf16>>,
+        hnorm = #hybrid.weight<"model.layers.3.hnorm.weight" : tensor<256xbf16>>,
+        eh_proj = #hybrid.weight<"model.layers.3.eh_proj.weight" : tensor<256x512xbf16>>}
+        : tensor<?x256xbf16>, tensor<?x256xf32> -> tensor<?x256xbf16>
+    ```
+  }];
+  let arguments = (ins Hybrid_Activations:$embedding, Hybrid_Activations:$hidden,
+                       F64Attr:$epsilon, Hybrid_WeightAttr:$enorm, Hybrid_WeightAttr:$hnorm,
+                       Hybrid_WeightAttr:$eh_proj);
+  let results = (outs Hybrid_Activations:$result);
+  let assemblyFormat = [{
+    $embedding `,` $hidden attr-dict `:` type($embedding) `,` type($hidden) `->` type($result)
+  }];
   let hasVerifier = 1;
 }
 

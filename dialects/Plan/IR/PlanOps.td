@@ -113,7 +113,9 @@ def Plan_RecurrentStateLayerOp : Plan_Op<"recurrent_state_layer", [HasParent<"Pl
 def Plan_ProgramOp : Plan_Op<"program", [HasParent<"PlanOp">, NoTerminator, SingleBlock]> {
   let summary = "a program: values and steps (plan.fbs `Program`)";
   let description = [{
-    Value indices are positions among the program's `plan.value` ops.
+    Value indices are positions among the program's `plan.value` ops. `hidden_input` (-1: none)
+    is a value the runtime fills besides the token ids: the `mtp` program's main-model hidden
+    states (docs/mtp.md).
 
     ```mlir
     plan.program "decode" attributes {max_tokens = 1 : i64, arena_bytes = 8192 : i64,
@@ -126,7 +128,7 @@ def Plan_ProgramOp : Plan_Op<"program", [HasParent<"PlanOp">, NoTerminator, Sing
   }];
   let arguments = (ins StrAttr:$name, I64Attr:$max_tokens, I64Attr:$arena_bytes, I32Attr:$token_ids,
                        I32Attr:$logits, DenseI32ArrayAttr:$layer_outputs, I32Attr:$num_streams,
-                       I32Attr:$num_events);
+                       I32Attr:$num_events, DefaultValuedAttr<I32Attr, "-1">:$hidden_input);
   let regions = (region SizedRegion<1>:$body);
   let assemblyFormat = "$name attr-dict-with-keyword $body";
   let extraClassDeclaration = [{

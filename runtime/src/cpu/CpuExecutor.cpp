@@ -560,8 +560,21 @@ Status runDispatch(const StepContext &c, const fb::Dispatch &d) {
   case fb::KernelId::LmHead: {
     HYBRID_ASSIGN_OR_RETURN(std::span<float> x, single(0));
     HYBRID_ASSIGN_OR_RETURN(std::span<float> y, floatValue(c, d.outputs()->Get(0)));
-    linear(x, w.gemm(0), y, c.rows, rowElements(c, d.inputs()->Get(0)),
-           rowElements(c, d.outputs()->Get(0)));
+    const int64_t out = rowElements(c, d.outputs()->Get(0));
+    if (d.inputs()->size() == 1) {
+      linear(x, w.gemm(0), y, c.rows, rowElements(c, d.inputs()->Get(0)), out);
+      break;
+    }
+    // Two inputs: the projection of each row's concatenation [a | b].
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> b, single(1));
+    const int64_t widthA = rowElements(c, d.inputs()->Get(0));
+    const int64_t widthB = rowElements(c, d.inputs()->Get(1));
+    std::vector<float> joined(static_cast<size_t>(c.rows * (widthA + widthB)));
+    for (int64_t r = 0; r < c.rows; ++r) {
+      std::copy_n(x.begin() + r * widthA, widthA, joined.begin() + r * (widthA + widthB));
+      std::copy_n(b.begin() + r * widthB, widthB, joined.begin() + r * (widthA + widthB) + widthA);
+    }
+    linear(joined, w.gemm(0), y, c.rows, widthA + widthB, out);
     break;
   }
   case fb::KernelId::Add: {

@@ -480,6 +480,17 @@ Status PagedKvCache::truncate(int32_t sequence, int64_t tokens) {
   return Status::ok();
 }
 
+Status PagedKvCache::truncateLayer(int32_t kvSlot, int32_t sequence, int64_t tokens) {
+  HYBRID_RETURN_IF_ERROR(checkSequence(sequence));
+  HYBRID_RETURN_IF_ERROR(checkLayer(kvSlot));
+  if (tokens < 0)
+    return Status::error("KV cache: cannot truncate kv_slot " + std::to_string(kvSlot) + " to " +
+                         std::to_string(tokens) + " tokens");
+  int64_t &length = lengthRef(kvSlot, sequence);
+  length = std::min(length, tokens);
+  return Status::ok();
+}
+
 Status PagedKvCache::freeSequence(int32_t sequence) { return truncate(sequence, 0); }
 
 } // namespace hybrid

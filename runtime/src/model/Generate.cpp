@@ -51,8 +51,15 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
   result.prompt.assign(prompt.begin(), prompt.end());
   const size_t vocab = static_cast<size_t>(result.vocabSize);
 
+  const bool speculate = options.draftTokens > 0 && options.useCaches;
+  std::unique_ptr<DraftSource> drafts;
+  if (speculate) {
+    HYBRID_ASSIGN_OR_RETURN(drafts, makeDraftSource(model, options.draftSource));
+  }
   auto start = std::chrono::steady_clock::now();
   HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> sequence, model.newSequence());
+  if (drafts)
+    drafts->attach(*sequence);
   HYBRID_ASSIGN_OR_RETURN(result.promptLogits,
                           sequence->prefill(prompt, options.dumpHidden ? &result.hidden : nullptr));
   result.prefillSeconds = seconds(start);
@@ -62,7 +69,7 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
   std::vector<float> last(result.promptLogits.end() - vocab, result.promptLogits.end());
   start = std::chrono::steady_clock::now();
   std::vector<int64_t> tokens(prompt.begin(), prompt.end());
-  if (options.draftTokens > 0 && options.useCaches) {
+  if (speculate) {
     // Each pass feeds the last chosen token and a draft; it returns the accepted draft tokens
     // and the model's own next one, with the logits that chose each.
     int64_t draftLength = options.draftTokens;
@@ -77,8 +84,8 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
     bool done = emit(next, last);
     while (!done) {
       const int64_t room = options.maxNewTokens - static_cast<int64_t>(result.generated.size());
-      const std::vector<int64_t> draft =
-          promptLookupDraft(tokens, std::min(draftLength, room - 1));
+      HYBRID_ASSIGN_OR_RETURN(const std::vector<int64_t> draft,
+                              drafts->propose(*sequence, tokens, std::min(draftLength, room - 1)));
       HYBRID_ASSIGN_OR_RETURN(DraftVerification verified, sequence->verifyDraft(next, draft));
       ++result.verifySteps;
       result.draftedTokens += static_cast<int64_t>(draft.size());
@@ -148,9 +155,9 @@ StatusOr<BatchDecodeReport> benchmarkBatchedDecode(Model &model, std::span<const
   return report;
 }
 
-StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
-                                                 const std::vector<std::vector<int64_t>> &prompts,
-                                                 int64_t maxNewTokens, int64_t draftTokens) {
+StatusOr<SpeculationReport>
+benchmarkSpeculation(Model &model, const std::vector<std::vector<int64_t>> &prompts,
+                     int64_t maxNewTokens, int64_t draftTokens, DraftSourceKind draftSource) {
   SpeculationReport report;
   double plainSeconds = 0, speculativeSeconds = 0;
   int64_t decodedTokens = 0; // tokens after the first of each prompt (what decode steps make)
@@ -160,6 +167,7 @@ StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
     HYBRID_ASSIGN_OR_RETURN(GenerationResult reference, generateGreedy(model, prompt, plain));
     GenerationOptions speculative = plain;
     speculative.draftTokens = draftTokens;
+    speculative.draftSource = draftSource;
     HYBRID_ASSIGN_OR_RETURN(GenerationResult result, generateGreedy(model, prompt, speculative));
     ++report.prompts;
     report.generatedTokens += static_cast<int64_t>(result.generated.size());

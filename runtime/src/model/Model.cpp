@@ -157,6 +157,15 @@ std::vector<size_t> stepOrder(const fb::Program &program, uint64_t seed) {
   return order;
 }
 
+// Optional parts of a program run: the first row's position (-1: the sequence's length), rows
+// for the program's hidden_input (the mtp program), and where to copy the final hidden state
+// (the last layer_outputs entry) of every row.
+struct RunExtras {
+  int64_t firstPosition = -1;
+  const float *hiddenInput = nullptr;
+  float *finalHiddenOut = nullptr;
+};
+
 struct Model::Impl {
   std::string dir;
   // Usage's sparse-attention counters (read by other threads, e.g. a server's /metrics).
@@ -173,6 +182,8 @@ struct Model::Impl {
   std::vector<bool> kvSequenceInUse;
   ProgramRunner prefill;
   ProgramRunner decode;
+  ProgramRunner mtp;     // the multi-token-prediction layer, when the plan has one
+  int32_t mtpKvSlot = -1; // its attention's KV cache layer
   std::vector<std::vector<float>> kvStaging;
   cpu::BatchScratch batchScratch; // decodeBatch's per-row runs of per-sequence kernels
   PrefixCache prefixCache{0, 1};
@@ -192,13 +203,13 @@ struct Model::Impl {
   Status run(ProgramRunner &runner, Sequence &sequence, int32_t kvSequence, int32_t stateSlot,
              std::span<const int64_t> tokens, bool decodeStep, float *logitsOut,
              HiddenStates *hidden, cpu::KdaReplayLog *kdaLog = nullptr,
-             std::span<const cpu::BatchRow> batch = {});
+             std::span<const cpu::BatchRow> batch = {}, const RunExtras &extras = {});
 };
 
 Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSequence,
                         int32_t stateSlot, std::span<const int64_t> tokens, bool decodeStep,
                         float *logitsOut, HiddenStates *hidden, cpu::KdaReplayLog *kdaLog,
-                        std::span<const cpu::BatchRow> batch) {
+                        std::span<const cpu::BatchRow> batch, const RunExtras &extras) {
   const fb::Program *program = runner.program;
   const int64_t rows = static_cast<int64_t>(tokens.size());
   cpu::StepContext context;
@@ -213,7 +224,7 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   context.kvSequence = kvSequence;
   context.stateSlot = stateSlot;
   context.rows = rows;
-  context.firstPosition = sequence.length();
+  context.firstPosition = extras.firstPosition >= 0 ? extras.firstPosition : sequence.length();
   context.decode = decodeStep;
   context.kdaLog = kdaLog;
   for (auto &rowsOfSlot : kvStaging)
@@ -229,16 +240,50 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
     context.batchScratch = &batchScratch;
   }
 
+  const auto *layerOutputs = program->layer_outputs();
+  if (extras.finalHiddenOut && (!layerOutputs || layerOutputs->size() == 0))
+    return Status::error(dir + "/plan.hyplan: program '" + program->name()->str() +
+                         "' has no layer_outputs to take final hidden states from");
+  const size_t width = static_cast<size_t>(plan->hidden_size());
 #ifdef HYBRID_HAS_CUDA_DEVICE
-  if (cuda)
-    return cuda->run(context, tokens, logitsOut, hidden);
+  // The mtp program runs on the cpu reference (its host weights were converted at load).
+  if (cuda && &runner != &mtp) {
+    if (!extras.finalHiddenOut)
+      return cuda->run(context, tokens, logitsOut, hidden);
+    // The final hidden states come out with the others (hidden-state dumps).
+    HiddenStates own;
+    HiddenStates *all = hidden;
+    if (!all) {
+      own.rows = rows;
+      own.width = static_cast<int64_t>(width);
+      own.layers.assign(layerOutputs->size(), {});
+      all = &own;
+    }
+    const size_t before = all->layers.back().size();
+    HYBRID_RETURN_IF_ERROR(cuda->run(context, tokens, logitsOut, all));
+    const std::vector<float> &last = all->layers.back();
+    if (last.size() != before + static_cast<size_t>(rows) * width)
+      return Status::error("cuda device: the final hidden states of " + std::to_string(rows) +
+                           " rows did not come back");
+    std::copy(last.begin() + static_cast<std::ptrdiff_t>(before), last.end(), extras.finalHiddenOut);
+    return Status::ok();
+  }
 #endif
   const fb::Value *ids = program->values()->Get(program->token_ids());
   HYBRID_ASSIGN_OR_RETURN(std::span<int64_t> idSlot,
                           runner.arena.viewAs<int64_t>(ids->arena_offset(), rows));
   std::copy(tokens.begin(), tokens.end(), idSlot.begin());
+  if (program->hidden_input() >= 0) {
+    if (!extras.hiddenInput)
+      return Status::error("program '" + program->name()->str() +
+                           "' reads hidden states, none were given");
+    const fb::Value *slot = program->values()->Get(program->hidden_input());
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> hiddenSlot,
+                            runner.arena.viewAs<float>(slot->arena_offset(),
+                                                       static_cast<uint64_t>(rows) * width));
+    std::copy_n(extras.hiddenInput, hiddenSlot.size(), hiddenSlot.begin());
+  }
 
-  const auto *layerOutputs = program->layer_outputs();
   for (size_t index : stepOrder(*program, options.scheduleSeed)) {
     const fb::Dispatch *dispatch = program->steps()->Get(index)->op_as_Dispatch();
     if (!dispatch)
@@ -258,6 +303,11 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   }
   HYBRID_ASSIGN_OR_RETURN(std::span<float> logits, cpu::floatValue(context, program->logits()));
   std::copy(logits.begin(), logits.end(), logitsOut);
+  if (extras.finalHiddenOut) {
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> final,
+                            cpu::floatValue(context, layerOutputs->Get(layerOutputs->size() - 1)));
+    std::copy(final.begin(), final.end(), extras.finalHiddenOut);
+  }
   return Status::ok();
 }
 
@@ -376,6 +426,28 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
       if (const fb::Dispatch *d = step->op_as_Dispatch();
           d && d->kernel() == fb::KernelId::DsaIndexer && d->params_as_DsaIndexerParams())
         runner->dsaTopKs.push_back(d->params_as_DsaIndexerParams()->top_k());
+  }
+  // The multi-token-prediction layer: its program, and the KV cache layer of its attention (the
+  // layer after the decoder's).
+  if (const fb::Program *mtp = impl->plan.findProgram("mtp")) {
+    if (mtp->hidden_input() < 0)
+      return Status::error(impl->plan.path() + ": program 'mtp' has no hidden_input");
+    impl->mtp.program = mtp;
+    HYBRID_ASSIGN_OR_RETURN(impl->mtp.arena, Arena::create(mtp->arena_bytes()));
+    for (size_t slot = 0; spec->kv() && slot < spec->kv()->size(); ++slot)
+      if (spec->kv()->Get(static_cast<flatbuffers::uoffset_t>(slot))->layer() == root.num_layers())
+        impl->mtpKvSlot = static_cast<int32_t>(slot);
+    if (impl->mtpKvSlot < 0)
+      return Status::error(impl->plan.path() + ": program 'mtp' has no KV cache layer (cache.kv "
+                                               "with layer = num_layers = " +
+                           std::to_string(root.num_layers()) + ")");
+    // Its steps run on the cpu reference on either device: their weights in fp32 on the host.
+    if (cudaDevice)
+      for (const fb::Step *step : *mtp->steps())
+        if (const fb::Dispatch *d = step->op_as_Dispatch(); d && d->weights())
+          for (int32_t index : *d->weights())
+            if (index >= 0)
+              HYBRID_RETURN_IF_ERROR(convert(index).status());
   }
 #ifdef HYBRID_HAS_CUDA_DEVICE
   if (cudaDevice) {
@@ -497,11 +569,19 @@ StatusOr<std::vector<float>> Sequence::prefill(std::span<const int64_t> tokens,
     hidden->layers.assign(outputs ? outputs->size() : 0, {});
   }
   std::vector<float> logits(tokens.size() * static_cast<size_t>(vocab));
+  std::vector<float> finalHidden;
   for (size_t begin = 0; begin < tokens.size(); begin += static_cast<size_t>(chunk)) {
     const size_t count = std::min(tokens.size() - begin, static_cast<size_t>(chunk));
+    RunExtras extras;
+    if (recordFinalHidden_) {
+      finalHidden.resize(count * static_cast<size_t>(model_.hiddenSize()));
+      extras.finalHiddenOut = finalHidden.data();
+    }
     HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, *this, kvSequence_, stateSlot_,
                                     tokens.subspan(begin, count), /*decodeStep=*/false,
-                                    logits.data() + begin * vocab, hidden));
+                                    logits.data() + begin * vocab, hidden, nullptr, {}, extras));
+    if (recordFinalHidden_)
+      keepFinalHidden(length_, finalHidden, static_cast<int64_t>(count));
     length_ += static_cast<int64_t>(count);
   }
   return logits;
@@ -544,7 +624,15 @@ Status Sequence::keepPrefix(std::span<const int64_t> tokens) {
     return Status::error("keepPrefix: " + std::to_string(length_) +
                          " tokens are not a whole number of " +
                          std::to_string(cache.blockTokens()) + "-token blocks");
+  // The MTP layer's rows lag (they need the next token); the kept prefix gets zero rows for
+  // positions it has not run, and this sequence keeps its own length (its pages are now shared,
+  // so its later MTP rows copy them first).
+  const int64_t mtpRows = mtpLength();
+  if (impl.mtpKvSlot >= 0 && mtpRows < length_)
+    HYBRID_RETURN_IF_ERROR(setMtpLength(length_));
   StatusOr<KvPrefix> kv = impl.kvCache.holdPrefix(kvSequence_, length_);
+  if (impl.mtpKvSlot >= 0)
+    HYBRID_RETURN_IF_ERROR(impl.kvCache.truncateLayer(impl.mtpKvSlot, kvSequence_, mtpRows));
   if (!kv) {
     // Keeping is best effort: with no free page for a partial last page, nothing is kept.
     if (kv.status().isExhausted())
@@ -632,8 +720,14 @@ StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
   std::vector<float> logits(static_cast<size_t>(rows) * vocab);
   cpu::KdaReplayLog log;
   const int64_t start = length_;
+  std::vector<float> finalHidden;
+  RunExtras extras;
+  if (recordFinalHidden_) {
+    finalHidden.resize(static_cast<size_t>(rows * model_.hiddenSize()));
+    extras.finalHiddenOut = finalHidden.data();
+  }
   HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, *this, kvSequence_, stateSlot_, fed,
-                                  /*decodeStep=*/false, logits.data(), nullptr, &log));
+                                  /*decodeStep=*/false, logits.data(), nullptr, &log, {}, extras));
   length_ += rows;
 
   auto row = [&](int64_t i) { return std::span<const float>(logits).subspan(i * vocab, vocab); };
@@ -658,6 +752,8 @@ StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
 #endif
     length_ = start + keep;
   }
+  if (recordFinalHidden_)
+    keepFinalHidden(start, finalHidden, keep);
   return result;
 }
 
@@ -708,11 +804,25 @@ StatusOr<std::vector<float>> Model::decodeBatch(std::span<Sequence *const> seque
   }
   std::vector<float> logits(sequences.size() * static_cast<size_t>(vocabSize()));
   Sequence &first = *sequences[0];
+  const bool recording = std::any_of(sequences.begin(), sequences.end(),
+                                     [](const Sequence *s) { return s->recordFinalHidden_; });
+  std::vector<float> finalHidden;
+  RunExtras extras;
+  if (recording) {
+    finalHidden.resize(sequences.size() * static_cast<size_t>(hiddenSize()));
+    extras.finalHiddenOut = finalHidden.data();
+  }
   HYBRID_RETURN_IF_ERROR(impl.run(impl.decode, first, first.kvSequence_, first.stateSlot_,
                                   tokens, /*decodeStep=*/true, logits.data(), nullptr, nullptr,
-                                  batch));
-  for (Sequence *sequence : sequences)
-    ++sequence->length_;
+                                  batch, extras));
+  const auto width = static_cast<size_t>(hiddenSize());
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    Sequence &sequence = *sequences[i];
+    if (sequence.recordFinalHidden_)
+      sequence.keepFinalHidden(sequence.length_,
+                               std::span<const float>(finalHidden).subspan(i * width, width), 1);
+    ++sequence.length_;
+  }
   return logits;
 }
 
@@ -723,10 +833,92 @@ StatusOr<std::vector<float>> Sequence::decode(int64_t token) {
                          std::to_string(impl.options.maxContextTokens));
   std::vector<float> logits(static_cast<size_t>(model_.vocabSize()));
   const int64_t ids[1] = {token};
+  std::vector<float> finalHidden;
+  RunExtras extras;
+  if (recordFinalHidden_) {
+    finalHidden.resize(static_cast<size_t>(model_.hiddenSize()));
+    extras.finalHiddenOut = finalHidden.data();
+  }
   HYBRID_RETURN_IF_ERROR(impl.run(impl.decode, *this, kvSequence_, stateSlot_, ids,
-                                  /*decodeStep=*/true, logits.data(), nullptr));
+                                  /*decodeStep=*/true, logits.data(), nullptr, nullptr, {},
+                                  extras));
+  if (recordFinalHidden_)
+    keepFinalHidden(length_, finalHidden, 1);
   ++length_;
   return logits;
+}
+
+bool Model::hasMtp() const { return impl_->mtp.program != nullptr; }
+
+void Sequence::recordFinalHidden(bool on) {
+  recordFinalHidden_ = on;
+  if (!on)
+    finalHidden_ = {};
+}
+
+FinalHiddenRows Sequence::takeFinalHidden() { return std::exchange(finalHidden_, {}); }
+
+void Sequence::keepFinalHidden(int64_t position, std::span<const float> hidden, int64_t rows) {
+  const auto width = static_cast<size_t>(model_.hiddenSize());
+  const auto kept = static_cast<int64_t>(finalHidden_.rows.size() / width);
+  // Rows are kept for consecutive positions; anything else (a rollback) starts over.
+  if (kept == 0 || finalHidden_.firstPosition + kept != position) {
+    finalHidden_.rows.clear();
+    finalHidden_.firstPosition = position;
+  }
+  finalHidden_.rows.insert(finalHidden_.rows.end(), hidden.begin(),
+                           hidden.begin() + static_cast<std::ptrdiff_t>(rows * width));
+}
+
+int64_t Sequence::mtpLength() const {
+  const Model::Impl &impl = *model_.impl_;
+  return impl.mtpKvSlot >= 0 ? impl.kvCache.length(impl.mtpKvSlot, kvSequence_) : 0;
+}
+
+StatusOr<MtpOutput> Sequence::runMtp(std::span<const int64_t> tokens,
+                                     std::span<const float> hidden) {
+  Model::Impl &impl = *model_.impl_;
+  if (!impl.mtp.program)
+    return Status::error(impl.plan.path() + ": the plan has no 'mtp' program (compile a "
+                                            "checkpoint with num_nextn_predict_layers = 1)");
+  const auto width = static_cast<size_t>(model_.hiddenSize());
+  const auto vocab = static_cast<size_t>(model_.vocabSize());
+  if (tokens.empty() || hidden.size() != tokens.size() * width)
+    return Status::error("runMtp: " + std::to_string(tokens.size()) + " tokens need as many " +
+                         std::to_string(width) + "-wide hidden rows, got " +
+                         std::to_string(hidden.size()) + " values");
+  const int64_t position = mtpLength();
+  if (position + static_cast<int64_t>(tokens.size()) > impl.options.maxContextTokens)
+    return Status::error("the MTP cache would grow to " +
+                         std::to_string(position + static_cast<int64_t>(tokens.size())) +
+                         " tokens, past maxContextTokens = " +
+                         std::to_string(impl.options.maxContextTokens));
+  MtpOutput out;
+  out.logits.resize(tokens.size() * vocab);
+  out.hidden.resize(tokens.size() * width);
+  const auto chunk = static_cast<size_t>(std::max<int64_t>(1, impl.mtp.program->max_tokens()));
+  for (size_t begin = 0; begin < tokens.size(); begin += chunk) {
+    const size_t count = std::min(tokens.size() - begin, chunk);
+    RunExtras extras{position + static_cast<int64_t>(begin), hidden.data() + begin * width,
+                     out.hidden.data() + begin * width};
+    HYBRID_RETURN_IF_ERROR(impl.run(impl.mtp, *this, kvSequence_, stateSlot_,
+                                    tokens.subspan(begin, count), /*decodeStep=*/false,
+                                    out.logits.data() + begin * vocab, nullptr, nullptr, {},
+                                    extras));
+  }
+  return out;
+}
+
+Status Sequence::setMtpLength(int64_t length) {
+  Model::Impl &impl = *model_.impl_;
+  if (impl.mtpKvSlot < 0)
+    return Status::error(impl.plan.path() + ": the plan has no 'mtp' program");
+  const int64_t current = mtpLength();
+  if (length <= current)
+    return impl.kvCache.truncateLayer(impl.mtpKvSlot, kvSequence_, length);
+  const int64_t rowElements = impl.kvCache.layerShape(impl.mtpKvSlot).rowElements();
+  const std::vector<float> zeros(static_cast<size_t>((length - current) * rowElements), 0.0f);
+  return impl.kvCache.append(impl.mtpKvSlot, kvSequence_, zeros);
 }
 
 } // namespace hybrid

@@ -23,11 +23,15 @@ struct Scheduler::Active {
 Scheduler::Scheduler(Model &model, SchedulerOptions options)
     : model_(model), options_(options) {
   options_.prefillChunkTokens = std::max<int64_t>(1, options_.prefillChunkTokens);
+  if (options_.draftTokens > 0)
+    drafts_ = makeDraftSource(model_, options_.draftSource);
 }
 
 Scheduler::~Scheduler() = default;
 
 StatusOr<uint64_t> Scheduler::submit(GenerationRequest request) {
+  if (!drafts_)
+    return drafts_.status();
   if (request.prompt.empty())
     return Status::error("request: the prompt is empty");
   if (request.maxNewTokens < 1)
@@ -74,6 +78,8 @@ bool Scheduler::admit(Active &active) {
     return false;
   active.sequence = std::move(*sequence);
   active.fed = 0;
+  if (*drafts_)
+    (*drafts_)->attach(*active.sequence);
   return true;
 }
 
@@ -118,8 +124,14 @@ void Scheduler::runOwnStep(Active &active, Outcome &outcome, bool &decodes) {
         outcome.logits = kept;
   } else if (options_.draftTokens > 0) {
     const int64_t room = active.request.maxNewTokens - active.generated();
-    const std::vector<int64_t> draft =
-        promptLookupDraft(active.context, std::min(active.draftLength, room - 1));
+    StatusOr<std::vector<int64_t>> proposed = (*drafts_)->propose(
+        *active.sequence, active.context, std::min(active.draftLength, room - 1));
+    if (!proposed) {
+      outcome.logits = proposed.status();
+      outcome.mayPreempt = false;
+      return;
+    }
+    const std::vector<int64_t> &draft = *proposed;
     StatusOr<DraftVerification> verified =
         active.sequence->verifyDraft(active.context.back(), draft);
     if (verified) {

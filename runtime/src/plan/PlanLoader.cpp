@@ -346,6 +346,17 @@ private:
       HYBRID_RETURN_IF_ERROR(checkIndex(indexed(field + ".layer_outputs", i),
                                         program.layer_outputs()->Get(i), scope.numValues,
                                         valuesOf));
+    if (program.hidden_input() != -1) {
+      HYBRID_RETURN_IF_ERROR(checkIndex(field + ".hidden_input", program.hidden_input(),
+                                        scope.numValues, valuesOf));
+      const fb::Value *hidden = scope.values->Get(program.hidden_input());
+      if (hidden->dtype() != fb::DType::F32 || hidden->row_elements() != plan_.hidden_size())
+        return Status::error(field + ".hidden_input = " + std::to_string(program.hidden_input()) +
+                             " names a " + dtypeName(hidden->dtype()) + " value of " +
+                             std::to_string(hidden->row_elements()) +
+                             " elements per row, expected F32 with hidden_size " +
+                             std::to_string(plan_.hidden_size()));
+    }
 
     for (size_t i = 0; i < lengthOf(program.steps()); ++i) {
       const fb::Step *step = program.steps()->Get(static_cast<flatbuffers::uoffset_t>(i));
@@ -508,7 +519,12 @@ private:
     return Status::ok();
   }
 
-  size_t numLayers() const { return static_cast<size_t>(std::max(plan_.num_layers(), 0)); }
+  // The decoder layers, and the multi-token-prediction layer after them when the plan has an
+  // `mtp` program (its KV cache and steps carry layer index num_layers).
+  size_t numLayers() const {
+    return static_cast<size_t>(std::max(plan_.num_layers(), 0)) +
+           (findProgram(plan_, "mtp") ? 1 : 0);
+  }
 
   const fb::Plan &plan_;
   size_t numWeights_ = 0;

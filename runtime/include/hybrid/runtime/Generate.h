@@ -4,6 +4,7 @@
 // comparison against a reference file that names the first layer that diverges.
 #pragma once
 
+#include "hybrid/runtime/Draft.h"
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Status.h"
 
@@ -37,11 +38,11 @@ struct GenerationOptions {
   bool useCaches = true;
   bool dumpHidden = false;
   std::vector<int64_t> stopTokens;
-  // Speculative decoding with prompt-lookup drafts: at most this many draft tokens
-  // per verification pass (0: off). The draft length adapts to the acceptance: one longer after a
-  // fully accepted draft, one shorter when less than half was accepted. Greedy outputs do not
-  // change.
+  // Speculative decoding: at most this many draft tokens per verification pass (0: off), from
+  // `draftSource` (Draft.h). The draft length adapts to the acceptance: one longer after a fully
+  // accepted draft, one shorter when less than half was accepted. Greedy outputs do not change.
   int64_t draftTokens = 0;
+  DraftSourceKind draftSource = DraftSourceKind::PromptLookup;
 };
 
 // Speculative against plain greedy decoding on the same prompts (hybrid-bench spec): both must
@@ -57,9 +58,10 @@ struct SpeculationReport {
   int64_t verifySteps = 0, draftedTokens = 0, acceptedTokens = 0;
   uint64_t rollbackBytesPerSequence = 0;
 };
-StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
-                                                 const std::vector<std::vector<int64_t>> &prompts,
-                                                 int64_t maxNewTokens, int64_t draftTokens);
+StatusOr<SpeculationReport>
+benchmarkSpeculation(Model &model, const std::vector<std::vector<int64_t>> &prompts,
+                     int64_t maxNewTokens, int64_t draftTokens,
+                     DraftSourceKind draftSource = DraftSourceKind::PromptLookup);
 
 // Batched decode throughput (hybrid-bench decode-batch): `batch` sequences prefilled with
 // `prompt`, one warm-up step (it captures the cuda device's graphs), then `steps` steps of

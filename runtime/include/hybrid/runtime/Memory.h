@@ -189,6 +189,9 @@ public:
   // Forgets positions >= tokens in every layer and releases the pages no longer needed (a page
   // returns to the free list when no sequence holds it any more; rollback).
   Status truncate(int32_t sequence, int64_t tokens);
+  // Forgets positions >= tokens of one layer only (its pages stay: the other layers hold them);
+  // the multi-token-prediction layer drops the rows of its chained drafts this way.
+  Status truncateLayer(int32_t kvSlot, int32_t sequence, int64_t tokens);
   // Returns all pages of the sequence; its lengths become 0.
   Status freeSequence(int32_t sequence);
 

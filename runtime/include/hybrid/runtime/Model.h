@@ -97,6 +97,19 @@ struct DraftVerification {
   std::vector<float> logits;   // [tokens.size(), vocab]: the logits that chose each
 };
 
+// The main model's final hidden states (the LM head's input) of consecutive positions, as a
+// sequence recorded them (Sequence::recordFinalHidden): rows [count, hidden] from firstPosition.
+struct FinalHiddenRows {
+  int64_t firstPosition = 0;
+  std::vector<float> rows;
+};
+
+// What one run of the multi-token-prediction program gave (Sequence::runMtp).
+struct MtpOutput {
+  std::vector<float> logits; // [rows, vocab]: of the token after each row's token
+  std::vector<float> hidden; // [rows, hidden]: the MTP layer's final hidden state per row
+};
+
 class Model;
 
 class Sequence {
@@ -140,15 +153,36 @@ public:
   // One token through the decode program; returns logits [vocab].
   StatusOr<std::vector<float>> decode(int64_t token);
 
+  // Multi-token prediction (plans with an `mtp` program, Model::hasMtp; docs/mtp.md).
+  // While on, every prefill, decode, decodeBatch and verifyDraft keeps the final hidden state of
+  // each token the sequence keeps (a verification pass: only the accepted rows); takeFinalHidden
+  // hands them over in position order and forgets them.
+  void recordFinalHidden(bool on);
+  FinalHiddenRows takeFinalHidden();
+  // Positions the MTP layer's KV cache holds for this sequence.
+  int64_t mtpLength() const;
+  // Runs the MTP program over rows at positions [mtpLength(), + tokens.size()): row i pairs
+  // hidden row i (the main model's final hidden state at that position, or the MTP's own when
+  // drafts are chained) with tokens[i], the token at the next position. Appends to the MTP cache.
+  StatusOr<MtpOutput> runMtp(std::span<const int64_t> tokens, std::span<const float> hidden);
+  // Forgets MTP cache positions >= length (chained drafts), or appends zero rows up to length
+  // (positions whose main hidden states this sequence never saw: a restored prefix).
+  Status setMtpLength(int64_t length);
+
 private:
   friend class Model;
   Sequence(Model &model, int32_t kvSequence, int32_t stateSlot)
       : model_(model), kvSequence_(kvSequence), stateSlot_(stateSlot) {}
 
+  // Keeps rows [rows] of `hidden` (the final hidden states of positions [position, + rows)).
+  void keepFinalHidden(int64_t position, std::span<const float> hidden, int64_t rows);
+
   Model &model_;
   int32_t kvSequence_;
   int32_t stateSlot_;
   int64_t length_ = 0;
+  bool recordFinalHidden_ = false;
+  FinalHiddenRows finalHidden_;
 };
 
 class Model {
@@ -181,6 +215,9 @@ public:
                                            std::span<const int64_t> tokens);
   // Sequences one decodeBatch() step takes: the decode program's max_tokens.
   int64_t maxDecodeBatch() const;
+  // The plan has a multi-token-prediction program (`mtp`: DeepSeek-V3's MTP layer), the draft
+  // source of hybrid-run --draft mtp. It runs on the cpu reference on either device for now.
+  bool hasMtp() const;
 
   // The KV cache's pages (a scheduler admits and preempts by them) and the sequences in use.
   struct Usage {

@@ -9,6 +9,7 @@
 // program takes (hybrid-compile --decode-batch; one at a time with a plan for one).
 #pragma once
 
+#include "hybrid/runtime/Draft.h"
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Status.h"
 
@@ -36,9 +37,11 @@ struct TokenEvent {
 
 struct SchedulerOptions {
   int64_t prefillChunkTokens = 256; // prompt tokens a prefilling request gets per step
-  // Speculative decoding with prompt-lookup drafts of at most this many tokens per decode step
-  // (0: off); the length adapts per request to its acceptance. Tokens do not change.
+  // Speculative decoding with drafts of at most this many tokens per decode step (0: off) from
+  // `draftSource`; the length adapts per request to its acceptance. Tokens do not change. A
+  // source the model cannot serve (mtp without an `mtp` program) makes submit() refuse.
   int64_t draftTokens = 0;
+  DraftSourceKind draftSource = DraftSourceKind::PromptLookup;
 };
 
 struct SchedulerStats {
@@ -87,6 +90,7 @@ private:
 
   Model &model_;
   SchedulerOptions options_;
+  StatusOr<std::unique_ptr<DraftSource>> drafts_ = std::unique_ptr<DraftSource>();
   uint64_t nextId_ = 1;
   std::deque<std::unique_ptr<Active>> waiting_;
   std::vector<std::unique_ptr<Active>> running_; // in admission order
