@@ -357,3 +357,15 @@ hybrid.model @bad_input attributes {model_type = "test", hidden_size = 16 : i64,
   %logits = hybrid.lm_head %h {weight = #hybrid.weight<"head" : tensor<16x16xbf16>>} : tensor<?x16xbf16> -> tensor<?x16xf32>
   hybrid.return %logits : tensor<?x16xf32>
 }
+
+// -----
+
+func.func @mtp_input_eh_proj_not_twice_hidden(%e: tensor<?x16xbf16>, %h: tensor<?x16xf32>) {
+  // expected-error @+1 {{eh_proj weight 'mtp.eh_proj' has shape [16, 16], expected [16, 32] (hidden = 16: [hidden, 2 * hidden])}}
+  %0 = hybrid.mtp_input %e, %h {epsilon = 1.0e-6 : f64,
+      enorm = #hybrid.weight<"mtp.enorm" : tensor<16xbf16>>,
+      hnorm = #hybrid.weight<"mtp.hnorm" : tensor<16xbf16>>,
+      eh_proj = #hybrid.weight<"mtp.eh_proj" : tensor<16x16xbf16>>}
+      : tensor<?x16xbf16>, tensor<?x16xf32> -> tensor<?x16xbf16>
+  return
+}
