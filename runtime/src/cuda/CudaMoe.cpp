@@ -1,7 +1,9 @@
 // MoE layers on the cuda device (issue 7): the router (its GEMM, then the fused noaux_tc
-// selection) and the routed experts, per (token, expert) on CUDA cores in decode steps (no host
-// round trip, so decode graphs hold them) and small prefills, grouped by expert around the GEMMs
-// in larger prefills (the chosen experts come to the host, each expert runs once on its tokens).
+// selection) and the routed experts: per (token, expert) on CUDA cores for up to 64 pairs (a
+// decode step of up to 8 tokens: each pair streams its expert's rows); beyond, bf16 experts are
+// grouped by expert on the GPU and multiplied on tensor cores (kc::launchMoeExpertsGrouped, no
+// host round trip, so decode graphs hold it too); other prefills group on the host around the
+// GEMMs (the chosen experts come to the host, each expert runs once on its tokens).
 // Experts in bf16 or FP8 with block scales (their inputs then rounded to E4M3 as the FP8 GEMMs do).
 #include "cuda/CudaExecutorImpl.h"
 
@@ -96,7 +98,16 @@ Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &
       kc::moeExpertsWorkspaceBytes(static_cast<int32_t>(pairs), 1, static_cast<int32_t>(hidden),
                                    static_cast<int32_t>(inner)) / sizeof(float)));
   const int64_t grouped = decodeProgram ? 0 : 2 * pad(rows * hidden) + 2 * pad(rows * inner);
-  floats = static_cast<size_t>(std::max(perToken, grouped));
+  // The tensor-core grouped form (bf16 experts, more pairs than the per-token form takes).
+  const int64_t tensorCore =
+      rows * K > kPerTokenMaxPairs
+          ? pad(static_cast<int64_t>(kc::moeGroupedWorkspaceBytes(
+                    static_cast<int32_t>(rows), static_cast<int32_t>(K),
+                    static_cast<int32_t>(hidden), static_cast<int32_t>(inner),
+                    static_cast<int32_t>(E)) /
+                sizeof(float)) + 1)
+          : 0;
+  floats = static_cast<size_t>(std::max({perToken, grouped, tensorCore}));
   xWidth = static_cast<size_t>(std::max(hidden, inner));
   outWidth = static_cast<size_t>(std::max(hidden, inner));
   if (!decodeProgram && static_cast<size_t>(rows * K) > expertListCapacity) {
@@ -155,6 +166,32 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
   auto *out = reinterpret_cast<float *>(arena + valueOf(program, d.outputs()->Get(0)).arena_offset());
   const void **pointers = expertPointers.at(&d);
 
+  const bool bf16Experts =
+      weightTypes[static_cast<size_t>(d.weights()->Get(0))] == fb::DType::BF16;
+  if (bf16Experts && T * K > kPerTokenMaxPairs) {
+    kc::MoeExpertsParams m;
+    m.tokens = static_cast<int32_t>(T);
+    m.hidden = static_cast<int32_t>(hidden);
+    m.intermediate = static_cast<int32_t>(inner);
+    m.experts = static_cast<int32_t>(E);
+    m.topK = static_cast<int32_t>(K);
+    m.x = x;
+    m.ids = ids;
+    m.weights = weights;
+    m.gate = pointers;
+    m.up = pointers + E;
+    m.down = pointers + 2 * E;
+    m.out = out;
+    m.workspace = r.scratch;
+    if (kc::moeGroupedSupports(m)) {
+      if (kc::moeGroupedWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate, m.experts) >
+          scratchFloats * sizeof(float))
+        return Status::error("MoE grouped workspace larger than planned at load");
+      LAUNCH_RETURN_IF_ERROR(kc::launchMoeExpertsGrouped(m, splitGemmInputs, r.stream),
+                             "MoE experts (grouped)");
+      return Status::ok();
+    }
+  }
   if (!groupedForm(host, K)) {
     kc::MoeExpertsParams m;
     m.tokens = static_cast<int32_t>(T);

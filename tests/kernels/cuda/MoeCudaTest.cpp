@@ -1,11 +1,15 @@
 // MoE on CUDA (Moe.h) against the reference: the router (sigmoid and softmax scores, correction
 // bias, grouped top-k, exact ties) and the routed experts per (token, expert) in bf16 and fp32,
-// plus the grouped form's gather / scatter-add. Labelled `gpu`; skipped without a GPU.
+// plus the grouped forms (tensor cores; the host-grouped form's gather / scatter-add). Labelled `gpu`; skipped without a GPU.
 #include "hybrid/kernels/cuda/Moe.h"
 #include "hybrid/kernels/ref/Moe.h"
 #include "hybrid/kernels/ref/Quant.h"
 #include "CudaTestSupport.h"
 
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -257,6 +261,111 @@ TEST(MoeExpertsCuda, Fp8ExpertsMatchReference) {
     // hidden activation may land one E4M3 step apart where the gate's sum is on a boundary).
     EXPECT_LT(relativeRms(dOut.download(), expected), 1e-4);
   }
+}
+
+// The grouped form on tensor cores: experts with several 64-row tiles (the last one partial),
+// experts nobody chose, an invalid id (its pair skipped), and both input precisions against a
+// reference that rounds exactly where the kernel does (x and h to bf16, or neither when split).
+TEST(MoeExpertsCuda, GroupedOnTensorCoresMatchesReference) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(11);
+  const int tokens = 150, hidden = 512, inner = 128, experts = 16, topK = 4;
+  const std::vector<float> x = random(size_t(tokens) * hidden, rng, 1.0f);
+  std::vector<std::vector<float>> matrices; // per expert: gate, up, down
+  for (int e = 0; e < experts; ++e)
+    for (int m = 0; m < 3; ++m)
+      matrices.push_back(roundedToBf16(random(size_t(hidden) * inner, rng, 0.05f)));
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  for (int t = 0; t < tokens; ++t) {
+    // Experts 0-9 only, skewed toward 0-2 so that those get several tiles; 10-15 stay unused.
+    std::vector<int32_t> pool = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+    std::shuffle(pool.begin() + 3, pool.end(), rng);
+    for (int k = 0; k < topK; ++k) {
+      ids.push_back(t % 2 ? pool[size_t(k)] : pool[size_t(9 - k)]);
+      weights.push_back(0.1f + 0.2f * float(k));
+    }
+  }
+  ids[17] = -1; // an invalid choice contributes nothing
+  auto silu = [](double g) { return g / (1.0 + std::exp(-g)); };
+  auto bf16 = [](double v) { return double(roundedToBf16(std::vector<float>{float(v)})[0]); };
+  auto expected = [&](bool split) {
+    std::vector<float> out(size_t(tokens) * hidden, 0.0f);
+    for (int t = 0; t < tokens; ++t) {
+      std::vector<int> order(topK);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+        return ids[size_t(t * topK + a)] < ids[size_t(t * topK + b)];
+      });
+      std::vector<double> sum(size_t(hidden), 0.0);
+      for (int k : order) {
+        const int e = ids[size_t(t * topK + k)];
+        if (e < 0)
+          continue;
+        const std::vector<float> &gate = matrices[size_t(3 * e)], &up = matrices[size_t(3 * e + 1)],
+                                 &down = matrices[size_t(3 * e + 2)];
+        std::vector<double> h(static_cast<size_t>(inner));
+        for (int n = 0; n < inner; ++n) {
+          double g = 0, u = 0;
+          for (int c = 0; c < hidden; ++c) {
+            const double v = split ? x[size_t(t * hidden + c)] : bf16(x[size_t(t * hidden + c)]);
+            g += v * gate[size_t(n * hidden + c)];
+            u += v * up[size_t(n * hidden + c)];
+          }
+          h[size_t(n)] = split ? silu(g) * u : bf16(silu(g) * u);
+        }
+        for (int c = 0; c < hidden; ++c) {
+          double y = 0;
+          for (int n = 0; n < inner; ++n)
+            y += h[size_t(n)] * down[size_t(c * inner + n)];
+          sum[size_t(c)] += weights[size_t(t * topK + k)] * y;
+        }
+      }
+      for (int c = 0; c < hidden; ++c)
+        out[size_t(t * hidden + c)] = float(sum[size_t(c)]);
+    }
+    return out;
+  };
+
+  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> b16;
+  std::vector<uint64_t> pointers[3];
+  for (size_t m = 0; m < matrices.size(); ++m) {
+    b16.push_back(std::make_unique<DeviceBuffer<uint16_t>>(bf16Bits(matrices[m])));
+    pointers[m % 3].push_back(reinterpret_cast<uint64_t>(b16.back()->data));
+  }
+  DeviceBuffer<uint64_t> gate(pointers[0]), up(pointers[1]), down(pointers[2]);
+  DeviceBuffer<float> dX(x), dWeights(weights);
+  DeviceBuffer<int32_t> dIds(ids);
+  DeviceBuffer<uint8_t> dWorkspace{std::vector<uint8_t>(
+      cuda::moeGroupedWorkspaceBytes(tokens, topK, hidden, inner, experts))};
+  cuda::MoeExpertsParams p;
+  p.tokens = tokens;
+  p.hidden = hidden;
+  p.intermediate = inner;
+  p.experts = experts;
+  p.topK = topK;
+  p.x = dX.data;
+  p.ids = dIds.data;
+  p.weights = dWeights.data;
+  p.gate = reinterpret_cast<const void *const *>(gate.data);
+  p.up = reinterpret_cast<const void *const *>(up.data);
+  p.down = reinterpret_cast<const void *const *>(down.data);
+  p.workspace = dWorkspace.data;
+  ASSERT_TRUE(cuda::moeGroupedSupports(p));
+  for (bool split : {true, false}) {
+    SCOPED_TRACE(split ? "split inputs" : "bf16 inputs");
+    DeviceBuffer<float> dOut{std::vector<float>(size_t(tokens) * hidden, -3.0f)};
+    p.out = dOut.data;
+    ASSERT_EQ(cuda::launchMoeExpertsGrouped(p, split, nullptr), 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    // Products exact in fp32 on the tensor cores; fp32 sums in another order. Without the split
+    // a bf16 rounding of h may land one step apart from the reference's.
+    EXPECT_LT(relativeRms(dOut.download(), expected(split)), split ? 2e-5 : 2e-4);
+  }
+  p.hidden = 100; // not a multiple of 64
+  EXPECT_FALSE(cuda::moeGroupedSupports(p));
+  EXPECT_EQ(cuda::launchMoeExpertsGrouped(p, true, nullptr), int(cudaErrorInvalidValue));
 }
 
 TEST(MoeExpertsCuda, GatherAndScatterAddRows) {

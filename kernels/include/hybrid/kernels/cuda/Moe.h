@@ -74,7 +74,17 @@ inline constexpr int kMoeMaxHidden = 16384;
 size_t moeExpertsWorkspaceBytes(int32_t tokens, int32_t topK, int32_t hidden, int32_t intermediate);
 int launchMoeExpertsPerToken(const MoeExpertsParams &params, void *stream);
 
-// Grouped form's pieces: rows[r] of x into out[r] (count rows of `width`), and out[rows[r]] +=
+// Grouped form on tensor cores (bf16 experts, hidden and intermediate multiples of 64, every
+// matrix 16-byte aligned): the pairs are sorted by expert on the GPU, then each expert's weights
+// are read once per 64 of its tokens by two mma.sync launches (gate + up with SiLU, down), and the
+// outputs are combined per token in ascending expert order. No host round trip: graph-safe.
+// x enters the tensor cores as bf16, or as bf16 hi + lo (about 16 bits) with `splitInputs`.
+bool moeGroupedSupports(const MoeExpertsParams &params);
+size_t moeGroupedWorkspaceBytes(int32_t tokens, int32_t topK, int32_t hidden,
+                                int32_t intermediate, int32_t experts);
+int launchMoeExpertsGrouped(const MoeExpertsParams &params, bool splitInputs, void *stream);
+
+// Grouped form's pieces (experts run one by one around the GEMMs): rows[r] of x into out[r] (count rows of `width`), and out[rows[r]] +=
 // scales[r] * in[r] (each target row at most once per call, so calls made expert by expert add
 // in expert order).
 int launchGatherRows(const float *x, int64_t width, const int32_t *rows, int32_t count, float *out,

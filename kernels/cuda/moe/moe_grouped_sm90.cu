@@ -1,0 +1,319 @@
+// The grouped MoE form on tensor cores (see Moe.h, launchMoeExpertsGrouped): every expert's
+// weights are read once per 64 of its tokens, all experts in one launch per projection, and the
+// grouping itself happens on the GPU, so no host round trip and CUDA graphs can hold it.
+//
+//   sort:    one block: (token, slot) pairs counted per expert, experts' row ranges, tiles of
+//            kTileRows rows per expert, and each pair's sorted row (tokens ascending within an
+//            expert: a warp per expert, ballots over the pairs in order);
+//   gate-up: block (tile, 64 intermediate columns): h = silu(x W_gate^T) * (x W_up^T) for the
+//            tile's rows, x gathered and rounded to bf16 (hi, and lo = bf16(x - hi) when split)
+//            into shared memory, the weight tiles by cp.async, mma.sync m16n8k16;
+//   down:    block (tile, 64 hidden columns): y = h W_down^T;
+//   combine: out[t] = sum over t's experts in ascending expert order of weight * y[row].
+// Blocks past the tile count exit at once; the grid is sized for the most tiles possible.
+#include "hybrid/kernels/cuda/Moe.h"
+#include "../common/warp_mma.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+namespace hybrid::kernels::cuda {
+namespace {
+
+constexpr int kTileRows = 64, kTileColumns = 64, kTileK = 64;
+constexpr int kThreads = 128;           // 4 warps, 2 x 2 over the 64 x 64 output tile
+constexpr int kStride = kTileK + 8;     // shared rows 144 bytes apart: ldmatrix conflict-free
+constexpr int kSortThreads = 1024;
+
+int64_t alignedBytes(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+struct Workspace {
+  int32_t *starts;      // [experts + 1]
+  int32_t *tileCount;   // [1]
+  int32_t *tiles;       // [maxTiles][2]: expert, first sorted row
+  int32_t *sortedToken; // [pairs]
+  int32_t *pairRow;     // [pairs]: the sorted row of pair t * topK + k, -1 for an invalid id
+  float *h;             // [pairs, intermediate]
+  float *y;             // [pairs, hidden]
+};
+
+int64_t maxTiles(int64_t pairs, int64_t experts) {
+  return (pairs + kTileRows - 1) / kTileRows + experts;
+}
+
+Workspace carve(void *base, int64_t pairs, int64_t experts, int64_t hidden, int64_t inner) {
+  auto *bytes = static_cast<unsigned char *>(base);
+  Workspace w;
+  int64_t offset = 0;
+  auto take = [&](int64_t size) {
+    unsigned char *p = bytes + offset;
+    offset += alignedBytes(size);
+    return p;
+  };
+  w.starts = reinterpret_cast<int32_t *>(take((experts + 1) * 4));
+  w.tileCount = reinterpret_cast<int32_t *>(take(4));
+  w.tiles = reinterpret_cast<int32_t *>(take(maxTiles(pairs, experts) * 8));
+  w.sortedToken = reinterpret_cast<int32_t *>(take(pairs * 4));
+  w.pairRow = reinterpret_cast<int32_t *>(take(pairs * 4));
+  w.h = reinterpret_cast<float *>(take(pairs * inner * 4));
+  w.y = reinterpret_cast<float *>(take(pairs * hidden * 4));
+  return w;
+}
+
+__global__ void __launch_bounds__(kSortThreads)
+    sortPairsKernel(const int32_t *ids, int32_t pairs, int32_t topK, int32_t experts, Workspace w) {
+  __shared__ int32_t counts[kMoeMaxExperts + 1];
+  for (int e = threadIdx.x; e <= experts; e += kSortThreads)
+    counts[e] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < pairs; i += kSortThreads) {
+    const int32_t e = ids[i];
+    if (e >= 0 && e < experts)
+      atomicAdd(&counts[e], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) { // starts and tiles, in expert order
+    int32_t start = 0, tiles = 0;
+    for (int e = 0; e < experts; ++e) {
+      const int32_t count = counts[e];
+      w.starts[e] = start;
+      counts[e] = start;
+      for (int32_t row = 0; row < count; row += kTileRows) {
+        w.tiles[2 * tiles] = e;
+        w.tiles[2 * tiles + 1] = start + row;
+        ++tiles;
+      }
+      start += count;
+    }
+    w.starts[experts] = start;
+    *w.tileCount = tiles;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int e = warp; e < experts; e += kSortThreads / 32) {
+    int32_t next = counts[e];
+    for (int first = 0; first < pairs; first += 32) {
+      const int i = first + lane;
+      const bool match = i < pairs && ids[i] == e;
+      const unsigned ballot = __ballot_sync(0xffffffffu, match);
+      if (match) {
+        const int32_t row = next + __popc(ballot & ((1u << lane) - 1));
+        w.sortedToken[row] = i / topK;
+        w.pairRow[i] = row;
+      }
+      next += __popc(ballot);
+    }
+  }
+  for (int i = threadIdx.x; i < pairs; i += kSortThreads)
+    if (ids[i] < 0 || ids[i] >= experts)
+      w.pairRow[i] = -1;
+}
+
+// The tile's A operand for k in [k0, k0 + 64): 64 rows of fp32 (gathered through `tokens` when
+// given, else rows first.. of `source`), as bf16 hi (and lo) in shared memory; zeros past `rows`.
+__device__ inline void stageActivations(__nv_bfloat16 (*hi)[kStride], __nv_bfloat16 (*lo)[kStride],
+                                        const float *source, int64_t width, const int32_t *tokens,
+                                        int32_t first, int rows, int k0, bool split) {
+  const int row = threadIdx.x / 2, half = threadIdx.x % 2;
+  float4 values[8];
+  if (row < rows) {
+    const int64_t sourceRow = tokens ? tokens[first + row] : first + row;
+    const float4 *p = reinterpret_cast<const float4 *>(source + sourceRow * width + k0 + half * 32);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      values[i] = p[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      values[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; i += 2) {
+    const float v[8] = {values[i].x,     values[i].y,     values[i].z,     values[i].w,
+                        values[i + 1].x, values[i + 1].y, values[i + 1].z, values[i + 1].w};
+    uint4 high, low;
+    uint32_t *h = &high.x, *l = &low.x;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+      h[j] = *reinterpret_cast<const uint32_t *>(&pair);
+      l[j] = mma::packBf16(v[2 * j] - __low2float(pair), v[2 * j + 1] - __high2float(pair));
+    }
+    *reinterpret_cast<uint4 *>(&hi[row][half * 32 + i * 4]) = high;
+    if (split)
+      *reinterpret_cast<uint4 *>(&lo[row][half * 32 + i * 4]) = low;
+  }
+}
+
+// 64 weight rows [n0, n0 + 64) of a row-major bf16 matrix with `width` columns, k in
+// [k0, k0 + 64), into shared memory by cp.async.
+__device__ inline void stageWeights(__nv_bfloat16 (*tile)[kStride], const __nv_bfloat16 *matrix,
+                                    int64_t width, int n0, int k0) {
+#pragma unroll
+  for (int i = 0; i < kTileColumns * kTileK / 8 / kThreads; ++i) {
+    const int chunk = threadIdx.x + i * kThreads, row = chunk / 8, column = (chunk % 8) * 8;
+    mma::copyAsync16(&tile[row][column], matrix + int64_t(n0 + row) * width + k0 + column);
+  }
+}
+
+// kGateUp: h = silu(x W_gate^T) * x W_up^T; else y = h W_down^T.
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads)
+    groupedProjectionKernel(MoeExpertsParams p, Workspace w, bool split) {
+  __shared__ __align__(16) __nv_bfloat16 aHi[kTileRows][kStride];
+  __shared__ __align__(16) __nv_bfloat16 aLo[kTileRows][kStride];
+  __shared__ __align__(16) __nv_bfloat16 bFirst[kTileColumns][kStride];
+  __shared__ __align__(16) __nv_bfloat16 bSecond[kGateUp ? kTileColumns : 1][kStride];
+  const int tile = blockIdx.x;
+  if (tile >= *w.tileCount)
+    return;
+  const int expert = w.tiles[2 * tile], first = w.tiles[2 * tile + 1];
+  const int rows = min(kTileRows, w.starts[expert + 1] - first);
+  const int n0 = int(blockIdx.y) * kTileColumns;
+  const int64_t depth = kGateUp ? p.hidden : p.intermediate;
+  const auto *matrixFirst =
+      static_cast<const __nv_bfloat16 *>(kGateUp ? p.gate[expert] : p.down[expert]);
+  const auto *matrixSecond = static_cast<const __nv_bfloat16 *>(kGateUp ? p.up[expert] : nullptr);
+
+  const int warp = threadIdx.x / 32, wm = warp / 2, wn = warp % 2;
+  float first_[2][4][4] = {}, second_[kGateUp ? 2 : 1][4][4] = {};
+  for (int k0 = 0; k0 < depth; k0 += kTileK) {
+    stageWeights(bFirst, matrixFirst, depth, n0, k0);
+    if constexpr (kGateUp)
+      stageWeights(bSecond, matrixSecond, depth, n0, k0);
+    mma::commitAsyncCopies();
+    if constexpr (kGateUp)
+      stageActivations(aHi, aLo, p.x, p.hidden, w.sortedToken, first, rows, k0, split);
+    else
+      stageActivations(aHi, aLo, w.h, p.intermediate, nullptr, first, rows, k0, split);
+    mma::waitAsyncCopies<0>();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kTileK; kk += 16) {
+      uint32_t hi[2][4], lo[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        mma::loadA(hi[mt], &aHi[wm * 32 + mt * 16][kk], kStride);
+        if (split)
+          mma::loadA(lo[mt], &aLo[wm * 32 + mt * 16][kk], kStride);
+      }
+      uint32_t b[4][2];
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair)
+        mma::loadBPair(b[2 * pair], b[2 * pair + 1], &bFirst[wn * 32 + pair * 16][kk], kStride);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          mma::mma16816(first_[mt][nt], hi[mt], b[nt]);
+          if (split)
+            mma::mma16816(first_[mt][nt], lo[mt], b[nt]);
+        }
+      if constexpr (kGateUp) {
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair)
+          mma::loadBPair(b[2 * pair], b[2 * pair + 1], &bSecond[wn * 32 + pair * 16][kk], kStride);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            mma::mma16816(second_[mt][nt], hi[mt], b[nt]);
+            if (split)
+              mma::mma16816(second_[mt][nt], lo[mt], b[nt]);
+          }
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = wm * 32 + mt * 16 + mma::accRow(e);
+        const int column = n0 + wn * 32 + nt * 8 + mma::accColumn(e);
+        if (row >= rows)
+          continue;
+        if constexpr (kGateUp) {
+          const float g = first_[mt][nt][e], u = second_[mt][nt][e];
+          w.h[int64_t(first + row) * p.intermediate + column] = g * (1.0f / (1.0f + expf(-g))) * u;
+        } else {
+          w.y[int64_t(first + row) * p.hidden + column] = first_[mt][nt][e];
+        }
+      }
+}
+
+// Block (token, 256 columns): the token's experts' outputs, weighted, added in ascending expert
+// order from zero (the per-token form's order).
+__global__ void __launch_bounds__(256) combineSortedKernel(MoeExpertsParams p, Workspace w) {
+  __shared__ int order[kMoeMaxTopK];
+  const int token = blockIdx.x;
+  const int32_t *ids = p.ids + int64_t(token) * p.topK;
+  if (threadIdx.x == 0) { // insertion sort of the slots by expert id
+    for (int k = 0; k < p.topK; ++k) {
+      int at = k;
+      while (at > 0 && ids[order[at - 1]] > ids[k]) {
+        order[at] = order[at - 1];
+        --at;
+      }
+      order[at] = k;
+    }
+  }
+  __syncthreads();
+  const int j = int(blockIdx.y) * 256 + threadIdx.x;
+  if (j >= p.hidden)
+    return;
+  float sum = 0.0f;
+  for (int k = 0; k < p.topK; ++k) {
+    const int slot = order[k];
+    const int32_t row = w.pairRow[int64_t(token) * p.topK + slot];
+    if (row < 0)
+      continue;
+    sum = __fadd_rn(sum, __fmul_rn(p.weights[int64_t(token) * p.topK + slot],
+                                   w.y[int64_t(row) * p.hidden + j]));
+  }
+  p.out[int64_t(token) * p.hidden + j] = sum;
+}
+
+} // namespace
+
+bool moeGroupedSupports(const MoeExpertsParams &p) {
+  return p.type == WeightType::BF16 && p.tokens > 0 && p.topK > 0 && p.topK <= kMoeMaxTopK &&
+         p.experts > 0 && p.experts <= kMoeMaxExperts && p.hidden > 0 &&
+         p.hidden % kTileK == 0 && p.intermediate > 0 && p.intermediate % kTileK == 0 &&
+         int64_t(p.tokens) * p.topK <= 0x7fffffff &&
+         maxTiles(int64_t(p.tokens) * p.topK, p.experts) <= 0x7fffffff;
+}
+
+size_t moeGroupedWorkspaceBytes(int32_t tokens, int32_t topK, int32_t hidden,
+                                int32_t intermediate, int32_t experts) {
+  if (tokens <= 0 || topK <= 0 || experts <= 0)
+    return 0;
+  const int64_t pairs = int64_t(tokens) * topK;
+  return size_t(alignedBytes((experts + 1) * 4) + alignedBytes(4) +
+                alignedBytes(maxTiles(pairs, experts) * 8) + 2 * alignedBytes(pairs * 4) +
+                alignedBytes(pairs * intermediate * 4) + alignedBytes(pairs * hidden * 4));
+}
+
+int launchMoeExpertsGrouped(const MoeExpertsParams &p, bool splitInputs, void *stream) {
+  if (!moeGroupedSupports(p) || !p.x || !p.ids || !p.weights || !p.gate || !p.up || !p.down ||
+      !p.out || !p.workspace)
+    return cudaErrorInvalidValue;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t pairs = int64_t(p.tokens) * p.topK;
+  const Workspace w = carve(p.workspace, pairs, p.experts, p.hidden, p.intermediate);
+  sortPairsKernel<<<1, kSortThreads, 0, s>>>(p.ids, int32_t(pairs), p.topK, p.experts, w);
+  const unsigned tiles = unsigned(maxTiles(pairs, p.experts));
+  groupedProjectionKernel<true>
+      <<<dim3(tiles, unsigned(p.intermediate / kTileColumns)), kThreads, 0, s>>>(p, w, splitInputs);
+  groupedProjectionKernel<false>
+      <<<dim3(tiles, unsigned(p.hidden / kTileColumns)), kThreads, 0, s>>>(p, w, splitInputs);
+  combineSortedKernel<<<dim3(unsigned(p.tokens), unsigned((p.hidden + 255) / 256)), 256, 0, s>>>(
+      p, w);
+  return int(cudaGetLastError());
+}
+
+} // namespace hybrid::kernels::cuda
