@@ -88,23 +88,6 @@ int finishRecord(const RecordOptions &options, const std::string &gpu,
   return comparison.slower > 0 ? 1 : 0;
 }
 
-#ifdef HYBRID_BENCH_KDA
-namespace kc = hybrid::kernels::cuda;
-
-kc::KdaPrefillPath prefillPathOf(const std::string &name) {
-  return name == "recurrent" ? kc::KdaPrefillPath::Recurrent
-         : name == "chunked" ? kc::KdaPrefillPath::Chunked
-                             : kc::KdaPrefillPath::Auto;
-}
-kc::KdaStateType stateTypeOf(const std::string &name) {
-  return name == "bf16" ? kc::KdaStateType::BF16 : kc::KdaStateType::F32;
-}
-kc::KdaDecodePath decodePathOf(const std::string &name) {
-  return name == "fused"   ? kc::KdaDecodePath::Fused
-         : name == "split" ? kc::KdaDecodePath::Split
-                           : kc::KdaDecodePath::Auto;
-}
-
 // "SEQUENCESxLENGTH" texts as (sequences, length); false (with a message) on a malformed one.
 bool parseShapes(const std::vector<std::string> &texts,
                  std::vector<std::pair<int32_t, int32_t>> &shapes) {
@@ -120,6 +103,23 @@ bool parseShapes(const std::vector<std::string> &texts,
     shapes.emplace_back(sequences, length);
   }
   return true;
+}
+
+#ifdef HYBRID_BENCH_KDA
+namespace kc = hybrid::kernels::cuda;
+
+kc::KdaPrefillPath prefillPathOf(const std::string &name) {
+  return name == "recurrent" ? kc::KdaPrefillPath::Recurrent
+         : name == "chunked" ? kc::KdaPrefillPath::Chunked
+                             : kc::KdaPrefillPath::Auto;
+}
+kc::KdaStateType stateTypeOf(const std::string &name) {
+  return name == "bf16" ? kc::KdaStateType::BF16 : kc::KdaStateType::F32;
+}
+kc::KdaDecodePath decodePathOf(const std::string &name) {
+  return name == "fused"   ? kc::KdaDecodePath::Fused
+         : name == "split" ? kc::KdaDecodePath::Split
+                           : kc::KdaDecodePath::Auto;
 }
 
 void printPrefillTable(const std::vector<kc::KdaPrefillBenchResult> &results) {
