@@ -133,6 +133,12 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
                 .Union()};
   case plan::KernelId::lm_head:
     return {fb::KernelParams::LmHeadParams, fb::CreateLmHeadParams(b).Union()};
+  case plan::KernelId::all_reduce_sum:
+    return {fb::KernelParams::CollectiveParams,
+            fb::CreateCollectiveParams(b, p.text("group") == "expert_parallel"
+                                              ? fb::CollectiveGroup::ExpertParallel
+                                              : fb::CollectiveGroup::TensorParallel)
+                .Union()};
   }
   return {fb::KernelParams::NONE, 0};
 }
@@ -162,12 +168,15 @@ FailureOr<std::vector<uint8_t>> serializePlan(plan::PlanOp planOp) {
       tile = toVector(*dims);
     const int32_t scale = static_cast<int32_t>(weight.getScale());
     const bool quantized = scale >= 0;
+    std::vector<int64_t> slice;
+    if (auto part = weight.getSlice())
+      slice.assign(part->begin(), part->end());
     weights.push_back(fb::CreateWeightDirect(
         b, weight.getName().str().c_str(), toPlanDType(type.getElementType()), &shape,
         static_cast<uint64_t>(weight.getOffset()), static_cast<uint64_t>(weight.getSize()),
         weight.getNzTiled() ? fb::Layout::NzTiled : fb::Layout::RowMajor,
         quantized ? fb::QuantKind::Fp8Block : fb::QuantKind::None, quantized ? &block : nullptr,
-        scale, weight.getNzTiled() ? &tile : nullptr));
+        scale, weight.getNzTiled() ? &tile : nullptr, slice.empty() ? nullptr : &slice));
   }
 
   std::vector<flatbuffers::Offset<fb::KvCacheLayer>> kv;
@@ -224,8 +233,12 @@ FailureOr<std::vector<uint8_t>> serializePlan(plan::PlanOp planOp) {
   ArrayRef<int32_t> version = planOp.getVersion();
   fb::Version planVersion(static_cast<uint16_t>(version.size() > 0 ? version[0] : 0),
                           static_cast<uint16_t>(version.size() > 1 ? version[1] : 0));
-  auto target = fb::CreateTargetDirect(b, planOp.getDevice().str().c_str(),
-                                       planOp.getArch().str().c_str(), planOp.getWorldSize());
+  auto target = fb::CreateTargetDirect(
+      b, planOp.getDevice().str().c_str(), planOp.getArch().str().c_str(), planOp.getWorldSize(),
+      static_cast<int32_t>(planOp.getRank().value_or(0)),
+      static_cast<int32_t>(planOp.getTensorParallel().value_or(1)),
+      static_cast<int32_t>(planOp.getExpertParallel().value_or(1)),
+      static_cast<int32_t>(planOp.getContextParallel().value_or(1)));
   auto root = fb::CreatePlanDirect(
       b, &planVersion, planOp.getCompiler().str().c_str(), planOp.getModelType().str().c_str(),
       target, planOp.getHiddenSize(), planOp.getVocabSize(), planOp.getNumLayers(), &weights,

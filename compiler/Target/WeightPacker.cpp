@@ -54,6 +54,38 @@ StatusOr<TiledWeight> retile(const WeightPlacement &weight, std::span<const std:
   return tiled;
 }
 
+// The bytes of a sharded plan's part of a row-major checkpoint tensor: `weight.shape` entries
+// starting at `weight.slice[1]` along axis `weight.slice[0]` of `full`.
+StatusOr<std::vector<std::byte>> cutSlice(const WeightPlacement &weight,
+                                          const std::vector<int64_t> &full,
+                                          std::span<const std::byte> data,
+                                          const std::string &path) {
+  const std::string what = path + ": tensor '" + weight.name + "'";
+  if (weight.slice.size() != 2 || weight.shape.size() != full.size())
+    return Status::error(what + ": the plan's slice needs [axis, begin] and the tensor's rank");
+  const int64_t axis = weight.slice[0], begin = weight.slice[1];
+  if (axis < 0 || axis >= static_cast<int64_t>(full.size()) || begin < 0 ||
+      begin + weight.shape[axis] > full[axis])
+    return Status::error(what + ": slice [" + std::to_string(axis) + ", " +
+                         std::to_string(begin) + "] of " + std::to_string(weight.shape[axis]) +
+                         " entries is outside the tensor");
+  for (size_t d = 0; d < full.size(); ++d)
+    if (static_cast<int64_t>(d) != axis && weight.shape[d] != full[d])
+      return Status::error(what + " does not match the plan's shape off the sliced axis");
+  int64_t outer = 1, inner = static_cast<int64_t>(dtypeByteSize(weight.dtype));
+  for (int64_t d = 0; d < axis; ++d)
+    outer *= full[d];
+  for (size_t d = static_cast<size_t>(axis) + 1; d < full.size(); ++d)
+    inner *= full[d];
+  if (static_cast<int64_t>(data.size()) != outer * full[axis] * inner)
+    return Status::error(what + " does not match its dtype and shape");
+  const int64_t run = weight.shape[axis] * inner; // contiguous bytes per outer index
+  std::vector<std::byte> part(static_cast<size_t>(outer * run));
+  for (int64_t o = 0; o < outer; ++o)
+    std::copy_n(data.data() + (o * full[axis] + begin) * inner, run, part.data() + o * run);
+  return part;
+}
+
 // A synthetic weight's descriptor in the plan's layout: the logical matrix is the weight's 2-D
 // shape (other ranks: one row), stored row-major or in the plan's tiles.
 Status addSyntheticWeight(WeightArchiveWriter &writer, const WeightPlacement &weight,
@@ -98,11 +130,15 @@ std::vector<WeightPlacement> weightPlacements(plan::PlanOp planOp) {
     std::vector<int32_t> tile;
     if (auto dims = weight.getTile())
       tile.assign(dims->begin(), dims->end());
+    std::vector<int64_t> slice;
+    if (auto part = weight.getSlice())
+      slice.assign(part->begin(), part->end());
     placements.push_back({weight.getName().str(), toPlanDType(type.getElementType()),
                           std::vector<int64_t>(type.getShape().begin(), type.getShape().end()),
                           static_cast<uint64_t>(weight.getOffset()),
                           static_cast<uint64_t>(weight.getSize()), weight.getNzTiled(),
-                          std::move(tile), static_cast<int32_t>(weight.getScale())});
+                          std::move(tile), static_cast<int32_t>(weight.getScale()),
+                          std::move(slice)});
   }
   return placements;
 }
@@ -123,6 +159,8 @@ std::vector<WeightPlacement> weightPlacements(const plan::fb::Plan &plan) {
     if (weight->tile())
       placement.tile.assign(weight->tile()->begin(), weight->tile()->end());
     placement.scale = weight->scale();
+    if (weight->slice())
+      placement.slice.assign(weight->slice()->begin(), weight->slice()->end());
     placements.push_back(std::move(placement));
   }
   return placements;
@@ -142,6 +180,8 @@ ArchiveKey weightLayoutKey(std::span<const WeightPlacement> placements) {
     for (int32_t dim : weight.tile)
       key.add("tile", static_cast<int64_t>(dim));
     key.add("scale", static_cast<int64_t>(weight.scale));
+    for (int64_t part : weight.slice)
+      key.add("slice", part);
   }
   return toArchiveKey(key.finish());
 }
@@ -219,6 +259,24 @@ StatusOr<PackResult> packWeights(std::span<const WeightPlacement> placements,
     if (!tensor)
       return Status::error(checkpointDir + ": tensor '" + weight.name +
                            "' the plan needs is not in the checkpoint");
+    if (!weight.slice.empty()) {
+      // One rank's part of the tensor, cut here so each rank's archive holds only what it reads.
+      if (tensor->synthetic)
+        return Status::error(checkpointDir + ": tensor '" + weight.name +
+                             "': synthetic weights cannot be sliced for a sharded plan yet");
+      HYBRID_ASSIGN_OR_RETURN(std::vector<std::byte> part,
+                              cutSlice(weight, tensor->info->shape,
+                                       tensor->shard->bytes(*tensor->info),
+                                       checkpoint->pathOf(*tensor)));
+      if (weight.nzTiled) {
+        HYBRID_ASSIGN_OR_RETURN(TiledWeight tiled, retile(weight, part));
+        HYBRID_RETURN_IF_ERROR(writer.add(weight.name, weight.dtype, tiled.shape, tiled.bytes));
+      } else {
+        HYBRID_RETURN_IF_ERROR(writer.add(weight.name, weight.dtype, weight.shape, part));
+      }
+      ++result.entries;
+      continue;
+    }
     if (weight.shape != tensor->info->shape)
       return Status::error(checkpoint->pathOf(*tensor) + ": tensor '" + weight.name +
                            "' does not match the plan's shape");

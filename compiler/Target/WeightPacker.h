@@ -24,6 +24,8 @@ struct WeightPlacement {
   bool nzTiled = false;
   std::vector<int32_t> tile; // nzTiled: [rows, cols]
   int32_t scale = -1;
+  // A sharded plan's part of the checkpoint tensor: [axis, begin]; `shape` is the part's.
+  std::vector<int64_t> slice;
 };
 
 std::vector<WeightPlacement> weightPlacements(plan::PlanOp planOp);

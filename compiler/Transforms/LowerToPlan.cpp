@@ -189,7 +189,8 @@ LogicalResult ModelLowering::emitHeader(plan::PlanOp planOp) {
         loc, builder_.getStringAttr(name), TypeAttr::get(type),
         builder_.getI64IntegerAttr(static_cast<int64_t>(offsets[i])),
         builder_.getI64IntegerAttr(static_cast<int64_t>(sizes[i])), builder_.getBoolAttr(false),
-        DenseI32ArrayAttr(), builder_.getI32IntegerAttr(-1), DenseI32ArrayAttr());
+        DenseI32ArrayAttr(), builder_.getI32IntegerAttr(-1), DenseI32ArrayAttr(),
+        DenseI64ArrayAttr());
     auto weight = tables_.weights.lookup(name);
     if (weight && !weight.getScaleName().empty()) {
       // Block dims: how many weight elements one scale covers along each axis, as the
@@ -558,7 +559,8 @@ LogicalResult ModelLowering::run() {
       builder_.getI32IntegerAttr(1), model_.getHiddenSizeAttr(), model_.getVocabSizeAttr(),
       builder_.getI32IntegerAttr(static_cast<int32_t>(model_.getNumLayers())),
       builder_.getStringAttr(""), builder_.getI64IntegerAttr(0),
-      builder_.getI32IntegerAttr(options_.pageSize), model_.getFp8ActivationScaleAttr());
+      builder_.getI32IntegerAttr(options_.pageSize), model_.getFp8ActivationScaleAttr(),
+      IntegerAttr(), IntegerAttr(), IntegerAttr(), IntegerAttr()); // one rank: --hybrid-shard sets them
   builder_.createBlock(&planOp.getBody());
   if (failed(emitHeader(planOp)))
     return failure();

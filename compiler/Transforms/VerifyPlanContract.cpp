@@ -36,7 +36,10 @@ ArrayRef<StringRef> requiredParams(plan::KernelId kernel) {
   static const StringRef mix[] = {"block_size", "epsilon"};
   static const StringRef mixNorm[] = {"block_size", "epsilon", "output_norm_epsilon"};
   static const StringRef mlp[] = {"activation"};
+  static const StringRef collective[] = {"group"};
   switch (kernel) {
+  case plan::KernelId::all_reduce_sum:
+    return collective;
   case plan::KernelId::rms_norm:
   case plan::KernelId::add_rms_norm:
     return norm;
@@ -177,8 +180,13 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
     if (static_cast<int64_t>(weights.size()) != expected)
       return dispatch.emitOpError() << signature->name << " needs " << expected
                                     << " weights, got " << weights.size();
+    // Expert parallelism: the routed experts other ranks hold are absent from this rank's plan.
+    const bool expertsElsewhere = signature->perExpertWeights &&
+                                  planOp.getExpertParallel().value_or(1) > 1;
     for (auto [role, w] : llvm::enumerate(weights)) {
       bool optional = role < 32 && (signature->optionalWeights >> role) & 1;
+      if (w == -1 && expertsElsewhere && static_cast<int64_t>(role) >= signature->fixedWeights)
+        continue;
       if (w == -1 && optional)
         continue;
       if (w < 0 || w >= numWeights)

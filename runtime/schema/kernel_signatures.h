@@ -100,6 +100,9 @@ inline constexpr KernelSignature kKernelSignatures[] = {
      false, {"weight"}, "residual add + RMSNorm of the sum", 0},
     {fb::KernelId::AttnResRmsNorm, "attn_res_rms_norm", 1, -1, 2, fb::KernelParams::AttnResParams,
      3, 0, false, {"norm", "proj", "output_norm"}, "AttnRes mix + RMSNorm of the mix", 0},
+    // No input: this rank holds no part of the sum and adds zeros (a replicated head's copy).
+    {fb::KernelId::AllReduceSum, "all_reduce_sum", 0, 1, 1, fb::KernelParams::CollectiveParams, 0,
+     0, false, {}, "", 0},
 };
 
 // nullptr for an id outside the table (a corrupted or newer plan).

@@ -95,6 +95,10 @@ struct PlanSpec {
   std::string device = "cpu";
   std::string arch;
   int32_t worldSize = 1;
+  int32_t rank = 0;
+  int32_t tensorParallel = 1;
+  int32_t expertParallel = 1;
+  int32_t contextParallel = 1;
   int64_t hiddenSize = 16;
   int64_t vocabSize = 16;
   int32_t numLayers = 2;
@@ -230,6 +234,8 @@ flatbuffers::Offset<void> buildParams(flatbuffers::FlatBufferBuilder &builder,
   }
   case KernelParams::LmHeadParams:
     return CreateLmHeadParams(builder).Union();
+  case KernelParams::CollectiveParams:
+    return CreateCollectiveParams(builder).Union();
   case KernelParams::NONE:
     break;
   }
@@ -285,7 +291,9 @@ std::vector<std::byte> buildPlan(const PlanSpec &spec) {
 
   Version version(spec.major, spec.minor);
   auto target = spec.withTarget ? CreateTargetDirect(builder, spec.device.c_str(),
-                                                     spec.arch.c_str(), spec.worldSize)
+                                                     spec.arch.c_str(), spec.worldSize, spec.rank,
+                                                     spec.tensorParallel, spec.expertParallel,
+                                                     spec.contextParallel)
                                 : 0;
   auto plan =
       CreatePlanDirect(builder, spec.withVersion ? &version : nullptr, "hybrid-test 0.1",
@@ -625,6 +633,27 @@ TEST(PlanLoader, AbsentWeightsOnlyInOptionalRoles) {
   firstDispatch(moe).weights[4] = -1;
   EXPECT_CONTAINS(loadError(moe), "(MoeExperts).weights[4] (expert 1 up_proj) = -1, but the role "
                                   "is required");
+  // Expert parallelism: the experts other ranks hold are absent from this rank's plan.
+  moe.worldSize = 2;
+  moe.tensorParallel = 2;
+  moe.expertParallel = 2;
+  firstDispatch(moe).weights = {0, 0, 0, -1, -1, -1};
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(moe), kSource).isOk());
+}
+
+// A sharded plan's all-reduce: one input (this rank's part) or none (it adds zeros), one output.
+TEST(PlanLoader, AllReduceSum) {
+  PlanSpec plan = minimalPlan();
+  firstDispatch(plan) = dispatchOf(KernelId::AllReduceSum, KernelParams::CollectiveParams, {}, {1}, {2});
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(plan), kSource).isOk());
+  firstDispatch(plan).inputs = {};
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(plan), kSource).isOk());
+  firstDispatch(plan).inputs = {1, 1};
+  EXPECT_CONTAINS(loadError(plan), "AllReduceSum takes 0 to 1 inputs and 1 output, the plan "
+                                   "gives 2 and 1");
+  firstDispatch(plan) = dispatchOf(KernelId::AllReduceSum, KernelParams::AddParams, {}, {1}, {2});
+  EXPECT_CONTAINS(loadError(plan), "kernel AllReduceSum takes CollectiveParams, the plan gives "
+                                   "AddParams");
 }
 
 TEST(PlanLoader, OperandCountsFollowTheKernelSignature) {
@@ -749,6 +778,7 @@ TEST(PlanTarget, MatchingTargetPasses) {
   cuda.device = "cuda";
   cuda.arch = "sm_90a";
   cuda.worldSize = 8;
+  cuda.tensorParallel = 8;
   LoadedPlan plan = loadOrDie(cuda);
   EXPECT_TRUE(checkTarget(plan, "cuda", 8, "sm_90a").isOk());
   EXPECT_TRUE(checkTarget(plan, "cuda", 8).isOk()); // arch not compared
@@ -770,7 +800,38 @@ TEST(PlanTarget, OtherDeviceArchOrWorldSizeRefused) {
   EXPECT_EQ(checkTarget(cpu, "cuda", 1, "sm_90a").message(),
             "test.hyplan was compiled for cpu, this runtime device is cuda sm_90a");
   EXPECT_EQ(checkTarget(cpu, "cpu", 4).message(),
-            "test.hyplan was compiled for world size 1, this runtime runs 4 ranks");
+            "test.hyplan was compiled for world size 1 (tensor_parallel 1, expert_parallel 1, "
+            "context_parallel 1), this runtime runs 4 ranks");
+}
+
+// A sharded plan (--hybrid-shard) is refused by a world of another size or another rank, with
+// both named; its layout must add up.
+TEST(PlanTarget, ShardedPlanNeedsItsWorldAndRank) {
+  PlanSpec sharded = minimalPlan();
+  sharded.worldSize = 2;
+  sharded.rank = 1;
+  sharded.tensorParallel = 2;
+  sharded.expertParallel = 2;
+  LoadedPlan plan = loadOrDie(sharded);
+  EXPECT_TRUE(checkTarget(plan, "cpu", 2).isOk());
+  EXPECT_TRUE(checkRank(plan, 1).isOk());
+  EXPECT_EQ(checkTarget(plan, "cpu", 1).message(),
+            "test.hyplan was compiled for world size 2 (tensor_parallel 2, expert_parallel 2, "
+            "context_parallel 1), this runtime runs 1 rank");
+  EXPECT_EQ(checkTarget(plan, "cpu", 4).message(),
+            "test.hyplan was compiled for world size 2 (tensor_parallel 2, expert_parallel 2, "
+            "context_parallel 1), this runtime runs 4 ranks");
+  EXPECT_EQ(checkRank(plan, 0).message(),
+            "test.hyplan is rank 1's plan of 2 (tensor_parallel 2, expert_parallel 2, "
+            "context_parallel 1), this communicator's rank is 0");
+
+  PlanSpec uneven = sharded;
+  uneven.tensorParallel = 3;
+  EXPECT_CONTAINS(loadError(uneven), "target: tensor_parallel 3 x context_parallel 1 must equal "
+                                     "world_size 2, and expert_parallel 2 must divide it");
+  PlanSpec outside = sharded;
+  outside.rank = 2;
+  EXPECT_CONTAINS(loadError(outside), "target.rank: 2 is outside the world of 2 ranks");
 }
 
 //===------------------------------------------------------------------------------------------===//

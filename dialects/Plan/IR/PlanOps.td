@@ -25,7 +25,8 @@ def Plan_KernelId : I32EnumAttr<"KernelId", "kernel to dispatch (plan.fbs Kernel
     I32EnumAttrCase<"indexer_key", 16>,
     I32EnumAttrCase<"router_topk", 17>,
     I32EnumAttrCase<"add_rms_norm", 18>,
-    I32EnumAttrCase<"attn_res_rms_norm", 19>
+    I32EnumAttrCase<"attn_res_rms_norm", 19>,
+    I32EnumAttrCase<"all_reduce_sum", 20>
   ]> {
   let cppNamespace = "::hybrid::plan";
   let genSpecializedAttr = 0;
@@ -37,7 +38,9 @@ def Plan_PlanOp : Plan_Op<"plan", [IsolatedFromAbove, Symbol, NoTerminator, Sing
   let description = [{
     Holds the plan's weights, cache specs and programs, in this order. Weight and cache-layer
     indices are their positions among ops of the same kind. `fp8_activation_scale` ("amax" or
-    "ue8m0", the model's) is how GEMMs with FP8 weights quantize their activations.
+    "ue8m0", the model's) is how GEMMs with FP8 weights quantize their activations. A sharded
+    plan (--hybrid-shard) is one rank's: `rank` of `world_size`, sharded for `tensor_parallel`,
+    `expert_parallel` and `context_parallel` (absent: 0 and 1, 1, 1).
 
     ```mlir
     plan.plan @kimi_linear attributes {version = array<i32: 1, 0>, compiler = "hybrid-compile 0.1.0",
@@ -53,7 +56,10 @@ def Plan_PlanOp : Plan_Op<"plan", [IsolatedFromAbove, Symbol, NoTerminator, Sing
                        StrAttr:$model_type, StrAttr:$device, StrAttr:$arch, I32Attr:$world_size,
                        I64Attr:$hidden_size, I64Attr:$vocab_size, I32Attr:$num_layers,
                        StrAttr:$weight_archive_key, I64Attr:$weight_archive_bytes,
-                       I32Attr:$page_size, OptionalAttr<StrAttr>:$fp8_activation_scale);
+                       I32Attr:$page_size, OptionalAttr<StrAttr>:$fp8_activation_scale,
+                       OptionalAttr<I32Attr>:$rank, OptionalAttr<I32Attr>:$tensor_parallel,
+                       OptionalAttr<I32Attr>:$expert_parallel,
+                       OptionalAttr<I32Attr>:$context_parallel);
   let regions = (region SizedRegion<1>:$body);
   let assemblyFormat = "$sym_name attr-dict-with-keyword $body";
   let extraClassDeclaration = [{
@@ -71,11 +77,19 @@ def Plan_WeightOp : Plan_Op<"weight", [HasParent<"PlanOp">]> {
         {offset = 4096 : i64, size = 18874368 : i64, nz_tiled = true, tile = array<i32: 64, 64>}
     ```
     A tiled weight (`nz_tiled`, `tile`) is stored padded to whole tiles: `size` counts the padding.
+    A sharded plan's weight may be this rank's part of the checkpoint tensor: `slice = [axis,
+    begin]` along one axis, `type` the part's shape (the weight packer cuts it out).
+
+    ```mlir
+    plan.weight "model.layers.0.mlp.down_proj.weight" : tensor<256x128xbf16>
+        {offset = 4096 : i64, size = 65536 : i64, slice = array<i64: 1, 128>}
+    ```
   }];
   let arguments = (ins StrAttr:$name, TypeAttrOf<AnyRankedTensor>:$type, I64Attr:$offset,
                        I64Attr:$size, DefaultValuedAttr<BoolAttr, "false">:$nz_tiled,
                        OptionalAttr<DenseI32ArrayAttr>:$block, DefaultValuedAttr<I32Attr, "-1">:$scale,
-                       OptionalAttr<DenseI32ArrayAttr>:$tile);
+                       OptionalAttr<DenseI32ArrayAttr>:$tile,
+                       OptionalAttr<DenseI64ArrayAttr>:$slice);
   let assemblyFormat = "$name `:` $type attr-dict";
 }
 

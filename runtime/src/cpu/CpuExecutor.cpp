@@ -499,8 +499,37 @@ Status runMoeExperts(const StepContext &c, const fb::Dispatch &d, const Weights 
   for (int64_t e = 0; e < p->num_experts(); ++e)
     experts.push_back({w[3 * e], w[3 * e + 1], w[3 * e + 2], dModel, width,
                        w.fp8Activations(3 * e)});
-  ref::moeExperts(x, c.rows, dModel, ids, weights, p->top_k(), experts, {}, out);
+  // Expert parallelism: experts held by other ranks have no weights here; their choices are
+  // skipped (-1), so the output is this rank's part of the sum an all-reduce completes.
+  std::vector<int32_t> heldIds;
+  std::span<const int32_t> chosen = ids;
+  if (!std::all_of(experts.begin(), experts.end(),
+                   [](const ref::SwiGluWeights &e) { return !e.gateProj.empty(); })) {
+    heldIds.assign(ids.begin(), ids.begin() + c.rows * p->top_k());
+    for (int32_t &id : heldIds)
+      if (id >= 0 && id < p->num_experts() && experts[static_cast<size_t>(id)].gateProj.empty())
+        id = -1;
+    chosen = heldIds;
+  }
+  ref::moeExperts(x, c.rows, dModel, chosen, weights, p->top_k(), experts, {}, out);
   return Status::ok();
+}
+
+// The sum over the ranks of each rank's partial output (a sharded plan's explicit collective):
+// a rank without a part (no input) adds zeros.
+Status runAllReduceSum(const StepContext &c, const fb::Dispatch &d) {
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  const size_t count = static_cast<size_t>(c.rows * rowElements(c, d.outputs()->Get(0)));
+  if (d.inputs()->size() == 1) {
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> partial, floatValue(c, d.inputs()->Get(0)));
+    std::copy_n(partial.data(), count, out.data());
+  } else {
+    std::fill_n(out.data(), count, 0.0f);
+  }
+  if (!c.communicator)
+    return Status::error("a sharded plan's collective needs a communicator "
+                         "(LoadOptions::communicator, hybrid-run --world-size)");
+  return c.communicator->allReduceSum(out.data(), count);
 }
 
 } // namespace
@@ -632,6 +661,9 @@ Status runDispatch(const StepContext &c, const fb::Dispatch &d) {
     break;
   case fb::KernelId::MoeExperts:
     status = runMoeExperts(c, d, w);
+    break;
+  case fb::KernelId::AllReduceSum:
+    status = runAllReduceSum(c, d);
     break;
   }
   if (!status)

@@ -5,6 +5,7 @@
 #include "hybrid/kernels/ref/Mla.h" // RopeLayout
 #include "hybrid/kernels/ref/Quant.h"
 #include "hybrid/kernels/ref/TiledLayout.h"
+#include "hybrid/runtime/Communicator.h"
 #include "hybrid/runtime/Memory.h"
 #include "hybrid/runtime/Status.h"
 #include "runtime/schema/plan_generated.h"
@@ -81,6 +82,8 @@ struct StepContext {
   // per-sequence kernels run row by row in *batchScratch. Empty: every row is this sequence's.
   std::span<const BatchRow> batch;
   BatchScratch *batchScratch = nullptr;
+  // A sharded plan's collectives (AllReduceSum) run over this rank's communicator.
+  comm::Communicator *communicator = nullptr;
 };
 
 // Whether a kernel reads or writes a sequence's KV cache or recurrent state, or depends on the

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <random>
 
 namespace hybrid {
@@ -227,6 +228,7 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   context.firstPosition = extras.firstPosition >= 0 ? extras.firstPosition : sequence.length();
   context.decode = decodeStep;
   context.kdaLog = kdaLog;
+  context.communicator = options.communicator;
   for (auto &rowsOfSlot : kvStaging)
     rowsOfSlot.clear();
   countSparseAttention(runner, rows, context.firstPosition, batch);
@@ -326,9 +328,23 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
 #endif
     return Status::error("device '" + options.device +
                          "' is not available in this build (available: " + kDevices + ")");
-  HYBRID_ASSIGN_OR_RETURN(LoadedPlan plan, LoadedPlan::load(dir + "/plan.hyplan"));
-  HYBRID_RETURN_IF_ERROR(checkTarget(plan, options.device, /*worldSize=*/1));
-  HYBRID_ASSIGN_OR_RETURN(WeightArchive archive, WeightArchive::open(dir + "/weights.hyw"));
+  // A sharded model has a plan per rank; a plan of another world is loaded anyway when it is
+  // the only one there, so the refusal can say which layout it was compiled for.
+  const int worldSize = options.communicator ? options.communicator->worldSize() : 1;
+  const int rank = options.communicator ? options.communicator->rank() : 0;
+  std::string planName = planFileName(rank, worldSize);
+  if (!std::filesystem::exists(dir + "/" + planName))
+    for (const std::string &other : {planFileName(0, 1), planFileName(0, 2)})
+      if (std::filesystem::exists(dir + "/" + other))
+        planName = other;
+  HYBRID_ASSIGN_OR_RETURN(LoadedPlan plan, LoadedPlan::load(dir + "/" + planName));
+  HYBRID_RETURN_IF_ERROR(checkTarget(plan, options.device, worldSize));
+  HYBRID_RETURN_IF_ERROR(checkRank(plan, rank));
+  if (worldSize > 1 && cudaDevice)
+    return Status::error(plan.path() + " is sharded for " + std::to_string(worldSize) +
+                         " ranks; the cuda device does not run sharded plans yet (cpu does)");
+  HYBRID_ASSIGN_OR_RETURN(WeightArchive archive,
+                          WeightArchive::open(dir + "/" + archiveFileName(rank, worldSize)));
   HYBRID_RETURN_IF_ERROR(checkWeights(plan, archive));
   if (archive.synthetic() && !options.syntheticWeights)
     return Status::error(archive.path() + " holds synthetic weights (hybrid-compile "

@@ -169,7 +169,21 @@ private:
     if (!target->device() || target->device()->size() == 0)
       return Status::error("target.device: missing");
     HYBRID_RETURN_IF_ERROR(checkPositive("target.world_size", target->world_size()));
-    HYBRID_RETURN_IF_ERROR(checkPositive("hidden_size", plan_.hidden_size()));
+    HYBRID_RETURN_IF_ERROR(checkPositive("target.tensor_parallel", target->tensor_parallel()));
+    HYBRID_RETURN_IF_ERROR(checkPositive("target.expert_parallel", target->expert_parallel()));
+    HYBRID_RETURN_IF_ERROR(checkPositive("target.context_parallel", target->context_parallel()));
+    // The layout docs/parallelism.md describes: TP x CP ranks, experts spread over the same ranks.
+    const int64_t world = target->world_size();
+    if (int64_t(target->tensor_parallel()) * target->context_parallel() != world ||
+        world % target->expert_parallel() != 0)
+      return Status::error("target: tensor_parallel " + std::to_string(target->tensor_parallel()) +
+                           " x context_parallel " + std::to_string(target->context_parallel()) +
+                           " must equal world_size " + std::to_string(world) +
+                           ", and expert_parallel " + std::to_string(target->expert_parallel()) +
+                           " must divide it");
+    if (target->rank() < 0 || target->rank() >= world)
+      return Status::error("target.rank: " + std::to_string(target->rank()) +
+                           " is outside the world of " + std::to_string(world) + " ranks");
     HYBRID_RETURN_IF_ERROR(checkPositive("vocab_size", plan_.vocab_size()));
     HYBRID_RETURN_IF_ERROR(checkNonNegative("num_layers", plan_.num_layers()));
     if (plan_.fp8_activation_scale() > fb::Fp8ActivationScale::MAX)
@@ -466,6 +480,10 @@ private:
       std::string roleField = indexed(context + ".weights", role) + " (" +
                               std::string(weightRoleName(*signature, role)) + ")";
       bool optional = role < 32 && (signature->optionalWeights >> role & 1u);
+      // Expert parallelism: the routed experts other ranks hold are absent from this rank's plan.
+      if (signature->perExpertWeights && role >= static_cast<size_t>(signature->fixedWeights) &&
+          plan_.target()->expert_parallel() > 1)
+        optional = true;
       if (weight == -1 && !optional)
         return Status::error(roleField + " = -1, but the role is required");
       HYBRID_RETURN_IF_ERROR(
@@ -684,6 +702,13 @@ const fb::Program *findProgram(const fb::Plan &plan, std::string_view name) {
 // Matching the plan against the device and the weights.
 //===------------------------------------------------------------------------------------------===//
 
+// "tensor_parallel 2, expert_parallel 1, context_parallel 1", for refusals.
+static std::string layoutOf(const fb::Target &target) {
+  return "tensor_parallel " + std::to_string(target.tensor_parallel()) + ", expert_parallel " +
+         std::to_string(target.expert_parallel()) + ", context_parallel " +
+         std::to_string(target.context_parallel());
+}
+
 Status checkTarget(const LoadedPlan &loaded, std::string_view device, int worldSize,
                    std::string_view arch) {
   return catchExceptions(loaded.path(), [&]() -> Status {
@@ -703,10 +728,31 @@ Status checkTarget(const LoadedPlan &loaded, std::string_view device, int worldS
                            ", this runtime device is " + describe(device, arch));
     if (target.world_size() != worldSize)
       return Status::error(loaded.path() + " was compiled for world size " +
-                           std::to_string(target.world_size()) + ", this runtime runs " +
-                           std::to_string(worldSize) + (worldSize == 1 ? " rank" : " ranks"));
+                           std::to_string(target.world_size()) + " (" + layoutOf(target) +
+                           "), this runtime runs " + std::to_string(worldSize) +
+                           (worldSize == 1 ? " rank" : " ranks"));
     return Status::ok();
   });
+}
+
+Status checkRank(const LoadedPlan &loaded, int rank) {
+  return catchExceptions(loaded.path(), [&]() -> Status {
+    const fb::Target &target = *loaded->target();
+    if (target.rank() != rank)
+      return Status::error(loaded.path() + " is rank " + std::to_string(target.rank()) +
+                           "'s plan of " + std::to_string(target.world_size()) + " (" +
+                           layoutOf(target) + "), this communicator's rank is " +
+                           std::to_string(rank));
+    return Status::ok();
+  });
+}
+
+std::string planFileName(int rank, int worldSize) {
+  return worldSize == 1 ? "plan.hyplan" : "plan.rank" + std::to_string(rank) + ".hyplan";
+}
+
+std::string archiveFileName(int rank, int worldSize) {
+  return worldSize == 1 ? "weights.hyw" : "weights.rank" + std::to_string(rank) + ".hyw";
 }
 
 Status checkWeights(const LoadedPlan &loaded, const WeightArchive &archive) {

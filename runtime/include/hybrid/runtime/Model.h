@@ -23,6 +23,9 @@
 #include <vector>
 
 namespace hybrid {
+namespace comm {
+class Communicator;
+}
 
 struct LoadOptions {
   std::string device = "cpu"; // "cpu", or "cuda" for a plan compiled with --device=cuda
@@ -64,6 +67,12 @@ struct LoadOptions {
   // host for the cpu device (and for the small weights the cuda device reads on the host). Must be
   // set to load such an archive and only such, so random weights are never served by accident.
   bool syntheticWeights = false;
+  // A sharded model (hybrid-compile --shard): this rank's end of the group the plans were sharded
+  // for, not owned (it must outlive the Model). The Model loads the communicator's rank's plan
+  // and archive (plan.rank<r>.hyplan, weights.rank<r>.hyw) and runs its collectives over it; a
+  // plan sharded for another world size or rank is refused, naming both. Null: a world of one.
+  // Every rank must run the same calls (prefill, decode, ...) in the same order. cpu device only.
+  comm::Communicator *communicator = nullptr;
 };
 
 // What loading a synthetic archive generated (Model::weightGeneration): bytes in the stored

@@ -25,7 +25,8 @@ namespace hybrid {
 
 // The plan format this runtime reads: same major, minor not newer (see plan.fbs).
 inline constexpr uint16_t kPlanVersionMajor = 1;
-inline constexpr uint16_t kPlanVersionMinor = 1; // 1.1: Plan.fp8_activation_scale
+inline constexpr uint16_t kPlanVersionMinor = 2; // 1.1: Plan.fp8_activation_scale; 1.2: sharding
+                                                 // (Target rank/layout, Weight.slice, AllReduceSum)
 
 // Shorthands over the kernel table of runtime/schema/kernel_signatures.h, which the compiler's
 // contract verifier reads too. The params table a kernel takes (MlaPrefill, MlaDecode,
@@ -68,11 +69,21 @@ private:
   size_t size_ = 0;
 };
 
+// The files a compiled model directory holds for one rank: plan.hyplan and weights.hyw for a
+// world of one, plan.rank<r>.hyplan and weights.rank<r>.hyw for each rank of a sharded model
+// (hybrid-compile --shard, docs/parallelism.md).
+std::string planFileName(int rank, int worldSize);
+std::string archiveFileName(int rank, int worldSize);
+
 // Refuses a plan compiled for another device, architecture or world size, e.g.
 //   "plan.hyplan was compiled for cuda sm_90a, this runtime device is cpu".
 // `device` is "cpu" or "cuda"; an empty `arch` skips the architecture comparison.
 Status checkTarget(const LoadedPlan &plan, std::string_view device, int worldSize,
                    std::string_view arch = {});
+// Refuses a sharded plan loaded by another rank than the one it was sharded for, e.g.
+//   "plan.rank1.hyplan is rank 1's plan of 2 (tensor_parallel 2, ...), this communicator's rank
+//   is 0". Call after checkTarget (which compares the world sizes).
+Status checkRank(const LoadedPlan &plan, int rank);
 
 // Checks that `archive` is the one the plan was compiled against: the archive key equals the plan's
 // weight_archive_key, weight_archive_bytes (when non-zero) equals where the archive's last entry
