@@ -32,16 +32,25 @@ struct CompileOptions {
   // --synthetic-weights=SEED: the model directory holds config.json alone; the weight archive
   // holds generator descriptors the runtime fills at load (docs/weight-archive.md, version 2).
   std::optional<uint64_t> syntheticSeed;
+  // --shard=tp=N,ep=M,cp=K (--hybrid-shard): one plan and one weight archive per rank.
+  int32_t tensorParallel = 1;
+  int32_t expertParallel = 1;
+  int32_t contextParallel = 1;
+  int32_t worldSize() const { return tensorParallel * contextParallel; }
 };
+
+// Reads "tp=2,ep=2" (any of tp, ep, cp, comma separated) into `options`; an error names the bad
+// part.
+Status parseShard(const std::string &text, CompileOptions &options);
 
 // The compiler identity in every cache key: version plus a hash of this executable, so any
 // change to the compiler invalidates its cache entries.
 std::string compilerIdentity();
 
 // The phases of the pipeline, in order; `--compile-to=<phase>` stops after one.
-enum class Phase { Import, Lower, Fuse, Quantize, Layout, Streams, Memory, Verify };
-// "import", "lower", "fuse", "quantize", "layout", "streams", "memory", "verify"; nullopt
-// otherwise.
+enum class Phase { Import, Lower, Shard, Fuse, Quantize, Layout, Streams, Memory, Verify };
+// "import", "lower", "shard", "fuse", "quantize", "layout", "streams", "memory", "verify";
+// nullopt otherwise.
 std::optional<Phase> parsePhase(const std::string &name);
 const char *phaseNames();
 
@@ -66,11 +75,18 @@ struct CompileReport {
   double importSeconds = 0, planSeconds = 0, weightSeconds = 0;
 };
 
-// The serialized plan for `options`, from the cache when possible.
+// The serialized plans for `options`, one per rank in rank order (one for a world of one), from
+// the cache when possible (a hit only when every rank's plan is there).
+StatusOr<std::vector<std::vector<uint8_t>>> compileRankPlans(mlir::MLIRContext &context,
+                                                             const CompileOptions &options,
+                                                             CompileReport &report);
+// Rank `rank`'s serialized plan (compileRankPlans).
 StatusOr<std::vector<uint8_t>> compilePlan(mlir::MLIRContext &context,
-                                           const CompileOptions &options, CompileReport &report);
+                                           const CompileOptions &options, CompileReport &report,
+                                           int rank = 0);
 
-// compilePlan, then writes `outDir/plan.hyplan` and `outDir/weights.hyw`.
+// compileRankPlans, then writes `outDir/plan.hyplan` and `outDir/weights.hyw`, or for a sharded
+// model each rank's plan.rank<r>.hyplan and weights.rank<r>.hyw (the report's paths: rank 0's).
 StatusOr<CompileReport> compileToDirectory(mlir::MLIRContext &context,
                                            const CompileOptions &options,
                                            const std::string &outDir);

@@ -70,9 +70,19 @@ void assignProgram(plan::ProgramOp program, int32_t maxStreams) {
 
   // Streams: a step continues the lowest stream whose last step it depends on anyway (no false
   // serialization); work independent of every stream's tail opens a new stream.
+  // Collectives (a sharded plan's all-reduces) go on a stream of their own, after the compute
+  // streams, in program order: every rank then issues them in the same order, and compute that
+  // does not need a sum can overlap it.
+  constexpr int32_t kCollectiveStream = -2;
   SmallVector<int64_t> tail; // last step per stream
   SmallVector<int32_t> streamOf(n, 0);
+  bool anyCollective = false;
   for (size_t s = 0; s < n; ++s) {
+    if (steps[s].getKernel() == plan::KernelId::all_reduce_sum) {
+      streamOf[s] = kCollectiveStream;
+      anyCollective = true;
+      continue;
+    }
     int32_t chosen = -1;
     for (auto [k, last] : llvm::enumerate(tail))
       if (ancestors[s].test(static_cast<size_t>(last))) {
@@ -90,6 +100,12 @@ void assignProgram(plan::ProgramOp program, int32_t maxStreams) {
     streamOf[s] = chosen;
     tail[chosen] = static_cast<int64_t>(s);
   }
+  if (tail.empty())
+    tail.push_back(-1);
+  const int32_t collectiveStream = static_cast<int32_t>(tail.size());
+  for (int32_t &stream : streamOf)
+    if (stream == kCollectiveStream)
+      stream = collectiveStream;
 
   // Events: a dependency on another stream that the order does not already imply gets an event
   // recorded after the producer and waited for by the consumer.
@@ -120,8 +136,7 @@ void assignProgram(plan::ProgramOp program, int32_t maxStreams) {
   }
   for (size_t s = 0; s < n; ++s)
     steps[s].setSignalEventAttr(builder.getI32IntegerAttr(eventOf[s]));
-  program.setNumStreamsAttr(
-      builder.getI32IntegerAttr(std::max<int32_t>(1, static_cast<int32_t>(tail.size()))));
+  program.setNumStreamsAttr(builder.getI32IntegerAttr(collectiveStream + (anyCollective ? 1 : 0)));
   program.setNumEventsAttr(builder.getI32IntegerAttr(numEvents));
 }
 

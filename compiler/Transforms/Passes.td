@@ -29,6 +29,33 @@ def LowerToPlan : Pass<"hybrid-lower-to-plan", "mlir::ModuleOp"> {
   ];
 }
 
+def Shard : Pass<"hybrid-shard", "mlir::ModuleOp"> {
+  let summary = "Split a plan into one plan per rank for tensor and expert parallelism";
+  let description = [{
+    Runs right after --hybrid-lower-to-plan. For a world of tp x cp ranks it replaces each plan
+    by one plan per rank (`@<name>_rank<r>`, with `rank`, `world_size` and the layout). Tensor
+    parallelism (`tp`): MLA and KDA layers run heads [r H / tp, (r + 1) H / tp) (query, kv_b,
+    gate, conv, beta and A_log/dt_bias rows by head; o_proj by the same columns), dense MLPs and
+    shared experts intermediate rows [r I / tp, (r + 1) I / tp) (gate/up rows, down columns); each
+    such dispatch's output is this rank's part of a sum, and an explicit `all_reduce_sum` step
+    gives every rank the whole (activations stay replicated). With more ranks than heads
+    (tp a multiple of H) each head runs on tp / H ranks and only the first adds its part; the
+    others drop the layer's dispatches (and what only fed them) and add zeros. Expert parallelism
+    (`ep`, 1 or the world size): rank r holds routed experts [r E / ep, (r + 1) E / ep), the
+    others' weights are absent, and an `all_reduce_sum` over the expert group combines the
+    routed outputs (tokens are replicated, so dispatching them is free). Weights a rank reads
+    become its slices (`slice = [axis, begin]`, the packer cuts them from the checkpoint), the
+    rest leave its plan, and its archive is laid out again. Heads or intermediate rows that do
+    not split over the ranks are an error naming the layer. Context parallelism (`cp`) is not
+    built into plans yet and is refused.
+  }];
+  let options = [
+    Option<"tp", "tp", "int32_t", /*default=*/"1", "Tensor-parallel ranks">,
+    Option<"ep", "ep", "int32_t", /*default=*/"1", "Expert-parallel ranks (1 or tp x cp)">,
+    Option<"cp", "cp", "int32_t", /*default=*/"1", "Context-parallel ranks (only 1 for now)">
+  ];
+}
+
 def FuseSuperKernels : Pass<"hybrid-fuse-super-kernels", "mlir::ModuleOp"> {
   let summary = "Rewrite groups of plan steps into fused kernels";
   let description = [{
@@ -81,7 +108,9 @@ def AssignStreams : Pass<"hybrid-assign-streams", "mlir::ModuleOp"> {
     stream whose last step it already depends on, so nothing is serialized that need not be, and
     a step independent of every stream's tail opens a new stream (up to `max-streams`). The
     indexer's three prologs (query, key, head weights) land on three streams and the shared
-    expert overlaps the routed ones. Every cross-stream dependency that the stream order does not
+    expert overlaps the routed ones. A sharded plan's collectives (`all_reduce_sum`) go on one
+    stream of their own after the compute streams, in program order, so every rank issues them in
+    the same order. Every cross-stream dependency that the stream order does not
     already imply gets an event: the producer signals it, the consumer waits for it.
   }];
   let options = [

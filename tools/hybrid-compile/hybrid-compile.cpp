@@ -57,8 +57,8 @@ cl::opt<std::string> cacheDir("cache-dir",
                               cl::init(""));
 cl::opt<std::string> compileTo(
     "compile-to",
-    cl::desc("Stop after a pipeline phase and print the IR: import, lower, fuse, quantize, "
-             "layout, streams, memory, verify"),
+    cl::desc("Stop after a pipeline phase and print the IR: import, lower, shard, fuse, "
+             "quantize, layout, streams, memory, verify"),
     cl::value_desc("phase"), cl::init(""));
 cl::opt<bool> noFuse("no-fuse",
                      cl::desc("Skip --hybrid-fuse-super-kernels (the unfused reference path)"),
@@ -79,6 +79,12 @@ cl::opt<std::string> syntheticWeights(
              "directory needs only config.json (kimi_linear or deepseek_v32); the archive holds "
              "generator descriptors"),
     cl::value_desc("seed"), cl::ValueOptional, cl::init(""));
+cl::opt<std::string> shard(
+    "shard",
+    cl::desc("Shard for several ranks (--hybrid-shard): tp=N tensor-parallel, ep=M "
+             "expert-parallel (1 or N), comma separated; writes plan.rank<r>.hyplan and "
+             "weights.rank<r>.hyw per rank (run with hybrid-run --world-size)"),
+    cl::value_desc("tp=N,ep=M"), cl::init(""));
 cl::opt<bool> report("report",
                      cl::desc("With --emit=plan: print the plan's arena sizes, fused kernels, "
                               "streams, events and weight bytes per dtype"),
@@ -125,6 +131,10 @@ int main(int argc, char **argv) {
                   " is not a seed (a non-negative integer below 2^64)");
     options.syntheticSeed = seed;
   }
+
+  if (!shard.empty())
+    if (hybrid::Status parsed = hybrid::driver::parseShard(shard, options); !parsed)
+      return fail(parsed.message());
 
   if (!compileTo.empty()) {
     std::optional<hybrid::driver::Phase> phase = hybrid::driver::parsePhase(compileTo);

@@ -1,4 +1,5 @@
 // hybrid-run: run a compiled model (plan.hyplan + weights.hyw) on a prompt, greedy decoding.
+#include "hybrid/runtime/Communicator.h"
 #include "hybrid/runtime/Generate.h"
 #include "hybrid/runtime/Model.h"
 
@@ -6,6 +7,7 @@
 
 #include <cstdio>
 #include <iostream>
+#include <thread>
 
 int main(int argc, char **argv) {
   CLI::App app{"Run a model compiled by hybrid-compile"};
@@ -65,6 +67,12 @@ int main(int argc, char **argv) {
                "cuda: launch every decode kernel each step instead of replaying CUDA graphs");
   app.add_flag("--verify-weights", load.verifyWeightContents,
                "Re-hash every weight archive entry while loading");
+  int worldSize = 1;
+  app.add_option("--world-size", worldSize,
+                 "Run a sharded model (hybrid-compile --shard) as this many rank threads of one "
+                 "process over the loopback communicator (cpu); rank 0 reports")
+      ->default_val(1)
+      ->check(CLI::Range(1, 64));
   app.add_flag("--synthetic-weights", load.syntheticWeights,
                "Generate the weights of an archive compiled with hybrid-compile "
                "--synthetic-weights (seeded random values, on the GPU with --device cuda)");
@@ -86,9 +94,54 @@ int main(int argc, char **argv) {
   auto prompt = hybrid::readInputIds(inputIds);
   if (!prompt)
     return fail(prompt.status().message());
+  // A sharded model: ranks 1.. run the same generation on their own threads (every rank must
+  // make the same calls, so the collectives line up) and must arrive at the same tokens.
+  std::vector<std::unique_ptr<hybrid::comm::Communicator>> group;
+  std::vector<std::thread> peers;
+  std::vector<hybrid::Status> peerStatus(static_cast<size_t>(worldSize), hybrid::Status::ok());
+  std::vector<std::vector<int64_t>> peerTokens(static_cast<size_t>(worldSize));
+  auto joinPeers = [&]() {
+    for (std::thread &peer : peers)
+      peer.join();
+    peers.clear();
+  };
+  if (worldSize > 1) {
+    auto made = hybrid::comm::makeLoopbackGroup(worldSize);
+    if (!made)
+      return fail(made.status().message());
+    group = std::move(*made);
+    for (int rank = 1; rank < worldSize; ++rank)
+      peers.emplace_back([&, rank] {
+        hybrid::LoadOptions rankLoad = load;
+        rankLoad.communicator = group[static_cast<size_t>(rank)].get();
+        auto peer = hybrid::Model::load(modelDir, rankLoad);
+        if (!peer) {
+          peerStatus[static_cast<size_t>(rank)] = peer.status();
+          return;
+        }
+        auto generated = hybrid::generateGreedy(**peer, *prompt, generation);
+        if (!generated) {
+          peerStatus[static_cast<size_t>(rank)] = generated.status();
+          return;
+        }
+        peerTokens[static_cast<size_t>(rank)] = generated->generated;
+      });
+    load.communicator = group[0].get();
+  }
+  auto failRanks = [&](const std::string &message) {
+    joinPeers();
+    std::string all = worldSize > 1 ? "rank 0: " + message : message;
+    for (int rank = 1; rank < worldSize; ++rank)
+      if (!peerStatus[static_cast<size_t>(rank)])
+        all += "\nrank " + std::to_string(rank) + ": " +
+               peerStatus[static_cast<size_t>(rank)].message();
+    return fail(all);
+  };
+
   auto model = hybrid::Model::load(modelDir, load);
   if (!model)
-    return fail(model.status().message());
+    return failRanks(model.status().message());
+
   if (const std::string placement = (*model)->placementReport(); !placement.empty())
     std::cerr << placement;
   if (load.syntheticWeights) {
@@ -100,7 +153,15 @@ int main(int argc, char **argv) {
   }
   auto result = hybrid::generateGreedy(**model, *prompt, generation);
   if (!result)
-    return fail(result.status().message());
+    return failRanks(result.status().message());
+  joinPeers();
+  for (int rank = 1; rank < worldSize; ++rank) {
+    if (!peerStatus[static_cast<size_t>(rank)])
+      return failRanks("rank " + std::to_string(rank) + " failed");
+    if (peerTokens[static_cast<size_t>(rank)] != result->generated)
+      return fail("rank " + std::to_string(rank) + " generated other tokens than rank 0: the "
+                  "ranks' logits differ");
+  }
 
   std::cout << "generated:";
   for (int64_t id : result->generated)

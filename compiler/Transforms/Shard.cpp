@@ -1,0 +1,495 @@
+// --hybrid-shard: one plan per rank for tensor and expert parallelism (see Passes.td and
+// docs/parallelism.md).
+#include "compiler/Transforms/Passes.h"
+
+#include "hybrid/runtime/WeightArchive.h"
+
+#include "mlir/IR/Builders.h"
+#include "llvm/ADT/DenseMap.h"
+#include "llvm/ADT/DenseSet.h"
+#include "llvm/ADT/SetVector.h"
+
+#include <map>
+
+namespace hybrid {
+#define GEN_PASS_DEF_SHARD
+#include "compiler/Transforms/Passes.h.inc"
+} // namespace hybrid
+
+using namespace mlir;
+
+namespace hybrid {
+namespace {
+
+int64_t elementBytes(Type type) { return std::max<int64_t>(1, type.getIntOrFloatBitWidth() / 8); }
+// The unsigned accessors of I32 attributes, as the signed values they hold (-1: none).
+int32_t scaleOf(plan::WeightOp weight) { return static_cast<int32_t>(weight.getScale()); }
+int32_t layerOf(plan::DispatchOp dispatch) { return static_cast<int32_t>(dispatch.getLayer()); }
+
+// A rank's part of a weight: `size` entries from `begin` along `axis` of the checkpoint tensor.
+struct Slice {
+  int64_t axis = 0, begin = 0, size = 0;
+  bool operator==(const Slice &other) const {
+    return axis == other.axis && begin == other.begin && size == other.size;
+  }
+};
+
+// The heads a rank runs, [first, first + count), and whether its partial output joins the sum.
+// With more ranks than heads each head runs on tp / heads ranks and only the first one adds its
+// part (the others' copies are dropped), so the sum still counts every head once.
+struct HeadShare {
+  int64_t first = 0, count = 0;
+  bool contributes = true;
+};
+
+// A dispatch whose output is this rank's part of a sum over the group: an all-reduce follows it.
+struct PartialOutput {
+  plan::DispatchOp dispatch;
+  bool contributes;
+  StringRef group;
+};
+
+class RankSharder {
+public:
+  RankSharder(plan::PlanOp planOp, int64_t tp, int64_t ep, int64_t rank)
+      : plan_(planOp), tp_(tp), ep_(ep), rank_(rank), builder_(planOp.getContext()) {}
+
+  LogicalResult run() {
+    Block &body = plan_.getBodyBlock();
+    weights_.assign(body.getOps<plan::WeightOp>().begin(), body.getOps<plan::WeightOp>().end());
+    for (plan::ProgramOp program : body.getOps<plan::ProgramOp>())
+      if (failed(shardProgram(program)))
+        return failure();
+    if (failed(resizeStateLayers()))
+      return failure();
+    return rewriteWeights();
+  }
+
+private:
+  FailureOr<HeadShare> shareHeads(plan::DispatchOp dispatch, StringRef kind, int64_t heads) {
+    if (heads > 0 && heads % tp_ == 0)
+      return HeadShare{rank_ * (heads / tp_), heads / tp_, true};
+    if (heads > 0 && tp_ % heads == 0) {
+      const int64_t copies = tp_ / heads;
+      return HeadShare{rank_ / copies, 1, rank_ % copies == 0};
+    }
+    return dispatch.emitOpError() << "layer " << layerOf(dispatch) << ": " << heads << " "
+                                  << kind << " heads cannot be split over tp=" << tp_
+                                  << " ranks (one must divide the other)";
+  }
+
+  // Records that weight `index` is read as `slice` (the same weight read by the prefill and the
+  // decode program must be cut the same way).
+  LogicalResult addSlice(plan::DispatchOp dispatch, int32_t index, Slice slice) {
+    if (index < 0)
+      return success();
+    if (index >= static_cast<int32_t>(weights_.size()))
+      return dispatch.emitOpError() << "reads weight " << index << " of " << weights_.size();
+    auto type = cast<RankedTensorType>(weights_[index].getType());
+    if (slice.axis >= type.getRank() || slice.begin + slice.size > type.getDimSize(slice.axis))
+      return dispatch.emitOpError()
+             << "layer " << layerOf(dispatch) << ": weight '" << weights_[index].getName()
+             << "' " << type << " has no entries [" << slice.begin << ", "
+             << slice.begin + slice.size << ") along axis " << slice.axis;
+    if (slice.size == type.getDimSize(slice.axis))
+      return success(); // the whole axis: nothing to cut
+    auto [it, inserted] = slices_.insert({index, slice});
+    if (!inserted && !(it->second == slice))
+      return dispatch.emitOpError() << "weight '" << weights_[index].getName()
+                                    << "' is read as two different slices";
+    return success();
+  }
+
+  // The one axis of `index` whose size is `heads` x `unit` (per-head vectors such as A_log
+  // [1, 1, H, 1] or dt_bias [H K]).
+  FailureOr<int64_t> headAxis(plan::DispatchOp dispatch, int32_t index, int64_t extent) {
+    auto type = cast<RankedTensorType>(weights_[index].getType());
+    for (int64_t axis = 0; axis < type.getRank(); ++axis)
+      if (type.getDimSize(axis) == extent)
+        return axis;
+    return dispatch.emitOpError() << "layer " << layerOf(dispatch) << ": weight '"
+                                  << weights_[index].getName() << "' " << type
+                                  << " has no axis of " << extent << " (one entry per head)";
+  }
+
+  LogicalResult setHeads(plan::DispatchOp dispatch, int64_t count) {
+    NamedAttrList params(dispatch.getParams());
+    params.set("num_heads", builder_.getI32IntegerAttr(static_cast<int32_t>(count)));
+    dispatch.setParamsAttr(params.getDictionary(dispatch.getContext()));
+    return success();
+  }
+
+  int64_t intParam(plan::DispatchOp dispatch, StringRef name) {
+    auto attr = dispatch.getParams().getAs<IntegerAttr>(name);
+    return attr ? attr.getInt() : 0;
+  }
+
+  // MLA: queries, kv_b_proj and the output gate by heads (rows), o_proj by the same columns.
+  // The latent projection and its norm stay whole: the latent cache is shared by all heads.
+  LogicalResult shardMla(plan::DispatchOp dispatch) {
+    const int64_t heads = intParam(dispatch, "num_heads");
+    FailureOr<HeadShare> share = shareHeads(dispatch, "MLA", heads);
+    if (failed(share))
+      return failure();
+    partials_.push_back({dispatch, share->contributes, "tensor_parallel"});
+    if (!share->contributes)
+      return success();
+    const int64_t qk = intParam(dispatch, "qk_nope_head_dim") + intParam(dispatch, "qk_rope_head_dim");
+    const int64_t kvb = intParam(dispatch, "qk_nope_head_dim") + intParam(dispatch, "v_head_dim");
+    const int64_t dv = intParam(dispatch, "v_head_dim");
+    ArrayRef<int32_t> w = dispatch.getWeights();
+    auto rows = [&](int64_t perHead) { return Slice{0, share->first * perHead, share->count * perHead}; };
+    if (failed(addSlice(dispatch, w[0], rows(qk))) || failed(addSlice(dispatch, w[1], rows(qk))) ||
+        failed(addSlice(dispatch, w[4], rows(kvb))) || failed(addSlice(dispatch, w[5], rows(dv))) ||
+        failed(addSlice(dispatch, w[6], Slice{1, share->first * dv, share->count * dv})))
+      return failure();
+    return setHeads(dispatch, share->count);
+  }
+
+  // KDA: every per-head projection, conv channel, gate and beta by heads; o_proj by the same
+  // columns. The low-rank gate inputs (f_a_proj, g_a_proj) and the per-dim o_norm stay whole.
+  LogicalResult shardKda(plan::DispatchOp dispatch) {
+    const int64_t heads = intParam(dispatch, "num_heads"), dim = intParam(dispatch, "head_dim");
+    FailureOr<HeadShare> share = shareHeads(dispatch, "KDA", heads);
+    if (failed(share))
+      return failure();
+    // A dropped copy's state stays allocated (the slot numbering is shared), at its share's size.
+    const int64_t slot = intParam(dispatch, "state_slot");
+    auto [it, inserted] = stateHeads_.insert({slot, share->count});
+    if (!inserted && it->second != share->count)
+      return dispatch.emitOpError() << "state slot " << slot << " is split two ways";
+    partials_.push_back({dispatch, share->contributes, "tensor_parallel"});
+    if (!share->contributes)
+      return success();
+    ArrayRef<int32_t> w = dispatch.getWeights();
+    auto rows = [&](int64_t perHead) { return Slice{0, share->first * perHead, share->count * perHead}; };
+    for (int role : {0, 1, 2, 3, 4, 5, 7, 12, 13})
+      if (failed(addSlice(dispatch, w[role], rows(dim))))
+        return failure();
+    if (failed(addSlice(dispatch, w[10], rows(1))) ||
+        failed(addSlice(dispatch, w[15], Slice{1, share->first * dim, share->count * dim})))
+      return failure();
+    for (auto [role, unit] : {std::pair{8, int64_t{1}}, {9, dim}}) { // A_log, dt_bias
+      FailureOr<int64_t> axis = headAxis(dispatch, w[role], heads * unit);
+      if (failed(axis) ||
+          failed(addSlice(dispatch, w[role], Slice{*axis, share->first * unit, share->count * unit})))
+        return failure();
+    }
+    return setHeads(dispatch, share->count);
+  }
+
+  // SwiGLU (dense MLP, shared expert): gate and up by intermediate rows, down by the same columns.
+  LogicalResult shardMlp(plan::DispatchOp dispatch) {
+    ArrayRef<int32_t> w = dispatch.getWeights();
+    auto gate = cast<RankedTensorType>(weights_[w[0]].getType());
+    const int64_t width = gate.getDimSize(0);
+    if (width % tp_ != 0)
+      return dispatch.emitOpError() << "layer " << layerOf(dispatch) << ": the MLP's "
+                                    << width << " intermediate rows cannot be split over tp="
+                                    << tp_ << " ranks";
+    const int64_t part = width / tp_, begin = rank_ * part;
+    if (failed(addSlice(dispatch, w[0], Slice{0, begin, part})) ||
+        failed(addSlice(dispatch, w[1], Slice{0, begin, part})) ||
+        failed(addSlice(dispatch, w[2], Slice{1, begin, part})))
+      return failure();
+    partials_.push_back({dispatch, true, "tensor_parallel"});
+    return success();
+  }
+
+  // Routed experts: rank r holds experts [r E / ep, (r + 1) E / ep); the others' weights are
+  // absent (-1) and the kernel skips their choices, so its output is this rank's part of the sum.
+  LogicalResult shardExperts(plan::DispatchOp dispatch) {
+    const int64_t experts = intParam(dispatch, "num_experts");
+    if (experts % ep_ != 0)
+      return dispatch.emitOpError() << "layer " << layerOf(dispatch) << ": " << experts
+                                    << " experts cannot be split over ep=" << ep_ << " ranks";
+    const int64_t part = experts / ep_, group = rank_ % ep_;
+    SmallVector<int32_t> w(dispatch.getWeights());
+    for (int64_t e = 0; e < experts; ++e)
+      if (e / part != group)
+        for (int role = 0; role < 3; ++role)
+          w[3 * e + role] = -1;
+    dispatch.setWeightsAttr(builder_.getDenseI32ArrayAttr(w));
+    partials_.push_back({dispatch, true, "expert_parallel"});
+    return success();
+  }
+
+  LogicalResult shardProgram(plan::ProgramOp program) {
+    partials_.clear();
+    SmallVector<plan::DispatchOp> dispatches(program.getBodyBlock().getOps<plan::DispatchOp>());
+    for (plan::DispatchOp dispatch : dispatches) {
+      LogicalResult result = success();
+      switch (dispatch.getKernel()) {
+      case plan::KernelId::mla_prefill:
+      case plan::KernelId::mla_decode:
+      case plan::KernelId::sparse_mla_prefill:
+      case plan::KernelId::sparse_mla_decode:
+        result = shardMla(dispatch);
+        break;
+      case plan::KernelId::kda_chunk_prefill:
+      case plan::KernelId::kda_recurrent_decode:
+        result = shardKda(dispatch);
+        break;
+      case plan::KernelId::mlp:
+        result = shardMlp(dispatch);
+        break;
+      case plan::KernelId::moe_experts:
+        if (ep_ > 1)
+          result = shardExperts(dispatch);
+        break;
+      case plan::KernelId::all_reduce_sum:
+        return dispatch.emitOpError() << "is already a sharded plan's step";
+      default:
+        break;
+      }
+      if (failed(result))
+        return failure();
+    }
+    insertAllReduces(program);
+    return success();
+  }
+
+  // After each partial output: a new value holding the sum over the group, read by everything
+  // that read the partial one. A rank that holds no part (a dropped head copy) adds zeros.
+  void insertAllReduces(plan::ProgramOp program) {
+    Block &block = program.getBodyBlock();
+    SmallVector<plan::DispatchOp> dropped;
+    for (const PartialOutput &partial : partials_) {
+      plan::DispatchOp dispatch = partial.dispatch;
+      const int32_t output = dispatch.getOutputs().front();
+      SmallVector<plan::ValueOp> values(block.getOps<plan::ValueOp>());
+      plan::ValueOp source = values[output];
+      builder_.setInsertionPointAfter(values.back());
+      builder_.create<plan::ValueOp>(source.getLoc(), source.getDtypeAttr(),
+                                     source.getRowElementsAttr(), builder_.getI64IntegerAttr(-1),
+                                     builder_.getStringAttr(source.getName() + ".sum"));
+      const int32_t sum = static_cast<int32_t>(values.size());
+
+      builder_.setInsertionPointAfter(dispatch);
+      SmallVector<int32_t> inputs;
+      if (partial.contributes)
+        inputs.push_back(output);
+      NamedAttribute group = builder_.getNamedAttr("group", builder_.getStringAttr(partial.group));
+      auto reduce = builder_.create<plan::DispatchOp>(
+          dispatch.getLoc(),
+          plan::KernelIdAttr::get(builder_.getContext(), plan::KernelId::all_reduce_sum),
+          builder_.getDenseI32ArrayAttr(inputs), builder_.getDenseI32ArrayAttr({sum}),
+          builder_.getDenseI32ArrayAttr({}), builder_.getDictionaryAttr({group}),
+          builder_.getI32IntegerAttr(0), builder_.getDenseI32ArrayAttr({}),
+          builder_.getI32IntegerAttr(-1), dispatch.getLayerAttr());
+      replaceReads(program, output, sum, reduce);
+      if (!partial.contributes)
+        dropped.push_back(dispatch);
+    }
+    eraseDropped(program, dropped);
+  }
+
+  static SmallVector<int32_t> replaced(ArrayRef<int32_t> list, int32_t from, int32_t to) {
+    SmallVector<int32_t> out(list);
+    std::replace(out.begin(), out.end(), from, to);
+    return out;
+  }
+
+  void replaceReads(plan::ProgramOp program, int32_t from, int32_t to, Operation *except) {
+    for (Operation &op : program.getBodyBlock()) {
+      if (&op == except)
+        continue;
+      if (auto dispatch = dyn_cast<plan::DispatchOp>(op)) {
+        if (llvm::is_contained(dispatch.getInputs(), from))
+          dispatch.setInputsAttr(
+              builder_.getDenseI32ArrayAttr(replaced(dispatch.getInputs(), from, to)));
+      } else if (auto copy = dyn_cast<plan::CopyOp>(op)) {
+        if (copy.getSource() == from)
+          copy.setSourceAttr(builder_.getI32IntegerAttr(to));
+      }
+    }
+    if (program.getLogits() == from)
+      program.setLogitsAttr(builder_.getI32IntegerAttr(to));
+    program.setLayerOutputsAttr(
+        builder_.getDenseI32ArrayAttr(replaced(program.getLayerOutputs(), from, to)));
+  }
+
+  // Removes the dropped head copies and then every step that only fed them (a DSA indexer and
+  // its prologs feed just their sparse attention).
+  void eraseDropped(plan::ProgramOp program, ArrayRef<plan::DispatchOp> dropped) {
+    SmallVector<int32_t> orphans;
+    for (plan::DispatchOp dispatch : dropped) {
+      orphans.append(dispatch.getInputs().begin(), dispatch.getInputs().end());
+      dispatch.erase();
+    }
+    while (!orphans.empty()) {
+      const int32_t value = orphans.pop_back_val();
+      if (value == program.getLogits() || value == program.getTokenIds() ||
+          llvm::is_contained(program.getLayerOutputs(), value))
+        continue;
+      plan::DispatchOp writer;
+      bool read = false;
+      for (Operation &op : program.getBodyBlock()) {
+        if (auto dispatch = dyn_cast<plan::DispatchOp>(op)) {
+          read |= llvm::is_contained(dispatch.getInputs(), value);
+          if (llvm::is_contained(dispatch.getOutputs(), value))
+            writer = dispatch;
+        } else if (auto copy = dyn_cast<plan::CopyOp>(op)) {
+          read |= copy.getSource() == value;
+        }
+      }
+      if (read || !writer)
+        continue;
+      // The writer goes when none of its outputs is read any more.
+      bool otherOutputRead = false;
+      for (int32_t output : writer.getOutputs())
+        for (plan::DispatchOp other : program.getBodyBlock().getOps<plan::DispatchOp>())
+          otherOutputRead |= output != value && llvm::is_contained(other.getInputs(), output);
+      if (otherOutputRead)
+        continue;
+      orphans.append(writer.getInputs().begin(), writer.getInputs().end());
+      writer.erase();
+    }
+  }
+
+  LogicalResult resizeStateLayers() {
+    SmallVector<plan::RecurrentStateLayerOp> layers(
+        plan_.getBodyBlock().getOps<plan::RecurrentStateLayerOp>());
+    for (auto [slot, heads] : stateHeads_) {
+      if (slot < 0 || slot >= static_cast<int64_t>(layers.size()))
+        return plan_.emitOpError() << "state slot " << slot << " out of range";
+      plan::RecurrentStateLayerOp layer = layers[slot];
+      layer.setNumHeadsAttr(builder_.getI32IntegerAttr(static_cast<int32_t>(heads)));
+      layer.setConvChannelsAttr(
+          builder_.getI32IntegerAttr(static_cast<int32_t>(3 * heads * layer.getHeadKDim())));
+    }
+    return success();
+  }
+
+  // Keeps the weights this rank reads (and their scales), renumbered in plan order, cuts the
+  // slices and lays the archive out again.
+  LogicalResult rewriteWeights() {
+    Block &body = plan_.getBodyBlock();
+    llvm::SetVector<int32_t> used;
+    body.walk([&](plan::DispatchOp dispatch) {
+      for (int32_t index : dispatch.getWeights())
+        if (index >= 0) {
+          used.insert(index);
+          if (scaleOf(weights_[index]) >= 0)
+            used.insert(scaleOf(weights_[index]));
+        }
+    });
+    SmallVector<int32_t> renumber(weights_.size(), -1);
+    int32_t next = 0;
+    for (auto [index, weight] : llvm::enumerate(weights_))
+      if (used.contains(static_cast<int32_t>(index)))
+        renumber[index] = next++;
+    body.walk([&](plan::DispatchOp dispatch) {
+      SmallVector<int32_t> w(dispatch.getWeights());
+      for (int32_t &index : w)
+        index = index >= 0 ? renumber[index] : -1;
+      dispatch.setWeightsAttr(builder_.getDenseI32ArrayAttr(w));
+    });
+
+    SmallVector<plan::WeightOp> kept;
+    for (auto [index, weight] : llvm::enumerate(weights_)) {
+      if (renumber[index] < 0) {
+        weight.erase();
+        continue;
+      }
+      if (scaleOf(weight) >= 0)
+        weight.setScaleAttr(builder_.getI32IntegerAttr(renumber[scaleOf(weight)]));
+      auto it = slices_.find(static_cast<int32_t>(index));
+      if (it != slices_.end()) {
+        if (scaleOf(weight) >= 0 || weight.getNzTiled())
+          return weight.emitOpError()
+                 << "cannot be sliced for tp=" << tp_ << ": block-quantized and tiled weights "
+                 << "are not sharded yet (run --hybrid-shard before --hybrid-assign-weight-layout)";
+        auto type = cast<RankedTensorType>(weight.getType());
+        SmallVector<int64_t> shape(type.getShape());
+        shape[it->second.axis] = it->second.size;
+        auto part = RankedTensorType::get(shape, type.getElementType());
+        weight.setTypeAttr(TypeAttr::get(part));
+        weight.setSliceAttr(builder_.getDenseI64ArrayAttr({it->second.axis, it->second.begin}));
+        weight.setSizeAttr(builder_.getI64IntegerAttr(part.getNumElements() *
+                                                      elementBytes(part.getElementType())));
+      }
+      kept.push_back(weight);
+    }
+    SmallVector<uint64_t> sizes;
+    for (plan::WeightOp weight : kept)
+      sizes.push_back(static_cast<uint64_t>(weight.getSize()));
+    std::vector<uint64_t> offsets = planWeightOffsets(sizes);
+    for (auto [weight, offset] : llvm::zip(kept, offsets))
+      weight.setOffsetAttr(builder_.getI64IntegerAttr(static_cast<int64_t>(offset)));
+    plan_.setWeightArchiveBytesAttr(builder_.getI64IntegerAttr(
+        offsets.empty() ? 0 : static_cast<int64_t>(offsets.back() + sizes.back())));
+    return success();
+  }
+
+  plan::PlanOp plan_;
+  int64_t tp_, ep_, rank_;
+  OpBuilder builder_;
+  SmallVector<plan::WeightOp> weights_;
+  std::map<int32_t, Slice> slices_;
+  std::map<int64_t, int64_t> stateHeads_; // state slot -> heads on this rank
+  SmallVector<PartialOutput> partials_;
+};
+
+struct ShardPass : impl::ShardBase<ShardPass> {
+  using ShardBase::ShardBase;
+
+  void runOnOperation() override {
+    ModuleOp module = getOperation();
+    // Plain copies: pass options do not print as numbers in diagnostics.
+    const int64_t tp = this->tp, ep = this->ep, cp = this->cp;
+    if (tp < 1 || ep < 1 || cp < 1) {
+      module.emitError() << "--hybrid-shard: tp, ep and cp must be at least 1 (tp=" << tp
+                         << " ep=" << ep << " cp=" << cp << ")";
+      return signalPassFailure();
+    }
+    if (cp != 1) {
+      module.emitError() << "--hybrid-shard: context parallelism (cp=" << cp
+                         << ") is not built into plans yet; the runtime's zigzag and "
+                         << "sequence-parallel cores are (docs/parallelism.md)";
+      return signalPassFailure();
+    }
+    const int64_t world = tp * cp;
+    if (ep != 1 && ep != world) {
+      module.emitError() << "--hybrid-shard: ep=" << ep << " must be 1 or the world size "
+                         << world << " (tp x cp): experts are spread over every rank";
+      return signalPassFailure();
+    }
+    if (world == 1)
+      return; // one rank: the plan as it is
+
+    SmallVector<plan::PlanOp> plans(module.getOps<plan::PlanOp>());
+    for (plan::PlanOp planOp : plans) {
+      if (planOp.getWorldSize() != 1) {
+        planOp.emitOpError() << "is already sharded (world_size " << planOp.getWorldSize() << ")";
+        return signalPassFailure();
+      }
+      WalkResult placed = planOp.walk([&](plan::ValueOp value) {
+        if (static_cast<int64_t>(value.getOffset()) >= 0) {
+          value.emitOpError() << "has an arena offset: run --hybrid-shard before "
+                                 "--hybrid-plan-memory";
+          return WalkResult::interrupt();
+        }
+        return WalkResult::advance();
+      });
+      if (placed.wasInterrupted())
+        return signalPassFailure();
+      OpBuilder builder(planOp);
+      for (int64_t rank = 0; rank < world; ++rank) {
+        auto copy = cast<plan::PlanOp>(builder.clone(*planOp));
+        copy.setSymName((planOp.getSymName() + "_rank" + std::to_string(rank)).str());
+        copy.setWorldSizeAttr(builder.getI32IntegerAttr(static_cast<int32_t>(world)));
+        copy.setRankAttr(builder.getI32IntegerAttr(static_cast<int32_t>(rank)));
+        copy.setTensorParallelAttr(builder.getI32IntegerAttr(static_cast<int32_t>(tp)));
+        copy.setExpertParallelAttr(builder.getI32IntegerAttr(static_cast<int32_t>(ep)));
+        copy.setContextParallelAttr(builder.getI32IntegerAttr(static_cast<int32_t>(cp)));
+        if (failed(RankSharder(copy, tp, ep, rank).run()))
+          return signalPassFailure();
+      }
+      planOp.erase();
+    }
+  }
+};
+
+} // namespace
+} // namespace hybrid

@@ -1,0 +1,163 @@
+// RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="tp=2 ep=2" | FileCheck %s
+// RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="tp=4" | FileCheck %s --check-prefix=TP4
+// RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="tp=2" --hybrid-fuse-super-kernels --hybrid-assign-streams --hybrid-plan-memory --hybrid-verify-plan-contract | FileCheck %s --check-prefix=PIPELINE
+// RUN: not hybrid-opt %S/Inputs/shard_odd_heads.mlir --hybrid-lower-to-plan --hybrid-shard="tp=2" 2>&1 | FileCheck %s --check-prefix=HEADS
+// RUN: not hybrid-opt %S/Inputs/shard_odd_heads.mlir --hybrid-lower-to-plan --hybrid-shard="tp=4" 2>&1 | FileCheck %s --check-prefix=HEADS4
+// RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="tp=2 ep=4" 2>&1 | FileCheck %s --check-prefix=EP
+// RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="cp=2" 2>&1 | FileCheck %s --check-prefix=CP
+
+// The model of lower_to_plan.mlir (KDA + dense MLP, MLA + MoE; 2 heads each, intermediate 8,
+// 2 experts), sharded: one plan per rank, per-head and per-column weight slices, an explicit
+// all-reduce after each partial output, routed experts split by ep.
+
+hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, vocab_size = 32 : i64, num_layers = 2 : i64} {
+^bb0(%ids: tensor<?xi64>):
+  %h = hybrid.embed %ids {weight = #hybrid.weight<"embed" : tensor<32x16xbf16>>} : tensor<?xi64> -> tensor<?x16xbf16> loc("model.embed_tokens")
+  %x0 = hybrid.rms_norm %h {weight = #hybrid.weight<"l0.norm" : tensor<16xbf16>>, epsilon = 1.0e-5 : f64} : tensor<?x16xbf16> loc("model.layers.0.input_layernorm")
+  %a0 = hybrid.kda %x0 {num_heads = 2 : i64, head_dim = 4 : i64, conv_kernel = 4 : i64,
+      gate_kind = #hybrid<kda_gate softplus>, state_layout = #hybrid<state_layout k_major>,
+      norm_epsilon = 1.0e-5 : f64,
+      q_proj = #hybrid.weight<"kda.q_proj" : tensor<8x16xbf16>>,
+      k_proj = #hybrid.weight<"kda.k_proj" : tensor<8x16xbf16>>,
+      v_proj = #hybrid.weight<"kda.v_proj" : tensor<8x16xbf16>>,
+      q_conv1d = #hybrid.weight<"kda.q_conv1d" : tensor<8x1x4xbf16>>,
+      k_conv1d = #hybrid.weight<"kda.k_conv1d" : tensor<8x1x4xbf16>>,
+      v_conv1d = #hybrid.weight<"kda.v_conv1d" : tensor<8x1x4xbf16>>,
+      f_a_proj = #hybrid.weight<"kda.f_a_proj" : tensor<4x16xbf16>>,
+      f_b_proj = #hybrid.weight<"kda.f_b_proj" : tensor<8x4xbf16>>,
+      A_log = #hybrid.weight<"kda.A_log" : tensor<1x1x2x1xf32>>,
+      dt_bias = #hybrid.weight<"kda.dt_bias" : tensor<8xf32>>,
+      b_proj = #hybrid.weight<"kda.b_proj" : tensor<2x16xbf16>>,
+      g_a_proj = #hybrid.weight<"kda.g_a_proj" : tensor<4x16xbf16>>,
+      g_b_proj = #hybrid.weight<"kda.g_b_proj" : tensor<8x4xbf16>>,
+      o_norm = #hybrid.weight<"kda.o_norm" : tensor<4xbf16>>,
+      o_proj = #hybrid.weight<"kda.o_proj" : tensor<16x8xbf16>>} : tensor<?x16xbf16> loc("model.layers.0.self_attn")
+  %h1 = hybrid.add %h, %a0 : tensor<?x16xbf16> loc("model.layers.0.attn_residual")
+  %m0 = hybrid.mlp %h1 {activation = #hybrid<activation silu>,
+      gate_proj = #hybrid.weight<"mlp.gate" : tensor<8x16xbf16>>,
+      up_proj = #hybrid.weight<"mlp.up" : tensor<8x16xbf16>>,
+      down_proj = #hybrid.weight<"mlp.down" : tensor<16x8xbf16>>} : tensor<?x16xbf16> loc("model.layers.0.mlp")
+  %h2 = hybrid.add %h1, %m0 : tensor<?x16xbf16> loc("model.layers.0.mlp_residual")
+  %a1 = hybrid.mla %h2 {num_heads = 2 : i64, kv_lora_rank = 8 : i64, qk_nope_head_dim = 4 : i64,
+      qk_rope_head_dim = 2 : i64, v_head_dim = 4 : i64, rope = #hybrid.rope<kind = none>,
+      softmax_scale = 0.408 : f64, latent_norm_epsilon = 1.0e-6 : f64,
+      q_proj = #hybrid.weight<"mla.q_proj" : tensor<12x16xbf16>>,
+      kv_a_proj_with_mqa = #hybrid.weight<"mla.kv_a" : tensor<10x16xbf16>>,
+      kv_a_layernorm = #hybrid.weight<"mla.kv_a_ln" : tensor<8xbf16>>,
+      kv_b_proj = #hybrid.weight<"mla.kv_b" : tensor<16x8xbf16>>,
+      o_proj = #hybrid.weight<"mla.o_proj" : tensor<16x8xbf16>>} : (tensor<?x16xbf16>) -> tensor<?x16xbf16> loc("model.layers.1.self_attn")
+  %h3 = hybrid.add %h2, %a1 : tensor<?x16xbf16> loc("model.layers.1.attn_residual")
+  %m1 = hybrid.moe %h3 {num_experts = 2 : i64, top_k = 1 : i64, num_groups = 1 : i64, topk_groups = 1 : i64,
+      score_function = #hybrid<score_function sigmoid>, renormalize = true, routed_scaling_factor = 2.5 : f64,
+      intermediate_size = 8 : i64, num_shared_experts = 0 : i64,
+      router = #hybrid.weight<"moe.gate" : tensor<2x16xbf16>>,
+      experts_gate_proj = [#hybrid.weight<"e0.gate" : tensor<8x16xbf16>>, #hybrid.weight<"e1.gate" : tensor<8x16xbf16>>],
+      experts_up_proj = [#hybrid.weight<"e0.up" : tensor<8x16xbf16>>, #hybrid.weight<"e1.up" : tensor<8x16xbf16>>],
+      experts_down_proj = [#hybrid.weight<"e0.down" : tensor<16x8xbf16>>, #hybrid.weight<"e1.down" : tensor<16x8xbf16>>]} : tensor<?x16xbf16> loc("model.layers.1.moe")
+  %h4 = hybrid.add %h3, %m1 : tensor<?x16xbf16> loc("model.layers.1.mlp_residual")
+  %f = hybrid.rms_norm %h4 {weight = #hybrid.weight<"final.norm" : tensor<16xbf16>>, epsilon = 1.0e-5 : f64} : tensor<?x16xbf16> loc("model.norm")
+  %logits = hybrid.lm_head %f {weight = #hybrid.weight<"lm_head" : tensor<32x16xbf16>>} : tensor<?x16xbf16> -> tensor<?x32xf32> loc("lm_head")
+  hybrid.return %logits : tensor<?x32xf32>
+}
+
+// Rank 0 of tp=2, ep=2: head 0 of each attention layer, intermediate rows [0, 4), expert 0.
+// CHECK-LABEL: plan.plan @tiny_rank0 attributes
+// CHECK-SAME: expert_parallel = 2 : i32
+// CHECK-SAME: rank = 0 : i32, tensor_parallel = 2 : i32
+// CHECK-SAME: world_size = 2 : i32
+// CHECK: plan.weight "kda.A_log" : tensor<1x1x1x1xf32> {{{.*}}slice = array<i64: 2, 0>}
+// CHECK: plan.weight "kda.b_proj" : tensor<1x16xbf16> {{{.*}}slice = array<i64: 0, 0>}
+// CHECK: plan.weight "kda.dt_bias" : tensor<4xf32> {{{.*}}slice = array<i64: 0, 0>}
+// The low-rank gate input stays whole.
+// CHECK: plan.weight "kda.f_a_proj" : tensor<4x16xbf16> {offset = {{[0-9]+}} : i64, size = 128 : i64}
+// CHECK: plan.weight "kda.f_b_proj" : tensor<4x4xbf16> {{{.*}}slice = array<i64: 0, 0>}
+// CHECK: plan.weight "kda.k_conv1d" : tensor<4x1x4xbf16> {{{.*}}slice = array<i64: 0, 0>}
+// CHECK: plan.weight "kda.o_proj" : tensor<16x4xbf16> {{{.*}}slice = array<i64: 1, 0>}
+// CHECK: plan.weight "mlp.down" : tensor<16x4xbf16> {{{.*}}slice = array<i64: 1, 0>}
+// CHECK: plan.weight "mlp.gate" : tensor<4x16xbf16> {{{.*}}slice = array<i64: 0, 0>}
+// The latent projection and its norm are shared by all heads.
+// CHECK: plan.weight "mla.kv_a_ln" : tensor<8xbf16> {offset = {{[0-9]+}} : i64, size = 16 : i64}
+// CHECK: plan.weight "mla.kv_a" : tensor<10x16xbf16> {offset = {{[0-9]+}} : i64, size = 320 : i64}
+// CHECK: plan.weight "mla.kv_b" : tensor<8x8xbf16> {{{.*}}slice = array<i64: 0, 0>}
+// CHECK: plan.weight "mla.o_proj" : tensor<16x4xbf16> {{{.*}}slice = array<i64: 1, 0>}
+// CHECK: plan.weight "mla.q_proj" : tensor<6x16xbf16> {{{.*}}slice = array<i64: 0, 0>}
+// CHECK: plan.weight "e0.down"
+// CHECK-NOT: plan.weight "e1.
+// CHECK: plan.recurrent_state_layer {conv_channels = 12 : i32, {{.*}}num_heads = 1 : i32
+// CHECK-LABEL: plan.program "prefill"
+// CHECK-DAG: plan.value f32 x 16 {name = "model.layers.0.self_attn.sum", offset = -1 : i64}
+// CHECK-DAG: plan.value f32 x 16 {name = "model.layers.1.moe.sum", offset = -1 : i64}
+// CHECK: plan.dispatch  kda_chunk_prefill [2] -> [3] {{.*}}num_heads = 1 : i32
+// CHECK-NEXT: plan.dispatch  all_reduce_sum [3] -> {{\[}}[[KDA:[0-9]+]]] weights [] {layer = 0 : i32, params = {group = "tensor_parallel"}
+// CHECK-NEXT: plan.dispatch  add [1, [[KDA]]] -> [4]
+// CHECK-NEXT: plan.dispatch  mlp [4] -> [5]
+// CHECK-NEXT: plan.dispatch  all_reduce_sum [5] -> {{\[}}[[MLP:[0-9]+]]] weights [] {layer = 0 : i32, params = {group = "tensor_parallel"}
+// CHECK-NEXT: plan.dispatch  add [4, [[MLP]]] -> [6]
+// CHECK-NEXT: plan.dispatch  mla_prefill [6] -> [7] {{.*}}num_heads = 1 : i32
+// CHECK-NEXT: plan.dispatch  all_reduce_sum [7] -> {{\[}}[[MLA:[0-9]+]]]
+// CHECK-NEXT: plan.dispatch  add [6, [[MLA]]] -> [8]
+// CHECK-NEXT: plan.dispatch  router_topk
+// Expert 1 lives on rank 1: its weights are absent here.
+// CHECK-NEXT: plan.dispatch  moe_experts [8, 9, 10] -> [11] weights [{{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}, -1, -1, -1]
+// CHECK-NEXT: plan.dispatch  all_reduce_sum [11] -> {{\[}}[[MOE:[0-9]+]]] weights [] {layer = 1 : i32, params = {group = "expert_parallel"}
+// CHECK-NEXT: plan.dispatch  add [8, [[MOE]]] -> [12]
+// CHECK-LABEL: plan.program "decode"
+// CHECK: plan.dispatch  kda_recurrent_decode [2] -> [3] {{.*}}num_heads = 1 : i32
+// CHECK-NEXT: plan.dispatch  all_reduce_sum [3]
+
+// Rank 1: head 1, rows [4, 8), expert 1.
+// CHECK-LABEL: plan.plan @tiny_rank1 attributes
+// CHECK-SAME: rank = 1 : i32
+// CHECK: plan.weight "kda.A_log" : tensor<1x1x1x1xf32> {{{.*}}slice = array<i64: 2, 1>}
+// CHECK: plan.weight "kda.dt_bias" : tensor<4xf32> {{{.*}}slice = array<i64: 0, 4>}
+// CHECK: plan.weight "kda.o_proj" : tensor<16x4xbf16> {{{.*}}slice = array<i64: 1, 4>}
+// CHECK: plan.weight "mlp.down" : tensor<16x4xbf16> {{{.*}}slice = array<i64: 1, 4>}
+// CHECK: plan.weight "mla.kv_b" : tensor<8x8xbf16> {{{.*}}slice = array<i64: 0, 8>}
+// CHECK: plan.weight "mla.q_proj" : tensor<6x16xbf16> {{{.*}}slice = array<i64: 0, 6>}
+// CHECK-NOT: plan.weight "e0.
+// CHECK: plan.weight "e1.down"
+// CHECK: plan.dispatch  moe_experts [8, 9, 10] -> [11] weights [-1, -1, -1, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}]
+// CHECK-NOT: plan.plan @tiny {
+
+// tp=4 over 2 heads: each head runs on 2 ranks and only the first adds its part. Rank 1 holds
+// no head: its attention layers (and the norm that only fed KDA) are gone, the all-reduces add
+// zeros, and none of their weights stay in its plan. The MLP still splits 4 ways.
+// TP4-LABEL: plan.plan @tiny_rank0 attributes
+// TP4: plan.dispatch  kda_chunk_prefill [2] -> [3]
+// TP4-NEXT: plan.dispatch  all_reduce_sum [3] -> [15]
+// TP4-LABEL: plan.plan @tiny_rank1 attributes
+// TP4-NOT: plan.weight "kda.
+// TP4-NOT: plan.weight "mla.
+// TP4: plan.weight "mlp.down" : tensor<16x2xbf16> {{{.*}}slice = array<i64: 1, 2>}
+// TP4: plan.recurrent_state_layer {{{.*}}num_heads = 1 : i32
+// TP4-LABEL: plan.program "prefill"
+// TP4: plan.dispatch  embed [0] -> [1]
+// TP4-NEXT: plan.dispatch  all_reduce_sum [] -> [15]
+// TP4-NEXT: plan.dispatch  add [1, 15] -> [4]
+// TP4-NEXT: plan.dispatch  mlp [4] -> [5]
+// TP4-NEXT: plan.dispatch  all_reduce_sum [5] -> [16]
+// TP4-NEXT: plan.dispatch  add [4, 16] -> [6]
+// TP4-NEXT: plan.dispatch  all_reduce_sum [] -> [17]
+// TP4-NEXT: plan.dispatch  add [6, 17] -> [8]
+// TP4-LABEL: plan.plan @tiny_rank2 attributes
+// TP4: plan.weight "kda.A_log" : tensor<1x1x1x1xf32> {{{.*}}slice = array<i64: 2, 1>}
+// TP4-LABEL: plan.plan @tiny_rank3 attributes
+// TP4-NOT: plan.dispatch  kda_
+
+// Through the rest of the pipeline: the all-reduces get a stream of their own (stream 1, after
+// the compute stream), joined by events, and the contract verifier accepts the plan.
+// PIPELINE-LABEL: plan.plan @tiny_rank0 attributes
+// PIPELINE: plan.program "prefill" attributes {{{.*}}num_streams = 2 : i32
+// PIPELINE: plan.dispatch  kda_chunk_prefill [2] -> [3] {{.*}}signal_event = [[E0:[0-9]+]] : i32, stream = 0 : i32}
+// PIPELINE-NEXT: plan.dispatch  all_reduce_sum [3] -> {{\[}}[[SUM:[0-9]+]]] {{.*}}signal_event = [[E1:[0-9]+]] : i32, stream = 1 : i32, wait_events = array<i32: [[E0]]>}
+// PIPELINE-NEXT: plan.dispatch  add{{(_rms_norm)?}} [1, [[SUM]]] {{.*}}stream = 0 : i32, wait_events = array<i32: [[E1]]>}
+// PIPELINE-LABEL: plan.plan @tiny_rank1 attributes
+
+// Heads that split neither way are an error naming the layer (Inputs/shard_odd_heads.mlir: an
+// MLA layer of three heads).
+// HEADS: error: loc("model.layers.0.self_attn"): 'plan.dispatch' op layer 0: 3 MLA heads cannot be split over tp=2 ranks (one must divide the other)
+// HEADS4: error: loc("model.layers.0.self_attn"): 'plan.dispatch' op layer 0: 3 MLA heads cannot be split over tp=4 ranks
+
+// Experts go over every rank or none, and context parallelism is not in plans yet.
+// EP: error: --hybrid-shard: ep=4 must be 1 or the world size 2 (tp x cp): experts are spread over every rank
+// CP: error: --hybrid-shard: context parallelism (cp=2) is not built into plans yet
