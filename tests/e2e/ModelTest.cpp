@@ -87,6 +87,22 @@ TEST_P(GoldenModelTest, ChunkedPrefillEqualsOneShot) {
   EXPECT_LE(maxAbsDiff(pieces, *oneShot), 1e-4);
 }
 
+// PrefillLogits::LastRow (servers, benchmarks) returns exactly the last row of the full result.
+TEST_P(GoldenModelTest, LastRowLogitsAreTheLastRowOfAllRows) {
+  auto model = loadOrDie(compiledDir(GetParam()));
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  auto all = (*model->newSequence())->prefill(prompt);
+  ASSERT_TRUE(all.isOk()) << all.status().message();
+  auto sequence = model->newSequence();
+  auto last = (*sequence)->prefill(prompt, nullptr, PrefillLogits::LastRow);
+  ASSERT_TRUE(last.isOk()) << last.status().message();
+  const auto vocab = static_cast<size_t>(model->vocabSize());
+  ASSERT_EQ(last->size(), vocab);
+  EXPECT_EQ(*last, std::vector<float>(all->end() - static_cast<std::ptrdiff_t>(vocab), all->end()));
+  EXPECT_EQ((*sequence)->length(), static_cast<int64_t>(prompt.size()));
+}
+
 // Sequences do not see each other's caches or state.
 TEST_P(GoldenModelTest, SequencesAreIndependent) {
   auto model = loadOrDie(compiledDir(GetParam()));

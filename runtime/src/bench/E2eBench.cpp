@@ -149,7 +149,8 @@ StatusOr<std::vector<E2eRow>> runE2e(Model &model, const E2eOptions &options,
         for (int64_t &id : prompt)
           id = token(rng);
         const auto start = std::chrono::steady_clock::now();
-        auto logits = sequences[size_t(i)]->prefill(prompt);
+        // As a server: only the last row's logits come back (they choose the first token).
+        auto logits = sequences[size_t(i)]->prefill(prompt, nullptr, PrefillLogits::LastRow);
         if (!logits.isOk())
           return Status::error("e2e: prefill of " + std::to_string(context) + " tokens: " +
                                logits.status().message());

@@ -876,7 +876,7 @@ Status CudaExecutor::uploadSlot(int32_t slot, RecurrentStatePool &pool) {
 }
 
 Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> tokens,
-                         float *logitsOut, HiddenStates *hidden) {
+                         float *logitsOut, HiddenStates *hidden, bool lastRowLogits) {
   Impl &impl = *impl_;
   const fb::Program &program = *host.program;
   const bool prefill = program.name()->string_view() == "prefill";
@@ -949,9 +949,11 @@ Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> 
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), program.name()->str() + " program");
   HYBRID_RETURN_IF_ERROR(impl.finishKvStep(programIndex, host));
   const fb::Value &logits = valueOf(program, program.logits());
-  CUDA_RETURN_IF_ERROR(cudaMemcpy(logitsOut, arena + logits.arena_offset(),
-                                  valueBytes(logits, rows), cudaMemcpyDeviceToHost),
-                       "logits download");
+  const size_t rowBytes = valueBytes(logits, 1);
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(logitsOut, arena + logits.arena_offset() + (lastRowLogits ? (rows - 1) * rowBytes : 0),
+                 lastRowLogits ? rowBytes : valueBytes(logits, rows), cudaMemcpyDeviceToHost),
+      "logits download");
   return Status::ok();
 }
 

@@ -45,9 +45,11 @@ public:
   // Runs `program` over `tokens` for the sequence in `host` (whose arena, fp32 weights and caches
   // serve the dispatches that run on the cpu reference); writes logits [rows, vocab]. With
   // options.cudaGraphs the decode program's GPU runs are replayed as graphs (not while `hidden`
-  // is asked for: it reads values between steps).
+  // is asked for: it reads values between steps). With `lastRowLogits` only the last row's
+  // logits [vocab] come back (a prefill's next-token choice: the other rows cost a copy of
+  // rows x vocab floats to the host).
   Status run(const cpu::StepContext &host, std::span<const int64_t> tokens, float *logits,
-             HiddenStates *hidden);
+             HiddenStates *hidden, bool lastRowLogits = false);
   // A fresh sequence in `slot`: its recurrent and conv states are zeroed on the device.
   Status resetSlot(int32_t slot);
   // Copies the device's KDA states of `slot` (the layers whose kernels run on the GPU; bf16

@@ -131,8 +131,9 @@ StatusOr<BatchDecodeReport> benchmarkBatchedDecode(Model &model, std::span<const
   std::vector<int64_t> tokens;
   for (int64_t i = 0; i < batch; ++i) {
     HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> sequence, model.newSequence());
-    HYBRID_ASSIGN_OR_RETURN(std::vector<float> logits, sequence->prefill(prompt));
-    tokens.push_back(argmaxRow(logits, vocab, static_cast<int64_t>(prompt.size()) - 1));
+    HYBRID_ASSIGN_OR_RETURN(std::vector<float> logits,
+                            sequence->prefill(prompt, nullptr, PrefillLogits::LastRow));
+    tokens.push_back(argmaxRow(logits, vocab, 0));
     rows.push_back(sequence.get());
     sequences.push_back(std::move(sequence));
   }

@@ -163,6 +163,7 @@ std::vector<size_t> stepOrder(const fb::Program &program, uint64_t seed) {
 // (the last layer_outputs entry) of every row.
 struct RunExtras {
   int64_t firstPosition = -1;
+  bool lastRowLogits = false; // logitsOut receives the last row's logits only
   const float *hiddenInput = nullptr;
   float *finalHiddenOut = nullptr;
 };
@@ -251,7 +252,7 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   // The mtp program runs on the cpu reference (its host weights were converted at load).
   if (cuda && &runner != &mtp) {
     if (!extras.finalHiddenOut)
-      return cuda->run(context, tokens, logitsOut, hidden);
+      return cuda->run(context, tokens, logitsOut, hidden, extras.lastRowLogits);
     // The final hidden states come out with the others (hidden-state dumps).
     HiddenStates own;
     HiddenStates *all = hidden;
@@ -262,7 +263,7 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
       all = &own;
     }
     const size_t before = all->layers.back().size();
-    HYBRID_RETURN_IF_ERROR(cuda->run(context, tokens, logitsOut, all));
+    HYBRID_RETURN_IF_ERROR(cuda->run(context, tokens, logitsOut, all, extras.lastRowLogits));
     const std::vector<float> &last = all->layers.back();
     if (last.size() != before + static_cast<size_t>(rows) * width)
       return Status::error("cuda device: the final hidden states of " + std::to_string(rows) +
@@ -304,6 +305,8 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
       }
   }
   HYBRID_ASSIGN_OR_RETURN(std::span<float> logits, cpu::floatValue(context, program->logits()));
+  if (extras.lastRowLogits)
+    logits = logits.last(logits.size() / static_cast<size_t>(rows));
   std::copy(logits.begin(), logits.end(), logitsOut);
   if (extras.finalHiddenOut) {
     HYBRID_ASSIGN_OR_RETURN(std::span<float> final,
@@ -567,7 +570,7 @@ Sequence::~Sequence() {
 }
 
 StatusOr<std::vector<float>> Sequence::prefill(std::span<const int64_t> tokens,
-                                               HiddenStates *hidden) {
+                                               HiddenStates *hidden, PrefillLogits which) {
   Model::Impl &impl = *model_.impl_;
   const int64_t vocab = model_.vocabSize();
   const int64_t chunk = std::max<int64_t>(1, impl.prefill.program->max_tokens());
@@ -584,18 +587,21 @@ StatusOr<std::vector<float>> Sequence::prefill(std::span<const int64_t> tokens,
     hidden->width = model_.hiddenSize();
     hidden->layers.assign(outputs ? outputs->size() : 0, {});
   }
-  std::vector<float> logits(tokens.size() * static_cast<size_t>(vocab));
+  const bool lastRow = which == PrefillLogits::LastRow;
+  std::vector<float> logits((lastRow ? 1 : tokens.size()) * static_cast<size_t>(vocab));
   std::vector<float> finalHidden;
   for (size_t begin = 0; begin < tokens.size(); begin += static_cast<size_t>(chunk)) {
     const size_t count = std::min(tokens.size() - begin, static_cast<size_t>(chunk));
     RunExtras extras;
+    extras.lastRowLogits = lastRow; // each chunk's last row; the last chunk's stays
     if (recordFinalHidden_) {
       finalHidden.resize(count * static_cast<size_t>(model_.hiddenSize()));
       extras.finalHiddenOut = finalHidden.data();
     }
     HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, *this, kvSequence_, stateSlot_,
                                     tokens.subspan(begin, count), /*decodeStep=*/false,
-                                    logits.data() + begin * vocab, hidden, nullptr, {}, extras));
+                                    logits.data() + (lastRow ? 0 : begin * vocab), hidden,
+                                    nullptr, {}, extras));
     if (recordFinalHidden_)
       keepFinalHidden(length_, finalHidden, static_cast<int64_t>(count));
     length_ += static_cast<int64_t>(count);

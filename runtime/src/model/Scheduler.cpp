@@ -114,8 +114,9 @@ void Scheduler::runOwnStep(Active &active, Outcome &outcome, bool &decodes) {
     int64_t count = std::min(options_.prefillChunkTokens, contextLength - active.fed);
     if (active.fed < boundary)
       count = std::min(count, boundary - active.fed);
-    outcome.logits = active.sequence->prefill(std::span(active.context).subspan(
-        static_cast<size_t>(active.fed), static_cast<size_t>(count)));
+    outcome.logits = active.sequence->prefill(
+        std::span(active.context).subspan(static_cast<size_t>(active.fed), static_cast<size_t>(count)),
+        nullptr, PrefillLogits::LastRow); // only the last row chooses a token
     active.fed += count;
     if (outcome.logits && active.fed == boundary)
       if (Status kept = active.sequence->keepPrefix(

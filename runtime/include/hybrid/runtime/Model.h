@@ -84,6 +84,9 @@ struct WeightGeneration {
   double deviceSeconds = 0;
 };
 
+// Which logits a prefill returns: every prompt row's, or the last row's only.
+enum class PrefillLogits { AllRows, LastRow };
+
 // What Sequence::prefillWithPrefixCache did: how many leading prompt tokens came from the cache,
 // and the logits of the rest [tokens - cachedTokens, vocab].
 struct CachedPrefill {
@@ -131,9 +134,12 @@ public:
   int64_t length() const { return length_; }
 
   // Runs the prompt through the prefill program (in chunks of the plan's max_tokens), appending
-  // to the KV cache and recurrent state. Returns logits [tokens.size(), vocab].
+  // to the KV cache and recurrent state. Returns logits [tokens.size(), vocab], or with
+  // PrefillLogits::LastRow only the last token's [vocab] (what choosing the next token needs;
+  // every row is rows x vocab floats to copy: 5.4 GB for 8K tokens of a 163,840-word vocabulary).
   StatusOr<std::vector<float>> prefill(std::span<const int64_t> tokens,
-                                       HiddenStates *hidden = nullptr);
+                                       HiddenStates *hidden = nullptr,
+                                       PrefillLogits which = PrefillLogits::AllRows);
   // For a fresh sequence: restores the longest kept prefix of `tokens` (at most all but the last
   // token, whose logits always run), prefills the rest, and keeps this prompt's own block-aligned
   // prefix for later prompts. The results equal prefill()'s for the rows that ran. Without prefix
