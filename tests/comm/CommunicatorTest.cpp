@@ -34,12 +34,8 @@ std::vector<float> randomValues(size_t n, uint32_t seed) {
   return v;
 }
 
-class LoopbackCollectives : public testing::TestWithParam<int> {};
-
-TEST_P(LoopbackCollectives, MatchTheirDefinitions) {
-  const int world = GetParam();
-  auto group = makeLoopbackGroup(world);
-  ASSERT_TRUE(group) << group.status().message();
+// Every collective of `group` (world ranks) against its definition, to the bit.
+void checkDefinitions(std::vector<std::unique_ptr<Communicator>> &group, int world) {
   const size_t count = 1000;
   std::vector<std::vector<float>> inputs;
   for (int r = 0; r < world; ++r)
@@ -47,7 +43,7 @@ TEST_P(LoopbackCollectives, MatchTheirDefinitions) {
 
   const size_t ranks = size_t(world);
   std::vector<std::vector<float>> reduced(ranks), gathered(ranks), scattered(ranks), swapped(ranks);
-  const auto statuses = onEveryRank(*group, [&](int r, Communicator &c) -> Status {
+  const auto statuses = onEveryRank(group, [&](int r, Communicator &c) -> Status {
     EXPECT_EQ(c.rank(), r);
     EXPECT_EQ(c.worldSize(), world);
     reduced[size_t(r)] = inputs[size_t(r)];
@@ -81,6 +77,14 @@ TEST_P(LoopbackCollectives, MatchTheirDefinitions) {
         sum += inputs[size_t(q)][size_t(r) * count + i];
       ASSERT_EQ(scattered[size_t(r)][i], sum);
     }
+}
+
+class LoopbackCollectives : public testing::TestWithParam<int> {};
+
+TEST_P(LoopbackCollectives, MatchTheirDefinitions) {
+  auto group = makeLoopbackGroup(GetParam());
+  ASSERT_TRUE(group) << group.status().message();
+  checkDefinitions(*group, GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, LoopbackCollectives, testing::Values(1, 2, 3, 4, 8));
@@ -294,6 +298,96 @@ TEST(Rendezvous, FailsWithAReason) {
   auto self = exchangeAtRendezvous(single, "only");
   ASSERT_TRUE(self);
   EXPECT_EQ(self->front(), "only");
+}
+
+// `world` TCP communicators over 127.0.0.1, connected from one thread each (as separate
+// processes would); empty with a failure when a rank cannot connect.
+std::vector<std::unique_ptr<Communicator>> tcpGroup(int world, std::chrono::milliseconds timeout) {
+  const int port = freePort();
+  std::vector<std::unique_ptr<Communicator>> group(static_cast<size_t>(world));
+  std::vector<Status> statuses(static_cast<size_t>(world), Status::ok());
+  std::vector<std::thread> threads;
+  for (int r = world - 1; r >= 0; --r) // rank 0 last: the others retry until it listens
+    threads.emplace_back([&, r] {
+      RendezvousConfig config;
+      config.rank = r;
+      config.worldSize = world;
+      config.masterPort = port;
+      config.timeout = timeout;
+      auto connected = connectTcp(config);
+      if (connected)
+        group[size_t(r)] = std::move(*connected);
+      else
+        statuses[size_t(r)] = connected.status();
+    });
+  for (std::thread &t : threads)
+    t.join();
+  for (const Status &s : statuses)
+    if (!s) {
+      ADD_FAILURE() << s.message();
+      return {};
+    }
+  return group;
+}
+
+// The TCP backend (one process per rank on the cpu device) gives the loopback backend's bits.
+class TcpCollectives : public testing::TestWithParam<int> {};
+
+TEST_P(TcpCollectives, MatchTheirDefinitions) {
+  auto group = tcpGroup(GetParam(), std::chrono::seconds(20));
+  ASSERT_EQ(group.size(), size_t(GetParam()));
+  EXPECT_EQ(group[0]->backend(), "tcp");
+  checkDefinitions(group, GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, TcpCollectives, testing::Values(1, 2, 3, 4));
+
+TEST(TcpCommunicator, MismatchedCallsFailEveryRankAndTheGroupStaysUsable) {
+  auto group = tcpGroup(3, std::chrono::seconds(20));
+  ASSERT_EQ(group.size(), 3u);
+  const auto statuses = onEveryRank(group, [&](int r, Communicator &c) -> Status {
+    std::vector<float> v(size_t(r == 2 ? 5 : 4), 1.0f), all(12);
+    return r == 1 ? c.allGather(v.data(), all.data(), 4) : c.allReduceSum(v.data(), v.size());
+  });
+  for (const Status &s : statuses) {
+    ASSERT_FALSE(s);
+    EXPECT_NE(s.message().find("rank 1 called allGather of 4"), std::string::npos) << s.message();
+  }
+  const auto after = onEveryRank(group, [&](int, Communicator &c) -> Status {
+    std::vector<float> v(4, 1.0f);
+    HYBRID_RETURN_IF_ERROR(c.allReduceSum(v.data(), 4));
+    return v[0] == 3.0f ? Status::ok() : Status::error("wrong sum after a mismatch");
+  });
+  for (const Status &s : after)
+    EXPECT_TRUE(s) << s.message();
+}
+
+TEST(TcpCommunicator, FailsWithAReason) {
+  RendezvousConfig lonely; // rank 1 of 2, nobody listening: gives up at the deadline
+  lonely.rank = 1;
+  lonely.worldSize = 2;
+  lonely.masterPort = freePort();
+  lonely.timeout = std::chrono::milliseconds(300);
+  auto unreachable = connectTcp(lonely);
+  ASSERT_FALSE(unreachable);
+  EXPECT_NE(unreachable.status().message().find("tcp: rank 1 could not reach rank 0"),
+            std::string::npos)
+      << unreachable.status().message();
+  RendezvousConfig outside = lonely;
+  outside.rank = 2;
+  EXPECT_FALSE(connectTcp(outside));
+
+  // A rank that leaves: the other's collective fails (the peer closed the connection) instead
+  // of hanging, and so does every later one.
+  auto group = tcpGroup(2, std::chrono::seconds(20));
+  ASSERT_EQ(group.size(), 2u);
+  group[1].reset();
+  std::vector<float> v(4, 1.0f);
+  Status gone = group[0]->allReduceSum(v.data(), v.size());
+  ASSERT_FALSE(gone);
+  EXPECT_NE(gone.message().find("the peer closed the connection"), std::string::npos)
+      << gone.message();
+  EXPECT_FALSE(group[0]->barrier());
 }
 
 TEST(Rendezvous, TwoRanksClaimingTheSameRankAreRefused) {

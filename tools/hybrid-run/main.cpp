@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <thread>
 
@@ -70,7 +71,9 @@ int main(int argc, char **argv) {
   int worldSize = 1;
   app.add_option("--world-size", worldSize,
                  "Run a sharded model (hybrid-compile --shard) as this many rank threads of one "
-                 "process over the loopback communicator (cpu); rank 0 reports")
+                 "process over the loopback communicator (cpu); rank 0 reports. Without it, "
+                 "RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT make this process one rank of a "
+                 "multi-process launch (cpu: over TCP)")
       ->default_val(1)
       ->check(CLI::Range(1, 64));
   app.add_flag("--synthetic-weights", load.syntheticWeights,
@@ -128,6 +131,20 @@ int main(int argc, char **argv) {
       });
     load.communicator = group[0].get();
   }
+  // The multi-process launch (torchrun's variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
+  // this process is one rank, connected to the others over TCP; rank 0 reports.
+  std::unique_ptr<hybrid::comm::Communicator> processRank;
+  if (const char *world = std::getenv("WORLD_SIZE"); world && worldSize == 1 && load.device == "cpu" &&
+                                                     std::string(world) != "1") {
+    auto config = hybrid::comm::rendezvousFromEnvironment();
+    if (!config)
+      return fail(config.status().message());
+    auto connected = hybrid::comm::connectTcp(*config);
+    if (!connected)
+      return fail(connected.status().message());
+    processRank = std::move(*connected);
+    load.communicator = processRank.get();
+  }
   auto failRanks = [&](const std::string &message) {
     joinPeers();
     std::string all = worldSize > 1 ? "rank 0: " + message : message;
@@ -162,6 +179,9 @@ int main(int argc, char **argv) {
       return fail("rank " + std::to_string(rank) + " generated other tokens than rank 0: the "
                   "ranks' logits differ");
   }
+
+  if (processRank && processRank->rank() != 0)
+    return 0; // rank 0 reports (every rank computed the same logits)
 
   std::cout << "generated:";
   for (int64_t id : result->generated)

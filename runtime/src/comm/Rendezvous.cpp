@@ -4,6 +4,7 @@
 // all the blobs in rank order. Every read and write is bounded by the deadline.
 #include "hybrid/runtime/Communicator.h"
 
+#include "comm/Socket.h"
 #include "hybrid/runtime/UniqueFd.h"
 
 #include <arpa/inet.h>
@@ -23,7 +24,12 @@
 namespace hybrid::comm {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using socket::Clock;
+using socket::millisecondsLeft;
+using socket::receiveAll;
+using socket::resolve;
+using socket::sendAll;
+using socket::waitFor;
 constexpr uint32_t kMaxBlobBytes = 1u << 20;
 
 StatusOr<long> integerVariable(const char *name, long low, long high, const long *fallback) {
@@ -43,61 +49,6 @@ StatusOr<long> integerVariable(const char *name, long low, long high, const long
   return value;
 }
 
-int millisecondsLeft(Clock::time_point deadline) {
-  const auto left =
-      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return left <= 0 ? 0 : int(std::min<long long>(left, INT_MAX));
-}
-
-// Waits for `events` on fd until the deadline.
-Status waitFor(int fd, short events, Clock::time_point deadline, const std::string &what) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    const int left = millisecondsLeft(deadline);
-    if (left == 0)
-      return Status::error("rendezvous: timed out " + what);
-    const int ready = ::poll(&p, 1, left);
-    if (ready > 0)
-      return Status::ok();
-    if (ready < 0 && errno != EINTR)
-      return Status::error("rendezvous: " + what + ": " + std::strerror(errno));
-  }
-}
-
-Status sendAll(int fd, const void *data, size_t size, Clock::time_point deadline,
-               const std::string &what) {
-  const auto *bytes = static_cast<const char *>(data);
-  while (size > 0) {
-    HYBRID_RETURN_IF_ERROR(waitFor(fd, POLLOUT, deadline, what));
-    const ssize_t n = ::send(fd, bytes, size, MSG_NOSIGNAL);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN))
-      continue;
-    if (n <= 0)
-      return Status::error("rendezvous: " + what + ": " + std::strerror(errno));
-    bytes += n;
-    size -= size_t(n);
-  }
-  return Status::ok();
-}
-
-Status receiveAll(int fd, void *data, size_t size, Clock::time_point deadline,
-                  const std::string &what) {
-  auto *bytes = static_cast<char *>(data);
-  while (size > 0) {
-    HYBRID_RETURN_IF_ERROR(waitFor(fd, POLLIN, deadline, what));
-    const ssize_t n = ::recv(fd, bytes, size, 0);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN))
-      continue;
-    if (n == 0)
-      return Status::error("rendezvous: " + what + ": the peer closed the connection");
-    if (n < 0)
-      return Status::error("rendezvous: " + what + ": " + std::strerror(errno));
-    bytes += n;
-    size -= size_t(n);
-  }
-  return Status::ok();
-}
-
 Status sendBlob(int fd, const std::string &blob, Clock::time_point deadline,
                 const std::string &what) {
   const uint32_t length = htonl(uint32_t(blob.size()));
@@ -115,20 +66,6 @@ StatusOr<std::string> receiveBlob(int fd, Clock::time_point deadline, const std:
   std::string blob(length, '\0');
   HYBRID_RETURN_IF_ERROR(receiveAll(fd, blob.data(), length, deadline, what));
   return blob;
-}
-
-StatusOr<addrinfo *> resolve(const RendezvousConfig &config, bool passive) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = passive ? AI_PASSIVE : 0;
-  addrinfo *found = nullptr;
-  const std::string port = std::to_string(config.masterPort);
-  if (const int error = ::getaddrinfo(config.masterAddress.c_str(), port.c_str(), &hints, &found);
-      error != 0)
-    return Status::error("rendezvous: MASTER_ADDR '" + config.masterAddress +
-                         "': " + ::gai_strerror(error));
-  return found;
 }
 
 StatusOr<std::vector<std::string>> serve(const RendezvousConfig &config, const std::string &blob,

@@ -4,6 +4,7 @@
 // summaries. Two backends:
 //   - loopback: the ranks are threads of one process sharing memory; host buffers. What the cpu
 //     device and the tests use, so the whole sharded path runs without a GPU.
+//   - TCP: one process per rank, host buffers, through rank 0 (the cpu device across processes).
 //   - NCCL: one process per GPU, device buffers on the caller's stream (builds with CUDA and
 //     NCCL), rendezvous by the usual RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables so a
 //     multi-node launch works the same as a single-node one.
@@ -28,7 +29,7 @@ public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int worldSize() const = 0;
-  virtual std::string backend() const = 0; // "loopback" or "nccl"
+  virtual std::string backend() const = 0; // "loopback", "tcp" or "nccl"
 
   // In place: data[i] = sum over ranks of their data[i]. `stream`: the CUDA stream for device
   // buffers (NCCL), ignored by the loopback backend.
@@ -68,6 +69,12 @@ StatusOr<RendezvousConfig> rendezvousFromEnvironment();
 // this way; tests exchange anything). Fails with a reason after `timeout`.
 StatusOr<std::vector<std::string>> exchangeAtRendezvous(const RendezvousConfig &config,
                                                         const std::string &blob);
+
+// TCP on host buffers, one process per rank (the cpu device's RANK / WORLD_SIZE launch): every
+// rank connects to rank 0 at MASTER_ADDR:MASTER_PORT, which computes each collective from all
+// ranks' inputs as the loopback backend does (the same bits) and sends the results back. Each
+// collective is bounded by `config.timeout`; a mismatched call fails every rank, naming both calls.
+StatusOr<std::unique_ptr<Communicator>> connectTcp(const RendezvousConfig &config);
 
 // NCCL over the rendezvous (rank 0's ncclUniqueId to everyone), on GPU `localRank`. An error
 // where the build has no NCCL.
