@@ -93,6 +93,7 @@ private:
              << slice.begin + slice.size << ") along axis " << slice.axis;
     if (slice.size == type.getDimSize(slice.axis))
       return success(); // the whole axis: nothing to cut
+    sliceReaders_.insert({dispatch.getOperation(), index});
     auto [it, inserted] = slices_.insert({index, slice});
     if (!inserted && !(it->second == slice))
       return dispatch.emitOpError() << "weight '" << weights_[index].getName()
@@ -365,6 +366,20 @@ private:
   // slices and lays the archive out again.
   LogicalResult rewriteWeights() {
     Block &body = plan_.getBodyBlock();
+    // A weight cut for one kernel must not be read whole by another.
+    WalkResult wholeReads = body.walk([&](plan::DispatchOp dispatch) {
+      for (int32_t index : dispatch.getWeights())
+        if (index >= 0 && slices_.count(index) &&
+            !sliceReaders_.contains({dispatch.getOperation(), index})) {
+          dispatch.emitOpError() << "layer " << layerOf(dispatch) << " reads weight '"
+                                 << weights_[index].getName()
+                                 << "' whole, which another kernel reads as this rank's slice";
+          return WalkResult::interrupt();
+        }
+      return WalkResult::advance();
+    });
+    if (wholeReads.wasInterrupted())
+      return failure();
     llvm::SetVector<int32_t> used;
     body.walk([&](plan::DispatchOp dispatch) {
       for (int32_t index : dispatch.getWeights())
@@ -427,6 +442,7 @@ private:
   OpBuilder builder_;
   SmallVector<plan::WeightOp> weights_;
   std::map<int32_t, Slice> slices_;
+  llvm::DenseSet<std::pair<Operation *, int32_t>> sliceReaders_; // (dispatch, weight) cut reads
   std::map<int64_t, int64_t> stateHeads_; // state slot -> heads on this rank
   SmallVector<PartialOutput> partials_;
 };
