@@ -3,6 +3,7 @@
 // RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="tp=2" --hybrid-fuse-super-kernels --hybrid-assign-streams --hybrid-plan-memory --hybrid-verify-plan-contract | FileCheck %s --check-prefix=PIPELINE
 // RUN: not hybrid-opt %S/Inputs/shard_odd_heads.mlir --hybrid-lower-to-plan --hybrid-shard="tp=2" 2>&1 | FileCheck %s --check-prefix=HEADS
 // RUN: not hybrid-opt %S/Inputs/shard_odd_heads.mlir --hybrid-lower-to-plan --hybrid-shard="tp=4" 2>&1 | FileCheck %s --check-prefix=HEADS4
+// RUN: not hybrid-opt %S/Inputs/shard_shared_weight.mlir --hybrid-lower-to-plan --hybrid-shard="tp=2" 2>&1 | FileCheck %s --check-prefix=SHARED
 // RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="tp=2 ep=4" 2>&1 | FileCheck %s --check-prefix=EP
 // RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="cp=2" 2>&1 | FileCheck %s --check-prefix=CP
 
@@ -157,6 +158,10 @@ hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, voca
 // MLA layer of three heads).
 // HEADS: error: loc("model.layers.0.self_attn"): 'plan.dispatch' op layer 0: 3 MLA heads cannot be split over tp=2 ranks (one must divide the other)
 // HEADS4: error: loc("model.layers.0.self_attn"): 'plan.dispatch' op layer 0: 3 MLA heads cannot be split over tp=4 ranks
+
+// A weight cut for one kernel (the MLP's gate rows) but read whole by another is refused
+// (Inputs/shard_shared_weight.mlir).
+// SHARED: error: loc("model.layers.0.probe"): 'plan.dispatch' op layer 0 reads weight 'mlp.gate' whole, which another kernel reads as this rank's slice
 
 // Experts go over every rank or none, and context parallelism is not in plans yet.
 // EP: error: --hybrid-shard: ep=4 must be 1 or the world size 2 (tp x cp): experts are spread over every rank
