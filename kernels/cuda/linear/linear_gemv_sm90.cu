@@ -4,6 +4,11 @@
 // every block, stay in L1), and every chunk is multiplied by all rows' activations. 4 outputs
 // per block keep the activation reads at rows / 2 times the weight bytes, within L1 bandwidth
 // up to 8 rows, and give even a 2304-wide output 576 blocks to fill the GPU.
+//
+// Launched as a programmatic dependent (PDL): a block starts while the kernel before it drains,
+// loads its first two chunks of weights (constants, nothing earlier writes them), and only then
+// waits for the earlier kernel's writes (griddepcontrol.wait) before reading x. In a decode step
+// of some 300 such layers this hides most of each launch's latency behind the previous kernel.
 #include "gemv.cuh"
 
 #include <cuda_bf16.h>
@@ -53,12 +58,19 @@ __global__ void __launch_bounds__(kThreads) gemvKernel(GemvParams p) {
 
   float sums[MaxRows][kOutputsPerBlock] = {};
   const int64_t chunks = p.in / 8;
-#pragma unroll 2
-  for (int64_t c = threadIdx.x; c < chunks; c += kThreads) {
-    uint4 w[kOutputsPerBlock];
+  // Two chunks of weights in flight per thread, the first two loaded before the wait.
+  uint4 w[2][kOutputsPerBlock];
+  auto load = [&](uint4(&target)[kOutputsPerBlock], int64_t c) {
+    if (c < chunks) {
 #pragma unroll
-    for (int o = 0; o < kOutputsPerBlock; ++o)
-      w[o] = loadStreaming(weightRows[o] + c * 8);
+      for (int o = 0; o < kOutputsPerBlock; ++o)
+        target[o] = loadStreaming(weightRows[o] + c * 8);
+    }
+  };
+  load(w[0], threadIdx.x);
+  load(w[1], threadIdx.x + kThreads);
+  asm volatile("griddepcontrol.wait;" ::: "memory"); // x (and y) are the earlier kernels'
+  auto multiply = [&](const uint4(&weights)[kOutputsPerBlock], int64_t c) {
 #pragma unroll
     for (int r = 0; r < MaxRows; ++r) {
       if (r < p.rows) {
@@ -72,10 +84,20 @@ __global__ void __launch_bounds__(kThreads) gemvKernel(GemvParams p) {
         }
 #pragma unroll
         for (int o = 0; o < kOutputsPerBlock; ++o)
-          sums[r][o] = dot8(w[o], values, sums[r][o]);
+          sums[r][o] = dot8(weights[o], values, sums[r][o]);
       }
     }
+  };
+  for (int64_t c = threadIdx.x; c < chunks; c += 2 * kThreads) {
+    multiply(w[0], c);
+    load(w[0], c + 2 * kThreads);
+    if (c + kThreads < chunks) {
+      multiply(w[1], c + kThreads);
+      load(w[1], c + 3 * kThreads);
+    }
   }
+  // The next kernel's blocks may start their own weight loads while this one sums.
+  asm volatile("griddepcontrol.launch_dependents;");
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
@@ -117,16 +139,21 @@ bool gemvSupports(const GemvParams &p) {
 int launchGemv(const GemvParams &p, cudaStream_t stream) {
   if (!gemvSupports(p))
     return cudaErrorInvalidValue;
-  const dim3 grid(unsigned((p.out + kOutputsPerBlock - 1) / kOutputsPerBlock), unsigned(p.batch));
-  if (p.rows == 1)
-    gemvKernel<1><<<grid, kThreads, 0, stream>>>(p);
-  else if (p.rows == 2)
-    gemvKernel<2><<<grid, kThreads, 0, stream>>>(p);
-  else if (p.rows <= 4)
-    gemvKernel<4><<<grid, kThreads, 0, stream>>>(p);
-  else
-    gemvKernel<8><<<grid, kThreads, 0, stream>>>(p);
-  return int(cudaGetLastError());
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned((p.out + kOutputsPerBlock - 1) / kOutputsPerBlock), unsigned(p.batch));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute dependent[1];
+  dependent[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = dependent;
+  config.numAttrs = 1;
+  const cudaError_t status =
+      p.rows == 1   ? cudaLaunchKernelEx(&config, gemvKernel<1>, p)
+      : p.rows == 2 ? cudaLaunchKernelEx(&config, gemvKernel<2>, p)
+      : p.rows <= 4 ? cudaLaunchKernelEx(&config, gemvKernel<4>, p)
+                    : cudaLaunchKernelEx(&config, gemvKernel<8>, p);
+  return int(status != cudaSuccess ? status : cudaGetLastError());
 }
 
 } // namespace hybrid::kernels::cuda
