@@ -30,7 +30,7 @@ public:
   // `dir/model.safetensors`.
   static StatusOr<std::unique_ptr<Checkpoint>> open(const std::string &dir);
   // Reads `dir/config.json` only (no weight file is opened, none needs to exist) and lists the
-  // tensors it implies for a kimi_linear or deepseek_v32 model, values to come from `seed`.
+  // tensors it implies for a kimi_linear, deepseek_v32 or hybrid model, values to come from `seed`.
   static StatusOr<std::unique_ptr<Checkpoint>> openSynthetic(const std::string &dir,
                                                              uint64_t seed);
 

@@ -1,7 +1,7 @@
 # hybrid_builtin_mappings(OUT): writes the header that compiles the architecture mappings
 # (compiler/Import/mappings/*.json) into a binary as kBuiltinMappings. The importer and the fuzz
 # target of its config reading both include it.
-set(HYBRID_BUILTIN_MAPPINGS kimi_linear deepseek_v32)
+set(HYBRID_BUILTIN_MAPPINGS kimi_linear deepseek_v32 hybrid)
 function(hybrid_builtin_mappings out)
   set(mapping_entries "")
   foreach(mapping ${HYBRID_BUILTIN_MAPPINGS})

@@ -269,6 +269,130 @@ TEST(SyntheticSpecValidation, RejectsInconsistentSpecs) {
 }
 
 //===------------------------------------------------------------------------------------------===//
+// The generic hybrid layout and the Kimi K3 gates.
+//===------------------------------------------------------------------------------------------===//
+
+bool hasTensor(const std::vector<SyntheticTensor> &tensors, const std::string &name) {
+  return std::any_of(tensors.begin(), tensors.end(),
+                     [&](const SyntheticTensor &tensor) { return tensor.name == name; });
+}
+
+TEST(SyntheticHybrid, EachLayerHasTheTensorsOfItsKinds) {
+  const SyntheticSpec spec = presetOrDie("hybrid-tiny");
+  ASSERT_TRUE(spec.validate().isOk()) << spec.validate().message();
+  const std::vector<SyntheticTensor> tensors = listSyntheticTensors(spec);
+  const std::string layer = "model.layers.";
+  // kda, mla_dsa, kda, mla.
+  for (int i : {0, 2}) {
+    EXPECT_TRUE(hasTensor(tensors, layer + std::to_string(i) + ".self_attn.A_log"));
+    EXPECT_FALSE(hasTensor(tensors, layer + std::to_string(i) + ".self_attn.kv_b_proj.weight"));
+  }
+  for (int i : {1, 3}) {
+    EXPECT_TRUE(hasTensor(tensors, layer + std::to_string(i) + ".self_attn.q_a_proj.weight"));
+    EXPECT_FALSE(hasTensor(tensors, layer + std::to_string(i) + ".self_attn.A_log"));
+  }
+  EXPECT_TRUE(hasTensor(tensors, layer + "1.self_attn.indexer.wk.weight"));
+  EXPECT_FALSE(hasTensor(tensors, layer + "3.self_attn.indexer.wk.weight"));
+  // dense, then MoE in DeepSeek's names.
+  EXPECT_TRUE(hasTensor(tensors, layer + "0.mlp.gate_proj.weight"));
+  EXPECT_FALSE(hasTensor(tensors, layer + "0.mlp.gate.weight"));
+  for (int i : {1, 2, 3})
+    EXPECT_TRUE(hasTensor(tensors, layer + std::to_string(i) + ".mlp.experts.7.down_proj.weight"));
+  EXPECT_TRUE(hasTensor(tensors, "model.output_attn_res_proj.weight"));
+  EXPECT_TRUE(hasTensor(tensors, layer + "3.mlp_res_norm.weight"));
+
+  const Json config = Json::parse(syntheticConfigJson(spec));
+  EXPECT_EQ(config.at("layer_types"), Json::array({"kda", "mla_dsa", "kda", "mla"}));
+  EXPECT_EQ(config.at("mlp_layer_types"), Json::array({"dense", "moe", "moe", "moe"}));
+  // The list decides; a prefix rule beside it would be a second, possibly disagreeing, source.
+  EXPECT_FALSE(config.contains("first_k_dense_replace"));
+  EXPECT_EQ(config.at("attn_res_block_size"), 2);
+}
+
+TEST(SyntheticHybrid, LayerOverrideRepeatsThePattern) {
+  SyntheticSpec spec = presetOrDie("hybrid-tiny");
+  spec.setNumLayers(7);
+  ASSERT_TRUE(spec.validate().isOk()) << spec.validate().message();
+  EXPECT_EQ(spec.layerTypes,
+            (std::vector<std::string>{"kda", "mla_dsa", "kda", "mla", "kda", "mla_dsa", "kda"}));
+  EXPECT_EQ(spec.mlpLayerTypes.size(), 7u);
+  EXPECT_EQ(spec.mlpLayerTypes.front(), "dense");
+  EXPECT_EQ(spec.mlpLayerTypes.back(), "moe");
+  spec.setNumLayers(2);
+  EXPECT_EQ(spec.layerTypes, (std::vector<std::string>{"kda", "mla_dsa"}));
+}
+
+TEST(SyntheticHybrid, RejectsBadLayerLists) {
+  SyntheticSpec kind = presetOrDie("hybrid-tiny");
+  kind.layerTypes[2] = "mamba";
+  EXPECT_EQ(kind.validate().message(),
+            "synthetic spec: 'layer_types'[2] = 'mamba' is not a mixer kind (kda, mla, mla_dsa)");
+  SyntheticSpec length = presetOrDie("hybrid-tiny");
+  length.mlpLayerTypes.pop_back();
+  EXPECT_EQ(length.validate().message(),
+            "synthetic spec: 'mlp_layer_types' lists 3 layers but num_hidden_layers = 4");
+  SyntheticSpec noLora = presetOrDie("hybrid-tiny");
+  noLora.qLoraRank.reset();
+  EXPECT_NE(noLora.validate().message().find("'q_lora_rank'"), std::string::npos);
+  SyntheticSpec kimiLists = presetOrDie("kimi-linear-tiny");
+  kimiLists.layerTypes = {"kda", "kda", "kda", "mla"};
+  EXPECT_NE(kimiLists.validate().message().find("hybrid option"), std::string::npos);
+  // A hybrid without KDA layers needs no KDA fields.
+  SyntheticSpec noKda = presetOrDie("hybrid-tiny");
+  noKda.layerTypes = {"mla_dsa", "mla_dsa", "mla", "mla"};
+  noKda.kdaNumHeads = 0;
+  EXPECT_TRUE(noKda.validate().isOk()) << noKda.validate().message();
+  StatusOr<SyntheticSpec> read = specFromConfigJson(syntheticConfigJson(noKda), "config.json");
+  ASSERT_TRUE(read.isOk()) << read.status().message();
+  EXPECT_EQ(read->layerTypes, noKda.layerTypes);
+}
+
+TEST(SyntheticKimiK3Gates, TensorsAndConfigFields) {
+  for (const char *preset : {"kimi-linear-tiny", "hybrid-tiny"}) {
+    SCOPED_TRACE(preset);
+    SyntheticSpec spec = presetOrDie(preset);
+    spec.kdaGateLowerBound = -5.0;
+    spec.kdaFullRankOutputGate = true;
+    spec.mlaOutputGate = true;
+    ASSERT_TRUE(spec.validate().isOk()) << spec.validate().message();
+    const std::vector<SyntheticTensor> tensors = listSyntheticTensors(spec);
+    // Layer 0 is KDA, layer 3 MLA in both presets.
+    auto shapeOf = [&](const std::string &name) {
+      for (const SyntheticTensor &tensor : tensors)
+        if (tensor.name == name)
+          return tensor.shape;
+      return std::vector<int64_t>{};
+    };
+    EXPECT_EQ(shapeOf("model.layers.0.self_attn.g_proj.weight"),
+              (std::vector<int64_t>{spec.kdaNumHeads * spec.kdaHeadDim, spec.hiddenSize}));
+    EXPECT_FALSE(hasTensor(tensors, "model.layers.0.self_attn.g_a_proj.weight"));
+    EXPECT_EQ(shapeOf("model.layers.3.self_attn.g_proj.weight"),
+              (std::vector<int64_t>{spec.numAttentionHeads * spec.vHeadDim, spec.hiddenSize}));
+    const Json config = Json::parse(syntheticConfigJson(spec));
+    EXPECT_EQ(config.at("linear_attn_config").at("gate_lower_bound"), -5.0);
+    EXPECT_EQ(config.at("linear_attn_config").at("use_full_rank_gate"), true);
+    EXPECT_EQ(config.at("mla_use_output_gate"), true);
+    StatusOr<SyntheticSpec> read = specFromConfigJson(config.dump(), "config.json");
+    ASSERT_TRUE(read.isOk()) << read.status().message();
+    EXPECT_EQ(read->kdaGateLowerBound, std::optional<double>(-5.0));
+    EXPECT_TRUE(read->kdaFullRankOutputGate);
+    EXPECT_TRUE(read->mlaOutputGate);
+    std::vector<std::string> names, readNames;
+    for (const SyntheticTensor &tensor : tensors)
+      names.push_back(tensor.name);
+    for (const SyntheticTensor &tensor : listSyntheticTensors(*read))
+      readNames.push_back(tensor.name);
+    EXPECT_EQ(readNames, names);
+  }
+  SyntheticSpec positive = presetOrDie("kimi-linear-tiny");
+  positive.kdaGateLowerBound = 1.0;
+  EXPECT_NE(positive.validate().message().find("gate_lower_bound"), std::string::npos);
+  SyntheticSpec deepseek = presetOrDie("deepseek-v32-tiny");
+  deepseek.mlaOutputGate = true;
+  EXPECT_FALSE(deepseek.validate().isOk());
+}
+
+//===------------------------------------------------------------------------------------------===//
 // Written checkpoints.
 //===------------------------------------------------------------------------------------------===//
 
@@ -595,7 +719,7 @@ TEST(SpecFromConfigJson, EveryPresetRoundTripsThroughItsConfig) {
     StatusOr<SyntheticSpec> preset = SyntheticSpec::preset(name);
     ASSERT_TRUE(preset.isOk());
     for (bool fp8 : {false, true}) {
-      if (fp8 && preset->isKimi())
+      if (fp8 && preset->modelType != "deepseek_v32")
         continue;
       preset->fp8Weights = fp8;
       StatusOr<SyntheticSpec> read =

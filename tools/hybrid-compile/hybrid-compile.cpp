@@ -76,8 +76,8 @@ cl::opt<bool> noCache("no-cache", cl::desc("Neither read nor write the compilati
 cl::opt<std::string> syntheticWeights(
     "synthetic-weights",
     cl::desc("Weights generated at load from a seed (default 0) instead of read: the model "
-             "directory needs only config.json (kimi_linear or deepseek_v32); the archive holds "
-             "generator descriptors"),
+             "directory needs only config.json (kimi_linear, deepseek_v32 or hybrid); the archive "
+             "holds generator descriptors"),
     cl::value_desc("seed"), cl::ValueOptional, cl::init(""));
 cl::opt<std::string> shard(
     "shard",
@@ -211,6 +211,7 @@ int main(int argc, char **argv) {
   } else {
     hybrid::import::ImportOptions importOptions;
     importOptions.mappingPath = mappingPath;
+    importOptions.syntheticSeed = options.syntheticSeed; // a config.json alone imports too
     auto module = hybrid::import::importCheckpoint(context, modelDir, importOptions);
     if (!module)
       return fail(module.status().message());

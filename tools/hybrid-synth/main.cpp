@@ -52,7 +52,8 @@ int main(int argc, char **argv) {
       ->required();
   app.add_option("--out", outDir, "Checkpoint directory to create")->required();
   app.add_option("--seed", seed, "Random seed (same seed, same bytes)");
-  app.add_option("--layers", layers, "Override num_hidden_layers")
+  app.add_option("--layers", layers,
+                 "Override num_hidden_layers (a hybrid's layer_types repeat their pattern)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_flag("--fp8", fp8, "FP8 E4M3 linear weights with 128x128 block scales (deepseek_v32)");
   app.add_option("--mtp-layers", mtpLayers,
@@ -81,7 +82,7 @@ int main(int argc, char **argv) {
   spec->seed = seed;
   spec->fp8Weights = fp8;
   if (layers)
-    spec->numLayers = *layers;
+    spec->setNumLayers(*layers);
   if (mtpLayers)
     spec->numNextnPredictLayers = *mtpLayers;
   if (maxShardMiB)

@@ -137,11 +137,12 @@ private:
   void addLayer(int64_t layer) {
     const std::string prefix = "model.layers." + std::to_string(layer) + ".";
     const int64_t d = spec_.hiddenSize;
-    if (spec_.isKimi() && !spec_.isFullAttentionLayer(layer))
+    const std::string mixer = spec_.mixerKind(layer);
+    if (mixer == "kda")
       addKda(prefix + "self_attn.");
     else
       addMla(prefix + "self_attn.");
-    if (!spec_.isKimi())
+    if (mixer == "mla_dsa")
       addIndexer(prefix + "self_attn.indexer.");
 
     if (spec_.isMoeLayer(layer))
@@ -187,8 +188,12 @@ private:
     linear(prefix + "f_a_proj.weight", headDim, d);
     linear(prefix + "f_b_proj.weight", projected, headDim);
     linear(prefix + "b_proj.weight", heads, d);
-    linear(prefix + "g_a_proj.weight", headDim, d);
-    linear(prefix + "g_b_proj.weight", projected, headDim);
+    if (spec_.kdaFullRankOutputGate) {
+      linear(prefix + "g_proj.weight", projected, d);
+    } else {
+      linear(prefix + "g_a_proj.weight", headDim, d);
+      linear(prefix + "g_b_proj.weight", projected, headDim);
+    }
     norm(prefix + "o_norm.weight", headDim);
     linear(prefix + "o_proj.weight", d, projected);
   }
@@ -208,13 +213,15 @@ private:
     norm(prefix + "kv_a_layernorm.weight", spec_.kvLoraRank);
     linear(prefix + "kv_b_proj.weight", heads * (spec_.qkNopeHeadDim + spec_.vHeadDim),
            spec_.kvLoraRank);
+    if (spec_.mlaOutputGate)
+      linear(prefix + "g_proj.weight", heads * spec_.vHeadDim, d);
     linear(prefix + "o_proj.weight", d, heads * spec_.vHeadDim);
   }
 
   void addIndexer(const std::string &prefix) {
     const int64_t d = spec_.hiddenSize;
     linear(prefix + "wq_b.weight", spec_.indexNumHeads * spec_.indexHeadDim,
-           spec_.qLoraRank.value_or(0)); // validate() requires q_lora_rank for DeepSeek
+           spec_.qLoraRank.value_or(0)); // validate() requires q_lora_rank with an indexer
     linear(prefix + "wk.weight", spec_.indexHeadDim, d);
     norm(prefix + "k_norm.weight", spec_.indexHeadDim);
     add(prefix + "k_norm.bias", {spec_.indexHeadDim}, DType::BF16, ValueKind::Bias);
@@ -546,6 +553,57 @@ Json kimiConfig(const SyntheticSpec &spec) {
       {"use_grouped_topk", true},
       {"num_expert_group", spec.numExpertGroups},
   });
+  if (spec.kdaGateLowerBound)
+    config["linear_attn_config"]["gate_lower_bound"] = *spec.kdaGateLowerBound;
+  if (spec.kdaFullRankOutputGate)
+    config["linear_attn_config"]["use_full_rank_gate"] = true;
+  if (spec.mlaOutputGate)
+    config["mla_use_output_gate"] = true;
+  if (spec.attnResBlockSize)
+    config["attn_res_block_size"] = *spec.attnResBlockSize;
+  return config;
+}
+
+// The generic hybrid layout (docs/generic-hybrid.md): per-layer lists instead of patterns, the
+// sections of the mixers present, DeepSeek's MoE spelling.
+Json hybridConfig(const SyntheticSpec &spec) {
+  Json config = commonConfig(spec);
+  config["architectures"] = Json::array({"HybridForCausalLM"});
+  config["max_position_embeddings"] = spec.maxPositionEmbeddings;
+  config["layer_types"] = spec.layerTypes;
+  config["mla_use_nope"] = spec.mlaUseNope;
+  if (spec.mlaOutputGate)
+    config["mla_use_output_gate"] = true;
+  if (!spec.mlpLayerTypes.empty()) {
+    // The list decides; the importer would otherwise check the prefix rule against it.
+    config["mlp_layer_types"] = spec.mlpLayerTypes;
+    config.erase("first_k_dense_replace");
+    config.erase("moe_layer_freq");
+  }
+  auto uses = [&](const char *kind) {
+    return std::find(spec.layerTypes.begin(), spec.layerTypes.end(), kind) != spec.layerTypes.end();
+  };
+  if (uses("kda")) {
+    Json linear = {{"num_heads", spec.kdaNumHeads},
+                   {"head_dim", spec.kdaHeadDim},
+                   {"short_conv_kernel_size", spec.shortConvKernelSize}};
+    if (spec.kdaGateLowerBound)
+      linear["gate_lower_bound"] = *spec.kdaGateLowerBound;
+    if (spec.kdaFullRankOutputGate)
+      linear["use_full_rank_gate"] = true;
+    config["linear_attn_config"] = std::move(linear);
+  }
+  if (uses("mla_dsa"))
+    config.update({{"index_n_heads", spec.indexNumHeads},
+                   {"index_head_dim", spec.indexHeadDim},
+                   {"index_topk", spec.indexTopK}});
+  if (spec.numExperts > 0)
+    config.update({{"num_experts", spec.numExperts},
+                   {"num_experts_per_tok", spec.numExpertsPerToken},
+                   {"n_shared_experts", spec.numSharedExperts},
+                   {"n_group", spec.numExpertGroups},
+                   {"norm_topk_prob", spec.renormalize},
+                   {"scoring_func", spec.scoringFunction}});
   if (spec.attnResBlockSize)
     config["attn_res_block_size"] = *spec.attnResBlockSize;
   return config;
@@ -879,6 +937,22 @@ SyntheticSpec deepseekV32_671b() {
   return spec;
 }
 
+// The generic hybrid of docs/generic-hybrid.md at tiny sizes: KDA, MLA with the DSA indexer, KDA,
+// plain q-LoRA MLA; a dense first layer then MoE (8 experts in 2 groups); Block AttnRes with
+// blocks of 2 layers, so the mixes see 1, 2 and 3 candidates and block boundaries at layers 0, 2.
+SyntheticSpec hybridTiny() {
+  SyntheticSpec spec = deepseekV32Tiny();
+  spec.modelType = "hybrid";
+  spec.numLayers = 4;
+  spec.layerTypes = {"kda", "mla_dsa", "kda", "mla"};
+  spec.mlpLayerTypes = {"dense", "moe", "moe", "moe"};
+  spec.kdaNumHeads = 2;
+  spec.kdaHeadDim = 128;
+  spec.shortConvKernelSize = 4;
+  spec.attnResBlockSize = 2;
+  return spec;
+}
+
 Status requirePositive(std::string_view field, int64_t value) {
   if (value > 0)
     return Status::ok();
@@ -906,6 +980,8 @@ StatusOr<SyntheticSpec> SyntheticSpec::preset(const std::string &name) {
     return deepseekV32Tiny();
   if (name == "deepseek-v32-671b")
     return deepseekV32_671b();
+  if (name == "hybrid-tiny")
+    return hybridTiny();
   std::string known;
   for (const std::string &preset : presetNames())
     known += (known.empty() ? "" : ", ") + preset;
@@ -913,29 +989,78 @@ StatusOr<SyntheticSpec> SyntheticSpec::preset(const std::string &name) {
 }
 
 std::vector<std::string> SyntheticSpec::presetNames() {
-  return {"kimi-linear-tiny", "kimi-attnres-tiny", "deepseek-v32-tiny", "kimi-linear-48b",
-          "deepseek-v32-671b"};
+  return {"kimi-linear-tiny", "kimi-attnres-tiny", "deepseek-v32-tiny", "hybrid-tiny",
+          "kimi-linear-48b", "deepseek-v32-671b"};
 }
 
-bool SyntheticSpec::isFullAttentionLayer(int64_t layer) const {
+std::string SyntheticSpec::mixerKind(int64_t layer) const {
+  if (isHybrid())
+    return layer >= 0 && layer < static_cast<int64_t>(layerTypes.size()) ? layerTypes[layer] : "";
   if (!isKimi())
-    return true;
+    return "mla_dsa";
   if (!fullAttentionLayers.empty())
     return std::find(fullAttentionLayers.begin(), fullAttentionLayers.end(), layer) !=
-           fullAttentionLayers.end();
+                   fullAttentionLayers.end()
+               ? "mla"
+               : "kda";
   const int64_t oneBased = layer + 1;
-  return oneBased % fullAttentionPeriod == 0 || oneBased == numLayers;
+  return oneBased % fullAttentionPeriod == 0 || oneBased == numLayers ? "mla" : "kda";
+}
+
+void SyntheticSpec::setNumLayers(int64_t layers) {
+  if (isHybrid() && layers > 0) {
+    const std::vector<std::string> pattern = layerTypes;
+    layerTypes.resize(static_cast<size_t>(layers));
+    for (size_t i = pattern.size(); i < layerTypes.size() && !pattern.empty(); ++i)
+      layerTypes[i] = pattern[i % pattern.size()];
+    if (!mlpLayerTypes.empty())
+      mlpLayerTypes.resize(static_cast<size_t>(layers), mlpLayerTypes.back());
+  }
+  numLayers = layers;
 }
 
 bool SyntheticSpec::isMoeLayer(int64_t layer) const {
+  if (isHybrid() && !mlpLayerTypes.empty())
+    return layer >= 0 && layer < static_cast<int64_t>(mlpLayerTypes.size()) &&
+           mlpLayerTypes[layer] == "moe";
   return numExperts > 0 && layer >= firstKDenseReplace && layer % moeLayerFreq == 0;
 }
 
 Status SyntheticSpec::validate() const {
-  const bool kimi = isKimi();
-  if (!kimi && modelType != "deepseek_v32")
+  const bool kimi = isKimi(), hybrid = isHybrid();
+  if (!kimi && !hybrid && modelType != "deepseek_v32")
     return Status::error("synthetic spec: unknown model type '" + modelType +
-                         "' (kimi_linear or deepseek_v32)");
+                         "' (kimi_linear, deepseek_v32 or hybrid)");
+  if (hybrid) {
+    if (static_cast<int64_t>(layerTypes.size()) != numLayers)
+      return Status::error("synthetic spec: 'layer_types' lists " +
+                           std::to_string(layerTypes.size()) + " layers but num_hidden_layers = " +
+                           std::to_string(numLayers));
+    for (size_t i = 0; i < layerTypes.size(); ++i)
+      if (layerTypes[i] != "kda" && layerTypes[i] != "mla" && layerTypes[i] != "mla_dsa")
+        return Status::error("synthetic spec: 'layer_types'[" + std::to_string(i) + "] = '" +
+                             layerTypes[i] + "' is not a mixer kind (kda, mla, mla_dsa)");
+    if (!mlpLayerTypes.empty() && static_cast<int64_t>(mlpLayerTypes.size()) != numLayers)
+      return Status::error("synthetic spec: 'mlp_layer_types' lists " +
+                           std::to_string(mlpLayerTypes.size()) +
+                           " layers but num_hidden_layers = " + std::to_string(numLayers));
+    for (size_t i = 0; i < mlpLayerTypes.size(); ++i) {
+      if (mlpLayerTypes[i] != "dense" && mlpLayerTypes[i] != "moe")
+        return Status::error("synthetic spec: 'mlp_layer_types'[" + std::to_string(i) + "] = '" +
+                             mlpLayerTypes[i] + "' is not a feed-forward kind (dense, moe)");
+      if (mlpLayerTypes[i] == "moe" && numExperts <= 0)
+        return Status::error("synthetic spec: 'mlp_layer_types'[" + std::to_string(i) +
+                             "] is moe but the number of experts is not positive");
+    }
+  } else if (!layerTypes.empty() || !mlpLayerTypes.empty()) {
+    return Status::error("synthetic spec: per-layer 'layer_types' / 'mlp_layer_types' are a "
+                         "hybrid option");
+  }
+  bool anyKda = false, anyIndexer = false;
+  for (int64_t layer = 0; layer < numLayers; ++layer) {
+    anyKda |= mixerKind(layer) == "kda";
+    anyIndexer |= mixerKind(layer) == "mla_dsa";
+  }
   const std::pair<std::string_view, int64_t> positiveFields[] = {
       {"hidden_size", hiddenSize},
       {"vocab_size", vocabSize},
@@ -952,16 +1077,22 @@ Status SyntheticSpec::validate() const {
     HYBRID_RETURN_IF_ERROR(requirePositive(field, value));
   if (qLoraRank)
     HYBRID_RETURN_IF_ERROR(requirePositive("q_lora_rank", *qLoraRank));
-  if (kimi) {
+  if (kimi)
+    HYBRID_RETURN_IF_ERROR(requirePositive("full attention period", fullAttentionPeriod));
+  if (anyKda) {
     HYBRID_RETURN_IF_ERROR(requirePositive("linear_attn_config.num_heads", kdaNumHeads));
     HYBRID_RETURN_IF_ERROR(requirePositive("linear_attn_config.head_dim", kdaHeadDim));
     HYBRID_RETURN_IF_ERROR(
         requirePositive("linear_attn_config.short_conv_kernel_size", shortConvKernelSize));
-    HYBRID_RETURN_IF_ERROR(requirePositive("full attention period", fullAttentionPeriod));
-  } else {
+  }
+  if (kdaGateLowerBound && !(std::isfinite(*kdaGateLowerBound) && *kdaGateLowerBound < 0))
+    return Status::error("synthetic spec: 'linear_attn_config.gate_lower_bound' must be negative");
+  if ((kdaGateLowerBound || kdaFullRankOutputGate || mlaOutputGate) && !kimi && !hybrid)
+    return Status::error("synthetic spec: the Kimi K3 gates are kimi_linear and hybrid options");
+  if (anyIndexer) {
     if (!qLoraRank)
-      return Status::error("synthetic spec: deepseek_v32 needs 'q_lora_rank' (the indexer reads "
-                           "the query latent)");
+      return Status::error("synthetic spec: layers with the DSA indexer need 'q_lora_rank' (the "
+                           "indexer reads the query latent)");
     HYBRID_RETURN_IF_ERROR(requirePositive("index_n_heads", indexNumHeads));
     HYBRID_RETURN_IF_ERROR(requirePositive("index_head_dim", indexHeadDim));
     HYBRID_RETURN_IF_ERROR(requirePositive("index_topk", indexTopK));
@@ -997,14 +1128,14 @@ Status SyntheticSpec::validate() const {
                            " (1-based) is not an increasing layer number of the " +
                            std::to_string(numLayers) + " layers");
   if (attnResBlockSize) {
-    if (!kimi)
-      return Status::error("synthetic spec: attn_res_block_size is a kimi_linear option");
+    if (!kimi && !hybrid)
+      return Status::error("synthetic spec: attn_res_block_size is a kimi_linear and hybrid option");
     HYBRID_RETURN_IF_ERROR(requirePositive("attn_res_block_size", *attnResBlockSize));
   }
-  if (numNextnPredictLayers < 0 || (numNextnPredictLayers > 0 && kimi))
+  if (numNextnPredictLayers < 0 || (numNextnPredictLayers > 0 && (kimi || hybrid)))
     return Status::error("synthetic spec: 'num_nextn_predict_layers' must not be negative and is "
                          "a deepseek_v32 option");
-  if (fp8Weights && kimi)
+  if (fp8Weights && (kimi || hybrid))
     return Status::error("synthetic spec: fp8 weights are a deepseek_v32 option (Kimi-Linear "
                          "ships bf16 weights)");
   if (!(std::isfinite(weightStd) && weightStd > 0))
@@ -1035,7 +1166,10 @@ std::vector<SyntheticTensor> listSyntheticTensors(const SyntheticSpec &spec) {
 }
 
 std::string syntheticConfigJson(const SyntheticSpec &spec) {
-  return (spec.isKimi() ? kimiConfig(spec) : deepseekConfig(spec)).dump(2) + "\n";
+  const Json config = spec.isKimi()     ? kimiConfig(spec)
+                      : spec.isHybrid() ? hybridConfig(spec)
+                                        : deepseekConfig(spec);
+  return config.dump(2) + "\n";
 }
 
 namespace {
@@ -1110,6 +1244,21 @@ private:
   std::string path_;
 };
 
+// MODEL_SPEC 1.2's K3 fields: the lower-bound KDA gate, the full-rank KDA output gate and the MLA
+// output gate.
+Status readKimiK3Fields(const ConfigReader &config, SyntheticSpec &spec) {
+  if (const Json *bound = config.find("linear_attn_config.gate_lower_bound");
+      bound && !bound->is_null()) {
+    if (!bound->is_number())
+      return config.missing("linear_attn_config.gate_lower_bound", "a number");
+    spec.kdaGateLowerBound = bound->get<double>();
+  }
+  HYBRID_ASSIGN_OR_RETURN(spec.kdaFullRankOutputGate,
+                          config.boolean("linear_attn_config.use_full_rank_gate", false));
+  HYBRID_ASSIGN_OR_RETURN(spec.mlaOutputGate, config.boolean("mla_use_output_gate", false));
+  return Status::ok();
+}
+
 Status readKimiFields(const ConfigReader &config, SyntheticSpec &spec) {
   HYBRID_ASSIGN_OR_RETURN(spec.kdaNumHeads, config.integer("linear_attn_config.num_heads"));
   HYBRID_ASSIGN_OR_RETURN(spec.kdaHeadDim, config.integer("linear_attn_config.head_dim"));
@@ -1135,7 +1284,51 @@ Status readKimiFields(const ConfigReader &config, SyntheticSpec &spec) {
   HYBRID_ASSIGN_OR_RETURN(spec.scoringFunction,
                           config.string("moe_router_activation_func", "sigmoid"));
   HYBRID_ASSIGN_OR_RETURN(spec.attnResBlockSize, config.optionalInteger("attn_res_block_size"));
-  return Status::ok();
+  return readKimiK3Fields(config, spec);
+}
+
+// Per-layer lists of strings (`layer_types`, `mlp_layer_types`).
+StatusOr<std::vector<std::string>> readStringList(const ConfigReader &config,
+                                                  std::string_view field, bool required) {
+  std::vector<std::string> list;
+  const Json *value = config.find(field);
+  if (!value || value->is_null()) {
+    if (required)
+      return config.missing(field, "a list of strings");
+    return list;
+  }
+  if (!value->is_array())
+    return config.missing(field, "a list of strings");
+  for (const Json &entry : *value) {
+    if (!entry.is_string())
+      return config.missing(field, "a list of strings");
+    list.push_back(entry.get<std::string>());
+  }
+  return list;
+}
+
+Status readHybridFields(const ConfigReader &config, SyntheticSpec &spec) {
+  HYBRID_ASSIGN_OR_RETURN(spec.layerTypes, readStringList(config, "layer_types", true));
+  HYBRID_ASSIGN_OR_RETURN(spec.mlpLayerTypes, readStringList(config, "mlp_layer_types", false));
+  HYBRID_ASSIGN_OR_RETURN(spec.maxPositionEmbeddings,
+                          config.integer("max_position_embeddings", int64_t{1} << 20));
+  HYBRID_ASSIGN_OR_RETURN(spec.mlaUseNope, config.boolean("mla_use_nope", false));
+  // Sections a layout without that mixer leaves out read as 0; validate() names what is missing.
+  HYBRID_ASSIGN_OR_RETURN(spec.kdaNumHeads, config.integer("linear_attn_config.num_heads", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.kdaHeadDim, config.integer("linear_attn_config.head_dim", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.shortConvKernelSize,
+                          config.integer("linear_attn_config.short_conv_kernel_size", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.indexNumHeads, config.integer("index_n_heads", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.indexHeadDim, config.integer("index_head_dim", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.indexTopK, config.integer("index_topk", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.numExperts, config.integer("num_experts", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.numExpertsPerToken, config.integer("num_experts_per_tok", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.numSharedExperts, config.integer("n_shared_experts", 0));
+  HYBRID_ASSIGN_OR_RETURN(spec.numExpertGroups, config.integer("n_group", 1));
+  HYBRID_ASSIGN_OR_RETURN(spec.renormalize, config.boolean("norm_topk_prob", true));
+  HYBRID_ASSIGN_OR_RETURN(spec.scoringFunction, config.string("scoring_func", "sigmoid"));
+  HYBRID_ASSIGN_OR_RETURN(spec.attnResBlockSize, config.optionalInteger("attn_res_block_size"));
+  return readKimiK3Fields(config, spec);
 }
 
 Status readDeepseekFields(const ConfigReader &config, SyntheticSpec &spec) {
@@ -1174,9 +1367,11 @@ StatusOr<SyntheticSpec> specFromConfigJson(const std::string &text, const std::s
   const ConfigReader config(root, path);
   SyntheticSpec spec;
   HYBRID_ASSIGN_OR_RETURN(spec.modelType, config.string("model_type", ""));
-  if (spec.modelType != "kimi_linear" && spec.modelType != "deepseek_v32")
+  if (spec.modelType != "kimi_linear" && spec.modelType != "deepseek_v32" &&
+      spec.modelType != "hybrid")
     return Status::error(path + ": model_type '" + spec.modelType +
-                         "': synthetic weights know the tensors of kimi_linear and deepseek_v32");
+                         "': synthetic weights know the tensors of kimi_linear, deepseek_v32 and "
+                         "hybrid");
   spec.seed = seed;
   HYBRID_ASSIGN_OR_RETURN(spec.hiddenSize, config.integer("hidden_size"));
   HYBRID_ASSIGN_OR_RETURN(spec.vocabSize, config.integer("vocab_size"));
@@ -1194,8 +1389,9 @@ StatusOr<SyntheticSpec> specFromConfigJson(const std::string &text, const std::s
   HYBRID_ASSIGN_OR_RETURN(spec.moeIntermediateSize, config.integer("moe_intermediate_size", 0));
   HYBRID_ASSIGN_OR_RETURN(spec.topkGroup, config.integer("topk_group", 1));
   HYBRID_ASSIGN_OR_RETURN(spec.routedScalingFactor, config.number("routed_scaling_factor", 1.0));
-  HYBRID_RETURN_IF_ERROR(spec.isKimi() ? readKimiFields(config, spec)
-                                       : readDeepseekFields(config, spec));
+  HYBRID_RETURN_IF_ERROR(spec.isKimi()     ? readKimiFields(config, spec)
+                         : spec.isHybrid() ? readHybridFields(config, spec)
+                                           : readDeepseekFields(config, spec));
   if (Status valid = spec.validate(); !valid)
     return Status::error(path + ": " + valid.message());
   return spec;

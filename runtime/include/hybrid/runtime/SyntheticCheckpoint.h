@@ -1,6 +1,8 @@
 // Synthetic Hugging Face checkpoints: random weights in exactly the published Hub layout
 // (config.json, sharded model-0000K-of-0000N.safetensors, model.safetensors.index.json, original
-// tensor names) for Kimi-Linear (optionally with Block AttnRes) and DeepSeek-V3.2. They feed
+// tensor names) for Kimi-Linear (optionally with Block AttnRes and the Kimi K3 gates), DeepSeek-V3.2
+// and the generic hybrid layout (docs/generic-hybrid.md: any mix of KDA, MLA and MLA+DSA layers,
+// dense or MoE feed-forwards, optional Block AttnRes). They feed
 // importer tests at tiny sizes and load / throughput benchmarks at the published sizes without
 // downloading hundreds of GB.
 //
@@ -33,7 +35,7 @@ struct YarnRopeScaling {
 // Everything that decides the tensors and config.json of a synthetic checkpoint. Field names follow
 // the config.json facts they produce; see MODEL_SPEC sections 1-6 for their meaning.
 struct SyntheticSpec {
-  std::string modelType; // "kimi_linear" or "deepseek_v32"
+  std::string modelType; // "kimi_linear", "deepseek_v32" or "hybrid"
 
   // Model.
   int64_t hiddenSize = 0;
@@ -68,7 +70,18 @@ struct SyntheticSpec {
   // linear_attn_config.full_attn_layers, read by specFromConfigJson).
   std::vector<int64_t> fullAttentionLayers;
 
-  // DSA lightning indexer (deepseek_v32).
+  // Kimi K3 options (MODEL_SPEC 2.1, 2.2, 7.4) of kimi_linear and hybrid KDA and MLA layers.
+  std::optional<double> kdaGateLowerBound; // linear_attn_config.gate_lower_bound ("safe" gate)
+  bool kdaFullRankOutputGate = false;      // linear_attn_config.use_full_rank_gate: g_proj [P, d]
+  bool mlaOutputGate = false;              // mla_use_output_gate: g_proj [heads * v_head_dim, d]
+
+  // Generic hybrid ("hybrid"): the mixer of each layer ("kda", "mla" or "mla_dsa", config
+  // `layer_types`) and its feed-forward ("dense" or "moe", `mlp_layer_types`; when empty the
+  // first_k_dense_replace / moe_layer_freq rule below decides).
+  std::vector<std::string> layerTypes;
+  std::vector<std::string> mlpLayerTypes;
+
+  // DSA lightning indexer (deepseek_v32, hybrid mla_dsa layers).
   int64_t indexNumHeads = 0;
   int64_t indexHeadDim = 0;
   int64_t indexTopK = 0;
@@ -105,17 +118,25 @@ struct SyntheticSpec {
   // gets a shard of its own). Also bounds the memory the writer holds at once.
   uint64_t maxShardBytes = 5'000'000'000;
 
-  // kimi-linear-tiny, deepseek-v32-tiny, kimi-attnres-tiny (the shapes of tests/data), and the
-  // published full sizes kimi-linear-48b and deepseek-v32-671b (hundreds of GB when written).
+  // kimi-linear-tiny, deepseek-v32-tiny, kimi-attnres-tiny (the shapes of tests/data),
+  // hybrid-tiny (KDA, MLA+DSA, MLA, MoE and Block AttnRes in four layers), and the published full
+  // sizes kimi-linear-48b and deepseek-v32-671b (hundreds of GB when written).
   static StatusOr<SyntheticSpec> preset(const std::string &name);
   static std::vector<std::string> presetNames();
 
   // One line naming the first inconsistent field.
   Status validate() const;
 
+  // Overrides num_hidden_layers (hybrid-synth --layers). A hybrid's layer_types repeat their
+  // pattern and its mlp_layer_types are continued by their last entry, so a dense prefix stays.
+  void setNumLayers(int64_t layers);
+
   // Layer structure (0-based layer index).
   bool isKimi() const { return modelType == "kimi_linear"; }
-  bool isFullAttentionLayer(int64_t layer) const;
+  bool isHybrid() const { return modelType == "hybrid"; }
+  // "kda", "mla" or "mla_dsa".
+  std::string mixerKind(int64_t layer) const;
+  bool isFullAttentionLayer(int64_t layer) const { return mixerKind(layer) != "kda"; }
   bool isMoeLayer(int64_t layer) const;
 };
 
@@ -146,7 +167,7 @@ std::vector<SyntheticTensor> listSyntheticTensors(const SyntheticSpec &spec);
 // The text of config.json in the published Hub spelling.
 std::string syntheticConfigJson(const SyntheticSpec &spec);
 
-// The spec a config.json describes (kimi_linear or deepseek_v32, in the published spelling or
+// The spec a config.json describes (kimi_linear, deepseek_v32 or hybrid, in the published spelling or
 // syntheticConfigJson's), validated; `seed` is the spec's seed. Errors are one line naming `path`
 // and the field. Fields that do not change the tensor list (token ids, rope) are not read.
 StatusOr<SyntheticSpec> specFromConfigJson(const std::string &text, const std::string &path,
