@@ -99,6 +99,33 @@ private:
     return builder_.getNamedAttr(name, builder_.getF64FloatAttr(value));
   }
 
+  // A yes/no setting that may be absent (nullopt: the checkpoint's tensors decide).
+  StatusOr<std::optional<bool>> optionalFlag(const std::string &name) {
+    if (!mapping_.config.count(name))
+      return std::optional<bool>();
+    HYBRID_ASSIGN_OR_RETURN(std::optional<llvm::json::Value> value, config_.get(name));
+    if (!value)
+      return std::optional<bool>();
+    HYBRID_ASSIGN_OR_RETURN(bool flag, config_.getBool(name));
+    return std::optional<bool>(flag);
+  }
+
+  // An optional gate weight the config switches on, off, or leaves to the checkpoint: on, the
+  // tensor must exist (the error names the config field); off, it is not read (so a stray one is
+  // reported as unused).
+  Status addGate(SmallVectorImpl<NamedAttribute> &attrs, const std::string &group,
+                 const std::string &role, int64_t layer, std::optional<bool> enabled,
+                 const std::string &setting) {
+    if (enabled && !*enabled)
+      return Status::ok();
+    if (enabled && !checkpoint_.find(expand(mapping_.tensorTemplate(group, role), layer, -1)))
+      return Status::error(checkpoint_.dir() + ": missing tensor '" +
+                           expand(mapping_.tensorTemplate(group, role), layer, -1) + "' (" +
+                           group + "." + role + " of layer " + std::to_string(layer) + "): " +
+                           config_.path() + " sets " + config_.describe(setting) + " to true");
+    return addWeight(attrs, group, role, layer, /*required=*/false);
+  }
+
   // hybrid.model's fp8_activation_scale: the checkpoint's scale_fmt ("ue8m0"), else "amax"
   // (act_quant's default).
   StatusOr<std::string> fp8ActivationScale() {
@@ -277,6 +304,10 @@ StatusOr<Value> ModelImporter::buildKda(int64_t layer, Value input) {
   HYBRID_ASSIGN_OR_RETURN(int64_t convKernel, config_.getInt("kda.conv_kernel"));
   HYBRID_ASSIGN_OR_RETURN(std::optional<double> lowerBound,
                           config_.getOptionalDouble("kda.gate_lower_bound"));
+  if (lowerBound && !(std::isfinite(*lowerBound) && *lowerBound < 0))
+    return Status::error(config_.path() + ": " + config_.describe("kda.gate_lower_bound") +
+                         " must be negative (the safe gate's floor on log-decay, -5 in Kimi K3), "
+                         "got " + std::to_string(*lowerBound));
   HYBRID_ASSIGN_OR_RETURN(std::string layoutName, config_.getString("kda.state_layout"));
   std::optional<StateLayout> layout = symbolizeStateLayout(layoutName);
   if (!layout)
@@ -295,9 +326,12 @@ StatusOr<Value> ModelImporter::buildKda(int64_t layer, Value input) {
                            "f_a_proj", "f_b_proj", "A_log", "dt_bias", "b_proj", "o_norm",
                            "o_proj"})
     HYBRID_RETURN_IF_ERROR(addWeight(attrs, "kda", role, layer));
-  // Output gate: full rank (g_proj) when the checkpoint has it, else the low-rank pair.
+  // Output gate: full rank (g_proj, K3's use_full_rank_gate) when the config says so or, when it
+  // is silent, when the checkpoint has it; else the low-rank pair.
+  HYBRID_ASSIGN_OR_RETURN(std::optional<bool> fullRank, optionalFlag("kda.full_rank_output_gate"));
   size_t before = attrs.size();
-  HYBRID_RETURN_IF_ERROR(addWeight(attrs, "kda", "g_proj", layer, /*required=*/false));
+  HYBRID_RETURN_IF_ERROR(
+      addGate(attrs, "kda", "g_proj", layer, fullRank, "kda.full_rank_output_gate"));
   if (attrs.size() == before) {
     HYBRID_RETURN_IF_ERROR(addWeight(attrs, "kda", "g_a_proj", layer));
     HYBRID_RETURN_IF_ERROR(addWeight(attrs, "kda", "g_b_proj", layer));
@@ -356,7 +390,9 @@ StatusOr<Value> ModelImporter::buildMla(int64_t layer, Value input, bool sparse)
   }
   for (const char *role : {"kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"})
     HYBRID_RETURN_IF_ERROR(addWeight(attrs, "mla", role, layer));
-  HYBRID_RETURN_IF_ERROR(addWeight(attrs, "mla", "g_proj", layer, /*required=*/false));
+  // K3's sigmoid output gate (mla_use_output_gate).
+  HYBRID_ASSIGN_OR_RETURN(std::optional<bool> outputGate, optionalFlag("mla.output_gate"));
+  HYBRID_RETURN_IF_ERROR(addGate(attrs, "mla", "g_proj", layer, outputGate, "mla.output_gate"));
 
   if (!sparse) {
     SmallVector<Value> operands = {input};

@@ -73,12 +73,12 @@ public:
                                                 int64_t numLayers, const std::string &what) const;
 
   const std::string &path() const { return configPath_; }
+  // The config path a canonical setting was read from, for messages.
+  std::string describe(const std::string &name) const;
 
 private:
   const llvm::json::Value *lookup(const std::string &dottedPath) const;
   Status error(const std::string &message) const { return Status::error(configPath_ + ": " + message); }
-  // The config path a canonical setting was read from, for messages.
-  std::string describe(const std::string &name) const;
 
   const llvm::json::Object &config_;
   const ArchitectureMapping &mapping_;

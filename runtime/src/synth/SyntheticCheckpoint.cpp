@@ -953,6 +953,24 @@ SyntheticSpec hybridTiny() {
   return spec;
 }
 
+// Kimi K3's layout (MODEL_SPEC 6.2, 7.4) at tiny sizes and 8 layers: 3 KDA : 1 NoPE q-LoRA MLA
+// with the sigmoid output gate, the lower-bound ("safe") KDA gate and the full-rank KDA output
+// gate, a dense first layer then MoE with 2 shared experts, Block AttnRes in blocks of 3 layers
+// (the last block partial, as K3's 93 = 7 * 12 + 9).
+SyntheticSpec kimiK3Tiny() {
+  SyntheticSpec spec = kimiLinearTiny();
+  spec.numLayers = 8;
+  spec.qLoraRank = 96;
+  spec.kdaGateLowerBound = -5.0;
+  spec.kdaFullRankOutputGate = true;
+  spec.mlaOutputGate = true;
+  spec.numExperts = 16;
+  spec.numExpertsPerToken = 4;
+  spec.numSharedExperts = 2;
+  spec.attnResBlockSize = 3;
+  return spec;
+}
+
 Status requirePositive(std::string_view field, int64_t value) {
   if (value > 0)
     return Status::ok();
@@ -982,6 +1000,8 @@ StatusOr<SyntheticSpec> SyntheticSpec::preset(const std::string &name) {
     return deepseekV32_671b();
   if (name == "hybrid-tiny")
     return hybridTiny();
+  if (name == "kimi-k3-tiny")
+    return kimiK3Tiny();
   std::string known;
   for (const std::string &preset : presetNames())
     known += (known.empty() ? "" : ", ") + preset;
@@ -990,7 +1010,7 @@ StatusOr<SyntheticSpec> SyntheticSpec::preset(const std::string &name) {
 
 std::vector<std::string> SyntheticSpec::presetNames() {
   return {"kimi-linear-tiny", "kimi-attnres-tiny", "deepseek-v32-tiny", "hybrid-tiny",
-          "kimi-linear-48b", "deepseek-v32-671b"};
+          "kimi-k3-tiny",     "kimi-linear-48b",   "deepseek-v32-671b"};
 }
 
 std::string SyntheticSpec::mixerKind(int64_t layer) const {
