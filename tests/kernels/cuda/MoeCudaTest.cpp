@@ -81,7 +81,13 @@ INSTANTIATE_TEST_SUITE_P(
         // The tiny goldens: 8 experts, 2 groups, 1 kept, top 2.
         RouterCase{"tiny", 3, 8, 2, 2, 1, false, true, false},
         RouterCase{"softmax_no_bias", 4, 64, 6, 1, 1, true, false, false},
-        RouterCase{"exact_ties", 2, 64, 8, 4, 2, false, false, true}),
+        RouterCase{"exact_ties", 2, 64, 8, 4, 2, false, false, true},
+        // One group with sigmoid scores takes the warp-per-token kernel: ties, the other register
+        // widths (up to 512 and 1024 experts, the last lanes partly empty), a batch of tokens.
+        RouterCase{"one_group_ties", 9, 64, 8, 1, 1, false, false, true},
+        RouterCase{"one_group_384_experts", 6, 384, 8, 1, 1, false, true, false},
+        RouterCase{"one_group_1000_experts", 5, 1000, 16, 1, 1, false, true, false},
+        RouterCase{"kimi_linear_batch_64", 64, 256, 8, 1, 1, false, true, false}),
     [](const testing::TestParamInfo<RouterCase> &info) { return info.param.name; });
 
 // The routed experts per (token, expert), against ref::moeExperts on the same weights.
