@@ -7,11 +7,13 @@
 //            expert: a warp per expert, ballots over the pairs in order);
 //   gate-up: block (tile, 64 intermediate columns): h = silu(x W_gate^T) * (x W_up^T) for the
 //            tile's rows, x gathered and rounded to bf16 (hi, and lo = bf16(x - hi) when split)
-//            into shared memory, the weight tiles by cp.async, mma.sync m16n8k16;
+//            into shared memory, the weight tiles by cp.async two k steps deep (the next step's
+//            weights and activations load while this one multiplies), mma.sync m16n8k16;
 //   down:    block (tile, 64 hidden columns): y = h W_down^T;
 //   combine: out[t] = sum over t's experts in ascending expert order of weight * y[row].
 // Blocks past the tile count exit at once; the grid is sized for the most tiles possible.
 #include "hybrid/kernels/cuda/Moe.h"
+#include "../common/device_setup.cuh"
 #include "../common/warp_mma.cuh"
 
 #include <cuda_bf16.h>
@@ -112,27 +114,36 @@ __global__ void __launch_bounds__(kSortThreads)
 }
 
 // The tile's A operand for k in [k0, k0 + 64): 64 rows of fp32 (gathered through `tokens` when
-// given, else rows first.. of `source`), as bf16 hi (and lo) in shared memory; zeros past `rows`.
-__device__ inline void stageActivations(__nv_bfloat16 (*hi)[kStride], __nv_bfloat16 (*lo)[kStride],
-                                        const float *source, int64_t width, const int32_t *tokens,
-                                        int32_t first, int rows, int k0, bool split) {
-  const int row = threadIdx.x / 2, half = threadIdx.x % 2;
+// given, else rows first.. of `source`), loaded into registers (issued early, stored later).
+struct ActivationChunk {
   float4 values[8];
+};
+
+__device__ inline void loadActivations(ActivationChunk &chunk, const float *source, int64_t width,
+                                       const int32_t *tokens, int32_t first, int rows, int k0) {
+  const int row = threadIdx.x / 2, half = threadIdx.x % 2;
   if (row < rows) {
     const int64_t sourceRow = tokens ? tokens[first + row] : first + row;
     const float4 *p = reinterpret_cast<const float4 *>(source + sourceRow * width + k0 + half * 32);
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      values[i] = p[i];
+      chunk.values[i] = p[i];
   } else {
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      values[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      chunk.values[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
+}
+
+// The chunk as bf16 hi (and lo = bf16(x - hi) when split) in shared memory.
+__device__ inline void storeActivations(const ActivationChunk &chunk, __nv_bfloat16 (*hi)[kStride],
+                                        __nv_bfloat16 (*lo)[kStride], bool split) {
+  const int row = threadIdx.x / 2, half = threadIdx.x % 2;
 #pragma unroll
   for (int i = 0; i < 8; i += 2) {
-    const float v[8] = {values[i].x,     values[i].y,     values[i].z,     values[i].w,
-                        values[i + 1].x, values[i + 1].y, values[i + 1].z, values[i + 1].w};
+    const float v[8] = {chunk.values[i].x,     chunk.values[i].y,     chunk.values[i].z,
+                        chunk.values[i].w,     chunk.values[i + 1].x, chunk.values[i + 1].y,
+                        chunk.values[i + 1].z, chunk.values[i + 1].w};
     uint4 high, low;
     uint32_t *h = &high.x, *l = &low.x;
 #pragma unroll
@@ -158,14 +169,25 @@ __device__ inline void stageWeights(__nv_bfloat16 (*tile)[kStride], const __nv_b
   }
 }
 
+// Shared memory of one block: the activations (hi, lo) once, the weight tiles (one matrix, or
+// gate and up) twice, so the next k step's weights stream in while this one multiplies.
+template <bool kGateUp> constexpr int kMatrices = kGateUp ? 2 : 1;
+template <bool kGateUp> constexpr size_t groupedSharedBytes() {
+  return size_t(2 * kTileRows + 2 * kMatrices<kGateUp> * kTileColumns) * kStride * 2;
+}
+
 // kGateUp: h = silu(x W_gate^T) * x W_up^T; else y = h W_down^T.
 template <bool kGateUp>
 __global__ void __launch_bounds__(kThreads)
     groupedProjectionKernel(MoeExpertsParams p, Workspace w, bool split) {
-  __shared__ __align__(16) __nv_bfloat16 aHi[kTileRows][kStride];
-  __shared__ __align__(16) __nv_bfloat16 aLo[kTileRows][kStride];
-  __shared__ __align__(16) __nv_bfloat16 bFirst[kTileColumns][kStride];
-  __shared__ __align__(16) __nv_bfloat16 bSecond[kGateUp ? kTileColumns : 1][kStride];
+  extern __shared__ __align__(16) unsigned char shared[];
+  using Tile = __nv_bfloat16[kStride];
+  Tile *aHi = reinterpret_cast<Tile *>(shared);
+  Tile *aLo = aHi + kTileRows;
+  Tile *weights = aLo + kTileRows; // [stage][matrix][kTileColumns]
+  auto weightTile = [&](int stage, int matrix) {
+    return weights + (stage * kMatrices<kGateUp> + matrix) * kTileColumns;
+  };
   const int tile = blockIdx.x;
   if (tile >= *w.tileCount)
     return;
@@ -173,22 +195,34 @@ __global__ void __launch_bounds__(kThreads)
   const int rows = min(kTileRows, w.starts[expert + 1] - first);
   const int n0 = int(blockIdx.y) * kTileColumns;
   const int64_t depth = kGateUp ? p.hidden : p.intermediate;
-  const auto *matrixFirst =
-      static_cast<const __nv_bfloat16 *>(kGateUp ? p.gate[expert] : p.down[expert]);
-  const auto *matrixSecond = static_cast<const __nv_bfloat16 *>(kGateUp ? p.up[expert] : nullptr);
+  const __nv_bfloat16 *matrices[2] = {
+      static_cast<const __nv_bfloat16 *>(kGateUp ? p.gate[expert] : p.down[expert]),
+      static_cast<const __nv_bfloat16 *>(kGateUp ? p.up[expert] : nullptr)};
+  const float *source = kGateUp ? p.x : w.h;
+  const int64_t width = kGateUp ? p.hidden : p.intermediate;
+  const int32_t *tokens = kGateUp ? w.sortedToken : nullptr;
 
   const int warp = threadIdx.x / 32, wm = warp / 2, wn = warp % 2;
-  float first_[2][4][4] = {}, second_[kGateUp ? 2 : 1][4][4] = {};
-  for (int k0 = 0; k0 < depth; k0 += kTileK) {
-    stageWeights(bFirst, matrixFirst, depth, n0, k0);
-    if constexpr (kGateUp)
-      stageWeights(bSecond, matrixSecond, depth, n0, k0);
-    mma::commitAsyncCopies();
-    if constexpr (kGateUp)
-      stageActivations(aHi, aLo, p.x, p.hidden, w.sortedToken, first, rows, k0, split);
-    else
-      stageActivations(aHi, aLo, w.h, p.intermediate, nullptr, first, rows, k0, split);
-    mma::waitAsyncCopies<0>();
+  float acc[kMatrices<kGateUp>][2][4][4] = {};
+  ActivationChunk chunk;
+  for (int m = 0; m < kMatrices<kGateUp>; ++m)
+    stageWeights(weightTile(0, m), matrices[m], depth, n0, 0);
+  mma::commitAsyncCopies();
+  loadActivations(chunk, source, width, tokens, first, rows, 0);
+  storeActivations(chunk, aHi, aLo, split);
+  const int steps = int(depth / kTileK);
+  for (int step = 0; step < steps; ++step) {
+    const int stage = step % 2;
+    const bool more = step + 1 < steps;
+    if (more) { // the next step's weights and activations on their way during this one's MMAs
+      for (int m = 0; m < kMatrices<kGateUp>; ++m)
+        stageWeights(weightTile(1 - stage, m), matrices[m], depth, n0, (step + 1) * kTileK);
+      mma::commitAsyncCopies();
+      loadActivations(chunk, source, width, tokens, first, rows, (step + 1) * kTileK);
+      mma::waitAsyncCopies<1>(); // this step's weights
+    } else {
+      mma::waitAsyncCopies<0>();
+    }
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < kTileK; kk += 16) {
@@ -199,33 +233,26 @@ __global__ void __launch_bounds__(kThreads)
         if (split)
           mma::loadA(lo[mt], &aLo[wm * 32 + mt * 16][kk], kStride);
       }
-      uint32_t b[4][2];
 #pragma unroll
-      for (int pair = 0; pair < 2; ++pair)
-        mma::loadBPair(b[2 * pair], b[2 * pair + 1], &bFirst[wn * 32 + pair * 16][kk], kStride);
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          mma::mma16816(first_[mt][nt], hi[mt], b[nt]);
-          if (split)
-            mma::mma16816(first_[mt][nt], lo[mt], b[nt]);
-        }
-      if constexpr (kGateUp) {
+      for (int m = 0; m < kMatrices<kGateUp>; ++m) {
+        uint32_t b[4][2];
+        Tile *tileOfB = weightTile(stage, m);
 #pragma unroll
         for (int pair = 0; pair < 2; ++pair)
-          mma::loadBPair(b[2 * pair], b[2 * pair + 1], &bSecond[wn * 32 + pair * 16][kk], kStride);
+          mma::loadBPair(b[2 * pair], b[2 * pair + 1], &tileOfB[wn * 32 + pair * 16][kk], kStride);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
-            mma::mma16816(second_[mt][nt], hi[mt], b[nt]);
+            mma::mma16816(acc[m][mt][nt], hi[mt], b[nt]);
             if (split)
-              mma::mma16816(second_[mt][nt], lo[mt], b[nt]);
+              mma::mma16816(acc[m][mt][nt], lo[mt], b[nt]);
           }
       }
     }
-    __syncthreads();
+    __syncthreads(); // every warp is done with this step's activations and weight stage
+    if (more)
+      storeActivations(chunk, aHi, aLo, split);
   }
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -238,10 +265,10 @@ __global__ void __launch_bounds__(kThreads)
         if (row >= rows)
           continue;
         if constexpr (kGateUp) {
-          const float g = first_[mt][nt][e], u = second_[mt][nt][e];
+          const float g = acc[0][mt][nt][e], u = acc[kMatrices<kGateUp> - 1][mt][nt][e];
           w.h[int64_t(first + row) * p.intermediate + column] = g * (1.0f / (1.0f + expf(-g))) * u;
         } else {
-          w.y[int64_t(first + row) * p.hidden + column] = first_[mt][nt][e];
+          w.y[int64_t(first + row) * p.hidden + column] = acc[0][mt][nt][e];
         }
       }
 }
@@ -305,12 +332,24 @@ int launchMoeExpertsGrouped(const MoeExpertsParams &p, bool splitInputs, void *s
   const auto s = static_cast<cudaStream_t>(stream);
   const int64_t pairs = int64_t(p.tokens) * p.topK;
   const Workspace w = carve(p.workspace, pairs, p.experts, p.hidden, p.intermediate);
+  const DeviceSetup setup = deviceSetup([] {
+    cudaError_t status = cudaFuncSetAttribute(groupedProjectionKernel<true>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              int(groupedSharedBytes<true>()));
+    if (status == cudaSuccess)
+      status = cudaFuncSetAttribute(groupedProjectionKernel<false>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(groupedSharedBytes<false>()));
+    return status;
+  });
+  if (setup.status != cudaSuccess)
+    return int(setup.status);
   sortPairsKernel<<<1, kSortThreads, 0, s>>>(p.ids, int32_t(pairs), p.topK, p.experts, w);
   const unsigned tiles = unsigned(maxTiles(pairs, p.experts));
-  groupedProjectionKernel<true>
-      <<<dim3(tiles, unsigned(p.intermediate / kTileColumns)), kThreads, 0, s>>>(p, w, splitInputs);
-  groupedProjectionKernel<false>
-      <<<dim3(tiles, unsigned(p.hidden / kTileColumns)), kThreads, 0, s>>>(p, w, splitInputs);
+  groupedProjectionKernel<true><<<dim3(tiles, unsigned(p.intermediate / kTileColumns)), kThreads,
+                                  groupedSharedBytes<true>(), s>>>(p, w, splitInputs);
+  groupedProjectionKernel<false><<<dim3(tiles, unsigned(p.hidden / kTileColumns)), kThreads,
+                                   groupedSharedBytes<false>(), s>>>(p, w, splitInputs);
   combineSortedKernel<<<dim3(unsigned(p.tokens), unsigned((p.hidden + 255) / 256)), 256, 0, s>>>(
       p, w);
   return int(cudaGetLastError());
