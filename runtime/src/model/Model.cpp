@@ -921,8 +921,9 @@ StatusOr<MtpOutput> Sequence::runMtp(std::span<const int64_t> tokens,
   const auto chunk = static_cast<size_t>(std::max<int64_t>(1, impl.mtp.program->max_tokens()));
   for (size_t begin = 0; begin < tokens.size(); begin += chunk) {
     const size_t count = std::min(tokens.size() - begin, chunk);
-    RunExtras extras{position + static_cast<int64_t>(begin), hidden.data() + begin * width,
-                     out.hidden.data() + begin * width};
+    RunExtras extras{.firstPosition = position + static_cast<int64_t>(begin),
+                     .hiddenInput = hidden.data() + begin * width,
+                     .finalHiddenOut = out.hidden.data() + begin * width};
     HYBRID_RETURN_IF_ERROR(impl.run(impl.mtp, *this, kvSequence_, stateSlot_,
                                     tokens.subspan(begin, count), /*decodeStep=*/false,
                                     out.logits.data() + begin * vocab, nullptr, nullptr, {},
