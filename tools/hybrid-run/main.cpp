@@ -1,7 +1,9 @@
-// hybrid-run: run a compiled model (plan.hyplan + weights.hyw) on a prompt, greedy decoding.
+// hybrid-run: run a compiled model (plan.hyplan + weights.hyw) on a prompt, greedy decoding or
+// sampling (--temperature, --top-p, --top-k, --seed).
 #include "hybrid/runtime/Communicator.h"
 #include "hybrid/runtime/Generate.h"
 #include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Sampling.h"
 
 #include <CLI/CLI.hpp>
 
@@ -24,7 +26,7 @@ int main(int argc, char **argv) {
   app.add_option("--input-ids", inputIds, "Prompt: a list 1,2,3 or a safetensors file with "
                                           "input_ids")
       ->required();
-  app.add_option("--max-new-tokens", generation.maxNewTokens, "Tokens to generate greedily")
+  app.add_option("--max-new-tokens", generation.maxNewTokens, "Tokens to generate")
       ->default_val(16)
       ->check(CLI::NonNegativeNumber);
   app.add_option("--output", output,
@@ -32,6 +34,20 @@ int main(int argc, char **argv) {
   app.add_option("--speculate", generation.draftTokens,
                  "Speculative decoding with drafts of at most this many tokens (greedy outputs "
                  "do not change)")
+      ->default_val(0)
+      ->check(CLI::NonNegativeNumber);
+  // Range checks are the sampling definition's own (samplingParamsProblem), after parsing.
+  app.add_option("--temperature", generation.sampling.temperature,
+                 "Sampling temperature (0: greedy, the default)")
+      ->default_val(0.0f);
+  app.add_option("--top-p", generation.sampling.topP,
+                 "Nucleus sampling: the most probable tokens whose mass reaches P, in (0, 1]")
+      ->default_val(1.0f);
+  app.add_option("--top-k", generation.sampling.topK,
+                 "Sample among the K most probable tokens (0: all)")
+      ->default_val(0);
+  app.add_option("--seed", generation.sampling.seed,
+                 "Seed of the sampling's random numbers (the same seed, the same tokens)")
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
   std::string draftSource = "prompt-lookup";
@@ -86,6 +102,16 @@ int main(int argc, char **argv) {
     std::cerr << "error: " << message << "\n";
     return 1;
   };
+  if (const std::string problem = hybrid::samplingParamsProblem(generation.sampling);
+      !problem.empty()) {
+    // The definition names the field (temperature, top_k, top_p): name the flag that set it.
+    const std::string flag = problem.starts_with("top_k")   ? "--top-k"
+                             : problem.starts_with("top_p") ? "--top-p"
+                                                            : "--temperature";
+    return fail(flag + ": " + problem);
+  }
+  if (generation.draftTokens > 0 && !hybrid::samplingIsGreedy(generation.sampling))
+    std::cerr << "note: --speculate is ignored when sampling (drafts are verified greedily)\n";
   generation.useCaches = !noCacheDecode;
   if (!compareWith.empty())
     generation.dumpHidden = true;
@@ -122,7 +148,7 @@ int main(int argc, char **argv) {
           peerStatus[static_cast<size_t>(rank)] = peer.status();
           return;
         }
-        auto generated = hybrid::generateGreedy(**peer, *prompt, generation);
+        auto generated = hybrid::generate(**peer, *prompt, generation);
         if (!generated) {
           peerStatus[static_cast<size_t>(rank)] = generated.status();
           return;
@@ -168,7 +194,7 @@ int main(int argc, char **argv) {
                  generated.deviceBytes / 1e9, generated.deviceSeconds, generated.hostBytes / 1e9,
                  generated.hostSeconds);
   }
-  auto result = hybrid::generateGreedy(**model, *prompt, generation);
+  auto result = hybrid::generate(**model, *prompt, generation);
   if (!result)
     return failRanks(result.status().message());
   joinPeers();
@@ -193,7 +219,7 @@ int main(int argc, char **argv) {
               result->prompt.size(), 1e3 * result->prefillSeconds,
               result->prompt.size() / std::max(result->prefillSeconds, 1e-9),
               decodeTokens / std::max(result->decodeSeconds, 1e-9));
-  if (generation.draftTokens > 0)
+  if (generation.draftTokens > 0 && hybrid::samplingIsGreedy(generation.sampling))
     std::printf("speculative (%s drafts): %lld verification passes, %lld draft tokens, "
                 "%lld accepted (%.0f%%), %.2f tokens per pass\n",
                 std::string(hybrid::draftSourceName(generation.draftSource)).c_str(),

@@ -121,6 +121,55 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
   return result;
 }
 
+StatusOr<GenerationResult> generate(Model &model, std::span<const int64_t> prompt,
+                                    const GenerationOptions &options) {
+  const SamplingParams &sampling = options.sampling;
+  if (const std::string problem = samplingParamsProblem(sampling); !problem.empty())
+    return Status::error("sampling: " + problem);
+  if (samplingIsGreedy(sampling))
+    return generateGreedy(model, prompt, options);
+
+  GenerationResult result;
+  result.vocabSize = model.vocabSize();
+  result.prompt.assign(prompt.begin(), prompt.end());
+  const size_t vocab = static_cast<size_t>(result.vocabSize);
+  auto start = std::chrono::steady_clock::now();
+  HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> sequence, model.newSequence());
+  HYBRID_ASSIGN_OR_RETURN(result.promptLogits,
+                          sequence->prefill(prompt, options.dumpHidden ? &result.hidden : nullptr));
+  result.prefillSeconds = seconds(start);
+  if (options.maxNewTokens <= 0)
+    return result;
+
+  start = std::chrono::steady_clock::now();
+  std::vector<int64_t> tokens(prompt.begin(), prompt.end());
+  int64_t next = chooseToken(std::span<const float>(result.promptLogits).last(vocab),
+                             tokenChoice(sampling, 0));
+  for (int64_t step = 0;; ++step) {
+    result.generated.push_back(next);
+    tokens.push_back(next);
+    if (step + 1 == options.maxNewTokens ||
+        std::count(options.stopTokens.begin(), options.stopTokens.end(), next))
+      break;
+    const TokenChoice choice = tokenChoice(sampling, step + 1);
+    if (options.useCaches) {
+      Sequence *row = sequence.get();
+      HYBRID_ASSIGN_OR_RETURN(const std::vector<int64_t> chosen,
+                              model.decodeBatchChoose(std::span(&row, 1), std::span(&next, 1),
+                                                      std::span(&choice, 1)));
+      next = chosen[0];
+    } else {
+      sequence.reset();
+      HYBRID_ASSIGN_OR_RETURN(sequence, model.newSequence());
+      HYBRID_ASSIGN_OR_RETURN(std::vector<float> last,
+                              sequence->prefill(tokens, nullptr, PrefillLogits::LastRow));
+      next = chooseToken(last, choice);
+    }
+  }
+  result.decodeSeconds = seconds(start);
+  return result;
+}
+
 StatusOr<BatchDecodeReport> benchmarkBatchedDecode(Model &model, std::span<const int64_t> prompt,
                                                    int64_t batch, int64_t steps) {
   if (batch < 1 || steps < 1 || prompt.empty())
@@ -266,8 +315,9 @@ Status writeGeneration(const std::string &path, const GenerationResult &result) 
                      asBytes(result.promptLogits)});
   tensors.push_back({"gen_ids", safetensors::DType::I64, {1, N},
                      std::as_bytes(std::span(result.generated))});
-  tensors.push_back({"gen_logits", safetensors::DType::F32, {N, result.vocabSize},
-                     asBytes(result.generatedLogits)});
+  if (!result.generatedLogits.empty() || N == 0) // sampled generation keeps no logits
+    tensors.push_back({"gen_logits", safetensors::DType::F32, {N, result.vocabSize},
+                       asBytes(result.generatedLogits)});
   tensors.push_back({"input_ids", safetensors::DType::I64, {1, T},
                      std::as_bytes(std::span(result.prompt))});
   const auto &layers = result.hidden.layers;

@@ -848,6 +848,26 @@ StatusOr<std::vector<float>> Model::decodeBatch(std::span<Sequence *const> seque
   return logits;
 }
 
+StatusOr<std::vector<int64_t>> Model::decodeBatchChoose(std::span<Sequence *const> rows,
+                                                        std::span<const int64_t> tokens,
+                                                        std::span<const TokenChoice> choices) {
+  if (choices.size() != rows.size())
+    return Status::error("decodeBatchChoose: " + std::to_string(rows.size()) + " sequences and " +
+                         std::to_string(choices.size()) + " choices: one choice per sequence");
+  for (size_t i = 0; i < choices.size(); ++i)
+    if (const std::string problem = samplingParamsProblem(choices[i].params); !problem.empty())
+      return Status::error("decodeBatchChoose: row " + std::to_string(i) + ": " + problem);
+  // One row takes the plain decode path, the one single-sequence callers have always used.
+  const bool single = rows.size() == 1 && tokens.size() == 1 && rows[0] && &rows[0]->model_ == this;
+  HYBRID_ASSIGN_OR_RETURN(std::vector<float> logits,
+                          single ? rows[0]->decode(tokens[0]) : decodeBatch(rows, tokens));
+  const auto vocab = static_cast<size_t>(vocabSize());
+  std::vector<int64_t> chosen(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i)
+    chosen[i] = chooseToken(std::span<const float>(logits).subspan(i * vocab, vocab), choices[i]);
+  return chosen;
+}
+
 StatusOr<std::vector<float>> Sequence::decode(int64_t token) {
   Model::Impl &impl = *model_.impl_;
   if (length_ + 1 > impl.options.maxContextTokens)

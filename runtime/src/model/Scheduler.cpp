@@ -37,6 +37,8 @@ StatusOr<uint64_t> Scheduler::submit(GenerationRequest request) {
   if (request.maxNewTokens < 1)
     return Status::error("request: maxNewTokens = " + std::to_string(request.maxNewTokens) +
                          " must be at least 1");
+  if (const std::string problem = samplingParamsProblem(request.sampling); !problem.empty())
+    return Status::error("request: " + problem);
   const int64_t vocab = model_.vocabSize();
   for (size_t i = 0; i < request.prompt.size(); ++i)
     if (request.prompt[i] < 0 || request.prompt[i] >= vocab)
@@ -64,6 +66,12 @@ StatusOr<uint64_t> Scheduler::submit(GenerationRequest request) {
   return waiting_.back()->id;
 }
 
+// Drafts are verified by argmax, so only greedy requests speculate; sampled ones decode plainly
+// (accepting a draft token by argmax would not sample from the distribution asked for).
+bool Scheduler::speculates(const Active &active) const {
+  return options_.draftTokens > 0 && samplingIsGreedy(active.request.sampling);
+}
+
 bool Scheduler::admit(Active &active) {
   const Model::Usage usage = model_.usage();
   if (usage.sequencesInUse >= usage.maxSequences)
@@ -78,13 +86,13 @@ bool Scheduler::admit(Active &active) {
     return false;
   active.sequence = std::move(*sequence);
   active.fed = 0;
-  if (*drafts_)
+  if (*drafts_ && speculates(active))
     (*drafts_)->attach(*active.sequence);
   return true;
 }
 
 // What a request's step produced: logits (the last row chooses the next token), or the tokens a
-// speculative step decided; `mayPreempt` is false for errors that recomputing cannot cure.
+// decode or speculative step chose; `mayPreempt` is false for errors that recomputing cannot cure.
 struct Scheduler::Outcome {
   StatusOr<std::vector<float>> logits = Status::error("nothing ran");
   std::vector<int64_t> chosen;
@@ -123,7 +131,7 @@ void Scheduler::runOwnStep(Active &active, Outcome &outcome, bool &decodes) {
               std::span(active.context).first(static_cast<size_t>(boundary)));
           !kept)
         outcome.logits = kept;
-  } else if (options_.draftTokens > 0) {
+  } else if (speculates(active)) {
     const int64_t room = active.request.maxNewTokens - active.generated();
     StatusOr<std::vector<int64_t>> proposed = (*drafts_)->propose(
         *active.sequence, active.context, std::min(active.draftLength, room - 1));
@@ -167,27 +175,27 @@ void Scheduler::decodeGroup(const std::vector<size_t> &group, std::vector<Outcom
     const size_t count = batched ? std::min(batchSize, group.size() - first) : 1;
     std::vector<Sequence *> sequences;
     std::vector<int64_t> tokens;
+    std::vector<TokenChoice> choices;
     for (size_t i = first; i < first + count; ++i) {
       Active &active = *running_[group[i]];
       sequences.push_back(active.sequence.get());
       tokens.push_back(active.context.back());
+      choices.push_back(tokenChoice(active.request.sampling, active.generated()));
       active.fed = static_cast<int64_t>(active.context.size());
     }
-    if (count == 1) {
-      outcomes[group[first]].logits = sequences[0]->decode(tokens[0]);
-      continue;
+    if (count > 1) {
+      ++stats_.decodeBatches;
+      stats_.batchedDecodeRows += static_cast<int64_t>(count);
     }
-    ++stats_.decodeBatches;
-    stats_.batchedDecodeRows += static_cast<int64_t>(count);
-    StatusOr<std::vector<float>> logits = model_.decodeBatch(sequences, tokens);
-    const auto vocab = static_cast<size_t>(model_.vocabSize());
+    StatusOr<std::vector<int64_t>> chosen = model_.decodeBatchChoose(sequences, tokens, choices);
     for (size_t i = 0; i < count; ++i) {
       Outcome &outcome = outcomes[group[first + i]];
-      if (!logits)
-        outcome.logits = logits.status(); // each row recomputes (or fails) on its own
-      else
-        outcome.logits = std::vector<float>(logits->begin() + i * vocab,
-                                            logits->begin() + (i + 1) * vocab);
+      if (!chosen) {
+        outcome.logits = chosen.status(); // each row recomputes (or fails) on its own
+      } else {
+        outcome.logits = std::vector<float>(); // the token is chosen already
+        outcome.chosen = {(*chosen)[i]};
+      }
     }
   }
 }
@@ -236,11 +244,13 @@ std::vector<TokenEvent> Scheduler::step() {
       running.push_back(std::move(slot)); // more of the prompt next step
       continue;
     }
-    // The last row's logits choose the next token (a speculative step decided several).
+    // A prefill's last row chooses the next token (decode steps chose theirs, a speculative step
+    // several).
     if (outcome.chosen.empty()) {
       const int64_t vocab = model_.vocabSize();
       std::span<const float> last = std::span(*outcome.logits).last(static_cast<size_t>(vocab));
-      outcome.chosen.push_back(std::max_element(last.begin(), last.end()) - last.begin());
+      outcome.chosen.push_back(
+          chooseToken(last, tokenChoice(active.request.sampling, active.generated())));
     }
     bool finished = false;
     for (size_t i = 0; i < outcome.chosen.size() && !finished; ++i) {

@@ -1,4 +1,5 @@
-// Greedy generation on a loaded Model and the file formats around it: prompt ids in (a list or a
+// Generation on a loaded Model (greedy, or sampled: GenerationOptions::sampling) and the file
+// formats around it: prompt ids in (a list or a
 // safetensors file with `input_ids`), results out in the layout of the golden files (`logits`
 // [1,T,V] f32, `gen_ids` [1,N] i64, `gen_logits` [N,V] f32, optional `hidden.<i>`), and a
 // comparison against a reference file that names the first layer that diverges.
@@ -6,6 +7,7 @@
 
 #include "hybrid/runtime/Draft.h"
 #include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Sampling.h"
 #include "hybrid/runtime/Status.h"
 
 #include <cstdint>
@@ -19,8 +21,10 @@ struct GenerationResult {
   int64_t vocabSize = 0;
   std::vector<int64_t> prompt;
   std::vector<float> promptLogits; // [T, V]
-  std::vector<int64_t> generated;  // greedy ids
-  std::vector<float> generatedLogits; // [N, V]: the logits that chose each generated id
+  std::vector<int64_t> generated;  // the chosen ids
+  // [N, V]: the logits that chose each generated id; empty for sampled generation (its decode
+  // steps return the chosen tokens only: Model::decodeBatchChoose)
+  std::vector<float> generatedLogits;
   HiddenStates hidden;             // filled when asked for
   double prefillSeconds = 0;       // time to first token
   double decodeSeconds = 0;        // the remaining N - 1 tokens
@@ -43,6 +47,9 @@ struct GenerationOptions {
   // accepted draft, one shorter when less than half was accepted. Greedy outputs do not change.
   int64_t draftTokens = 0;
   DraftSourceKind draftSource = DraftSourceKind::PromptLookup;
+  // How generate() chooses tokens (greedy by default); the n-th generated token's uniform is
+  // samplingUniform(seed, n). Drafts are verified greedily, so sampled runs ignore draftTokens.
+  SamplingParams sampling;
 };
 
 // Speculative against plain greedy decoding on the same prompts (hybrid-bench spec): both must
@@ -85,13 +92,21 @@ int64_t adaptDraftLength(int64_t current, int64_t maximum, int64_t drafted, int6
 std::vector<int64_t> promptLookupDraft(std::span<const int64_t> context, int64_t maxTokens,
                                        int64_t maxNgram = 3);
 
+// Greedy generation (options.sampling is not read): the golden comparisons' path.
 StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t> prompt,
                                           const GenerationOptions &options);
+// Generation with options.sampling: greedy parameters are generateGreedy exactly; sampled ones
+// choose the first token from the prompt's last row and every later one through
+// Model::decodeBatchChoose (or, without caches, from a full forward's last row), without drafts.
+// Parameters out of range are refused naming the field.
+StatusOr<GenerationResult> generate(Model &model, std::span<const int64_t> prompt,
+                                    const GenerationOptions &options);
 
 // "1,2,3" or a safetensors file holding an integer tensor `input_ids` ([T] or [1, T]).
 StatusOr<std::vector<int64_t>> readInputIds(const std::string &spec);
 
-// Writes logits / gen_ids / gen_logits (and hidden.<i>, hidden.final) like golden.safetensors.
+// Writes logits / gen_ids / gen_logits (and hidden.<i>, hidden.final) like golden.safetensors;
+// gen_logits only when the result has them (not for sampled generation).
 Status writeGeneration(const std::string &path, const GenerationResult &result);
 
 struct ComparisonReport {

@@ -13,6 +13,7 @@
 // are shared by its sequences); use one Model per thread.
 #pragma once
 
+#include "hybrid/runtime/Sampling.h"
 #include "hybrid/runtime/Status.h"
 #include "runtime/schema/plan_generated.h"
 
@@ -228,6 +229,14 @@ public:
   // running leaves the sequences' caches undefined.
   StatusOr<std::vector<float>> decodeBatch(std::span<Sequence *const> sequences,
                                            std::span<const int64_t> tokens);
+  // One decode step for `rows` (as decodeBatch) that returns the token each row chooses instead
+  // of its logits: row i's logits through choices[i] (Sampling.h; greedy choices give the argmax,
+  // lowest id on ties). Every sampled decode step goes through here so that a device can choose
+  // where the logits are (the cpu device and, for now, the cuda device choose on the host).
+  // Choices with bad parameters are refused, naming the row and field, before anything runs.
+  StatusOr<std::vector<int64_t>> decodeBatchChoose(std::span<Sequence *const> rows,
+                                                   std::span<const int64_t> tokens,
+                                                   std::span<const TokenChoice> choices);
   // Sequences one decodeBatch() step takes: the decode program's max_tokens.
   int64_t maxDecodeBatch() const;
   // The plan has a multi-token-prediction program (`mtp`: DeepSeek-V3's MTP layer), the draft

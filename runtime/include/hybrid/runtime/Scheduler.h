@@ -1,4 +1,4 @@
-// Continuous batching over a Model (greedy decoding): requests join and leave between steps,
+// Continuous batching over a Model: requests join and leave between steps,
 // prompts are prefilled in chunks mixed with other requests' decode steps, admission waits for a
 // free sequence and enough free KV pages, and a request whose step finds the KV cache full is
 // preempted: its sequence is freed and it is recomputed (prompt + tokens so far) when readmitted.
@@ -7,10 +7,16 @@
 // Prefill chunks and speculative steps run one sequence per program call; the plain decode steps
 // of a step run together through Model::decodeBatch, as many per call as the plan's decode
 // program takes (hybrid-compile --decode-batch; one at a time with a plan for one).
+// Each request chooses its tokens by its own SamplingParams (greedy by default): decode steps
+// through Model::decodeBatchChoose, a prefill's last row on the host, the n-th generated token
+// with the uniform samplingUniform(seed, n), so a seeded request's tokens do not depend on the
+// requests it is batched with. Speculative steps verify drafts greedily, so sampled requests run
+// without drafts (plain decode steps) even when SchedulerOptions::draftTokens is set.
 #pragma once
 
 #include "hybrid/runtime/Draft.h"
 #include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Sampling.h"
 #include "hybrid/runtime/Status.h"
 
 #include <cstdint>
@@ -25,6 +31,7 @@ struct GenerationRequest {
   std::vector<int64_t> prompt;
   int64_t maxNewTokens = 16;
   std::vector<int64_t> stopTokens; // generating one of these ends the request (it is emitted)
+  SamplingParams sampling;         // greedy unless set
 };
 
 // What a step did for one request: a generated token, or an error; `finished` on its last event.
@@ -38,7 +45,8 @@ struct TokenEvent {
 struct SchedulerOptions {
   int64_t prefillChunkTokens = 256; // prompt tokens a prefilling request gets per step
   // Speculative decoding with drafts of at most this many tokens per decode step (0: off) from
-  // `draftSource`; the length adapts per request to its acceptance. Tokens do not change. A
+  // `draftSource`; the length adapts per request to its acceptance. Tokens do not change.
+  // Greedy requests only: drafts are verified by argmax, so sampled requests decode plainly. A
   // source the model cannot serve (mtp without an `mtp` program) makes submit() refuse.
   int64_t draftTokens = 0;
   DraftSourceKind draftSource = DraftSourceKind::PromptLookup;
@@ -67,8 +75,8 @@ public:
   Scheduler &operator=(const Scheduler &) = delete;
 
   // Queues a request; its id names its events. Refuses (with the reason) an empty prompt, a token
-  // outside the vocabulary, maxNewTokens < 1, and a prompt plus maxNewTokens past the model's
-  // context or past the whole KV cache.
+  // outside the vocabulary, maxNewTokens < 1, sampling parameters out of range (naming the
+  // field), and a prompt plus maxNewTokens past the model's context or past the whole KV cache.
   StatusOr<uint64_t> submit(GenerationRequest request);
   // Admits waiting requests in arrival order while a sequence and the pages for their prompt are
   // free, then advances every running request by one prefill chunk or one decode step. Returns
@@ -84,6 +92,7 @@ public:
 private:
   struct Active;
   struct Outcome;
+  bool speculates(const Active &active) const;
   bool admit(Active &active);
   void runOwnStep(Active &active, Outcome &outcome, bool &decodes);
   void decodeGroup(const std::vector<size_t> &group, std::vector<Outcome> &outcomes);
