@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -258,6 +259,12 @@ TEST_F(ServeTest, BadRequestsGetAReasonAndTheServerStaysUp) {
   expectError({{"prompt", {1}}, {"max_tokens", 0}}, 400,
               "request: maxNewTokens = 0 must be at least 1", auth);
   expectError({{"prompt", {1}}, {"stream", "yes"}}, 400, "\"stream\" must be true or false", auth);
+  expectError({{"prompt", {1}}, {"temperature", -0.5}}, 400,
+              "\"temperature\" must be a finite number >= 0", auth);
+  expectError({{"prompt", {1}}, {"top_p", 0}}, 400, "\"top_p\" must be a number in (0, 1]", auth);
+  expectError({{"prompt", {1}}, {"top_k", -2}}, 400,
+              "\"top_k\" must be an integer >= 0 (-1 or 0: all tokens)", auth);
+  expectError({{"prompt", {1}}, {"seed", "7"}}, 400, "\"seed\" must be an integer", auth);
   httplib::Client client("127.0.0.1", server_->port());
   auto notJson = client.Post("/v1/completions", auth, "{not json", "application/json");
   ASSERT_TRUE(notJson);
@@ -443,6 +450,53 @@ TEST(CompletionRequest, ParsesTheFieldsAndNamesTheBadOne) {
   EXPECT_EQ(error(R"({"prompt": [1], "stream": "yes"})"), "\"stream\" must be true or false");
 }
 
+// Sampling fields: absent (or null) means greedy and no seed; -1 is vLLM's top_k "off"; every bad
+// value is refused naming its field, on both endpoints.
+TEST(CompletionRequest, ParsesSamplingAndNamesTheBadField) {
+  auto defaults = parseCompletionRequest(R"({"prompt": [4], "temperature": null})", 16);
+  ASSERT_TRUE(defaults.isOk()) << defaults.status().message();
+  EXPECT_TRUE(samplingIsGreedy(defaults->generation.sampling));
+  EXPECT_EQ(defaults->generation.sampling.topK, 0);
+  EXPECT_EQ(defaults->generation.sampling.topP, 1.0f);
+  EXPECT_FALSE(defaults->seeded);
+  auto full = parseCompletionRequest(
+      R"({"prompt": [4], "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 123})", 16);
+  ASSERT_TRUE(full.isOk()) << full.status().message();
+  EXPECT_EQ(full->generation.sampling.temperature, 0.7f);
+  EXPECT_EQ(full->generation.sampling.topP, 0.9f);
+  EXPECT_EQ(full->generation.sampling.topK, 40);
+  EXPECT_EQ(full->generation.sampling.seed, 123u);
+  EXPECT_TRUE(full->seeded);
+  auto off = parseCompletionRequest(
+      R"({"prompt": [4], "temperature": 2, "top_k": -1, "seed": -1})", 16);
+  ASSERT_TRUE(off.isOk()) << off.status().message();
+  EXPECT_EQ(off->generation.sampling.topK, 0);
+  EXPECT_EQ(off->generation.sampling.seed, ~uint64_t(0));
+  auto huge = parseCompletionRequest(R"({"prompt": [4], "top_k": 18446744073709551615})", 16);
+  ASSERT_TRUE(huge.isOk()) << huge.status().message();
+  EXPECT_EQ(huge->generation.sampling.topK, std::numeric_limits<int32_t>::max());
+  auto error = [](const std::string &fields) {
+    auto parsed = parseCompletionRequest(R"({"prompt": [1], )" + fields + "}", 16);
+    return parsed.isOk() ? std::string("ok") : parsed.status().message();
+  };
+  const std::string temperature = "\"temperature\" must be a finite number >= 0";
+  EXPECT_EQ(error(R"("temperature": -1)"), temperature);
+  EXPECT_EQ(error(R"("temperature": "hot")"), temperature);
+  EXPECT_EQ(error(R"("temperature": 1e300)"), temperature); // past float: infinite
+  EXPECT_EQ(error(R"("temperature": 0)"), "ok");
+  const std::string topP = "\"top_p\" must be a number in (0, 1]";
+  EXPECT_EQ(error(R"("top_p": 0)"), topP);
+  EXPECT_EQ(error(R"("top_p": 1.01)"), topP);
+  EXPECT_EQ(error(R"("top_p": 1e-60)"), topP); // 0 as the sampler's float
+  EXPECT_EQ(error(R"("top_p": true)"), topP);
+  EXPECT_EQ(error(R"("top_p": 1)"), "ok");
+  const std::string topK = "\"top_k\" must be an integer >= 0 (-1 or 0: all tokens)";
+  EXPECT_EQ(error(R"("top_k": -2)"), topK);
+  EXPECT_EQ(error(R"("top_k": 2.5)"), topK);
+  EXPECT_EQ(error(R"("seed": 1.5)"), "\"seed\" must be an integer");
+  EXPECT_EQ(error(R"("seed": [1])"), "\"seed\" must be an integer");
+}
+
 // A tokenizer that fits the tiny models' 256 ids: one tiktoken token per byte that can occur in
 // UTF-8 (243), then Kimi's special tokens and reserved ones up to id 255.
 std::unique_ptr<Tokenizer> byteTokenizer() {
@@ -561,6 +615,42 @@ TEST_F(ServeTest, TextPromptsAndChatGoThroughTheTokenizer) {
                                      "kimi chat format (system, user, assistant)");
 }
 
+// A seeded sampled request answers the same text twice, alone or beside other requests, and
+// (at a high temperature) not the greedy answer; the greedy default still gives the golden ids.
+TEST_F(ServeTest, SeededSamplingIsReproducibleAndNotGreedy) {
+  auto tokenizer = byteTokenizer();
+  ASSERT_TRUE(tokenizer);
+  ServeOptions options;
+  options.tokenizer = tokenizer.get();
+  startServer({}, options);
+  const std::vector<int64_t> prompt = goldenTensor("kimi_linear_tiny", "input_ids");
+  const std::vector<int64_t> golden = goldenTensor("kimi_linear_tiny", "gen_ids");
+  const json sampled = {{"prompt", prompt}, {"max_tokens", golden.size()}, {"temperature", 5.0},
+                        {"top_p", 0.95}, {"seed", 20240601}};
+  auto [status, first] = complete(sampled);
+  ASSERT_EQ(status, 200) << first.dump();
+  // Again, while greedy and unseeded sampled requests run beside it.
+  std::pair<int, json> again, greedy, unseeded;
+  std::thread others([&] {
+    greedy = complete({{"prompt", prompt}, {"max_tokens", golden.size()}});
+    unseeded = complete({{"prompt", prompt}, {"max_tokens", golden.size()}, {"temperature", 5.0}});
+  });
+  again = complete(sampled);
+  others.join();
+  ASSERT_EQ(again.first, 200) << again.second.dump();
+  ASSERT_EQ(greedy.first, 200) << greedy.second.dump();
+  ASSERT_EQ(unseeded.first, 200) << unseeded.second.dump();
+  const json &choice = first["choices"][0];
+  EXPECT_EQ(again.second["choices"][0]["token_ids"], choice["token_ids"]);
+  EXPECT_EQ(again.second["choices"][0]["text"], choice["text"]);
+  const auto ids = choice["token_ids"].get<std::vector<int64_t>>();
+  EXPECT_EQ(ids.size(), golden.size());
+  EXPECT_EQ(choice["text"], tokenizer->decode(ids, true).value());
+  EXPECT_NE(ids, golden);
+  EXPECT_EQ(greedy.second["choices"][0]["token_ids"].get<std::vector<int64_t>>(), golden);
+  EXPECT_EQ(unseeded.second["choices"][0]["token_ids"].size(), golden.size());
+}
+
 TEST_F(ServeTest, ChatWithoutATokenizerIsRefused) {
   startServer();
   auto [status, body] =
@@ -588,6 +678,14 @@ TEST(ChatRequest, ParsesMessagesAndNamesTheBadField) {
             "supported");
   EXPECT_EQ(error(R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": "4"})"),
             "\"max_tokens\" must be an integer");
+  EXPECT_EQ(error(R"({"messages": [{"role": "user", "content": "x"}], "top_p": 2})"),
+            "\"top_p\" must be a number in (0, 1]");
+  auto sampledChat = parseChatRequest(
+      R"({"messages": [{"role": "user", "content": "x"}], "temperature": 1.2, "seed": 5})", 16,
+      tokenizer.get(), ChatFormat::Kimi);
+  ASSERT_TRUE(sampledChat.isOk()) << sampledChat.status().message();
+  EXPECT_EQ(sampledChat->generation.sampling.temperature, 1.2f);
+  EXPECT_EQ(sampledChat->generation.sampling.seed, 5u);
   auto parsed = parseChatRequest(R"({"messages": [{"role": "user", "content": "x"}],
       "max_completion_tokens": 3, "stop_token_ids": [5]})", 16, tokenizer.get(), ChatFormat::Kimi);
   ASSERT_TRUE(parsed.isOk()) << parsed.status().message();

@@ -46,7 +46,8 @@ int main(int argc, char **argv) {
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
   app.add_option("--speculate", serve.scheduler.draftTokens,
-                 "Speculative decoding with drafts of at most this many tokens (0: off)")
+                 "Speculative decoding with drafts of at most this many tokens (0: off); "
+                 "greedy requests only, sampled ones decode without drafts")
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
   std::string draftSource = "prompt-lookup";

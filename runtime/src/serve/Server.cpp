@@ -4,6 +4,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
+#include <random>
 #include <limits>
 #include <array>
 #include <atomic>
@@ -68,6 +70,12 @@ struct Pending {
 
 bool isLoopback(const std::string &host) {
   return host == "127.0.0.1" || host == "localhost" || host == "::1";
+}
+
+// A seed for a request that gave none: 64 bits from the operating system's entropy.
+uint64_t drawSeed() {
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) ^ device();
 }
 
 json errorBody(const std::string &message, const std::string &type) {
@@ -217,7 +225,53 @@ bool tokenId(const json &value) {
 
 namespace {
 
-// The fields /v1/completions and /v1/chat/completions share: max_tokens, stop_token_ids, stream.
+// A field that is absent or null (OpenAI clients send null for "use the default").
+const json *present(const json &body, const char *field) {
+  auto found = body.find(field);
+  return found == body.end() || found->is_null() ? nullptr : &*found;
+}
+
+// OpenAI's temperature, top_p and seed, and vLLM's top_k. Without a temperature the request is
+// greedy (OpenAI defaults to 1): outputs are deterministic unless a client asks otherwise. Ranges
+// are checked on the float values the sampler reads (1e-50 is a top_p of 0 there).
+Status parseSampling(const json &body, CompletionRequest &request) {
+  SamplingParams &sampling = request.generation.sampling;
+  if (const json *temperature = present(body, "temperature")) {
+    const double value = temperature->is_number() ? temperature->get<double>() : -1.0;
+    if (!(value >= 0.0 && value <= std::numeric_limits<float>::max()))
+      return Status::error("\"temperature\" must be a finite number >= 0");
+    sampling.temperature = static_cast<float>(value);
+  }
+  if (const json *topP = present(body, "top_p")) {
+    const double value = topP->is_number() ? topP->get<double>() : 0.0;
+    sampling.topP = value > 0.0 && value <= 1.0 ? static_cast<float>(value) : 0.0f;
+    if (!(sampling.topP > 0.0f && sampling.topP <= 1.0f))
+      return Status::error("\"top_p\" must be a number in (0, 1]");
+  }
+  if (const json *topK = present(body, "top_k")) {
+    const bool valid = topK->is_number_unsigned() ||
+                       (topK->is_number_integer() && topK->get<int64_t>() >= -1);
+    if (!valid)
+      return Status::error("\"top_k\" must be an integer >= 0 (-1 or 0: all tokens)");
+    // -1 is vLLM's "off", 0 the sampler's; a k past any vocabulary keeps every token too.
+    const uint64_t k = topK->is_number_unsigned() ? topK->get<uint64_t>()
+                       : topK->get<int64_t>() < 0  ? 0
+                                                   : topK->get<uint64_t>();
+    sampling.topK = static_cast<int32_t>(std::min<uint64_t>(k, std::numeric_limits<int32_t>::max()));
+  }
+  if (const json *seed = present(body, "seed")) {
+    if (!seed->is_number_integer())
+      return Status::error("\"seed\" must be an integer");
+    // Negative seeds are as good as any: their two's-complement bits seed the generator.
+    sampling.seed = seed->is_number_unsigned() ? seed->get<uint64_t>()
+                                               : static_cast<uint64_t>(seed->get<int64_t>());
+    request.seeded = true;
+  }
+  return Status::ok();
+}
+
+// The fields /v1/completions and /v1/chat/completions share: max_tokens, stop_token_ids, stream,
+// and the sampling parameters.
 Status parseCommonFields(const json &body, int64_t defaultMaxTokens, CompletionRequest &request) {
   json maxTokens = body.value("max_tokens", json(defaultMaxTokens));
   if (!body.contains("max_tokens") && body.contains("max_completion_tokens"))
@@ -237,7 +291,7 @@ Status parseCommonFields(const json &body, int64_t defaultMaxTokens, CompletionR
   if (!stream.is_boolean())
     return Status::error("\"stream\" must be true or false");
   request.stream = stream.get<bool>();
-  return Status::ok();
+  return parseSampling(body, request);
 }
 
 } // namespace
@@ -348,6 +402,9 @@ void Server::Impl::completions(const httplib::Request &request, httplib::Respons
            : parseCompletionRequest(request.body, options.defaultMaxTokens, tokenizer);
   if (!parsed)
     return fail(400, parsed.status().message());
+  // A sampled request without a seed gets a fresh one; with a seed it is reproducible.
+  if (!parsed->seeded)
+    parsed->generation.sampling.seed = drawSeed();
   auto pending = std::make_shared<Pending>();
   pending->request = std::move(parsed->generation);
   const bool stream = parsed->stream;

@@ -3,7 +3,9 @@
 // Endpoints: GET /health, /ready, /v1/models, /metrics (Prometheus text); POST /v1/completions
 // with a prompt of token ids ("prompt": [ids]) or, with a tokenizer, text; POST
 // /v1/chat/completions with "messages" (a tokenizer with a chat format needed); "max_tokens",
-// "stream" (server-sent events), "stop_token_ids". Generated ids come back in "token_ids", and
+// "stream" (server-sent events), "stop_token_ids", and sampling: "temperature" (absent: greedy,
+// not OpenAI's 1, so outputs are deterministic unless asked otherwise), "top_p", "top_k" (-1 or
+// 0: off) and "seed" (absent: one drawn by the server). Generated ids come back in "token_ids", and
 // with a tokenizer as "text" (chat: message "content"), special tokens left out; streamed text is
 // decoded incrementally so a character split over tokens comes out whole.
 #pragma once
@@ -48,6 +50,7 @@ struct ServeOptions {
 struct CompletionRequest {
   GenerationRequest generation;
   bool stream = false;
+  bool seeded = false; // the body gave a "seed" (otherwise the server draws one)
 };
 StatusOr<CompletionRequest> parseCompletionRequest(const std::string &body,
                                                    int64_t defaultMaxTokens,
