@@ -45,6 +45,13 @@ std::optional<std::string> attributeError(MLIRContext &context, VerifyFn &&verif
   return message;
 }
 
+std::string shapeText(ArrayRef<int64_t> shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i)
+    text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
 class ModelImporter {
 public:
   ModelImporter(MLIRContext &context, const Checkpoint &checkpoint,
@@ -68,6 +75,9 @@ private:
   StatusOr<Value> buildKda(int64_t layer, Value input);
   StatusOr<Value> buildMla(int64_t layer, Value input, bool sparse);
   StatusOr<Value> buildFfn(const std::string &kind, int64_t layer, Value input);
+  // The gated-MLP activation (hidden_act; SiTU's betas) of dense MLPs and MoE experts; SiLU is
+  // left out when `silentSilu` (the op's default).
+  Status addActivation(SmallVectorImpl<NamedAttribute> &attrs, bool silentSilu);
   StatusOr<Value> buildRmsNorm(Value input, const std::string &group, const std::string &role,
                                int64_t layer, double epsilon, Location loc);
   StatusOr<Value> buildAttnRes(ArrayRef<Value> blocks, Value partial, const std::string &group,
@@ -437,24 +447,65 @@ StatusOr<Value> ModelImporter::buildMixer(const std::string &kind, int64_t layer
                        std::to_string(layer) + " (known: kda, mla, mla_dsa)");
 }
 
+Status ModelImporter::addActivation(SmallVectorImpl<NamedAttribute> &attrs, bool silentSilu) {
+  HYBRID_ASSIGN_OR_RETURN(std::string activation, config_.getString("mlp.activation"));
+  std::optional<Activation> act = symbolizeActivation(activation);
+  if (!act)
+    return Status::error(config_.path() + ": " + config_.describe("mlp.activation") + " '" +
+                         activation + "' is not supported (silu, situ)");
+  if (*act == Activation::silu && silentSilu)
+    return Status::ok();
+  attrs.push_back(builder_.getNamedAttr("activation", ActivationAttr::get(&context_, *act)));
+  if (*act != Activation::situ)
+    return Status::ok();
+  // K3's SiTU: the gate's soft cap is required, the linear half's optional.
+  std::optional<double> beta, linearBeta;
+  if (mapping_.config.count("mlp.situ_beta")) {
+    HYBRID_ASSIGN_OR_RETURN(beta, config_.getOptionalDouble("mlp.situ_beta"));
+  }
+  if (mapping_.config.count("mlp.situ_linear_beta")) {
+    HYBRID_ASSIGN_OR_RETURN(linearBeta, config_.getOptionalDouble("mlp.situ_linear_beta"));
+  }
+  if (!beta || !(*beta > 0))
+    return Status::error(config_.path() + ": the situ activation needs a positive " +
+                         config_.describe("mlp.situ_beta"));
+  if (linearBeta && !(*linearBeta > 0))
+    return Status::error(config_.path() + ": " + config_.describe("mlp.situ_linear_beta") +
+                         " must be positive");
+  attrs.push_back(f64("situ_beta", *beta));
+  if (linearBeta)
+    attrs.push_back(f64("situ_linear_beta", *linearBeta));
+  return Status::ok();
+}
+
 StatusOr<Value> ModelImporter::buildFfn(const std::string &kind, int64_t layer, Value input) {
   if (kind == "mlp") {
     const Location loc = layerLoc(layer, "mlp");
-    HYBRID_ASSIGN_OR_RETURN(std::string activation, config_.getString("mlp.activation"));
-    std::optional<Activation> act = symbolizeActivation(activation);
-    if (!act)
-      return Status::error(config_.path() + ": hidden_act '" + activation +
-                           "' is not supported (silu)");
-    SmallVector<NamedAttribute> attrs = {
-        builder_.getNamedAttr("activation", ActivationAttr::get(&context_, *act))};
+    SmallVector<NamedAttribute> attrs;
+    HYBRID_RETURN_IF_ERROR(addActivation(attrs, /*silentSilu=*/false));
     for (const char *role : {"gate_proj", "up_proj", "down_proj"})
       HYBRID_RETURN_IF_ERROR(addWeight(attrs, "mlp", role, layer));
     return builder_.create<MlpOp>(loc, TypeRange{input.getType()}, ValueRange{input}, attrs)
         .getResult();
   }
-  if (kind != "moe")
+  if (kind != "moe" && kind != "latent_moe")
     return Status::error(mapping_.source + ": unknown feed-forward kind '" + kind +
-                         "' for layer " + std::to_string(layer) + " (known: mlp, moe)");
+                         "' for layer " + std::to_string(layer) + " (known: mlp, moe, latent_moe)");
+  // Latent MoE (K3): routed_expert_hidden_size makes every MoE layer latent; a layer listed as
+  // latent_moe requires it.
+  std::optional<int64_t> latentSize;
+  if (mapping_.config.count("moe.latent_size")) {
+    HYBRID_ASSIGN_OR_RETURN(latentSize, config_.getOptionalInt("moe.latent_size"));
+  }
+  if (kind == "latent_moe" && !latentSize)
+    return Status::error(config_.path() + ": layer " + std::to_string(layer) +
+                         " is a latent MoE but " +
+                         (mapping_.config.count("moe.latent_size")
+                              ? config_.describe("moe.latent_size") + " is not set"
+                              : std::string("the mapping has no moe.latent_size")));
+  if (latentSize && *latentSize <= 0)
+    return Status::error(config_.path() + ": " + config_.describe("moe.latent_size") +
+                         " must be positive");
 
   HYBRID_ASSIGN_OR_RETURN(int64_t experts, config_.getInt("moe.num_experts"));
   HYBRID_ASSIGN_OR_RETURN(int64_t topK, config_.getInt("moe.top_k"));
@@ -489,6 +540,27 @@ StatusOr<Value> ModelImporter::buildFfn(const std::string &kind, int64_t layer, 
   if (shared > 0)
     for (const char *role : {"shared_gate_proj", "shared_up_proj", "shared_down_proj"})
       HYBRID_RETURN_IF_ERROR(addWeight(attrs, "moe", role, layer));
+  HYBRID_RETURN_IF_ERROR(addActivation(attrs, /*silentSilu=*/true)); // hybrid.moe's default
+  if (latentSize) {
+    HYBRID_ASSIGN_OR_RETURN(WeightAttr down, weight("moe", "latent_down_proj", layer));
+    HYBRID_ASSIGN_OR_RETURN(WeightAttr up, weight("moe", "latent_up_proj", layer));
+    // The op verifier checks the experts against the projections; the config's width here.
+    if (down.getType().getRank() != 2 || down.getShape()[0] != *latentSize)
+      return Status::error(checkpoint_.pathOf(*checkpoint_.find(down.getName().str())) +
+                           ": tensor '" + down.getName().str() + "' has shape " +
+                           shapeText(down.getShape()) + ", expected [" +
+                           std::to_string(*latentSize) + ", " + std::to_string(hidden_) + "] (" +
+                           config_.describe("moe.latent_size") + " = " +
+                           std::to_string(*latentSize) + ")");
+    attrs.push_back(builder_.getNamedAttr("routed_expert_down_proj", down));
+    attrs.push_back(builder_.getNamedAttr("routed_expert_up_proj", up));
+    HYBRID_ASSIGN_OR_RETURN(bool latentNorm, config_.getBool("moe.latent_norm"));
+    if (latentNorm) {
+      HYBRID_ASSIGN_OR_RETURN(WeightAttr norm, weight("moe", "latent_norm", layer));
+      attrs.push_back(builder_.getNamedAttr("routed_expert_norm", norm));
+      attrs.push_back(f64("routed_expert_norm_epsilon", rmsNormEps_));
+    }
+  }
   return builder_
       .create<MoeOp>(layerLoc(layer, "moe"), TypeRange{input.getType()}, ValueRange{input}, attrs)
       .getResult();

@@ -58,6 +58,10 @@ flatbuffers::Offset<fb::Rope> writeRope(flatbuffers::FlatBufferBuilder &b, Dicti
                         rope.real("beta_slow"), rope.real("mscale"), rope.real("mscale_all_dim"));
 }
 
+fb::Activation writeActivation(const ParamReader &p) {
+  return p.text("activation") == "situ" ? fb::Activation::Situ : fb::Activation::Silu;
+}
+
 // The params table of a dispatch, typed by its kernel.
 std::pair<fb::KernelParams, flatbuffers::Offset<void>>
 writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
@@ -119,7 +123,10 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
                                     static_cast<float>(p.real("output_norm_epsilon")))
                 .Union()};
   case plan::KernelId::mlp:
-    return {fb::KernelParams::MlpParams, fb::CreateMlpParams(b, fb::Activation::Silu).Union()};
+    return {fb::KernelParams::MlpParams,
+            fb::CreateMlpParams(b, writeActivation(p), static_cast<float>(p.real("situ_beta")),
+                                static_cast<float>(p.real("situ_linear_beta")))
+                .Union()};
   case plan::KernelId::moe_experts:
   case plan::KernelId::router_topk:
     return {fb::KernelParams::MoeParams,
@@ -129,7 +136,9 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
                                                                       : fb::ScoreFunction::Sigmoid,
                                 p.flag("renormalize"),
                                 static_cast<float>(p.real("routed_scaling_factor")),
-                                p.i32("intermediate_size"), p.i32("num_shared_experts"))
+                                p.i32("intermediate_size"), p.i32("num_shared_experts"),
+                                writeActivation(p), static_cast<float>(p.real("situ_beta")),
+                                static_cast<float>(p.real("situ_linear_beta")))
                 .Union()};
   case plan::KernelId::lm_head:
     return {fb::KernelParams::LmHeadParams, fb::CreateLmHeadParams(b).Union()};

@@ -109,6 +109,9 @@ private:
   SmallVector<int32_t> weightList(ArrayRef<WeightAttr> weights);
   SmallVector<int32_t> weightList(Operation *op, ArrayRef<StringRef> roles);
   DictionaryAttr ropeParams(RopeAttr rope);
+  // activation = silu | situ, plus SiTU's situ_beta / situ_linear_beta when set.
+  SmallVector<NamedAttribute> activationParams(Activation activation, std::optional<APFloat> beta,
+                                               std::optional<APFloat> linearBeta);
   // Appends the dispatches computing `op` (one or several) to `program`.
   LogicalResult expand(Operation *op, bool decode, ProgramBuilder &program);
 
@@ -277,6 +280,17 @@ SmallVector<int32_t> ModelLowering::weightList(Operation *op, ArrayRef<StringRef
   return weightList(weights);
 }
 
+SmallVector<NamedAttribute> ModelLowering::activationParams(Activation activation,
+                                                            std::optional<APFloat> beta,
+                                                            std::optional<APFloat> linearBeta) {
+  SmallVector<NamedAttribute> params = {str("activation", stringifyActivation(activation))};
+  if (beta)
+    params.push_back(f32("situ_beta", beta->convertToDouble()));
+  if (linearBeta)
+    params.push_back(f32("situ_linear_beta", linearBeta->convertToDouble()));
+  return params;
+}
+
 DictionaryAttr ModelLowering::ropeParams(RopeAttr rope) {
   StringRef kind = stringifyRopeKind(rope.getKind());
   StringRef pairing = stringifyRopePairing(rope.getPairing());
@@ -385,7 +399,7 @@ LogicalResult ModelLowering::expand(Operation *op, bool decode, ProgramBuilder &
     return single(plan::KernelId::attn_res, weightList({mix.getNorm(), mix.getProj()}));
   }
   if (auto mlp = dyn_cast<MlpOp>(op)) {
-    params = {str("activation", stringifyActivation(mlp.getActivation()))};
+    params = activationParams(mlp.getActivation(), mlp.getSituBeta(), mlp.getSituLinearBeta());
     return single(plan::KernelId::mlp,
                   weightList({mlp.getGateProj(), mlp.getUpProj(), mlp.getDownProj()}));
   }
@@ -431,6 +445,10 @@ LogicalResult ModelLowering::expand(Operation *op, bool decode, ProgramBuilder &
               f32("routed_scaling_factor", moe.getRoutedScalingFactor().convertToDouble()),
               i32("intermediate_size", moe.getIntermediateSize()),
               i32("num_shared_experts", moe.getNumSharedExperts())};
+    SmallVector<NamedAttribute> activation =
+        activationParams(moe.getActivation().value_or(Activation::silu), moe.getSituBeta(),
+                         moe.getSituLinearBeta());
+    params.append(activation.begin(), activation.end());
     DictionaryAttr moeParams = builder_.getDictionaryAttr(params);
     const int64_t topK = moe.getTopK();
     int32_t x = program.valueOf(moe.getInput());
@@ -447,19 +465,43 @@ LogicalResult ModelLowering::expand(Operation *op, bool decode, ProgramBuilder &
       expertWeightIds.append(expert.begin(), expert.end());
     }
     const int32_t output = program.resultOf(moe.getResult());
-    if (moe.getNumSharedExperts() == 0) {
-      program.addStep({plan::KernelId::moe_experts, moeParams, {x, expertIds, expertWeights},
-                       {output}, expertWeightIds, layer, op->getLoc()});
-      return success();
-    }
-    Type activation = program.activationType(moe.getInput());
+    Type valueType = program.activationType(moe.getInput());
     const int64_t width = program.rowElementsOf(moe.getInput());
-    int32_t routed = program.addValue(activation, width, name + ".routed");
-    int32_t sharedOut = program.addValue(activation, width, name + ".shared");
-    program.addStep({plan::KernelId::moe_experts, moeParams, {x, expertIds, expertWeights},
-                     {routed}, expertWeightIds, layer, op->getLoc()});
-    program.addStep({plan::KernelId::mlp,
-                     builder_.getDictionaryAttr({str("activation", "silu")}), {x}, {sharedOut},
+    const bool shared = moe.getNumSharedExperts() > 0;
+    const int32_t routed =
+        shared ? program.addValue(valueType, width, name + ".routed") : output;
+    if (auto down = moe.getRoutedExpertDownProj()) {
+      // Latent MoE as existing kernels: project down, the experts in the latent width, the
+      // optional RMSNorm of their weighted sum, project up.
+      const int64_t latent = down->getShape()[0];
+      int32_t latentIn = program.addValue(valueType, latent, name + ".latent_in");
+      int32_t latentOut = program.addValue(valueType, latent, name + ".latent_out");
+      DictionaryAttr none = builder_.getDictionaryAttr({});
+      program.addStep({plan::KernelId::linear, none, {x}, {latentIn}, weightList({*down}), layer,
+                       op->getLoc()});
+      program.addStep({plan::KernelId::moe_experts, moeParams,
+                       {latentIn, expertIds, expertWeights}, {latentOut}, expertWeightIds, layer,
+                       op->getLoc()});
+      if (auto norm = moe.getRoutedExpertNorm()) {
+        int32_t normed = program.addValue(valueType, latent, name + ".latent_normed");
+        program.addStep(
+            {plan::KernelId::rms_norm,
+             builder_.getDictionaryAttr(
+                 {f32("epsilon", moe.getRoutedExpertNormEpsilon()->convertToDouble())}),
+             {latentOut}, {normed}, weightList({*norm}), layer, op->getLoc()});
+        latentOut = normed;
+      }
+      program.addStep({plan::KernelId::linear, none, {latentOut}, {routed},
+                       weightList({*moe.getRoutedExpertUpProj()}), layer, op->getLoc()});
+    } else {
+      program.addStep({plan::KernelId::moe_experts, moeParams, {x, expertIds, expertWeights},
+                       {routed}, expertWeightIds, layer, op->getLoc()});
+    }
+    if (!shared)
+      return success();
+    int32_t sharedOut = program.addValue(valueType, width, name + ".shared");
+    program.addStep({plan::KernelId::mlp, builder_.getDictionaryAttr(activation), {x},
+                     {sharedOut},
                      weightList(op, {"shared_gate_proj", "shared_up_proj", "shared_down_proj"}),
                      layer, op->getLoc()});
     program.addStep({plan::KernelId::add, builder_.getDictionaryAttr({}), {routed, sharedOut},

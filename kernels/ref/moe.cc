@@ -84,6 +84,14 @@ void routeTokens(std::span<const float> routerLogits, int64_t numTokens, const R
   }
 }
 
+float gatedActivation(const GatedActivation &activation, float gate, float up) {
+  if (activation.kind == GatedActivation::Kind::Silu)
+    return silu(gate) * up;
+  const float beta = activation.beta, linearBeta = activation.linearBeta;
+  const float cappedUp = linearBeta > 0.0f ? linearBeta * std::tanh(up / linearBeta) : up;
+  return beta * std::tanh(gate / beta) * sigmoid(gate) * cappedUp;
+}
+
 void swiGluMlp(std::span<const float> x, int64_t numTokens, const SwiGluWeights &w,
                std::span<float> out) {
   const int64_t hidden = w.hiddenSize, inner = w.intermediateSize;
@@ -99,7 +107,7 @@ void swiGluMlp(std::span<const float> x, int64_t numTokens, const SwiGluWeights 
   project(x, w.gateProj, gate, hidden, inner);
   project(x, w.upProj, up, hidden, inner);
   for (size_t i = 0; i < gate.size(); ++i)
-    gate[i] = silu(gate[i]) * up[i];
+    gate[i] = gatedActivation(w.activation, gate[i], up[i]);
   project(gate, w.downProj, out, inner, hidden);
 }
 

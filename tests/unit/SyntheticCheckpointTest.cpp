@@ -392,6 +392,47 @@ TEST(SyntheticKimiK3Gates, TensorsAndConfigFields) {
   EXPECT_FALSE(deepseek.validate().isOk());
 }
 
+TEST(SyntheticKimiK3FeedForward, LatentExpertsAndSituConfig) {
+  const SyntheticSpec spec = presetOrDie("kimi-k3-tiny");
+  ASSERT_TRUE(spec.validate().isOk()) << spec.validate().message();
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const SyntheticTensor &tensor : listSyntheticTensors(spec))
+    shapes[tensor.name] = tensor.shape;
+  const std::string moe = "model.layers.1.block_sparse_moe.";
+  // Routed experts in the latent width (128), shared experts at full width (256).
+  EXPECT_EQ(shapes[moe + "experts.0.w1.weight"], (std::vector<int64_t>{64, 128}));
+  EXPECT_EQ(shapes[moe + "experts.15.w2.weight"], (std::vector<int64_t>{128, 64}));
+  EXPECT_EQ(shapes[moe + "routed_expert_down_proj.weight"], (std::vector<int64_t>{128, 256}));
+  EXPECT_EQ(shapes[moe + "routed_expert_up_proj.weight"], (std::vector<int64_t>{256, 128}));
+  EXPECT_EQ(shapes[moe + "routed_expert_norm.weight"], (std::vector<int64_t>{128}));
+  EXPECT_EQ(shapes[moe + "shared_experts.gate_proj.weight"], (std::vector<int64_t>{128, 256}));
+  EXPECT_EQ(shapes.count("model.layers.0.mlp.routed_expert_down_proj.weight"), 0u);
+  const Json config = Json::parse(syntheticConfigJson(spec));
+  EXPECT_EQ(config.at("hidden_act"), "situ");
+  EXPECT_EQ(config.at("activation_situ_beta"), 4.0);
+  EXPECT_EQ(config.at("activation_situ_linear_beta"), 25.0);
+  EXPECT_EQ(config.at("routed_expert_hidden_size"), 128);
+  EXPECT_EQ(config.at("latent_moe_use_norm"), true);
+  StatusOr<SyntheticSpec> read = specFromConfigJson(config.dump(), "config.json");
+  ASSERT_TRUE(read.isOk()) << read.status().message();
+  EXPECT_EQ(read->situBeta, std::optional<double>(4.0));
+  EXPECT_EQ(read->situLinearBeta, std::optional<double>(25.0));
+  EXPECT_EQ(read->latentMoeSize, std::optional<int64_t>(128));
+  EXPECT_TRUE(read->latentMoeNorm);
+
+  Json noBeta = config;
+  noBeta.erase("activation_situ_beta");
+  StatusOr<SyntheticSpec> refused = specFromConfigJson(noBeta.dump(), "/m/config.json");
+  ASSERT_FALSE(refused.isOk());
+  EXPECT_EQ(refused.status().message(),
+            "/m/config.json: synthetic spec: 'activation_situ_beta' must be positive");
+  SyntheticSpec latentKind = presetOrDie("hybrid-tiny");
+  latentKind.mlpLayerTypes[2] = "latent_moe";
+  EXPECT_NE(latentKind.validate().message().find("routed_expert_hidden_size"), std::string::npos);
+  latentKind.latentMoeSize = 64;
+  EXPECT_TRUE(latentKind.validate().isOk()) << latentKind.validate().message();
+}
+
 //===------------------------------------------------------------------------------------------===//
 // Written checkpoints.
 //===------------------------------------------------------------------------------------------===//

@@ -53,7 +53,8 @@ def Hybrid_ScoreFunction : I32EnumAttr<"ScoreFunction", "MoE router score functi
 def Hybrid_ScoreFunctionAttr : EnumAttr<Hybrid_Dialect, Hybrid_ScoreFunction, "score_function">;
 
 def Hybrid_Activation : I32EnumAttr<"Activation", "gated-MLP activation", [
-    I32EnumAttrCase<"silu", 0>
+    I32EnumAttrCase<"silu", 0>,  // silu(g) * u (SwiGLU)
+    I32EnumAttrCase<"situ", 1>   // beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta) (K3)
   ]> {
   let cppNamespace = "::hybrid";
   let genSpecializedAttr = 0;

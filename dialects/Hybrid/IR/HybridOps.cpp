@@ -457,6 +457,22 @@ LogicalResult verifyGatedMlp(Operation *op, StringRef prefix, WeightAttr gate, W
   return checkWeightShape(op, downRole, down, {d, width}, eq("hidden", d) + ", " + why);
 }
 
+// SiTU needs its positive beta (and, when given, a positive linear beta); SiLU takes neither.
+LogicalResult verifyActivation(Operation *op, Activation activation,
+                               std::optional<APFloat> beta, std::optional<APFloat> linearBeta) {
+  if (activation == Activation::silu) {
+    if (beta || linearBeta)
+      return op->emitOpError() << "situ_beta and situ_linear_beta are only meaningful with the "
+                                  "situ activation";
+    return success();
+  }
+  if (!beta || !(beta->convertToDouble() > 0))
+    return op->emitOpError() << "the situ activation requires a positive situ_beta";
+  if (linearBeta && !(linearBeta->convertToDouble() > 0))
+    return op->emitOpError() << "situ_linear_beta must be positive when given";
+  return success();
+}
+
 } // namespace
 
 LogicalResult MlpOp::verify() {
@@ -469,6 +485,8 @@ LogicalResult MlpOp::verify() {
                          << "' must be [intermediate, hidden], got "
                          << formatShape(gate.getShape());
   const int64_t width = gate.getShape()[0];
+  if (failed(verifyActivation(*this, getActivation(), getSituBeta(), getSituLinearBeta())))
+    return failure();
   return verifyGatedMlp(*this, "", gate, getUpProj(), getDownProj(), *hidden, width,
                         eq("intermediate", width));
 }
@@ -502,11 +520,41 @@ LogicalResult MoeOp::verify() {
     if (static_cast<int64_t>(experts.size()) != e)
       return emitOpError() << role << " lists " << experts.size() << " weights, expected "
                            << eq("num_experts", e);
+  if (failed(verifyActivation(op, getActivation().value_or(Activation::silu), getSituBeta(),
+                              getSituLinearBeta())))
+    return failure();
+
+  // Latent MoE: the routed experts read and write the latent width L.
+  int64_t expertWidth = d;
+  auto latentDown = getRoutedExpertDownProj(), latentUp = getRoutedExpertUpProj();
+  auto latentNorm = getRoutedExpertNorm();
+  if (latentDown.has_value() != latentUp.has_value())
+    return emitOpError() << "latent MoE needs both routed_expert_down_proj and "
+                            "routed_expert_up_proj";
+  if (latentNorm && !latentDown)
+    return emitOpError() << "routed_expert_norm without the latent projections";
+  if (latentNorm.has_value() != getRoutedExpertNormEpsilon().has_value())
+    return emitOpError() << "routed_expert_norm and routed_expert_norm_epsilon go together";
+  if (latentDown) {
+    if (latentDown->getType().getRank() != 2)
+      return emitOpError() << "routed_expert_down_proj weight '" << latentDown->getName()
+                           << "' must be [latent, hidden], got "
+                           << formatShape(latentDown->getShape());
+    expertWidth = latentDown->getShape()[0];
+    if (failed(checkWeightShape(op, "routed_expert_down_proj", *latentDown, {expertWidth, d},
+                                eq("latent", expertWidth) + ", " + eq("hidden", d))) ||
+        failed(checkWeightShape(op, "routed_expert_up_proj", *latentUp, {d, expertWidth},
+                                eq("hidden", d) + ", " + eq("latent", expertWidth))))
+      return failure();
+    if (latentNorm && failed(checkWeightShape(op, "routed_expert_norm", *latentNorm,
+                                              {expertWidth}, eq("latent", expertWidth))))
+      return failure();
+  }
   for (int64_t i = 0; i < e; ++i) {
     auto gate = cast<WeightAttr>(getExpertsGateProj()[i]);
     auto up = cast<WeightAttr>(getExpertsUpProj()[i]);
     auto down = cast<WeightAttr>(getExpertsDownProj()[i]);
-    if (failed(verifyGatedMlp(op, "experts_", gate, up, down, d, width,
+    if (failed(verifyGatedMlp(op, "experts_", gate, up, down, expertWidth, width,
                               eq("intermediate_size", width))))
       return failure();
   }

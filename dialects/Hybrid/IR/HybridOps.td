@@ -399,9 +399,11 @@ def Hybrid_AttnResOp : Hybrid_Op<"attn_res", [Pure, AllTypesMatch<["partial", "r
 //===----------------------------------------------------------------------===//
 
 def Hybrid_MlpOp : Hybrid_Op<"mlp", [Pure, SameOperandsAndResultType]> {
-  let summary = "dense gated MLP (SwiGLU)";
+  let summary = "dense gated MLP (SwiGLU or SiTU)";
   let description = [{
-    `y = down_proj(activation(gate_proj x) * up_proj x)`.
+    `y = down_proj(act(gate_proj x, up_proj x))`: `silu` is SwiGLU's `silu(g) * u`; `situ` is
+    Kimi K3's `situ_beta * tanh(g / situ_beta) * sigmoid(g) * u'` with
+    `u' = situ_linear_beta * tanh(u / situ_linear_beta)` (or `u` without `situ_linear_beta`).
 
     ```mlir
     %m = hybrid.mlp %x {activation = #hybrid<activation silu>,
@@ -411,7 +413,8 @@ def Hybrid_MlpOp : Hybrid_Op<"mlp", [Pure, SameOperandsAndResultType]> {
   }];
   let arguments = (ins Hybrid_Activations:$input, Hybrid_ActivationAttr:$activation,
                        Hybrid_WeightAttr:$gate_proj, Hybrid_WeightAttr:$up_proj,
-                       Hybrid_WeightAttr:$down_proj);
+                       Hybrid_WeightAttr:$down_proj, OptionalAttr<F64Attr>:$situ_beta,
+                       OptionalAttr<F64Attr>:$situ_linear_beta);
   let results = (outs Hybrid_Activations:$result);
   let assemblyFormat = "$input attr-dict `:` type($result)";
   let hasVerifier = 1;
@@ -426,7 +429,14 @@ def Hybrid_MoeOp : Hybrid_Op<"moe", [Pure, SameOperandsAndResultType]> {
     stay eligible; the `top_k` best eligible experts are chosen, their unbiased scores
     renormalised (`renormalize`) and scaled by `routed_scaling_factor`. Each expert is a SwiGLU with
     `intermediate_size`; the shared experts (`num_shared_experts` fused into one SwiGLU of width
-    `num_shared_experts * intermediate_size`) are always added, unscaled.
+    `num_shared_experts * intermediate_size`) are always added, unscaled. `activation` (default
+    `silu`, with `situ_beta` / `situ_linear_beta` as in `hybrid.mlp`) applies to every expert.
+
+    Latent MoE (Kimi K3): with `routed_expert_down_proj` [L, hidden] and `routed_expert_up_proj`
+    [hidden, L] the routed experts work in an L-wide latent space: the router still reads `x`,
+    the experts read `down x`, their weighted sum is RMS-normalised by `routed_expert_norm` [L]
+    (when present, epsilon `routed_expert_norm_epsilon`) and lifted back by `up`; the shared
+    experts stay at full width.
 
     ```mlir
     %m = hybrid.moe %x {num_experts = 8 : i64, top_k = 2 : i64, num_groups = 2 : i64,
@@ -455,7 +465,14 @@ def Hybrid_MoeOp : Hybrid_Op<"moe", [Pure, SameOperandsAndResultType]> {
     Hybrid_WeightArrayAttr:$experts_down_proj,
     OptionalAttr<Hybrid_WeightAttr>:$shared_gate_proj,
     OptionalAttr<Hybrid_WeightAttr>:$shared_up_proj,
-    OptionalAttr<Hybrid_WeightAttr>:$shared_down_proj
+    OptionalAttr<Hybrid_WeightAttr>:$shared_down_proj,
+    OptionalAttr<Hybrid_ActivationAttr>:$activation,
+    OptionalAttr<F64Attr>:$situ_beta,
+    OptionalAttr<F64Attr>:$situ_linear_beta,
+    OptionalAttr<Hybrid_WeightAttr>:$routed_expert_down_proj,
+    OptionalAttr<Hybrid_WeightAttr>:$routed_expert_up_proj,
+    OptionalAttr<Hybrid_WeightAttr>:$routed_expert_norm,
+    OptionalAttr<F64Attr>:$routed_expert_norm_epsilon
   );
   let results = (outs Hybrid_Activations:$result);
   let assemblyFormat = "$input attr-dict `:` type($result)";

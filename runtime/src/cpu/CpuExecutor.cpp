@@ -485,6 +485,12 @@ Status runRouterTopK(const StepContext &c, const fb::Dispatch &d, const Weights 
   return Status::ok();
 }
 
+ref::GatedActivation gatedActivation(fb::Activation activation, float beta, float linearBeta) {
+  if (activation == fb::Activation::Situ)
+    return {ref::GatedActivation::Kind::Situ, beta, linearBeta};
+  return {};
+}
+
 // The routed experts: Σ_k weight_k · SwiGLU_{id_k}(x) per token (the shared expert is its own
 // dispatch).
 Status runMoeExperts(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
@@ -498,7 +504,8 @@ Status runMoeExperts(const StepContext &c, const fb::Dispatch &d, const Weights 
   std::vector<ref::SwiGluWeights> experts;
   for (int64_t e = 0; e < p->num_experts(); ++e)
     experts.push_back({w[3 * e], w[3 * e + 1], w[3 * e + 2], dModel, width,
-                       w.fp8Activations(3 * e)});
+                       w.fp8Activations(3 * e),
+                       gatedActivation(p->activation(), p->situ_beta(), p->situ_linear_beta())});
   // Expert parallelism: experts held by other ranks have no weights here; their choices are
   // skipped (-1), so the output is this rank's part of the sum an all-reduce completes.
   std::vector<int32_t> heldIds;
@@ -653,7 +660,11 @@ Status runDispatch(const StepContext &c, const fb::Dispatch &d) {
     HYBRID_ASSIGN_OR_RETURN(std::span<float> y, floatValue(c, d.outputs()->Get(0)));
     const int64_t dModel = rowElements(c, d.inputs()->Get(0));
     const int64_t width = static_cast<int64_t>(w[0].size()) / dModel;
-    ref::swiGluMlp(x, c.rows, {w[0], w[1], w[2], dModel, width, w.fp8Activations(0)}, y);
+    const fb::MlpParams *p = d.params_as_MlpParams();
+    ref::swiGluMlp(x, c.rows,
+                   {w[0], w[1], w[2], dModel, width, w.fp8Activations(0),
+                    gatedActivation(p->activation(), p->situ_beta(), p->situ_linear_beta())},
+                   y);
     break;
   }
   case fb::KernelId::RouterTopK:

@@ -25,8 +25,10 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
   case fb::KernelId::Linear:
   case fb::KernelId::LmHead:
     return gemmWeight(roleOf(d, 0));
-  case fb::KernelId::Mlp:
-    return gemmWeight(roleOf(d, 0)) && gemmWeight(roleOf(d, 1)) && gemmWeight(roleOf(d, 2));
+  case fb::KernelId::Mlp: // SiTU (Kimi K3) has no GPU kernel yet: the cpu reference runs it
+    return d.params_as_MlpParams() &&
+           d.params_as_MlpParams()->activation() == fb::Activation::Silu &&
+           gemmWeight(roleOf(d, 0)) && gemmWeight(roleOf(d, 1)) && gemmWeight(roleOf(d, 2));
   case fb::KernelId::KdaChunkPrefill:
   case fb::KernelId::KdaRecurrentDecode: {
     const fb::KdaParams *p = d.params_as_KdaParams();
@@ -42,8 +44,10 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
     return gemmWeight(roleOf(d, GA)) && gemmWeight(roleOf(d, GB));
   }
   case fb::KernelId::RouterTopK:
-  case fb::KernelId::MoeExperts:
     return moeRunsOnGpu(d);
+  case fb::KernelId::MoeExperts: // SiTU experts: the cpu reference, as for Mlp
+    return d.params_as_MoeParams() &&
+           d.params_as_MoeParams()->activation() == fb::Activation::Silu && moeRunsOnGpu(d);
   case fb::KernelId::AttnRes:
   case fb::KernelId::AttnResRmsNorm: { // inputs: the partial sum, then the completed blocks
     const size_t roles = d.kernel() == fb::KernelId::AttnResRmsNorm ? 3 : 2;

@@ -500,7 +500,33 @@ private:
                                               static_cast<size_t>(scope.numEvents), eventsOf));
     HYBRID_RETURN_IF_ERROR(
         checkOptionalIndex(context + ".layer", dispatch.layer(), numLayers(), "the plan's layers"));
+    HYBRID_RETURN_IF_ERROR(checkActivation(context, dispatch));
     return checkCacheSlots(context, dispatch);
+  }
+
+  // A gated MLP's activation is known and SiTU has its positive beta (the kernels divide by it).
+  Status checkActivation(const std::string &context, const fb::Dispatch &dispatch) {
+    fb::Activation activation;
+    float beta = 0, linearBeta = 0;
+    if (const fb::MlpParams *mlp = dispatch.params_as_MlpParams()) {
+      activation = mlp->activation();
+      beta = mlp->situ_beta();
+      linearBeta = mlp->situ_linear_beta();
+    } else if (const fb::MoeParams *moe = dispatch.params_as_MoeParams()) {
+      activation = moe->activation();
+      beta = moe->situ_beta();
+      linearBeta = moe->situ_linear_beta();
+    } else {
+      return Status::ok();
+    }
+    if (activation > fb::Activation::MAX)
+      return Status::error(context + ".params.activation has the unknown value " +
+                           std::to_string(static_cast<int>(activation)));
+    if (activation == fb::Activation::Situ && !(beta > 0 && linearBeta >= 0))
+      return Status::error(context + ".params: the Situ activation needs situ_beta > 0 and "
+                                     "situ_linear_beta >= 0, got " +
+                           std::to_string(beta) + " and " + std::to_string(linearBeta));
+    return Status::ok();
   }
 
   Status checkCacheSlots(const std::string &context, const fb::Dispatch &dispatch) {

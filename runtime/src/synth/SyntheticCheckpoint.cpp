@@ -245,14 +245,22 @@ private:
     };
     // All gate/up pairs, then all down projections: the golden checkpoints' order (transformers
     // holds the experts as one fused gate_up tensor and one down tensor).
+    // Latent MoE: the routed experts read and write the latent width.
+    const int64_t expertWidth = spec_.latentMoeSize.value_or(d);
     for (int64_t expert = 0; expert < spec_.numExperts; ++expert) {
-      linear(expertPrefix(expert) + (kimi ? "w1" : "gate_proj") + ".weight", inter, d);
-      linear(expertPrefix(expert) + (kimi ? "w3" : "up_proj") + ".weight", inter, d);
+      linear(expertPrefix(expert) + (kimi ? "w1" : "gate_proj") + ".weight", inter, expertWidth);
+      linear(expertPrefix(expert) + (kimi ? "w3" : "up_proj") + ".weight", inter, expertWidth);
     }
     for (int64_t expert = 0; expert < spec_.numExperts; ++expert)
-      linear(expertPrefix(expert) + (kimi ? "w2" : "down_proj") + ".weight", d, inter);
+      linear(expertPrefix(expert) + (kimi ? "w2" : "down_proj") + ".weight", expertWidth, inter);
     linear(prefix + "gate.weight", spec_.numExperts, d, Fp8::Never);
     add(prefix + "gate.e_score_correction_bias", {spec_.numExperts}, DType::F32, ValueKind::Bias);
+    if (spec_.latentMoeSize) {
+      linear(prefix + "routed_expert_down_proj.weight", expertWidth, d);
+      linear(prefix + "routed_expert_up_proj.weight", d, expertWidth);
+      if (spec_.latentMoeNorm)
+        norm(prefix + "routed_expert_norm.weight", expertWidth);
+    }
     if (spec_.numSharedExperts > 0)
       addSwiGlu(prefix + "shared_experts.", inter * spec_.numSharedExperts);
   }
@@ -527,6 +535,20 @@ Json commonConfig(const SyntheticSpec &spec) {
   return config;
 }
 
+// Kimi K3's feed-forward fields (SiTU, latent MoE), for kimi_linear and hybrid.
+void addK3FeedForwardFields(const SyntheticSpec &spec, Json &config) {
+  if (spec.situBeta) {
+    config["hidden_act"] = "situ";
+    config["activation_situ_beta"] = *spec.situBeta;
+    if (spec.situLinearBeta)
+      config["activation_situ_linear_beta"] = *spec.situLinearBeta;
+  }
+  if (spec.latentMoeSize) {
+    config["routed_expert_hidden_size"] = *spec.latentMoeSize;
+    config["latent_moe_use_norm"] = spec.latentMoeNorm;
+  }
+}
+
 Json kimiConfig(const SyntheticSpec &spec) {
   Json config = commonConfig(spec);
   // The published config lists layers only through these 1-based lists.
@@ -561,6 +583,7 @@ Json kimiConfig(const SyntheticSpec &spec) {
     config["mla_use_output_gate"] = true;
   if (spec.attnResBlockSize)
     config["attn_res_block_size"] = *spec.attnResBlockSize;
+  addK3FeedForwardFields(spec, config);
   return config;
 }
 
@@ -606,6 +629,7 @@ Json hybridConfig(const SyntheticSpec &spec) {
                    {"scoring_func", spec.scoringFunction}});
   if (spec.attnResBlockSize)
     config["attn_res_block_size"] = *spec.attnResBlockSize;
+  addK3FeedForwardFields(spec, config);
   return config;
 }
 
@@ -955,8 +979,9 @@ SyntheticSpec hybridTiny() {
 
 // Kimi K3's layout (MODEL_SPEC 6.2, 7.4) at tiny sizes and 8 layers: 3 KDA : 1 NoPE q-LoRA MLA
 // with the sigmoid output gate, the lower-bound ("safe") KDA gate and the full-rank KDA output
-// gate, a dense first layer then MoE with 2 shared experts, Block AttnRes in blocks of 3 layers
-// (the last block partial, as K3's 93 = 7 * 12 + 9).
+// gate, SiTU activations (betas 4 and 25), a dense first layer then latent MoE (latent width half
+// the hidden size, with its norm) with 2 shared experts, Block AttnRes in blocks of 3 layers (the
+// last block partial, as K3's 93 = 7 * 12 + 9).
 SyntheticSpec kimiK3Tiny() {
   SyntheticSpec spec = kimiLinearTiny();
   spec.numLayers = 8;
@@ -967,6 +992,10 @@ SyntheticSpec kimiK3Tiny() {
   spec.numExperts = 16;
   spec.numExpertsPerToken = 4;
   spec.numSharedExperts = 2;
+  spec.latentMoeSize = 128; // K3: 3584 = hidden / 2
+  spec.latentMoeNorm = true;
+  spec.situBeta = 4.0;
+  spec.situLinearBeta = 25.0;
   spec.attnResBlockSize = 3;
   return spec;
 }
@@ -1042,7 +1071,7 @@ void SyntheticSpec::setNumLayers(int64_t layers) {
 bool SyntheticSpec::isMoeLayer(int64_t layer) const {
   if (isHybrid() && !mlpLayerTypes.empty())
     return layer >= 0 && layer < static_cast<int64_t>(mlpLayerTypes.size()) &&
-           mlpLayerTypes[layer] == "moe";
+           (mlpLayerTypes[layer] == "moe" || mlpLayerTypes[layer] == "latent_moe");
   return numExperts > 0 && layer >= firstKDenseReplace && layer % moeLayerFreq == 0;
 }
 
@@ -1065,10 +1094,15 @@ Status SyntheticSpec::validate() const {
                            std::to_string(mlpLayerTypes.size()) +
                            " layers but num_hidden_layers = " + std::to_string(numLayers));
     for (size_t i = 0; i < mlpLayerTypes.size(); ++i) {
-      if (mlpLayerTypes[i] != "dense" && mlpLayerTypes[i] != "moe")
+      if (mlpLayerTypes[i] != "dense" && mlpLayerTypes[i] != "moe" &&
+          mlpLayerTypes[i] != "latent_moe")
         return Status::error("synthetic spec: 'mlp_layer_types'[" + std::to_string(i) + "] = '" +
-                             mlpLayerTypes[i] + "' is not a feed-forward kind (dense, moe)");
-      if (mlpLayerTypes[i] == "moe" && numExperts <= 0)
+                             mlpLayerTypes[i] +
+                             "' is not a feed-forward kind (dense, moe, latent_moe)");
+      if (mlpLayerTypes[i] == "latent_moe" && !latentMoeSize)
+        return Status::error("synthetic spec: 'mlp_layer_types'[" + std::to_string(i) +
+                             "] is latent_moe but 'routed_expert_hidden_size' is not set");
+      if (mlpLayerTypes[i] != "dense" && numExperts <= 0)
         return Status::error("synthetic spec: 'mlp_layer_types'[" + std::to_string(i) +
                              "] is moe but the number of experts is not positive");
     }
@@ -1107,8 +1141,18 @@ Status SyntheticSpec::validate() const {
   }
   if (kdaGateLowerBound && !(std::isfinite(*kdaGateLowerBound) && *kdaGateLowerBound < 0))
     return Status::error("synthetic spec: 'linear_attn_config.gate_lower_bound' must be negative");
-  if ((kdaGateLowerBound || kdaFullRankOutputGate || mlaOutputGate) && !kimi && !hybrid)
-    return Status::error("synthetic spec: the Kimi K3 gates are kimi_linear and hybrid options");
+  if ((kdaGateLowerBound || kdaFullRankOutputGate || mlaOutputGate || situBeta || latentMoeSize) &&
+      !kimi && !hybrid)
+    return Status::error("synthetic spec: the Kimi K3 options are kimi_linear and hybrid options");
+  if (situBeta && !(std::isfinite(*situBeta) && *situBeta > 0))
+    return Status::error("synthetic spec: 'activation_situ_beta' must be positive");
+  if (situLinearBeta && (!situBeta || !(std::isfinite(*situLinearBeta) && *situLinearBeta > 0)))
+    return Status::error("synthetic spec: 'activation_situ_linear_beta' must be positive and "
+                         "needs activation_situ_beta");
+  if (latentMoeSize)
+    HYBRID_RETURN_IF_ERROR(requirePositive("routed_expert_hidden_size", *latentMoeSize));
+  if (latentMoeNorm && !latentMoeSize)
+    return Status::error("synthetic spec: 'latent_moe_use_norm' needs routed_expert_hidden_size");
   if (anyIndexer) {
     if (!qLoraRank)
       return Status::error("synthetic spec: layers with the DSA indexer need 'q_lora_rank' (the "
@@ -1276,6 +1320,18 @@ Status readKimiK3Fields(const ConfigReader &config, SyntheticSpec &spec) {
   HYBRID_ASSIGN_OR_RETURN(spec.kdaFullRankOutputGate,
                           config.boolean("linear_attn_config.use_full_rank_gate", false));
   HYBRID_ASSIGN_OR_RETURN(spec.mlaOutputGate, config.boolean("mla_use_output_gate", false));
+  HYBRID_ASSIGN_OR_RETURN(std::string activation, config.string("hidden_act", "silu"));
+  if (activation == "situ") {
+    HYBRID_ASSIGN_OR_RETURN(double beta, config.number("activation_situ_beta", 0.0));
+    spec.situBeta = beta;
+    if (const Json *linear = config.find("activation_situ_linear_beta");
+        linear && !linear->is_null()) {
+      HYBRID_ASSIGN_OR_RETURN(double linearBeta, config.number("activation_situ_linear_beta", 0.0));
+      spec.situLinearBeta = linearBeta;
+    }
+  }
+  HYBRID_ASSIGN_OR_RETURN(spec.latentMoeSize, config.optionalInteger("routed_expert_hidden_size"));
+  HYBRID_ASSIGN_OR_RETURN(spec.latentMoeNorm, config.boolean("latent_moe_use_norm", false));
   return Status::ok();
 }
 

@@ -74,10 +74,21 @@ struct SyntheticSpec {
   std::optional<double> kdaGateLowerBound; // linear_attn_config.gate_lower_bound ("safe" gate)
   bool kdaFullRankOutputGate = false;      // linear_attn_config.use_full_rank_gate: g_proj [P, d]
   bool mlaOutputGate = false;              // mla_use_output_gate: g_proj [heads * v_head_dim, d]
+  // SiTU activation (hidden_act "situ") of every gated MLP when set: activation_situ_beta and
+  // activation_situ_linear_beta.
+  std::optional<double> situBeta;
+  std::optional<double> situLinearBeta;
+  // Latent MoE (routed_expert_hidden_size): the routed experts of every MoE layer work in this
+  // width between routed_expert_down_proj and routed_expert_up_proj, with routed_expert_norm when
+  // latentMoeNorm (latent_moe_use_norm).
+  std::optional<int64_t> latentMoeSize;
+  bool latentMoeNorm = false;
 
   // Generic hybrid ("hybrid"): the mixer of each layer ("kda", "mla" or "mla_dsa", config
-  // `layer_types`) and its feed-forward ("dense" or "moe", `mlp_layer_types`; when empty the
-  // first_k_dense_replace / moe_layer_freq rule below decides).
+  // `layer_types`) and its feed-forward ("dense", "moe" or "latent_moe", `mlp_layer_types`; when
+  // empty the
+  // first_k_dense_replace / moe_layer_freq rule below decides; "latent_moe" is a MoE layer that
+  // requires latentMoeSize).
   std::vector<std::string> layerTypes;
   std::vector<std::string> mlpLayerTypes;
 

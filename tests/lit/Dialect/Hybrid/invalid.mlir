@@ -369,3 +369,56 @@ func.func @mtp_input_eh_proj_not_twice_hidden(%e: tensor<?x16xbf16>, %h: tensor<
       : tensor<?x16xbf16>, tensor<?x16xf32> -> tensor<?x16xbf16>
   return
 }
+
+// -----
+
+func.func @situ_without_beta(%x: tensor<?x16xbf16>) {
+  // expected-error @+1 {{the situ activation requires a positive situ_beta}}
+  %0 = hybrid.mlp %x {activation = #hybrid<activation situ>,
+      gate_proj = #hybrid.weight<"mlp.gate_proj" : tensor<8x16xbf16>>,
+      up_proj = #hybrid.weight<"mlp.up_proj" : tensor<8x16xbf16>>,
+      down_proj = #hybrid.weight<"mlp.down_proj" : tensor<16x8xbf16>>} : tensor<?x16xbf16>
+  return
+}
+
+// -----
+
+func.func @silu_with_beta(%x: tensor<?x16xbf16>) {
+  // expected-error @+1 {{situ_beta and situ_linear_beta are only meaningful with the situ activation}}
+  %0 = hybrid.mlp %x {activation = #hybrid<activation silu>, situ_beta = 4.0 : f64,
+      gate_proj = #hybrid.weight<"mlp.gate_proj" : tensor<8x16xbf16>>,
+      up_proj = #hybrid.weight<"mlp.up_proj" : tensor<8x16xbf16>>,
+      down_proj = #hybrid.weight<"mlp.down_proj" : tensor<16x8xbf16>>} : tensor<?x16xbf16>
+  return
+}
+
+// -----
+
+func.func @latent_moe_without_up(%x: tensor<?x16xbf16>) {
+  // expected-error @+1 {{latent MoE needs both routed_expert_down_proj and routed_expert_up_proj}}
+  %0 = hybrid.moe %x {num_experts = 2 : i64, top_k = 1 : i64, num_groups = 1 : i64, topk_groups = 1 : i64,
+      score_function = #hybrid<score_function sigmoid>, renormalize = true, routed_scaling_factor = 1.0 : f64,
+      intermediate_size = 4 : i64, num_shared_experts = 0 : i64,
+      router = #hybrid.weight<"moe.gate" : tensor<2x16xbf16>>,
+      experts_gate_proj = [#hybrid.weight<"moe.e0.gate" : tensor<4x8xbf16>>, #hybrid.weight<"moe.e1.gate" : tensor<4x8xbf16>>],
+      experts_up_proj = [#hybrid.weight<"moe.e0.up" : tensor<4x8xbf16>>, #hybrid.weight<"moe.e1.up" : tensor<4x8xbf16>>],
+      experts_down_proj = [#hybrid.weight<"moe.e0.down" : tensor<8x4xbf16>>, #hybrid.weight<"moe.e1.down" : tensor<8x4xbf16>>],
+      routed_expert_down_proj = #hybrid.weight<"moe.latent_down" : tensor<8x16xbf16>>} : tensor<?x16xbf16>
+  return
+}
+
+// -----
+
+func.func @latent_moe_experts_at_full_width(%x: tensor<?x16xbf16>) {
+  // expected-error @+1 {{experts_gate_proj weight 'moe.e0.gate' has shape [4, 16], expected [4, 8]}}
+  %0 = hybrid.moe %x {num_experts = 2 : i64, top_k = 1 : i64, num_groups = 1 : i64, topk_groups = 1 : i64,
+      score_function = #hybrid<score_function sigmoid>, renormalize = true, routed_scaling_factor = 1.0 : f64,
+      intermediate_size = 4 : i64, num_shared_experts = 0 : i64,
+      router = #hybrid.weight<"moe.gate" : tensor<2x16xbf16>>,
+      experts_gate_proj = [#hybrid.weight<"moe.e0.gate" : tensor<4x16xbf16>>, #hybrid.weight<"moe.e1.gate" : tensor<4x16xbf16>>],
+      experts_up_proj = [#hybrid.weight<"moe.e0.up" : tensor<4x16xbf16>>, #hybrid.weight<"moe.e1.up" : tensor<4x16xbf16>>],
+      experts_down_proj = [#hybrid.weight<"moe.e0.down" : tensor<16x4xbf16>>, #hybrid.weight<"moe.e1.down" : tensor<16x4xbf16>>],
+      routed_expert_down_proj = #hybrid.weight<"moe.latent_down" : tensor<8x16xbf16>>,
+      routed_expert_up_proj = #hybrid.weight<"moe.latent_up" : tensor<16x8xbf16>>} : tensor<?x16xbf16>
+  return
+}

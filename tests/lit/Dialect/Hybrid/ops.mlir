@@ -152,3 +152,33 @@ hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, voca
   // CHECK: hybrid.return %[[LOGITS]] : tensor<?x32xf32>
   hybrid.return %logits : tensor<?x32xf32>
 }
+
+// Kimi K3's feed-forwards: the SiTU activation and the latent MoE (experts in an 8-wide latent
+// space between routed_expert_down_proj and routed_expert_up_proj, with routed_expert_norm).
+// CHECK-LABEL: func.func @k3_feed_forward
+func.func @k3_feed_forward(%x: tensor<?x16xbf16>) {
+  // CHECK: hybrid.mlp %{{.*}} {activation = #hybrid<activation situ>
+  // CHECK-SAME: situ_beta = 4.000000e+00 : f64, situ_linear_beta = 2.500000e+01 : f64
+  %mlp = hybrid.mlp %x {activation = #hybrid<activation situ>, situ_beta = 4.0 : f64,
+      situ_linear_beta = 25.0 : f64,
+      gate_proj = #hybrid.weight<"mlp.gate_proj" : tensor<8x16xbf16>>,
+      up_proj = #hybrid.weight<"mlp.up_proj" : tensor<8x16xbf16>>,
+      down_proj = #hybrid.weight<"mlp.down_proj" : tensor<16x8xbf16>>} : tensor<?x16xbf16>
+  // CHECK: hybrid.moe %{{.*}} {activation = #hybrid<activation situ>
+  // CHECK-SAME: routed_expert_down_proj = #hybrid.weight<"moe.latent_down" : tensor<8x16xbf16>>
+  // CHECK-SAME: routed_expert_norm = #hybrid.weight<"moe.latent_norm" : tensor<8xbf16>>, routed_expert_norm_epsilon = 1.000000e-05 : f64
+  // CHECK-SAME: routed_expert_up_proj = #hybrid.weight<"moe.latent_up" : tensor<16x8xbf16>>
+  %moe = hybrid.moe %x {num_experts = 2 : i64, top_k = 1 : i64, num_groups = 1 : i64, topk_groups = 1 : i64,
+      score_function = #hybrid<score_function sigmoid>, renormalize = true, routed_scaling_factor = 2.5 : f64,
+      intermediate_size = 4 : i64, num_shared_experts = 0 : i64,
+      activation = #hybrid<activation situ>, situ_beta = 4.0 : f64,
+      router = #hybrid.weight<"moe.gate" : tensor<2x16xbf16>>,
+      experts_gate_proj = [#hybrid.weight<"moe.e0.gate" : tensor<4x8xbf16>>, #hybrid.weight<"moe.e1.gate" : tensor<4x8xbf16>>],
+      experts_up_proj = [#hybrid.weight<"moe.e0.up" : tensor<4x8xbf16>>, #hybrid.weight<"moe.e1.up" : tensor<4x8xbf16>>],
+      experts_down_proj = [#hybrid.weight<"moe.e0.down" : tensor<8x4xbf16>>, #hybrid.weight<"moe.e1.down" : tensor<8x4xbf16>>],
+      routed_expert_down_proj = #hybrid.weight<"moe.latent_down" : tensor<8x16xbf16>>,
+      routed_expert_up_proj = #hybrid.weight<"moe.latent_up" : tensor<16x8xbf16>>,
+      routed_expert_norm = #hybrid.weight<"moe.latent_norm" : tensor<8xbf16>>,
+      routed_expert_norm_epsilon = 1.0e-5 : f64} : tensor<?x16xbf16>
+  return
+}

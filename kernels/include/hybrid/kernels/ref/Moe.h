@@ -35,7 +35,19 @@ struct RouterParams {
 void routeTokens(std::span<const float> routerLogits, int64_t numTokens, const RouterParams &params,
                  std::span<int32_t> expertIds, std::span<float> expertWeights);
 
-// One SwiGLU MLP: y = down( silu(gate x) ⊙ up x ). gate/up [intermediate, hidden], down [hidden,
+// The activation of a gated MLP, applied to (g, u) = (gate x, up x) in fp32:
+//   Silu: silu(g) · u (SwiGLU);
+//   Situ: Kimi K3's SiTU (MODEL_SPEC 7.4), β·tanh(g/β)·σ(g) · u' with u' = β_lin·tanh(u/β_lin), or
+//         u' = u when linearBeta is 0 (no cap on the linear half).
+struct GatedActivation {
+  enum class Kind { Silu, Situ };
+  Kind kind = Kind::Silu;
+  float beta = 0.0f;       // Situ: activation_situ_beta (4 in K3)
+  float linearBeta = 0.0f; // Situ: activation_situ_linear_beta (25 in K3); 0: none
+};
+float gatedActivation(const GatedActivation &activation, float gate, float up);
+
+// One gated MLP: y = down( act(gate x, up x) ). gate/up [intermediate, hidden], down [hidden,
 // intermediate].
 struct SwiGluWeights {
   std::span<const float> gateProj;
@@ -45,6 +57,7 @@ struct SwiGluWeights {
   int64_t intermediateSize = 0;
   // FP8 projections (held dequantized): each one's input is quantized as linearFp8Activations.
   std::optional<Fp8ScaleRule> fp8Activations;
+  GatedActivation activation = {};
 };
 
 // out [numTokens, hidden] = SwiGLU(x). Used for dense MLPs, shared experts and routed experts.
