@@ -6,6 +6,7 @@
 // is no GPU.
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Generate.h"
+#include "hybrid/runtime/Sampling.h"
 
 #include <gtest/gtest.h>
 
@@ -204,6 +205,60 @@ TEST_P(CudaDeviceTest, BatchedDecodeMatchesSingleSequences) {
 // Prefix caching on the cuda device: a kept prefix's KDA states come off the GPU when kept and
 // go back when restored; a hit then continues exactly like a full prefill (recurrent fp32 KDA
 // prefill, so only the cached part differs), with fp32 and with bf16 states.
+// Decode steps that choose on the GPU (Model::decodeBatchChoose: only ids come back) choose what
+// the host choice (the reference sampler) takes from the same step's downloaded logits: two
+// identical sets of sequences, one stepped by decodeBatch + chooseToken, the other by
+// decodeBatchChoose, greedy and sampled rows mixed, 8 steps feeding back the chosen ids.
+TEST_P(CudaDeviceTest, ChoosingOnTheGpuEqualsTheHostChoice) {
+  const std::string dir = cudaPlan(GetParam(), "-batch4");
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  LoadOptions options;
+  options.device = "cuda";
+  options.maxSequences = 8;
+  auto model = Model::load(dir, options);
+  if (noGpu(model))
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(model.isOk()) << model.status().message();
+  const auto vocab = static_cast<size_t>((*model)->vocabSize());
+  std::vector<SamplingParams> params(4);
+  params[1].temperature = 0.8f;
+  params[1].seed = 3;
+  params[2].temperature = 1.5f;
+  params[2].topK = 20;
+  params[2].seed = 4;
+  params[3].temperature = 1.0f;
+  params[3].topP = 0.9f;
+  params[3].seed = 5;
+  std::vector<std::unique_ptr<Sequence>> host, device;
+  for (size_t i = 0; i < params.size(); ++i)
+    for (auto *group : {&host, &device}) {
+      auto sequence = (*model)->newSequence();
+      ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
+      ASSERT_TRUE((*sequence)->prefill(std::span(prompt).first(10 + i)).isOk());
+      group->push_back(std::move(*sequence));
+    }
+  std::vector<int64_t> hostTokens(params.size(), prompt[0]), deviceTokens = hostTokens;
+  for (int step = 0; step < 8; ++step) {
+    std::vector<TokenChoice> choices;
+    for (const SamplingParams &p : params)
+      choices.push_back(tokenChoice(p, step));
+    std::vector<Sequence *> hostRows, deviceRows;
+    for (size_t i = 0; i < params.size(); ++i) {
+      hostRows.push_back(host[i].get());
+      deviceRows.push_back(device[i].get());
+    }
+    auto logits = (*model)->decodeBatch(hostRows, hostTokens);
+    ASSERT_TRUE(logits.isOk()) << logits.status().message();
+    auto chosen = (*model)->decodeBatchChoose(deviceRows, deviceTokens, choices);
+    ASSERT_TRUE(chosen.isOk()) << chosen.status().message();
+    for (size_t i = 0; i < params.size(); ++i) {
+      hostTokens[i] = chooseToken(std::span<const float>(*logits).subspan(i * vocab, vocab), choices[i]);
+      EXPECT_EQ((*chosen)[i], hostTokens[i]) << "step " << step << " row " << i;
+    }
+    deviceTokens = *chosen;
+  }
+}
+
 TEST_P(CudaDeviceTest, PrefixCacheHitsMatchAFullPrefill) {
   const std::string dir = cudaPlan(GetParam());
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());

@@ -696,6 +696,15 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedSlots,
                                       static_cast<size_t>(maxRows) * sizeof(int32_t)),
                        "pinned slot buffer");
+  const size_t choiceRows = static_cast<size_t>(std::max<int64_t>(1, maxRows));
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedChoices, choiceRows * sizeof(kc::SamplingRow)),
+                       "token choice buffers");
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedChosen, choiceRows * sizeof(int64_t)),
+                       "token choice buffers");
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->deviceChoices, choiceRows * sizeof(kc::SamplingRow)),
+                       "token choice buffers");
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->deviceChosen, choiceRows * sizeof(int64_t)),
+                       "token choice buffers");
   auto executor = std::unique_ptr<CudaExecutor>(new CudaExecutor(std::move(impl)));
   executor->report_ = std::move(report);
   std::sort(cpuStepWeights.begin(), cpuStepWeights.end());
@@ -881,6 +890,57 @@ Status CudaExecutor::uploadSlot(int32_t slot, RecurrentStatePool &pool) {
 
 Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> tokens,
                          float *logitsOut, HiddenStates *hidden, bool lastRowLogits) {
+  HYBRID_RETURN_IF_ERROR(runProgram(host, tokens, hidden));
+  const fb::Program &program = *host.program;
+  const bool prefill = program.name()->string_view() == "prefill";
+  const unsigned char *arena = impl_->arenas[prefill ? 0 : 1];
+  const int64_t rows = host.rows;
+  const fb::Value &logits = valueOf(program, program.logits());
+  const size_t rowBytes = valueBytes(logits, 1);
+  CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(logitsOut, arena + logits.arena_offset() + (lastRowLogits ? (rows - 1) * rowBytes : 0),
+                 lastRowLogits ? rowBytes : valueBytes(logits, rows), cudaMemcpyDeviceToHost),
+      "logits download");
+  return Status::ok();
+}
+
+Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const int64_t> tokens,
+                                 std::span<const TokenChoice> choices, int64_t *chosen) {
+  Impl &impl = *impl_;
+  const fb::Program &program = *host.program;
+  const int64_t rows = host.rows;
+  if (static_cast<int64_t>(choices.size()) != rows || program.name()->string_view() == "prefill")
+    return Status::error("cuda device: a choosing run is a decode step with one choice per row (" +
+                         std::to_string(choices.size()) + " choices for " + std::to_string(rows) +
+                         " rows of program '" + program.name()->str() + "')");
+  HYBRID_RETURN_IF_ERROR(runProgram(host, tokens, nullptr));
+  for (size_t i = 0; i < choices.size(); ++i)
+    impl.pinnedChoices[i] = {choices[i].params.temperature, choices[i].params.topK,
+                             choices[i].params.topP, choices[i].uniform};
+  const cudaStream_t stream = impl.streams[0]->stream;
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(impl.deviceChoices, impl.pinnedChoices,
+                                       choices.size() * sizeof(kc::SamplingRow),
+                                       cudaMemcpyHostToDevice, stream),
+                       "sampling parameters upload");
+  const fb::Value &logits = valueOf(program, program.logits());
+  kc::SampleRowsParams sample;
+  sample.rows = static_cast<int32_t>(rows);
+  sample.vocab = logits.row_elements();
+  sample.logits = reinterpret_cast<const float *>(impl.arenas[1] + logits.arena_offset());
+  sample.samplingRows = impl.deviceChoices;
+  sample.tokens = impl.deviceChosen;
+  LAUNCH_RETURN_IF_ERROR(kc::launchSampleRows(sample, stream), "token choice");
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(impl.pinnedChosen, impl.deviceChosen,
+                                       static_cast<size_t>(rows) * sizeof(int64_t),
+                                       cudaMemcpyDeviceToHost, stream),
+                       "chosen tokens download");
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "token choice");
+  std::copy_n(impl.pinnedChosen, rows, chosen);
+  return Status::ok();
+}
+
+Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const int64_t> tokens,
+                                HiddenStates *hidden) {
   Impl &impl = *impl_;
   const fb::Program &program = *host.program;
   const bool prefill = program.name()->string_view() == "prefill";
@@ -951,14 +1011,7 @@ Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> 
                                   : impl.launchRun(program, arena, run, host, hidden, false));
   }
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), program.name()->str() + " program");
-  HYBRID_RETURN_IF_ERROR(impl.finishKvStep(programIndex, host));
-  const fb::Value &logits = valueOf(program, program.logits());
-  const size_t rowBytes = valueBytes(logits, 1);
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(logitsOut, arena + logits.arena_offset() + (lastRowLogits ? (rows - 1) * rowBytes : 0),
-                 lastRowLogits ? rowBytes : valueBytes(logits, rows), cudaMemcpyDeviceToHost),
-      "logits download");
-  return Status::ok();
+  return impl.finishKvStep(programIndex, host);
 }
 
 } // namespace hybrid::cudadev

@@ -8,6 +8,7 @@
 
 #include "cpu/CpuExecutor.h"
 #include "hybrid/runtime/Model.h"
+#include "hybrid/runtime/Sampling.h"
 #include "hybrid/runtime/Status.h"
 #include "hybrid/runtime/WeightArchive.h"
 #include "runtime/schema/plan_generated.h"
@@ -50,6 +51,10 @@ public:
   // rows x vocab floats to the host).
   Status run(const cpu::StepContext &host, std::span<const int64_t> tokens, float *logits,
              HiddenStates *hidden, bool lastRowLogits = false);
+  // A decode step whose rows choose their tokens on the GPU (kernels/cuda/Sampling.h, the
+  // reference's definition): `chosen` [rows] receives them and no logits leave the device.
+  Status runChoosing(const cpu::StepContext &host, std::span<const int64_t> tokens,
+                     std::span<const TokenChoice> choices, int64_t *chosen);
   // A fresh sequence in `slot`: its recurrent and conv states are zeroed on the device.
   Status resetSlot(int32_t slot);
   // Copies the device's KDA states of `slot` (the layers whose kernels run on the GPU; bf16
@@ -73,6 +78,9 @@ public:
 
 private:
   explicit CudaExecutor(std::unique_ptr<Impl> impl);
+  // A step of `host`'s program up to its KV bookkeeping; the logits stay in the arena.
+  Status runProgram(const cpu::StepContext &host, std::span<const int64_t> tokens,
+                    HiddenStates *hidden);
   std::unique_ptr<Impl> impl_;
   std::string report_;
   std::vector<int32_t> cpuStepWeights_;

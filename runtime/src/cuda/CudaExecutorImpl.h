@@ -10,6 +10,7 @@
 #include "hybrid/kernels/cuda/KdaDecode.h"
 #include "hybrid/kernels/cuda/KdaPrefill.h"
 #include "hybrid/kernels/cuda/Linear.h"
+#include "hybrid/kernels/cuda/Sampling.h"
 #include "hybrid/kernels/cuda/SparseMla.h"
 #include "hybrid/runtime/Memory.h"
 #include "runtime/schema/kernel_signatures.h"
@@ -136,6 +137,10 @@ struct CudaExecutor::Impl {
   bool splitGemmInputs = true;
   kc::KdaPrefillPath kdaPrefillPath = kc::KdaPrefillPath::Auto;
   int64_t *pinnedTokens = nullptr; // token ids staged for an asynchronous upload
+  // Decode steps that choose on the GPU: each row's sampling parameters (staged, then on the
+  // device) and the chosen ids (on the device, then staged for the host).
+  kc::SamplingRow *pinnedChoices = nullptr, *deviceChoices = nullptr;
+  int64_t *deviceChosen = nullptr, *pinnedChosen = nullptr;
   int32_t *pinnedSlots = nullptr;  // and each decode row's state slot
   int32_t *rowSlots = nullptr;     // the device copy the KDA decode kernels index states with
   int32_t *pinnedCuSeqlens = nullptr, *cuSeqlens = nullptr; // {0, rows} of a prefill step
@@ -160,6 +165,10 @@ struct CudaExecutor::Impl {
     if (forkEvent)
       cudaEventDestroy(forkEvent);
     cudaFreeHost(pinnedTokens);
+    cudaFreeHost(pinnedChoices);
+    cudaFreeHost(pinnedChosen);
+    cudaFree(deviceChoices);
+    cudaFree(deviceChosen);
     cudaFreeHost(pinnedSlots);
     cudaFreeHost(pinnedCuSeqlens);
     for (LoggedKda &entry : kdaLog)

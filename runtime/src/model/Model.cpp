@@ -164,6 +164,10 @@ std::vector<size_t> stepOrder(const fb::Program &program, uint64_t seed) {
 struct RunExtras {
   int64_t firstPosition = -1;
   bool lastRowLogits = false; // logitsOut receives the last row's logits only
+  // A decode step whose device chooses each row's token (the cuda device): chosenOut [rows]
+  // receives them by `choices`, and logitsOut is not written.
+  std::span<const TokenChoice> choices;
+  int64_t *chosenOut = nullptr;
   const float *hiddenInput = nullptr;
   float *finalHiddenOut = nullptr;
 };
@@ -251,6 +255,8 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
 #ifdef HYBRID_HAS_CUDA_DEVICE
   // The mtp program runs on the cpu reference (its host weights were converted at load).
   if (cuda && &runner != &mtp) {
+    if (extras.chosenOut && !extras.finalHiddenOut && !hidden)
+      return cuda->runChoosing(context, tokens, extras.choices, extras.chosenOut);
     if (!extras.finalHiddenOut)
       return cuda->run(context, tokens, logitsOut, hidden, extras.lastRowLogits);
     // The final hidden states come out with the others (hidden-state dumps).
@@ -799,6 +805,13 @@ int64_t Model::maxDecodeBatch() const { return std::max<int64_t>(1, impl_->decod
 
 StatusOr<std::vector<float>> Model::decodeBatch(std::span<Sequence *const> sequences,
                                                 std::span<const int64_t> tokens) {
+  return decodeRows(sequences, tokens, {}, nullptr);
+}
+
+StatusOr<std::vector<float>> Model::decodeRows(std::span<Sequence *const> sequences,
+                                               std::span<const int64_t> tokens,
+                                               std::span<const TokenChoice> choices,
+                                               int64_t *chosen) {
   Impl &impl = *impl_;
   if (sequences.empty() || sequences.size() != tokens.size())
     return Status::error("decodeBatch: " + std::to_string(sequences.size()) + " sequences and " +
@@ -824,12 +837,14 @@ StatusOr<std::vector<float>> Model::decodeBatch(std::span<Sequence *const> seque
                            std::to_string(impl.options.maxContextTokens));
     batch.push_back({sequence->kvSequence_, sequence->stateSlot_, sequence->length_});
   }
-  std::vector<float> logits(sequences.size() * static_cast<size_t>(vocabSize()));
+  std::vector<float> logits(chosen ? 0 : sequences.size() * static_cast<size_t>(vocabSize()));
   Sequence &first = *sequences[0];
   const bool recording = std::any_of(sequences.begin(), sequences.end(),
                                      [](const Sequence *s) { return s->recordFinalHidden_; });
   std::vector<float> finalHidden;
   RunExtras extras;
+  extras.choices = choices;
+  extras.chosenOut = chosen;
   if (recording) {
     finalHidden.resize(sequences.size() * static_cast<size_t>(hiddenSize()));
     extras.finalHiddenOut = finalHidden.data();
@@ -857,6 +872,17 @@ StatusOr<std::vector<int64_t>> Model::decodeBatchChoose(std::span<Sequence *cons
   for (size_t i = 0; i < choices.size(); ++i)
     if (const std::string problem = samplingParamsProblem(choices[i].params); !problem.empty())
       return Status::error("decodeBatchChoose: row " + std::to_string(i) + ": " + problem);
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  // The cuda device chooses where the logits are; only the ids come back.
+  const bool recording = std::any_of(rows.begin(), rows.end(), [](const Sequence *s) {
+    return s && s->recordFinalHidden_;
+  });
+  if (impl_->cuda && !recording) {
+    std::vector<int64_t> chosen(rows.size());
+    HYBRID_RETURN_IF_ERROR(decodeRows(rows, tokens, choices, chosen.data()).status());
+    return chosen;
+  }
+#endif
   // One row takes the plain decode path, the one single-sequence callers have always used.
   const bool single = rows.size() == 1 && tokens.size() == 1 && rows[0] && &rows[0]->model_ == this;
   HYBRID_ASSIGN_OR_RETURN(std::vector<float> logits,

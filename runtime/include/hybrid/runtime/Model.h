@@ -232,7 +232,9 @@ public:
   // One decode step for `rows` (as decodeBatch) that returns the token each row chooses instead
   // of its logits: row i's logits through choices[i] (Sampling.h; greedy choices give the argmax,
   // lowest id on ties). Every sampled decode step goes through here so that a device can choose
-  // where the logits are (the cpu device and, for now, the cuda device choose on the host).
+  // where the logits are (the cuda device chooses on the GPU, so only the ids come back; the
+  // cpu device chooses on the host, as does the cuda device while a sequence records hidden
+  // states).
   // Choices with bad parameters are refused, naming the row and field, before anything runs.
   StatusOr<std::vector<int64_t>> decodeBatchChoose(std::span<Sequence *const> rows,
                                                    std::span<const int64_t> tokens,
@@ -269,6 +271,11 @@ public:
 private:
   friend class Sequence;
   explicit Model(std::unique_ptr<Impl> impl);
+  // decodeBatch's step; with `chosen`, the device chooses each row's token by `choices` into it
+  // (the cuda device) and no logits are returned.
+  StatusOr<std::vector<float>> decodeRows(std::span<Sequence *const> sequences,
+                                          std::span<const int64_t> tokens,
+                                          std::span<const TokenChoice> choices, int64_t *chosen);
   std::unique_ptr<Impl> impl_;
 };
 
