@@ -447,7 +447,8 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
       kvTokens = std::max(kvTokens, batch * (context + o.bench.decodeSteps + 2 + 64));
     }
   o.load.maxSequences = int32_t(maxBatch);
-  o.load.maxContextTokens = maxContext + o.bench.decodeSteps + 2;
+  o.load.maxContextTokens =
+      maxContext + o.bench.decodeSteps + 2 + (o.bench.aroundProfiledStep ? 1 : 0);
   o.load.kvCacheTokens = kvTokens; // the largest row's, not every batch at the longest context
   const auto loadStart = std::chrono::steady_clock::now();
   auto model = hybrid::Model::load(o.model, o.load);
@@ -809,12 +810,25 @@ int main(int argc, char **argv) {
   e2eCommand->add_option("--kda-prefill", e2e.load.kdaPrefill, "cuda: auto, chunked or recurrent")
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
   e2eCommand->add_flag("--no-cuda-graphs", e2eNoGraphs, "cuda: launch every kernel each step");
+  bool e2eProfileStep = false;
+  e2eCommand->add_flag("--profile-decode-step", e2eProfileStep,
+                       "cuda: one extra, untimed decode step per row inside a profiler range "
+                       "(for ncu --profile-from-start off)");
   e2eCommand->add_option("--plot", e2e.plotPath, "Write TPOT against context as a PNG");
   addRecordOptions(e2eCommand, record);
   CLI11_PARSE(app, argc, argv);
 
   if (e2eCommand->parsed()) {
     e2e.load.cudaGraphs = !e2eNoGraphs;
+    if (e2eProfileStep) {
+#ifdef HYBRID_BENCH_KDA
+      e2e.bench.aroundProfiledStep = [](bool start) {
+        hybrid::kernels::cuda::benchProfilerRange(start);
+      };
+#else
+      return noCuda("e2e --profile-decode-step");
+#endif
+    }
     return runE2eCommand(e2e, record);
   }
   if (decodeBatch->parsed()) {

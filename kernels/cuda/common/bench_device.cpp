@@ -1,5 +1,6 @@
 #include "hybrid/kernels/cuda/BenchDevice.h"
 
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 namespace hybrid::kernels::cuda {
@@ -14,6 +15,10 @@ std::string benchDeviceName() {
   return std::string(properties.name) + ", " + std::to_string(properties.multiProcessorCount) +
          " SMs, driver " + std::to_string(driver / 1000) + "." +
          std::to_string(driver % 1000 / 10);
+}
+
+int benchProfilerRange(bool start) {
+  return int(start ? cudaProfilerStart() : cudaProfilerStop());
 }
 
 } // namespace hybrid::kernels::cuda

@@ -1,6 +1,7 @@
 #include "hybrid/runtime/E2eBench.h"
 
 #include "hybrid/runtime/Plan.h"          // findProgram
+#include "hybrid/runtime/Sampling.h"      // TokenChoice
 #include "hybrid/runtime/WeightArchive.h" // dtypeByteSize
 
 #include <algorithm>
@@ -159,22 +160,25 @@ StatusOr<std::vector<E2eRow>> runE2e(Model &model, const E2eOptions &options,
       }
       row.prefillTokensPerSecond = double(batch * context) / secondsSince(prefillStart);
 
-      // One step: every sequence one token, in calls of the decode program's batch.
+      // One step: every sequence one token, in calls of the decode program's batch, each row's
+      // next token chosen (greedily) where the device holds the logits, as a server's step does.
       std::vector<Sequence *> pointers;
       for (auto &sequence : sequences)
         pointers.push_back(sequence.get());
       std::vector<int64_t> tokens(static_cast<size_t>(batch));
+      const std::vector<TokenChoice> greedy(static_cast<size_t>(std::min(perCall, batch)));
       auto step = [&]() -> Status {
         for (int64_t &id : tokens)
           id = token(rng);
         for (int64_t first = 0; first < batch; first += perCall) {
           const int64_t count = std::min(perCall, batch - first);
-          auto logits = model.decodeBatch(
+          auto chosen = model.decodeBatchChoose(
               std::span<Sequence *const>(pointers.data() + first, size_t(count)),
-              std::span<const int64_t>(tokens.data() + first, size_t(count)));
-          if (!logits.isOk())
+              std::span<const int64_t>(tokens.data() + first, size_t(count)),
+              std::span<const TokenChoice>(greedy.data(), size_t(count)));
+          if (!chosen.isOk())
             return Status::error("e2e: decode at context " + std::to_string(context) + ": " +
-                                 logits.status().message());
+                                 chosen.status().message());
         }
         return Status::ok();
       };
@@ -182,6 +186,13 @@ StatusOr<std::vector<E2eRow>> runE2e(Model &model, const E2eOptions &options,
       for (int warm = 0; warm < 2; ++warm)
         if (Status s = step(); !s)
           return s;
+      if (options.aroundProfiledStep) { // untimed: the profiler slows it
+        options.aroundProfiledStep(true);
+        Status s = step();
+        options.aroundProfiledStep(false);
+        if (!s)
+          return s;
+      }
       const auto decodeStart = std::chrono::steady_clock::now();
       for (int32_t i = 0; i < options.decodeSteps; ++i)
         if (Status s = step(); !s)

@@ -37,6 +37,9 @@ struct E2eOptions {
   int32_t decodeSteps = 32;   // timed decode steps per row (after 2 untimed ones)
   double bandwidthTbPerSecond = 4.28; // the floor's bandwidth (H200 device copy, measured)
   uint64_t seed = 1;          // prompt token ids
+  // Called with true before and false after the first timed decode step of each row (a
+  // profiler's collection range around one step); may be empty.
+  std::function<void(bool)> aroundProfiledStep;
 };
 
 struct E2eRow {
