@@ -1,6 +1,7 @@
 // hybrid-synth: writes a synthetic Hub-format checkpoint (random weights, published layout).
 //   hybrid-synth --preset kimi-linear-tiny --out DIR [--seed N] [--layers N] [--fp8]
-//                [--mtp-layers N] [--max-shard-mib N] [--threads N] [--force] [--config-only]
+//                [--mtp-layers N] [--attn-res-block-size N] [--max-shard-mib N] [--threads N]
+//                [--force] [--config-only]
 #include "hybrid/runtime/SyntheticCheckpoint.h"
 
 #include <CLI/CLI.hpp>
@@ -43,6 +44,7 @@ int main(int argc, char **argv) {
   std::optional<int64_t> layers;
   bool fp8 = false;
   std::optional<int64_t> mtpLayers;
+  std::optional<int64_t> attnResBlockSize;
   std::optional<uint64_t> maxShardMiB;
   int threads = 0;
   bool force = false;
@@ -60,6 +62,10 @@ int main(int argc, char **argv) {
                  "num_nextn_predict_layers: DeepSeek multi-token-prediction layers after the "
                  "decoder (deepseek_v32)")
       ->check(CLI::Range(int64_t{0}, int64_t{8}));
+  app.add_option("--attn-res-block-size", attnResBlockSize,
+                 "Block AttnRes in blocks of N layers; 0: the plain residual stream (kimi_linear, "
+                 "hybrid; e.g. to measure AttnRes's cost)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   app.add_option("--max-shard-mib", maxShardMiB, "Shard size limit in MiB (default 5 GB)")
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30));
   app.add_option("--threads", threads, "Generator threads (default: all cores)")
@@ -85,6 +91,9 @@ int main(int argc, char **argv) {
     spec->setNumLayers(*layers);
   if (mtpLayers)
     spec->numNextnPredictLayers = *mtpLayers;
+  if (attnResBlockSize)
+    spec->attnResBlockSize =
+        *attnResBlockSize > 0 ? std::optional<int64_t>(*attnResBlockSize) : std::nullopt;
   if (maxShardMiB)
     spec->maxShardBytes = *maxShardMiB << 20;
 

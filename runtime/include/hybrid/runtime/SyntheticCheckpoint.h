@@ -131,8 +131,9 @@ struct SyntheticSpec {
 
   // kimi-linear-tiny, deepseek-v32-tiny, kimi-attnres-tiny (the shapes of tests/data),
   // hybrid-tiny (KDA, MLA+DSA, MLA, MoE and Block AttnRes in four layers), kimi-k3-tiny (Kimi K3's
-  // layout in 8 layers: the K3 gates, 2 shared experts, AttnRes blocks of 3), and the published full
-  // sizes kimi-linear-48b and deepseek-v32-671b (hundreds of GB when written).
+  // layout in 8 layers: the K3 gates, SiTU, latent MoE, 2 shared experts, AttnRes blocks of 3), the
+  // published full sizes kimi-linear-48b and deepseek-v32-671b (hundreds of GB when written), and
+  // kimi-k3-slice (K3's widths in 12 layers with 64 experts, for timing).
   static StatusOr<SyntheticSpec> preset(const std::string &name);
   static std::vector<std::string> presetNames();
 
