@@ -1,6 +1,7 @@
 // Embedding gather, residual add, silu(gate) * up, the sigmoid gate and the MXFP8 round trip on
 // CUDA (see Elementwise.h): grid-stride loops over the elements (warps over 32-value blocks).
 #include "hybrid/kernels/cuda/Elementwise.h"
+#include "../common/activation.cuh"
 #include "../common/fp8_quant.cuh"
 
 #include <cuda_bf16.h>
@@ -45,6 +46,18 @@ __global__ void siluMulKernel(const float *gate, const float *up, int64_t rows, 
     const int64_t row = index / width, column = index % width;
     const float g = gate[row * stride + column];
     out[index] = g / (1.0f + expf(-g)) * up[row * stride + column];
+  }
+}
+
+__global__ void gatedActivationKernel(const float *gate, const float *up, int64_t rows,
+                                      int64_t width, int64_t stride, float *out,
+                                      GatedActivation activation) {
+  const int64_t total = rows * width;
+  for (int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; index < total;
+       index += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = index / width, column = index % width;
+    out[index] = gatedActivationValue(activation, gate[row * stride + column],
+                                      up[row * stride + column]);
   }
 }
 
@@ -95,6 +108,20 @@ int launchSiluMul(const float *gate, const float *up, int64_t rows, int64_t widt
     return cudaErrorInvalidValue;
   siluMulKernel<<<blocksFor(rows * width), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       gate, up, rows, width, inputStride, out);
+  return finish();
+}
+
+int launchGatedActivation(const float *gate, const float *up, int64_t rows, int64_t width,
+                          int64_t inputStride, float *out, const GatedActivation &activation,
+                          void *stream) {
+  if (activation.kind == GatedActivation::Kind::Silu)
+    return launchSiluMul(gate, up, rows, width, inputStride, out, stream);
+  if (rows <= 0 || width <= 0 || inputStride < width || !gate || !up || !out ||
+      !gatedActivationValid(activation))
+    return cudaErrorInvalidValue;
+  gatedActivationKernel<<<blocksFor(rows * width), kThreads, 0,
+                          static_cast<cudaStream_t>(stream)>>>(gate, up, rows, width, inputStride,
+                                                               out, activation);
   return finish();
 }
 

@@ -13,6 +13,7 @@
 //   combine: out[t] = sum over t's experts in ascending expert order of weight * y[row].
 // Blocks past the tile count exit at once; the grid is sized for the most tiles possible.
 #include "hybrid/kernels/cuda/Moe.h"
+#include "../common/activation.cuh"
 #include "../common/device_setup.cuh"
 #include "../common/warp_mma.cuh"
 
@@ -266,7 +267,7 @@ __global__ void __launch_bounds__(kThreads)
           continue;
         if constexpr (kGateUp) {
           const float g = acc[0][mt][nt][e], u = acc[kMatrices<kGateUp> - 1][mt][nt][e];
-          w.h[int64_t(first + row) * p.intermediate + column] = g * (1.0f / (1.0f + expf(-g))) * u;
+          w.h[int64_t(first + row) * p.intermediate + column] = gatedActivationValue(p.activation, g, u);
         } else {
           w.y[int64_t(first + row) * p.hidden + column] = acc[0][mt][nt][e];
         }
@@ -308,7 +309,8 @@ __global__ void __launch_bounds__(256) combineSortedKernel(MoeExpertsParams p, W
 } // namespace
 
 bool moeGroupedSupports(const MoeExpertsParams &p) {
-  return p.type == WeightType::BF16 && p.tokens > 0 && p.topK > 0 && p.topK <= kMoeMaxTopK &&
+  return p.type == WeightType::BF16 && gatedActivationValid(p.activation) && p.tokens > 0 &&
+         p.topK > 0 && p.topK <= kMoeMaxTopK &&
          p.experts > 0 && p.experts <= kMoeMaxExperts && p.hidden > 0 &&
          p.hidden % kTileK == 0 && p.intermediate > 0 && p.intermediate % kTileK == 0 &&
          int64_t(p.tokens) * p.topK <= 0x7fffffff &&

@@ -3,6 +3,7 @@
 // CUDA cores: a warp per output row reading the expert's weight row once, the token's input in
 // shared memory.
 #include "hybrid/kernels/cuda/Moe.h"
+#include "../common/activation.cuh"
 #include "../common/block_reduce.cuh"
 #include "../common/device_setup.cuh"
 #include "../common/fp8_quant.cuh"
@@ -222,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) gateUpKernel(MoeExpertsParams p, flo
   const float g = rowDot(gate, x, p.hidden, lane, gateScales);
   const float u = rowDot(up, x, p.hidden, lane, upScales);
   if (lane == 0)
-    h[size_t(slot) * p.intermediate + row] = g * (1.0f / (1.0f + expf(-g))) * u;
+    h[size_t(slot) * p.intermediate + row] = gatedActivationValue(p.activation, g, u);
 }
 
 // Block (token-slot, 8 rows of the output): y = down h.
@@ -354,7 +355,7 @@ int launchMoeExpertsPerToken(const MoeExpertsParams &p, void *stream) {
   if (p.tokens <= 0 || p.hidden <= 0 || p.hidden > kMoeMaxHidden || p.hidden % 2 != 0 ||
       p.intermediate <= 0 || p.intermediate > kMoeMaxHidden || p.intermediate % 2 != 0 ||
       p.experts <= 0 || p.topK <= 0 || p.topK > kMoeMaxTopK || !p.x || !p.ids || !p.weights ||
-      !p.gate || !p.up || !p.down || !p.out || !p.workspace)
+      !p.gate || !p.up || !p.down || !p.out || !p.workspace || !gatedActivationValid(p.activation))
     return cudaErrorInvalidValue;
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.type == WeightType::Fp8Block) {

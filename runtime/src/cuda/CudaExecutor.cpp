@@ -25,9 +25,9 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
   case fb::KernelId::Linear:
   case fb::KernelId::LmHead:
     return gemmWeight(roleOf(d, 0));
-  case fb::KernelId::Mlp: // SiTU (Kimi K3) has no GPU kernel yet: the cpu reference runs it
+  case fb::KernelId::Mlp: // SiLU or Kimi K3's SiTU (kc::GatedActivation)
     return d.params_as_MlpParams() &&
-           d.params_as_MlpParams()->activation() == fb::Activation::Silu &&
+           kc::gatedActivationValid(gatedActivationOf(*d.params_as_MlpParams())) &&
            gemmWeight(roleOf(d, 0)) && gemmWeight(roleOf(d, 1)) && gemmWeight(roleOf(d, 2));
   case fb::KernelId::KdaChunkPrefill:
   case fb::KernelId::KdaRecurrentDecode: {
@@ -45,9 +45,10 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
   }
   case fb::KernelId::RouterTopK:
     return moeRunsOnGpu(d);
-  case fb::KernelId::MoeExperts: // SiTU experts: the cpu reference, as for Mlp
+  case fb::KernelId::MoeExperts:
     return d.params_as_MoeParams() &&
-           d.params_as_MoeParams()->activation() == fb::Activation::Silu && moeRunsOnGpu(d);
+           kc::gatedActivationValid(gatedActivationOf(*d.params_as_MoeParams())) &&
+           moeRunsOnGpu(d);
   case fb::KernelId::AttnRes:
   case fb::KernelId::AttnResRmsNorm: { // inputs: the partial sum, then the completed blocks
     const size_t roles = d.kernel() == fb::KernelId::AttnResRmsNorm ? 3 : 2;
@@ -342,9 +343,11 @@ Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *a
                                 inner));
     HYBRID_RETURN_IF_ERROR(gemm(r, input(0), dModel, role(1), gateUp + inner, 2 * inner, rows,
                                 dModel, inner));
-    LAUNCH_RETURN_IF_ERROR(
-        kc::launchSiluMul(gateUp, gateUp + inner, rows, inner, 2 * inner, hidden, r.stream),
-        "silu(gate) * up");
+    LAUNCH_RETURN_IF_ERROR(kc::launchGatedActivation(gateUp, gateUp + inner, rows, inner, 2 * inner,
+                                                     hidden,
+                                                     gatedActivationOf(*d.params_as_MlpParams()),
+                                                     r.stream),
+                           "gated activation");
     return gemm(r, hidden, inner, role(2), output(0), dModel, rows, inner, dModel);
   }
   case fb::KernelId::KdaChunkPrefill:

@@ -9,6 +9,7 @@
 #include "hybrid/kernels/cuda/DsaIndexer.h"
 #include "hybrid/kernels/cuda/KdaDecode.h"
 #include "hybrid/kernels/cuda/KdaPrefill.h"
+#include "hybrid/kernels/cuda/Activation.h"
 #include "hybrid/kernels/cuda/Linear.h"
 #include "hybrid/kernels/cuda/Sampling.h"
 #include "hybrid/kernels/cuda/SparseMla.h"
@@ -25,6 +26,13 @@
 namespace hybrid::cudadev {
 namespace fb = plan::fb;
 namespace kc = kernels::cuda;
+
+// A gated MLP's activation as the plan gives it (MlpParams / MoeParams).
+template <typename Params> kc::GatedActivation gatedActivationOf(const Params &p) {
+  if (p.activation() == plan::fb::Activation::Situ)
+    return {kc::GatedActivation::Kind::Situ, p.situ_beta(), p.situ_linear_beta()};
+  return {};
+}
 
 inline std::string kernelName(fb::KernelId kernel) {
   const plan::KernelSignature *signature = plan::kernelSignature(kernel);

@@ -181,6 +181,7 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
     m.gate = pointers;
     m.up = pointers + E;
     m.down = pointers + 2 * E;
+    m.activation = gatedActivationOf(*p);
     m.out = out;
     m.workspace = r.scratch;
     if (kc::moeGroupedSupports(m)) {
@@ -215,6 +216,7 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
       m.downScaleStride = static_cast<int32_t>(kc::linearFp8WeightScaleStride(inner));
       m.activationScale = fp8ActivationScale;
     }
+    m.activation = gatedActivationOf(*p);
     m.out = out;
     m.workspace = r.scratch;
     if (kc::moeExpertsWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate) >
@@ -277,8 +279,9 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
                                 gate, inner, n, hidden, inner));
     HYBRID_RETURN_IF_ERROR(gemm(r, gathered, hidden, d.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e + 1)),
                                 up, inner, n, hidden, inner));
-    LAUNCH_RETURN_IF_ERROR(kc::launchSiluMul(gate, up, n, inner, inner, gate, r.stream),
-                           "MoE silu(gate) * up");
+    LAUNCH_RETURN_IF_ERROR(kc::launchGatedActivation(gate, up, n, inner, inner, gate,
+                                                     gatedActivationOf(*p), r.stream),
+                           "MoE gated activation");
     HYBRID_RETURN_IF_ERROR(gemm(r, gate, inner, d.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e + 2)),
                                 result, hidden, n, inner, hidden));
     LAUNCH_RETURN_IF_ERROR(kc::launchScatterAddRows(result, hidden, expertTokens + begin,

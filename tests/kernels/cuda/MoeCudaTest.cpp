@@ -97,8 +97,9 @@ TEST(MoeExpertsCuda, PerTokenMatchesReference) {
   std::mt19937 rng(4);
   struct Shape { int tokens, hidden, intermediate, experts, topK; };
   for (Shape s : {Shape{3, 256, 64, 8, 2}, Shape{4, 2304, 1024, 16, 8}})
-    for (bool bf16 : {true, false}) {
-      SCOPED_TRACE(std::string(bf16 ? "bf16" : "fp32") + " hidden " + std::to_string(s.hidden));
+    for (auto [bf16, situ] : {std::pair{true, false}, {false, false}, {true, true}}) {
+      SCOPED_TRACE(std::string(bf16 ? "bf16" : "fp32") + (situ ? " SiTU" : " SiLU") + " hidden " +
+                   std::to_string(s.hidden));
       const std::vector<float> x = random(size_t(s.tokens) * s.hidden, rng, 1.0f);
       std::vector<std::vector<float>> matrices; // per expert: gate, up, down
       for (int e = 0; e < s.experts; ++e)
@@ -120,7 +121,9 @@ TEST(MoeExpertsCuda, PerTokenMatchesReference) {
       std::vector<ref::SwiGluWeights> experts;
       for (int e = 0; e < s.experts; ++e)
         experts.push_back({matrices[size_t(3 * e)], matrices[size_t(3 * e + 1)],
-                           matrices[size_t(3 * e + 2)], s.hidden, s.intermediate, std::nullopt});
+                           matrices[size_t(3 * e + 2)], s.hidden, s.intermediate, std::nullopt,
+                           situ ? ref::GatedActivation{ref::GatedActivation::Kind::Situ, 4.0f, 25.0f}
+                                : ref::GatedActivation{}});
       std::vector<float> expected(size_t(s.tokens) * s.hidden);
       ref::moeExperts(x, s.tokens, s.hidden, ids, weights, s.topK, experts, {}, expected);
 
@@ -163,6 +166,8 @@ TEST(MoeExpertsCuda, PerTokenMatchesReference) {
       p.up = reinterpret_cast<const void *const *>(up->data);
       p.down = reinterpret_cast<const void *const *>(down->data);
       p.type = bf16 ? cuda::WeightType::BF16 : cuda::WeightType::F32;
+      if (situ)
+        p.activation = {cuda::GatedActivation::Kind::Situ, 4.0f, 25.0f};
       p.out = dOut.data;
       p.workspace = dWorkspace.data;
       ASSERT_EQ(cuda::launchMoeExpertsPerToken(p, nullptr), 0);
@@ -294,8 +299,8 @@ TEST(MoeExpertsCuda, GroupedOnTensorCoresMatchesReference) {
     }
   }
   ids[17] = -1; // an invalid choice contributes nothing
-  auto silu = [](double g) { return g / (1.0 + std::exp(-g)); };
   auto bf16 = [](double v) { return double(roundedToBf16(std::vector<float>{float(v)})[0]); };
+  ref::GatedActivation activation; // SiLU, then Kimi K3's SiTU
   auto expected = [&](bool split) {
     std::vector<float> out(size_t(tokens) * hidden, 0.0f);
     for (int t = 0; t < tokens; ++t) {
@@ -319,7 +324,8 @@ TEST(MoeExpertsCuda, GroupedOnTensorCoresMatchesReference) {
             g += v * gate[size_t(n * hidden + c)];
             u += v * up[size_t(n * hidden + c)];
           }
-          h[size_t(n)] = split ? silu(g) * u : bf16(silu(g) * u);
+          const double value = ref::gatedActivation(activation, float(g), float(u));
+          h[size_t(n)] = split ? value : bf16(value);
         }
         for (int c = 0; c < hidden; ++c) {
           double y = 0;
@@ -359,8 +365,14 @@ TEST(MoeExpertsCuda, GroupedOnTensorCoresMatchesReference) {
   p.down = reinterpret_cast<const void *const *>(down.data);
   p.workspace = dWorkspace.data;
   ASSERT_TRUE(cuda::moeGroupedSupports(p));
+  for (auto kind : {ref::GatedActivation::Kind::Silu, ref::GatedActivation::Kind::Situ})
   for (bool split : {true, false}) {
-    SCOPED_TRACE(split ? "split inputs" : "bf16 inputs");
+    SCOPED_TRACE(std::string(split ? "split inputs" : "bf16 inputs") +
+                 (kind == ref::GatedActivation::Kind::Situ ? ", SiTU" : ", SiLU"));
+    activation = {kind, 4.0f, 25.0f};
+    p.activation = {kind == ref::GatedActivation::Kind::Situ ? cuda::GatedActivation::Kind::Situ
+                                                             : cuda::GatedActivation::Kind::Silu,
+                    4.0f, 25.0f};
     DeviceBuffer<float> dOut{std::vector<float>(size_t(tokens) * hidden, -3.0f)};
     p.out = dOut.data;
     ASSERT_EQ(cuda::launchMoeExpertsGrouped(p, split, nullptr), 0);

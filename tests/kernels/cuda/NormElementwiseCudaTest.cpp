@@ -2,6 +2,7 @@
 // reference, fp32 throughout. Labelled `gpu`; skipped where no GPU is present.
 #include "hybrid/kernels/cuda/Elementwise.h"
 #include "hybrid/kernels/cuda/Norm.h"
+#include "hybrid/kernels/ref/Moe.h" // GatedActivation
 #include "hybrid/kernels/ref/Norm.h"
 #include "hybrid/kernels/ref/Quant.h"
 #include "CudaTestSupport.h"
@@ -141,6 +142,44 @@ TEST(ElementwiseCuda, AddAndSiluMulMatchTheReference) {
   EXPECT_EQ(relativeRms(dSum.download(), sum), 0.0);
   EXPECT_LT(relativeRms(dProduct.download(), product), 1e-6);
   EXPECT_EQ(cuda::launchSiluMul(dA.data, dA.data, rows, width, width - 1, dProduct.data, nullptr),
+            int(cudaErrorInvalidValue));
+}
+
+// Kimi K3's SiTU against ref::gatedActivation (K3's betas 4 and 25, and an uncapped linear half);
+// SiLU through launchGatedActivation is launchSiluMul bit for bit; bad betas are refused.
+TEST(ElementwiseCuda, GatedActivationsMatchTheReference) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  const int64_t rows = 4, width = 777, stride = 2 * width;
+  std::mt19937 rng(21);
+  const std::vector<float> a = random(size_t(rows * stride), rng, 40.0f); // past both caps
+  DeviceBuffer<float> dA(a), dOut(std::vector<float>(size_t(rows * width))),
+      dSilu(std::vector<float>(size_t(rows * width)));
+  for (float linearBeta : {25.0f, 0.0f}) {
+    SCOPED_TRACE("linear beta " + std::to_string(linearBeta));
+    const cuda::GatedActivation situ{cuda::GatedActivation::Kind::Situ, 4.0f, linearBeta};
+    const ref::GatedActivation reference{ref::GatedActivation::Kind::Situ, 4.0f, linearBeta};
+    std::vector<float> expected(size_t(rows * width));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < width; ++i)
+        expected[size_t(r * width + i)] =
+            ref::gatedActivation(reference, a[size_t(r * stride + i)], a[size_t(r * stride + width + i)]);
+    ASSERT_EQ(cuda::launchGatedActivation(dA.data, dA.data + width, rows, width, stride, dOut.data,
+                                          situ, nullptr),
+              0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_LT(relativeRms(dOut.download(), expected), 1e-6);
+  }
+  ASSERT_EQ(cuda::launchGatedActivation(dA.data, dA.data + width, rows, width, stride, dOut.data,
+                                        cuda::GatedActivation{}, nullptr),
+            0);
+  ASSERT_EQ(cuda::launchSiluMul(dA.data, dA.data + width, rows, width, stride, dSilu.data, nullptr),
+            0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(dOut.download(), dSilu.download());
+  const cuda::GatedActivation noBeta{cuda::GatedActivation::Kind::Situ, 0.0f, 25.0f};
+  EXPECT_EQ(cuda::launchGatedActivation(dA.data, dA.data + width, rows, width, stride, dOut.data,
+                                        noBeta, nullptr),
             int(cudaErrorInvalidValue));
 }
 

@@ -4,6 +4,8 @@
 // (cudaErrorInvalidValue for bad shapes or missing pointers).
 #pragma once
 
+#include "hybrid/kernels/cuda/Activation.h"
+
 #include <cstdint>
 
 namespace hybrid::kernels::cuda {
@@ -25,6 +27,10 @@ int launchAdd(const float *a, const float *b, float *y, int64_t n, void *stream)
 // (they may be the two halves of one [rows, 2 * width] projection).
 int launchSiluMul(const float *gate, const float *up, int64_t rows, int64_t width,
                   int64_t inputStride, float *out, void *stream);
+// The same for any gated activation (SiLU goes to launchSiluMul, bit for bit).
+int launchGatedActivation(const float *gate, const float *up, int64_t rows, int64_t width,
+                          int64_t inputStride, float *out, const GatedActivation &activation,
+                          void *stream);
 
 // x[i] *= sigmoid(gate[i]) over n elements (an attention output gate).
 int launchSigmoidGate(float *x, const float *gate, int64_t n, void *stream);

@@ -8,6 +8,8 @@
 // (cudaErrorInvalidValue for a bad shape or a missing pointer).
 #pragma once
 
+#include "hybrid/kernels/cuda/Activation.h"
+
 #include "hybrid/kernels/cuda/Elementwise.h" // WeightType
 #include "hybrid/kernels/cuda/Linear.h"      // Fp8ActivationScale
 
@@ -65,6 +67,7 @@ struct MoeExpertsParams {
   const float *const *downScales = nullptr;
   int32_t gateScaleStride = 0, downScaleStride = 0;
   Fp8ActivationScale activationScale = Fp8ActivationScale::DeepSeekLinear;
+  GatedActivation activation; // SiLU (SwiGLU) or Kimi K3's SiTU
   float *out = nullptr;       // [tokens, hidden]
   void *workspace = nullptr;  // moeExpertsWorkspaceBytes
 };
