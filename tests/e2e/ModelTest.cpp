@@ -643,6 +643,32 @@ TEST(Scheduler, PreemptsWithBatchedDecodeToo) {
   expectPreemptionByRecompute("kimi_linear_tiny-batch4");
 }
 
+// More requests than pages, prefilled in 16-token chunks: admission must leave the pages that
+// running prompts have yet to take, or a newly admitted prompt takes them, the older one runs out
+// mid-prefill and is preempted, and the two keep preempting each other (seen: 226 preemptions
+// in 400 steps, none finished). Every request finishes with its independent greedy tokens.
+TEST(Scheduler, ChunkedPrefillsDoNotPreemptEachOtherForever) {
+  LoadOptions options;
+  options.maxSequences = 3;
+  options.kvCacheTokens = 128;
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny-batch4"), options);
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = goldenPrompt("kimi_linear_tiny");
+  Scheduler scheduler(*model, SchedulerOptions{16});
+  std::map<uint64_t, std::vector<int64_t>> promptOf;
+  for (int i = 0; i < 5; ++i) {
+    std::vector<int64_t> tokens(prompt.begin() + i, prompt.begin() + i + 30);
+    auto id = scheduler.submit({tokens, 50, {}});
+    ASSERT_TRUE(id.isOk()) << id.status().message();
+    promptOf[*id] = tokens;
+  }
+  const SchedulerRun run = runToIdle(scheduler, 600);
+  EXPECT_TRUE(run.errors.empty());
+  EXPECT_EQ(scheduler.stats().finished, 5);
+  for (const auto &[id, tokens] : promptOf)
+    EXPECT_EQ(run.tokens.at(id), greedyIds(*model, tokens, 50)) << "request " << id;
+}
+
 // Speculative decode steps inside the scheduler (prompt-lookup drafts) keep every request's greedy
 // tokens; a repetitive prompt gets drafts.
 TEST(Scheduler, SpeculativeStepsKeepTheGreedyTokens) {

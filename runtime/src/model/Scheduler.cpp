@@ -72,14 +72,45 @@ bool Scheduler::speculates(const Active &active) const {
   return options_.draftTokens > 0 && samplingIsGreedy(active.request.sampling);
 }
 
+int64_t Scheduler::stepPages(const Active &active) const {
+  const int64_t length = active.sequence ? active.sequence->length() : 0;
+  const auto contextLength = static_cast<int64_t>(active.context.size());
+  const bool prefill = active.fed + 1 < contextLength || active.fed == 0;
+  const int64_t tokens = prefill ? std::min(options_.prefillChunkTokens, contextLength - active.fed)
+                                 : 1 + (speculates(active) ? active.draftLength : 0);
+  return model_.pagesFor(length + tokens) - model_.pagesFor(length);
+}
+
+void Scheduler::reserveStepPages() {
+  while (running_.size() > 1) {
+    int64_t needed = 0;
+    for (const auto &active : running_)
+      needed += stepPages(*active);
+    if (needed <= model_.usage().freePages)
+      return;
+    // The youngest goes back to the front of the queue, ahead of what was never admitted (a
+    // second victim, older, then lands ahead of it).
+    std::unique_ptr<Active> victim = std::move(running_.back());
+    running_.pop_back();
+    victim->sequence.reset();
+    victim->fed = 0;
+    waiting_.push_front(std::move(victim));
+    ++stats_.preemptions;
+  }
+}
+
 bool Scheduler::admit(Active &active) {
   const Model::Usage usage = model_.usage();
   if (usage.sequencesInUse >= usage.maxSequences)
     return false;
-  // The pages its context needs now; with nothing running, admit anyway (it fits alone: submit
-  // checked), else a prefix cache holding pages could starve it forever.
+  // The pages its context needs now, besides those the running requests' next steps take; with
+  // nothing running, admit anyway (it fits alone: submit checked), else a prefix cache holding
+  // pages could starve it forever.
+  int64_t reserved = 0;
+  for (const auto &running : running_)
+    reserved += stepPages(*running);
   if (!running_.empty() &&
-      model_.pagesFor(static_cast<int64_t>(active.context.size())) > usage.freePages)
+      model_.pagesFor(static_cast<int64_t>(active.context.size())) + reserved > usage.freePages)
     return false;
   auto sequence = model_.newSequence();
   if (!sequence)
@@ -201,6 +232,7 @@ void Scheduler::decodeGroup(const std::vector<size_t> &group, std::vector<Outcom
 }
 
 std::vector<TokenEvent> Scheduler::step() {
+  reserveStepPages();
   while (!waiting_.empty() && admit(*waiting_.front())) {
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();

@@ -94,6 +94,12 @@ private:
   struct Outcome;
   bool speculates(const Active &active) const;
   bool admit(Active &active);
+  // KV pages `active`'s next step takes beyond those its sequence holds (an estimate: a prefill
+  // chunk, one decode token, or a speculative step's token and drafts).
+  int64_t stepPages(const Active &active) const;
+  // Before a step: while the running requests' steps need more pages than are free, the
+  // youngest gives its pages up (preempted, to recompute later), so the oldest always progresses.
+  void reserveStepPages();
   void runOwnStep(Active &active, Outcome &outcome, bool &decodes);
   void decodeGroup(const std::vector<size_t> &group, std::vector<Outcome> &outcomes);
 
