@@ -16,6 +16,7 @@
 #include "../common/activation.cuh"
 #include "../common/device_setup.cuh"
 #include "../common/warp_mma.cuh"
+#include "expert_order.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -280,16 +281,8 @@ __global__ void __launch_bounds__(256) combineSortedKernel(MoeExpertsParams p, W
   __shared__ int order[kMoeMaxTopK];
   const int token = blockIdx.x;
   const int32_t *ids = p.ids + int64_t(token) * p.topK;
-  if (threadIdx.x == 0) { // insertion sort of the slots by expert id
-    for (int k = 0; k < p.topK; ++k) {
-      int at = k;
-      while (at > 0 && ids[order[at - 1]] > ids[k]) {
-        order[at] = order[at - 1];
-        --at;
-      }
-      order[at] = k;
-    }
-  }
+  if (threadIdx.x == 0)
+    sortSlotsByExpert(ids, p.topK, order);
   __syncthreads();
   const int j = int(blockIdx.y) * 256 + threadIdx.x;
   if (j >= p.hidden)

@@ -7,6 +7,7 @@
 #include "../common/block_reduce.cuh"
 #include "../common/device_setup.cuh"
 #include "../common/fp8_quant.cuh"
+#include "expert_order.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -260,16 +261,8 @@ __global__ void __launch_bounds__(kThreads) combineKernel(MoeExpertsParams p, co
   __shared__ int order[kMoeMaxTopK];
   const int token = blockIdx.x;
   const int32_t *ids = p.ids + size_t(token) * p.topK;
-  if (threadIdx.x == 0) { // insertion sort of the slots by expert id
-    for (int k = 0; k < p.topK; ++k) {
-      int at = k;
-      while (at > 0 && ids[order[at - 1]] > ids[k]) {
-        order[at] = order[at - 1];
-        --at;
-      }
-      order[at] = k;
-    }
-  }
+  if (threadIdx.x == 0)
+    sortSlotsByExpert(ids, p.topK, order);
   __syncthreads();
   const int j = int(blockIdx.y) * kThreads + threadIdx.x;
   if (j < p.hidden) {

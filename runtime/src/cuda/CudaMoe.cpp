@@ -166,59 +166,43 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
   auto *out = reinterpret_cast<float *>(arena + valueOf(program, d.outputs()->Get(0)).arena_offset());
   const void **pointers = expertPointers.at(&d);
 
-  const bool bf16Experts =
-      weightTypes[static_cast<size_t>(d.weights()->Get(0))] == fb::DType::BF16;
-  if (bf16Experts && T * K > kPerTokenMaxPairs) {
-    kc::MoeExpertsParams m;
-    m.tokens = static_cast<int32_t>(T);
-    m.hidden = static_cast<int32_t>(hidden);
-    m.intermediate = static_cast<int32_t>(inner);
-    m.experts = static_cast<int32_t>(E);
-    m.topK = static_cast<int32_t>(K);
-    m.x = x;
-    m.ids = ids;
-    m.weights = weights;
-    m.gate = pointers;
-    m.up = pointers + E;
-    m.down = pointers + 2 * E;
-    m.activation = gatedActivationOf(*p);
-    m.out = out;
-    m.workspace = r.scratch;
-    if (kc::moeGroupedSupports(m)) {
-      if (kc::moeGroupedWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate, m.experts) >
-          scratchFloats * sizeof(float))
-        return Status::error("MoE grouped workspace larger than planned at load");
-      LAUNCH_RETURN_IF_ERROR(kc::launchMoeExpertsGrouped(m, splitGemmInputs, r.stream),
-                             "MoE experts (grouped)");
-      return Status::ok();
-    }
+  // What both GPU forms take: the step's rows, the experts' pointers and activation (bf16, or
+  // FP8 codes with their block scales).
+  const fb::DType type = weightTypes[static_cast<size_t>(d.weights()->Get(0))];
+  kc::MoeExpertsParams m;
+  m.tokens = static_cast<int32_t>(T);
+  m.hidden = static_cast<int32_t>(hidden);
+  m.intermediate = static_cast<int32_t>(inner);
+  m.experts = static_cast<int32_t>(E);
+  m.topK = static_cast<int32_t>(K);
+  m.x = x;
+  m.ids = ids;
+  m.weights = weights;
+  m.gate = pointers;
+  m.up = pointers + E;
+  m.down = pointers + 2 * E;
+  m.type = kc::WeightType::BF16;
+  if (type == fb::DType::F8_E4M3) {
+    m.type = kc::WeightType::Fp8Block;
+    m.gateScales = reinterpret_cast<const float *const *>(pointers + 3 * E);
+    m.upScales = reinterpret_cast<const float *const *>(pointers + 4 * E);
+    m.downScales = reinterpret_cast<const float *const *>(pointers + 5 * E);
+    m.gateScaleStride = static_cast<int32_t>(kc::linearFp8WeightScaleStride(hidden));
+    m.downScaleStride = static_cast<int32_t>(kc::linearFp8WeightScaleStride(inner));
+    m.activationScale = fp8ActivationScale;
+  }
+  m.activation = gatedActivationOf(*p);
+  m.out = out;
+  m.workspace = r.scratch;
+  if (T * K > kPerTokenMaxPairs && kc::moeGroupedSupports(m)) { // bf16 experts only
+    if (kc::moeGroupedWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate, m.experts) >
+        scratchFloats * sizeof(float))
+      return Status::error("MoE grouped workspace larger than planned at load");
+    LAUNCH_RETURN_IF_ERROR(kc::launchMoeExpertsGrouped(m, splitGemmInputs, r.stream),
+                           "MoE experts (grouped)");
+    return Status::ok();
   }
   if (!groupedForm(host, K)) {
-    kc::MoeExpertsParams m;
-    m.tokens = static_cast<int32_t>(T);
-    m.hidden = static_cast<int32_t>(hidden);
-    m.intermediate = static_cast<int32_t>(inner);
-    m.experts = static_cast<int32_t>(E);
-    m.topK = static_cast<int32_t>(K);
-    m.x = x;
-    m.ids = ids;
-    m.weights = weights;
-    m.gate = pointers;
-    m.up = pointers + E;
-    m.down = pointers + 2 * E;
-    m.type = kc::WeightType::BF16;
-    if (weightTypes[static_cast<size_t>(d.weights()->Get(0))] == fb::DType::F8_E4M3) {
-      m.type = kc::WeightType::Fp8Block;
-      m.gateScales = reinterpret_cast<const float *const *>(pointers + 3 * E);
-      m.upScales = reinterpret_cast<const float *const *>(pointers + 4 * E);
-      m.downScales = reinterpret_cast<const float *const *>(pointers + 5 * E);
-      m.gateScaleStride = static_cast<int32_t>(kc::linearFp8WeightScaleStride(hidden));
-      m.downScaleStride = static_cast<int32_t>(kc::linearFp8WeightScaleStride(inner));
-      m.activationScale = fp8ActivationScale;
-    }
-    m.activation = gatedActivationOf(*p);
-    m.out = out;
-    m.workspace = r.scratch;
     if (kc::moeExpertsWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate) >
         scratchFloats * sizeof(float))
       return Status::error("MoE workspace larger than planned at load");

@@ -38,7 +38,7 @@ public:
   virtual DraftSourceKind kind() const = 0;
   // Prepares a fresh sequence before its first prefill (the MTP source has it keep its final
   // hidden states). One source serves any number of sequences.
-  virtual void attach(Sequence &sequence) {}
+  virtual void attach(Sequence &) {}
   // At most maxTokens tokens to follow `context`: the tokens `sequence` consumed, then the token
   // chosen after them (not yet consumed). May be empty (nothing to propose).
   virtual StatusOr<std::vector<int64_t>> propose(Sequence &sequence,
