@@ -24,6 +24,35 @@ namespace hybrid::kernels::cuda::bench {
     }                                                                                             \
   } while (0)
 
+// Device buffers a benchmark allocates for one shape, freed together when the holder goes out of
+// scope: on every way out, an error's or the shape's end.
+class DeviceAllocations {
+public:
+  DeviceAllocations() = default;
+  ~DeviceAllocations() {
+    for (void *pointer : pointers_)
+      cudaFree(pointer);
+  }
+  DeviceAllocations(const DeviceAllocations &) = delete; // one owner of each allocation
+  DeviceAllocations &operator=(const DeviceAllocations &) = delete;
+  // Takes `pointer` (may be null: a failed allocation) and returns it.
+  template <typename T> T *keep(T *pointer) {
+    if (pointer)
+      pointers_.push_back(const_cast<void *>(static_cast<const void *>(pointer)));
+    return pointer;
+  }
+  // `count` uninitialized T on the device, kept; null when the allocation fails.
+  template <typename T> T *allocate(size_t count) {
+    void *pointer = nullptr;
+    return cudaMalloc(&pointer, std::max<size_t>(1, count) * sizeof(T)) == cudaSuccess
+               ? static_cast<T *>(keep(pointer))
+               : nullptr;
+  }
+
+private:
+  std::vector<void *> pointers_;
+};
+
 inline float *deviceRandom(size_t n, float scale, float offset, std::mt19937 &rng, std::string &error) {
   std::vector<float> host(n);
   std::normal_distribution<float> normal(0.0f, 1.0f);

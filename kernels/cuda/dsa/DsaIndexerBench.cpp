@@ -67,40 +67,23 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
           sequences(static_cast<size_t>(batch));
       std::iota(sequences.begin(), sequences.end(), 0);
 
-      unsigned char *pool = nullptr;
-      int32_t *dTables = nullptr, *dPositions = nullptr, *dSequences = nullptr, *dIndices = nullptr;
-      float *dScores = nullptr;
-      void *dSelect = nullptr;
-      std::vector<float *> floats;
-      auto release = [&]() {
-        cudaFree(pool);
-        cudaFree(dTables);
-        cudaFree(dPositions);
-        cudaFree(dSequences);
-        cudaFree(dIndices);
-        cudaFree(dScores);
-        cudaFree(dSelect);
-        for (float *f : floats)
-          cudaFree(f);
-      };
+      DeviceAllocations held; // this shape's buffers, freed on every way out
       auto fail = [&](const char *what) {
         error = std::string(what) + " failed for batch " + std::to_string(batch) + ", context " +
                 std::to_string(context);
-        release();
         return std::vector<IndexerBenchResult>{};
       };
-      pool = devicePagePool(pages, pageBytes, kDistinctPages,
-                            [&] { return randomPage(keyType, headDim, rng); });
+      unsigned char *pool = held.keep(devicePagePool(
+          pages, pageBytes, kDistinctPages, [&] { return randomPage(keyType, headDim, rng); }));
       if (!pool)
         return fail("the page pool");
-      auto upload = [](int32_t *&device, const std::vector<int32_t> &host) {
-        return (device = deviceCopy(host)) != nullptr;
-      };
-      if (!upload(dTables, tables) || !upload(dPositions, positions) ||
-          !upload(dSequences, sequences) ||
-          cudaMalloc(&dIndices, size_t(batch) * topK * 4) != cudaSuccess ||
-          cudaMalloc(&dScores, size_t(batch) * context * 4) != cudaSuccess ||
-          cudaMalloc(&dSelect, indexerSelectWorkspaceBytes(batch, context)) != cudaSuccess)
+      int32_t *dTables = held.keep(deviceCopy(tables));
+      int32_t *dPositions = held.keep(deviceCopy(positions));
+      int32_t *dSequences = held.keep(deviceCopy(sequences));
+      auto *dIndices = held.allocate<int32_t>(size_t(batch) * topK);
+      auto *dScores = held.allocate<float>(size_t(batch) * context);
+      auto *dSelect = held.allocate<unsigned char>(indexerSelectWorkspaceBytes(batch, context));
+      if (!dTables || !dPositions || !dSequences || !dIndices || !dScores || !dSelect)
         return fail("the table and workspace allocation");
       IndexerParams p;
       p.rows = batch;
@@ -119,10 +102,10 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
             !ref::dequantizeMxfp8(codes, scales, int64_t(q.size() / headDim), headDim, q))
           return fail("the query quantization");
       }
-      p.q = floats.emplace_back(deviceCopy(q));
+      p.q = held.keep(deviceCopy(q));
       p.mxfp8Queries = keyType != IndexKeyType::F32;
       p.scoreKernel = scoreKernel;
-      p.headWeights = floats.emplace_back(deviceRandom(size_t(batch) * heads, 1.0f, 0, rng, error));
+      p.headWeights = held.keep(deviceRandom(size_t(batch) * heads, 1.0f, 0, rng, error));
       if (!p.q || !p.headWeights)
         return fail("the query upload");
       p.positions = dPositions;
@@ -156,7 +139,6 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
       r.keyBytes = double(batch) * context * double(pageBytes) / kPageTokens;
       r.floorMicroseconds = r.keyBytes / (kH200CopyTbPerSecond * 1e12) * 1e6;
       results.push_back(r);
-      release();
     }
   return results;
 }

@@ -67,38 +67,25 @@ std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &bat
         std::shuffle(positions.begin(), positions.end(), rng);
         indices.insert(indices.end(), positions.begin(), positions.begin() + topK);
       }
-      unsigned char *pool = nullptr;
-      int32_t *dTables = nullptr, *dSequences = nullptr, *dIndices = nullptr;
-      float *dQ = nullptr, *dOut = nullptr;
-      void *dWorkspace = nullptr;
-      auto release = [&]() {
-        cudaFree(pool);
-        cudaFree(dTables);
-        cudaFree(dSequences);
-        cudaFree(dIndices);
-        cudaFree(dQ);
-        cudaFree(dOut);
-        cudaFree(dWorkspace);
-      };
+      DeviceAllocations held; // this shape's buffers, freed on every way out
       auto fail = [&](const char *what) {
         error = std::string(what) + " failed for batch " + std::to_string(batch) + ", " +
                 std::to_string(heads) + " heads";
-        release();
         return std::vector<SparseMlaBenchResult>{};
       };
-      pool = devicePagePool(pages, pageBytes, kDistinctPages, [&] { return randomLatentPage(rng); });
+      unsigned char *pool = held.keep(
+          devicePagePool(pages, pageBytes, kDistinctPages, [&] { return randomLatentPage(rng); }));
       if (!pool)
         return fail("the page pool");
-      auto upload = [](int32_t *&device, const std::vector<int32_t> &host) {
-        return (device = deviceCopy(host)) != nullptr;
-      };
       const size_t qFloats = size_t(batch) * heads * (kLatent + kRope);
-      if (!upload(dTables, tables) || !upload(dSequences, sequences) ||
-          !upload(dIndices, indices) ||
-          cudaMalloc(&dOut, size_t(batch) * heads * kLatent * 4) != cudaSuccess ||
-          cudaMalloc(&dWorkspace, sparseMlaWorkspaceBytes(batch, heads, kLatent)) != cudaSuccess)
+      int32_t *dTables = held.keep(deviceCopy(tables));
+      int32_t *dSequences = held.keep(deviceCopy(sequences));
+      int32_t *dIndices = held.keep(deviceCopy(indices));
+      auto *dOut = held.allocate<float>(size_t(batch) * heads * kLatent);
+      auto *dWorkspace = held.allocate<unsigned char>(sparseMlaWorkspaceBytes(batch, heads, kLatent));
+      if (!dTables || !dSequences || !dIndices || !dOut || !dWorkspace)
         return fail("the table and output allocation");
-      dQ = deviceRandom(qFloats, 0.3f, 0.0f, rng, error);
+      float *dQ = held.keep(deviceRandom(qFloats, 0.3f, 0.0f, rng, error));
       if (!dQ)
         return fail("the query upload");
       SparseMlaDecodeParams p;
@@ -138,7 +125,6 @@ std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &bat
       r.tflops = 2.0 * batch * heads * topK * double(kLatent + kRope + kLatent) /
                  (r.microseconds * 1e-6) / 1e12;
       results.push_back(r);
-      release();
     }
   return results;
 }

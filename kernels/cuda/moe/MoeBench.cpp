@@ -36,29 +36,19 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
   const size_t matrix = size_t(hidden) * intermediate; // every projection has this many weights
   // Every expert's three matrices apart in device memory (so nothing is read twice from L2),
   // filled from a few random sources.
+  DeviceAllocations held; // the experts' buffers, freed on every way out
   std::vector<void *> sources, weights;
-  auto release = [&]() {
-    for (void *p : sources)
-      cudaFree(p);
-    for (void *p : weights)
-      cudaFree(p);
-  };
   for (int i = 0; i < kDistinctMatrices; ++i) {
-    void *source = deviceRandomBf16(matrix, 0.02f, 0.0f, rng, error);
-    if (!source) {
-      release();
+    void *source = held.keep(deviceRandomBf16(matrix, 0.02f, 0.0f, rng, error));
+    if (!source)
       return {};
-    }
     sources.push_back(source);
   }
   for (int i = 0; i < 3 * experts; ++i) {
-    void *device = nullptr;
-    if (cudaMalloc(&device, matrix * 2) != cudaSuccess ||
-        cudaMemcpy(device, sources[size_t(i % kDistinctMatrices)], matrix * 2,
-                   cudaMemcpyDeviceToDevice) != cudaSuccess) {
-      cudaFree(device);
+    auto *device = held.allocate<uint16_t>(matrix);
+    if (!device || cudaMemcpy(device, sources[size_t(i % kDistinctMatrices)], matrix * 2,
+                              cudaMemcpyDeviceToDevice) != cudaSuccess) {
       error = "cannot allocate " + std::to_string(3 * experts) + " expert matrices";
-      release();
       return {};
     }
     weights.push_back(device);
@@ -75,7 +65,8 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
                    [](const void *p) { return reinterpret_cast<uint64_t>(p); });
     return deviceCopy(bits);
   };
-  uint64_t *dGate = pointerArray(gate), *dUp = pointerArray(up), *dDown = pointerArray(down);
+  uint64_t *dGate = held.keep(pointerArray(gate)), *dUp = held.keep(pointerArray(up)),
+           *dDown = held.keep(pointerArray(down));
   std::vector<MoeBenchResult> results;
   for (int32_t tokens : tokenCounts) {
     std::vector<int32_t> ids;
@@ -91,16 +82,14 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
         distinct.insert(order[size_t(k)]);
       }
     }
-    int32_t *dIds = deviceCopy(ids);
-    float *dRouting = deviceCopy(routing);
-    float *x = deviceRandom(size_t(tokens) * hidden, 1.0f, 0.0f, rng, error);
-    float *out = nullptr;
-    void *workspace = nullptr;
-    const bool ready =
-        dIds && dRouting && x && dGate && dUp && dDown &&
-        cudaMalloc(&out, size_t(tokens) * hidden * sizeof(float)) == cudaSuccess &&
-        cudaMalloc(&workspace, moeExpertsWorkspaceBytes(tokens, topK, hidden, intermediate)) ==
-            cudaSuccess;
+    DeviceAllocations step; // this token count's buffers
+    int32_t *dIds = step.keep(deviceCopy(ids));
+    float *dRouting = step.keep(deviceCopy(routing));
+    float *x = step.keep(deviceRandom(size_t(tokens) * hidden, 1.0f, 0.0f, rng, error));
+    auto *out = step.allocate<float>(size_t(tokens) * hidden);
+    auto *workspace =
+        step.allocate<unsigned char>(moeExpertsWorkspaceBytes(tokens, topK, hidden, intermediate));
+    const bool ready = dIds && dRouting && x && dGate && dUp && dDown && out && workspace;
     MoeExpertsParams p;
     p.tokens = tokens;
     p.hidden = hidden;
@@ -126,11 +115,6 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
         ready ? graphMicroseconds(iterations,
                                   [&](cudaStream_t s) { return launchMoeExpertsPerToken(p, s); })
               : -1;
-    cudaFree(dIds);
-    cudaFree(dRouting);
-    cudaFree(x);
-    cudaFree(out);
-    cudaFree(workspace);
     if (r.microseconds < 0) {
       error = "the MoE launch failed for " + std::to_string(tokens) + " tokens";
       break;
@@ -140,10 +124,6 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
     r.terabytesPerSecond = r.weightBytes / (r.microseconds * 1e-6) / 1e12;
     results.push_back(r);
   }
-  cudaFree(dGate);
-  cudaFree(dUp);
-  cudaFree(dDown);
-  release();
   return error.empty() ? results : std::vector<MoeBenchResult>{};
 }
 
