@@ -578,7 +578,7 @@ void expectInterleavedRequestsMatchGreedyRuns(const std::string &plan, bool batc
   std::map<uint64_t, std::pair<std::vector<int64_t>, int64_t>> submitted;
   for (size_t i = 0; i < prompts.size(); ++i) {
     const int64_t count = 3 + static_cast<int64_t>(i);
-    auto id = scheduler.submit({prompts[i], count, {}});
+    auto id = scheduler.submit({prompts[i], count, {}, {}});
     ASSERT_TRUE(id.isOk()) << id.status().message();
     submitted[*id] = {prompts[i], count};
   }
@@ -624,7 +624,7 @@ void expectPreemptionByRecompute(const std::string &plan) {
   Scheduler scheduler(*model);
   std::map<uint64_t, std::vector<int64_t>> promptOf;
   for (const auto &tokens : prompts) {
-    auto id = scheduler.submit({tokens, 30, {}});
+    auto id = scheduler.submit({tokens, 30, {}, {}});
     ASSERT_TRUE(id.isOk()) << id.status().message();
     promptOf[*id] = tokens;
   }
@@ -658,7 +658,7 @@ TEST(Scheduler, ChunkedPrefillsDoNotPreemptEachOtherForever) {
   std::map<uint64_t, std::vector<int64_t>> promptOf;
   for (int i = 0; i < 5; ++i) {
     std::vector<int64_t> tokens(prompt.begin() + i, prompt.begin() + i + 30);
-    auto id = scheduler.submit({tokens, 50, {}});
+    auto id = scheduler.submit({tokens, 50, {}, {}});
     ASSERT_TRUE(id.isOk()) << id.status().message();
     promptOf[*id] = tokens;
   }
@@ -687,7 +687,7 @@ TEST(Scheduler, SpeculativeStepsKeepTheGreedyTokens) {
   prompts.push_back(repetitive);
   std::map<uint64_t, std::vector<int64_t>> promptOf;
   for (const auto &tokens : prompts)
-    promptOf[scheduler.submit({tokens, 10, {}}).value()] = tokens;
+    promptOf[scheduler.submit({tokens, 10, {}, {}}).value()] = tokens;
   const SchedulerRun run = runToIdle(scheduler);
   EXPECT_TRUE(run.errors.empty());
   for (const auto &[id, tokens] : promptOf)
@@ -706,11 +706,11 @@ TEST(Scheduler, StopTokensAndPrefixCache) {
   const std::vector<int64_t> expected = greedyIds(*model, prompt, 5);
   ASSERT_EQ(expected.size(), 5u);
   Scheduler scheduler(*model, SchedulerOptions{64});
-  const uint64_t first = scheduler.submit({prompt, 5, {}}).value();
+  const uint64_t first = scheduler.submit({prompt, 5, {}, {}}).value();
   SchedulerRun run = runToIdle(scheduler);
   EXPECT_EQ(run.tokens.at(first), expected);
   // The same prompt again restores 32 tokens from the prefix cache; a stop token ends it early.
-  const uint64_t second = scheduler.submit({prompt, 5, {expected[1]}}).value();
+  const uint64_t second = scheduler.submit({prompt, 5, {expected[1]}, {}}).value();
   run = runToIdle(scheduler);
   EXPECT_EQ(run.tokens.at(second), std::vector<int64_t>(expected.begin(), expected.begin() + 2));
   EXPECT_EQ(scheduler.stats().cachedPromptTokens, 32);
@@ -729,7 +729,7 @@ TEST(Scheduler, ChunkedPromptsKeepAndReusePrefixes) {
   longer.insert(longer.end(), prompt.begin(), prompt.begin() + 10);
   Scheduler scheduler(*model, SchedulerOptions{6});
   for (const auto &tokens : {prompt, longer, prompt}) {
-    const uint64_t id = scheduler.submit({tokens, 4, {}}).value();
+    const uint64_t id = scheduler.submit({tokens, 4, {}, {}}).value();
     const SchedulerRun run = runToIdle(scheduler);
     EXPECT_EQ(run.tokens.at(id), greedyIds(*model, tokens, 4));
   }
@@ -746,8 +746,8 @@ TEST(Scheduler, CancelledRequestsStopAndFreeTheirSequence) {
   ASSERT_TRUE(model);
   const std::vector<int64_t> prompt = goldenPrompt("kimi_linear_tiny");
   Scheduler scheduler(*model);
-  const uint64_t running = scheduler.submit({prompt, 50, {}}).value();
-  const uint64_t waiting = scheduler.submit({prompt, 3, {}}).value();
+  const uint64_t running = scheduler.submit({prompt, 50, {}, {}}).value();
+  const uint64_t waiting = scheduler.submit({prompt, 3, {}, {}}).value();
   ASSERT_EQ(scheduler.step().size(), 1u); // the first request's first token
   EXPECT_EQ(scheduler.stats().running, 1);
   EXPECT_EQ(scheduler.stats().waiting, 1);
@@ -757,7 +757,7 @@ TEST(Scheduler, CancelledRequestsStopAndFreeTheirSequence) {
   const SchedulerRun run = runToIdle(scheduler);
   EXPECT_EQ(run.tokens.count(running), 0u);
   EXPECT_EQ(run.tokens.at(waiting), greedyIds(*model, prompt, 3));
-  EXPECT_TRUE(scheduler.cancel(scheduler.submit({prompt, 3, {}}).value())) << "while waiting";
+  EXPECT_TRUE(scheduler.cancel(scheduler.submit({prompt, 3, {}, {}}).value())) << "while waiting";
   EXPECT_TRUE(scheduler.idle());
   EXPECT_EQ(scheduler.stats().cancelled, 2);
 }
@@ -791,15 +791,15 @@ TEST(Scheduler, RefusesBadRequests) {
   auto model = loadOrDie(compiledDir("kimi_linear_tiny"), options);
   ASSERT_TRUE(model);
   Scheduler scheduler(*model);
-  EXPECT_EQ(scheduler.submit({{}, 4, {}}).status().message(), "request: the prompt is empty");
-  EXPECT_EQ(scheduler.submit({{1, 2}, 0, {}}).status().message(),
+  EXPECT_EQ(scheduler.submit({{}, 4, {}, {}}).status().message(), "request: the prompt is empty");
+  EXPECT_EQ(scheduler.submit({{1, 2}, 0, {}, {}}).status().message(),
             "request: maxNewTokens = 0 must be at least 1");
-  EXPECT_EQ(scheduler.submit({{1, 256}, 4, {}}).status().message(),
+  EXPECT_EQ(scheduler.submit({{1, 256}, 4, {}, {}}).status().message(),
             "request: token id 256 at position 1 is outside the vocabulary [0, 256)");
-  EXPECT_EQ(scheduler.submit({std::vector<int64_t>(90, 1), 20, {}}).status().message(),
+  EXPECT_EQ(scheduler.submit({std::vector<int64_t>(90, 1), 20, {}, {}}).status().message(),
             "request: 90 prompt tokens + 20 new tokens exceed the context of 100 "
             "(maxContextTokens)");
-  EXPECT_EQ(scheduler.submit({std::vector<int64_t>(60, 1), 20, {}}).status().message(),
+  EXPECT_EQ(scheduler.submit({std::vector<int64_t>(60, 1), 20, {}, {}}).status().message(),
             "request: 79 tokens need 2 KV pages, the cache has 1");
   EXPECT_TRUE(scheduler.idle());
 }

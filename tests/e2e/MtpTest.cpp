@@ -96,7 +96,7 @@ TEST(MtpTest, SchedulerWithMtpDraftsMatchesGreedy) {
   const auto prompts = randomPrompts(model->vocabSize());
   std::map<uint64_t, size_t> promptOf;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    auto id = scheduler.submit({prompts[i], 8, {}});
+    auto id = scheduler.submit({prompts[i], 8, {}, {}});
     ASSERT_TRUE(id.isOk()) << id.status().message();
     promptOf[*id] = i;
   }
@@ -134,7 +134,7 @@ TEST(MtpTest, MtpDraftSourceNeedsAnMtpProgram) {
   scheduled.draftTokens = 2;
   scheduled.draftSource = DraftSourceKind::Mtp;
   Scheduler scheduler(*model, scheduled);
-  EXPECT_FALSE(scheduler.submit({prompt, 4, {}}).isOk());
+  EXPECT_FALSE(scheduler.submit({prompt, 4, {}, {}}).isOk());
   EXPECT_FALSE(parseDraftSource("medusa").isOk());
   EXPECT_EQ(*parseDraftSource("mtp"), DraftSourceKind::Mtp);
 }

@@ -170,7 +170,7 @@ void expectTokensIndependentOfTheBatch(LoadOptions load, size_t requests, int64_
   Scheduler scheduler(*model, SchedulerOptions{prefillChunkTokens});
   std::map<uint64_t, GenerationRequest> submitted;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    GenerationRequest request{prompts[i], maxNewTokens, {}};
+    GenerationRequest request{prompts[i], maxNewTokens, {}, {}};
     request.sampling = kChoices[i % kChoices.size()];
     auto id = scheduler.submit(request);
     ASSERT_TRUE(id.isOk()) << id.status().message();
@@ -221,7 +221,7 @@ TEST(Scheduler, SampledRequestsRunWithoutDrafts) {
   std::iota(repetitive.begin(), repetitive.end(), 0);
   SchedulerOptions speculative;
   speculative.draftTokens = 4;
-  GenerationRequest request{repetitive, 10, {}};
+  GenerationRequest request{repetitive, 10, {}, {}};
   request.sampling = kChoices[1];
   Scheduler scheduler(*model, speculative);
   auto id = scheduler.submit(request);
@@ -229,7 +229,7 @@ TEST(Scheduler, SampledRequestsRunWithoutDrafts) {
   EXPECT_EQ(runToIdle(scheduler)[*id], alone(*model, request));
   EXPECT_EQ(scheduler.stats().verifySteps, 0);
   EXPECT_EQ(scheduler.stats().draftedTokens, 0);
-  GenerationRequest greedy{repetitive, 10, {}};
+  GenerationRequest greedy{repetitive, 10, {}, {}};
   auto greedyId = scheduler.submit(greedy);
   ASSERT_TRUE(greedyId.isOk());
   runToIdle(scheduler);
@@ -241,7 +241,7 @@ TEST(Scheduler, RefusesBadSamplingParameters) {
   ASSERT_TRUE(model);
   Scheduler scheduler(*model);
   auto refused = [&](const SamplingParams &params) {
-    GenerationRequest request{{1, 2, 3}, 4, {}};
+    GenerationRequest request{{1, 2, 3}, 4, {}, {}};
     request.sampling = params;
     auto id = scheduler.submit(request);
     return id.isOk() ? std::string("ok") : id.status().message();
@@ -275,7 +275,7 @@ TEST(Generate, SampledWithAndWithoutCachesAgree) {
   auto fullForwards = generate(*model, prompt, options);
   ASSERT_TRUE(fullForwards.isOk()) << fullForwards.status().message();
   EXPECT_EQ(fullForwards->generated, cached->generated);
-  GenerationRequest request{prompt, 8, {}};
+  GenerationRequest request{prompt, 8, {}, {}};
   request.sampling = kChoices[1];
   EXPECT_EQ(alone(*model, request), cached->generated);
   options.sampling.topP = 2.0f;

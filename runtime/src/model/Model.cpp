@@ -166,7 +166,7 @@ struct RunExtras {
   bool lastRowLogits = false; // logitsOut receives the last row's logits only
   // A decode step whose device chooses each row's token (the cuda device): chosenOut [rows]
   // receives them by `choices`, and logitsOut is not written.
-  std::span<const TokenChoice> choices;
+  std::span<const TokenChoice> choices = {};
   int64_t *chosenOut = nullptr;
   const float *hiddenInput = nullptr;
   float *finalHiddenOut = nullptr;
