@@ -581,7 +581,13 @@ int runDecodeBatch(const std::string &modelDir, hybrid::LoadOptions options,
 }
 
 int runSpec(const std::string &modelDir, const hybrid::LoadOptions &options, int32_t prompts,
-            int32_t promptTokens, int32_t maxTokens, int32_t draftTokens, uint64_t seed) {
+            int32_t promptTokens, int32_t maxTokens, int32_t draftTokens,
+            const std::string &draftSourceName, uint64_t seed) {
+  auto draftSource = hybrid::parseDraftSource(draftSourceName);
+  if (!draftSource) {
+    std::cerr << "error: spec: --draft-source: " << draftSource.status().message() << "\n";
+    return 1;
+  }
   auto model = hybrid::Model::load(modelDir, options);
   if (!model) {
     std::cerr << "error: spec: " << model.status().message() << "\n";
@@ -597,16 +603,17 @@ int runSpec(const std::string &modelDir, const hybrid::LoadOptions &options, int
     for (int32_t t = 0; t < promptTokens; ++t)
       inputs[i].push_back(i % 2 == 0 ? pattern[static_cast<size_t>(t) % pattern.size()] : token(rng));
   }
-  auto report = hybrid::benchmarkSpeculation(**model, inputs, maxTokens, draftTokens);
+  auto report = hybrid::benchmarkSpeculation(**model, inputs, maxTokens, draftTokens, *draftSource);
   if (!report) {
     std::cerr << "error: spec: " << report.status().message() << "\n";
     return 1;
   }
-  std::printf("spec: %lld prompts x %d tokens, %lld generated, draft <= %d: outputs %s\n"
+  std::printf("spec: %lld prompts x %d tokens, %lld generated, %s drafts <= %d: outputs %s\n"
               "decode %.1f tokens/s plain, %.1f speculative (%.2fx); %lld passes, %lld drafted, "
               "%lld accepted (%.0f%%); rollback memory %.1f KiB per sequence\n",
               static_cast<long long>(report->prompts), promptTokens,
-              static_cast<long long>(report->generatedTokens), draftTokens,
+              static_cast<long long>(report->generatedTokens),
+              std::string(hybrid::draftSourceName(*draftSource)).c_str(), draftTokens,
               report->identical ? "identical" : "DIFFERENT", report->plainTokensPerSecond,
               report->speculativeTokensPerSecond,
               report->speculativeTokensPerSecond / std::max(report->plainTokensPerSecond, 1e-9),
@@ -766,6 +773,9 @@ int main(int argc, char **argv) {
       ->check(CLI::PositiveNumber);
   spec->add_option("--draft", specDraft, "Most draft tokens per verification pass")
       ->check(CLI::PositiveNumber);
+  std::string specDraftSource = "prompt-lookup";
+  spec->add_option("--draft-source", specDraftSource,
+                   "prompt-lookup, or mtp (the model's multi-token-prediction layer)");
   spec->add_option("--seed", specSeed, "Prompt seed");
   spec->add_option("--device", specOptions.device, "cpu or cuda")->default_val("cpu");
   spec->add_option("--kda-prefill", specOptions.kdaPrefill,
@@ -837,6 +847,7 @@ int main(int argc, char **argv) {
   }
   if (spec->parsed())
     return runSpec(specModel, specOptions, specPrompts, specPromptTokens, specMaxTokens, specDraft,
+                   specDraftSource,
                    specSeed);
   if (serve->parsed())
     return runServe(load, modelDir, modelOptions, o.jsonPath);
