@@ -90,6 +90,27 @@ INSTANTIATE_TEST_SUITE_P(
         RouterCase{"kimi_linear_batch_64", 64, 256, 8, 1, 1, false, true, false}),
     [](const testing::TestParamInfo<RouterCase> &info) { return info.param.name; });
 
+// The experts' fields every experts test sets the same way, from its device buffers.
+cuda::MoeExpertsParams expertsParams(int tokens, int hidden, int inner, int experts, int topK,
+                                     const float *x, const int32_t *ids, const float *weights,
+                                     const uint64_t *gate, const uint64_t *up,
+                                     const uint64_t *down, void *workspace) {
+  cuda::MoeExpertsParams p;
+  p.tokens = tokens;
+  p.hidden = hidden;
+  p.intermediate = inner;
+  p.experts = experts;
+  p.topK = topK;
+  p.x = x;
+  p.ids = ids;
+  p.weights = weights;
+  p.gate = reinterpret_cast<const void *const *>(gate);
+  p.up = reinterpret_cast<const void *const *>(up);
+  p.down = reinterpret_cast<const void *const *>(down);
+  p.workspace = workspace;
+  return p;
+}
+
 // The routed experts per (token, expert), against ref::moeExperts on the same weights.
 TEST(MoeExpertsCuda, PerTokenMatchesReference) {
   if (!gpuPresent())
@@ -153,23 +174,13 @@ TEST(MoeExpertsCuda, PerTokenMatchesReference) {
       DeviceBuffer<int32_t> dIds(ids);
       DeviceBuffer<uint8_t> dWorkspace{std::vector<uint8_t>(
           cuda::moeExpertsWorkspaceBytes(s.tokens, s.topK, s.hidden, s.intermediate))};
-      cuda::MoeExpertsParams p;
-      p.tokens = s.tokens;
-      p.hidden = s.hidden;
-      p.intermediate = s.intermediate;
-      p.experts = s.experts;
-      p.topK = s.topK;
-      p.x = dX.data;
-      p.ids = dIds.data;
-      p.weights = dWeights.data;
-      p.gate = reinterpret_cast<const void *const *>(gate->data);
-      p.up = reinterpret_cast<const void *const *>(up->data);
-      p.down = reinterpret_cast<const void *const *>(down->data);
+      cuda::MoeExpertsParams p =
+          expertsParams(s.tokens, s.hidden, s.intermediate, s.experts, s.topK, dX.data, dIds.data,
+                        dWeights.data, gate->data, up->data, down->data, dWorkspace.data);
       p.type = bf16 ? cuda::WeightType::BF16 : cuda::WeightType::F32;
       if (situ)
         p.activation = {cuda::GatedActivation::Kind::Situ, 4.0f, 25.0f};
       p.out = dOut.data;
-      p.workspace = dWorkspace.data;
       ASSERT_EQ(cuda::launchMoeExpertsPerToken(p, nullptr), 0);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       EXPECT_LT(relativeRms(dOut.download(), expected), 1e-5);
@@ -245,18 +256,9 @@ TEST(MoeExpertsCuda, Fp8ExpertsMatchReference) {
     DeviceBuffer<int32_t> dIds(ids);
     DeviceBuffer<uint8_t> dWorkspace{
         std::vector<uint8_t>(cuda::moeExpertsWorkspaceBytes(tokens, topK, hidden, inner))};
-    cuda::MoeExpertsParams p;
-    p.tokens = tokens;
-    p.hidden = hidden;
-    p.intermediate = inner;
-    p.experts = experts;
-    p.topK = topK;
-    p.x = dX.data;
-    p.ids = dIds.data;
-    p.weights = dWeights.data;
-    p.gate = reinterpret_cast<const void *const *>(gate.data);
-    p.up = reinterpret_cast<const void *const *>(up.data);
-    p.down = reinterpret_cast<const void *const *>(down.data);
+    cuda::MoeExpertsParams p =
+        expertsParams(tokens, hidden, inner, experts, topK, dX.data, dIds.data, dWeights.data,
+                      gate.data, up.data, down.data, dWorkspace.data);
     p.type = cuda::WeightType::Fp8Block;
     p.gateScales = reinterpret_cast<const float *const *>(gateScales.data);
     p.upScales = reinterpret_cast<const float *const *>(upScales.data);
@@ -265,7 +267,6 @@ TEST(MoeExpertsCuda, Fp8ExpertsMatchReference) {
     p.downScaleStride = int32_t(cuda::linearFp8WeightScaleStride(inner));
     p.activationScale = rule;
     p.out = dOut.data;
-    p.workspace = dWorkspace.data;
     ASSERT_EQ(cuda::launchMoeExpertsPerToken(p, nullptr), 0);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     // The same rounded activations and weights; fp32 sums in another order (a rounding of the
@@ -351,19 +352,9 @@ TEST(MoeExpertsCuda, GroupedOnTensorCoresMatchesReference) {
   DeviceBuffer<int32_t> dIds(ids);
   DeviceBuffer<uint8_t> dWorkspace{std::vector<uint8_t>(
       cuda::moeGroupedWorkspaceBytes(tokens, topK, hidden, inner, experts))};
-  cuda::MoeExpertsParams p;
-  p.tokens = tokens;
-  p.hidden = hidden;
-  p.intermediate = inner;
-  p.experts = experts;
-  p.topK = topK;
-  p.x = dX.data;
-  p.ids = dIds.data;
-  p.weights = dWeights.data;
-  p.gate = reinterpret_cast<const void *const *>(gate.data);
-  p.up = reinterpret_cast<const void *const *>(up.data);
-  p.down = reinterpret_cast<const void *const *>(down.data);
-  p.workspace = dWorkspace.data;
+  cuda::MoeExpertsParams p =
+      expertsParams(tokens, hidden, inner, experts, topK, dX.data, dIds.data, dWeights.data,
+                    gate.data, up.data, down.data, dWorkspace.data);
   ASSERT_TRUE(cuda::moeGroupedSupports(p));
   for (auto kind : {ref::GatedActivation::Kind::Silu, ref::GatedActivation::Kind::Situ})
   for (bool split : {true, false}) {
