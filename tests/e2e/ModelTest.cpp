@@ -4,6 +4,7 @@
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Safetensors.h"
 #include "hybrid/runtime/Scheduler.h"
+#include "E2eTestSupport.h"
 
 #include <gtest/gtest.h>
 
@@ -20,19 +21,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string compiledDir(const std::string &model) { return std::string(HYBRID_E2E_DIR) + "/" + model; }
-
-std::vector<int64_t> goldenPrompt(const std::string &model) {
-  auto ids = readInputIds(std::string(HYBRID_TEST_DATA_DIR) + "/" + model + "/golden.safetensors");
-  EXPECT_TRUE(ids.isOk()) << ids.status().message();
-  return ids.isOk() ? *ids : std::vector<int64_t>{};
-}
-
-std::unique_ptr<Model> loadOrDie(const std::string &dir, LoadOptions options = {}) {
-  auto model = Model::load(dir, options);
-  EXPECT_TRUE(model.isOk()) << model.status().message();
-  return model.isOk() ? std::move(*model) : nullptr;
-}
+using e2etest::compiledDir;
+using e2etest::goldenPrompt;
+using e2etest::loadOrDie;
 
 double maxAbsDiff(std::span<const float> a, std::span<const float> b) {
   EXPECT_EQ(a.size(), b.size());

@@ -6,6 +6,7 @@
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Sampling.h"
 #include "hybrid/runtime/Scheduler.h"
+#include "E2eTestSupport.h"
 
 #include <gtest/gtest.h>
 
@@ -15,19 +16,9 @@
 namespace hybrid {
 namespace {
 
-std::string compiledDir(const std::string &model) { return std::string(HYBRID_E2E_DIR) + "/" + model; }
-
-std::vector<int64_t> goldenPrompt(const std::string &model) {
-  auto ids = readInputIds(std::string(HYBRID_TEST_DATA_DIR) + "/" + model + "/golden.safetensors");
-  EXPECT_TRUE(ids.isOk()) << ids.status().message();
-  return ids.isOk() ? *ids : std::vector<int64_t>{};
-}
-
-std::unique_ptr<Model> loadOrDie(const std::string &dir, LoadOptions options = {}) {
-  auto model = Model::load(dir, options);
-  EXPECT_TRUE(model.isOk()) << model.status().message();
-  return model.isOk() ? std::move(*model) : nullptr;
-}
+using e2etest::compiledDir;
+using e2etest::goldenPrompt;
+using e2etest::loadOrDie;
 
 SamplingParams sampled(float temperature, int32_t topK, float topP, uint64_t seed) {
   SamplingParams params;
