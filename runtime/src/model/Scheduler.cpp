@@ -81,12 +81,16 @@ int64_t Scheduler::stepPages(const Active &active) const {
   return model_.pagesFor(length + tokens) - model_.pagesFor(length);
 }
 
+int64_t Scheduler::runningStepPages() const {
+  int64_t pages = 0;
+  for (const auto &active : running_)
+    pages += stepPages(*active);
+  return pages;
+}
+
 void Scheduler::reserveStepPages() {
   while (running_.size() > 1) {
-    int64_t needed = 0;
-    for (const auto &active : running_)
-      needed += stepPages(*active);
-    if (needed <= model_.usage().freePages)
+    if (runningStepPages() <= model_.usage().freePages)
       return;
     // The youngest goes back to the front of the queue, ahead of what was never admitted (a
     // second victim, older, then lands ahead of it).
@@ -106,11 +110,9 @@ bool Scheduler::admit(Active &active) {
   // The pages its context needs now, besides those the running requests' next steps take; with
   // nothing running, admit anyway (it fits alone: submit checked), else a prefix cache holding
   // pages could starve it forever.
-  int64_t reserved = 0;
-  for (const auto &running : running_)
-    reserved += stepPages(*running);
-  if (!running_.empty() &&
-      model_.pagesFor(static_cast<int64_t>(active.context.size())) + reserved > usage.freePages)
+  const int64_t needed =
+      model_.pagesFor(static_cast<int64_t>(active.context.size())) + runningStepPages();
+  if (!running_.empty() && needed > usage.freePages)
     return false;
   auto sequence = model_.newSequence();
   if (!sequence)

@@ -97,6 +97,7 @@ private:
   // KV pages `active`'s next step takes beyond those its sequence holds (an estimate: a prefill
   // chunk, one decode token, or a speculative step's token and drafts).
   int64_t stepPages(const Active &active) const;
+  int64_t runningStepPages() const; // stepPages summed over the running requests
   // Before a step: while the running requests' steps need more pages than are free, the
   // youngest gives its pages up (preempted, to recompute later), so the oldest always progresses.
   void reserveStepPages();
