@@ -144,20 +144,22 @@ int LinearContext::run(const LinearParams &p, void *stream) {
   auto cudaStream = static_cast<cudaStream_t>(stream);
   // Decode row counts: one bandwidth-bound kernel on the fp32 x (split inputs approximate it) or
   // on bf16(x), instead of rounding + cuBLASLt + summing.
-  GemvParams gemv;
-  gemv.rows = int32_t(std::min<int64_t>(p.rows, kGemvMaxRows + 1));
-  gemv.in = p.in;
-  gemv.out = p.out;
-  gemv.x = p.x;
-  gemv.xStride = xStride;
-  gemv.weight = p.weight;
-  gemv.weightStride = weightStride;
-  gemv.y = p.y;
-  gemv.yStride = yStride;
-  gemv.accumulate = p.accumulate;
-  gemv.roundInputToBf16 = !p.splitInput;
-  if (gemvSupports(gemv))
-    return launchGemv(gemv, cudaStream);
+  if (p.rows <= kGemvMaxRows) {
+    GemvParams gemv;
+    gemv.rows = int32_t(p.rows);
+    gemv.in = p.in;
+    gemv.out = p.out;
+    gemv.x = p.x;
+    gemv.xStride = xStride;
+    gemv.weight = p.weight;
+    gemv.weightStride = weightStride;
+    gemv.y = p.y;
+    gemv.yStride = yStride;
+    gemv.accumulate = p.accumulate;
+    gemv.roundInputToBf16 = !p.splitInput;
+    if (gemvSupports(gemv))
+      return launchGemv(gemv, cudaStream);
+  }
   const int64_t total = p.rows * p.in;
   const int threads = 256;
   const int blocks = int(std::min<int64_t>((total + threads - 1) / threads, 4096));
