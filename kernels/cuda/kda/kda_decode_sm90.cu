@@ -8,6 +8,7 @@
 //    on the prolog (programmatic dependent launch), and its last block per head does the norm.
 //    Smaller, independent blocks keep more loads in flight; it wins only with many waves of work.
 #include "hybrid/kernels/cuda/KdaDecode.h"
+#include "../common/dependent_launch.cuh"
 #include "kda_device_math.cuh"
 
 #include <cuda_runtime.h>
@@ -237,19 +238,12 @@ template <int kDim> int launchSplit(const KdaDecodeParams &params, cudaStream_t 
   auto *arrivals = reinterpret_cast<unsigned *>(rawOut + pairs * kDim);
   kdaDecodePrologKernel<kDim><<<dim3(params.heads, params.batch), kDim, 0, stream>>>(
       params, prepared, arrivals);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(kDim / kColumns, params.heads, params.batch);
-  config.blockDim = dim3(32 * kWarps);
-  config.stream = stream;
-  cudaLaunchAttribute dependent[1];
-  dependent[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  dependent[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = dependent;
-  config.numAttrs = 1;
+  DependentLaunch launch(dim3(kDim / kColumns, params.heads, params.batch), dim3(32 * kWarps),
+                         stream);
   return withStateType(params.stateType, [&](auto tag) {
     using State = typename decltype(tag)::type;
     const cudaError_t status =
-        cudaLaunchKernelEx(&config, kdaDecodeStateKernel<kDim, kColumns, kWarps, State>, params,
+        cudaLaunchKernelEx(&launch.config, kdaDecodeStateKernel<kDim, kColumns, kWarps, State>, params,
                            static_cast<const float *>(prepared), arrivals, rawOut);
     return static_cast<int>(status != cudaSuccess ? status : cudaGetLastError());
   });

@@ -10,6 +10,7 @@
 // waits for the earlier kernel's writes (griddepcontrol.wait) before reading x. In a decode step
 // of some 300 such layers this hides most of each launch's latency behind the previous kernel.
 #include "gemv.cuh"
+#include "../common/dependent_launch.cuh"
 
 #include <cuda_bf16.h>
 
@@ -139,20 +140,14 @@ bool gemvSupports(const GemvParams &p) {
 int launchGemv(const GemvParams &p, cudaStream_t stream) {
   if (!gemvSupports(p))
     return cudaErrorInvalidValue;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned((p.out + kOutputsPerBlock - 1) / kOutputsPerBlock), unsigned(p.batch));
-  config.blockDim = dim3(kThreads);
-  config.stream = stream;
-  cudaLaunchAttribute dependent[1];
-  dependent[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  dependent[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = dependent;
-  config.numAttrs = 1;
+  DependentLaunch launch(
+      dim3(unsigned((p.out + kOutputsPerBlock - 1) / kOutputsPerBlock), unsigned(p.batch)),
+      dim3(kThreads), stream);
   const cudaError_t status =
-      p.rows == 1   ? cudaLaunchKernelEx(&config, gemvKernel<1>, p)
-      : p.rows == 2 ? cudaLaunchKernelEx(&config, gemvKernel<2>, p)
-      : p.rows <= 4 ? cudaLaunchKernelEx(&config, gemvKernel<4>, p)
-                    : cudaLaunchKernelEx(&config, gemvKernel<8>, p);
+      p.rows == 1   ? cudaLaunchKernelEx(&launch.config, gemvKernel<1>, p)
+      : p.rows == 2 ? cudaLaunchKernelEx(&launch.config, gemvKernel<2>, p)
+      : p.rows <= 4 ? cudaLaunchKernelEx(&launch.config, gemvKernel<4>, p)
+                    : cudaLaunchKernelEx(&launch.config, gemvKernel<8>, p);
   return int(status != cudaSuccess ? status : cudaGetLastError());
 }
 
