@@ -16,12 +16,13 @@
 #include "../common/activation.cuh"
 #include "../common/device_setup.cuh"
 #include "../common/warp_mma.cuh"
-#include "expert_order.cuh"
+#include "moe_combine.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 
 namespace hybrid::kernels::cuda {
 namespace {
@@ -47,14 +48,17 @@ int64_t maxTiles(int64_t pairs, int64_t experts) {
   return (pairs + kTileRows - 1) / kTileRows + experts;
 }
 
-Workspace carve(void *base, int64_t pairs, int64_t experts, int64_t hidden, int64_t inner) {
-  auto *bytes = static_cast<unsigned char *>(base);
+// The workspace's parts in order at 256-byte boundaries from `base`; `bytes` (when given)
+// receives their total. The one statement of the layout, for the size as for the pointers.
+Workspace carve(void *base, int64_t pairs, int64_t experts, int64_t hidden, int64_t inner,
+                int64_t *bytes = nullptr) {
+  const auto origin = reinterpret_cast<uintptr_t>(base);
   Workspace w;
   int64_t offset = 0;
   auto take = [&](int64_t size) {
-    unsigned char *p = bytes + offset;
+    const uintptr_t at = origin + uintptr_t(offset);
     offset += alignedBytes(size);
-    return p;
+    return at;
   };
   w.starts = reinterpret_cast<int32_t *>(take((experts + 1) * 4));
   w.tileCount = reinterpret_cast<int32_t *>(take(4));
@@ -63,6 +67,8 @@ Workspace carve(void *base, int64_t pairs, int64_t experts, int64_t hidden, int6
   w.pairRow = reinterpret_cast<int32_t *>(take(pairs * 4));
   w.h = reinterpret_cast<float *>(take(pairs * inner * 4));
   w.y = reinterpret_cast<float *>(take(pairs * hidden * 4));
+  if (bytes)
+    *bytes = offset;
   return w;
 }
 
@@ -278,25 +284,9 @@ __global__ void __launch_bounds__(kThreads)
 // Block (token, 256 columns): the token's experts' outputs, weighted, added in ascending expert
 // order from zero (the per-token form's order).
 __global__ void __launch_bounds__(256) combineSortedKernel(MoeExpertsParams p, Workspace w) {
-  __shared__ int order[kMoeMaxTopK];
-  const int token = blockIdx.x;
-  const int32_t *ids = p.ids + int64_t(token) * p.topK;
-  if (threadIdx.x == 0)
-    sortSlotsByExpert(ids, p.topK, order);
-  __syncthreads();
-  const int j = int(blockIdx.y) * 256 + threadIdx.x;
-  if (j >= p.hidden)
-    return;
-  float sum = 0.0f;
-  for (int k = 0; k < p.topK; ++k) {
-    const int slot = order[k];
-    const int32_t row = w.pairRow[int64_t(token) * p.topK + slot];
-    if (row < 0)
-      continue;
-    sum = __fadd_rn(sum, __fmul_rn(p.weights[int64_t(token) * p.topK + slot],
-                                   w.y[int64_t(row) * p.hidden + j]));
-  }
-  p.out[int64_t(token) * p.hidden + j] = sum;
+  combineToken(p, w.y, [&](int token, int slot) -> int64_t {
+    return w.pairRow[int64_t(token) * p.topK + slot];
+  });
 }
 
 } // namespace
@@ -314,10 +304,9 @@ size_t moeGroupedWorkspaceBytes(int32_t tokens, int32_t topK, int32_t hidden,
                                 int32_t intermediate, int32_t experts) {
   if (tokens <= 0 || topK <= 0 || experts <= 0)
     return 0;
-  const int64_t pairs = int64_t(tokens) * topK;
-  return size_t(alignedBytes((experts + 1) * 4) + alignedBytes(4) +
-                alignedBytes(maxTiles(pairs, experts) * 8) + 2 * alignedBytes(pairs * 4) +
-                alignedBytes(pairs * intermediate * 4) + alignedBytes(pairs * hidden * 4));
+  int64_t bytes = 0;
+  carve(nullptr, int64_t(tokens) * topK, experts, hidden, intermediate, &bytes);
+  return size_t(bytes);
 }
 
 int launchMoeExpertsGrouped(const MoeExpertsParams &p, bool splitInputs, void *stream) {

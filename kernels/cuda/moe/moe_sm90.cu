@@ -7,7 +7,7 @@
 #include "../common/block_reduce.cuh"
 #include "../common/device_setup.cuh"
 #include "../common/fp8_quant.cuh"
-#include "expert_order.cuh"
+#include "moe_combine.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -258,24 +258,10 @@ __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const
 // Block (token, kThreads columns): its experts' weighted outputs added in ascending expert
 // order, from zero. Column blocks spread a decode token over many SMs.
 __global__ void __launch_bounds__(kThreads) combineKernel(MoeExpertsParams p, const float *y) {
-  __shared__ int order[kMoeMaxTopK];
-  const int token = blockIdx.x;
-  const int32_t *ids = p.ids + size_t(token) * p.topK;
-  if (threadIdx.x == 0)
-    sortSlotsByExpert(ids, p.topK, order);
-  __syncthreads();
-  const int j = int(blockIdx.y) * kThreads + threadIdx.x;
-  if (j < p.hidden) {
-    float sum = 0.0f;
-    for (int k = 0; k < p.topK; ++k) {
-      const int slot = order[k];
-      if (ids[slot] < 0 || ids[slot] >= p.experts)
-        continue;
-      sum = __fadd_rn(sum, __fmul_rn(p.weights[size_t(token) * p.topK + slot],
-                                     y[(size_t(token) * p.topK + slot) * p.hidden + j]));
-    }
-    p.out[size_t(token) * p.hidden + j] = sum;
-  }
+  combineToken(p, y, [&](int token, int slot) -> int64_t {
+    const int32_t expert = p.ids[int64_t(token) * p.topK + slot];
+    return expert >= 0 && expert < p.experts ? int64_t(token) * p.topK + slot : -1;
+  });
 }
 
 __global__ void gatherRowsKernel(const float *x, int64_t width, const int32_t *rows, int32_t count,

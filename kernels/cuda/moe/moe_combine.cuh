@@ -1,0 +1,50 @@
+// The last step of both MoE forms: each token's experts' outputs, weighted, added in ascending
+// expert id (stable in the slot order), from zero: ref::moeExperts' order.
+#pragma once
+
+#include "hybrid/kernels/cuda/Moe.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace hybrid::kernels::cuda {
+
+// A token's slots in ascending expert id (stable). One thread sorts; topK is small.
+__device__ inline void sortSlotsByExpert(const int32_t *ids, int topK, int *order) {
+  for (int k = 0; k < topK; ++k) {
+    int at = k;
+    while (at > 0 && ids[order[at - 1]] > ids[k]) {
+      order[at] = order[at - 1];
+      --at;
+    }
+    order[at] = k;
+  }
+}
+
+// Block (token blockIdx.x, columns blockIdx.y * blockDim.x + threadIdx.x): out[token, j] = the
+// sum over the token's slots, in expert order, of weights[token, slot] * y[rowOf(token, slot), j];
+// a negative row (an invalid expert) adds nothing. Contains a block barrier.
+template <typename RowOf>
+__device__ inline void combineToken(const MoeExpertsParams &p, const float *y, RowOf rowOf) {
+  __shared__ int order[kMoeMaxTopK];
+  const int token = blockIdx.x;
+  const int32_t *ids = p.ids + int64_t(token) * p.topK;
+  if (threadIdx.x == 0)
+    sortSlotsByExpert(ids, p.topK, order);
+  __syncthreads();
+  const int64_t j = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (j >= p.hidden)
+    return;
+  float sum = 0.0f;
+  for (int k = 0; k < p.topK; ++k) {
+    const int slot = order[k];
+    const int64_t row = rowOf(token, slot);
+    if (row < 0)
+      continue;
+    sum = __fadd_rn(sum, __fmul_rn(p.weights[int64_t(token) * p.topK + slot], y[row * p.hidden + j]));
+  }
+  p.out[int64_t(token) * p.hidden + j] = sum;
+}
+
+} // namespace hybrid::kernels::cuda
