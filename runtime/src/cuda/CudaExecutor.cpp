@@ -891,17 +891,28 @@ Status CudaExecutor::uploadSlot(int32_t slot, RecurrentStatePool &pool) {
   return impl_->transferSlot(slot, pool, Impl::Direction::Up);
 }
 
+namespace {
+
+// Which arena (and runs) a program has: the prefill program's (0) or the decode program's (1).
+size_t programIndexOf(const fb::Program &program) {
+  return program.name()->string_view() == "prefill" ? 0 : 1;
+}
+
+} // namespace
+
+const unsigned char *CudaExecutor::Impl::logitsOf(const fb::Program &program) const {
+  return arenas[programIndexOf(program)] + valueOf(program, program.logits()).arena_offset();
+}
+
 Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> tokens,
                          float *logitsOut, HiddenStates *hidden, bool lastRowLogits) {
   HYBRID_RETURN_IF_ERROR(runProgram(host, tokens, hidden));
   const fb::Program &program = *host.program;
-  const bool prefill = program.name()->string_view() == "prefill";
-  const unsigned char *arena = impl_->arenas[prefill ? 0 : 1];
   const int64_t rows = host.rows;
   const fb::Value &logits = valueOf(program, program.logits());
   const size_t rowBytes = valueBytes(logits, 1);
   CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(logitsOut, arena + logits.arena_offset() + (lastRowLogits ? (rows - 1) * rowBytes : 0),
+      cudaMemcpy(logitsOut, impl_->logitsOf(program) + (lastRowLogits ? (rows - 1) * rowBytes : 0),
                  lastRowLogits ? rowBytes : valueBytes(logits, rows), cudaMemcpyDeviceToHost),
       "logits download");
   return Status::ok();
@@ -912,7 +923,7 @@ Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const i
   Impl &impl = *impl_;
   const fb::Program &program = *host.program;
   const int64_t rows = host.rows;
-  if (static_cast<int64_t>(choices.size()) != rows || program.name()->string_view() == "prefill")
+  if (static_cast<int64_t>(choices.size()) != rows || programIndexOf(program) == 0)
     return Status::error("cuda device: a choosing run is a decode step with one choice per row (" +
                          std::to_string(choices.size()) + " choices for " + std::to_string(rows) +
                          " rows of program '" + program.name()->str() + "')");
@@ -925,11 +936,10 @@ Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const i
                                        choices.size() * sizeof(kc::SamplingRow),
                                        cudaMemcpyHostToDevice, stream),
                        "sampling parameters upload");
-  const fb::Value &logits = valueOf(program, program.logits());
   kc::SampleRowsParams sample;
   sample.rows = static_cast<int32_t>(rows);
-  sample.vocab = logits.row_elements();
-  sample.logits = reinterpret_cast<const float *>(impl.arenas[1] + logits.arena_offset());
+  sample.vocab = valueOf(program, program.logits()).row_elements();
+  sample.logits = reinterpret_cast<const float *>(impl.logitsOf(program));
   sample.samplingRows = impl.deviceChoices;
   sample.tokens = impl.deviceChosen;
   LAUNCH_RETURN_IF_ERROR(kc::launchSampleRows(sample, stream), "token choice");
@@ -946,8 +956,8 @@ Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const in
                                 HiddenStates *hidden) {
   Impl &impl = *impl_;
   const fb::Program &program = *host.program;
-  const bool prefill = program.name()->string_view() == "prefill";
-  const size_t programIndex = prefill ? 0 : 1;
+  const size_t programIndex = programIndexOf(program);
+  const bool prefill = programIndex == 0;
   unsigned char *arena = impl.arenas[programIndex];
   const int64_t rows = host.rows;
   if (tokens.size() > static_cast<size_t>(std::max<int64_t>(1, program.max_tokens())))

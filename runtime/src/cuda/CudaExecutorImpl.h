@@ -126,6 +126,8 @@ struct CudaExecutor::Impl {
   std::map<const fb::Dispatch *, float *> kdaConvTaps; // [3, P, W]: q, k, v taps together
   unsigned char *pool = nullptr;                   // the one allocation of everything else
   std::vector<unsigned char *> arenas;             // per program
+  // Where `program`'s logits lie in its arena (rows x vocab floats after a run).
+  const unsigned char *logitsOf(const fb::Program &program) const;
   // The KDA layers' recurrent states on the device, per slot: every layer's state (fp32, or bf16
   // with LoadOptions::kdaBf16State) in one region, their conv states (fp32) in another. The host
   // RecurrentStatePool still checks slots; these are the device's own offsets.
