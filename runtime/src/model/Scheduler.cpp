@@ -96,11 +96,15 @@ void Scheduler::reserveStepPages() {
     // second victim, older, then lands ahead of it).
     std::unique_ptr<Active> victim = std::move(running_.back());
     running_.pop_back();
-    victim->sequence.reset();
-    victim->fed = 0;
-    waiting_.push_front(std::move(victim));
-    ++stats_.preemptions;
+    preempt(std::move(victim));
   }
+}
+
+void Scheduler::preempt(std::unique_ptr<Active> active) {
+  active->sequence.reset(); // its pages go back; the request recomputes its context later
+  active->fed = 0;
+  waiting_.push_front(std::move(active));
+  ++stats_.preemptions;
 }
 
 bool Scheduler::admit(Active &active) {
@@ -264,10 +268,7 @@ std::vector<TokenEvent> Scheduler::step() {
       // A step that failed part-way left some layers' caches advanced: the sequence restarts.
       // Out of KV pages with others running, it waits for theirs (preemption by recompute).
       if (outcome.mayPreempt && outcome.logits.status().isExhausted() && runningAtStart > 1) {
-        active.sequence.reset();
-        active.fed = 0;
-        waiting_.push_front(std::move(slot));
-        ++stats_.preemptions;
+        preempt(std::move(slot));
         continue;
       }
       events.push_back({active.id, -1, true, message});

@@ -101,6 +101,8 @@ private:
   // Before a step: while the running requests' steps need more pages than are free, the
   // youngest gives its pages up (preempted, to recompute later), so the oldest always progresses.
   void reserveStepPages();
+  // Back to the front of the queue without its sequence (pages freed), to recompute later.
+  void preempt(std::unique_ptr<Active> active);
   void runOwnStep(Active &active, Outcome &outcome, bool &decodes);
   void decodeGroup(const std::vector<size_t> &group, std::vector<Outcome> &outcomes);
 
