@@ -230,6 +230,50 @@ TEST_F(LaunchEnvironment, NamesTheVariableThatIsWrong) {
   EXPECT_TRUE(rendezvousFromEnvironment());
 }
 
+TEST_F(LaunchEnvironment, LocalRankMustBeAGpuIndex) {
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("RANK", "1", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  for (const char *bad : {"-1", "gpu1", "1.5"}) {
+    ::setenv("LOCAL_RANK", bad, 1);
+    auto config = rendezvousFromEnvironment();
+    ASSERT_FALSE(config) << bad;
+    EXPECT_NE(config.status().message().find("LOCAL_RANK='" + std::string(bad) + "'"),
+              std::string::npos)
+        << config.status().message();
+  }
+}
+
+// The tools' launch: a world of one without the variables, else the device's backend; errors
+// name the variable, the device or the rank.
+TEST_F(LaunchEnvironment, ConnectsThisProcessAsItsRank) {
+  auto alone = connectFromEnvironment("cuda");
+  ASSERT_TRUE(alone) << alone.status().message();
+  EXPECT_EQ(*alone, nullptr); // no WORLD_SIZE: a world of one, nothing to connect
+  ::setenv("WORLD_SIZE", "1", 1);
+  alone = connectFromEnvironment("cpu");
+  ASSERT_TRUE(alone) << alone.status().message();
+  EXPECT_EQ(*alone, nullptr);
+
+  ::setenv("WORLD_SIZE", "2", 1);
+  auto missing = connectFromEnvironment("cpu");
+  ASSERT_FALSE(missing);
+  EXPECT_NE(missing.status().message().find("RANK"), std::string::npos)
+      << missing.status().message();
+  ::setenv("RANK", "1", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  auto device = connectFromEnvironment("tpu");
+  ASSERT_FALSE(device);
+  EXPECT_NE(device.status().message().find("device 'tpu'"), std::string::npos)
+      << device.status().message();
+  // No GPU, no NCCL in the build, or no GPU 4096 on this host: NCCL refuses, naming the rank.
+  ::setenv("LOCAL_RANK", "4096", 1);
+  auto nccl = connectFromEnvironment("cuda");
+  ASSERT_FALSE(nccl);
+  EXPECT_EQ(nccl.status().message().rfind("rank 1 of 2: nccl", 0), 0u)
+      << nccl.status().message();
+}
+
 // A port nobody listens on right now (the kernel's pick for port 0).
 int freePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -270,6 +314,38 @@ TEST(Rendezvous, EveryRankGetsEveryBlobInRankOrder) {
     for (int q = 0; q < world; ++q)
       EXPECT_EQ((*results[size_t(r)])[size_t(q)], "blob of rank " + std::to_string(q) + std::string(q, 'x'));
   }
+}
+
+// Rank 1 from the environment, rank 0 from its own config on a thread: one TCP group.
+TEST_F(LaunchEnvironment, EnvironmentRankJoinsOverTcp) {
+  const int port = freePort();
+  ASSERT_GT(port, 0);
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("RANK", "1", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  std::vector<float> zero = {1.0f, 2.0f}, one = {10.0f, 20.0f};
+  Status zeroStatus = Status::error("not run");
+  std::thread rankZero([&] {
+    RendezvousConfig config;
+    config.worldSize = 2;
+    config.masterPort = port;
+    config.timeout = std::chrono::seconds(20);
+    auto connected = connectTcp(config);
+    zeroStatus = connected ? (*connected)->allReduceSum(zero.data(), zero.size())
+                           : connected.status();
+  });
+  auto connected = connectFromEnvironment("cpu");
+  Status oneStatus = connected ? (*connected)->allReduceSum(one.data(), one.size())
+                               : connected.status();
+  rankZero.join();
+  ASSERT_TRUE(oneStatus) << oneStatus.message();
+  ASSERT_TRUE(zeroStatus) << zeroStatus.message();
+  EXPECT_EQ((*connected)->rank(), 1);
+  EXPECT_EQ((*connected)->backend(), "tcp");
+  EXPECT_FALSE((*connected)->deviceBuffers());
+  EXPECT_EQ(one, (std::vector<float>{11.0f, 22.0f}));
+  EXPECT_EQ(zero, one);
 }
 
 TEST(Rendezvous, FailsWithAReason) {

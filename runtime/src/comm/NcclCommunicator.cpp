@@ -27,6 +27,7 @@ public:
   int rank() const override { return rank_; }
   int worldSize() const override { return worldSize_; }
   std::string backend() const override { return "nccl"; }
+  bool deviceBuffers() const override { return true; }
 
   Status allReduceSum(float *data, size_t count, void *stream) override {
     return ncclStatus(ncclAllReduce(data, data, count, ncclFloat, ncclSum, comm_,

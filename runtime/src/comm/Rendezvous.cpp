@@ -17,6 +17,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <string_view>
 #include <sys/socket.h>
 #include <thread>
 #include <unistd.h>
@@ -164,6 +165,21 @@ StatusOr<RendezvousConfig> rendezvousFromEnvironment() {
     return Status::error("rendezvous: environment variable MASTER_ADDR is not set (WORLD_SIZE " +
                          std::to_string(worldSize) + ")");
   return config;
+}
+
+StatusOr<std::unique_ptr<Communicator>> connectFromEnvironment(const std::string &device) {
+  const char *world = std::getenv("WORLD_SIZE");
+  if (!world || std::string_view(world) == "1")
+    return std::unique_ptr<Communicator>();
+  if (device != "cpu" && device != "cuda")
+    return Status::error("rendezvous: WORLD_SIZE=" + std::string(world) + " on device '" +
+                         device + "': ranks connect over tcp (cpu) or nccl (cuda)");
+  HYBRID_ASSIGN_OR_RETURN(const RendezvousConfig config, rendezvousFromEnvironment());
+  auto connected = device == "cuda" ? connectNccl(config) : connectTcp(config);
+  if (!connected)
+    return Status::error("rank " + std::to_string(config.rank) + " of " +
+                         std::to_string(config.worldSize) + ": " + connected.status().message());
+  return connected;
 }
 
 StatusOr<std::vector<std::string>> exchangeAtRendezvous(const RendezvousConfig &config,

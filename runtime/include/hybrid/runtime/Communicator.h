@@ -30,6 +30,9 @@ public:
   virtual int rank() const = 0;
   virtual int worldSize() const = 0;
   virtual std::string backend() const = 0; // "loopback", "tcp" or "nccl"
+  // Whether the collectives take device buffers on a CUDA stream (NCCL) or host buffers
+  // (loopback, TCP): a device executor issues the former in its streams, stages the latter.
+  virtual bool deviceBuffers() const { return false; }
 
   // In place: data[i] = sum over ranks of their data[i]. `stream`: the CUDA stream for device
   // buffers (NCCL), ignored by the loopback backend.
@@ -79,5 +82,11 @@ StatusOr<std::unique_ptr<Communicator>> connectTcp(const RendezvousConfig &confi
 // NCCL over the rendezvous (rank 0's ncclUniqueId to everyone), on GPU `localRank`. An error
 // where the build has no NCCL.
 StatusOr<std::unique_ptr<Communicator>> connectNccl(const RendezvousConfig &config);
+
+// One rank of a multi-process launch, as the tools start it: null (a world of one) when
+// WORLD_SIZE is unset or 1; otherwise this process's rank from the environment, connected over
+// TCP for `device` "cpu" or over NCCL on GPU LOCAL_RANK for "cuda". An error names the variable,
+// the device or the rank that failed.
+StatusOr<std::unique_ptr<Communicator>> connectFromEnvironment(const std::string &device);
 
 } // namespace hybrid::comm
