@@ -1,5 +1,6 @@
 // The runtime on the compiled golden checkpoints: cached decoding against full forwards, chunked
 // prefill, independent sequences, and bad input at run time.
+#include "hybrid/runtime/Communicator.h"
 #include "hybrid/runtime/Generate.h"
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Safetensors.h"
@@ -956,6 +957,47 @@ TEST(ModelUsage, CountsSparseAttentionSelections) {
   ASSERT_TRUE((*other)->prefill(goldenPrompt("kimi_linear_tiny")));
   EXPECT_EQ(kimi->usage().sparseSelectedPositions, 0u);
   EXPECT_EQ(kimi->usage().sparseContextPositions, 0u);
+}
+
+} // namespace
+} // namespace hybrid
+
+namespace hybrid {
+namespace {
+
+// A communicator whose collectives take device buffers (as NCCL's do), refusing every call: the
+// cpu reference must not hand it host memory.
+class DeviceBufferCommunicator final : public comm::Communicator {
+public:
+  int rank() const override { return 0; }
+  int worldSize() const override { return 2; }
+  std::string backend() const override { return "nccl"; }
+  bool deviceBuffers() const override { return true; }
+  Status allReduceSum(float *, size_t, void *) override { return called("allReduceSum"); }
+  Status allGather(const float *, float *, size_t, void *) override {
+    return called("allGather");
+  }
+  Status reduceScatterSum(const float *, float *, size_t, void *) override {
+    return called("reduceScatterSum");
+  }
+  Status allToAll(const float *, float *, size_t, void *) override { return called("allToAll"); }
+  Status barrier() override { return called("barrier"); }
+
+private:
+  static Status called(const std::string &what) {
+    return Status::error("the test communicator was called: " + what);
+  }
+};
+
+TEST(ShardedCpu, RefusesADeviceBufferCommunicator) {
+  DeviceBufferCommunicator nccl;
+  LoadOptions options;
+  options.communicator = &nccl;
+  auto model = Model::load(compiledDir("kimi_linear_tiny-tp2"), options);
+  ASSERT_FALSE(model.isOk());
+  EXPECT_EQ(model.status().message(),
+            "the nccl communicator takes device buffers (the cuda device's); the cpu device "
+            "needs a host one (loopback, tcp)");
 }
 
 } // namespace

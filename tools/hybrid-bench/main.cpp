@@ -1,6 +1,7 @@
 // hybrid-bench: kernel benchmarks on the GPU and the serving benchmark, a table on stdout and
 // JSON for the record.
 #include "hybrid/runtime/BenchRecord.h"
+#include "hybrid/runtime/Communicator.h"
 #include "hybrid/runtime/E2eBench.h"
 #include "hybrid_bench_commit.h" // HYBRID_BENCH_COMMIT, written at build time
 #include "hybrid/runtime/Generate.h"
@@ -450,6 +451,15 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
   o.load.maxContextTokens =
       maxContext + o.bench.decodeSteps + 2 + (o.bench.aroundProfiledStep ? 1 : 0);
   o.load.kvCacheTokens = kvTokens; // the largest row's, not every batch at the longest context
+  // A sharded model launched one process per rank (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+  // MASTER_PORT): every rank runs the same rows, rank 0 reports.
+  auto processRank = hybrid::comm::connectFromEnvironment(o.load.device);
+  if (!processRank) {
+    std::cerr << "error: e2e: " << processRank.status().message() << "\n";
+    return 1;
+  }
+  o.load.communicator = processRank->get();
+  const bool reports = !*processRank || (*processRank)->rank() == 0;
   const auto loadStart = std::chrono::steady_clock::now();
   auto model = hybrid::Model::load(o.model, o.load);
   if (!model) {
@@ -465,13 +475,16 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
   // Which dispatches run where: a step left on the cpu reference explains a slow row at once.
   if (const std::string placement = (*model)->placementReport(); !placement.empty())
     std::fprintf(stderr, "%s%s", placement.c_str(), placement.back() == '\n' ? "" : "\n");
-  auto rows = hybrid::bench::runE2e(**model, o.bench, [](const std::string &line) {
-    std::fprintf(stderr, "e2e: %s\n", line.c_str());
+  auto rows = hybrid::bench::runE2e(**model, o.bench, [reports](const std::string &line) {
+    if (reports)
+      std::fprintf(stderr, "e2e: %s\n", line.c_str());
   });
   if (!rows) {
     std::cerr << "error: e2e: " << rows.status().message() << "\n";
     return 1;
   }
+  if (!reports)
+    return 0;
   std::printf("%-5s %6s %8s %10s %12s %10s %12s %10s %7s %9s\n", "", "batch", "context",
               "TTFT ms", "prefill t/s", "TPOT us", "decode t/s", "floor us", "ratio", "GB/step");
   std::vector<hybrid::bench::BenchRow> records;

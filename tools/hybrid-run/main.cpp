@@ -87,9 +87,11 @@ int main(int argc, char **argv) {
   int worldSize = 1;
   app.add_option("--world-size", worldSize,
                  "Run a sharded model (hybrid-compile --shard) as this many rank threads of one "
-                 "process over the loopback communicator (cpu); rank 0 reports. Without it, "
-                 "RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT make this process one rank of a "
-                 "multi-process launch (cpu: over TCP)")
+                 "process over the loopback communicator; rank 0 reports (cuda: every rank on "
+                 "the current GPU, collectives staged through the host: a correctness mode). "
+                 "Without it, RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT make "
+                 "this process one rank of a multi-process launch (cpu: over TCP; cuda: NCCL on "
+                 "GPU LOCAL_RANK)")
       ->default_val(1)
       ->check(CLI::Range(1, 64));
   app.add_flag("--synthetic-weights", load.syntheticWeights,
@@ -157,15 +159,12 @@ int main(int argc, char **argv) {
       });
     load.communicator = group[0].get();
   }
-  // The multi-process launch (torchrun's variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
-  // this process is one rank, connected to the others over TCP; rank 0 reports.
+  // The multi-process launch (torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+  // MASTER_PORT): this process is one rank, connected to the others over TCP (cpu) or NCCL on GPU
+  // LOCAL_RANK (cuda); rank 0 reports.
   std::unique_ptr<hybrid::comm::Communicator> processRank;
-  if (const char *world = std::getenv("WORLD_SIZE"); world && worldSize == 1 && load.device == "cpu" &&
-                                                     std::string(world) != "1") {
-    auto config = hybrid::comm::rendezvousFromEnvironment();
-    if (!config)
-      return fail(config.status().message());
-    auto connected = hybrid::comm::connectTcp(*config);
+  if (worldSize == 1) {
+    auto connected = hybrid::comm::connectFromEnvironment(load.device);
     if (!connected)
       return fail(connected.status().message());
     processRank = std::move(*connected);
@@ -174,6 +173,8 @@ int main(int argc, char **argv) {
   auto failRanks = [&](const std::string &message) {
     joinPeers();
     std::string all = worldSize > 1 ? "rank 0: " + message : message;
+    if (processRank) // every process reports its own failure: say which rank it is
+      all = "rank " + std::to_string(processRank->rank()) + ": " + message;
     for (int rank = 1; rank < worldSize; ++rank)
       if (!peerStatus[static_cast<size_t>(rank)])
         all += "\nrank " + std::to_string(rank) + ": " +

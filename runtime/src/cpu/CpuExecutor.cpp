@@ -536,6 +536,10 @@ Status runAllReduceSum(const StepContext &c, const fb::Dispatch &d) {
   if (!c.communicator)
     return Status::error("a sharded plan's collective needs a communicator "
                          "(LoadOptions::communicator, hybrid-run --world-size)");
+  if (c.communicator->deviceBuffers()) // host memory handed to NCCL would fault on the GPU
+    return Status::error("the " + c.communicator->backend() +
+                         " communicator takes device buffers; the cpu reference's collectives "
+                         "need a host one (loopback, tcp)");
   return c.communicator->allReduceSum(out.data(), count);
 }
 

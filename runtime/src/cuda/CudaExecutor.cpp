@@ -45,6 +45,8 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
   }
   case fb::KernelId::RouterTopK:
     return moeRunsOnGpu(d);
+  case fb::KernelId::AllReduceSum: // NCCL on device buffers; a host communicator is staged
+    return communicator && communicator->deviceBuffers();
   case fb::KernelId::MoeExperts:
     return d.params_as_MoeParams() &&
            kc::gatedActivationValid(gatedActivationOf(*d.params_as_MoeParams())) &&
@@ -282,6 +284,63 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
   return gemm(r, o, P, role(O), out, dModel, T, P, dModel);
 }
 
+Status CudaExecutor::Impl::checkCollective(const fb::Program &program,
+                                           const fb::Dispatch &d) const {
+  if (!communicator)
+    return Status::error("a sharded plan's collective needs a communicator "
+                         "(LoadOptions::communicator; hybrid-run under RANK / WORLD_SIZE)");
+  for (int32_t value : *d.outputs())
+    if (valueOf(program, value).dtype() != fb::DType::F32)
+      return Status::error("collective output value " + std::to_string(value) +
+                           " is not F32, the communicator sums fp32");
+  if (!communicator->deviceBuffers())
+    return Status::ok(); // the cpu reference runs it (and refuses kinds it does not know)
+  switch (d.kernel()) {
+  case fb::KernelId::AllReduceSum:
+    break;
+  default: // a newer collective kind: never handed to the cpu reference with device buffers
+    return Status::error("the cuda device has no " + communicator->backend() +
+                         " path for collective '" + kernelName(d.kernel()) + "'");
+  }
+  // The communicator spans the world: a group of fewer ranks would need a communicator of its
+  // own (ncclCommSplit), not built yet.
+  const fb::CollectiveParams *params = d.params_as_CollectiveParams();
+  const fb::Target &target = *plan->target();
+  const fb::CollectiveGroup group = params ? params->group() : fb::CollectiveGroup::TensorParallel;
+  const bool tensorGroup = group == fb::CollectiveGroup::TensorParallel ||
+                           group == fb::CollectiveGroup::ExpertParallel;
+  if (!tensorGroup || target.tensor_parallel() != communicator->worldSize())
+    return Status::error(
+        "collective over the " + std::string(fb::EnumNameCollectiveGroup(group)) +
+        " group in a world of " + std::to_string(communicator->worldSize()) +
+        " ranks (tensor_parallel " + std::to_string(target.tensor_parallel()) +
+        ", context_parallel " + std::to_string(target.context_parallel()) +
+        "): the cuda device runs collectives over the whole world only");
+  return Status::ok();
+}
+
+// The sum over the ranks of each rank's partial (a rank without one adds zeros), in place in the
+// output on the step's stream: capturable, so a decode graph holds its all-reduces.
+Status CudaExecutor::Impl::runAllReduceSum(const fb::Program &program, unsigned char *arena,
+                                           const fb::Dispatch &d, StreamResources &r,
+                                           int64_t rows) {
+  const fb::Value &out = valueOf(program, d.outputs()->Get(0));
+  float *sum = reinterpret_cast<float *>(arena + out.arena_offset());
+  const size_t count = static_cast<size_t>(rows * out.row_elements());
+  if (d.inputs()->size() == 1) {
+    const fb::Value &partial = valueOf(program, d.inputs()->Get(0));
+    if (partial.arena_offset() != out.arena_offset())
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(sum, arena + partial.arena_offset(),
+                                           count * sizeof(float), cudaMemcpyDeviceToDevice,
+                                           r.stream),
+                           "all-reduce input");
+  } else {
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sum, 0, count * sizeof(float), r.stream),
+                         "all-reduce zeros");
+  }
+  return communicator->allReduceSum(sum, count, r.stream);
+}
+
 Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *arena,
                                     const fb::Dispatch &d, StreamResources &r,
                                     const cpu::StepContext &host) {
@@ -380,6 +439,8 @@ Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *a
     return runRouter(program, arena, d, r, host);
   case fb::KernelId::MoeExperts:
     return runMoeExperts(program, arena, d, r, host);
+  case fb::KernelId::AllReduceSum:
+    return runAllReduceSum(program, arena, d, r, rows);
   default:
     if (attentionRunsOnGpu(d))
       return runAttention(program, arena, d, r, host);
@@ -425,7 +486,12 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   auto impl = std::make_unique<Impl>();
   impl->plan = &plan;
   impl->splitGemmInputs = !options.bf16GemmInputs;
-  impl->cudaGraphs = options.cudaGraphs;
+  impl->communicator = options.communicator;
+  // Collectives staged through the host synchronize the device mid-step: ranks sharing a GPU as
+  // threads would do so while another rank's decode graph is being captured. Their decode steps
+  // run eagerly; NCCL's collectives are captured with the rest.
+  impl->cudaGraphs = options.cudaGraphs &&
+                     !(options.communicator && !options.communicator->deviceBuffers());
   impl->fp8ActivationScale = plan.fp8_activation_scale() == fb::Fp8ActivationScale::Ue8m0
                                  ? kc::Fp8ActivationScale::DeepSeekUe8m0
                                  : kc::Fp8ActivationScale::DeepSeekLinear;
@@ -500,6 +566,10 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         return Status::error(dir + "/plan.hyplan: program '" + program->name()->str() +
                              "' has a step the cuda device does not run");
       auto width = [&](int32_t value) { return valueOf(*program, value).row_elements(); };
+      if (isCollective(*d))
+        HYBRID_RETURN_IF_ERROR(impl->checkCollective(*program, *d).withContext(
+            dir + ": program '" + program->name()->str() + "', " + kernelName(d->kernel()) +
+            " (layer " + std::to_string(d->layer()) + ")"));
       if (!impl->runsOnGpu(*d)) {
         impl->onCpu.insert(d);
         ++cpuKernels[kernelName(d->kernel())];

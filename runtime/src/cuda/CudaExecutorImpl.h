@@ -13,6 +13,7 @@
 #include "hybrid/kernels/cuda/Linear.h"
 #include "hybrid/kernels/cuda/Sampling.h"
 #include "hybrid/kernels/cuda/SparseMla.h"
+#include "hybrid/runtime/Communicator.h"
 #include "hybrid/runtime/Memory.h"
 #include "runtime/schema/kernel_signatures.h"
 
@@ -32,6 +33,13 @@ template <typename Params> kc::GatedActivation gatedActivationOf(const Params &p
   if (p.activation() == plan::fb::Activation::Situ)
     return {kc::GatedActivation::Kind::Situ, p.situ_beta(), p.situ_linear_beta()};
   return {};
+}
+
+// A step between ranks (a sharded plan's collective): its kernel takes CollectiveParams.
+inline bool isCollective(const fb::Dispatch &d) {
+  const plan::KernelSignature *signature = plan::kernelSignature(d.kernel());
+  return d.params_type() == fb::KernelParams::CollectiveParams ||
+         (signature && signature->params == fb::KernelParams::CollectiveParams);
 }
 
 inline std::string kernelName(fb::KernelId kernel) {
@@ -238,6 +246,15 @@ struct CudaExecutor::Impl {
     return plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index))->shape()->Get(0);
   }
   bool runsOnGpu(const fb::Dispatch &dispatch) const;
+  // A sharded plan's rank (LoadOptions::communicator), null in a world of one. With device
+  // buffers (NCCL) the collectives are GPU steps on the plan's collective stream, captured in
+  // decode graphs like any other; with host buffers (loopback, TCP: ranks sharing a GPU as
+  // threads) they run on the cpu reference, staged through the host like its other steps.
+  comm::Communicator *communicator = nullptr;
+  // At load: whether this executor can run collective `dispatch` with its communicator.
+  Status checkCollective(const fb::Program &program, const fb::Dispatch &dispatch) const;
+  Status runAllReduceSum(const fb::Program &program, unsigned char *arena,
+                         const fb::Dispatch &dispatch, StreamResources &resources, int64_t rows);
   Status runOnGpu(const fb::Program &program, unsigned char *arena, const fb::Dispatch &dispatch,
                   StreamResources &resources, const cpu::StepContext &host);
   Status runOnCpu(const fb::Program &program, const fb::Dispatch &dispatch, unsigned char *arena,

@@ -6,6 +6,7 @@
 #ifdef HYBRID_HAS_CUDA_DEVICE
 #include "cuda/CudaExecutor.h"
 #endif
+#include "hybrid/runtime/Communicator.h"
 #include "hybrid/runtime/Memory.h"
 #include "hybrid/runtime/Plan.h"
 #include "hybrid/runtime/Safetensors.h"
@@ -349,9 +350,10 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
   HYBRID_ASSIGN_OR_RETURN(LoadedPlan plan, LoadedPlan::load(dir + "/" + planName));
   HYBRID_RETURN_IF_ERROR(checkTarget(plan, options.device, worldSize));
   HYBRID_RETURN_IF_ERROR(checkRank(plan, rank));
-  if (worldSize > 1 && cudaDevice)
-    return Status::error(plan.path() + " is sharded for " + std::to_string(worldSize) +
-                         " ranks; the cuda device does not run sharded plans yet (cpu does)");
+  if (options.communicator && options.communicator->deviceBuffers() && !cudaDevice)
+    return Status::error("the " + options.communicator->backend() +
+                         " communicator takes device buffers (the cuda device's); the cpu device "
+                         "needs a host one (loopback, tcp)");
   HYBRID_ASSIGN_OR_RETURN(WeightArchive archive,
                           WeightArchive::open(dir + "/" + archiveFileName(rank, worldSize)));
   HYBRID_RETURN_IF_ERROR(checkWeights(plan, archive));

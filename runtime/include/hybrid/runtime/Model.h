@@ -72,7 +72,9 @@ struct LoadOptions {
   // for, not owned (it must outlive the Model). The Model loads the communicator's rank's plan
   // and archive (plan.rank<r>.hyplan, weights.rank<r>.hyw) and runs its collectives over it; a
   // plan sharded for another world size or rank is refused, naming both. Null: a world of one.
-  // Every rank must run the same calls (prefill, decode, ...) in the same order. cpu device only.
+  // Every rank must run the same calls (prefill, decode, ...) in the same order. The cuda device
+  // issues the collectives in its streams with a device-buffer communicator (NCCL, one GPU per
+  // rank) and stages them through the host with a host one (loopback, TCP; decode then eager).
   comm::Communicator *communicator = nullptr;
 };
 
