@@ -1,19 +1,23 @@
 // The cuda device against itself: decode graphs against plain launches (several sequences
 // decoding in turn, a slot reused by a new sequence; fp32 and bf16 KDA states), batched decode
 // against single sequences, prefix-cache hits (states copied off and back onto the GPU, KV pages
-// shared and copied in the device pools) against full prefills; and FP8 projections against the
-// cpu oracle. Labelled `gpu`; skipped where there
-// is no GPU.
+// shared and copied in the device pools) against full prefills; FP8 projections and the MTP
+// program (greedy outputs with MTP drafts, its logits) against the cpu oracle. Labelled `gpu`;
+// skipped where there is no GPU.
+#include "hybrid/runtime/Draft.h"
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Generate.h"
 #include "hybrid/runtime/Sampling.h"
+#include "hybrid/runtime/Scheduler.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -358,6 +362,174 @@ TEST_P(CudaDeviceTest, SpeculativeDecodingKeepsTheGreedyTokens) {
 INSTANTIATE_TEST_SUITE_P(Models, CudaDeviceTest,
                          testing::Values("kimi_linear_tiny", "kimi_attnres_tiny",
                                          "deepseek_v32_tiny"));
+
+// Largest |a - b| over two equally long vectors (the cuda-vs-cpu logit tolerance's measure,
+// hybrid-run --compare-with).
+double maxAbsDifference(const std::vector<float> &a, const std::vector<float> &b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])));
+  return worst;
+}
+
+// The multi-token-prediction program on the GPU (docs/mtp.md), on the synthetic DeepSeek-V3.2
+// with an MTP layer (tests/e2e/CMakeLists.txt: synth-mtp-cpu and synth-mtp-cuda, unquantized).
+class CudaDeviceMtp : public testing::Test {
+protected:
+  void SetUp() override {
+    const std::string base = directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/synth-mtp";
+    LoadOptions options;
+    options.device = "cuda";
+    options.prefixCacheEntries = 2;
+    options.prefixCacheBlockTokens = 16;
+    auto gpu = Model::load(base + "-cuda", options);
+    if (noGpu(gpu))
+      GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(gpu.isOk()) << gpu.status().message();
+    gpu_ = std::move(*gpu);
+    options.device = "cpu";
+    auto cpu = Model::load(base + "-cpu", options);
+    ASSERT_TRUE(cpu.isOk()) << cpu.status().message();
+    cpu_ = std::move(*cpu);
+    ASSERT_TRUE(gpu_->hasMtp());
+  }
+
+  // The golden prompt, and random ones of 1 to 100 tokens (past the mtp program's 64 rows).
+  std::vector<std::vector<int64_t>> prompts() const {
+    std::vector<std::vector<int64_t>> all = {goldenPrompt("deepseek_v32_tiny")};
+    std::mt19937 random(99);
+    for (int64_t length : {1, 7, 23, 100}) {
+      std::vector<int64_t> prompt(static_cast<size_t>(length));
+      for (int64_t &token : prompt)
+        token = std::uniform_int_distribution<int64_t>(0, gpu_->vocabSize() - 1)(random);
+      all.push_back(prompt);
+    }
+    return all;
+  }
+
+  std::unique_ptr<Model> gpu_, cpu_;
+};
+
+// Every step of the mtp program has a GPU kernel now (the two-input eh_proj included).
+TEST_F(CudaDeviceMtp, RunsEntirelyOnTheGpu) {
+  const std::string report = gpu_->placementReport();
+  const size_t line = report.find("cuda mtp: GPU: ");
+  ASSERT_NE(line, std::string::npos) << report;
+  const std::string mtp = report.substr(line, report.find('\n', line) - line);
+  EXPECT_NE(mtp.find("; cpu reference: none"), std::string::npos) << mtp;
+}
+
+// Greedy outputs with MTP drafts (the hidden states kept on the GPU, decode steps in graphs)
+// equal plain decoding on the GPU and the cpu oracle's.
+TEST_F(CudaDeviceMtp, SpeculationKeepsTheGreedyTokens) {
+  int64_t verifySteps = 0;
+  for (const std::vector<int64_t> &prompt : prompts()) {
+    SCOPED_TRACE("prompt of " + std::to_string(prompt.size()) + " tokens");
+    GenerationOptions plain;
+    plain.maxNewTokens = 12;
+    auto oracle = generateGreedy(*cpu_, prompt, plain);
+    auto reference = generateGreedy(*gpu_, prompt, plain);
+    ASSERT_TRUE(oracle.isOk() && reference.isOk()) << reference.status().message();
+    EXPECT_EQ(reference->generated, oracle->generated);
+    GenerationOptions speculative = plain;
+    speculative.draftTokens = 3;
+    speculative.draftSource = DraftSourceKind::Mtp;
+    auto drafted = generateGreedy(*gpu_, prompt, speculative);
+    ASSERT_TRUE(drafted.isOk()) << drafted.status().message();
+    EXPECT_EQ(drafted->generated, reference->generated);
+    EXPECT_EQ(static_cast<int64_t>(drafted->generated.size()),
+              1 + drafted->verifySteps + drafted->acceptedTokens);
+    verifySteps += drafted->verifySteps;
+  }
+  EXPECT_GT(verifySteps, 0);
+}
+
+// The scheduler's batched, choosing decode steps record hidden states on the GPU too; with
+// prefix caching a kept prefix gets zero MTP rows in the device pools for positions the MTP has
+// not run (Sequence::setMtpLength).
+TEST_F(CudaDeviceMtp, SchedulerWithPrefixCacheKeepsTheGreedyTokens) {
+  SchedulerOptions options;
+  options.draftTokens = 2;
+  options.draftSource = DraftSourceKind::Mtp;
+  options.prefillChunkTokens = 16;
+  Scheduler scheduler(*gpu_, options);
+  std::vector<std::vector<int64_t>> requests = prompts();
+  requests.push_back(requests[0]); // the same prompt again: a prefix-cache hit
+  std::map<uint64_t, size_t> requestOf;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto id = scheduler.submit({requests[i], 8, {}, {}});
+    ASSERT_TRUE(id.isOk()) << id.status().message();
+    requestOf[*id] = i;
+  }
+  std::vector<std::vector<int64_t>> tokens(requests.size());
+  while (!scheduler.idle())
+    for (const TokenEvent &event : scheduler.step()) {
+      ASSERT_TRUE(event.error.empty()) << event.error;
+      tokens[requestOf[event.request]].push_back(event.token);
+    }
+  for (size_t i = 0; i < requests.size(); ++i) {
+    GenerationOptions plain;
+    plain.maxNewTokens = 8;
+    auto oracle = generateGreedy(*cpu_, requests[i], plain);
+    ASSERT_TRUE(oracle.isOk()) << oracle.status().message();
+    EXPECT_EQ(tokens[i], oracle->generated) << "request " << i;
+  }
+  EXPECT_GT(scheduler.stats().verifySteps, 0);
+}
+
+// The main model's recorded final hidden states, the MTP logits and the MTP's own hidden states
+// (what chained drafts are fed) on the same inputs are the cpu oracle's within the tolerance of
+// the other cuda-vs-cpu comparisons (2e-3, --quantization=none), over 100 rows (two mtp runs);
+// the drafts the MTP source proposes from the GPU's records are the cpu's.
+TEST_F(CudaDeviceMtp, MtpLogitsMatchTheCpuOracle) {
+  const std::vector<int64_t> prompt = prompts().back();
+  const auto T = static_cast<int64_t>(prompt.size());
+  const int64_t vocab = gpu_->vocabSize();
+  std::vector<int64_t> following(prompt.begin() + 1, prompt.end());
+  following.push_back(7);
+  FinalHiddenRows recorded[2];
+  MtpOutput outputs[2];
+  std::vector<int64_t> drafts[2];
+  Model *models[2] = {cpu_.get(), gpu_.get()};
+  for (int m = 0; m < 2; ++m) {
+    SCOPED_TRACE(m == 0 ? "cpu" : "cuda");
+    auto sequence = models[m]->newSequence();
+    ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
+    (*sequence)->recordFinalHidden(true);
+    auto logits = (*sequence)->prefill(prompt);
+    ASSERT_TRUE(logits.isOk()) << logits.status().message();
+    recorded[m] = (*sequence)->takeFinalHidden();
+    ASSERT_EQ(recorded[m].firstPosition, 0);
+    ASSERT_EQ(static_cast<int64_t>(recorded[m].rows.size()), T * models[m]->hiddenSize());
+    // Both devices' MTP over the cpu's hidden rows: the MTP alone is compared.
+    auto mtp = (*sequence)->runMtp(following, recorded[0].rows);
+    ASSERT_TRUE(mtp.isOk()) << mtp.status().message();
+    outputs[m] = std::move(*mtp);
+    EXPECT_EQ((*sequence)->mtpLength(), T);
+
+    auto fresh = models[m]->newSequence();
+    auto source = makeDraftSource(*models[m], DraftSourceKind::Mtp);
+    ASSERT_TRUE(fresh.isOk() && source.isOk());
+    (*source)->attach(**fresh);
+    ASSERT_TRUE((*fresh)->prefill(prompt).isOk());
+    std::vector<int64_t> context = prompt;
+    context.push_back(argmax(*logits, vocab));
+    auto draft = (*source)->propose(**fresh, context, 3);
+    ASSERT_TRUE(draft.isOk()) << draft.status().message();
+    drafts[m] = *draft;
+    EXPECT_EQ((*fresh)->mtpLength(), T); // chained rows are dropped, real ones stay
+  }
+  const double hidden = maxAbsDifference(recorded[0].rows, recorded[1].rows);
+  const double logits = maxAbsDifference(outputs[0].logits, outputs[1].logits);
+  const double mtpHidden = maxAbsDifference(outputs[0].hidden, outputs[1].hidden);
+  std::printf("max |cuda - cpu|: final hidden %.3g, MTP logits %.3g, MTP hidden %.3g\n", hidden,
+              logits, mtpHidden);
+  EXPECT_LE(hidden, 2e-3);
+  EXPECT_LE(logits, 2e-3);
+  EXPECT_LE(mtpHidden, 2e-3);
+  EXPECT_EQ(drafts[1], drafts[0]);
+}
 
 // Relative RMS error of each row of `actual` against `expected` ([rows, width]), sorted.
 std::vector<double> sortedRowErrors(const std::vector<float> &expected,

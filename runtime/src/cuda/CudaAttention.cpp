@@ -346,22 +346,7 @@ Status CudaExecutor::Impl::prepareKvStep(const cpu::StepContext &host) {
   }
   cudaStream_t stream = streams[0]->stream;
   // The host's page copies since the last step, in order, before anything reads or writes them.
-  for (const PagedKvCache::PageCopy &copy : cache.takePageCopies())
-    for (const DeviceKvLayer &kv : kvLayers) {
-      if (!kv.onGpu)
-        continue;
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(kv.latentPages + copy.to * kv.latentPageBytes,
-                                           kv.latentPages + copy.from * kv.latentPageBytes,
-                                           static_cast<size_t>(kv.latentPageBytes),
-                                           cudaMemcpyDeviceToDevice, stream),
-                           "KV page copy");
-      if (kv.indexPages)
-        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(kv.indexPages + copy.to * kv.indexPageBytes,
-                                             kv.indexPages + copy.from * kv.indexPageBytes,
-                                             static_cast<size_t>(kv.indexPageBytes),
-                                             cudaMemcpyDeviceToDevice, stream),
-                             "KV page copy");
-    }
+  HYBRID_RETURN_IF_ERROR(flushPageCopies(cache));
   for (size_t i = 0; i < tableSequences.size(); ++i) {
     std::span<const int32_t> pages = cache.pageTable(tableSequences[i]);
     if (static_cast<int64_t>(pages.size()) > maxPages)
@@ -385,6 +370,67 @@ Status CudaExecutor::Impl::prepareKvStep(const cpu::StepContext &host) {
                                        cudaMemcpyHostToDevice, stream),
                        "block tables upload");
   return Status::ok();
+}
+
+Status CudaExecutor::Impl::flushPageCopies(PagedKvCache &cache) {
+  cudaStream_t stream = streams[0]->stream;
+  for (const PagedKvCache::PageCopy &copy : cache.takePageCopies())
+    for (const DeviceKvLayer &kv : kvLayers) {
+      if (!kv.onGpu)
+        continue;
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(kv.latentPages + copy.to * kv.latentPageBytes,
+                                           kv.latentPages + copy.from * kv.latentPageBytes,
+                                           static_cast<size_t>(kv.latentPageBytes),
+                                           cudaMemcpyDeviceToDevice, stream),
+                           "KV page copy");
+      if (kv.indexPages)
+        CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(kv.indexPages + copy.to * kv.indexPageBytes,
+                                             kv.indexPages + copy.from * kv.indexPageBytes,
+                                             static_cast<size_t>(kv.indexPageBytes),
+                                             cudaMemcpyDeviceToDevice, stream),
+                             "KV page copy");
+    }
+  return Status::ok();
+}
+
+bool CudaExecutor::kvLayerOnDevice(int32_t kvSlot) const {
+  return kvSlot >= 0 && kvSlot < static_cast<int32_t>(impl_->kvLayers.size()) &&
+         impl_->kvLayers[static_cast<size_t>(kvSlot)].onGpu;
+}
+
+Status CudaExecutor::appendZeroKvRows(PagedKvCache &kvCache, int32_t kvSlot, int32_t kvSequence,
+                                      int64_t count) {
+  Impl &impl = *impl_;
+  if (!kvLayerOnDevice(kvSlot))
+    return Status::error("KV layer " + std::to_string(kvSlot) + " is not in the device pools");
+  if (count <= 0)
+    return Status::ok();
+  const int64_t begin = kvCache.length(kvSlot, kvSequence);
+  HYBRID_RETURN_IF_ERROR(kvCache.prepareWrite(kvSequence, begin, count));
+  HYBRID_RETURN_IF_ERROR(impl.flushPageCopies(kvCache));
+  // All-zero bytes decode to zero in every row format (codes and scales, fp32 or bf16 values);
+  // an index-key row's scales are left: any finite scale times zero codes is zero.
+  const DeviceKvLayer &kv = impl.kvLayers[static_cast<size_t>(kvSlot)];
+  const std::span<const int32_t> pages = kvCache.pageTable(kvSequence);
+  const int64_t latentRow = kv.latentPageBytes / impl.pageTokens;
+  const int64_t codeRow = kv.keyType == kc::IndexKeyType::F32 ? 4 * int64_t(kv.indexDim)
+                                                              : int64_t(kv.indexDim);
+  cudaStream_t stream = impl.streams[0]->stream;
+  for (int64_t position = begin; position < begin + count; ++position) {
+    const int64_t page = pages[static_cast<size_t>(position / impl.pageTokens)];
+    const int64_t slot = position % impl.pageTokens;
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(kv.latentPages + page * kv.latentPageBytes +
+                                             slot * latentRow,
+                                         0, static_cast<size_t>(latentRow), stream),
+                         "zero KV rows");
+    if (kv.indexPages)
+      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(kv.indexPages + page * kv.indexPageBytes +
+                                               slot * codeRow,
+                                           0, static_cast<size_t>(codeRow), stream),
+                           "zero KV rows");
+  }
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "zero KV rows");
+  return kvCache.advance(kvSlot, kvSequence, count);
 }
 
 Status CudaExecutor::Impl::finishKvStep(size_t programIndex, const cpu::StepContext &host) {

@@ -23,8 +23,9 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
   case fb::KernelId::Add:
     return true;
   case fb::KernelId::Linear:
-  case fb::KernelId::LmHead:
-    return gemmWeight(roleOf(d, 0));
+  case fb::KernelId::LmHead: // one input, or two whose row-wise concatenation is projected
+    return d.inputs() && d.inputs()->size() >= 1 && d.inputs()->size() <= 2 &&
+           gemmWeight(roleOf(d, 0));
   case fb::KernelId::Mlp: // SiLU or Kimi K3's SiTU (kc::GatedActivation)
     return d.params_as_MlpParams() &&
            kc::gatedActivationValid(gatedActivationOf(*d.params_as_MlpParams())) &&
@@ -393,7 +394,20 @@ Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *a
   case fb::KernelId::Linear:
   case fb::KernelId::LmHead: {
     const int64_t in = width(d.inputs()->Get(0)), out = width(d.outputs()->Get(0));
-    return gemm(r, input(0), in, role(0), output(0), out, rows, in, out);
+    if (d.inputs()->size() == 1)
+      return gemm(r, input(0), in, role(0), output(0), out, rows, in, out);
+    // W [a | b] over rows [a | b] gathered into scratch: one GEMM whatever the weight's dtype
+    // (FP8 block scales could not be split at an arbitrary column).
+    const int64_t inB = width(d.inputs()->Get(1)), joined = in + inB;
+    CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(r.scratch, joined * sizeof(float), input(0),
+                                           in * sizeof(float), in * sizeof(float), rows,
+                                           cudaMemcpyDeviceToDevice, r.stream),
+                         "two-input linear gather");
+    CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(r.scratch + in, joined * sizeof(float), input(1),
+                                           inB * sizeof(float), inB * sizeof(float), rows,
+                                           cudaMemcpyDeviceToDevice, r.stream),
+                         "two-input linear gather");
+    return gemm(r, r.scratch, joined, role(0), output(0), out, rows, joined, out);
   }
   case fb::KernelId::Mlp: {
     const int64_t dModel = width(d.inputs()->Get(0)), inner = weightRows(role(0));
@@ -502,15 +516,17 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   else if (options.kdaPrefill != "auto")
     return Status::error("kdaPrefill '" + options.kdaPrefill +
                          "' is not one of auto, chunked, recurrent");
-  for (const char *name : {"prefill", "decode"}) {
+  for (const char *name : {"prefill", "decode", "mtp"}) {
     const fb::Program *program = nullptr;
     for (const fb::Program *candidate : *plan.programs())
       if (candidate->name()->string_view() == name)
         program = candidate;
-    if (!program)
+    if (program)
+      impl->programs.push_back(program);
+    else if (impl->programs.size() < Impl::kMtp) // the mtp program is optional
       return Status::error(dir + "/plan.hyplan: no '" + name + "' program");
-    impl->programs.push_back(program);
   }
+  impl->hiddenWidth = plan.hidden_size();
 
   // Weights: the archive's entries at the plan's offsets, as stored; a synthetic archive's are
   // generated in place (no host copy).
@@ -598,6 +614,10 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       case fb::KernelId::LmHead:
         xWidth = width(d->inputs()->Get(0));
         outWidth = width(d->outputs()->Get(0));
+        if (d->inputs()->size() == 2) { // gathered into scratch first
+          xWidth += width(d->inputs()->Get(1));
+          floats = static_cast<size_t>(rows) * xWidth;
+        }
         break;
       case fb::KernelId::Mlp: {
         const int64_t inner = impl->weightRows(role(0));
@@ -653,7 +673,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       case fb::KernelId::RouterTopK:
       case fb::KernelId::MoeExperts:
         HYBRID_RETURN_IF_ERROR(
-            impl->prepareMoe(*d, *program, rows, program->name()->string_view() == "decode",
+            impl->prepareMoe(*d, *program, rows, program == impl->programs[Impl::kDecode],
                              hostWeights, floats, xWidth, outWidth)
                 .withContext(kernelName(d->kernel()) + " (layer " + std::to_string(d->layer()) +
                              ")"));
@@ -864,7 +884,7 @@ Status CudaExecutor::Impl::replayRun(const fb::Program &program, unsigned char *
     CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal),
                          "decode graph capture");
     Status launched =
-        launchRun(program, arena, runs[1][runIndex], host, nullptr, /*capturing=*/true);
+        launchRun(program, arena, runs[kDecode][runIndex], host, nullptr, /*capturing=*/true);
     cudaGraph_t graph = nullptr;
     const cudaError_t ended = cudaStreamEndCapture(origin, &graph);
     if (!launched.ok()) {
@@ -961,17 +981,147 @@ Status CudaExecutor::uploadSlot(int32_t slot, RecurrentStatePool &pool) {
   return impl_->transferSlot(slot, pool, Impl::Direction::Up);
 }
 
+const unsigned char *CudaExecutor::Impl::logitsOf(const fb::Program &program) const {
+  return arenas[indexOf(program)] + valueOf(program, program.logits()).arena_offset();
+}
+
+float *CudaExecutor::Impl::finalHiddenOf(const fb::Program &program) const {
+  const auto *outputs = program.layer_outputs();
+  const size_t index = indexOf(program);
+  if (!outputs || outputs->size() == 0 || index >= arenas.size())
+    return nullptr;
+  return reinterpret_cast<float *>(
+      arenas[index] + valueOf(program, outputs->Get(outputs->size() - 1)).arena_offset());
+}
+
+StatusOr<float *> CudaExecutor::Impl::recordRows(int32_t record, int64_t rows, int64_t keep) {
+  HiddenRecord &entry = hiddenRecords[record];
+  if (rows <= entry.capacity)
+    return entry.rows;
+  // Grown geometrically: a record holds a prompt's rows at most, then a few per step.
+  const int64_t capacity = std::max({rows, 2 * entry.capacity, int64_t{64}});
+  float *grown = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&grown, static_cast<size_t>(capacity * hiddenWidth) *
+                                              sizeof(float)),
+                       "hidden-state record (" + std::to_string(capacity) + " rows)");
+  if (keep > 0)
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(grown, entry.rows,
+                                         static_cast<size_t>(keep * hiddenWidth) * sizeof(float),
+                                         cudaMemcpyDeviceToDevice, streams[0]->stream),
+                         "hidden-state record");
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(streams[0]->stream), "hidden-state record");
+  cudaFree(entry.rows);
+  entry.rows = grown;
+  entry.capacity = capacity;
+  return grown;
+}
+
+Status CudaExecutor::recordFinalHidden(const fb::Program &program, int64_t srcRow, int64_t rows,
+                                       int32_t record, int64_t destRow) {
+  Impl &impl = *impl_;
+  const float *source = impl.finalHiddenOf(program);
+  if (!source)
+    return Status::error("cuda device: program '" + program.name()->str() +
+                         "' has no final hidden state to record");
+  if (srcRow < 0 || rows < 0 || destRow < 0 || srcRow + rows > std::max<int64_t>(1, program.max_tokens()))
+    return Status::error("cuda device: rows [" + std::to_string(srcRow) + ", " +
+                         std::to_string(srcRow + rows) + ") of program '" +
+                         program.name()->str() + "' do not exist");
+  HYBRID_ASSIGN_OR_RETURN(float *rowsOut, impl.recordRows(record, destRow + rows, destRow));
+  const auto width = static_cast<size_t>(impl.hiddenWidth);
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(rowsOut + static_cast<size_t>(destRow) * width,
+                                       source + static_cast<size_t>(srcRow) * width,
+                                       static_cast<size_t>(rows) * width * sizeof(float),
+                                       cudaMemcpyDeviceToDevice, impl.streams[0]->stream),
+                       "hidden-state record");
+  return Status::ok();
+}
+
 namespace {
 
-// Which arena (and runs) a program has: the prefill program's (0) or the decode program's (1).
-size_t programIndexOf(const fb::Program &program) {
-  return program.name()->string_view() == "prefill" ? 0 : 1;
+// The hidden_input slot of `program` in `arena`, checked for `rows` rows.
+StatusOr<float *> hiddenInputSlot(const fb::Program &program, unsigned char *arena,
+                                  int64_t rows) {
+  if (program.hidden_input() < 0)
+    return Status::error("cuda device: program '" + program.name()->str() +
+                         "' has no hidden_input");
+  if (rows < 1 || rows > std::max<int64_t>(1, program.max_tokens()))
+    return Status::error("cuda device: " + std::to_string(rows) + " hidden rows for program '" +
+                         program.name()->str() + "', it takes 1 to " +
+                         std::to_string(program.max_tokens()));
+  return reinterpret_cast<float *>(arena +
+                                   valueOf(program, program.hidden_input()).arena_offset());
 }
 
 } // namespace
 
-const unsigned char *CudaExecutor::Impl::logitsOf(const fb::Program &program) const {
-  return arenas[programIndexOf(program)] + valueOf(program, program.logits()).arena_offset();
+Status CudaExecutor::setHiddenInput(const fb::Program &program, int32_t record, int64_t first,
+                                    int64_t rows) {
+  Impl &impl = *impl_;
+  const size_t index = impl.indexOf(program);
+  if (index >= impl.arenas.size())
+    return Status::error("cuda device: program '" + program.name()->str() + "' is not loaded");
+  HYBRID_ASSIGN_OR_RETURN(float *slot, hiddenInputSlot(program, impl.arenas[index], rows));
+  const auto found = impl.hiddenRecords.find(record);
+  if (found == impl.hiddenRecords.end() || first < 0 || first + rows > found->second.capacity)
+    return Status::error("cuda device: hidden-state record " + std::to_string(record) +
+                         " holds no rows [" + std::to_string(first) + ", " +
+                         std::to_string(first + rows) + ")");
+  const auto width = static_cast<size_t>(impl.hiddenWidth);
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot, found->second.rows + static_cast<size_t>(first) * width,
+                                       static_cast<size_t>(rows) * width * sizeof(float),
+                                       cudaMemcpyDeviceToDevice, impl.streams[0]->stream),
+                       "hidden input");
+  return Status::ok();
+}
+
+Status CudaExecutor::setHiddenInput(const fb::Program &program, const float *hostRows,
+                                    int64_t rows) {
+  Impl &impl = *impl_;
+  const size_t index = impl.indexOf(program);
+  if (index >= impl.arenas.size())
+    return Status::error("cuda device: program '" + program.name()->str() + "' is not loaded");
+  HYBRID_ASSIGN_OR_RETURN(float *slot, hiddenInputSlot(program, impl.arenas[index], rows));
+  // Waited for: the host rows need not outlive the call, and a pageable copy on the legacy
+  // stream could still be landing when the plan's (non-blocking) streams read the slot.
+  cudaStream_t stream = impl.streams[0]->stream;
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot, hostRows,
+                                       static_cast<size_t>(rows * impl.hiddenWidth) * sizeof(float),
+                                       cudaMemcpyHostToDevice, stream),
+                       "hidden input upload");
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "hidden input upload");
+  return Status::ok();
+}
+
+Status CudaExecutor::downloadRecord(int32_t record, int64_t first, int64_t rows, float *out) {
+  Impl &impl = *impl_;
+  const auto found = impl.hiddenRecords.find(record);
+  if (rows == 0)
+    return Status::ok();
+  if (found == impl.hiddenRecords.end() || first < 0 || rows < 0 ||
+      first + rows > found->second.capacity)
+    return Status::error("cuda device: hidden-state record " + std::to_string(record) +
+                         " holds no rows [" + std::to_string(first) + ", " +
+                         std::to_string(first + rows) + ")");
+  const auto width = static_cast<size_t>(impl.hiddenWidth);
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl.streams[0]->stream), "hidden-state record");
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(out, found->second.rows + static_cast<size_t>(first) * width,
+                                  static_cast<size_t>(rows) * width * sizeof(float),
+                                  cudaMemcpyDeviceToHost),
+                       "hidden-state record download");
+  return Status::ok();
+}
+
+Status CudaExecutor::downloadFinalHidden(const fb::Program &program, int64_t rows, float *out) {
+  const float *source = impl_->finalHiddenOf(program);
+  if (!source)
+    return Status::error("cuda device: program '" + program.name()->str() +
+                         "' has no final hidden state");
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(out, source,
+                                  static_cast<size_t>(rows * impl_->hiddenWidth) * sizeof(float),
+                                  cudaMemcpyDeviceToHost),
+                       "final hidden state download");
+  return Status::ok();
 }
 
 Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> tokens,
@@ -993,7 +1143,7 @@ Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const i
   Impl &impl = *impl_;
   const fb::Program &program = *host.program;
   const int64_t rows = host.rows;
-  if (static_cast<int64_t>(choices.size()) != rows || programIndexOf(program) == 0)
+  if (static_cast<int64_t>(choices.size()) != rows || impl.indexOf(program) != Impl::kDecode)
     return Status::error("cuda device: a choosing run is a decode step with one choice per row (" +
                          std::to_string(choices.size()) + " choices for " + std::to_string(rows) +
                          " rows of program '" + program.name()->str() + "')");
@@ -1026,8 +1176,11 @@ Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const in
                                 HiddenStates *hidden) {
   Impl &impl = *impl_;
   const fb::Program &program = *host.program;
-  const size_t programIndex = programIndexOf(program);
-  const bool prefill = programIndex == 0;
+  const size_t programIndex = impl.indexOf(program);
+  if (programIndex >= impl.arenas.size())
+    return Status::error("cuda device: program '" + program.name()->str() + "' is not loaded");
+  // The prefill and mtp programs take rows of one sequence (the KDA prefill kernels' form).
+  const bool prefill = programIndex != Impl::kDecode;
   unsigned char *arena = impl.arenas[programIndex];
   const int64_t rows = host.rows;
   if (tokens.size() > static_cast<size_t>(std::max<int64_t>(1, program.max_tokens())))

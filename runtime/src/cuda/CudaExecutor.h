@@ -43,8 +43,9 @@ public:
   CudaExecutor(const CudaExecutor &) = delete;
   CudaExecutor &operator=(const CudaExecutor &) = delete;
 
-  // Runs `program` over `tokens` for the sequence in `host` (whose arena, fp32 weights and caches
-  // serve the dispatches that run on the cpu reference); writes logits [rows, vocab]. With
+  // Runs `program` (prefill, decode or mtp) over `tokens` for the sequence in `host` (whose
+  // arena, fp32 weights and caches serve the dispatches that run on the cpu reference); writes
+  // logits [rows, vocab]. The mtp program reads the hidden rows setHiddenInput gave it. With
   // options.cudaGraphs the decode program's GPU runs are replayed as graphs (not while `hidden`
   // is asked for: it reads values between steps). With `lastRowLogits` only the last row's
   // logits [vocab] come back (a prefill's next-token choice: the other rows cost a copy of
@@ -67,6 +68,27 @@ public:
   // `slot`'s states (which the caller has put back to before that step). Layers on the cpu
   // reference log into host.kdaLog as on the cpu device.
   Status replayKdaLog(int32_t slot, int64_t tokens);
+  // Multi-token prediction (the `mtp` program, docs/mtp.md) without host round trips: hidden
+  // rows are kept in device records, growable [rows, hidden] buffers named by an id the caller
+  // picks (the Model: two per KV sequence, the main model's final hidden states and the MTP's
+  // chained one). recordFinalHidden copies rows [srcRow, + rows) of `program`'s final hidden
+  // state (its last layer_outputs value, as its last run left it) to rows [destRow, + rows) of a
+  // record; setHiddenInput fills the program's hidden_input slot for its next run from rows
+  // [first, + rows) of a record, or from host memory; downloadRecord copies record rows out.
+  Status recordFinalHidden(const plan::fb::Program &program, int64_t srcRow, int64_t rows,
+                           int32_t record, int64_t destRow);
+  Status setHiddenInput(const plan::fb::Program &program, int32_t record, int64_t first,
+                        int64_t rows);
+  Status setHiddenInput(const plan::fb::Program &program, const float *hostRows, int64_t rows);
+  Status downloadRecord(int32_t record, int64_t first, int64_t rows, float *out);
+  // `program`'s final hidden state of its last run, rows [0, rows), to the host.
+  Status downloadFinalHidden(const plan::fb::Program &program, int64_t rows, float *out);
+  // Whether KV layer `kvSlot` keeps its rows in the device pools (then the host PagedKvCache only
+  // counts them), and zero rows for positions [begin, + count) of a sequence there, counted by
+  // the host cache (the MTP layer's rows for positions it never ran: a restored prefix).
+  bool kvLayerOnDevice(int32_t kvSlot) const;
+  Status appendZeroKvRows(PagedKvCache &kvCache, int32_t kvSlot, int32_t kvSequence,
+                          int64_t count);
   // Which kernels run where, one line per program.
   const std::string &placementReport() const { return report_; }
   // The weights of the steps that run on the cpu reference: what the host must hold in fp32.

@@ -121,7 +121,13 @@ struct StepRun {
 
 struct CudaExecutor::Impl {
   const fb::Plan *plan = nullptr;
-  std::vector<const fb::Program *> programs; // prefill, decode
+  std::vector<const fb::Program *> programs; // prefill, decode, then mtp where the plan has one
+  static constexpr size_t kPrefill = 0, kDecode = 1, kMtp = 2;
+  // `program`'s index in `programs` (its arena and runs); programs.size() for another plan's.
+  size_t indexOf(const fb::Program &program) const {
+    return static_cast<size_t>(std::find(programs.begin(), programs.end(), &program) -
+                               programs.begin());
+  }
   std::vector<std::vector<StepRun>> runs;     // per program
   unsigned char *weights = nullptr; // the archive's data region, at the plan's offsets
   std::vector<fb::DType> weightTypes;
@@ -136,6 +142,17 @@ struct CudaExecutor::Impl {
   std::vector<unsigned char *> arenas;             // per program
   // Where `program`'s logits lie in its arena (rows x vocab floats after a run).
   const unsigned char *logitsOf(const fb::Program &program) const;
+  // Where its final hidden state (the last layer_outputs value) lies, or null when it has none.
+  float *finalHiddenOf(const fb::Program &program) const;
+  // Device records of hidden rows (CudaExecutor::recordFinalHidden), grown on demand.
+  struct HiddenRecord {
+    float *rows = nullptr;
+    int64_t capacity = 0; // rows
+  };
+  std::map<int32_t, HiddenRecord> hiddenRecords;
+  int64_t hiddenWidth = 0; // the plan's hidden_size
+  // Record `record` with room for `rows` rows, keeping its first `keep` rows when it grows.
+  StatusOr<float *> recordRows(int32_t record, int64_t rows, int64_t keep);
   // The KDA layers' recurrent states on the device, per slot: every layer's state (fp32, or bf16
   // with LoadOptions::kdaBf16State) in one region, their conv states (fp32) in another. The host
   // RecurrentStatePool still checks slots; these are the device's own offsets.
@@ -191,6 +208,8 @@ struct CudaExecutor::Impl {
     cudaFreeHost(pinnedCuSeqlens);
     for (LoggedKda &entry : kdaLog)
       cudaFree(entry.inputs);
+    for (auto &[id, record] : hiddenRecords)
+      cudaFree(record.rows);
     for (auto &resources : streams)
       if (resources->stream)
         cudaStreamDestroy(resources->stream);
@@ -346,6 +365,8 @@ struct CudaExecutor::Impl {
   // Per step, before any launch: the rows' pages made writable (their copies repeated on the
   // pools), positions and block tables uploaded. After the step: the host lengths advanced.
   Status prepareKvStep(const cpu::StepContext &host);
+  // Repeats the host cache's page copies since the last call on the pools, in order (stream 0).
+  Status flushPageCopies(PagedKvCache &cache);
   Status finishKvStep(size_t programIndex, const cpu::StepContext &host);
 
   // ---- MoE (CudaMoe.cpp) ----

@@ -8,11 +8,6 @@
 namespace hybrid {
 namespace {
 
-int64_t argmaxRow(std::span<const float> values, size_t width, size_t row) {
-  const auto begin = values.begin() + static_cast<std::ptrdiff_t>(row * width);
-  return std::max_element(begin, begin + static_cast<std::ptrdiff_t>(width)) - begin;
-}
-
 class PromptLookupSource final : public DraftSource {
 public:
   DraftSourceKind kind() const override { return DraftSourceKind::PromptLookup; }
@@ -26,15 +21,11 @@ public:
 // t_{j+2}, at position j of the MTP layer's own KV cache. The row of the sequence's last position
 // needs the token chosen after it, so rows run here, when that token is known: first every
 // position the sequence consumed since the last call (their hidden states recorded by the
-// sequence), the last of them giving the first draft token; then one chained row per further
-// draft token, fed the MTP's own hidden state in place of the main model's (the rows are
-// dropped again: verification decides which positions stay).
+// sequence, on the device that computed them), the last of them giving the first draft token;
+// then one chained row per further draft token, fed the MTP's own hidden state in place of the
+// main model's (the rows are dropped again: verification decides which positions stay).
 class MtpSource final : public DraftSource {
 public:
-  explicit MtpSource(Model &model)
-      : width_(static_cast<size_t>(model.hiddenSize())),
-        vocab_(static_cast<size_t>(model.vocabSize())) {}
-
   DraftSourceKind kind() const override { return DraftSourceKind::Mtp; }
   void attach(Sequence &sequence) override { sequence.recordFinalHidden(true); }
 
@@ -48,47 +39,33 @@ public:
                                                                "chosen next token)");
     if (maxTokens <= 0)
       return std::vector<int64_t>(); // the recorded hidden states wait for the next call
-    FinalHiddenRows recorded = sequence.takeFinalHidden();
-    const auto rows = static_cast<int64_t>(recorded.rows.size() / width_);
-    if (rows == 0 || recorded.firstPosition + rows != consumed)
+    const Sequence::RecordedPositions recorded = sequence.recordedPositions();
+    if (recorded.count == 0 || recorded.first + recorded.count != consumed)
       return Status::error("MTP drafts need the final hidden state of every position the "
                            "sequence consumed (attach the source before its first prefill); "
                            "recorded positions [" +
-                           std::to_string(recorded.firstPosition) + ", " +
-                           std::to_string(recorded.firstPosition + rows) + ") of " +
+                           std::to_string(recorded.first) + ", " +
+                           std::to_string(recorded.first + recorded.count) + ") of " +
                            std::to_string(consumed));
     // Positions the MTP cache lacks and no hidden state was recorded for (a restored prefix)
     // get zero rows; recorded positions it already holds are not run again.
-    if (sequence.mtpLength() < recorded.firstPosition)
-      HYBRID_RETURN_IF_ERROR(sequence.setMtpLength(recorded.firstPosition));
-    const int64_t first = std::max(sequence.mtpLength(), recorded.firstPosition);
+    if (sequence.mtpLength() < recorded.first)
+      HYBRID_RETURN_IF_ERROR(sequence.setMtpLength(recorded.first));
+    const int64_t first = sequence.mtpLength();
     if (first >= consumed)
       return Status::error("MTP drafts: the MTP cache already holds position " +
                            std::to_string(consumed - 1) + " of " + std::to_string(consumed));
-    const auto skip = static_cast<size_t>(first - recorded.firstPosition);
-    HYBRID_ASSIGN_OR_RETURN(
-        MtpOutput out,
-        sequence.runMtp(context.subspan(static_cast<size_t>(first) + 1,
-                                        static_cast<size_t>(consumed - first)),
-                        std::span<const float>(recorded.rows).subspan(skip * width_)));
-    const auto lastRow = static_cast<size_t>(consumed - first - 1);
-    std::vector<int64_t> draft = {argmaxRow(out.logits, vocab_, lastRow)};
-    std::vector<float> hidden(out.hidden.begin() + static_cast<std::ptrdiff_t>(lastRow * width_),
-                              out.hidden.end());
+    HYBRID_ASSIGN_OR_RETURN(int64_t token,
+                            sequence.draftMtp(context.subspan(static_cast<size_t>(first) + 1,
+                                                              static_cast<size_t>(consumed - first))));
+    std::vector<int64_t> draft = {token};
     while (static_cast<int64_t>(draft.size()) < maxTokens) {
-      const int64_t token = draft.back();
-      HYBRID_ASSIGN_OR_RETURN(MtpOutput chained,
-                              sequence.runMtp(std::span<const int64_t>(&token, 1), hidden));
-      draft.push_back(argmaxRow(chained.logits, vocab_, 0));
-      hidden = std::move(chained.hidden);
+      HYBRID_ASSIGN_OR_RETURN(token, sequence.draftMtpChained(draft.back()));
+      draft.push_back(token);
     }
     HYBRID_RETURN_IF_ERROR(sequence.setMtpLength(consumed));
     return draft;
   }
-
-private:
-  size_t width_;
-  size_t vocab_;
 };
 
 } // namespace
@@ -112,7 +89,7 @@ StatusOr<std::unique_ptr<DraftSource>> makeDraftSource(Model &model, DraftSource
   if (!model.hasMtp())
     return Status::error("draft source mtp: the plan has no 'mtp' program (the checkpoint has no "
                          "multi-token-prediction layer: num_nextn_predict_layers = 0)");
-  return std::unique_ptr<DraftSource>(std::make_unique<MtpSource>(model));
+  return std::unique_ptr<DraftSource>(std::make_unique<MtpSource>());
 }
 
 } // namespace hybrid

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <random>
 
 namespace hybrid {
@@ -160,8 +161,9 @@ std::vector<size_t> stepOrder(const fb::Program &program, uint64_t seed) {
 }
 
 // Optional parts of a program run: the first row's position (-1: the sequence's length), rows
-// for the program's hidden_input (the mtp program), and where to copy the final hidden state
-// (the last layer_outputs entry) of every row.
+// for the program's hidden_input (the mtp program: from the host, or from a hidden-state record
+// of the device's), and where to copy the final hidden state (the last layer_outputs entry) of
+// every row on the host.
 struct RunExtras {
   int64_t firstPosition = -1;
   bool lastRowLogits = false; // logitsOut receives the last row's logits only
@@ -170,6 +172,8 @@ struct RunExtras {
   std::span<const TokenChoice> choices = {};
   int64_t *chosenOut = nullptr;
   const float *hiddenInput = nullptr;
+  int32_t hiddenRecord = -1; // with hiddenRecordFirst: rows [first, + rows) of that record
+  int64_t hiddenRecordFirst = 0;
   float *finalHiddenOut = nullptr;
 };
 
@@ -195,6 +199,9 @@ struct Model::Impl {
   cpu::BatchScratch batchScratch; // decodeBatch's per-row runs of per-sequence kernels
   PrefixCache prefixCache{0, 1};
   WeightGeneration generation; // a synthetic archive's, at load
+  // Hidden-state records (Sequence::mainRecord, chainRecord) [rows, hidden] on the cpu device;
+  // the cuda device keeps its own on the GPU.
+  std::map<int32_t, std::vector<float>> hostRecords;
 #ifdef HYBRID_HAS_CUDA_DEVICE
   // The cuda device; the members above still serve the dispatches it runs on the cpu reference.
   std::unique_ptr<cudadev::CudaExecutor> cuda;
@@ -211,7 +218,40 @@ struct Model::Impl {
              std::span<const int64_t> tokens, bool decodeStep, float *logitsOut,
              HiddenStates *hidden, cpu::KdaReplayLog *kdaLog = nullptr,
              std::span<const cpu::BatchRow> batch = {}, const RunExtras &extras = {});
+  // Copies rows [srcRow, + rows) of the final hidden state the last run of `program` left to
+  // rows [destRow, + rows) of hidden-state record `record`, on the device that ran it.
+  Status recordFinalHidden(const fb::Program &program, int64_t srcRow, int64_t rows,
+                           int32_t record, int64_t destRow);
+  ProgramRunner *runnerOf(const fb::Program &program) {
+    for (ProgramRunner *runner : {&prefill, &decode, &mtp})
+      if (runner->program == &program)
+        return runner;
+    return nullptr;
+  }
 };
+
+Status Model::Impl::recordFinalHidden(const fb::Program &program, int64_t srcRow, int64_t rows,
+                                      int32_t record, int64_t destRow) {
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (cuda)
+    return cuda->recordFinalHidden(program, srcRow, rows, record, destRow);
+#endif
+  ProgramRunner *runner = runnerOf(program);
+  const auto *outputs = program.layer_outputs();
+  if (!runner || !outputs || outputs->size() == 0)
+    return Status::error(dir + "/plan.hyplan: program '" + program.name()->str() +
+                         "' has no final hidden state to record");
+  const auto width = static_cast<uint64_t>(plan->hidden_size());
+  const fb::Value *value = program.values()->Get(outputs->Get(outputs->size() - 1));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> final,
+                          runner->arena.viewAs<float>(value->arena_offset(),
+                                                      static_cast<uint64_t>(srcRow + rows) * width));
+  std::vector<float> &rowsOut = hostRecords[record];
+  rowsOut.resize(static_cast<size_t>((destRow + rows) * static_cast<int64_t>(width)));
+  std::copy(final.begin() + static_cast<std::ptrdiff_t>(srcRow * static_cast<int64_t>(width)),
+            final.end(), rowsOut.begin() + static_cast<std::ptrdiff_t>(destRow * static_cast<int64_t>(width)));
+  return Status::ok();
+}
 
 Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSequence,
                         int32_t stateSlot, std::span<const int64_t> tokens, bool decodeStep,
@@ -253,29 +293,21 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
     return Status::error(dir + "/plan.hyplan: program '" + program->name()->str() +
                          "' has no layer_outputs to take final hidden states from");
   const size_t width = static_cast<size_t>(plan->hidden_size());
+  if (program->hidden_input() >= 0 && !extras.hiddenInput && extras.hiddenRecord < 0)
+    return Status::error("program '" + program->name()->str() +
+                         "' reads hidden states, none were given");
 #ifdef HYBRID_HAS_CUDA_DEVICE
-  // The mtp program runs on the cpu reference (its host weights were converted at load).
-  if (cuda && &runner != &mtp) {
+  if (cuda) {
+    if (program->hidden_input() >= 0)
+      HYBRID_RETURN_IF_ERROR(extras.hiddenInput
+                                 ? cuda->setHiddenInput(*program, extras.hiddenInput, rows)
+                                 : cuda->setHiddenInput(*program, extras.hiddenRecord,
+                                                        extras.hiddenRecordFirst, rows));
     if (extras.chosenOut && !extras.finalHiddenOut && !hidden)
       return cuda->runChoosing(context, tokens, extras.choices, extras.chosenOut);
-    if (!extras.finalHiddenOut)
-      return cuda->run(context, tokens, logitsOut, hidden, extras.lastRowLogits);
-    // The final hidden states come out with the others (hidden-state dumps).
-    HiddenStates own;
-    HiddenStates *all = hidden;
-    if (!all) {
-      own.rows = rows;
-      own.width = static_cast<int64_t>(width);
-      own.layers.assign(layerOutputs->size(), {});
-      all = &own;
-    }
-    const size_t before = all->layers.back().size();
-    HYBRID_RETURN_IF_ERROR(cuda->run(context, tokens, logitsOut, all, extras.lastRowLogits));
-    const std::vector<float> &last = all->layers.back();
-    if (last.size() != before + static_cast<size_t>(rows) * width)
-      return Status::error("cuda device: the final hidden states of " + std::to_string(rows) +
-                           " rows did not come back");
-    std::copy(last.begin() + static_cast<std::ptrdiff_t>(before), last.end(), extras.finalHiddenOut);
+    HYBRID_RETURN_IF_ERROR(cuda->run(context, tokens, logitsOut, hidden, extras.lastRowLogits));
+    if (extras.finalHiddenOut)
+      HYBRID_RETURN_IF_ERROR(cuda->downloadFinalHidden(*program, rows, extras.finalHiddenOut));
     return Status::ok();
   }
 #endif
@@ -284,14 +316,21 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
                           runner.arena.viewAs<int64_t>(ids->arena_offset(), rows));
   std::copy(tokens.begin(), tokens.end(), idSlot.begin());
   if (program->hidden_input() >= 0) {
-    if (!extras.hiddenInput)
-      return Status::error("program '" + program->name()->str() +
-                           "' reads hidden states, none were given");
+    const float *source = extras.hiddenInput;
+    if (!source) {
+      const auto found = hostRecords.find(extras.hiddenRecord);
+      if (found == hostRecords.end() ||
+          found->second.size() < static_cast<size_t>(extras.hiddenRecordFirst + rows) * width)
+        return Status::error("hidden-state record " + std::to_string(extras.hiddenRecord) +
+                             " holds no rows [" + std::to_string(extras.hiddenRecordFirst) +
+                             ", " + std::to_string(extras.hiddenRecordFirst + rows) + ")");
+      source = found->second.data() + static_cast<size_t>(extras.hiddenRecordFirst) * width;
+    }
     const fb::Value *slot = program->values()->Get(program->hidden_input());
     HYBRID_ASSIGN_OR_RETURN(std::span<float> hiddenSlot,
                             runner.arena.viewAs<float>(slot->arena_offset(),
                                                        static_cast<uint64_t>(rows) * width));
-    std::copy_n(extras.hiddenInput, hiddenSlot.size(), hiddenSlot.begin());
+    std::copy_n(source, hiddenSlot.size(), hiddenSlot.begin());
   }
 
   for (size_t index : stepOrder(*program, options.scheduleSeed)) {
@@ -468,13 +507,6 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
       return Status::error(impl->plan.path() + ": program 'mtp' has no KV cache layer (cache.kv "
                                                "with layer = num_layers = " +
                            std::to_string(root.num_layers()) + ")");
-    // Its steps run on the cpu reference on either device: their weights in fp32 on the host.
-    if (cudaDevice)
-      for (const fb::Step *step : *mtp->steps())
-        if (const fb::Dispatch *d = step->op_as_Dispatch(); d && d->weights())
-          for (int32_t index : *d->weights())
-            if (index >= 0)
-              HYBRID_RETURN_IF_ERROR(convert(index).status());
   }
 #ifdef HYBRID_HAS_CUDA_DEVICE
   if (cudaDevice) {
@@ -597,21 +629,16 @@ StatusOr<std::vector<float>> Sequence::prefill(std::span<const int64_t> tokens,
   }
   const bool lastRow = which == PrefillLogits::LastRow;
   std::vector<float> logits((lastRow ? 1 : tokens.size()) * static_cast<size_t>(vocab));
-  std::vector<float> finalHidden;
   for (size_t begin = 0; begin < tokens.size(); begin += static_cast<size_t>(chunk)) {
     const size_t count = std::min(tokens.size() - begin, static_cast<size_t>(chunk));
     RunExtras extras;
     extras.lastRowLogits = lastRow; // each chunk's last row; the last chunk's stays
-    if (recordFinalHidden_) {
-      finalHidden.resize(count * static_cast<size_t>(model_.hiddenSize()));
-      extras.finalHiddenOut = finalHidden.data();
-    }
     HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, *this, kvSequence_, stateSlot_,
                                     tokens.subspan(begin, count), /*decodeStep=*/false,
                                     logits.data() + (lastRow ? 0 : begin * vocab), hidden,
                                     nullptr, {}, extras));
-    if (recordFinalHidden_)
-      keepFinalHidden(length_, finalHidden, static_cast<int64_t>(count));
+    HYBRID_RETURN_IF_ERROR(
+        keepFinalHidden(*impl.prefill.program, length_, 0, static_cast<int64_t>(count)));
     length_ += static_cast<int64_t>(count);
   }
   return logits;
@@ -750,14 +777,8 @@ StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
   std::vector<float> logits(static_cast<size_t>(rows) * vocab);
   cpu::KdaReplayLog log;
   const int64_t start = length_;
-  std::vector<float> finalHidden;
-  RunExtras extras;
-  if (recordFinalHidden_) {
-    finalHidden.resize(static_cast<size_t>(rows * model_.hiddenSize()));
-    extras.finalHiddenOut = finalHidden.data();
-  }
   HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, *this, kvSequence_, stateSlot_, fed,
-                                  /*decodeStep=*/false, logits.data(), nullptr, &log, {}, extras));
+                                  /*decodeStep=*/false, logits.data(), nullptr, &log));
   length_ += rows;
 
   auto row = [&](int64_t i) { return std::span<const float>(logits).subspan(i * vocab, vocab); };
@@ -770,6 +791,7 @@ StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
                        logits.begin() + static_cast<std::ptrdiff_t>((result.accepted + 1) * vocab));
 
   const int64_t keep = 1 + result.accepted; // `token` and the accepted draft tokens
+  HYBRID_RETURN_IF_ERROR(keepFinalHidden(*impl.prefill.program, start, 0, keep));
   if (keep < rows) {
     HYBRID_RETURN_IF_ERROR(impl.kvCache.truncate(kvSequence_, start + keep));
     HYBRID_RETURN_IF_ERROR(impl.states.restore(stateSlot_, before));
@@ -782,8 +804,6 @@ StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
 #endif
     length_ = start + keep;
   }
-  if (recordFinalHidden_)
-    keepFinalHidden(start, finalHidden, keep);
   return result;
 }
 
@@ -841,25 +861,16 @@ StatusOr<std::vector<float>> Model::decodeRows(std::span<Sequence *const> sequen
   }
   std::vector<float> logits(chosen ? 0 : sequences.size() * static_cast<size_t>(vocabSize()));
   Sequence &first = *sequences[0];
-  const bool recording = std::any_of(sequences.begin(), sequences.end(),
-                                     [](const Sequence *s) { return s->recordFinalHidden_; });
-  std::vector<float> finalHidden;
   RunExtras extras;
   extras.choices = choices;
   extras.chosenOut = chosen;
-  if (recording) {
-    finalHidden.resize(sequences.size() * static_cast<size_t>(hiddenSize()));
-    extras.finalHiddenOut = finalHidden.data();
-  }
   HYBRID_RETURN_IF_ERROR(impl.run(impl.decode, first, first.kvSequence_, first.stateSlot_,
                                   tokens, /*decodeStep=*/true, logits.data(), nullptr, nullptr,
                                   batch, extras));
-  const auto width = static_cast<size_t>(hiddenSize());
   for (size_t i = 0; i < sequences.size(); ++i) {
     Sequence &sequence = *sequences[i];
-    if (sequence.recordFinalHidden_)
-      sequence.keepFinalHidden(sequence.length_,
-                               std::span<const float>(finalHidden).subspan(i * width, width), 1);
+    HYBRID_RETURN_IF_ERROR(sequence.keepFinalHidden(*impl.decode.program, sequence.length_,
+                                                    static_cast<int64_t>(i), 1));
     ++sequence.length_;
   }
   return logits;
@@ -875,11 +886,9 @@ StatusOr<std::vector<int64_t>> Model::decodeBatchChoose(std::span<Sequence *cons
     if (const std::string problem = samplingParamsProblem(choices[i].params); !problem.empty())
       return Status::error("decodeBatchChoose: row " + std::to_string(i) + ": " + problem);
 #ifdef HYBRID_HAS_CUDA_DEVICE
-  // The cuda device chooses where the logits are; only the ids come back.
-  const bool recording = std::any_of(rows.begin(), rows.end(), [](const Sequence *s) {
-    return s && s->recordFinalHidden_;
-  });
-  if (impl_->cuda && !recording) {
+  // The cuda device chooses where the logits are; only the ids come back (and the final hidden
+  // states a recording sequence keeps stay on the GPU).
+  if (impl_->cuda) {
     std::vector<int64_t> chosen(rows.size());
     HYBRID_RETURN_IF_ERROR(decodeRows(rows, tokens, choices, chosen.data()).status());
     return chosen;
@@ -903,17 +912,9 @@ StatusOr<std::vector<float>> Sequence::decode(int64_t token) {
                          std::to_string(impl.options.maxContextTokens));
   std::vector<float> logits(static_cast<size_t>(model_.vocabSize()));
   const int64_t ids[1] = {token};
-  std::vector<float> finalHidden;
-  RunExtras extras;
-  if (recordFinalHidden_) {
-    finalHidden.resize(static_cast<size_t>(model_.hiddenSize()));
-    extras.finalHiddenOut = finalHidden.data();
-  }
   HYBRID_RETURN_IF_ERROR(impl.run(impl.decode, *this, kvSequence_, stateSlot_, ids,
-                                  /*decodeStep=*/true, logits.data(), nullptr, nullptr, {},
-                                  extras));
-  if (recordFinalHidden_)
-    keepFinalHidden(length_, finalHidden, 1);
+                                  /*decodeStep=*/true, logits.data(), nullptr, nullptr));
+  HYBRID_RETURN_IF_ERROR(keepFinalHidden(*impl.decode.program, length_, 0, 1));
   ++length_;
   return logits;
 }
@@ -923,21 +924,40 @@ bool Model::hasMtp() const { return impl_->mtp.program != nullptr; }
 void Sequence::recordFinalHidden(bool on) {
   recordFinalHidden_ = on;
   if (!on)
-    finalHidden_ = {};
+    recordedRows_ = 0;
 }
 
-FinalHiddenRows Sequence::takeFinalHidden() { return std::exchange(finalHidden_, {}); }
-
-void Sequence::keepFinalHidden(int64_t position, std::span<const float> hidden, int64_t rows) {
-  const auto width = static_cast<size_t>(model_.hiddenSize());
-  const auto kept = static_cast<int64_t>(finalHidden_.rows.size() / width);
-  // Rows are kept for consecutive positions; anything else (a rollback) starts over.
-  if (kept == 0 || finalHidden_.firstPosition + kept != position) {
-    finalHidden_.rows.clear();
-    finalHidden_.firstPosition = position;
+FinalHiddenRows Sequence::takeFinalHidden() {
+  Model::Impl &impl = *model_.impl_;
+  FinalHiddenRows taken{.firstPosition = recordedFirst_, .rows = {}};
+  const int64_t rows = std::exchange(recordedRows_, 0);
+  taken.rows.resize(static_cast<size_t>(rows * model_.hiddenSize()));
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (impl.cuda) {
+    // A failed download is reported as no rows: the caller's position check names the gap.
+    if (!impl.cuda->downloadRecord(mainRecord(), 0, rows, taken.rows.data()))
+      taken.rows.clear();
+    return taken;
   }
-  finalHidden_.rows.insert(finalHidden_.rows.end(), hidden.begin(),
-                           hidden.begin() + static_cast<std::ptrdiff_t>(rows * width));
+#endif
+  const std::vector<float> &kept = impl.hostRecords[mainRecord()];
+  std::copy_n(kept.begin(), taken.rows.size(), taken.rows.begin());
+  return taken;
+}
+
+Status Sequence::keepFinalHidden(const fb::Program &program, int64_t position, int64_t srcRow,
+                                 int64_t rows) {
+  if (!recordFinalHidden_ || rows <= 0)
+    return Status::ok();
+  // Rows are kept for consecutive positions; anything else (a rollback) starts over.
+  if (recordedRows_ == 0 || recordedFirst_ + recordedRows_ != position) {
+    recordedFirst_ = position;
+    recordedRows_ = 0;
+  }
+  HYBRID_RETURN_IF_ERROR(
+      model_.impl_->recordFinalHidden(program, srcRow, rows, mainRecord(), recordedRows_));
+  recordedRows_ += rows;
+  return Status::ok();
 }
 
 int64_t Sequence::mtpLength() const {
@@ -980,6 +1000,58 @@ StatusOr<MtpOutput> Sequence::runMtp(std::span<const int64_t> tokens,
   return out;
 }
 
+StatusOr<int64_t> Sequence::mtpStep(std::span<const int64_t> tokens, int32_t record,
+                                    int64_t first) {
+  Model::Impl &impl = *model_.impl_;
+  if (!impl.mtp.program)
+    return Status::error(impl.plan.path() + ": the plan has no 'mtp' program (compile a "
+                                            "checkpoint with num_nextn_predict_layers = 1)");
+  const int64_t position = mtpLength();
+  const auto total = static_cast<int64_t>(tokens.size());
+  if (total == 0)
+    return Status::error("an MTP step needs at least one token");
+  if (position + total > impl.options.maxContextTokens)
+    return Status::error("the MTP cache would grow to " + std::to_string(position + total) +
+                         " tokens, past maxContextTokens = " +
+                         std::to_string(impl.options.maxContextTokens));
+  // Only the last row's logits choose the draft token; earlier chunks only fill the MTP cache.
+  std::vector<float> logits(static_cast<size_t>(model_.vocabSize()));
+  const int64_t chunk = std::max<int64_t>(1, impl.mtp.program->max_tokens());
+  int64_t count = 0;
+  for (int64_t begin = 0; begin < total; begin += count) {
+    count = std::min(total - begin, chunk);
+    const RunExtras extras{.firstPosition = position + begin,
+                           .lastRowLogits = true,
+                           .hiddenRecord = record,
+                           .hiddenRecordFirst = first + begin};
+    HYBRID_RETURN_IF_ERROR(impl.run(impl.mtp, *this, kvSequence_, stateSlot_,
+                                    tokens.subspan(static_cast<size_t>(begin),
+                                                   static_cast<size_t>(count)),
+                                    /*decodeStep=*/false, logits.data(), nullptr, nullptr, {},
+                                    extras));
+  }
+  HYBRID_RETURN_IF_ERROR(impl.recordFinalHidden(*impl.mtp.program, count - 1, 1, chainRecord(), 0));
+  return static_cast<int64_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+StatusOr<int64_t> Sequence::draftMtp(std::span<const int64_t> tokens) {
+  const int64_t position = mtpLength();
+  const auto rows = static_cast<int64_t>(tokens.size());
+  if (position < recordedFirst_ || position + rows > recordedFirst_ + recordedRows_)
+    return Status::error("MTP drafts: positions [" + std::to_string(position) + ", " +
+                         std::to_string(position + rows) + ") need recorded final hidden "
+                         "states, the sequence holds [" + std::to_string(recordedFirst_) + ", " +
+                         std::to_string(recordedFirst_ + recordedRows_) +
+                         ") (attach the draft source before the first prefill)");
+  HYBRID_ASSIGN_OR_RETURN(int64_t token, mtpStep(tokens, mainRecord(), position - recordedFirst_));
+  recordedRows_ = 0;
+  return token;
+}
+
+StatusOr<int64_t> Sequence::draftMtpChained(int64_t token) {
+  return mtpStep(std::span<const int64_t>(&token, 1), chainRecord(), 0);
+}
+
 Status Sequence::setMtpLength(int64_t length) {
   Model::Impl &impl = *model_.impl_;
   if (impl.mtpKvSlot < 0)
@@ -987,6 +1059,11 @@ Status Sequence::setMtpLength(int64_t length) {
   const int64_t current = mtpLength();
   if (length <= current)
     return impl.kvCache.truncateLayer(impl.mtpKvSlot, kvSequence_, length);
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (impl.cuda && impl.cuda->kvLayerOnDevice(impl.mtpKvSlot))
+    return impl.cuda->appendZeroKvRows(impl.kvCache, impl.mtpKvSlot, kvSequence_,
+                                       length - current);
+#endif
   const int64_t rowElements = impl.kvCache.layerShape(impl.mtpKvSlot).rowElements();
   const std::vector<float> zeros(static_cast<size_t>((length - current) * rowElements), 0.0f);
   return impl.kvCache.append(impl.mtpKvSlot, kvSequence_, zeros);

@@ -173,16 +173,29 @@ public:
 
   // Multi-token prediction (plans with an `mtp` program, Model::hasMtp; docs/mtp.md).
   // While on, every prefill, decode, decodeBatch and verifyDraft keeps the final hidden state of
-  // each token the sequence keeps (a verification pass: only the accepted rows); takeFinalHidden
-  // hands them over in position order and forgets them.
+  // each token the sequence keeps (a verification pass: only the accepted rows), where the
+  // device computed it (the cuda device keeps them on the GPU); takeFinalHidden hands them over
+  // in position order and forgets them. recordedPositions says which positions are held.
   void recordFinalHidden(bool on);
   FinalHiddenRows takeFinalHidden();
+  struct RecordedPositions {
+    int64_t first = 0;
+    int64_t count = 0;
+  };
+  RecordedPositions recordedPositions() const { return {recordedFirst_, recordedRows_}; }
   // Positions the MTP layer's KV cache holds for this sequence.
   int64_t mtpLength() const;
   // Runs the MTP program over rows at positions [mtpLength(), + tokens.size()): row i pairs
   // hidden row i (the main model's final hidden state at that position, or the MTP's own when
   // drafts are chained) with tokens[i], the token at the next position. Appends to the MTP cache.
   StatusOr<MtpOutput> runMtp(std::span<const int64_t> tokens, std::span<const float> hidden);
+  // The MTP draft source's steps, with the hidden states left where the device keeps them.
+  // draftMtp runs rows at positions [mtpLength(), + tokens.size()), each fed the recorded final
+  // hidden state of its position (recordFinalHidden), forgets the recorded rows and returns the
+  // greedy token after the last row (the argmax of its logits, lowest id on ties);
+  // draftMtpChained runs one row fed the previous MTP row's own final hidden state.
+  StatusOr<int64_t> draftMtp(std::span<const int64_t> tokens);
+  StatusOr<int64_t> draftMtpChained(int64_t token);
   // Forgets MTP cache positions >= length (chained drafts), or appends zero rows up to length
   // (positions whose main hidden states this sequence never saw: a restored prefix).
   Status setMtpLength(int64_t length);
@@ -192,15 +205,24 @@ private:
   Sequence(Model &model, int32_t kvSequence, int32_t stateSlot)
       : model_(model), kvSequence_(kvSequence), stateSlot_(stateSlot) {}
 
-  // Keeps rows [rows] of `hidden` (the final hidden states of positions [position, + rows)).
-  void keepFinalHidden(int64_t position, std::span<const float> hidden, int64_t rows);
+  // Records rows [srcRow, + rows) of the final hidden state `program`'s last run left as those
+  // of positions [position, + rows), when this sequence records them.
+  Status keepFinalHidden(const plan::fb::Program &program, int64_t position, int64_t srcRow,
+                         int64_t rows);
+  // One MTP step over `tokens` fed rows of hidden-state record `record` from `first`; returns
+  // the greedy token after its last row and keeps that row's final hidden state for chaining.
+  StatusOr<int64_t> mtpStep(std::span<const int64_t> tokens, int32_t record, int64_t first);
+  // Its hidden-state records (Model::Impl): the main model's final hidden states, and the MTP's
+  // own last one (chained drafts).
+  int32_t mainRecord() const { return 2 * kvSequence_; }
+  int32_t chainRecord() const { return 2 * kvSequence_ + 1; }
 
   Model &model_;
   int32_t kvSequence_;
   int32_t stateSlot_;
   int64_t length_ = 0;
   bool recordFinalHidden_ = false;
-  FinalHiddenRows finalHidden_;
+  int64_t recordedFirst_ = 0, recordedRows_ = 0; // positions held in mainRecord()
 };
 
 class Model {
@@ -244,7 +266,7 @@ public:
   // Sequences one decodeBatch() step takes: the decode program's max_tokens.
   int64_t maxDecodeBatch() const;
   // The plan has a multi-token-prediction program (`mtp`: DeepSeek-V3's MTP layer), the draft
-  // source of hybrid-run --draft mtp. It runs on the cpu reference on either device for now.
+  // source of hybrid-run --draft mtp. On the cuda device it runs on the GPU.
   bool hasMtp() const;
 
   // The KV cache's pages (a scheduler admits and preempts by them) and the sequences in use.
