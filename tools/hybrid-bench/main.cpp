@@ -271,8 +271,8 @@ struct IndexerOptions {
   std::vector<int32_t> contexts = {131072};
   int32_t heads = 64, headDim = 128, topK = 2048, iterations = 20;
   std::string keys = "mxfp8";
-  std::string form = "fused"; // fused (where the shape allows) or unfused
-  std::string scores = "auto"; // the unfused form's tensor-core scores: auto, bf16 or fp8
+  std::string form = "unfused"; // what the runtime runs; fused (where the shape allows)
+  std::string scores = "auto"; // the unfused form's tensor-core scores: auto, warpgroup, bf16, fp8
 };
 
 int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
@@ -282,9 +282,10 @@ int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
   std::string error;
   const auto results = kc::benchIndexerDecode(o.batches, o.contexts, o.heads, o.headDim, o.topK,
                                               type, o.form == "fused",
-                                              o.scores == "fp8"    ? kc::IndexerParams::ScoreKernel::Fp8
-                                              : o.scores == "bf16" ? kc::IndexerParams::ScoreKernel::Bf16
-                                                                   : kc::IndexerParams::ScoreKernel::Auto,
+                                              o.scores == "fp8"         ? kc::IndexerParams::ScoreKernel::Fp8
+                                              : o.scores == "bf16"      ? kc::IndexerParams::ScoreKernel::Bf16
+                                              : o.scores == "warpgroup" ? kc::IndexerParams::ScoreKernel::Warpgroup
+                                                                        : kc::IndexerParams::ScoreKernel::Auto,
                                               o.iterations, error);
   if (!error.empty()) {
     std::cerr << "error: dsa-indexer: " << error << "\n";
@@ -411,7 +412,7 @@ struct IndexerOptions {
   std::vector<int32_t> contexts = {131072};
   int32_t heads = 64, headDim = 128, topK = 2048, iterations = 20;
   std::string keys = "mxfp8";
-  std::string form = "fused";
+  std::string form = "unfused";
   std::string scores = "auto";
 };
 int runDsaIndexer(const IndexerOptions &, const RecordOptions &) { return noCuda("dsa-indexer"); }
@@ -699,9 +700,10 @@ int main(int argc, char **argv) {
                          "keys); unfused: scores through a workspace, then the top-k")
       ->check(CLI::IsMember({"fused", "unfused"}));
   dsaIndexer->add_option("--scores", indexer.scores,
-                         "unfused form, FP8 keys: auto, bf16 (codes widened for the bf16 tensor "
-                         "cores) or fp8 (E4M3 MMAs on the MXFP8 queries)")
-      ->check(CLI::IsMember({"auto", "bf16", "fp8"}));
+                         "unfused form, FP8 keys: auto, warpgroup (keys widened to bf16 in "
+                         "registers, warpgroup MMAs on the MXFP8 queries), bf16 (mma.sync on "
+                         "widened keys) or fp8 (E4M3 mma.sync on the MXFP8 queries)")
+      ->check(CLI::IsMember({"auto", "bf16", "fp8", "warpgroup"}));
   dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(dsaIndexer, record);

@@ -9,6 +9,7 @@
 #include "../common/device_setup.cuh"
 #include "../common/fp8_quant.cuh"
 #include "../common/warp_mma.cuh"
+#include "../common/warpgroup_mma.cuh"
 #include "fp8_device.cuh"
 
 #include <cuda_bf16.h>
@@ -376,12 +377,43 @@ template <int D> size_t fp8SharedBytes() {
          size_t(4) * kTileKeys * 4 + size_t(kMmaMaxHeads + kTileKeys) * (D / kMxBlock) * 4;
 }
 
+// Key bytes a page stores per token after its codes: the MX block scales or the fp32 key scale.
+template <IndexKeyType Type, int D> __host__ __device__ constexpr int keyScaleBytes() {
+  return Type == IndexKeyType::Mxfp8 ? D / kMxBlock : 4;
+}
+
+// Key tile `tile` of a block (keys firstKey + 64 tile ...) into ring stage tile % kFp8Stages by
+// cp.async, codes at fp8RowBytes a key, then the tile's scales: one committed group, empty for a
+// tile past the block's or the row's end. Pages hold a multiple of 64 tokens.
+template <IndexKeyType Type, int D>
+__device__ __forceinline__ void issueKeyTile(const IndexerParams &p, const unsigned char *pool,
+                                             const int32_t *table, int64_t pageBytes,
+                                             int firstKey, int tile, int tilesPerBlock,
+                                             int position, unsigned char *stages, int tid) {
+  constexpr int kRow = fp8RowBytes<D>(), kScaleBytes = keyScaleBytes<Type, D>();
+  const int tileKey = firstKey + tile * kTileKeys;
+  if (tile < tilesPerBlock && tileKey <= position) {
+    const unsigned char *page = pool + table[tileKey / p.pageTokens] * pageBytes;
+    const int slot = tileKey % p.pageTokens;
+    unsigned char *stage = stages + (tile % kFp8Stages) * fp8StageBytes<D>();
+    constexpr int kPieces = kTileKeys * D / 16;
+    for (int c = tid; c < kPieces; c += kMmaThreads) {
+      const int k = c / (D / 16), piece = c % (D / 16);
+      mma::copyAsync16(stage + k * kRow + piece * 16, page + size_t(slot + k) * D + piece * 16);
+    }
+    constexpr int kScalePieces = kTileKeys * kScaleBytes / 16;
+    const unsigned char *scales = page + size_t(p.pageTokens) * D + size_t(slot) * kScaleBytes;
+    for (int c = tid; c < kScalePieces; c += kMmaThreads)
+      mma::copyAsync16(stage + kTileKeys * kRow + c * 16, scales + c * 16);
+  }
+  mma::commitAsyncCopies();
+}
+
 template <IndexKeyType Type, int D>
 __global__ void __launch_bounds__(kMmaThreads, kBlocksPerSm)
     indexerScoresFp8Kernel(IndexerParams p, int64_t pageBytes, int tilesPerBlock) {
   static_assert(Type != IndexKeyType::F32, "fp32 keys take the CUDA-core kernel");
   constexpr int kRow = fp8RowBytes<D>(), kBlocks = D / kMxBlock;
-  constexpr int kScaleBytes = Type == IndexKeyType::Mxfp8 ? kBlocks : 4; // per key
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char *stages = smem;                                        // [3][codes, scales]
   unsigned char *qCodes = stages + kFp8Stages * fp8StageBytes<D>();    // [64 heads][kRow]
@@ -397,24 +429,9 @@ __global__ void __launch_bounds__(kMmaThreads, kBlocksPerSm)
   const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
   const auto *pool = static_cast<const unsigned char *>(p.keyPages);
 
-  // A tile's codes and scales into stage `stage` (a committed group either way).
   auto issue = [&](int tile) {
-    const int tileKey = firstKey + tile * kTileKeys;
-    if (tile < tilesPerBlock && tileKey <= position) {
-      const unsigned char *page = pool + table[tileKey / p.pageTokens] * pageBytes;
-      const int slot = tileKey % p.pageTokens;
-      unsigned char *stage = stages + (tile % kFp8Stages) * fp8StageBytes<D>();
-      constexpr int kPieces = kTileKeys * D / 16;
-      for (int c = tid; c < kPieces; c += kMmaThreads) {
-        const int k = c / (D / 16), piece = c % (D / 16);
-        mma::copyAsync16(stage + k * kRow + piece * 16, page + size_t(slot + k) * D + piece * 16);
-      }
-      constexpr int kScalePieces = kTileKeys * kScaleBytes / 16;
-      const unsigned char *scales = page + size_t(p.pageTokens) * D + size_t(slot) * kScaleBytes;
-      for (int c = tid; c < kScalePieces; c += kMmaThreads)
-        mma::copyAsync16(stage + kTileKeys * kRow + c * 16, scales + c * 16);
-    }
-    mma::commitAsyncCopies();
+    issueKeyTile<Type, D>(p, pool, table, pageBytes, firstKey, tile, tilesPerBlock, position,
+                          stages, tid);
   };
   issue(0);
   issue(1);
@@ -541,6 +558,184 @@ __global__ void __launch_bounds__(kMmaThreads, kBlocksPerSm)
   mma::waitAsyncCopies<0>(); // nothing in flight when the block ends
 }
 
+// ---- Scores on the warpgroup tensor cores (sm_90a wgmma; MXFP8 queries): keys widened in
+// registers.
+//
+// The keys are the A operand of m64n64k16 bf16 wgmmas, 64 keys a tile (16 a warp) straight from
+// registers: each thread widens its own codes (e4m3QuadToBf16: exact), so the widened keys never
+// go back through shared memory, and the 64 heads' queries (MXFP8 values: exact in bf16) are the
+// B operand, swizzled in shared memory once per block. A dot product does not care in which
+// order the dimensions are summed, so the k order is permuted: lane t of a lane quad holds bytes
+// [t D/4, (t+1) D/4) of its two keys (one contiguous run inside one MX block, so one scale) and
+// the queries are stored in the same permuted order. The accumulators are keys x heads: a thread
+// holds 16 heads of two keys, so the head sum is a sum in registers plus two shuffles. Versus the
+// FP8 mma.sync form: no per-block rescaling of every (key, head) product and a quarter of the
+// instructions per key. Key tiles stream through the same cp.async ring (issueKeyTile).
+constexpr int kWarpgroupBlocksPerSm = 4;
+
+template <int D> __host__ __device__ constexpr uint32_t warpgroupQueryBytes() {
+  return uint32_t(kMmaMaxHeads) * D * 2; // 64 heads x D bf16, 128-byte swizzled
+}
+template <int D> size_t warpgroupSharedBytes() {
+  return 1024 + warpgroupQueryBytes<D>() + kFp8Stages * fp8StageBytes<D>(); // + alignment slack
+}
+
+// The permuted k position of dimension `column`: lane quad member t holds dimensions
+// [t D/4, (t+1) D/4), four per k step of 16, in the A fragment's columns 2t, 2t + 1, 2t + 8,
+// 2t + 9.
+template <int D> __device__ __forceinline__ int permutedColumn(int column) {
+  const int t = column / (D / 4), within = column % (D / 4), step = within / 4, j = within % 4;
+  return 16 * step + 2 * t + (j < 2 ? j : j + 6);
+}
+
+template <IndexKeyType Type, int D>
+__global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
+    indexerScoresWarpgroupKernel(IndexerParams p, int64_t pageBytes, int tilesPerBlock) {
+  static_assert(Type != IndexKeyType::F32, "fp32 keys take the CUDA-core kernel");
+  constexpr int kRow = fp8RowBytes<D>(), kSteps = D / 16, kRun = D / 4; // kRun bytes a lane
+  extern __shared__ __align__(16) unsigned char rawShared[];
+  // The swizzled queries need 1024-byte aligned chunks.
+  unsigned char *smem = rawShared + ((1024 - mma::sharedAddress(rawShared) % 1024) % 1024);
+  unsigned char *queries = smem;                                 // [64 heads][D] bf16, swizzled
+  unsigned char *stages = smem + warpgroupQueryBytes<D>();       // [3][codes, scales]
+  const int row = blockIdx.x, heads = p.heads, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32, t = lane % 4;
+  const int key0 = 16 * warp + lane / 4; // this thread's keys key0 and key0 + 8 of a tile
+  const int position = p.positions[row];
+  const int firstKey = int(blockIdx.y) * kTileKeys * tilesPerBlock;
+  if (firstKey > position)
+    return;
+  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
+  const auto *pool = static_cast<const unsigned char *>(p.keyPages);
+  auto issue = [&](int tile) {
+    issueKeyTile<Type, D>(p, pool, table, pageBytes, firstKey, tile, tilesPerBlock, position,
+                          stages, tid);
+  };
+  issue(0);
+  issue(1);
+
+  // The queries in bf16 at their permuted columns (dimension pairs stay adjacent), heads past
+  // p.heads zero; this thread's 16 heads' weights, w * heads^-1/2 * D^-1/2 (the ReLU commutes
+  // with a positive scale).
+  const float *q = p.q + size_t(row) * heads * D;
+  for (int i = tid; i < kMmaMaxHeads * D / 2; i += kMmaThreads) {
+    const int h = i / (D / 2), column = 2 * (i % (D / 2));
+    const float2 v = h < heads ? *reinterpret_cast<const float2 *>(q + h * D + column)
+                               : make_float2(0.0f, 0.0f);
+    *reinterpret_cast<uint32_t *>(queries +
+                                  wgmma::swizzledOffset(64, h, permutedColumn<D>(column))) =
+        mma::packBf16(v.x, v.y);
+  }
+  const float weightScale = 1.0f / (sqrtf(float(heads)) * sqrtf(float(D)));
+  float weights[16]; // heads 8j + 2t + c at 2j + c
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int h = 8 * j + 2 * t + c;
+      weights[2 * j + c] =
+          h < heads ? p.headWeights[size_t(row) * heads + h] * weightScale : 0.0f;
+    }
+  wgmma::sharedWritesToAsyncProxy();
+  const uint64_t queryDescriptor = wgmma::descriptor(mma::sharedAddress(queries));
+  float *scores = p.scores + size_t(row) * p.maxKeys;
+
+  auto live = [&](int tile) {
+    return tile < tilesPerBlock && firstKey + tile * kTileKeys <= position;
+  };
+  // The tile's keys landed for every thread (and the queries, the first time round); the stage
+  // refilled next was consumed.
+  auto arrive = [&](int tile) {
+    mma::waitAsyncCopies<1>();
+    __syncthreads();
+    issue(tile + 2);
+  };
+  // This lane's run of each of its two keys, widened into the A fragments of every k step.
+  auto widen = [&](int tile, uint32_t (&a)[kSteps][4], float (&keyScale)[2]) {
+    const unsigned char *codes = stages + (tile % kFp8Stages) * fp8StageBytes<D>();
+    const unsigned char *keyScales = codes + kTileKeys * kRow;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = key0 + 8 * r;
+      uint32_t words[kSteps];
+#pragma unroll
+      for (int v = 0; v < kRun / 16; ++v) {
+        const uint4 piece = *reinterpret_cast<const uint4 *>(codes + key * kRow + t * kRun + 16 * v);
+        words[4 * v] = piece.x;
+        words[4 * v + 1] = piece.y;
+        words[4 * v + 2] = piece.z;
+        words[4 * v + 3] = piece.w;
+      }
+      float scale = 1.0f;
+      keyScale[r] = 1.0f; // Fp8PerKey: on the dot product
+      if constexpr (Type == IndexKeyType::Mxfp8)
+        scale = e8m0ToFloat(keyScales[key * (D / kMxBlock) + t * kRun / kMxBlock]);
+      else
+        keyScale[r] = reinterpret_cast<const float *>(keyScales)[key];
+      if (quadConversionExact(scale)) {
+        const __nv_bfloat162 factor = __float2bfloat162_rn(0x1p120f * scale);
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) // fragment registers: row key0 then key0 + 8
+          e4m3QuadToBf16(words[s], factor, a[s][r], a[s][2 + r]);
+      } else {
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+          a[s][r] = e4m3PairToBf16(uint16_t(words[s]), scale);
+          a[s][2 + r] = e4m3PairToBf16(uint16_t(words[s] >> 16), scale);
+        }
+      }
+    }
+  };
+  auto multiply = [&](const uint32_t (&a)[kSteps][4], float (&acc)[32]) {
+    wgmma::fence();
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s)
+      wgmma::mma64x64RegisterA(acc, a[s], queryDescriptor + (s / 4 * 64 * 128 + s % 4 * 32) / 16,
+                               /*accumulate=*/s > 0);
+    wgmma::commit();
+    wgmma::fenceOperands(acc);
+  };
+  // score[key] = sum over heads of w' * ReLU(dot): this lane's 16 heads, then the quad's.
+  auto finish = [&](int tile, float (&acc)[32], const float (&keyScale)[2]) {
+    wgmma::fenceOperands(acc);
+    // Four independent partial sums a key, so the FMAs do not wait on each other.
+    float partial[2][4] = {};
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        partial[e / 2][(j % 2) * 2 + (e & 1)] =
+            fmaf(weights[2 * j + (e & 1)], fmaxf(0.0f, acc[4 * j + e]),
+                 partial[e / 2][(j % 2) * 2 + (e & 1)]);
+    float sums[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      sums[r] = (partial[r][0] + partial[r][1]) + (partial[r][2] + partial[r][3]);
+      sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], 1);
+      sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], 2);
+    }
+    if (t < 2) { // lane t = r of the quad writes key key0 + 8 r
+      const int s = firstKey + tile * kTileKeys + key0 + 8 * t;
+      if (s <= position)
+        scores[s] = t == 0 ? sums[0] * keyScale[0] : sums[1] * keyScale[1];
+    }
+  };
+
+  // One tile in flight a warpgroup: carrying a second tile's fragments and accumulators (to
+  // widen it during the first's MMAs) takes 156 registers, 3 blocks an SM, and measured 22% slower
+  // on the H200 (batch 64 x 128K) than 4 blocks of this form.
+  for (int tile = 0; live(tile); ++tile) {
+    uint32_t a[kSteps][4];
+    float acc[32], keyScale[2];
+    arrive(tile);
+    widen(tile, a, keyScale);
+    multiply(a, acc);
+    wgmma::wait<0>();
+    finish(tile, acc, keyScale);
+  }
+  mma::waitAsyncCopies<0>(); // nothing in flight when the block ends
+}
+
 // Larger float -> larger unsigned key.
 __device__ inline uint32_t orderKey(float value) {
   const uint32_t bits = __float_as_uint(value);
@@ -549,23 +744,23 @@ __device__ inline uint32_t orderKey(float value) {
 
 // ---- Top-k: a radix select spread over many blocks per row.
 //
-// Each position gets a unique selection key: the score's order-preserving bits, then the
-// position complemented in `positionBits` bits, so equal scores rank the lower position higher
-// (ref::topKIndices' rule) and the k-th largest key is a threshold with no ties. Digits of at
-// most 12 bits from the top: a histogram pass over the row's chunks (many blocks, shared-memory
+// The selection key of a position is its score's order-preserving bits. Three digits of 11, 11
+// and 10 bits from the top: a histogram pass over the row's chunks (many blocks, shared-memory
 // histograms flushed into the row's global one), then a one-block pass that finds the digit
-// where the count from the top reaches the keys still wanted. The keys at or above the final
-// prefix are the top k; a last pass writes them.
+// where the count from the top reaches the keys still wanted. The result is the k-th largest key
+// T and how many of the keys equal to T to take (ref::topKIndices' rule: the lowest positions);
+// a count pass gives each chunk its keys above T and at T, and a write pass puts each chunk's
+// keys above T and its share of the ties at its offset in position order.
 constexpr int kHistogramThreads = 256;
 constexpr int kChunkKeys = 2048;  // positions per histogram block
-constexpr int kMaxDigitBits = 12;
+constexpr int kMaxDigitBits = 11;
 constexpr int kSelectThreads = 1024;
 
 struct SelectState {
-  unsigned long long prefix; // the digits chosen so far, in place
-  unsigned long long mask;
-  int remaining;             // keys still to take below the prefix's digits
-  int written;               // output slots handed out by the last pass
+  uint32_t prefix; // the digits chosen so far, in place
+  uint32_t mask;
+  int remaining;   // keys still to take below the prefix's digits; at the end, ties at T taken
+  int unused;
 };
 
 // Exclusive prefix of `value` over the block's threads in thread order, and the block's total
@@ -592,14 +787,10 @@ __device__ inline int blockExclusiveScan(int value, int *warpSums, int &total) {
   return before + inclusive - value;
 }
 
-__device__ inline unsigned long long selectionKey(const float *scores, int i, int positionBits) {
-  const unsigned long long low = ~(unsigned long long)i & ((1ull << positionBits) - 1);
-  return ((unsigned long long)orderKey(scores[i]) << positionBits) | low;
-}
 
 __global__ void __launch_bounds__(kHistogramThreads)
     selectHistogramKernel(IndexerParams p, SelectState *states, uint32_t *histograms, int shift,
-                          int bits, int positionBits) {
+                          int bits) {
   __shared__ uint32_t histogram[1 << kMaxDigitBits];
   const int row = blockIdx.x, n = p.positions[row] + 1;
   const int begin = int(blockIdx.y) * kChunkKeys;
@@ -614,11 +805,11 @@ __global__ void __launch_bounds__(kHistogramThreads)
   constexpr int kInFlight = 8; // loads issued before the first is used
   for (int first = begin + int(threadIdx.x); first < end;
        first += kInFlight * kHistogramThreads) {
-    unsigned long long keys[kInFlight];
+    uint32_t keys[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
       const int i = first + u * kHistogramThreads;
-      keys[u] = i < end ? selectionKey(scores, i, positionBits) : 0ull;
+      keys[u] = i < end ? orderKey(scores[i]) : 0u;
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u)
@@ -669,8 +860,8 @@ __global__ void __launch_bounds__(kSelectThreads)
       above += histogram[bin];
     }
     SelectState &state = states[row];
-    state.prefix |= (unsigned long long)bin << shift;
-    state.mask |= (unsigned long long)(bins - 1) << shift;
+    state.prefix |= uint32_t(bin) << shift;
+    state.mask |= uint32_t(bins - 1) << shift;
     state.remaining = remaining - int(above);
   }
   __syncthreads(); // the histogram is read before it is cleared for the next digit
@@ -678,33 +869,39 @@ __global__ void __launch_bounds__(kSelectThreads)
     histogram[b] = 0;
 }
 
-// Per chunk of a row: how many of its keys are in the top k (every chunk, written or not).
+// Per chunk of a row: its keys above the threshold T and at it (every chunk, written or not).
 __global__ void __launch_bounds__(kHistogramThreads)
-    selectCountKernel(IndexerParams p, SelectState *states, uint32_t *chunkCounts,
-                      int positionBits) {
+    selectCountKernel(IndexerParams p, SelectState *states, uint32_t *chunkCounts) {
   __shared__ int warpSums[kHistogramThreads / 32];
   const int row = blockIdx.x, n = p.positions[row] + 1;
   const int begin = int(blockIdx.y) * kChunkKeys, end = min(n, begin + kChunkKeys);
-  const unsigned long long threshold = states[row].prefix;
+  const uint32_t threshold = states[row].prefix;
   const float *scores = p.scores + size_t(row) * p.maxKeys;
-  int count = 0;
+  int greater = 0, equal = 0;
   if (n > p.topK)
-    for (int i = begin + int(threadIdx.x); i < end; i += kHistogramThreads)
-      count += selectionKey(scores, i, positionBits) >= threshold;
-  int total = 0;
-  blockExclusiveScan(count, warpSums, total);
-  if (threadIdx.x == 0)
-    chunkCounts[size_t(row) * gridDim.y + blockIdx.y] = uint32_t(total);
+    for (int i = begin + int(threadIdx.x); i < end; i += kHistogramThreads) {
+      const uint32_t key = orderKey(scores[i]);
+      greater += key > threshold;
+      equal += key == threshold;
+    }
+  int greaterTotal = 0, equalTotal = 0;
+  blockExclusiveScan(greater, warpSums, greaterTotal);
+  blockExclusiveScan(equal, warpSums, equalTotal);
+  if (threadIdx.x == 0) {
+    uint32_t *counts = chunkCounts + 2 * (size_t(row) * gridDim.y + blockIdx.y);
+    counts[0] = uint32_t(greaterTotal);
+    counts[1] = uint32_t(equalTotal);
+  }
 }
 
-// The top k of each row in ascending position order: a chunk's keys at its offset (the counts of
-// the chunks before it), in order within the chunk (a block scan), so the output is the same
-// every run whatever order the blocks ran in.
+// The top k of each row in ascending position order: a chunk's keys above T and its share of the
+// ties at T (those the lower chunks leave over, lowest positions first) at its offset (from the
+// counts of the chunks before it), in order within the chunk (block scans), so the output is the
+// same every run whatever order the blocks ran in.
 __global__ void __launch_bounds__(kHistogramThreads)
-    selectWriteKernel(IndexerParams p, SelectState *states, const uint32_t *chunkCounts,
-                      int positionBits) {
+    selectWriteKernel(IndexerParams p, SelectState *states, const uint32_t *chunkCounts) {
   __shared__ int warpSums[kHistogramThreads / 32];
-  __shared__ int chunkOffset;
+  __shared__ int chunkOffset, chunkTies;
   constexpr int kRun = kChunkKeys / kHistogramThreads;
   const int row = blockIdx.x, n = p.positions[row] + 1, k = p.topK;
   int32_t *out = p.indices + size_t(row) * k;
@@ -717,21 +914,37 @@ __global__ void __launch_bounds__(kHistogramThreads)
   const int begin = int(blockIdx.y) * kChunkKeys;
   if (begin >= n)
     return;
+  const int remaining = states[row].remaining; // ties at T taken over the whole row
   if (threadIdx.x == 0) {
-    uint32_t offset = 0;
-    for (unsigned c = 0; c < blockIdx.y; ++c)
-      offset += chunkCounts[size_t(row) * gridDim.y + c];
-    chunkOffset = int(offset);
+    int offset = 0, tiesBefore = 0;
+    const uint32_t *counts = chunkCounts + 2 * size_t(row) * gridDim.y;
+    for (unsigned c = 0; c < blockIdx.y; ++c) {
+      const int greater = int(counts[2 * c]), equal = int(counts[2 * c + 1]);
+      offset += greater + min(max(remaining - tiesBefore, 0), equal);
+      tiesBefore += equal;
+    }
+    chunkOffset = offset;
+    chunkTies = max(remaining - tiesBefore, 0); // ties this chunk may still take
   }
-  const unsigned long long threshold = states[row].prefix;
+  const uint32_t threshold = states[row].prefix;
   const float *scores = p.scores + size_t(row) * p.maxKeys;
   const int first = begin + int(threadIdx.x) * kRun, last = min(n, first + kRun);
-  unsigned taken = 0; // bit j: key first + j is in the top k
-  for (int i = first; i < last; ++i)
-    taken |= unsigned(selectionKey(scores, i, positionBits) >= threshold) << (i - first);
+  unsigned greater = 0, equal = 0; // bit j: key first + j above T / at T
+  for (int i = first; i < last; ++i) {
+    const uint32_t key = orderKey(scores[i]);
+    greater |= unsigned(key > threshold) << (i - first);
+    equal |= unsigned(key == threshold) << (i - first);
+  }
   int total = 0;
-  int slot = blockExclusiveScan(__popc(taken), warpSums, total); // also orders chunkOffset
-  slot += chunkOffset;
+  const int equalBefore = blockExclusiveScan(__popc(equal), warpSums, total); // orders chunkTies
+  const int tiesMine = min(max(chunkTies - equalBefore, 0), __popc(equal));
+  // The lowest tiesMine of this thread's ties.
+  unsigned taken = greater;
+  for (unsigned left = equal, i = 0; i < unsigned(tiesMine); ++i) {
+    taken |= left & (0u - left);
+    left &= left - 1;
+  }
+  int slot = chunkOffset + blockExclusiveScan(__popc(taken), warpSums, total);
   for (int i = first; i < last; ++i)
     if (taken >> (i - first) & 1u)
       out[slot++] = i;
@@ -741,35 +954,30 @@ __global__ void __launch_bounds__(kHistogramThreads)
 __global__ void selectResetKernel(SelectState *states, uint32_t *histograms, int rows, int topK) {
   const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < size_t(rows))
-    states[i] = SelectState{0ull, 0ull, topK, 0};
+    states[i] = SelectState{.prefix = 0u, .mask = 0u, .remaining = topK, .unused = 0};
   if (i < size_t(rows) << kMaxDigitBits)
     histograms[i] = 0;
 }
 
-// The select on `stream`: digits from the top of the (32 + positionBits)-bit keys.
+// The select on `stream`: digits from the top of the 32-bit keys.
 int launchSelect(const IndexerParams &p, cudaStream_t stream) {
-  int positionBits = 1;
-  while ((1ll << positionBits) < p.maxKeys)
-    ++positionBits;
   auto *states = static_cast<SelectState *>(p.selectWorkspace);
   auto *histograms = reinterpret_cast<uint32_t *>(static_cast<unsigned char *>(p.selectWorkspace) +
                                                   size_t(p.rows) * sizeof(SelectState));
   selectResetKernel<<<unsigned(((size_t(p.rows) << kMaxDigitBits) + 255) / 256), 256, 0, stream>>>(
       states, histograms, p.rows, p.topK);
   const dim3 chunks(unsigned(p.rows), unsigned((p.maxKeys + kChunkKeys - 1) / kChunkKeys));
-  for (int top = 32 + positionBits; top > 0;) {
+  for (int top = 32; top > 0;) {
     const int bits = std::min(kMaxDigitBits, top), shift = top - bits;
     selectHistogramKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, histograms, shift,
-                                                                    bits, positionBits);
+                                                                    bits);
     selectDigitKernel<<<unsigned(p.rows), kSelectThreads, 0, stream>>>(p, states, histograms,
                                                                        shift, bits);
     top = shift;
   }
   uint32_t *chunkCounts = histograms + (size_t(p.rows) << kMaxDigitBits);
-  selectCountKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, chunkCounts,
-                                                               positionBits);
-  selectWriteKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, chunkCounts,
-                                                               positionBits);
+  selectCountKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, chunkCounts);
+  selectWriteKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, chunkCounts);
   return int(cudaGetLastError());
 }
 
@@ -1027,19 +1235,24 @@ int launchFp8Scores(const IndexerParams &p, cudaStream_t stream) {
                           indexerPageBytes(Type, p.pageTokens, D), setup, stream);
 }
 
-// Key tiles per block at which the FP8 form pays for quantizing the queries in every block (on
-// the H200 it is 3-11% faster at batch 64 x 128K, 128 tiles a block, and 15-25% slower with 16 or
-// fewer; docs/performance.md, 2026-11-30).
-constexpr int kFp8MinTilesPerBlock = 64;
+template <IndexKeyType Type, int D>
+int launchWarpgroupScores(const IndexerParams &p, cudaStream_t stream) {
+  const size_t shared = warpgroupSharedBytes<D>();
+  const DeviceSetup setup = deviceSetup([shared] {
+    return cudaFuncSetAttribute(indexerScoresWarpgroupKernel<Type, D>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  });
+  return launchScoreTiles(indexerScoresWarpgroupKernel<Type, D>, shared, p,
+                          indexerPageBytes(Type, p.pageTokens, D), setup, stream);
+}
 
 template <IndexKeyType Type> int launchMmaScoresOf(const IndexerParams &p, cudaStream_t stream) {
-  const DeviceSetup setup = deviceSetup([] { return cudaSuccess; });
-  if (setup.status != cudaSuccess)
-    return int(setup.status);
-  const bool fp8 = p.scoreKernel == IndexerParams::ScoreKernel::Fp8 ||
-                   (p.scoreKernel == IndexerParams::ScoreKernel::Auto &&
-                    tilesPerBlock(p, setup.multiprocessors) >= kFp8MinTilesPerBlock);
-  if (fp8 && p.mxfp8Queries && p.pageTokens % kTileKeys == 0)
+  using Kind = IndexerParams::ScoreKernel;
+  const bool mxfp8Tiles = p.mxfp8Queries && p.pageTokens % kTileKeys == 0;
+  if (mxfp8Tiles && (p.scoreKernel == Kind::Auto || p.scoreKernel == Kind::Warpgroup))
+    return p.headDim == 128 ? launchWarpgroupScores<Type, 128>(p, stream)
+                            : launchWarpgroupScores<Type, 64>(p, stream);
+  if (p.scoreKernel == Kind::Fp8 && mxfp8Tiles)
     return p.headDim == 128 ? launchFp8Scores<Type, 128>(p, stream)
                             : launchFp8Scores<Type, 64>(p, stream);
   return p.headDim == 128 ? launchMmaScores<Type, 128>(p, stream)
@@ -1059,7 +1272,7 @@ int64_t indexerPageBytes(IndexKeyType type, int32_t pageTokens, int32_t headDim)
 size_t indexerSelectWorkspaceBytes(int32_t rows, int32_t maxKeys) {
   const size_t chunks = maxKeys > 0 ? size_t(maxKeys + kChunkKeys - 1) / kChunkKeys : 0;
   return rows > 0 ? size_t(rows) * (sizeof(SelectState) + (sizeof(uint32_t) << kMaxDigitBits) +
-                                    chunks * sizeof(uint32_t))
+                                    2 * chunks * sizeof(uint32_t)) // above T, at T
                   : 0;
 }
 

@@ -79,7 +79,9 @@ struct IndexerRun {
 IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int dim,
                       const std::vector<float> &q, const std::vector<float> &w,
                       const std::vector<int32_t> &positions, const std::vector<int32_t> &sequences,
-                      int maxKeys, int topK, bool fused = false, bool mxfp8Queries = false) {
+                      int maxKeys, int topK, bool fused = false, bool mxfp8Queries = false,
+                      cuda::IndexerParams::ScoreKernel scoreKernel =
+                          cuda::IndexerParams::ScoreKernel::Auto) {
   const int rows = int(positions.size());
   DeviceBuffer<float> dQ(q), dW(w), dScores{std::vector<float>(size_t(rows) * maxKeys, 0.0f)};
   DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
@@ -93,8 +95,7 @@ IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int 
   p.headDim = dim;
   p.q = dQ.data;
   p.mxfp8Queries = mxfp8Queries;
-  if (mxfp8Queries) // the FP8 tensor-core scores at any size
-    p.scoreKernel = cuda::IndexerParams::ScoreKernel::Fp8;
+  p.scoreKernel = scoreKernel;
   p.headWeights = dW.data;
   p.positions = dPositions.data;
   p.sequences = dSequences.data;
@@ -120,7 +121,9 @@ struct IndexerCase {
   int heads, dim, pageTokens, topK;
   std::vector<int> lengths;
   int prefillRows; // extra rows of the last sequence at earlier positions (causal prefill)
-  bool mxfp8Queries = false; // queries rounded to MXFP8 as the policy leaves them: FP8 MMAs
+  bool mxfp8Queries = false; // queries rounded to MXFP8 as the policy leaves them
+  // Which scores: with mxfp8Queries, Auto is the warpgroup form; Fp8 the E4M3 mma.sync form.
+  cuda::IndexerParams::ScoreKernel scoreKernel = cuda::IndexerParams::ScoreKernel::Auto;
 };
 
 class DsaIndexerCuda : public testing::TestWithParam<IndexerCase> {};
@@ -153,7 +156,8 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
   const std::vector<float> w = random(size_t(rows) * c.heads, rng, 1.0f);
 
   const IndexerRun run = runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences,
-                                    maxKeys, c.topK, /*fused=*/false, c.mxfp8Queries);
+                                    maxKeys, c.topK, /*fused=*/false, c.mxfp8Queries,
+                                    c.scoreKernel);
   const std::vector<float> &scores = run.scores;
   const std::vector<int32_t> &indices = run.indices;
   // The fused form computes the same scores (bf16 MMAs: the FP8 ones may differ in the last bits)
@@ -226,11 +230,17 @@ INSTANTIATE_TEST_SUITE_P(
         // The tiny test model's shape (4 heads x 64), small pages.
         IndexerCase{"tiny_mxfp8", IndexKeyType::Mxfp8, 4, 64, 16, 32, {1, 17, 100, 300}, 5},
         IndexerCase{"tiny_f32_odd_heads", IndexKeyType::F32, 3, 64, 16, 7, {40, 9}, 2},
-        // MXFP8 queries on the FP8 tensor cores (64-token pages): both key formats, both dims,
-        // fewer than 64 heads (idle warps).
-        IndexerCase{"v32_mxfp8_fp8mma", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {1, 2100, 4133}, 3, true},
-        IndexerCase{"v32_fp8_per_key_fp8mma", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2, true},
-        IndexerCase{"tiny_mxfp8_fp8mma", IndexKeyType::Mxfp8, 20, 64, 64, 32, {1, 17, 100, 300}, 5, true}),
+        // MXFP8 queries (64-token pages) on the warpgroup MMAs and on the FP8 mma.sync form:
+        // both key formats, both dims, fewer than 64 heads (zero query rows / idle warps).
+        IndexerCase{"v32_mxfp8_warpgroup", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {1, 2100, 4133}, 3, true},
+        IndexerCase{"v32_fp8_per_key_warpgroup", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2, true},
+        IndexerCase{"tiny_mxfp8_warpgroup", IndexKeyType::Mxfp8, 20, 64, 64, 32, {1, 17, 100, 300}, 5, true},
+        IndexerCase{"v32_mxfp8_fp8mma", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {1, 2100, 4133}, 3, true,
+                    cuda::IndexerParams::ScoreKernel::Fp8},
+        IndexerCase{"v32_fp8_per_key_fp8mma", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2, true,
+                    cuda::IndexerParams::ScoreKernel::Fp8},
+        IndexerCase{"tiny_mxfp8_fp8mma", IndexKeyType::Mxfp8, 20, 64, 64, 32, {1, 17, 100, 300}, 5, true,
+                    cuda::IndexerParams::ScoreKernel::Fp8}),
     [](const testing::TestParamInfo<IndexerCase> &info) { return info.param.name; });
 
 // Every key the same: all scores tie, and the lowest positions win (ref::topKIndices' rule).

@@ -31,13 +31,13 @@ struct IndexerParams {
   int32_t heads = 0;   // 1..kIndexerMaxHeads
   int32_t headDim = 0; // 64 or 128
   const float *q = nullptr;           // [rows, heads, headDim], RoPE'd (as the cpu device's)
-  // The queries are MXFP8-rounded (the policy's indexer Q): with FP8 keys in 64-token pages the
-  // unfused form may then multiply E4M3 codes on the FP8 tensor cores, one MX block per MMA.
+  // The queries are MXFP8-rounded (the policy's indexer Q), so exact in bf16 and in E4M3: with
+  // FP8 keys in 64-token pages the unfused form then takes the warpgroup (or FP8) scores.
   bool mxfp8Queries = false;
-  // Which tensor-core scores the unfused form runs for FP8 keys: Auto picks the FP8 form where
-  // it is faster (large batches of long contexts, mxfp8Queries, 64-token pages); Fp8 asks for
-  // it wherever those two hold.
-  enum class ScoreKernel { Auto, Bf16, Fp8 } scoreKernel = ScoreKernel::Auto;
+  // Which tensor-core scores the unfused form runs for FP8 keys. With mxfp8Queries and 64-token
+  // pages: Warpgroup (keys widened to bf16 in registers, warpgroup MMAs; what Auto picks) or Fp8
+  // (E4M3 mma.sync, one MX block per MMA); otherwise, and for Bf16, the bf16 mma.sync form.
+  enum class ScoreKernel { Auto, Bf16, Fp8, Warpgroup } scoreKernel = ScoreKernel::Auto;
   const float *headWeights = nullptr; // [rows, heads]: weights_proj(x), raw
   const int32_t *positions = nullptr; // [rows]: the row attends to keys 0..position
   const int32_t *sequences = nullptr; // [rows]: the row's block-table row
