@@ -79,6 +79,7 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
     return {fb::KernelParams::AddParams, fb::CreateAddParams(b).Union()};
   case plan::KernelId::kda_chunk_prefill:
   case plan::KernelId::kda_recurrent_decode:
+  case plan::KernelId::kda_context_summary:
     return {fb::KernelParams::KdaParams,
             fb::CreateKdaParams(
                 b, p.i32("num_heads"), p.i32("head_dim"), p.i32("conv_kernel"),
@@ -92,7 +93,8 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
   case plan::KernelId::mla_prefill:
   case plan::KernelId::mla_decode:
   case plan::KernelId::sparse_mla_prefill:
-  case plan::KernelId::sparse_mla_decode: {
+  case plan::KernelId::sparse_mla_decode:
+  case plan::KernelId::mla_cache_rows: {
     auto rope = writeRope(b, p.dict("rope"));
     return {fb::KernelParams::MlaParams,
             fb::CreateMlaParams(b, p.i32("num_heads"), p.i32("q_lora_rank"), p.i32("kv_lora_rank"),
@@ -143,13 +145,32 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
   case plan::KernelId::lm_head:
     return {fb::KernelParams::LmHeadParams, fb::CreateLmHeadParams(b).Union()};
   case plan::KernelId::all_reduce_sum:
+  case plan::KernelId::all_gather_rows: {
+    const fb::CollectiveGroup group = p.text("group") == "expert_parallel"
+                                          ? fb::CollectiveGroup::ExpertParallel
+                                      : p.text("group") == "context_parallel"
+                                          ? fb::CollectiveGroup::ContextParallel
+                                          : fb::CollectiveGroup::TensorParallel;
     return {fb::KernelParams::CollectiveParams,
-            fb::CreateCollectiveParams(b, p.text("group") == "expert_parallel"
-                                              ? fb::CollectiveGroup::ExpertParallel
-                                              : fb::CollectiveGroup::TensorParallel)
-                .Union()};
+            fb::CreateCollectiveParams(b, group, p.i32("tail_rows")).Union()};
+  }
   }
   return {fb::KernelParams::NONE, 0};
+}
+
+FailureOr<fb::ValueRows> valueRows(plan::ValueOp value) {
+  const StringRef rows = value.getRows();
+  if (rows == "step")
+    return fb::ValueRows::Step;
+  if (rows == "context_shard")
+    return fb::ValueRows::ContextShard;
+  if (rows == "context_chunks")
+    return fb::ValueRows::ContextChunks;
+  if (rows == "all_context_chunks")
+    return fb::ValueRows::AllContextChunks;
+  return value.emitOpError() << "rows \"" << rows
+                             << "\" is not step, context_shard, context_chunks or "
+                                "all_context_chunks";
 }
 
 std::vector<int32_t> toVector(ArrayRef<int32_t> values) {
@@ -209,10 +230,13 @@ FailureOr<std::vector<uint8_t>> serializePlan(plan::PlanOp planOp) {
     std::vector<flatbuffers::Offset<fb::Step>> steps;
     for (Operation &op : program.getBodyBlock()) {
       if (auto value = dyn_cast<plan::ValueOp>(op)) {
+        FailureOr<fb::ValueRows> rows = valueRows(value);
+        if (failed(rows))
+          return failure();
         values.push_back(fb::CreateValueDirect(b, toPlanDType(value.getDtype()),
                                                value.getRowElements(),
                                                static_cast<uint64_t>(value.getOffset()),
-                                               value.getName().str().c_str()));
+                                               value.getName().str().c_str(), *rows));
       } else if (auto dispatch = dyn_cast<plan::DispatchOp>(op)) {
         auto [paramsType, params] = writeParams(b, dispatch);
         if (paramsType == fb::KernelParams::NONE)

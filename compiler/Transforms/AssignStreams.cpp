@@ -26,6 +26,7 @@ SmallVector<std::pair<StringRef, int64_t>> sideEffects(plan::DispatchOp dispatch
   case plan::KernelId::sparse_mla_prefill:
   case plan::KernelId::sparse_mla_decode:
   case plan::KernelId::dsa_indexer:
+  case plan::KernelId::kda_context_summary: // reads the state the prefill then replaces
     break;
   default:
     return {};
@@ -70,7 +71,7 @@ void assignProgram(plan::ProgramOp program, int32_t maxStreams) {
 
   // Streams: a step continues the lowest stream whose last step it depends on anyway (no false
   // serialization); work independent of every stream's tail opens a new stream.
-  // Collectives (a sharded plan's all-reduces) go on a stream of their own, after the compute
+  // Collectives (a sharded plan's all-reduces and gathers) go on a stream of their own, after the compute
   // streams, in program order: every rank then issues them in the same order, and compute that
   // does not need a sum can overlap it.
   constexpr int32_t kCollectiveStream = -2;
@@ -78,7 +79,8 @@ void assignProgram(plan::ProgramOp program, int32_t maxStreams) {
   SmallVector<int32_t> streamOf(n, 0);
   bool anyCollective = false;
   for (size_t s = 0; s < n; ++s) {
-    if (steps[s].getKernel() == plan::KernelId::all_reduce_sum) {
+    if (steps[s].getKernel() == plan::KernelId::all_reduce_sum ||
+        steps[s].getKernel() == plan::KernelId::all_gather_rows) {
       streamOf[s] = kCollectiveStream;
       anyCollective = true;
       continue;

@@ -544,7 +544,8 @@ LogicalResult ModelLowering::emitProgram(plan::PlanOp planOp, StringRef name, in
     builder_.create<plan::ValueOp>(loc, TypeAttr::get(value.dtype),
                                    builder_.getI64IntegerAttr(value.rowElements),
                                    builder_.getI64IntegerAttr(-1),
-                                   builder_.getStringAttr(value.name));
+                                   builder_.getStringAttr(value.name),
+                                   builder_.getStringAttr("step"));
   // The residual stream after each layer is the last value the layer writes.
   auto returnOp = cast<ReturnOp>(modelBlock.getTerminator());
   std::map<int32_t, int32_t> layerOutput;

@@ -30,7 +30,7 @@ def LowerToPlan : Pass<"hybrid-lower-to-plan", "mlir::ModuleOp"> {
 }
 
 def Shard : Pass<"hybrid-shard", "mlir::ModuleOp"> {
-  let summary = "Split a plan into one plan per rank for tensor and expert parallelism";
+  let summary = "Split a plan into one plan per rank for tensor, expert and context parallelism";
   let description = [{
     Runs right after --hybrid-lower-to-plan. For a world of tp x cp ranks it replaces each plan
     by one plan per rank (`@<name>_rank<r>`, with `rank`, `world_size` and the layout). Tensor
@@ -41,18 +41,24 @@ def Shard : Pass<"hybrid-shard", "mlir::ModuleOp"> {
     gives every rank the whole (activations stay replicated). With more ranks than heads
     (tp a multiple of H) each head runs on tp / H ranks and only the first adds its part; the
     others drop the layer's dispatches (and what only fed them) and add zeros. Expert parallelism
-    (`ep`, 1 or the world size): rank r holds routed experts [r E / ep, (r + 1) E / ep), the
+    (`ep`, 1 or tp): rank r holds routed experts [r E / ep, (r + 1) E / ep), the
     others' weights are absent, and an `all_reduce_sum` over the expert group combines the
     routed outputs (tokens are replicated, so dispatching them is free). Weights a rank reads
     become its slices (`slice = [axis, begin]`, the packer cuts them from the checkpoint), the
     rest leave its plan, and its archive is laid out again. Heads or intermediate rows that do
-    not split over the ranks are an error naming the layer. Context parallelism (`cp`) is not
-    built into plans yet and is refused.
+    not split over the ranks are an error naming the layer.
+    Context parallelism (`cp`; world rank = context rank x tp + tensor rank): the prefill's
+    values hold this rank's zigzag share of the step (`rows = "context_shard"`: chunks i and
+    2 cp - 1 - i of 2 cp). An `all_gather_rows` over the context group gives each MLA layer the
+    step's cache rows (from `mla_cache_rows`), each DSA indexer the step's keys, each KDA layer
+    every chunk's last conv_kernel - 1 input rows and then every chunk's `kda_context_summary`
+    (the state-passing scan), and the LM head the final hidden rows in position order. Decode is
+    unchanged: every rank ends the prefill holding the whole caches and state.
   }];
   let options = [
     Option<"tp", "tp", "int32_t", /*default=*/"1", "Tensor-parallel ranks">,
-    Option<"ep", "ep", "int32_t", /*default=*/"1", "Expert-parallel ranks (1 or tp x cp)">,
-    Option<"cp", "cp", "int32_t", /*default=*/"1", "Context-parallel ranks (only 1 for now)">
+    Option<"ep", "ep", "int32_t", /*default=*/"1", "Expert-parallel ranks (1 or tp)">,
+    Option<"cp", "cp", "int32_t", /*default=*/"1", "Context-parallel ranks (prefill)">
   ];
 }
 

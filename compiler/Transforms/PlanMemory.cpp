@@ -27,10 +27,14 @@ void planProgram(plan::ProgramOp program) {
   Builder builder(program.getContext());
   SmallVector<plan::ValueOp> values(program.getBodyBlock().getOps<plan::ValueOp>());
   StepOrder order(program);
-  const int64_t rows = program.getMaxTokens();
+  const int64_t tokens = program.getMaxTokens();
+  // Per-chunk values of a context-parallel prefill hold 2 or 2 x context_parallel rows.
+  auto plan = program->getParentOfType<plan::PlanOp>();
+  const int64_t contextParallel = plan ? plan.getContextParallel().value_or(1) : 1;
   auto bytesOf = [&](plan::ValueOp value) {
     int64_t elementBytes = std::max<int64_t>(1, value.getDtype().getIntOrFloatBitWidth() / 8);
-    return alignUp(rows * value.getRowElements() * elementBytes);
+    return alignUp(value.plannedRows(tokens, contextParallel) * value.getRowElements() *
+                   elementBytes);
   };
 
   SmallVector<int64_t> offsets(values.size(), 0);

@@ -1,5 +1,5 @@
-// --hybrid-shard: one plan per rank for tensor and expert parallelism (see Passes.td and
-// docs/parallelism.md).
+// --hybrid-shard: one plan per rank for tensor, expert and context parallelism (see Passes.td
+// and docs/parallelism.md).
 #include "compiler/Transforms/Passes.h"
 
 #include "hybrid/runtime/WeightArchive.h"
@@ -49,17 +49,23 @@ struct PartialOutput {
   StringRef group;
 };
 
+// Ranks are numbered tensor-parallel first (plan.fbs CollectiveGroup): world rank r is tensor
+// rank r % tp of context rank r / tp.
 class RankSharder {
 public:
-  RankSharder(plan::PlanOp planOp, int64_t tp, int64_t ep, int64_t rank)
-      : plan_(planOp), tp_(tp), ep_(ep), rank_(rank), builder_(planOp.getContext()) {}
+  RankSharder(plan::PlanOp planOp, int64_t tp, int64_t ep, int64_t cp, int64_t rank)
+      : plan_(planOp), tp_(tp), ep_(ep), cp_(cp), rank_(rank % tp), builder_(planOp.getContext()) {}
 
   LogicalResult run() {
     Block &body = plan_.getBodyBlock();
     weights_.assign(body.getOps<plan::WeightOp>().begin(), body.getOps<plan::WeightOp>().end());
-    for (plan::ProgramOp program : body.getOps<plan::ProgramOp>())
+    for (plan::ProgramOp program : body.getOps<plan::ProgramOp>()) {
       if (failed(shardProgram(program)))
         return failure();
+      // Context parallelism splits the prompt: only the prefill's tokens are cut among ranks.
+      if (cp_ > 1 && program.getName() == "prefill")
+        shardContext(program);
+    }
     if (failed(resizeStateLayers()))
       return failure();
     return rewriteWeights();
@@ -220,6 +226,11 @@ private:
     SmallVector<plan::DispatchOp> dispatches(program.getBodyBlock().getOps<plan::DispatchOp>());
     for (plan::DispatchOp dispatch : dispatches) {
       LogicalResult result = success();
+      if (dispatch.getKernel() == plan::KernelId::all_reduce_sum ||
+          dispatch.getKernel() == plan::KernelId::all_gather_rows)
+        return dispatch.emitOpError() << "is already a sharded plan's step";
+      if (tp_ == 1 && dispatch.getKernel() != plan::KernelId::moe_experts)
+        continue; // context parallelism alone: every rank keeps every head
       switch (dispatch.getKernel()) {
       case plan::KernelId::mla_prefill:
       case plan::KernelId::mla_decode:
@@ -238,8 +249,6 @@ private:
         if (ep_ > 1)
           result = shardExperts(dispatch);
         break;
-      case plan::KernelId::all_reduce_sum:
-        return dispatch.emitOpError() << "is already a sharded plan's step";
       default:
         break;
       }
@@ -263,7 +272,8 @@ private:
       builder_.setInsertionPointAfter(values.back());
       builder_.create<plan::ValueOp>(source.getLoc(), source.getDtypeAttr(),
                                      source.getRowElementsAttr(), builder_.getI64IntegerAttr(-1),
-                                     builder_.getStringAttr(source.getName() + ".sum"));
+                                     builder_.getStringAttr(source.getName() + ".sum"),
+                                     source.getRowsAttr());
       const int32_t sum = static_cast<int32_t>(values.size());
 
       builder_.setInsertionPointAfter(dispatch);
@@ -345,6 +355,106 @@ private:
         continue;
       orphans.append(writer.getInputs().begin(), writer.getInputs().end());
       writer.erase();
+    }
+  }
+
+  // ---- Context parallelism (docs/parallelism.md): the prefill's every value holds this rank's
+  // zigzag share of the step's tokens, except what an attention needs from every position and
+  // the logits. The gathers are explicit steps over the context_parallel group.
+
+  // A new value after the program's values; returns its index.
+  int32_t addValue(plan::ProgramOp program, Type dtype, int64_t rowElements, StringRef rows,
+                   const Twine &name) {
+    Block &block = program.getBodyBlock();
+    SmallVector<plan::ValueOp> values(block.getOps<plan::ValueOp>());
+    builder_.setInsertionPointAfter(values.back());
+    builder_.create<plan::ValueOp>(
+        values.back().getLoc(), TypeAttr::get(dtype), builder_.getI64IntegerAttr(rowElements),
+        builder_.getI64IntegerAttr(-1), builder_.getStringAttr(name), builder_.getStringAttr(rows));
+    return static_cast<int32_t>(values.size());
+  }
+
+  plan::DispatchOp addDispatch(plan::DispatchOp before, plan::KernelId kernel,
+                               ArrayRef<int32_t> inputs, int32_t output, ArrayRef<int32_t> weights,
+                               DictionaryAttr params) {
+    builder_.setInsertionPoint(before);
+    return builder_.create<plan::DispatchOp>(
+        before.getLoc(), plan::KernelIdAttr::get(builder_.getContext(), kernel),
+        builder_.getDenseI32ArrayAttr(inputs), builder_.getDenseI32ArrayAttr({output}),
+        builder_.getDenseI32ArrayAttr(weights), params, builder_.getI32IntegerAttr(0),
+        builder_.getDenseI32ArrayAttr({}), builder_.getI32IntegerAttr(-1), before.getLayerAttr());
+  }
+
+  // Before `before`: every context rank's rows of `from` into a new value of `rows` rows.
+  int32_t gather(plan::ProgramOp program, plan::DispatchOp before, int32_t from, StringRef rows,
+                 int64_t tailRows, StringRef suffix) {
+    plan::ValueOp source = SmallVector<plan::ValueOp>(
+        program.getBodyBlock().getOps<plan::ValueOp>())[from];
+    const int32_t to = addValue(program, source.getDtype(), source.getRowElements(), rows,
+                                source.getName() + suffix);
+    SmallVector<NamedAttribute> params = {
+        builder_.getNamedAttr("group", builder_.getStringAttr("context_parallel"))};
+    if (tailRows > 0)
+      params.push_back(builder_.getNamedAttr("tail_rows", builder_.getI32IntegerAttr(
+                                                              static_cast<int32_t>(tailRows))));
+    addDispatch(before, plan::KernelId::all_gather_rows, {from}, to, {},
+                builder_.getDictionaryAttr(params));
+    return to;
+  }
+
+  void shardContext(plan::ProgramOp program) {
+    for (plan::ValueOp value : program.getBodyBlock().getOps<plan::ValueOp>())
+      value.setRowsAttr(builder_.getStringAttr("context_shard"));
+    SmallVector<plan::ValueOp> values(program.getBodyBlock().getOps<plan::ValueOp>());
+    values[program.getLogits()].setRowsAttr(builder_.getStringAttr("step"));
+    SmallVector<plan::DispatchOp> dispatches(program.getBodyBlock().getOps<plan::DispatchOp>());
+    for (plan::DispatchOp dispatch : dispatches) {
+      SmallVector<int32_t> inputs(dispatch.getInputs());
+      switch (dispatch.getKernel()) {
+      case plan::KernelId::lm_head: // the order is restored before the logits
+        inputs[0] = gather(program, dispatch, inputs[0], "step", 0, ".gathered");
+        break;
+      case plan::KernelId::dsa_indexer: // scores this rank's queries against every key
+        inputs[1] = gather(program, dispatch, inputs[1], "step", 0, ".gathered");
+        break;
+      case plan::KernelId::mla_prefill:
+      case plan::KernelId::sparse_mla_prefill: {
+        // This rank's tokens' cache rows, gathered: every rank appends the whole step.
+        const int64_t width =
+            intParam(dispatch, "kv_lora_rank") + intParam(dispatch, "qk_rope_head_dim");
+        plan::ValueOp x = values[inputs[0]];
+        const int32_t own = addValue(program, x.getDtype(), width, "context_shard",
+                                     x.getName() + ".cache_rows");
+        ArrayRef<int32_t> w = dispatch.getWeights();
+        addDispatch(dispatch, plan::KernelId::mla_cache_rows, {inputs[0]}, own, {w[2], w[3]},
+                    dispatch.getParams());
+        inputs.push_back(gather(program, dispatch, own, "step", 0, ".gathered"));
+        break;
+      }
+      case plan::KernelId::kda_chunk_prefill: {
+        // The state-passing scan: every chunk's conv history (its last conv_kernel - 1 input
+        // rows), then every chunk's summary, then this rank's outputs.
+        const int64_t history = std::max<int64_t>(1, intParam(dispatch, "conv_kernel") - 1);
+        const int64_t heads = intParam(dispatch, "num_heads"), dim = intParam(dispatch, "head_dim");
+        const int32_t tails = gather(program, dispatch, inputs[0], "step", history, ".conv_tails");
+        const int32_t summaries =
+            addValue(program, builder_.getF32Type(), heads * dim * 2 * dim, "context_chunks",
+                     values[inputs[0]].getName() + ".kda_summaries");
+        plan::DispatchOp summary =
+            addDispatch(dispatch, plan::KernelId::kda_context_summary, {inputs[0], tails},
+                        summaries, dispatch.getWeights(), dispatch.getParams());
+        for (int32_t index : dispatch.getWeights()) // cut the same way as the layer's
+          if (sliceReaders_.contains({dispatch.getOperation(), index}))
+            sliceReaders_.insert({summary.getOperation(), index});
+        const int32_t all = gather(program, dispatch, summaries, "all_context_chunks", 0, ".all");
+        inputs.push_back(tails);
+        inputs.push_back(all);
+        break;
+      }
+      default:
+        continue;
+      }
+      dispatch.setInputsAttr(builder_.getDenseI32ArrayAttr(inputs));
     }
   }
 
@@ -438,7 +548,7 @@ private:
   }
 
   plan::PlanOp plan_;
-  int64_t tp_, ep_, rank_;
+  int64_t tp_, ep_, cp_, rank_; // rank_: the tensor rank
   OpBuilder builder_;
   SmallVector<plan::WeightOp> weights_;
   std::map<int32_t, Slice> slices_;
@@ -459,16 +569,13 @@ struct ShardPass : impl::ShardBase<ShardPass> {
                          << " ep=" << ep << " cp=" << cp << ")";
       return signalPassFailure();
     }
-    if (cp != 1) {
-      module.emitError() << "--hybrid-shard: context parallelism (cp=" << cp
-                         << ") is not built into plans yet; the runtime's zigzag and "
-                         << "sequence-parallel cores are (docs/parallelism.md)";
-      return signalPassFailure();
-    }
     const int64_t world = tp * cp;
-    if (ep != 1 && ep != world) {
-      module.emitError() << "--hybrid-shard: ep=" << ep << " must be 1 or the world size "
-                         << world << " (tp x cp): experts are spread over every rank";
+    // The expert all-reduce needs ranks holding the same tokens: context ranks hold different
+    // ones (spreading experts over them would need the all-to-all dispatch).
+    if (ep != 1 && ep != tp) {
+      module.emitError() << "--hybrid-shard: ep=" << ep << " must be 1 or tp=" << tp
+                         << ": experts are spread over the tensor-parallel ranks, which hold "
+                         << "the same tokens";
       return signalPassFailure();
     }
     if (world == 1)
@@ -490,6 +597,14 @@ struct ShardPass : impl::ShardBase<ShardPass> {
       });
       if (placed.wasInterrupted())
         return signalPassFailure();
+      if (cp > 1)
+        for (plan::ProgramOp program : planOp.getBodyBlock().getOps<plan::ProgramOp>())
+          if (program.getName() == "mtp") {
+            program.emitOpError() << "cp=" << cp << ": context parallelism with a "
+                                  << "multi-token-prediction layer is not built (its program "
+                                  << "reads every prompt row's final hidden state)";
+            return signalPassFailure();
+          }
       OpBuilder builder(planOp);
       for (int64_t rank = 0; rank < world; ++rank) {
         auto copy = cast<plan::PlanOp>(builder.clone(*planOp));
@@ -499,7 +614,7 @@ struct ShardPass : impl::ShardBase<ShardPass> {
         copy.setTensorParallelAttr(builder.getI32IntegerAttr(static_cast<int32_t>(tp)));
         copy.setExpertParallelAttr(builder.getI32IntegerAttr(static_cast<int32_t>(ep)));
         copy.setContextParallelAttr(builder.getI32IntegerAttr(static_cast<int32_t>(cp)));
-        if (failed(RankSharder(copy, tp, ep, rank).run()))
+        if (failed(RankSharder(copy, tp, ep, cp, rank).run()))
           return signalPassFailure();
       }
       planOp.erase();

@@ -39,6 +39,7 @@ ArrayRef<StringRef> requiredParams(plan::KernelId kernel) {
   static const StringRef collective[] = {"group"};
   switch (kernel) {
   case plan::KernelId::all_reduce_sum:
+  case plan::KernelId::all_gather_rows:
     return collective;
   case plan::KernelId::rms_norm:
   case plan::KernelId::add_rms_norm:
@@ -47,11 +48,13 @@ ArrayRef<StringRef> requiredParams(plan::KernelId kernel) {
     return mixNorm;
   case plan::KernelId::kda_chunk_prefill:
   case plan::KernelId::kda_recurrent_decode:
+  case plan::KernelId::kda_context_summary:
     return kda;
   case plan::KernelId::mla_prefill:
   case plan::KernelId::mla_decode:
   case plan::KernelId::sparse_mla_prefill:
   case plan::KernelId::sparse_mla_decode:
+  case plan::KernelId::mla_cache_rows:
     return mla;
   case plan::KernelId::dsa_indexer:
   case plan::KernelId::indexer_query:
@@ -128,6 +131,19 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
     if (!inRange(v))
       return program.emitOpError() << "layer output " << v << " is not a value index";
 
+  // Rows other than the step's only in a context-parallel plan (plan.fbs ValueRows).
+  const bool contextParallel = planOp.getContextParallel().value_or(1) > 1;
+  for (plan::ValueOp value : values) {
+    const StringRef rows = value.getRows();
+    if (rows != "step" && rows != "context_shard" && rows != "context_chunks" &&
+        rows != "all_context_chunks")
+      return value.emitOpError() << "rows \"" << rows << "\" is not step, context_shard, "
+                                 << "context_chunks or all_context_chunks";
+    if (rows != "step" && !contextParallel)
+      return value.emitOpError() << "rows \"" << rows << "\" in a plan without context "
+                                 << "parallelism";
+  }
+
   // Definitions before uses in program order.
   SmallVector<int64_t> definedAt(numValues, -1);
   definedAt[program.getTokenIds()] = 0;
@@ -197,6 +213,19 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
                                               : std::string_view("expert"))
                                       << " has index " << w << " (of " << numWeights << ")";
     }
+    // A gather turns this rank's rows into everyone's: shard -> step, chunks -> all chunks.
+    if (dispatch.getKernel() == plan::KernelId::all_gather_rows) {
+      const StringRef from = values[dispatch.getInputs()[0]].getRows();
+      const StringRef to = values[dispatch.getOutputs()[0]].getRows();
+      if (!((from == "context_shard" && to == "step") ||
+            (from == "context_chunks" && to == "all_context_chunks")))
+        return dispatch.emitOpError() << "all_gather_rows gathers " << from << " rows into "
+                                      << to << " rows (context_shard -> step or "
+                                      << "context_chunks -> all_context_chunks)";
+      auto group = dispatch.getParams().getAs<StringAttr>("group");
+      if (!group || group.getValue() != "context_parallel")
+        return dispatch.emitOpError() << "all_gather_rows runs over the context_parallel group";
+    }
     for (StringRef param : requiredParams(dispatch.getKernel()))
       if (!dispatch.getParams().get(param))
         return dispatch.emitOpError() << signature->name << " needs param '" << param << "'";
@@ -226,7 +255,9 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
   SmallVector<std::pair<int64_t, int64_t>> ranges(numValues);
   for (auto [v, value] : llvm::enumerate(values)) {
     const int64_t offset = static_cast<int64_t>(value.getOffset());
-    const int64_t bytes = static_cast<int64_t>(program.getMaxTokens() * value.getRowElements()) *
+    const int64_t rows =
+        value.plannedRows(program.getMaxTokens(), planOp.getContextParallel().value_or(1));
+    const int64_t bytes = static_cast<int64_t>(rows * value.getRowElements()) *
                           elementBytes(value.getDtype());
     ranges[v] = {offset, offset + bytes};
     if (offset < 0 || ranges[v].second > static_cast<int64_t>(program.getArenaBytes()))

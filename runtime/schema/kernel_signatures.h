@@ -66,17 +66,19 @@ inline constexpr KernelSignature kKernelSignatures[] = {
     {fb::KernelId::Linear, "linear", 1, 2, 1, fb::KernelParams::LinearParams, 1, 0, false,
      {"weight"}, "", 1u << 0},
     {fb::KernelId::Add, "add", 2, 2, 1, fb::KernelParams::AddParams, 0, 0, false, {}, "", 0},
-    {fb::KernelId::KdaChunkPrefill, "kda_chunk_prefill", 1, 1, 1, fb::KernelParams::KdaParams, 16,
+    // Context-parallel prefill: [x, x_tails, summaries] (plan.fbs KdaParams).
+    {fb::KernelId::KdaChunkPrefill, "kda_chunk_prefill", 1, 3, 1, fb::KernelParams::KdaParams, 16,
      kKdaOptionalRoles, false, kKdaRoles, kKdaPrefillFuses, kKdaTiledRoles},
     {fb::KernelId::KdaRecurrentDecode, "kda_recurrent_decode", 1, 1, 1, fb::KernelParams::KdaParams,
      16, kKdaOptionalRoles, false, kKdaRoles, kKdaDecodeFuses, kKdaTiledRoles},
-    {fb::KernelId::MlaPrefill, "mla_prefill", 1, 2, 1, fb::KernelParams::MlaParams, 7,
+    // Context-parallel prefill: the step's gathered cache rows after the other inputs.
+    {fb::KernelId::MlaPrefill, "mla_prefill", 1, 3, 1, fb::KernelParams::MlaParams, 7,
      kMlaOptionalRoles, false, kMlaRoles, kMlaFuses, kMlaTiledRoles},
     {fb::KernelId::MlaDecode, "mla_decode", 1, 2, 1, fb::KernelParams::MlaParams, 7,
      kMlaOptionalRoles, false, kMlaRoles, kMlaFuses, kMlaTiledRoles},
     {fb::KernelId::DsaIndexer, "dsa_indexer", 3, 3, 1, fb::KernelParams::DsaIndexerParams, 0, 0,
      false, {}, "key staging + scores over the paged keys + head weighting + top-k", 0},
-    {fb::KernelId::SparseMlaPrefill, "sparse_mla_prefill", 2, 3, 1, fb::KernelParams::MlaParams,
+    {fb::KernelId::SparseMlaPrefill, "sparse_mla_prefill", 2, 4, 1, fb::KernelParams::MlaParams,
      7, kMlaOptionalRoles, false, kMlaRoles, kSparseMlaFuses, kMlaTiledRoles},
     {fb::KernelId::SparseMlaDecode, "sparse_mla_decode", 2, 3, 1, fb::KernelParams::MlaParams, 7,
      kMlaOptionalRoles, false, kMlaRoles, kSparseMlaFuses, kMlaTiledRoles},
@@ -103,6 +105,16 @@ inline constexpr KernelSignature kKernelSignatures[] = {
     // No input: this rank holds no part of the sum and adds zeros (a replicated head's copy).
     {fb::KernelId::AllReduceSum, "all_reduce_sum", 0, 1, 1, fb::KernelParams::CollectiveParams, 0,
      0, false, {}, "", 0},
+    // Context parallelism (docs/parallelism.md): the gather that restores position order, the KDA
+    // state-passing scan's per-chunk summaries, the attention's cache rows of this rank's tokens.
+    {fb::KernelId::AllGatherRows, "all_gather_rows", 1, 1, 1, fb::KernelParams::CollectiveParams,
+     0, 0, false, {}, "", 0},
+    {fb::KernelId::KdaContextSummary, "kda_context_summary", 2, 2, 1, fb::KernelParams::KdaParams,
+     16, kKdaOptionalRoles, false, kKdaRoles,
+     "projections + short conv + SiLU + L2 norm + gate + beta + chunk transition summary",
+     kKdaTiledRoles},
+    {fb::KernelId::MlaCacheRows, "mla_cache_rows", 1, 1, 1, fb::KernelParams::MlaParams, 2, 0,
+     false, {"kv_a_proj_with_mqa", "kv_a_layernorm"}, "latent projection + norm + rope", 1u << 0},
 };
 
 // nullptr for an id outside the table (a corrupted or newer plan).

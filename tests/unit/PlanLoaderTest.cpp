@@ -828,7 +828,7 @@ TEST(PlanTarget, ShardedPlanNeedsItsWorldAndRank) {
   PlanSpec uneven = sharded;
   uneven.tensorParallel = 3;
   EXPECT_CONTAINS(loadError(uneven), "target: tensor_parallel 3 x context_parallel 1 must equal "
-                                     "world_size 2, and expert_parallel 2 must divide it");
+                                     "world_size 2, and expert_parallel 2 must be 1 or tensor_parallel");
   PlanSpec outside = sharded;
   outside.rank = 2;
   EXPECT_CONTAINS(loadError(outside), "target.rank: 2 is outside the world of 2 ranks");

@@ -26,7 +26,10 @@ def Plan_KernelId : I32EnumAttr<"KernelId", "kernel to dispatch (plan.fbs Kernel
     I32EnumAttrCase<"router_topk", 17>,
     I32EnumAttrCase<"add_rms_norm", 18>,
     I32EnumAttrCase<"attn_res_rms_norm", 19>,
-    I32EnumAttrCase<"all_reduce_sum", 20>
+    I32EnumAttrCase<"all_reduce_sum", 20>,
+    I32EnumAttrCase<"all_gather_rows", 21>,
+    I32EnumAttrCase<"kda_context_summary", 22>,
+    I32EnumAttrCase<"mla_cache_rows", 23>
   ]> {
   let cppNamespace = "::hybrid::plan";
   let genSpecializedAttr = 0;
@@ -154,14 +157,30 @@ def Plan_ValueOp : Plan_Op<"value", [HasParent<"ProgramOp">]> {
   let summary = "an activation slot in the program arena (plan.fbs `Value`)";
   let description = [{
     `rows x row_elements` elements of `dtype`, rows being the step's token count, at byte
-    `offset` of the arena (planned for `max_tokens` rows).
+    `offset` of the arena (planned for `max_tokens` rows). In a context-parallel prefill `rows`
+    (plan.fbs `ValueRows`) may say otherwise: "context_shard" (this rank's tokens),
+    "context_chunks" (one per chunk it holds: 2) or "all_context_chunks" (2 x context_parallel);
+    absent: "step".
 
     ```mlir
     plan.value f32 x 256 {offset = 4096 : i64, name = "model.layers.0.self_attn"}
+    plan.value f32 x 256 {offset = -1 : i64, name = "model.layers.0.mlp", rows = "context_shard"}
     ```
   }];
-  let arguments = (ins TypeAttr:$dtype, I64Attr:$row_elements, I64Attr:$offset, StrAttr:$name);
+  let arguments = (ins TypeAttr:$dtype, I64Attr:$row_elements, I64Attr:$offset, StrAttr:$name,
+                       DefaultValuedAttr<StrAttr, "\"step\"">:$rows);
   let assemblyFormat = "$dtype `x` $row_elements attr-dict";
+  let extraClassDeclaration = [{
+    // Rows the arena holds for this value: a chunk count for per-chunk values, else the
+    // program's max_tokens.
+    int64_t plannedRows(int64_t maxTokens, int64_t contextParallel) {
+      if (getRows() == "context_chunks")
+        return 2;
+      if (getRows() == "all_context_chunks")
+        return 2 * contextParallel;
+      return maxTokens;
+    }
+  }];
 }
 
 def Plan_DispatchOp : Plan_Op<"dispatch", [HasParent<"ProgramOp">]> {

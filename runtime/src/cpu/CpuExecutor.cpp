@@ -8,6 +8,7 @@
 #include "hybrid/kernels/ref/Moe.h"
 #include "hybrid/kernels/ref/Norm.h"
 #include "hybrid/kernels/ref/Quant.h"
+#include "hybrid/runtime/ContextParallel.h" // zigzagPositions
 #include "hybrid/runtime/WeightArchive.h"
 #include "runtime/schema/kernel_signatures.h"
 
@@ -27,6 +28,29 @@ std::string kernelName(fb::KernelId kernel) {
   return signature ? std::string(signature->name) : "kernel " + std::to_string(int(kernel));
 }
 
+// Rows of a value in this step (plan.fbs ValueRows): all the step's outside a context-parallel
+// prefill.
+int64_t rowsOf(const StepContext &context, const fb::Value &value) {
+  if (!context.contextShard)
+    return context.rows;
+  const ContextShard &shard = *context.contextShard;
+  switch (value.rows()) {
+  case fb::ValueRows::ContextShard:
+    return static_cast<int64_t>(shard.rows.size());
+  case fb::ValueRows::ContextChunks:
+    return 2;
+  case fb::ValueRows::AllContextChunks:
+    return 2 * int64_t(shard.size);
+  default:
+    return shard.stepRows;
+  }
+}
+
+// The step's rows (every context rank's) that attention layers append to their caches.
+int64_t stepRows(const StepContext &context) {
+  return context.contextShard ? context.contextShard->stepRows : context.rows;
+}
+
 template <typename T>
 StatusOr<std::span<T>> valueAs(const StepContext &context, int32_t index, fb::DType dtype) {
   const auto *values = context.program->values();
@@ -39,7 +63,8 @@ StatusOr<std::span<T>> valueAs(const StepContext &context, int32_t index, fb::DT
                          ") has dtype " + fb::EnumNameDType(value->dtype()) + ", expected " +
                          fb::EnumNameDType(dtype));
   return context.arena->viewAs<T>(value->arena_offset(),
-                                  static_cast<uint64_t>(context.rows * value->row_elements()));
+                                  static_cast<uint64_t>(rowsOf(context, *value) *
+                                                        value->row_elements()));
 }
 
 int64_t rowElements(const StepContext &context, int32_t index) {
@@ -100,10 +125,12 @@ std::vector<float> project(std::span<const float> x, GemmWeight weight, int64_t 
   return y;
 }
 
+// Positions in the sequence of the dispatch's rows.
 std::vector<int64_t> positions(const StepContext &context) {
   std::vector<int64_t> result(context.rows);
   for (int64_t t = 0; t < context.rows; ++t)
-    result[t] = context.firstPosition + t;
+    result[t] = context.firstPosition +
+                (context.rowOffsets.empty() ? t : context.rowOffsets[size_t(t)]);
   return result;
 }
 
@@ -157,7 +184,7 @@ Status roundTripFp8KvRow(std::span<float> latent, std::span<float> rope, int64_t
 std::span<float> staging(const StepContext &context, int32_t kvSlot) {
   const KvLayerShape &shape = context.kvCache->layerShape(kvSlot);
   std::vector<float> &rows = (*context.kvStaging)[kvSlot];
-  rows.assign(static_cast<size_t>(context.rows * shape.rowElements()), 0.0f);
+  rows.assign(static_cast<size_t>(stepRows(context) * shape.rowElements()), 0.0f);
   return rows;
 }
 
@@ -173,7 +200,8 @@ StatusOr<std::vector<float>> pastAndCurrent(const StepContext &context, int32_t 
   const int64_t width = part == KvPart::Latent ? shape.latentDim
                         : part == KvPart::Rope ? shape.ropeDim
                                                : shape.indexKeyDim;
-  std::vector<float> out(static_cast<size_t>((past + context.rows) * width));
+  const int64_t current = static_cast<int64_t>(staged.size()) / shape.rowElements();
+  std::vector<float> out(static_cast<size_t>((past + current) * width));
   if (past > 0) {
     HYBRID_ASSIGN_OR_RETURN(KvSequenceView view,
                             context.kvCache->view(kvSlot, context.kvSequence, past));
@@ -183,7 +211,7 @@ StatusOr<std::vector<float>> pastAndCurrent(const StepContext &context, int32_t 
                                            : view.gatherIndexKeys(head);
     HYBRID_RETURN_IF_ERROR(status);
   }
-  for (int64_t t = 0; t < context.rows; ++t)
+  for (int64_t t = 0; t < current; ++t)
     std::copy_n(staged.data() + t * shape.rowElements() + begin, width,
                 out.data() + (past + t) * width);
   return out;
@@ -198,75 +226,64 @@ Status runEmbed(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
   for (int64_t t = 0; t < c.rows; ++t) {
     if (ids[t] < 0 || ids[t] >= vocab)
       return Status::error("token id " + std::to_string(ids[t]) + " at position " +
-                           std::to_string(c.firstPosition + t) + " is outside the vocabulary [0, " +
+                           std::to_string(positions(c)[size_t(t)]) +
+                           " is outside the vocabulary [0, " +
                            std::to_string(vocab) + ")");
     std::copy_n(w[0].data() + ids[t] * width, width, out.data() + t * width);
   }
   return Status::ok();
 }
 
-Status runKda(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
-  const fb::KdaParams *p = d.params_as_KdaParams();
-  if (p->state_layout() != fb::StateLayout::KMajor)
-    return Status::error("the cpu device keeps KDA state K-major; this plan asks for V-major");
-  HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
-  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
-  const int64_t T = c.rows, dModel = rowElements(c, d.inputs()->Get(0));
-  const int64_t H = p->num_heads(), K = p->head_dim(), P = H * K, W = p->conv_kernel();
-  enum Role { Q, Kp, V, QConv, KConv, VConv, FA, FB, ALog, DtBias, B, GA, GB, G, ONorm, O };
+enum KdaRole { Q, Kp, V, QConv, KConv, VConv, FA, FB, ALog, DtBias, B, GA, GB, G, ONorm, O };
 
-  // The slot's conv state holds the q, k and v histories one after another, [W - 1, P] each.
-  HYBRID_ASSIGN_OR_RETURN(std::span<float> convState, c.states->convState(p->state_slot(),
-                                                                          c.stateSlot));
-  HYBRID_ASSIGN_OR_RETURN(std::span<float> state, c.states->state(p->state_slot(), c.stateSlot));
-  const size_t history = static_cast<size_t>((W - 1) * P);
-  std::vector<float> q(T * P), k(T * P), v(T * P);
-  const std::vector<float> preQ = project(x, w.gemm(Q), T, dModel, P);
-  const std::vector<float> preK = project(x, w.gemm(Kp), T, dModel, P);
-  const std::vector<float> preV = project(x, w.gemm(V), T, dModel, P);
-  ref::shortConvSilu(preQ, w[QConv], convState.subspan(0, history), q, T, P, W);
-  ref::shortConvSilu(preK, w[KConv], convState.subspan(history, history), k, T, P, W);
-  ref::shortConvSilu(preV, w[VConv], convState.subspan(2 * history, history), v, T, P, W);
-  ref::l2NormalizeRows(q, T * H, K);
-  ref::l2NormalizeRows(k, T * H, K);
+// What the delta rule reads for T rows of x (the prolog every KDA kernel shares): the q, k, v
+// projections before the conv, q, k, v after it (SiLU, q and k L2-normalized), the gate g and
+// beta. `history` [3][W - 1, P] holds each projection's inputs of the W - 1 tokens before the rows
+// and is replaced by those after them.
+struct KdaProlog {
+  std::vector<float> preQ, preK, preV, q, k, v, g, beta;
+};
+
+KdaProlog kdaProlog(const fb::KdaParams *p, const Weights &w, std::span<const float> x, int64_t T,
+                    int64_t dModel, std::span<float> history) {
+  const int64_t H = p->num_heads(), K = p->head_dim(), P = H * K, W = p->conv_kernel();
+  const size_t span = static_cast<size_t>((W - 1) * P);
+  KdaProlog r;
+  r.q.resize(T * P);
+  r.k.resize(T * P);
+  r.v.resize(T * P);
+  r.preQ = project(x, w.gemm(Q), T, dModel, P);
+  r.preK = project(x, w.gemm(Kp), T, dModel, P);
+  r.preV = project(x, w.gemm(V), T, dModel, P);
+  ref::shortConvSilu(r.preQ, w[QConv], history.subspan(0, span), r.q, T, P, W);
+  ref::shortConvSilu(r.preK, w[KConv], history.subspan(span, span), r.k, T, P, W);
+  ref::shortConvSilu(r.preV, w[VConv], history.subspan(2 * span, span), r.v, T, P, W);
+  ref::l2NormalizeRows(r.q, T * H, K);
+  ref::l2NormalizeRows(r.k, T * H, K);
 
   const int64_t gateRank = w.gemm(FA).layout->rows;
   std::vector<float> f =
       project(project(x, w.gemm(FA), T, dModel, gateRank), w.gemm(FB), T, gateRank, P);
-  std::vector<float> g(T * P);
+  r.g.resize(T * P);
   std::optional<float> lowerBound;
   if (p->gate() == fb::KdaGate::LowerBound)
     lowerBound = p->gate_lower_bound();
-  ref::kdaGate(f, w[ALog], w[DtBias], g, T, H, K, lowerBound);
-  std::vector<float> beta = project(x, w.gemm(B), T, dModel, H);
-  ref::kdaBeta(beta);
+  ref::kdaGate(f, w[ALog], w[DtBias], r.g, T, H, K, lowerBound);
+  r.beta = project(x, w.gemm(B), T, dModel, H);
+  ref::kdaBeta(r.beta);
+  return r;
+}
 
-  if (c.kdaLog) {
-    KdaReplayLog::Layer layer;
-    layer.stateSlot = p->state_slot();
-    layer.heads = H;
-    layer.headDim = K;
-    layer.convKernel = W;
-    layer.preConv = preQ;
-    layer.preConv.insert(layer.preConv.end(), preK.begin(), preK.end());
-    layer.preConv.insert(layer.preConv.end(), preV.begin(), preV.end());
-    layer.q = q;
-    layer.k = k;
-    layer.v = v;
-    layer.g = g;
-    layer.beta = beta;
-    c.kdaLog->rows = T;
-    c.kdaLog->layers.push_back(std::move(layer));
-  }
+ref::KdaParams kdaCore(const fb::KdaParams *p, int64_t T, KdaProlog &in, float *state, float *o) {
+  const int64_t H = p->num_heads(), K = p->head_dim();
+  return ref::KdaParams{T, H, K, K, 0.0f, in.q.data(), in.k.data(), in.v.data(),
+                        in.g.data(), in.beta.data(), state, o};
+}
 
-  std::vector<float> o(T * P);
-  ref::KdaParams core{T, H, K, K, 0.0f, q.data(), k.data(), v.data(), g.data(), beta.data(),
-                      state.data(), o.data()};
-  if (d.kernel() == fb::KernelId::KdaRecurrentDecode)
-    ref::kdaRecurrent(core);
-  else
-    ref::kdaChunked(core, 64);
-
+// The delta rule's output o [T, P] through the gated RMSNorm and the output projection.
+void kdaEpilog(const fb::KdaParams *p, const Weights &w, std::span<const float> x, int64_t T,
+               int64_t dModel, std::vector<float> &o, std::span<float> out) {
+  const int64_t P = p->num_heads() * p->head_dim();
   std::vector<float> gate;
   if (w.has(G)) {
     gate = project(x, w.gemm(G), T, dModel, P);
@@ -274,8 +291,200 @@ Status runKda(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
     const int64_t outRank = w.gemm(GA).layout->rows;
     gate = project(project(x, w.gemm(GA), T, dModel, outRank), w.gemm(GB), T, outRank, P);
   }
-  ref::gatedRmsNorm(o, gate, w[ONorm], o, T * H, K, p->norm_epsilon());
+  ref::gatedRmsNorm(o, gate, w[ONorm], o, T * p->num_heads(), p->head_dim(), p->norm_epsilon());
   linear(o, w.gemm(O), out, T, P, dModel);
+}
+
+// ---- Context-parallel KDA prefill: the state-passing scan over the step's 2N chunks.
+
+// Each projection's inputs of the W - 1 tokens before step row `begin` ([3][W - 1, P], oldest
+// first): rows of the step from the gathered chunk tails (`tails`: Step rows, every chunk's last
+// W - 1 rows filled), earlier ones from the conv state before the step.
+std::vector<float> kdaHistoryBefore(const fb::KdaParams *p, const Weights &w,
+                                    std::span<const float> tails, int64_t dModel, int64_t begin,
+                                    std::span<const float> convBefore) {
+  const int64_t P = p->num_heads() * p->head_dim(), n = p->conv_kernel() - 1;
+  std::vector<float> history(static_cast<size_t>(3 * n * P));
+  if (n == 0)
+    return history;
+  std::vector<float> rows(static_cast<size_t>(n * dModel), 0.0f);
+  for (int64_t j = 0; j < n; ++j)
+    if (const int64_t position = begin - n + j; position >= 0)
+      std::copy_n(tails.data() + position * dModel, dModel, rows.data() + j * dModel);
+  for (int projection = 0; projection < 3; ++projection) {
+    const std::vector<float> pre =
+        project(rows, w.gemm(projection == 0 ? Q : projection == 1 ? Kp : V), n, dModel, P);
+    float *to = history.data() + projection * n * P;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t position = begin - n + j;
+      const float *from = position >= 0 ? pre.data() + j * P
+                                        : convBefore.data() + projection * n * P + (n + position) * P;
+      std::copy_n(from, P, to + j * P);
+    }
+  }
+  return history;
+}
+
+struct KdaContextInputs {
+  std::span<float> x;     // this rank's rows
+  std::span<float> tails; // Step rows: every chunk's last W - 1 rows
+  int64_t dModel = 0;
+};
+
+StatusOr<KdaContextInputs> kdaContextInputs(const StepContext &c, const fb::Dispatch &d) {
+  if (!c.contextShard)
+    return Status::error("a context-parallel KDA step outside a context-parallel prefill");
+  KdaContextInputs in;
+  HYBRID_ASSIGN_OR_RETURN(in.x, floatValue(c, d.inputs()->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(in.tails, floatValue(c, d.inputs()->Get(1)));
+  in.dModel = rowElements(c, d.inputs()->Get(0));
+  if (rowElements(c, d.inputs()->Get(1)) != in.dModel ||
+      static_cast<int64_t>(in.tails.size()) != c.contextShard->stepRows * in.dModel ||
+      static_cast<int64_t>(in.x.size()) !=
+          static_cast<int64_t>(c.contextShard->rows.size()) * in.dModel)
+    return Status::error("inputs 0 and 1 must hold this rank's rows and the step's rows of " +
+                         std::to_string(in.dModel) + " values");
+  return in;
+}
+
+// This rank's chunks: [chunk, first row in its x, rows], in position order.
+struct OwnChunk {
+  int64_t chunk = 0, offset = 0, rows = 0;
+};
+std::vector<OwnChunk> ownChunks(const ContextShard &s) {
+  std::vector<OwnChunk> chunks;
+  int64_t offset = 0;
+  for (int64_t chunk : {int64_t(s.rank), 2 * int64_t(s.size) - 1 - s.rank}) {
+    const int64_t rows = s.chunkBegin(chunk + 1) - s.chunkBegin(chunk);
+    chunks.push_back({chunk, offset, rows});
+    offset += rows;
+  }
+  return chunks;
+}
+
+// Per chunk this rank holds: the summary (M [H, K, K], B [H, K, V]) of its tokens alone, from
+// the conv history the chunk really starts from.
+Status runKdaContextSummary(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  const fb::KdaParams *p = d.params_as_KdaParams();
+  HYBRID_ASSIGN_OR_RETURN(KdaContextInputs in, kdaContextInputs(c, d));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> summaries, floatValue(c, d.outputs()->Get(0)));
+  const int64_t H = p->num_heads(), K = p->head_dim(), transition = H * K * K;
+  if (rowElements(c, d.outputs()->Get(0)) != transition + H * K * K)
+    return Status::error("output value " + std::to_string(d.outputs()->Get(0)) + " holds " +
+                         std::to_string(rowElements(c, d.outputs()->Get(0))) +
+                         " values per chunk, a summary is " + std::to_string(2 * transition));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> convState, c.states->convState(p->state_slot(),
+                                                                          c.stateSlot));
+  const std::vector<OwnChunk> chunks = ownChunks(*c.contextShard);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const OwnChunk &chunk = chunks[i];
+    float *row = summaries.data() + i * 2 * transition;
+    std::vector<float> history =
+        kdaHistoryBefore(p, w, in.tails, in.dModel, c.contextShard->chunkBegin(chunk.chunk),
+                         convState);
+    KdaProlog prolog = kdaProlog(p, w, in.x.subspan(chunk.offset * in.dModel, chunk.rows * in.dModel),
+                                 chunk.rows, in.dModel, history);
+    ref::kdaSegmentSummary(kdaCore(p, chunk.rows, prolog, nullptr, nullptr), row,
+                           row + transition);
+  }
+  return Status::ok();
+}
+
+// This rank's outputs: each chunk from the state composed of the summaries before it; then the
+// state after the step (all summaries) and its conv history, the same on every rank.
+Status runKdaContext(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  const fb::KdaParams *p = d.params_as_KdaParams();
+  HYBRID_ASSIGN_OR_RETURN(KdaContextInputs in, kdaContextInputs(c, d));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> summaries, floatValue(c, d.inputs()->Get(2)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  const ContextShard &s = *c.contextShard;
+  const int64_t H = p->num_heads(), K = p->head_dim(), P = H * K, transition = H * K * K;
+  if (rowElements(c, d.inputs()->Get(2)) != 2 * transition)
+    return Status::error("input 2 holds " + std::to_string(rowElements(c, d.inputs()->Get(2))) +
+                         " values per chunk, a summary is " + std::to_string(2 * transition));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> convState, c.states->convState(p->state_slot(),
+                                                                          c.stateSlot));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> state, c.states->state(p->state_slot(), c.stateSlot));
+  const std::vector<float> convBefore(convState.begin(), convState.end());
+  // before[k]: the state before chunk k, composed in chunk order from the state before the step.
+  const int64_t chunks = 2 * int64_t(s.size);
+  std::vector<std::vector<float>> before(size_t(chunks + 1));
+  before[0].assign(state.begin(), state.end());
+  for (int64_t k = 0; k < chunks; ++k) {
+    before[size_t(k + 1)].resize(state.size());
+    const float *summary = summaries.data() + k * 2 * transition;
+    ref::kdaApplySummary(H, K, K, summary, summary + transition, before[size_t(k)].data(),
+                         before[size_t(k + 1)].data());
+  }
+  for (const OwnChunk &chunk : ownChunks(s)) {
+    if (chunk.rows == 0)
+      continue;
+    std::vector<float> history =
+        kdaHistoryBefore(p, w, in.tails, in.dModel, s.chunkBegin(chunk.chunk), convBefore);
+    std::span<const float> x = in.x.subspan(chunk.offset * in.dModel, chunk.rows * in.dModel);
+    KdaProlog prolog = kdaProlog(p, w, x, chunk.rows, in.dModel, history);
+    std::vector<float> chunkState = before[size_t(chunk.chunk)], o(chunk.rows * P);
+    ref::kdaChunked(kdaCore(p, chunk.rows, prolog, chunkState.data(), o.data()), 64);
+    kdaEpilog(p, w, x, chunk.rows, in.dModel, o,
+              out.subspan(chunk.offset * in.dModel, chunk.rows * in.dModel));
+  }
+  std::copy(before.back().begin(), before.back().end(), state.begin());
+  const std::vector<float> after =
+      kdaHistoryBefore(p, w, in.tails, in.dModel, s.stepRows, convBefore);
+  std::copy(after.begin(), after.end(), convState.begin());
+  return Status::ok();
+}
+
+Status runKda(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  const fb::KdaParams *p = d.params_as_KdaParams();
+  if (p->state_layout() != fb::StateLayout::KMajor)
+    return Status::error("the cpu device keeps KDA state K-major; this plan asks for V-major");
+  if (d.kernel() == fb::KernelId::KdaContextSummary)
+    return runKdaContextSummary(c, d, w);
+  if (d.inputs()->size() == 3) {
+    if (c.kdaLog)
+      return Status::error("a context-parallel prefill does not log KDA inputs for replay");
+    return runKdaContext(c, d, w);
+  }
+  if (d.inputs()->size() != 1)
+    return Status::error("takes [x] or, in a context-parallel prefill, [x, x_tails, summaries]; "
+                         "the plan gives " + std::to_string(d.inputs()->size()) + " inputs");
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  const int64_t T = c.rows, dModel = rowElements(c, d.inputs()->Get(0));
+  const int64_t H = p->num_heads(), K = p->head_dim(), P = H * K, W = p->conv_kernel();
+
+  // The slot's conv state holds the q, k and v histories one after another, [W - 1, P] each.
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> convState, c.states->convState(p->state_slot(),
+                                                                          c.stateSlot));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> state, c.states->state(p->state_slot(), c.stateSlot));
+  KdaProlog in = kdaProlog(p, w, x, T, dModel, convState);
+
+  if (c.kdaLog) {
+    KdaReplayLog::Layer layer;
+    layer.stateSlot = p->state_slot();
+    layer.heads = H;
+    layer.headDim = K;
+    layer.convKernel = W;
+    layer.preConv = in.preQ;
+    layer.preConv.insert(layer.preConv.end(), in.preK.begin(), in.preK.end());
+    layer.preConv.insert(layer.preConv.end(), in.preV.begin(), in.preV.end());
+    layer.q = in.q;
+    layer.k = in.k;
+    layer.v = in.v;
+    layer.g = in.g;
+    layer.beta = in.beta;
+    c.kdaLog->rows = T;
+    c.kdaLog->layers.push_back(std::move(layer));
+  }
+
+  std::vector<float> o(T * P);
+  const ref::KdaParams core = kdaCore(p, T, in, state.data(), o.data());
+  if (d.kernel() == fb::KernelId::KdaRecurrentDecode)
+    ref::kdaRecurrent(core);
+  else
+    ref::kdaChunked(core, 64);
+  kdaEpilog(p, w, x, T, dModel, o, out);
   return Status::ok();
 }
 
@@ -289,10 +498,10 @@ Status runIndexerQuery(const StepContext &c, const fb::Dispatch &d, const Weight
   linear(latent, w.gemm(0), query, T, rq, Hi * Di);
   const std::vector<float> frequencies = ropeFrequencies(p->rope(), dr);
   const ref::RopeLayout layout = ropeLayout(p->rope());
+  const std::vector<int64_t> pos = positions(c);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < Hi; ++j)
-      ref::applyRope({query.data() + (t * Hi + j) * Di, size_t(dr)}, c.firstPosition + t,
-                     frequencies, layout);
+      ref::applyRope({query.data() + (t * Hi + j) * Di, size_t(dr)}, pos[t], frequencies, layout);
   if (p->quantize() == fb::ActivationQuant::Mxfp8) // per head row
     return roundTripMxfp8(query, T * Hi, Di);
   return Status::ok();
@@ -307,9 +516,9 @@ Status runIndexerKey(const StepContext &c, const fb::Dispatch &d, const Weights 
   linear(x, w.gemm(0), key, T, rowElements(c, d.inputs()->Get(0)), Di);
   ref::layerNorm(key, w[1], w[2], key, T, Di, p->norm_epsilon());
   const std::vector<float> frequencies = ropeFrequencies(p->rope(), dr);
+  const std::vector<int64_t> pos = positions(c);
   for (int64_t t = 0; t < T; ++t)
-    ref::applyRope({key.data() + t * Di, size_t(dr)}, c.firstPosition + t, frequencies,
-                   ropeLayout(p->rope()));
+    ref::applyRope({key.data() + t * Di, size_t(dr)}, pos[t], frequencies, ropeLayout(p->rope()));
   if (p->quantize() == fb::ActivationQuant::Mxfp8)
     return roundTripMxfp8(key, T, Di);
   return Status::ok();
@@ -330,8 +539,10 @@ Status runDsaIndexer(const StepContext &c, const fb::Dispatch &d) {
     return Status::error("KV slot " + std::to_string(p->kv_slot()) + " stores index keys of " +
                          std::to_string(shape.indexKeyDim) + " values, the indexer makes " +
                          std::to_string(Di));
+  // The step's keys: this rank's queries' and, under context parallelism, every rank's
+  // (gathered); all of them join the cache.
   std::span<float> staged = staging(c, p->kv_slot());
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < stepRows(c); ++t)
     std::copy_n(keys.data() + t * Di, Di,
                 staged.data() + t * shape.rowElements() + shape.latentDim + shape.ropeDim);
   HYBRID_ASSIGN_OR_RETURN(std::vector<float> allKeys,
@@ -341,7 +552,59 @@ Status runDsaIndexer(const StepContext &c, const fb::Dispatch &d) {
   std::vector<float> scores(static_cast<size_t>(T * numKeys));
   ref::indexerScores({T, numKeys, Hi, Di, queries.data(), allKeys.data(), headWeights.data(),
                       pos.data(), scores.data()});
+  if (c.indexerPairs) { // the causal pairs: a query at position p scores keys 0..p
+    uint64_t pairs = 0;
+    for (int64_t position : pos)
+      pairs += static_cast<uint64_t>(position + 1);
+    c.indexerPairs->fetch_add(pairs, std::memory_order_relaxed);
+  }
   ref::topKIndices(scores, T, numKeys, p->top_k(), indices);
+  return Status::ok();
+}
+
+enum MlaRole { QProj, QBProj, KvA, KvALayerNorm, KvB, GateProj, OProj };
+
+// The latent-cache rows of the dispatch's tokens: c = RMSNorm(kv_a latent part), then k_r rotated
+// at the token's position (raw for NoPE), as the cache will hold them (FP8 round trip).
+StatusOr<std::vector<float>> mlaCacheRows(const StepContext &c, const fb::MlaParams *p,
+                                          std::span<const float> x, int64_t dModel,
+                                          GemmWeight kvA, std::span<const float> latentNorm) {
+  const int64_t T = c.rows, rkv = p->kv_lora_rank(), dr = p->qk_rope_head_dim();
+  std::vector<float> rows = project(x, kvA, T, dModel, rkv + dr);
+  const std::vector<float> frequencies = ropeFrequencies(p->rope(), dr);
+  const ref::RopeLayout layout = ropeLayout(p->rope());
+  const std::vector<int64_t> pos = positions(c);
+  const fb::KvCacheLayer *quant =
+      c.cacheSpec && c.cacheSpec->kv() && p->kv_slot() < int32_t(c.cacheSpec->kv()->size())
+          ? c.cacheSpec->kv()->Get(p->kv_slot())
+          : nullptr;
+  for (int64_t t = 0; t < T; ++t) {
+    float *row = rows.data() + t * (rkv + dr);
+    ref::rmsNorm({row, size_t(rkv)}, latentNorm, {row, size_t(rkv)}, 1, rkv,
+                 p->latent_norm_epsilon());
+    ref::applyRope({row + rkv, size_t(dr)}, pos[t], frequencies, layout);
+    if (quant && quant->quant() == fb::KvQuant::Fp8Tiles) // what the cache will hold
+      HYBRID_RETURN_IF_ERROR(roundTripFp8KvRow({row, size_t(rkv)}, {row + rkv, size_t(dr)},
+                                               quant->quant_tile()));
+  }
+  return rows;
+}
+
+// A context-parallel prefill's first step of an attention layer: its tokens' cache rows, which
+// an all-gather then hands every rank.
+Status runMlaCacheRows(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  const fb::MlaParams *p = d.params_as_MlaParams();
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  if (rowElements(c, d.outputs()->Get(0)) != p->kv_lora_rank() + p->qk_rope_head_dim())
+    return Status::error("output value " + std::to_string(d.outputs()->Get(0)) + " holds " +
+                         std::to_string(rowElements(c, d.outputs()->Get(0))) +
+                         " values per row, the cache rows are " +
+                         std::to_string(p->kv_lora_rank() + p->qk_rope_head_dim()));
+  HYBRID_ASSIGN_OR_RETURN(std::vector<float> rows,
+                          mlaCacheRows(c, p, x, rowElements(c, d.inputs()->Get(0)), w.gemm(0),
+                                       w[1]));
+  std::copy(rows.begin(), rows.end(), out.begin());
   return Status::ok();
 }
 
@@ -352,7 +615,6 @@ Status runMla(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
   const auto *inputs = d.inputs();
   HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, inputs->Get(0)));
   HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
-  enum Role { QProj, QBProj, KvA, KvALayerNorm, KvB, GateProj, OProj };
   const int64_t T = c.rows, dModel = rowElements(c, inputs->Get(0));
   const int64_t H = p->num_heads(), dn = p->qk_nope_head_dim(), dr = p->qk_rope_head_dim();
   const int64_t dv = p->v_head_dim(), rkv = p->kv_lora_rank(), qkDim = dn + dr;
@@ -366,8 +628,6 @@ Status runMla(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
     queries = project(x, w.gemm(QProj), T, dModel, H * qkDim);
   }
 
-  // This step's cache rows: c = RMSNorm(kv_a latent part), k_r rotated (raw for NoPE).
-  std::vector<float> kvA = project(x, w.gemm(KvA), T, dModel, rkv + dr);
   const std::vector<float> frequencies = ropeFrequencies(p->rope(), dr);
   const ref::RopeLayout layout = ropeLayout(p->rope());
   const std::vector<int64_t> pos = positions(c);
@@ -377,27 +637,38 @@ Status runMla(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
                          std::to_string(shape.latentDim) + "+" + std::to_string(shape.ropeDim) +
                          " values per token, the attention makes " + std::to_string(rkv) + "+" +
                          std::to_string(dr));
-  const fb::KvCacheLayer *quant =
-      c.cacheSpec && c.cacheSpec->kv() && p->kv_slot() < int32_t(c.cacheSpec->kv()->size())
-          ? c.cacheSpec->kv()->Get(p->kv_slot())
-          : nullptr;
+  // The step's cache rows: this step's tokens' own, or in a context-parallel prefill every
+  // rank's, gathered (the input after the others).
+  const int32_t ownInputs = (sparse ? 2 : 1) + (p->q_lora_rank() > 0 ? 1 : 0);
+  std::vector<float> ownRows;
+  std::span<const float> stepCacheRows;
+  if (static_cast<int32_t>(inputs->size()) == ownInputs + 1) {
+    if (!c.contextShard)
+      return Status::error("input " + std::to_string(ownInputs) + " (gathered cache rows) is " +
+                           "for a context-parallel prefill only");
+    if (rowElements(c, inputs->Get(ownInputs)) != rkv + dr)
+      return Status::error("gathered cache rows of " +
+                           std::to_string(rowElements(c, inputs->Get(ownInputs))) +
+                           " values, the attention makes " + std::to_string(rkv + dr));
+    HYBRID_ASSIGN_OR_RETURN(std::span<float> gathered, floatValue(c, inputs->Get(ownInputs)));
+    stepCacheRows = gathered;
+  } else {
+    HYBRID_ASSIGN_OR_RETURN(ownRows,
+                            mlaCacheRows(c, p, x, dModel, w.gemm(KvA), w[KvALayerNorm]));
+    stepCacheRows = ownRows;
+  }
   std::vector<float> &stagedRows = (*c.kvStaging)[p->kv_slot()];
-  std::span<float> staged = stagedRows.size() == size_t(T * shape.rowElements())
-                                ? std::span<float>(stagedRows) // the indexer staged its keys
-                                : staging(c, p->kv_slot());
-  for (int64_t t = 0; t < T; ++t) {
-    float *row = kvA.data() + t * (rkv + dr);
-    ref::rmsNorm({row, size_t(rkv)}, w[KvALayerNorm], {row, size_t(rkv)}, 1, rkv,
-                 p->latent_norm_epsilon());
-    ref::applyRope({row + rkv, size_t(dr)}, pos[t], frequencies, layout);
-    if (quant && quant->quant() == fb::KvQuant::Fp8Tiles) // what the cache will hold
-      HYBRID_RETURN_IF_ERROR(roundTripFp8KvRow({row, size_t(rkv)}, {row + rkv, size_t(dr)},
-                                               quant->quant_tile()));
-    std::copy_n(row, rkv + dr, staged.data() + t * shape.rowElements());
+  std::span<float> staged =
+      stagedRows.size() == size_t(stepRows(c) * shape.rowElements())
+          ? std::span<float>(stagedRows) // the indexer staged its keys
+          : staging(c, p->kv_slot());
+  for (int64_t t = 0; t < stepRows(c); ++t)
+    std::copy_n(stepCacheRows.data() + t * (rkv + dr), rkv + dr,
+                staged.data() + t * shape.rowElements());
+  for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h)
       ref::applyRope({queries.data() + (t * H + h) * qkDim + dn, size_t(dr)}, pos[t], frequencies,
                      layout);
-  }
   HYBRID_ASSIGN_OR_RETURN(std::vector<float> latents,
                           pastAndCurrent(c, p->kv_slot(), KvPart::Latent, staged));
   HYBRID_ASSIGN_OR_RETURN(std::vector<float> ropeKeys,
@@ -522,31 +793,188 @@ Status runMoeExperts(const StepContext &c, const fb::Dispatch &d, const Weights 
   return Status::ok();
 }
 
-// The sum over the ranks of each rank's partial output (a sharded plan's explicit collective):
+// ---- Collectives. A group (plan.fbs CollectiveGroup) is the world or part of it; a part's
+// collectives go through the world communicator (an all-gather, of which each rank keeps its
+// group's pieces) so that every backend serves them: a correctness path, as the cpu device is.
+
+std::vector<int> groupMembers(const StepContext &c, fb::CollectiveGroup group) {
+  const int world = c.communicator->worldSize(), rank = c.communicator->rank();
+  const int tp = std::max(1, c.layout.tensorParallel);
+  std::vector<int> members;
+  if (group == fb::CollectiveGroup::ContextParallel) {
+    for (int r = rank % tp; r < world; r += tp)
+      members.push_back(r);
+  } else { // tensor- and expert-parallel: the ranks of this context rank
+    for (int r = rank / tp * tp; r < std::min(world, rank / tp * tp + tp); ++r)
+      members.push_back(r);
+  }
+  return members;
+}
+
+// Every member's `count` floats, in member order. `count` must be the same on every rank of the
+// world, not only of the group.
+Status groupAllGather(const StepContext &c, const std::vector<int> &members, const float *mine,
+                      size_t count, std::vector<float> &out) {
+  const int world = c.communicator->worldSize();
+  if (static_cast<int>(members.size()) == world) {
+    out.resize(size_t(world) * count);
+    return c.communicator->allGather(mine, out.data(), count);
+  }
+  std::vector<float> all(size_t(world) * count);
+  HYBRID_RETURN_IF_ERROR(c.communicator->allGather(mine, all.data(), count));
+  out.resize(members.size() * count);
+  for (size_t m = 0; m < members.size(); ++m)
+    std::copy_n(all.data() + size_t(members[m]) * count, count, out.data() + m * count);
+  return Status::ok();
+}
+
+Status needCommunicator(const StepContext &c) {
+  if (!c.communicator)
+    return Status::error("a sharded plan's collective needs a communicator "
+                         "(LoadOptions::communicator, hybrid-run --world-size)");
+  return Status::ok();
+}
+
+// The sum over the group of each rank's partial output (a sharded plan's explicit collective):
 // a rank without a part (no input) adds zeros.
 Status runAllReduceSum(const StepContext &c, const fb::Dispatch &d) {
   HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
-  const size_t count = static_cast<size_t>(c.rows * rowElements(c, d.outputs()->Get(0)));
+  const int64_t width = rowElements(c, d.outputs()->Get(0));
+  const size_t count = static_cast<size_t>(c.rows * width);
   if (d.inputs()->size() == 1) {
     HYBRID_ASSIGN_OR_RETURN(std::span<float> partial, floatValue(c, d.inputs()->Get(0)));
     std::copy_n(partial.data(), count, out.data());
   } else {
     std::fill_n(out.data(), count, 0.0f);
   }
-  if (!c.communicator)
-    return Status::error("a sharded plan's collective needs a communicator "
-                         "(LoadOptions::communicator, hybrid-run --world-size)");
-  if (c.communicator->deviceBuffers()) // host memory handed to NCCL would fault on the GPU
-    return Status::error("the " + c.communicator->backend() +
-                         " communicator takes device buffers; the cpu reference's collectives "
-                         "need a host one (loopback, tcp)");
-  return c.communicator->allReduceSum(out.data(), count);
+  HYBRID_RETURN_IF_ERROR(needCommunicator(c));
+  const std::vector<int> members = groupMembers(c, d.params_as_CollectiveParams()->group());
+  if (static_cast<int>(members.size()) == c.communicator->worldSize())
+    return c.communicator->allReduceSum(out.data(), count);
+  // Part of the world: every rank contributes the same count (context ranks hold different row
+  // counts: pad to the longest), and each sums its group's from zero in rank order, as the
+  // backends' all-reduce does.
+  const size_t padded = c.contextShard && c.rows == int64_t(c.contextShard->rows.size())
+                            ? static_cast<size_t>(c.contextShard->longest * width)
+                            : count;
+  std::vector<float> mine(padded, 0.0f), all;
+  std::copy_n(out.data(), count, mine.data());
+  HYBRID_RETURN_IF_ERROR(groupAllGather(c, members, mine.data(), padded, all));
+  std::fill_n(out.data(), count, 0.0f);
+  for (size_t m = 0; m < members.size(); ++m)
+    for (size_t i = 0; i < count; ++i)
+      out[i] += all[m * padded + i];
+  return Status::ok();
+}
+
+// Every context rank's rows of a ContextShard value at their positions (Step rows), or with
+// tail_rows only each chunk's last tail_rows rows (the rest zero); or every rank's chunk rows
+// (ContextChunks) in chunk order.
+Status runAllGatherRows(const StepContext &c, const fb::Dispatch &d) {
+  HYBRID_RETURN_IF_ERROR(needCommunicator(c));
+  if (!c.contextShard)
+    return Status::error("runs in a context-parallel prefill only");
+  const ContextShard &s = *c.contextShard;
+  const fb::CollectiveParams *p = d.params_as_CollectiveParams();
+  const fb::Value &input = *c.program->values()->Get(d.inputs()->Get(0));
+  const int64_t width = input.row_elements();
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> mine, floatValue(c, d.inputs()->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  const std::vector<int> members = groupMembers(c, p->group());
+  if (p->group() != fb::CollectiveGroup::ContextParallel ||
+      static_cast<int>(members.size()) != s.size)
+    return Status::error("gathers over the context_parallel group of " + std::to_string(s.size) +
+                         " ranks, the plan names group " +
+                         fb::EnumNameCollectiveGroup(p->group()));
+  const int64_t chunks = 2 * int64_t(s.size);
+  std::vector<float> all;
+  if (input.rows() == fb::ValueRows::ContextChunks) {
+    HYBRID_RETURN_IF_ERROR(groupAllGather(c, members, mine.data(), mine.size(), all));
+    for (int r = 0; r < s.size; ++r)
+      for (int i = 0; i < 2; ++i) {
+        const int64_t chunk = i == 0 ? r : chunks - 1 - r;
+        std::copy_n(all.data() + (size_t(r) * 2 + size_t(i)) * size_t(width), width,
+                    out.data() + chunk * width);
+      }
+    return Status::ok();
+  }
+  if (input.rows() != fb::ValueRows::ContextShard)
+    return Status::error("gathers ContextShard or ContextChunks rows, input " +
+                         std::to_string(d.inputs()->Get(0)) + " holds " +
+                         fb::EnumNameValueRows(input.rows()));
+  const int64_t tail = p->tail_rows();
+  if (tail < 0)
+    return Status::error("tail_rows " + std::to_string(tail) + " is negative");
+  // Rows of `r` sent: all (padded to the longest rank's) or each chunk's last `tail` (padded).
+  auto sent = [&](int r) {
+    std::vector<int64_t> rows;
+    const std::vector<int64_t> held = s.rowsOf(r);
+    if (tail == 0)
+      return held;
+    for (int64_t chunk : {int64_t(r), chunks - 1 - r})
+      for (int64_t row = std::max(s.chunkBegin(chunk), s.chunkBegin(chunk + 1) - tail);
+           row < s.chunkBegin(chunk + 1); ++row)
+        rows.push_back(row);
+    return rows;
+  };
+  const int64_t slots = tail == 0 ? s.longest : 2 * tail;
+  std::vector<float> send(size_t(slots * width), 0.0f);
+  const std::vector<int64_t> mineSent = sent(s.rank);
+  for (size_t i = 0; i < mineSent.size(); ++i) {
+    const auto at = std::lower_bound(s.rows.begin(), s.rows.end(), mineSent[i]) - s.rows.begin();
+    std::copy_n(mine.data() + at * width, width, send.data() + i * size_t(width));
+  }
+  HYBRID_RETURN_IF_ERROR(groupAllGather(c, members, send.data(), send.size(), all));
+  std::fill(out.begin(), out.end(), 0.0f);
+  for (size_t i = 0; i < s.rows.size(); ++i) // this rank's own rows, whole
+    std::copy_n(mine.data() + i * size_t(width), width, out.data() + s.rows[i] * width);
+  for (int r = 0; r < s.size; ++r) {
+    const std::vector<int64_t> rows = sent(r);
+    for (size_t i = 0; i < rows.size(); ++i)
+      std::copy_n(all.data() + (size_t(r) * size_t(slots) + i) * size_t(width), width,
+                  out.data() + rows[i] * width);
+  }
+  return Status::ok();
 }
 
 } // namespace
 
 StatusOr<std::span<float>> floatValue(const StepContext &context, int32_t index) {
   return valueAs<float>(context, index, fb::DType::F32);
+}
+
+ContextShard ContextShard::of(int rank, int size, int64_t stepRows) {
+  ContextShard shard;
+  shard.rank = rank;
+  shard.size = size;
+  shard.stepRows = stepRows;
+  shard.rows = shard.rowsOf(rank);
+  for (int r = 0; r < size; ++r)
+    shard.longest = std::max<int64_t>(shard.longest, int64_t(shard.rowsOf(r).size()));
+  return shard;
+}
+
+std::vector<int64_t> ContextShard::rowsOf(int r) const {
+  return parallel::zigzagPositions(stepRows, r, size);
+}
+
+StatusOr<std::vector<float>> gatherContextRows(const StepContext &context,
+                                               std::span<const float> rows, int64_t width) {
+  HYBRID_RETURN_IF_ERROR(needCommunicator(context));
+  const ContextShard &s = *context.contextShard;
+  std::vector<float> mine(size_t(s.longest * width), 0.0f), all;
+  std::copy(rows.begin(), rows.end(), mine.begin());
+  HYBRID_RETURN_IF_ERROR(groupAllGather(
+      context, groupMembers(context, fb::CollectiveGroup::ContextParallel), mine.data(),
+      mine.size(), all));
+  std::vector<float> out(size_t(s.stepRows * width));
+  for (int r = 0; r < s.size; ++r) {
+    const std::vector<int64_t> held = s.rowsOf(r);
+    for (size_t i = 0; i < held.size(); ++i)
+      std::copy_n(all.data() + (size_t(r) * size_t(s.longest) + i) * size_t(width), width,
+                  out.data() + held[i] * width);
+  }
+  return out;
 }
 
 Status replayKda(RecurrentStatePool &states, int32_t slot, const KdaReplayLog &log,
@@ -581,7 +1009,20 @@ Status replayKda(RecurrentStatePool &states, int32_t slot, const KdaReplayLog &l
   return Status::ok();
 }
 
-Status runDispatch(const StepContext &c, const fb::Dispatch &d) {
+Status runDispatch(const StepContext &context, const fb::Dispatch &d) {
+  // A context-parallel prefill: the dispatch works on the rows of its first output (this rank's,
+  // the step's or chunks), at their positions.
+  StepContext local;
+  if (context.contextShard && d.outputs() && d.outputs()->size() > 0 &&
+      d.outputs()->Get(0) >= 0 && d.outputs()->Get(0) < int32_t(context.program->values()->size())) {
+    local = context;
+    const fb::Value &output = *context.program->values()->Get(d.outputs()->Get(0));
+    local.rows = rowsOf(context, output);
+    local.rowOffsets = output.rows() == fb::ValueRows::ContextShard
+                           ? std::span<const int64_t>(context.contextShard->rows)
+                           : std::span<const int64_t>();
+  }
+  const StepContext &c = context.contextShard ? local : context;
   const Weights w = resolveWeights(c, d);
   auto single = [&](int position) { return floatValue(c, d.inputs()->Get(position)); };
   Status status = Status::ok();
@@ -627,7 +1068,14 @@ Status runDispatch(const StepContext &c, const fb::Dispatch &d) {
   }
   case fb::KernelId::KdaChunkPrefill:
   case fb::KernelId::KdaRecurrentDecode:
+  case fb::KernelId::KdaContextSummary:
     status = runKda(c, d, w);
+    break;
+  case fb::KernelId::MlaCacheRows:
+    status = runMlaCacheRows(c, d, w);
+    break;
+  case fb::KernelId::AllGatherRows:
+    status = runAllGatherRows(c, d);
     break;
   case fb::KernelId::MlaPrefill:
   case fb::KernelId::MlaDecode:
@@ -691,6 +1139,8 @@ bool perSequenceKernel(fb::KernelId kernel) {
   switch (kernel) {
   case fb::KernelId::KdaChunkPrefill:
   case fb::KernelId::KdaRecurrentDecode:
+  case fb::KernelId::KdaContextSummary:
+  case fb::KernelId::MlaCacheRows:
   case fb::KernelId::MlaPrefill:
   case fb::KernelId::MlaDecode:
   case fb::KernelId::SparseMlaPrefill:

@@ -10,6 +10,7 @@
 #include "hybrid/runtime/Status.h"
 #include "runtime/schema/plan_generated.h"
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -61,6 +62,27 @@ struct BatchScratch {
   std::vector<std::vector<std::vector<float>>> staging;
 };
 
+// How a sharded plan's ranks are grouped (plan.fbs CollectiveGroup): world rank r is tensor rank
+// r % tensorParallel of context rank r / tensorParallel.
+struct ParallelLayout {
+  int tensorParallel = 1;
+  int contextParallel = 1;
+};
+
+// A context-parallel prefill step (docs/parallelism.md): the step's tokens in 2 x size chunks,
+// this context rank holding chunks rank and 2 size - 1 - rank.
+struct ContextShard {
+  int rank = 0, size = 1;    // in the context-parallel group
+  int64_t stepRows = 0;      // the step's tokens, every rank's
+  std::vector<int64_t> rows; // this rank's rows (offsets in the step), ascending
+  int64_t longest = 0;       // the largest rank's row count: gathers pad to it
+
+  static ContextShard of(int rank, int size, int64_t stepRows);
+  int64_t chunkBegin(int64_t chunk) const { return stepRows * chunk / (2 * size); }
+  // Context rank `r`'s rows, ascending.
+  std::vector<int64_t> rowsOf(int r) const;
+};
+
 struct StepContext {
   const plan::fb::Program *program = nullptr;
   Arena *arena = nullptr;
@@ -82,8 +104,17 @@ struct StepContext {
   // per-sequence kernels run row by row in *batchScratch. Empty: every row is this sequence's.
   std::span<const BatchRow> batch;
   BatchScratch *batchScratch = nullptr;
-  // A sharded plan's collectives (AllReduceSum) run over this rank's communicator.
+  // A sharded plan's collectives (AllReduceSum, AllGatherRows) run over this rank's
+  // communicator, in the groups `layout` makes of its world.
   comm::Communicator *communicator = nullptr;
+  ParallelLayout layout;
+  // A context-parallel prefill: which rows of the step this rank holds (null otherwise). Per
+  // dispatch, `rows` are those of its first output (plan.fbs ValueRows) and `rowOffsets` their
+  // offsets in the step (empty: 0 .. rows - 1).
+  const ContextShard *contextShard = nullptr;
+  std::span<const int64_t> rowOffsets;
+  // When set, the DSA indexer adds the (query, key) pairs it scores (causal ones) here.
+  std::atomic<uint64_t> *indexerPairs = nullptr;
 };
 
 // Whether a kernel reads or writes a sequence's KV cache or recurrent state, or depends on the
@@ -107,5 +138,10 @@ std::vector<float> ropeFrequencies(const plan::fb::Rope *rope, int64_t rotaryDim
 
 // A float view of value `index` for the step's rows (F32 values only).
 StatusOr<std::span<float>> floatValue(const StepContext &context, int32_t index);
+
+// A context-parallel prefill's rows of this rank (`width` values each) gathered from every
+// context rank into the step's position order (hidden-state dumps); every context rank calls it.
+StatusOr<std::vector<float>> gatherContextRows(const StepContext &context,
+                                               std::span<const float> rows, int64_t width);
 
 } // namespace hybrid::cpu

@@ -30,6 +30,7 @@ struct ProgramRunner {
   const fb::Program *program = nullptr;
   Arena arena;
   std::vector<int64_t> dsaTopKs; // each DSA layer's top_k, for Usage's sparse-attention counts
+  bool contextParallel = false;  // a context-parallel prefill: values of this rank's rows
 };
 
 // Converts one archive entry to fp32; FP8 block-quantized weights are dequantized with their
@@ -181,6 +182,8 @@ struct Model::Impl {
   std::string dir;
   // Usage's sparse-attention counters (read by other threads, e.g. a server's /metrics).
   std::atomic<uint64_t> sparseSelected{0}, sparseContext{0};
+  std::atomic<uint64_t> indexerPairs{0}; // (query, key) pairs this rank's DSA indexers scored
+  cpu::ParallelLayout layout;            // the plan's, for its collectives' groups
   void countSparseAttention(const ProgramRunner &runner, int64_t rows, int64_t firstPosition,
                             std::span<const cpu::BatchRow> batch);
   LoadOptions options;
@@ -275,6 +278,19 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
   context.decode = decodeStep;
   context.kdaLog = kdaLog;
   context.communicator = options.communicator;
+  context.layout = layout;
+  context.indexerPairs = &indexerPairs;
+  // A context-parallel prefill: this rank runs its zigzag share of the step's rows.
+  cpu::ContextShard shard;
+  if (runner.contextParallel) {
+    if (!batch.empty() || kdaLog || extras.hiddenInput || extras.finalHiddenOut)
+      return Status::error(dir + ": a context-parallel prefill runs whole prompts of one "
+                                 "sequence (no batched rows, KDA replay logs or hidden inputs)");
+    const int tp = std::max(1, layout.tensorParallel);
+    shard = cpu::ContextShard::of(options.communicator->rank() / tp, layout.contextParallel, rows);
+    context.contextShard = &shard;
+    context.rows = static_cast<int64_t>(shard.rows.size());
+  }
   for (auto &rowsOfSlot : kvStaging)
     rowsOfSlot.clear();
   countSparseAttention(runner, rows, context.firstPosition, batch);
@@ -313,8 +329,12 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
 #endif
   const fb::Value *ids = program->values()->Get(program->token_ids());
   HYBRID_ASSIGN_OR_RETURN(std::span<int64_t> idSlot,
-                          runner.arena.viewAs<int64_t>(ids->arena_offset(), rows));
-  std::copy(tokens.begin(), tokens.end(), idSlot.begin());
+                          runner.arena.viewAs<int64_t>(ids->arena_offset(), context.rows));
+  if (context.contextShard)
+    for (size_t i = 0; i < shard.rows.size(); ++i)
+      idSlot[i] = tokens[static_cast<size_t>(shard.rows[i])];
+  else
+    std::copy(tokens.begin(), tokens.end(), idSlot.begin());
   if (program->hidden_input() >= 0) {
     const float *source = extras.hiddenInput;
     if (!source) {
@@ -347,6 +367,12 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
         if (layerOutputs->Get(i) != output)
           continue;
         HYBRID_ASSIGN_OR_RETURN(std::span<float> values, cpu::floatValue(context, output));
+        if (context.contextShard) { // this rank's rows: every rank's, in position order
+          HYBRID_ASSIGN_OR_RETURN(std::vector<float> all,
+                                  cpu::gatherContextRows(context, values, int64_t(width)));
+          hidden->layers[i].insert(hidden->layers[i].end(), all.begin(), all.end());
+          continue;
+        }
         hidden->layers[i].insert(hidden->layers[i].end(), values.begin(), values.end());
       }
   }
@@ -389,6 +415,10 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
   HYBRID_ASSIGN_OR_RETURN(LoadedPlan plan, LoadedPlan::load(dir + "/" + planName));
   HYBRID_RETURN_IF_ERROR(checkTarget(plan, options.device, worldSize));
   HYBRID_RETURN_IF_ERROR(checkRank(plan, rank));
+  if (cudaDevice && plan->target()->context_parallel() > 1)
+    return Status::error(plan.path() + " is sharded for context_parallel " +
+                         std::to_string(plan->target()->context_parallel()) +
+                         ": context-parallel prefill runs on the cpu device only for now");
   if (options.communicator && options.communicator->deviceBuffers() && !cudaDevice)
     return Status::error("the " + options.communicator->backend() +
                          " communicator takes device buffers (the cuda device's); the cpu device "
@@ -438,6 +468,8 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
   auto impl = std::make_unique<Impl>(dir, options, std::move(plan), std::move(archive),
                                      std::move(kvCache), std::move(states));
   impl->kvSequenceInUse.assign(options.maxSequences, false);
+  impl->layout = cpu::ParallelLayout{.tensorParallel = impl->plan->target()->tensor_parallel(),
+                                     .contextParallel = impl->plan->target()->context_parallel()};
   impl->prefixCache = PrefixCache(options.prefixCacheEntries, options.prefixCacheBlockTokens);
   impl->kvStaging.resize(spec->kv() ? spec->kv()->size() : 0);
 
@@ -488,6 +520,8 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
     if (!runner->program)
       return Status::error(impl->plan.path() + ": the plan has no '" + name + "' program");
     HYBRID_ASSIGN_OR_RETURN(runner->arena, Arena::create(runner->program->arena_bytes()));
+    for (const fb::Value *value : *runner->program->values())
+      runner->contextParallel |= value->rows() != fb::ValueRows::Step;
     for (const fb::Step *step : *runner->program->steps())
       if (const fb::Dispatch *d = step->op_as_Dispatch();
           d && d->kernel() == fb::KernelId::DsaIndexer && d->params_as_DsaIndexerParams())
@@ -572,6 +606,7 @@ Model::Usage Model::usage() const {
   usage.recurrentStateBytes = impl_->states.slotElements() * sizeof(float);
   usage.sparseSelectedPositions = impl_->sparseSelected.load();
   usage.sparseContextPositions = impl_->sparseContext.load();
+  usage.indexerScoredPairs = impl_->indexerPairs.load();
   return usage;
 }
 

@@ -174,13 +174,15 @@ private:
     HYBRID_RETURN_IF_ERROR(checkPositive("target.context_parallel", target->context_parallel()));
     // The layout docs/parallelism.md describes: TP x CP ranks, experts spread over the same ranks.
     const int64_t world = target->world_size();
+    // Experts spread over ranks holding the same tokens: the tensor-parallel ones.
     if (int64_t(target->tensor_parallel()) * target->context_parallel() != world ||
-        world % target->expert_parallel() != 0)
+        (target->expert_parallel() != 1 &&
+         target->expert_parallel() != target->tensor_parallel()))
       return Status::error("target: tensor_parallel " + std::to_string(target->tensor_parallel()) +
                            " x context_parallel " + std::to_string(target->context_parallel()) +
                            " must equal world_size " + std::to_string(world) +
                            ", and expert_parallel " + std::to_string(target->expert_parallel()) +
-                           " must divide it");
+                           " must be 1 or tensor_parallel");
     if (target->rank() < 0 || target->rank() >= world)
       return Status::error("target.rank: " + std::to_string(target->rank()) +
                            " is outside the world of " + std::to_string(world) + " ranks");
@@ -394,22 +396,32 @@ private:
     return Status::ok();
   }
 
-  // dtype, row size, and the value's rows for max_tokens tokens inside the arena.
+  // dtype, row size, and the value's rows (max_tokens tokens, or its chunks) inside the arena.
   Status checkValue(const std::string &field, const fb::Program &program, const fb::Value &value) {
     HYBRID_RETURN_IF_ERROR(checkDType(field + ".dtype", value.dtype()));
     HYBRID_RETURN_IF_ERROR(checkPositive(field + ".row_elements", value.row_elements()));
+    if (value.rows() > fb::ValueRows::MAX)
+      return Status::error(field + ".rows has the unknown value " +
+                           std::to_string(static_cast<int>(value.rows())));
+    const int64_t contextParallel = plan_.target()->context_parallel();
+    if (value.rows() != fb::ValueRows::Step && contextParallel == 1)
+      return Status::error(field + ".rows: " + fb::EnumNameValueRows(value.rows()) +
+                           " in a plan without context parallelism (target.context_parallel 1)");
+    const int64_t rows = value.rows() == fb::ValueRows::ContextChunks      ? 2
+                         : value.rows() == fb::ValueRows::AllContextChunks ? 2 * contextParallel
+                                                                           : program.max_tokens();
     size_t elementBytes = dtypeByteSize(value.dtype());
     if (value.arena_offset() % elementBytes != 0)
       return Status::error(field + ".arena_offset = " + std::to_string(value.arena_offset()) +
                            " is not aligned to its " + dtypeName(value.dtype()) + " elements");
     uint64_t bytes = 0;
     uint64_t end = 0;
-    if (__builtin_mul_overflow(static_cast<uint64_t>(program.max_tokens()),
+    if (__builtin_mul_overflow(static_cast<uint64_t>(rows),
                                static_cast<uint64_t>(value.row_elements()), &bytes) ||
         __builtin_mul_overflow(bytes, elementBytes, &bytes) ||
         __builtin_add_overflow(value.arena_offset(), bytes, &end) || end > program.arena_bytes())
       return Status::error(field + ": arena_offset " + std::to_string(value.arena_offset()) +
-                           " + max_tokens " + std::to_string(program.max_tokens()) + " x " +
+                           " + " + std::to_string(rows) + " rows x " +
                            std::to_string(value.row_elements()) + " " + dtypeName(value.dtype()) +
                            " reaches past arena_bytes " + std::to_string(program.arena_bytes()));
     return Status::ok();
@@ -501,7 +513,42 @@ private:
     HYBRID_RETURN_IF_ERROR(
         checkOptionalIndex(context + ".layer", dispatch.layer(), numLayers(), "the plan's layers"));
     HYBRID_RETURN_IF_ERROR(checkActivation(context, dispatch));
+    HYBRID_RETURN_IF_ERROR(checkCollective(context, dispatch, scope));
     return checkCacheSlots(context, dispatch);
+  }
+
+  // A collective's group exists in this plan's layout; a gather turns this rank's rows into
+  // everyone's (ContextShard -> Step, ContextChunks -> AllContextChunks).
+  Status checkCollective(const std::string &context, const fb::Dispatch &dispatch,
+                         const ProgramScope &scope) {
+    const fb::CollectiveParams *p = dispatch.params_as_CollectiveParams();
+    if (!p)
+      return Status::ok();
+    if (p->group() > fb::CollectiveGroup::MAX)
+      return Status::error(context + ".params.group has the unknown value " +
+                           std::to_string(static_cast<int>(p->group())));
+    const bool contextGroup = p->group() == fb::CollectiveGroup::ContextParallel;
+    if (contextGroup && plan_.target()->context_parallel() == 1)
+      return Status::error(context + ".params.group: ContextParallel in a plan without context "
+                                     "parallelism (target.context_parallel 1)");
+    if (dispatch.kernel() != fb::KernelId::AllGatherRows)
+      return contextGroup ? Status::error(context + ".params.group: an all-reduce sums over the "
+                                                    "TensorParallel or ExpertParallel group")
+                          : Status::ok();
+    if (!contextGroup)
+      return Status::error(context + ".params.group: AllGatherRows gathers over the "
+                                     "ContextParallel group");
+    if (p->tail_rows() < 0)
+      return Status::error(context + ".params.tail_rows = " + std::to_string(p->tail_rows()) +
+                           " is negative");
+    const fb::ValueRows from = scope.values->Get(dispatch.inputs()->Get(0))->rows();
+    const fb::ValueRows to = scope.values->Get(dispatch.outputs()->Get(0))->rows();
+    if (!(from == fb::ValueRows::ContextShard && to == fb::ValueRows::Step) &&
+        !(from == fb::ValueRows::ContextChunks && to == fb::ValueRows::AllContextChunks))
+      return Status::error(context + ": gathers " + fb::EnumNameValueRows(from) + " rows into " +
+                           fb::EnumNameValueRows(to) + " rows (ContextShard -> Step or "
+                           "ContextChunks -> AllContextChunks)");
+    return Status::ok();
   }
 
   // A gated MLP's activation is known and SiTU has its positive beta (the kernels divide by it).

@@ -283,6 +283,9 @@ public:
     // the causal positions it chose them from; selected / context is the attention's density.
     uint64_t sparseSelectedPositions = 0;
     uint64_t sparseContextPositions = 0;
+    // The (query, key) pairs this rank's DSA indexers scored since load (a query at position p
+    // scores keys 0..p): under context parallelism, this rank's share of the work.
+    uint64_t indexerScoredPairs = 0;
   };
   Usage usage() const;
   // KV pages `tokens` positions of one sequence take.

@@ -25,9 +25,11 @@ namespace hybrid {
 
 // The plan format this runtime reads: same major, minor not newer (see plan.fbs).
 inline constexpr uint16_t kPlanVersionMajor = 1;
-inline constexpr uint16_t kPlanVersionMinor = 3; // 1.1: Plan.fp8_activation_scale; 1.2: sharding
+inline constexpr uint16_t kPlanVersionMinor = 4; // 1.1: Plan.fp8_activation_scale; 1.2: sharding
                                                  // (Target rank/layout, Weight.slice, AllReduceSum);
-                                                 // 1.3: the Situ activation (Mlp/MoeParams)
+                                                 // 1.3: the Situ activation (Mlp/MoeParams);
+                                                 // 1.4: context parallelism (Value.rows,
+                                                 // AllGatherRows, KdaContextSummary, MlaCacheRows)
 
 // Shorthands over the kernel table of runtime/schema/kernel_signatures.h, which the compiler's
 // contract verifier reads too. The params table a kernel takes (MlaPrefill, MlaDecode,
