@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Sharded plans on several GPUs (issues 10 / 11), in two halves, since the GPU machines have no
+# MLIR:
+#   check-multi-gpu.sh compile [OUT] [--world-sizes 2,4]   (here, with hybrid-compile)
+#     the golden checkpoints (tests/data: kimi_linear_tiny, kimi_attnres_tiny, deepseek_v32_tiny)
+#     for cuda sm_90a, unsharded (OUT/<model>-cuda) and at tp=N and tp=N,ep=N for each world size
+#     (OUT/<model>-cuda-tpN, OUT/<model>-cuda-tpN-epN), unquantized; then OUT.tar.xz of them.
+#   check-multi-gpu.sh run [OUT] [--world-sizes 2,4]       (there, on N GPUs)
+#     unpacks OUT.tar.xz when OUT is absent; per model: the unsharded plan on one GPU against the
+#     golden file (logits within 2e-3, the same 12 greedy ids), then every sharded plan as N
+#     processes (launch-local.sh: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, NCCL)
+#     against that one-GPU run: prompt logits and hidden states within 2e-3 and the same 12 ids,
+#     with decode graphs and (tp=N) without. World sizes above the GPU count are skipped, named.
+#     Then hybrid_shard_cuda_tests on OUT when HYBRID_SHARD_TESTS names it.
+# OUT defaults to build-multi-gpu in the repository. Binaries: HYBRID_COMPILE, HYBRID_RUN
+# (default build/bin/...). Prints a table; exits 1 when any run fails or differs.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+models=(kimi_linear_tiny kimi_attnres_tiny deepseek_v32_tiny)
+tolerance=2e-3
+new_tokens=12
+
+half=${1:-}
+[[ $half == compile || $half == run ]] || {
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+}
+shift
+out=$root/build-multi-gpu
+world_sizes=2
+while [[ $# -gt 0 ]]; do
+  case $1 in
+  --world-sizes) world_sizes=$2; shift 2 ;;
+  -*) echo "check-multi-gpu.sh: unknown option '$1'" >&2; exit 2 ;;
+  *) out=$1; shift ;;
+  esac
+done
+IFS=, read -r -a sizes <<< "$world_sizes"
+for n in "${sizes[@]}"; do
+  if ! [[ $n =~ ^[0-9]+$ ]] || [[ $n -lt 2 ]]; then
+    echo "check-multi-gpu.sh: --world-sizes: '$n' is not an integer >= 2" >&2
+    exit 2
+  fi
+done
+out=$(realpath -m "$out")
+
+layouts() { # the sharded plan suffixes and their --shard values for world size $1
+  echo "tp$1 tp=$1"
+  echo "tp$1-ep$1 tp=$1,ep=$1"
+}
+
+if [[ $half == compile ]]; then
+  compile=${HYBRID_COMPILE:-$root/build/bin/hybrid-compile}
+  [[ -x $compile ]] || { echo "check-multi-gpu.sh: no hybrid-compile at $compile (HYBRID_COMPILE)" >&2; exit 2; }
+  mkdir -p "$out"
+  for model in "${models[@]}"; do
+    args=("$root/tests/data/$model" --no-cache --quantization=none --device=cuda --arch=sm_90a)
+    "$compile" "${args[@]}" -o "$out/$model-cuda" > /dev/null || exit 1
+    for n in "${sizes[@]}"; do
+      while read -r suffix shard; do
+        "$compile" "${args[@]}" --shard="$shard" -o "$out/$model-cuda-$suffix" > /dev/null || exit 1
+      done < <(layouts "$n")
+    done
+  done
+  find "$out" -name '*.source' -delete # the compile cache's notes: not needed to run
+  tar -cJf "$out.tar.xz" -C "$(dirname "$out")" "$(basename "$out")" || exit 1
+  echo "compiled into $out ($(du -sh "$out" | cut -f1)), packed as $out.tar.xz ($(du -h "$out.tar.xz" | cut -f1))"
+  echo "on the GPU machine: tools/scripts/check-multi-gpu.sh run $out --world-sizes $world_sizes"
+  exit 0
+fi
+
+run=${HYBRID_RUN:-$root/build/bin/hybrid-run}
+[[ -x $run ]] || { echo "check-multi-gpu.sh: no hybrid-run at $run (HYBRID_RUN)" >&2; exit 2; }
+if [[ ! -d $out && -f $out.tar.xz ]]; then # no xz tool there: python's tarfile reads it
+  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+    "$out.tar.xz" "$(dirname "$out")" || exit 1
+fi
+[[ -d $out ]] || { echo "check-multi-gpu.sh: no plans at $out (run the compile half)" >&2; exit 2; }
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+echo "GPUs: $gpus"
+logs=$out/logs
+mkdir -p "$logs"
+
+failures=0
+rows=()
+# One check: a name, its log, and whether it passed (12 identical ids and MATCH).
+record() {
+  local name=$1 log=$2 code=$3 verdict diff
+  diff=$(grep -o 'prompt logits: max abs diff [^ ]*' "$log" | head -1 | awk '{print $5}')
+  if [[ $code -eq 0 ]] && grep -q "gen_ids: $new_tokens compared, identical" "$log" &&
+     grep -qx MATCH "$log"; then
+    verdict=ok
+  else
+    verdict=FAILED
+    failures=$((failures + 1))
+    echo "---- $name failed (exit $code), $log:" >&2
+    tail -n 15 "$log" >&2
+  fi
+  rows+=("$(printf '%-52s %-7s %s' "$name" "$verdict" "${diff:--}")")
+}
+
+common=(--device cuda --kda-prefill recurrent --max-new-tokens "$new_tokens" --tolerance "$tolerance")
+for model in "${models[@]}"; do
+  golden=$root/tests/data/$model/golden.safetensors
+  one_gpu=$out/$model-1gpu.safetensors
+  log=$logs/$model-1gpu.log
+  "$run" "$out/$model-cuda" "${common[@]}" --input-ids "$golden" --compare-with "$golden" \
+    --output "$one_gpu" --dump-hidden > "$log" 2>&1
+  record "$model 1 GPU vs golden" "$log" $?
+  for n in "${sizes[@]}"; do
+    if [[ $n -gt $gpus ]]; then
+      rows+=("$(printf '%-52s %-7s %s' "$model world $n" skipped "$gpus GPUs here")")
+      continue
+    fi
+    while read -r suffix shard; do
+      variants=("graphs")
+      [[ $suffix == "tp$n" ]] && variants+=("eager")
+      for variant in "${variants[@]}"; do
+        extra=()
+        [[ $variant == eager ]] && extra=(--no-cuda-graphs)
+        log=$logs/$model-$suffix-$variant.log
+        "$root/tools/scripts/launch-local.sh" -n "$n" --log-dir "$logs/$model-$suffix-$variant" -- \
+          "$run" "$out/$model-cuda-$suffix" "${common[@]}" "${extra[@]}" --input-ids "$golden" \
+          --compare-with "$one_gpu" > "$log" 2>&1
+        record "$model $shard on $n GPUs ($variant) vs 1 GPU" "$log" $?
+      done
+    done < <(layouts "$n")
+  done
+done
+
+if [[ -n ${HYBRID_SHARD_TESTS:-} ]]; then
+  log=$logs/hybrid_shard_cuda_tests.log
+  HYBRID_E2E_DIR=$out HYBRID_TEST_DATA_DIR=$root/tests/data "$HYBRID_SHARD_TESTS" > "$log" 2>&1
+  code=$?
+  verdict=ok
+  [[ $code -eq 0 ]] || { verdict=FAILED; failures=$((failures + 1)); tail -n 30 "$log" >&2; }
+  rows+=("$(printf '%-52s %-7s %s' hybrid_shard_cuda_tests "$verdict" \
+    "$(grep -o '[0-9]* tests\? .*PASSED.*\|PASSED.*' "$log" | tail -1)")")
+fi
+
+printf '%-52s %-7s %s\n' check result "max |logits diff|"
+printf '%s\n' "${rows[@]}"
+if [[ $failures -gt 0 ]]; then
+  echo "MULTI-GPU CHECK FAILED ($failures)"
+  exit 1
+fi
+echo "MULTI-GPU CHECK OK"
