@@ -36,10 +36,11 @@ bool CudaExecutor::Impl::moeRunsOnGpu(const fb::Dispatch &d) const {
            p->topk_groups() >= 1 && p->topk_groups() <= p->num_groups() &&
            gemmWeight(roleOf(d, 0));
   // Experts: row-major weights the GEMMs and the CUDA-core kernels both read, all bf16 or all
-  // FP8 with block scales.
+  // FP8 with block scales. An expert-parallel rank's experts held elsewhere are absent (-1): the
+  // kernels take every expert, so such a layer runs on the cpu reference, which skips them.
   if (!d.weights() || static_cast<int64_t>(d.weights()->size()) < 3 * p->num_experts() ||
       p->intermediate_size() <= 0 || p->intermediate_size() > kc::kMoeMaxHidden ||
-      p->intermediate_size() % 2 != 0)
+      p->intermediate_size() % 2 != 0 || d.weights()->Get(0) < 0)
     return false;
   const fb::DType type = weightTypes[static_cast<size_t>(d.weights()->Get(0))];
   for (int64_t i = 0; i < 3 * p->num_experts(); ++i) {
