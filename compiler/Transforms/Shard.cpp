@@ -424,7 +424,7 @@ private:
             intParam(dispatch, "kv_lora_rank") + intParam(dispatch, "qk_rope_head_dim");
         plan::ValueOp x = values[inputs[0]];
         const int32_t own = addValue(program, x.getDtype(), width, "context_shard",
-                                     x.getName() + ".cache_rows");
+                                     values[dispatch.getOutputs()[0]].getName() + ".cache_rows");
         ArrayRef<int32_t> w = dispatch.getWeights();
         addDispatch(dispatch, plan::KernelId::mla_cache_rows, {inputs[0]}, own, {w[2], w[3]},
                     dispatch.getParams());
@@ -439,7 +439,7 @@ private:
         const int32_t tails = gather(program, dispatch, inputs[0], "step", history, ".conv_tails");
         const int32_t summaries =
             addValue(program, builder_.getF32Type(), heads * dim * 2 * dim, "context_chunks",
-                     values[inputs[0]].getName() + ".kda_summaries");
+                     values[dispatch.getOutputs()[0]].getName() + ".summaries");
         plan::DispatchOp summary =
             addDispatch(dispatch, plan::KernelId::kda_context_summary, {inputs[0], tails},
                         summaries, dispatch.getWeights(), dispatch.getParams());

@@ -5,7 +5,9 @@
 // RUN: not hybrid-opt %S/Inputs/shard_odd_heads.mlir --hybrid-lower-to-plan --hybrid-shard="tp=4" 2>&1 | FileCheck %s --check-prefix=HEADS4
 // RUN: not hybrid-opt %S/Inputs/shard_shared_weight.mlir --hybrid-lower-to-plan --hybrid-shard="tp=2" 2>&1 | FileCheck %s --check-prefix=SHARED
 // RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="tp=2 ep=4" 2>&1 | FileCheck %s --check-prefix=EP
-// RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="cp=2" 2>&1 | FileCheck %s --check-prefix=CP
+// RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="cp=2 ep=2" 2>&1 | FileCheck %s --check-prefix=EPCP
+// RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="cp=2" | FileCheck %s --check-prefix=CP
+// RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="tp=2 cp=2 ep=2" --hybrid-fuse-super-kernels --hybrid-assign-streams --hybrid-plan-memory --hybrid-verify-plan-contract | FileCheck %s --check-prefix=TPCP
 
 // The model of lower_to_plan.mlir (KDA + dense MLP, MLA + MoE; 2 heads each, intermediate 8,
 // 2 experts), sharded: one plan per rank, per-head and per-column weight slices, an explicit
@@ -163,6 +165,71 @@ hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, voca
 // (Inputs/shard_shared_weight.mlir).
 // SHARED: error: loc("model.layers.0.probe"): 'plan.dispatch' op layer 0 reads weight 'mlp.gate' whole, which another kernel reads as this rank's slice
 
-// Experts go over every rank or none, and context parallelism is not in plans yet.
-// EP: error: --hybrid-shard: ep=4 must be 1 or the world size 2 (tp x cp): experts are spread over every rank
-// CP: error: --hybrid-shard: context parallelism (cp=2) is not built into plans yet
+// Experts go over the tensor-parallel ranks or none: context ranks hold other tokens.
+// EP: error: --hybrid-shard: ep=4 must be 1 or tp=2: experts are spread over the tensor-parallel ranks, which hold the same tokens
+// EPCP: error: --hybrid-shard: ep=2 must be 1 or tp=1
+
+// cp=2: every rank keeps every head and weight; the prefill's values hold this rank's zigzag
+// rows, and gathers over the context group give each layer what it needs from every position:
+// KDA the chunks' conv tails and then every chunk's summary, MLA the step's cache rows, the LM
+// head the final rows in position order. No all-reduce (tp=1), and decode is unchanged.
+// CP-LABEL: plan.plan @tiny_rank1 attributes
+// CP-SAME: context_parallel = 2 : i32
+// CP-SAME: rank = 1 : i32, tensor_parallel = 1 : i32
+// CP-SAME: world_size = 2 : i32
+// CP-NOT: slice =
+// CP: plan.recurrent_state_layer {conv_channels = 24 : i32, {{.*}}num_heads = 2 : i32
+// CP-LABEL: plan.program "prefill"
+// CP-NEXT: plan.value i64 x 1 {name = "input_ids", offset = -1 : i64, rows = "context_shard"}
+// CP-NEXT: plan.value f32 x 16 {name = "model.embed_tokens", offset = -1 : i64, rows = "context_shard"}
+// CP: plan.value f32 x 32 {name = "lm_head", offset = -1 : i64}
+// CP-NEXT: plan.value f32 x 16 {name = "model.layers.0.input_layernorm.conv_tails", offset = -1 : i64}
+// CP-NEXT: plan.value f32 x 64 {name = "model.layers.0.self_attn.summaries", offset = -1 : i64, rows = "context_chunks"}
+// CP-NEXT: plan.value f32 x 64 {name = "model.layers.0.self_attn.summaries.all", offset = -1 : i64, rows = "all_context_chunks"}
+// CP-NEXT: plan.value f32 x 10 {name = "model.layers.1.self_attn.cache_rows", offset = -1 : i64, rows = "context_shard"}
+// CP-NEXT: plan.value f32 x 10 {name = "model.layers.1.self_attn.cache_rows.gathered", offset = -1 : i64}
+// CP-NEXT: plan.value f32 x 16 {name = "model.norm.gathered", offset = -1 : i64}
+// CP: plan.dispatch  rms_norm [1] -> [2]
+// CP-NEXT: plan.dispatch  all_gather_rows [2] -> [15] weights [] {layer = 0 : i32, params = {group = "context_parallel", tail_rows = 3 : i32}
+// CP-NEXT: plan.dispatch  kda_context_summary [2, 15] -> [16] weights {{\[}}[[KDAW:.*]]] {layer = 0 : i32
+// CP-NEXT: plan.dispatch  all_gather_rows [16] -> [17] weights [] {layer = 0 : i32, params = {group = "context_parallel"}
+// CP-NEXT: plan.dispatch  kda_chunk_prefill [2, 15, 17] -> [3] weights {{\[}}[[KDAW]]] {layer = 0 : i32
+// CP-NOT: all_reduce_sum
+// CP: plan.dispatch  add [4, 5] -> [6]
+// CP-NEXT: plan.dispatch  mla_cache_rows [6] -> [18] weights {{\[}}[[KVA:[0-9]+]], [[KVN:[0-9]+]]] {layer = 1 : i32
+// CP-NEXT: plan.dispatch  all_gather_rows [18] -> [19] weights [] {layer = 1 : i32, params = {group = "context_parallel"}
+// CP-NEXT: plan.dispatch  mla_prefill [6, 19] -> [7] weights [{{[0-9]+}}, -1, [[KVA]], [[KVN]],
+// CP: plan.dispatch  rms_norm [12] -> [13]
+// CP-NEXT: plan.dispatch  all_gather_rows [13] -> [20] weights [] {params = {group = "context_parallel"}
+// CP-NEXT: plan.dispatch  lm_head [20] -> [14]
+// CP-LABEL: plan.program "decode"
+// CP-NEXT: plan.value i64 x 1 {name = "input_ids", offset = -1 : i64}
+// CP-NOT: all_gather_rows
+// CP: plan.dispatch  kda_recurrent_decode [2] -> [3]
+// CP-NOT: all_gather_rows
+// CP: plan.dispatch  lm_head [13] -> [14]
+
+// tp=2 cp=2 ep=2 through the rest of the pipeline: world rank 3 is tensor rank 1 of context
+// rank 1 (head 1, expert 1); the gathers join the all-reduces on the collective stream, per-chunk
+// values get arena slots of 2 and 4 rows, and the contract verifier accepts the plan.
+// TPCP-LABEL: plan.plan @tiny_rank3 attributes
+// TPCP-SAME: context_parallel = 2 : i32
+// TPCP-SAME: expert_parallel = 2 : i32
+// TPCP-SAME: rank = 3 : i32, tensor_parallel = 2 : i32
+// TPCP-SAME: world_size = 4 : i32
+// TPCP: plan.weight "kda.A_log" : tensor<1x1x1x1xf32> {{{.*}}slice = array<i64: 2, 1>}
+// TPCP-NOT: plan.weight "e0.
+// TPCP: plan.weight "e1.down"
+// TPCP-LABEL: plan.program "prefill" attributes {{{.*}}num_streams = 2 : i32
+// TPCP: plan.value f32 x 32 {name = "model.layers.0.self_attn.summaries", offset = {{[0-9]+}} : i64, rows = "context_chunks"}
+// TPCP: plan.dispatch  all_gather_rows [2] -> [{{[0-9]+}}] {{.*}}params = {group = "context_parallel", tail_rows = 3 : i32}, {{.*}}stream = 1 : i32
+// TPCP: plan.dispatch  kda_context_summary {{.*}}num_heads = 1 : i32{{.*}}stream = 0 : i32
+// TPCP: plan.dispatch  kda_chunk_prefill [2, {{[0-9]+}}, {{[0-9]+}}] -> [3] {{.*}}num_heads = 1 : i32
+// TPCP-NEXT: plan.dispatch  all_reduce_sum [3] {{.*}}group = "tensor_parallel"{{.*}}stream = 1 : i32
+// TPCP: plan.dispatch  moe_experts [{{.*}}] -> [{{[0-9]+}}] weights [-1, -1, -1, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}]
+// TPCP-NEXT: plan.dispatch  all_reduce_sum {{.*}}group = "expert_parallel"
+// TPCP: plan.dispatch  all_gather_rows {{.*}}params = {group = "context_parallel"}{{.*}}stream = 1 : i32
+// TPCP-NEXT: plan.dispatch  lm_head
+// TPCP-LABEL: plan.program "decode"
+// TPCP-NOT: all_gather_rows
+// TPCP: plan.dispatch  lm_head
