@@ -118,6 +118,44 @@ TEST(MtpTest, SchedulerWithMtpDraftsMatchesGreedy) {
   EXPECT_LE(stats.acceptedTokens, stats.draftedTokens);
 }
 
+// SchedulerOptions::draftOnlyWhenItPays: whether a request drafts follows timings, the tokens do
+// not; every token after a request's first comes from a verification pass (1 + its accepted
+// drafts) or from a plain decode step that declined to draft, and the first pass is a probe.
+TEST(MtpTest, SchedulerDraftingOnlyWhenItPaysKeepsTheTokens) {
+  auto model = loadOrDie(mtpPlanDir());
+  ASSERT_TRUE(model);
+  SchedulerOptions options;
+  options.draftTokens = 3;
+  options.draftSource = DraftSourceKind::Mtp;
+  options.draftOnlyWhenItPays = true;
+  Scheduler scheduler(*model, options);
+  const auto prompts = randomPrompts(model->vocabSize());
+  const int64_t newTokens = 8;
+  std::map<uint64_t, size_t> promptOf;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    auto id = scheduler.submit({prompts[i], newTokens, {}, {}});
+    ASSERT_TRUE(id.isOk()) << id.status().message();
+    promptOf[*id] = i;
+  }
+  std::vector<std::vector<int64_t>> tokens(prompts.size());
+  while (!scheduler.idle())
+    for (const TokenEvent &event : scheduler.step()) {
+      ASSERT_TRUE(event.error.empty()) << event.error;
+      tokens[promptOf[event.request]].push_back(event.token);
+    }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    GenerationOptions plain;
+    plain.maxNewTokens = newTokens;
+    auto reference = generateGreedy(*model, prompts[i], plain);
+    ASSERT_TRUE(reference.isOk());
+    EXPECT_EQ(tokens[i], reference->generated) << "prompt " << i;
+  }
+  const SchedulerStats stats = scheduler.stats();
+  EXPECT_GE(stats.verifySteps, 1);
+  EXPECT_EQ(stats.verifySteps + stats.acceptedTokens + stats.declinedDrafts,
+            static_cast<int64_t>(prompts.size()) * (newTokens - 1));
+}
+
 TEST(MtpTest, MtpDraftSourceNeedsAnMtpProgram) {
   auto model = loadOrDie(std::string(HYBRID_E2E_DIR) + "/deepseek_v32_tiny");
   ASSERT_TRUE(model);

@@ -594,49 +594,107 @@ int runDecodeBatch(const std::string &modelDir, hybrid::LoadOptions options,
   return 0;
 }
 
-int runSpec(const std::string &modelDir, const hybrid::LoadOptions &options, int32_t prompts,
-            int32_t promptTokens, int32_t maxTokens, int32_t draftTokens,
-            const std::string &draftSourceName, uint64_t seed) {
-  auto draftSource = hybrid::parseDraftSource(draftSourceName);
+// Speculative against plain decoding at each batch: `batch` requests of repetitive text (each
+// its own 8-token pattern repeated), decoding together through the scheduler.
+struct SpecOptions {
+  std::string model;
+  hybrid::LoadOptions load;
+  std::vector<int32_t> batches = {1};
+  int32_t promptTokens = 64, maxTokens = 32, draftTokens = 4;
+  std::string draftSource = "prompt-lookup";
+  bool alwaysDraft = false;
+  uint64_t seed = 1;
+};
+
+int runSpec(SpecOptions o, const RecordOptions &record) {
+  auto draftSource = hybrid::parseDraftSource(o.draftSource);
   if (!draftSource) {
     std::cerr << "error: spec: --draft-source: " << draftSource.status().message() << "\n";
     return 1;
   }
-  auto model = hybrid::Model::load(modelDir, options);
+  const int32_t maxBatch = *std::max_element(o.batches.begin(), o.batches.end());
+  o.load.maxSequences = maxBatch;
+  // A verification pass may append draftTokens + 1 rows before it truncates.
+  o.load.maxContextTokens = o.promptTokens + o.maxTokens + o.draftTokens + 1;
+  auto model = hybrid::Model::load(o.model, o.load);
   if (!model) {
     std::cerr << "error: spec: " << model.status().message() << "\n";
     return 1;
   }
-  std::mt19937_64 rng(seed);
+  std::mt19937_64 rng(o.seed);
   std::uniform_int_distribution<int64_t> token(0, (*model)->vocabSize() - 1);
-  std::vector<std::vector<int64_t>> inputs(static_cast<size_t>(prompts));
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    std::vector<int64_t> pattern(8);
-    for (int64_t &id : pattern)
-      id = token(rng);
-    for (int32_t t = 0; t < promptTokens; ++t)
-      inputs[i].push_back(i % 2 == 0 ? pattern[static_cast<size_t>(t) % pattern.size()] : token(rng));
+  std::vector<hybrid::bench::BenchRow> rows;
+  bool identical = true;
+  for (int32_t batch : o.batches) {
+    std::vector<std::vector<int64_t>> prompts(static_cast<size_t>(batch));
+    for (std::vector<int64_t> &prompt : prompts) {
+      std::vector<int64_t> pattern(8);
+      for (int64_t &id : pattern)
+        id = token(rng);
+      for (int32_t t = 0; t < o.promptTokens; ++t)
+        prompt.push_back(pattern[static_cast<size_t>(t) % pattern.size()]);
+    }
+    const hybrid::SpeculationOptions options{.maxNewTokens = o.maxTokens,
+                                             .draftTokens = o.draftTokens,
+                                             .draftSource = *draftSource,
+                                             .draftOnlyWhenItPays = !o.alwaysDraft,
+                                             .prefillChunkTokens = 8192};
+    auto report = hybrid::benchmarkSpeculation(**model, prompts, options);
+    if (!report) {
+      std::cerr << "error: spec: batch " << batch << ": " << report.status().message() << "\n";
+      return 1;
+    }
+    const auto &r = *report;
+    identical = identical && r.identical;
+    const double ratio = r.speculativeTokensPerSecond / std::max(r.plainTokensPerSecond, 1e-9);
+    const double acceptance = double(r.acceptedTokens) / double(std::max<int64_t>(1, r.draftedTokens));
+    // Tokens a verification pass yields: its accepted drafts and the model's own next token.
+    const double perPass =
+        double(r.acceptedTokens + r.verifySteps) / double(std::max<int64_t>(1, r.verifySteps));
+    std::printf("spec batch %d: %lld prompts x %d tokens, %lld generated, %s drafts <= %d: "
+                "outputs %s\n"
+                "  decode %.1f tokens/s plain, %.1f speculative (%.2fx); %lld passes, %lld "
+                "drafted, %lld accepted (acceptance %.0f%%, %.2f tokens per pass); %lld decode "
+                "steps without drafts (speculation did not pay)\n"
+                "  rollback memory %.1f KiB per sequence: state snapshot %.1f KiB, KDA replay "
+                "inputs %.1f KiB, KV tail pages %.1f KiB (truncated, not copied)\n",
+                batch, static_cast<long long>(r.prompts), o.promptTokens,
+                static_cast<long long>(r.generatedTokens),
+                std::string(hybrid::draftSourceName(*draftSource)).c_str(), o.draftTokens,
+                r.identical ? "identical" : "DIFFERENT", r.plainTokensPerSecond,
+                r.speculativeTokensPerSecond, ratio, static_cast<long long>(r.verifySteps),
+                static_cast<long long>(r.draftedTokens), static_cast<long long>(r.acceptedTokens),
+                100.0 * acceptance, perPass, static_cast<long long>(r.declinedDrafts),
+                r.rollbackBytesPerSequence / 1024.0, r.stateSnapshotBytes / 1024.0,
+                r.replayLogBytes / 1024.0, r.kvTailBytes / 1024.0);
+    std::ostringstream json;
+    json << "{\"batch\": " << batch << ", \"prompt_tokens\": " << o.promptTokens
+         << ", \"new_tokens\": " << o.maxTokens << ", \"draft_tokens\": " << o.draftTokens
+         << ", \"draft_source\": \"" << hybrid::draftSourceName(*draftSource)
+         << "\", \"identical\": " << (r.identical ? "true" : "false")
+         << ", \"plain_tokens_per_second\": " << r.plainTokensPerSecond
+         << ", \"speculative_tokens_per_second\": " << r.speculativeTokensPerSecond
+         << ", \"speedup\": " << ratio << ", \"verify_passes\": " << r.verifySteps
+         << ", \"drafted\": " << r.draftedTokens << ", \"accepted\": " << r.acceptedTokens
+         << ", \"acceptance\": " << acceptance << ", \"tokens_per_pass\": " << perPass
+         << ", \"declined_drafts\": " << r.declinedDrafts
+         << ", \"rollback_bytes_per_sequence\": {\"state_snapshot\": " << r.stateSnapshotBytes
+         << ", \"kda_replay_inputs\": " << r.replayLogBytes << ", \"kv_tail_pages\": "
+         << r.kvTailBytes << "}}";
+    // Compared by the speculative decode's time per token.
+    rows.push_back({"spec batch=" + std::to_string(batch) + " prompt=" +
+                        std::to_string(o.promptTokens) + " new=" + std::to_string(o.maxTokens) +
+                        " draft=" + std::to_string(o.draftTokens) + " source=" +
+                        std::string(hybrid::draftSourceName(*draftSource)),
+                    1e6 / std::max(r.speculativeTokensPerSecond, 1e-9), json.str()});
   }
-  auto report = hybrid::benchmarkSpeculation(**model, inputs, maxTokens, draftTokens, *draftSource);
-  if (!report) {
-    std::cerr << "error: spec: " << report.status().message() << "\n";
-    return 1;
-  }
-  std::printf("spec: %lld prompts x %d tokens, %lld generated, %s drafts <= %d: outputs %s\n"
-              "decode %.1f tokens/s plain, %.1f speculative (%.2fx); %lld passes, %lld drafted, "
-              "%lld accepted (%.0f%%); rollback memory %.1f KiB per sequence\n",
-              static_cast<long long>(report->prompts), promptTokens,
-              static_cast<long long>(report->generatedTokens),
-              std::string(hybrid::draftSourceName(*draftSource)).c_str(), draftTokens,
-              report->identical ? "identical" : "DIFFERENT", report->plainTokensPerSecond,
-              report->speculativeTokensPerSecond,
-              report->speculativeTokensPerSecond / std::max(report->plainTokensPerSecond, 1e-9),
-              static_cast<long long>(report->verifySteps),
-              static_cast<long long>(report->draftedTokens),
-              static_cast<long long>(report->acceptedTokens),
-              100.0 * report->acceptedTokens / std::max<int64_t>(1, report->draftedTokens),
-              report->rollbackBytesPerSequence / 1024.0);
-  return report->identical ? 0 : 1;
+  std::string device = o.load.device;
+#ifdef HYBRID_BENCH_KDA
+  if (o.load.device == "cuda")
+    device = kc::benchDeviceName();
+#endif
+  const int recorded = finishRecord(record, device, std::move(rows));
+  return identical ? recorded : 1;
 }
 
 } // namespace
@@ -773,30 +831,34 @@ int main(int argc, char **argv) {
   serve->add_flag("--synthetic-weights", modelOptions.syntheticWeights,
                   "--model: compiled with --synthetic-weights (values generated at load)");
   serve->add_option("--json", o.jsonPath, "Write the results as JSON");
-  int32_t specPrompts = 8, specPromptTokens = 64, specMaxTokens = 32, specDraft = 4;
-  uint64_t specSeed = 1;
-  std::string specModel;
-  hybrid::LoadOptions specOptions;
+  SpecOptions specOptions;
   CLI::App *spec = app.add_subcommand(
-      "spec", "Speculative (prompt-lookup drafts) against plain greedy decoding on a model");
-  spec->add_option("--model", specModel, "A compiled model")->required();
-  spec->add_option("--prompts", specPrompts, "Prompts (half repetitive)")
+      "spec", "Speculative (prompt-lookup or MTP drafts) against plain greedy decoding, batched");
+  spec->add_option("--model", specOptions.model, "A compiled model")->required();
+  spec->add_option("--batch", specOptions.batches,
+                   "Requests decoding together, one run per value (repetitive-text prompts)")
+      ->delimiter(',')
       ->check(CLI::PositiveNumber);
-  spec->add_option("--prompt-tokens", specPromptTokens, "Prompt length")
+  spec->add_option("--prompt-tokens", specOptions.promptTokens, "Prompt length")
       ->check(CLI::PositiveNumber);
-  spec->add_option("--max-tokens", specMaxTokens, "Tokens to generate per prompt")
+  spec->add_option("--max-tokens", specOptions.maxTokens, "Tokens to generate per prompt")
       ->check(CLI::PositiveNumber);
-  spec->add_option("--draft", specDraft, "Most draft tokens per verification pass")
+  spec->add_option("--draft", specOptions.draftTokens, "Most draft tokens per verification pass")
       ->check(CLI::PositiveNumber);
-  std::string specDraftSource = "prompt-lookup";
-  spec->add_option("--draft-source", specDraftSource,
+  spec->add_option("--draft-source", specOptions.draftSource,
                    "prompt-lookup, or mtp (the model's multi-token-prediction layer)");
-  spec->add_option("--seed", specSeed, "Prompt seed");
-  spec->add_option("--device", specOptions.device, "cpu or cuda")->default_val("cpu");
-  spec->add_option("--kda-prefill", specOptions.kdaPrefill,
+  spec->add_flag("--always-draft", specOptions.alwaysDraft,
+                 "Draft on every greedy step, also where a verification pass is slower than the "
+                 "batched decode step it replaces (default: drafts back off to 0 there)");
+  spec->add_option("--seed", specOptions.seed, "Prompt seed");
+  spec->add_option("--device", specOptions.load.device, "cpu or cuda")->default_val("cpu");
+  spec->add_flag("--synthetic-weights", specOptions.load.syntheticWeights,
+                 "The model was compiled with --synthetic-weights (values generated at load)");
+  spec->add_option("--kda-prefill", specOptions.load.kdaPrefill,
                    "cuda: KDA prefill kernel of the verification passes: auto, chunked (bf16 "
                    "operands: near-ties may flip against fp32 decode steps) or recurrent")
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
+  addRecordOptions(spec, record);
   std::string batchModel;
   hybrid::LoadOptions batchOptions;
   std::vector<int32_t> decodeBatches = {1, 2, 4};
@@ -861,9 +923,7 @@ int main(int argc, char **argv) {
     return runDecodeBatch(batchModel, batchOptions, decodeBatches, batchPromptTokens, batchSteps);
   }
   if (spec->parsed())
-    return runSpec(specModel, specOptions, specPrompts, specPromptTokens, specMaxTokens, specDraft,
-                   specDraftSource,
-                   specSeed);
+    return runSpec(specOptions, record);
   if (serve->parsed())
     return runServe(load, modelDir, modelOptions, o.jsonPath);
   if (kda->parsed())

@@ -1,12 +1,15 @@
 #include "hybrid/runtime/Generate.h"
 
+#include "hybrid/runtime/Memory.h"
 #include "hybrid/runtime/Safetensors.h"
+#include "hybrid/runtime/Scheduler.h"
 
 #include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <sstream>
 
 namespace hybrid {
@@ -205,43 +208,107 @@ StatusOr<BatchDecodeReport> benchmarkBatchedDecode(Model &model, std::span<const
   return report;
 }
 
-StatusOr<SpeculationReport>
-benchmarkSpeculation(Model &model, const std::vector<std::vector<int64_t>> &prompts,
-                     int64_t maxNewTokens, int64_t draftTokens, DraftSourceKind draftSource) {
-  SpeculationReport report;
-  double plainSeconds = 0, speculativeSeconds = 0;
-  int64_t decodedTokens = 0; // tokens after the first of each prompt (what decode steps make)
-  for (const auto &prompt : prompts) {
-    GenerationOptions plain;
-    plain.maxNewTokens = maxNewTokens;
-    HYBRID_ASSIGN_OR_RETURN(GenerationResult reference, generateGreedy(model, prompt, plain));
-    GenerationOptions speculative = plain;
-    speculative.draftTokens = draftTokens;
-    speculative.draftSource = draftSource;
-    HYBRID_ASSIGN_OR_RETURN(GenerationResult result, generateGreedy(model, prompt, speculative));
-    ++report.prompts;
-    report.generatedTokens += static_cast<int64_t>(result.generated.size());
-    report.identical = report.identical && result.generated == reference.generated;
-    plainSeconds += reference.decodeSeconds;
-    speculativeSeconds += result.decodeSeconds;
-    decodedTokens += std::max<int64_t>(0, static_cast<int64_t>(result.generated.size()) - 1);
-    report.verifySteps += result.verifySteps;
-    report.draftedTokens += result.draftedTokens;
-    report.acceptedTokens += result.acceptedTokens;
+namespace {
+
+// One Scheduler run over `prompts` (all submitted at once): every request's tokens, and the
+// decode phase's seconds and tokens (the steps after every request had its first token).
+struct ScheduledRun {
+  std::vector<std::vector<int64_t>> tokens;
+  double decodeSeconds = 0;
+  int64_t decodeTokens = 0;
+  SchedulerStats stats;
+};
+
+StatusOr<ScheduledRun> runScheduled(Model &model, const std::vector<std::vector<int64_t>> &prompts,
+                                    const SchedulerOptions &options, int64_t maxNewTokens) {
+  Scheduler scheduler(model, options);
+  std::map<uint64_t, size_t> indexOf;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    HYBRID_ASSIGN_OR_RETURN(uint64_t id, scheduler.submit({.prompt = prompts[i],
+                                                           .maxNewTokens = maxNewTokens,
+                                                           .stopTokens = {},
+                                                           .sampling = {}}));
+    indexOf[id] = i;
   }
-  report.plainTokensPerSecond = decodedTokens / std::max(plainSeconds, 1e-9);
-  report.speculativeTokensPerSecond = decodedTokens / std::max(speculativeSeconds, 1e-9);
-  // Per sequence: the snapshot, and per KDA layer the logged inputs of up to draftTokens + 1
-  // rows (pre-conv q, k, v and q, k, v, g: 7 x P floats, beta: H floats per row).
+  ScheduledRun run;
+  run.tokens.resize(prompts.size());
+  size_t started = 0; // requests with their first token
+  while (!scheduler.idle()) {
+    const bool decodePhase = started == prompts.size();
+    const auto start = std::chrono::steady_clock::now();
+    const std::vector<TokenEvent> events = scheduler.step();
+    if (decodePhase)
+      run.decodeSeconds += seconds(start);
+    for (const TokenEvent &event : events) {
+      if (!event.error.empty())
+        return Status::error("request " + std::to_string(indexOf[event.request]) + ": " +
+                             event.error);
+      std::vector<int64_t> &tokens = run.tokens[indexOf[event.request]];
+      if (tokens.empty())
+        ++started;
+      else if (decodePhase)
+        ++run.decodeTokens;
+      tokens.push_back(event.token);
+    }
+  }
+  run.stats = scheduler.stats();
+  return run;
+}
+
+} // namespace
+
+StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
+                                                 const std::vector<std::vector<int64_t>> &prompts,
+                                                 const SpeculationOptions &options) {
+  if (prompts.empty())
+    return Status::error("benchmarkSpeculation: no prompts");
+  SchedulerOptions plain;
+  plain.prefillChunkTokens = options.prefillChunkTokens;
+  // Untimed first: the cuda device captures its decode graph of this batch on first use.
+  HYBRID_RETURN_IF_ERROR(
+      runScheduled(model, prompts, plain, std::min<int64_t>(3, options.maxNewTokens)).status());
+  HYBRID_ASSIGN_OR_RETURN(ScheduledRun reference,
+                          runScheduled(model, prompts, plain, options.maxNewTokens));
+  SchedulerOptions speculative = plain;
+  speculative.draftTokens = options.draftTokens;
+  speculative.draftSource = options.draftSource;
+  speculative.draftOnlyWhenItPays = options.draftOnlyWhenItPays;
+  HYBRID_ASSIGN_OR_RETURN(ScheduledRun drafted,
+                          runScheduled(model, prompts, speculative, options.maxNewTokens));
+  SpeculationReport report;
+  report.prompts = static_cast<int64_t>(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    report.generatedTokens += static_cast<int64_t>(drafted.tokens[i].size());
+    report.identical = report.identical && drafted.tokens[i] == reference.tokens[i];
+  }
+  report.plainTokensPerSecond = reference.decodeTokens / std::max(reference.decodeSeconds, 1e-9);
+  report.speculativeTokensPerSecond = drafted.decodeTokens / std::max(drafted.decodeSeconds, 1e-9);
+  report.verifySteps = drafted.stats.verifySteps;
+  report.draftedTokens = drafted.stats.draftedTokens;
+  report.acceptedTokens = drafted.stats.acceptedTokens;
+  report.declinedDrafts = drafted.stats.declinedDrafts;
+
+  // Per sequence: the pre-verification snapshot (fp32 on the host, on either device), the logged
+  // inputs of draftTokens + 1 rows per KDA layer, and the KV pages the draft rows can take.
   const Model::Usage usage = model.usage();
-  uint64_t logBytes = 0;
+  report.stateSnapshotBytes = usage.recurrentStateBytes;
+  const bool onGpu = !model.placementReport().empty();
+  const uint64_t rows = static_cast<uint64_t>(options.draftTokens + 1);
   if (const auto *recurrent = model.plan().cache()->recurrent())
     for (const auto *layer : *recurrent) {
       const uint64_t heads = static_cast<uint64_t>(layer->num_heads());
       const uint64_t P = heads * static_cast<uint64_t>(layer->head_k_dim());
-      logBytes += static_cast<uint64_t>(draftTokens + 1) * (7 * P + heads) * sizeof(float);
+      // cpu (KdaReplayLog): pre-conv q, k, v and q, k, v, g (7P) and beta (H) per row; cuda
+      // (the device log): q, k, v (3P), forget (P), beta (H), gate (P) and an output row (P).
+      report.replayLogBytes += rows * ((onGpu ? 6 : 7) * P + heads) * sizeof(float);
     }
-  report.rollbackBytesPerSequence = usage.recurrentStateBytes + logBytes;
+  if (model.plan().cache()->kv() && model.plan().cache()->kv()->size() > 0) {
+    HYBRID_ASSIGN_OR_RETURN(uint64_t pageBytes, PagedKvCache::bytesPerPage(*model.plan().cache()));
+    // A pass of `rows` tokens spans at most pagesFor(rows) + 1 pages, the first already held.
+    report.kvTailBytes = static_cast<uint64_t>(model.pagesFor(static_cast<int64_t>(rows))) * pageBytes;
+  }
+  report.rollbackBytesPerSequence =
+      report.stateSnapshotBytes + report.replayLogBytes + report.kvTailBytes;
   return report;
 }
 

@@ -3,6 +3,7 @@
 #include "hybrid/runtime/Generate.h"
 
 #include <algorithm>
+#include <chrono>
 #include <span>
 
 namespace hybrid {
@@ -14,6 +15,7 @@ struct Scheduler::Active {
   std::unique_ptr<Sequence> sequence;
   int64_t fed = 0;         // context tokens the sequence has consumed
   int64_t draftLength = 0; // speculative decoding: this request's current draft length
+  double acceptedPerPass = -1; // running mean of its accepted drafts per pass (-1: none yet)
 
   int64_t generated() const {
     return static_cast<int64_t>(context.size() - request.prompt.size());
@@ -70,6 +72,31 @@ StatusOr<uint64_t> Scheduler::submit(GenerationRequest request) {
 // (accepting a draft token by argmax would not sample from the distribution asked for).
 bool Scheduler::speculates(const Active &active) const {
   return options_.draftTokens > 0 && samplingIsGreedy(active.request.sampling);
+}
+
+namespace {
+
+double secondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+// Running means that follow a drifting cost (batch sizes and contexts change).
+double blend(double mean, double sample) { return mean <= 0 ? sample : 0.75 * mean + 0.25 * sample; }
+
+} // namespace
+
+bool Scheduler::draftingPays(const Active &active) {
+  if (!options_.draftOnlyWhenItPays)
+    return true;
+  if (verifyPassSeconds_ <= 0) { // nothing timed yet: one request per step finds out
+    const bool probe = !probedThisStep_;
+    probedThisStep_ = true;
+    return probe;
+  }
+  if (decodeRowSeconds_ <= 0)
+    return false; // a plain step first, to compare with
+  const double expected =
+      1 + (active.acceptedPerPass >= 0 ? active.acceptedPerPass : double(active.draftLength));
+  return expected / verifyPassSeconds_ >= 1 / decodeRowSeconds_;
 }
 
 int64_t Scheduler::stepPages(const Active &active) const {
@@ -168,7 +195,8 @@ void Scheduler::runOwnStep(Active &active, Outcome &outcome, bool &decodes) {
               std::span(active.context).first(static_cast<size_t>(boundary)));
           !kept)
         outcome.logits = kept;
-  } else if (speculates(active)) {
+  } else if (speculates(active) && draftingPays(active)) {
+    const auto start = std::chrono::steady_clock::now();
     const int64_t room = active.request.maxNewTokens - active.generated();
     StatusOr<std::vector<int64_t>> proposed = (*drafts_)->propose(
         *active.sequence, active.context, std::min(active.draftLength, room - 1));
@@ -186,6 +214,9 @@ void Scheduler::runOwnStep(Active &active, Outcome &outcome, bool &decodes) {
       stats_.acceptedTokens += verified->accepted;
       active.draftLength = adaptDraftLength(active.draftLength, options_.draftTokens,
                                             static_cast<int64_t>(draft.size()), verified->accepted);
+      active.acceptedPerPass = blend(active.acceptedPerPass < 0 ? 0 : active.acceptedPerPass,
+                                     double(verified->accepted));
+      verifyPassSeconds_ = blend(verifyPassSeconds_, secondsSince(start));
       outcome.chosen = verified->tokens;
       outcome.logits = std::move(verified->logits);
     } else {
@@ -193,6 +224,8 @@ void Scheduler::runOwnStep(Active &active, Outcome &outcome, bool &decodes) {
     }
     active.fed = contextLength;
   } else {
+    if (speculates(active))
+      ++stats_.declinedDrafts;
     decodes = true;
   }
 }
@@ -224,7 +257,10 @@ void Scheduler::decodeGroup(const std::vector<size_t> &group, std::vector<Outcom
       ++stats_.decodeBatches;
       stats_.batchedDecodeRows += static_cast<int64_t>(count);
     }
+    const auto start = std::chrono::steady_clock::now();
     StatusOr<std::vector<int64_t>> chosen = model_.decodeBatchChoose(sequences, tokens, choices);
+    if (chosen)
+      decodeRowSeconds_ = blend(decodeRowSeconds_, secondsSince(start) / double(count));
     for (size_t i = 0; i < count; ++i) {
       Outcome &outcome = outcomes[group[first + i]];
       if (!chosen) {
@@ -238,6 +274,7 @@ void Scheduler::decodeGroup(const std::vector<size_t> &group, std::vector<Outcom
 }
 
 std::vector<TokenEvent> Scheduler::step() {
+  probedThisStep_ = false;
   reserveStepPages();
   while (!waiting_.empty() && admit(*waiting_.front())) {
     running_.push_back(std::move(waiting_.front()));

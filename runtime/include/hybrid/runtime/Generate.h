@@ -52,10 +52,20 @@ struct GenerationOptions {
   SamplingParams sampling;
 };
 
-// Speculative against plain greedy decoding on the same prompts (hybrid-bench spec): both must
-// give the same tokens; decode throughput of each, the drafts' acceptance, and the memory a
-// rollback keeps per sequence (one recurrent-state snapshot plus the logged KDA inputs of one
-// verification pass).
+// Speculative against plain greedy decoding on the same prompts (hybrid-bench spec), all of them
+// decoding together through a Scheduler (one request per prompt: the batch): both runs must give
+// the same tokens. Decode throughput of each (tokens after every request's first, over the steps
+// after every prompt was prefilled), the drafts' acceptance, and the memory a rollback keeps per
+// sequence: the recurrent state's pre-verification snapshot, the logged KDA inputs of one pass
+// (draftTokens + 1 rows, replayed for the accepted prefix), and the KV pages a pass can append
+// past the kept tokens (truncated, not copied).
+struct SpeculationOptions {
+  int64_t maxNewTokens = 32;
+  int64_t draftTokens = 4;
+  DraftSourceKind draftSource = DraftSourceKind::PromptLookup;
+  bool draftOnlyWhenItPays = true; // SchedulerOptions::draftOnlyWhenItPays
+  int64_t prefillChunkTokens = 8192;
+};
 struct SpeculationReport {
   int64_t prompts = 0;
   int64_t generatedTokens = 0;
@@ -63,12 +73,13 @@ struct SpeculationReport {
   double plainTokensPerSecond = 0;
   double speculativeTokensPerSecond = 0;
   int64_t verifySteps = 0, draftedTokens = 0, acceptedTokens = 0;
-  uint64_t rollbackBytesPerSequence = 0;
+  int64_t declinedDrafts = 0; // decode steps that did not draft: speculation did not pay
+  uint64_t stateSnapshotBytes = 0, replayLogBytes = 0, kvTailBytes = 0; // per sequence
+  uint64_t rollbackBytesPerSequence = 0; // their sum
 };
-StatusOr<SpeculationReport>
-benchmarkSpeculation(Model &model, const std::vector<std::vector<int64_t>> &prompts,
-                     int64_t maxNewTokens, int64_t draftTokens,
-                     DraftSourceKind draftSource = DraftSourceKind::PromptLookup);
+StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
+                                                 const std::vector<std::vector<int64_t>> &prompts,
+                                                 const SpeculationOptions &options);
 
 // Batched decode throughput (hybrid-bench decode-batch): `batch` sequences prefilled with
 // `prompt`, one warm-up step (it captures the cuda device's graphs), then `steps` steps of

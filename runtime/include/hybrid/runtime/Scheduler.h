@@ -50,6 +50,12 @@ struct SchedulerOptions {
   // source the model cannot serve (mtp without an `mtp` program) makes submit() refuse.
   int64_t draftTokens = 0;
   DraftSourceKind draftSource = DraftSourceKind::PromptLookup;
+  // Speculate only where it pays: a request verifies its drafts (one pass of its own) only while
+  // its expected tokens per pass (1 + its running mean of accepted drafts) over the measured
+  // seconds of a pass beat a plain decode row's rate (a batched decode step's seconds over its
+  // rows); otherwise it joins the batched decode step, i.e. its drafts back off to 0. Before a
+  // pass has been timed one request per step probes. Off: every greedy request speculates.
+  bool draftOnlyWhenItPays = false;
 };
 
 struct SchedulerStats {
@@ -63,6 +69,7 @@ struct SchedulerStats {
   int64_t verifySteps = 0;    // speculative decoding: verification passes,
   int64_t draftedTokens = 0;  // draft tokens proposed
   int64_t acceptedTokens = 0; // and accepted
+  int64_t declinedDrafts = 0; // decode steps that skipped drafting: it did not pay (above)
   int64_t decodeBatches = 0;     // Model::decodeBatch calls
   int64_t batchedDecodeRows = 0; // decode steps they ran
 };
@@ -110,6 +117,10 @@ private:
   SchedulerOptions options_;
   StatusOr<std::unique_ptr<DraftSource>> drafts_ = std::unique_ptr<DraftSource>();
   uint64_t nextId_ = 1;
+  // draftOnlyWhenItPays's measurements (0: none yet) and this step's probe.
+  double verifyPassSeconds_ = 0, decodeRowSeconds_ = 0;
+  bool probedThisStep_ = false;
+  bool draftingPays(const Active &active);
   std::deque<std::unique_ptr<Active>> waiting_;
   std::vector<std::unique_ptr<Active>> running_; // in admission order
   SchedulerStats stats_;
