@@ -655,7 +655,7 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
                 "outputs %s\n"
                 "  decode %.1f tokens/s plain, %.1f speculative (%.2fx); %lld passes, %lld "
                 "drafted, %lld accepted (acceptance %.0f%%, %.2f tokens per pass); %lld decode "
-                "steps without drafts (speculation did not pay)\n"
+                "steps without a pass (drafting did not pay, or nothing was proposed)\n"
                 "  rollback memory %.1f KiB per sequence: state snapshot %.1f KiB, KDA replay "
                 "inputs %.1f KiB, KV tail pages %.1f KiB (truncated, not copied)\n",
                 batch, static_cast<long long>(r.prompts), o.promptTokens,

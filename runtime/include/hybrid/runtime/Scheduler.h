@@ -69,7 +69,9 @@ struct SchedulerStats {
   int64_t verifySteps = 0;    // speculative decoding: verification passes,
   int64_t draftedTokens = 0;  // draft tokens proposed
   int64_t acceptedTokens = 0; // and accepted
-  int64_t declinedDrafts = 0; // decode steps that skipped drafting: it did not pay (above)
+  // Decode steps of a speculating request without a pass (draftOnlyWhenItPays): drafting did
+  // not pay, or the source proposed nothing (a plain batched step is cheaper than a pass).
+  int64_t declinedDrafts = 0;
   int64_t decodeBatches = 0;     // Model::decodeBatch calls
   int64_t batchedDecodeRows = 0; // decode steps they ran
 };
