@@ -39,6 +39,8 @@ struct DispatchSpec {
   int32_t kvSlot = 0;
   int32_t stateSlot = 0;
   int32_t numExperts = 2;
+  CollectiveGroup group = CollectiveGroup::TensorParallel;
+  int32_t tailRows = 0;
 };
 
 struct CopySpec {
@@ -57,6 +59,7 @@ struct ValueSpec {
   DType dtype = DType::F32;
   int64_t rowElements = 0;
   uint64_t arenaOffset = 0;
+  ValueRows rows = ValueRows::Step;
 };
 
 struct WeightSpec {
@@ -235,7 +238,7 @@ flatbuffers::Offset<void> buildParams(flatbuffers::FlatBufferBuilder &builder,
   case KernelParams::LmHeadParams:
     return CreateLmHeadParams(builder).Union();
   case KernelParams::CollectiveParams:
-    return CreateCollectiveParams(builder).Union();
+    return CreateCollectiveParams(builder, dispatch.group, dispatch.tailRows).Union();
   case KernelParams::NONE:
     break;
   }
@@ -267,7 +270,7 @@ std::vector<std::byte> buildPlan(const PlanSpec &spec) {
   for (size_t i = 0; i < spec.values.size(); ++i)
     values.push_back(CreateValueDirect(builder, spec.values[i].dtype, spec.values[i].rowElements,
                                        spec.values[i].arenaOffset,
-                                       ("value" + std::to_string(i)).c_str()));
+                                       ("value" + std::to_string(i)).c_str(), spec.values[i].rows));
   std::vector<flatbuffers::Offset<Step>> steps;
   for (const StepSpec &step : spec.steps) {
     if (step.dispatch) {
@@ -654,6 +657,71 @@ TEST(PlanLoader, AllReduceSum) {
   firstDispatch(plan) = dispatchOf(KernelId::AllReduceSum, KernelParams::AddParams, {}, {1}, {2});
   EXPECT_CONTAINS(loadError(plan), "kernel AllReduceSum takes CollectiveParams, the plan gives "
                                    "AddParams");
+}
+
+// Context parallelism (plan format 1.4): values of other rows than the step's, their arena slots,
+// and the gathers between them, only in a plan sharded for it.
+TEST(PlanLoader, ContextParallelRowsAndGathers) {
+  PlanSpec plan = minimalPlan();
+  plan.worldSize = 2;
+  plan.contextParallel = 2;
+  plan.values[1].rows = ValueRows::ContextShard;
+  firstDispatch(plan) = dispatchOf(KernelId::AllGatherRows, KernelParams::CollectiveParams, {},
+                                   {1}, {2});
+  firstDispatch(plan).group = CollectiveGroup::ContextParallel;
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(plan), kSource).isOk());
+  firstDispatch(plan).tailRows = 3; // a KDA layer's conv tails
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(plan), kSource).isOk());
+
+  PlanSpec negative = plan;
+  firstDispatch(negative).tailRows = -1;
+  EXPECT_CONTAINS(loadError(negative), "(AllGatherRows).params.tail_rows = -1 is negative");
+  PlanSpec group = plan;
+  firstDispatch(group).group = CollectiveGroup::TensorParallel;
+  EXPECT_CONTAINS(loadError(group), "(AllGatherRows).params.group: AllGatherRows gathers over the "
+                                    "ContextParallel group");
+  PlanSpec backwards = plan;
+  firstDispatch(backwards).inputs = {2};
+  firstDispatch(backwards).outputs = {1};
+  EXPECT_CONTAINS(loadError(backwards), "(AllGatherRows): gathers Step rows into ContextShard rows "
+                                        "(ContextShard -> Step or ContextChunks -> "
+                                        "AllContextChunks)");
+  PlanSpec reduce = plan;
+  firstDispatch(reduce) = dispatchOf(KernelId::AllReduceSum, KernelParams::CollectiveParams, {},
+                                     {1}, {2});
+  firstDispatch(reduce).group = CollectiveGroup::ContextParallel;
+  EXPECT_CONTAINS(loadError(reduce), "(AllReduceSum).params.group: an all-reduce sums over the "
+                                     "TensorParallel or ExpertParallel group");
+
+  // Per-chunk values hold 2 (or 2 x context_parallel) rows: a slot sized for them fits.
+  PlanSpec chunks = minimalPlan();
+  chunks.worldSize = 2;
+  chunks.contextParallel = 2;
+  chunks.values.push_back({DType::F32, 100, 576, ValueRows::AllContextChunks}); // 4 rows
+  chunks.arenaBytes = 576 + 4 * 100 * 4;
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(chunks), kSource).isOk());
+  chunks.arenaBytes -= 4;
+  EXPECT_CONTAINS(loadError(chunks), "values[3]: arena_offset 576 + 4 chunk rows x 100 F32 reaches "
+                                     "past arena_bytes 2172");
+
+  // Without context parallelism every value holds the step's rows, and there is no context group.
+  PlanSpec unsharded = minimalPlan();
+  unsharded.values[1].rows = ValueRows::ContextShard;
+  EXPECT_CONTAINS(loadError(unsharded), "values[1].rows: ContextShard in a plan without context "
+                                        "parallelism (target.context_parallel 1)");
+  PlanSpec noGroup = minimalPlan();
+  firstDispatch(noGroup) = dispatchOf(KernelId::AllGatherRows, KernelParams::CollectiveParams, {},
+                                      {1}, {2});
+  firstDispatch(noGroup).group = CollectiveGroup::ContextParallel;
+  EXPECT_CONTAINS(loadError(noGroup), "(AllGatherRows).params.group: ContextParallel in a plan "
+                                      "without context parallelism (target.context_parallel 1)");
+
+  // Experts spread over the ranks holding the same tokens only.
+  PlanSpec experts = plan;
+  experts.expertParallel = 2;
+  EXPECT_CONTAINS(loadError(experts), "target: tensor_parallel 1 x context_parallel 2 must equal "
+                                      "world_size 2, and expert_parallel 2 must be 1 or "
+                                      "tensor_parallel");
 }
 
 TEST(PlanLoader, OperandCountsFollowTheKernelSignature) {

@@ -414,6 +414,10 @@ private:
     if (value.arena_offset() % elementBytes != 0)
       return Status::error(field + ".arena_offset = " + std::to_string(value.arena_offset()) +
                            " is not aligned to its " + dtypeName(value.dtype()) + " elements");
+    const bool perChunk = value.rows() == fb::ValueRows::ContextChunks ||
+                          value.rows() == fb::ValueRows::AllContextChunks;
+    const std::string rowsText = perChunk ? std::to_string(rows) + " chunk rows"
+                                          : "max_tokens " + std::to_string(rows);
     uint64_t bytes = 0;
     uint64_t end = 0;
     if (__builtin_mul_overflow(static_cast<uint64_t>(rows),
@@ -421,7 +425,7 @@ private:
         __builtin_mul_overflow(bytes, elementBytes, &bytes) ||
         __builtin_add_overflow(value.arena_offset(), bytes, &end) || end > program.arena_bytes())
       return Status::error(field + ": arena_offset " + std::to_string(value.arena_offset()) +
-                           " + " + std::to_string(rows) + " rows x " +
+                           " + " + rowsText + " x " +
                            std::to_string(value.row_elements()) + " " + dtypeName(value.dtype()) +
                            " reaches past arena_bytes " + std::to_string(program.arena_bytes()));
     return Status::ok();
