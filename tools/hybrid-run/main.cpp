@@ -131,6 +131,7 @@ int main(int argc, char **argv) {
   std::vector<std::thread> peers;
   std::vector<hybrid::Status> peerStatus(static_cast<size_t>(worldSize), hybrid::Status::ok());
   std::vector<std::vector<int64_t>> peerTokens(static_cast<size_t>(worldSize));
+  std::vector<uint64_t> indexerPairs(static_cast<size_t>(worldSize)); // per rank (Model::Usage)
   auto joinPeers = [&]() {
     for (std::thread &peer : peers)
       peer.join();
@@ -156,6 +157,7 @@ int main(int argc, char **argv) {
           return;
         }
         peerTokens[static_cast<size_t>(rank)] = generated->generated;
+        indexerPairs[static_cast<size_t>(rank)] = (*peer)->usage().indexerScoredPairs;
       });
     load.communicator = group[0].get();
   }
@@ -209,6 +211,7 @@ int main(int argc, char **argv) {
 
   if (processRank && processRank->rank() != 0)
     return 0; // rank 0 reports (every rank computed the same logits)
+  indexerPairs[0] = (*model)->usage().indexerScoredPairs;
 
   std::cout << "generated:";
   for (int64_t id : result->generated)
@@ -229,6 +232,14 @@ int main(int argc, char **argv) {
                 static_cast<long long>(result->acceptedTokens),
                 100.0 * result->acceptedTokens / std::max<int64_t>(1, result->draftedTokens),
                 decodeTokens / std::max<double>(1, double(result->verifySteps)));
+  // The DSA indexer's work per rank thread (counted pairs, not time): context parallelism
+  // should spread it evenly.
+  if (worldSize > 1 && indexerPairs[0] > 0) {
+    std::printf("indexer pairs per rank:");
+    for (uint64_t pairs : indexerPairs)
+      std::printf(" %llu", static_cast<unsigned long long>(pairs));
+    std::printf("\n");
+  }
 
   if (!output.empty()) {
     hybrid::Status written = hybrid::writeGeneration(output, *result);
