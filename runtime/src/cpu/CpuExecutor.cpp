@@ -369,10 +369,11 @@ Status runKdaContextSummary(const StepContext &c, const fb::Dispatch &d, const W
   HYBRID_ASSIGN_OR_RETURN(KdaContextInputs in, kdaContextInputs(c, d));
   HYBRID_ASSIGN_OR_RETURN(std::span<float> summaries, floatValue(c, d.outputs()->Get(0)));
   const int64_t H = p->num_heads(), K = p->head_dim(), transition = H * K * K;
-  if (rowElements(c, d.outputs()->Get(0)) != transition + H * K * K)
-    return Status::error("output value " + std::to_string(d.outputs()->Get(0)) + " holds " +
-                         std::to_string(rowElements(c, d.outputs()->Get(0))) +
-                         " values per chunk, a summary is " + std::to_string(2 * transition));
+  if (rowElements(c, d.outputs()->Get(0)) != 2 * transition ||
+      static_cast<int64_t>(summaries.size()) != 2 * 2 * transition)
+    return Status::error("output value " + std::to_string(d.outputs()->Get(0)) +
+                         " must hold a summary of " + std::to_string(2 * transition) +
+                         " values for each of this rank's 2 chunks");
   HYBRID_ASSIGN_OR_RETURN(std::span<float> convState, c.states->convState(p->state_slot(),
                                                                           c.stateSlot));
   const std::vector<OwnChunk> chunks = ownChunks(*c.contextShard);
@@ -399,9 +400,11 @@ Status runKdaContext(const StepContext &c, const fb::Dispatch &d, const Weights 
   HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
   const ContextShard &s = *c.contextShard;
   const int64_t H = p->num_heads(), K = p->head_dim(), P = H * K, transition = H * K * K;
-  if (rowElements(c, d.inputs()->Get(2)) != 2 * transition)
-    return Status::error("input 2 holds " + std::to_string(rowElements(c, d.inputs()->Get(2))) +
-                         " values per chunk, a summary is " + std::to_string(2 * transition));
+  if (rowElements(c, d.inputs()->Get(2)) != 2 * transition ||
+      static_cast<int64_t>(summaries.size()) != 2 * int64_t(s.size) * 2 * transition)
+    return Status::error("input 2 must hold a summary of " + std::to_string(2 * transition) +
+                         " values for each of the step's " + std::to_string(2 * s.size) +
+                         " chunks");
   HYBRID_ASSIGN_OR_RETURN(std::span<float> convState, c.states->convState(p->state_slot(),
                                                                           c.stateSlot));
   HYBRID_ASSIGN_OR_RETURN(std::span<float> state, c.states->state(p->state_slot(), c.stateSlot));
@@ -541,6 +544,10 @@ Status runDsaIndexer(const StepContext &c, const fb::Dispatch &d) {
                          std::to_string(Di));
   // The step's keys: this rank's queries' and, under context parallelism, every rank's
   // (gathered); all of them join the cache.
+  if (static_cast<int64_t>(keys.size()) != stepRows(c) * Di)
+    return Status::error("input 1 holds " + std::to_string(keys.size() / size_t(Di)) +
+                         " keys, the step has " + std::to_string(stepRows(c)) +
+                         " tokens (a context-parallel prefill gathers them first)");
   std::span<float> staged = staging(c, p->kv_slot());
   for (int64_t t = 0; t < stepRows(c); ++t)
     std::copy_n(keys.data() + t * Di, Di,
@@ -651,6 +658,10 @@ Status runMla(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
                            std::to_string(rowElements(c, inputs->Get(ownInputs))) +
                            " values, the attention makes " + std::to_string(rkv + dr));
     HYBRID_ASSIGN_OR_RETURN(std::span<float> gathered, floatValue(c, inputs->Get(ownInputs)));
+    if (static_cast<int64_t>(gathered.size()) != stepRows(c) * (rkv + dr))
+      return Status::error("input " + std::to_string(ownInputs) + " holds " +
+                           std::to_string(gathered.size() / size_t(rkv + dr)) +
+                           " cache rows, the step has " + std::to_string(stepRows(c)) + " tokens");
     stepCacheRows = gathered;
   } else {
     HYBRID_ASSIGN_OR_RETURN(ownRows,
@@ -961,6 +972,8 @@ std::vector<int64_t> ContextShard::rowsOf(int r) const {
 StatusOr<std::vector<float>> gatherContextRows(const StepContext &context,
                                                std::span<const float> rows, int64_t width) {
   HYBRID_RETURN_IF_ERROR(needCommunicator(context));
+  if (!context.contextShard)
+    return Status::error("gathering rows outside a context-parallel prefill");
   const ContextShard &s = *context.contextShard;
   std::vector<float> mine(size_t(s.longest * width), 0.0f), all;
   std::copy(rows.begin(), rows.end(), mine.begin());
