@@ -86,7 +86,7 @@ rows=()
 # One check: a name, its log, and whether it passed (12 identical ids and MATCH).
 record() {
   local name=$1 log=$2 code=$3 verdict diff
-  diff=$(grep -o 'prompt logits: max abs diff [^ ]*' "$log" | head -1 | awk '{print $5}')
+  diff=$(grep -o 'prompt logits: max abs diff [^ ]*' "$log" | head -1 | awk '{print $6}')
   if [[ $code -eq 0 ]] && grep -q "gen_ids: $new_tokens compared, identical" "$log" &&
      grep -qx MATCH "$log"; then
     verdict=ok
