@@ -54,46 +54,80 @@ StatusOr<TiledWeight> retile(const WeightPlacement &weight, std::span<const std:
   return tiled;
 }
 
-// The bytes of a sharded plan's part of a row-major checkpoint tensor: `weight.shape` entries
-// starting at `weight.slice[1]` along axis `weight.slice[0]` of `full`.
+// A sharded plan's part of a row-major tensor of shape `full`: `weight.shape` entries starting at
+// `begin` along `axis`, i.e. `outer` runs of part[axis] x `inner` elements, each run starting
+// full[axis] x `inner` elements after the previous one.
+struct SliceGeometry {
+  int64_t axis = 0;
+  int64_t begin = 0;
+  int64_t outer = 1; // product of the dimensions before the axis
+  int64_t inner = 1; // product of the dimensions after it (elements)
+};
+
+StatusOr<SliceGeometry> sliceGeometry(const WeightPlacement &weight,
+                                      const std::vector<int64_t> &full, const std::string &path) {
+  const std::string what = path + ": tensor '" + weight.name + "'";
+  if (weight.slice.size() != 2 || weight.shape.size() != full.size())
+    return Status::error(what + ": the plan's slice needs [axis, begin] and the tensor's rank");
+  SliceGeometry slice{.axis = weight.slice[0], .begin = weight.slice[1]};
+  if (slice.axis < 0 || slice.axis >= static_cast<int64_t>(full.size()) || slice.begin < 0 ||
+      slice.begin + weight.shape[slice.axis] > full[slice.axis])
+    return Status::error(what + ": slice [" + std::to_string(slice.axis) + ", " +
+                         std::to_string(slice.begin) + "] of " +
+                         std::to_string(weight.shape[slice.axis]) +
+                         " entries is outside the tensor");
+  for (size_t d = 0; d < full.size(); ++d)
+    if (static_cast<int64_t>(d) != slice.axis && weight.shape[d] != full[d])
+      return Status::error(what + " does not match the plan's shape off the sliced axis");
+  for (int64_t d = 0; d < slice.axis; ++d)
+    slice.outer *= full[d];
+  for (size_t d = static_cast<size_t>(slice.axis) + 1; d < full.size(); ++d)
+    slice.inner *= full[d];
+  return slice;
+}
+
+// The bytes of a sharded plan's part of a row-major checkpoint tensor (sliceGeometry).
 StatusOr<std::vector<std::byte>> cutSlice(const WeightPlacement &weight,
                                           const std::vector<int64_t> &full,
                                           std::span<const std::byte> data,
                                           const std::string &path) {
-  const std::string what = path + ": tensor '" + weight.name + "'";
-  if (weight.slice.size() != 2 || weight.shape.size() != full.size())
-    return Status::error(what + ": the plan's slice needs [axis, begin] and the tensor's rank");
-  const int64_t axis = weight.slice[0], begin = weight.slice[1];
-  if (axis < 0 || axis >= static_cast<int64_t>(full.size()) || begin < 0 ||
-      begin + weight.shape[axis] > full[axis])
-    return Status::error(what + ": slice [" + std::to_string(axis) + ", " +
-                         std::to_string(begin) + "] of " + std::to_string(weight.shape[axis]) +
-                         " entries is outside the tensor");
-  for (size_t d = 0; d < full.size(); ++d)
-    if (static_cast<int64_t>(d) != axis && weight.shape[d] != full[d])
-      return Status::error(what + " does not match the plan's shape off the sliced axis");
-  int64_t outer = 1, inner = static_cast<int64_t>(dtypeByteSize(weight.dtype));
-  for (int64_t d = 0; d < axis; ++d)
-    outer *= full[d];
-  for (size_t d = static_cast<size_t>(axis) + 1; d < full.size(); ++d)
-    inner *= full[d];
-  if (static_cast<int64_t>(data.size()) != outer * full[axis] * inner)
-    return Status::error(what + " does not match its dtype and shape");
-  const int64_t run = weight.shape[axis] * inner; // contiguous bytes per outer index
-  std::vector<std::byte> part(static_cast<size_t>(outer * run));
-  for (int64_t o = 0; o < outer; ++o)
-    std::copy_n(data.data() + (o * full[axis] + begin) * inner, run, part.data() + o * run);
+  HYBRID_ASSIGN_OR_RETURN(SliceGeometry slice, sliceGeometry(weight, full, path));
+  const int64_t inner = slice.inner * static_cast<int64_t>(dtypeByteSize(weight.dtype));
+  if (static_cast<int64_t>(data.size()) != slice.outer * full[slice.axis] * inner)
+    return Status::error(path + ": tensor '" + weight.name +
+                         "' does not match its dtype and shape");
+  const int64_t run = weight.shape[slice.axis] * inner; // contiguous bytes per outer index
+  std::vector<std::byte> part(static_cast<size_t>(slice.outer * run));
+  for (int64_t o = 0; o < slice.outer; ++o)
+    std::copy_n(data.data() + (o * full[slice.axis] + slice.begin) * inner, run,
+                part.data() + o * run);
   return part;
 }
 
 // A synthetic weight's descriptor in the plan's layout: the logical matrix is the weight's 2-D
-// shape (other ranks: one row), stored row-major or in the plan's tiles.
+// shape (other ranks: one row), stored row-major or in the plan's tiles. A sharded plan's slice
+// (`slice` set, `full` the tensor's shape) draws the values the whole tensor has there: its
+// logical matrix is [outer, part[axis] x inner] (a 2-D weight's own shape either way), each row
+// part[axis] x inner elements of the seeded stream starting begin x inner into a run of
+// full[axis] x inner. Nothing is generated here; the runtime generates only this rank's part.
 Status addSyntheticWeight(WeightArchiveWriter &writer, const WeightPlacement &weight,
-                          const synth::SyntheticSpec &spec, const synth::SyntheticTensor &tensor) {
+                          const synth::SyntheticSpec &spec, const synth::SyntheticTensor &tensor,
+                          const std::optional<SliceGeometry> &slice,
+                          const std::vector<int64_t> &full) {
   const synth::SyntheticValues values = synth::syntheticValuesFor(spec, tensor);
-  SyntheticWeight synthetic{values.kind, values.key, values.a, values.b};
+  SyntheticWeight synthetic{.kind = values.kind, .key = values.key, .a = values.a, .b = values.b};
   std::vector<int64_t> stored = weight.shape;
-  if (weight.shape.size() == 2) {
+  if (slice && slice->axis == 0) {
+    // Whole rows of the [full[0], inner] matrix: consecutive in the stream.
+    synthetic.rows = weight.shape[0];
+    synthetic.cols = slice->inner;
+    synthetic.sourceOffset = slice->begin * slice->inner;
+  } else if (slice) {
+    synthetic.rows = slice->outer;
+    synthetic.cols = weight.shape[slice->axis] * slice->inner;
+    synthetic.sourceRowStride = full[slice->axis] * slice->inner;
+    synthetic.sourceOffset = slice->begin * slice->inner;
+  } else if (weight.shape.size() == 2) {
     synthetic.rows = weight.shape[0];
     synthetic.cols = weight.shape[1];
   } else {
@@ -259,11 +293,19 @@ StatusOr<PackResult> packWeights(std::span<const WeightPlacement> placements,
     if (!tensor)
       return Status::error(checkpointDir + ": tensor '" + weight.name +
                            "' the plan needs is not in the checkpoint");
+    if (!weight.slice.empty() && tensor->synthetic) {
+      // One rank's part of a tensor that exists nowhere: its descriptor names the window of the
+      // seeded tensor, and the runtime generates only that.
+      HYBRID_ASSIGN_OR_RETURN(SliceGeometry slice,
+                              sliceGeometry(weight, tensor->info->shape,
+                                            checkpoint->pathOf(*tensor)));
+      HYBRID_RETURN_IF_ERROR(addSyntheticWeight(writer, weight, *checkpoint->syntheticSpec(),
+                                                *tensor->synthetic, slice, tensor->info->shape));
+      ++result.entries;
+      continue;
+    }
     if (!weight.slice.empty()) {
       // One rank's part of the tensor, cut here so each rank's archive holds only what it reads.
-      if (tensor->synthetic)
-        return Status::error(checkpointDir + ": tensor '" + weight.name +
-                             "': synthetic weights cannot be sliced for a sharded plan yet");
       HYBRID_ASSIGN_OR_RETURN(std::vector<std::byte> part,
                               cutSlice(weight, tensor->info->shape,
                                        tensor->shard->bytes(*tensor->info),
@@ -282,7 +324,8 @@ StatusOr<PackResult> packWeights(std::span<const WeightPlacement> placements,
                            "' does not match the plan's shape");
     if (tensor->synthetic) {
       HYBRID_RETURN_IF_ERROR(addSyntheticWeight(writer, weight, *checkpoint->syntheticSpec(),
-                                                *tensor->synthetic));
+                                                *tensor->synthetic, std::nullopt,
+                                                tensor->info->shape));
       ++result.entries;
       continue;
     }

@@ -1,5 +1,6 @@
 // The host generator of synthetic weights (kernels/ref/synthetic_weights.cc): the distributions it
-// promises, a tiled fill equal to the re-tiled row-major fill, FP8 codes inside E4M3's range.
+// promises, a tiled fill equal to the re-tiled row-major fill, a sharded rank's windowed fill
+// equal to the whole tensor's slice, FP8 codes inside E4M3's range.
 #include "hybrid/kernels/SyntheticWeights.h"
 #include "hybrid/kernels/ref/Quant.h"
 #include "hybrid/kernels/ref/TiledLayout.h"
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <numbers>
+#include <string>
 #include <vector>
 
 namespace hybrid::kernels {
@@ -96,6 +98,60 @@ TEST(SyntheticWeights, TiledFillIsTheRowMajorFillRetiled) {
 
   std::vector<std::byte> expected(tiledBytes.size());
   ref::packTiled(rowBytes, expected, layout, 2);
+  EXPECT_EQ(tiledBytes, expected);
+}
+
+// A sharded plan's rank generates only its slice of a tensor: a fill whose source window places
+// its [rows, cols] in the whole tensor's stream gives the elements the whole tensor has there.
+// The windows the weight packer writes: rows (axis 0: consecutive, an offset), columns of a 2-D
+// weight or a range along a middle axis (a row stride of the whole run, an offset), and a column
+// slice stored in tiles.
+TEST(SyntheticWeights, WindowedFillIsTheWholeTensorsSlice) {
+  const int64_t dims[3] = {6, 10, 12}; // a [6, 10, 12] tensor
+  SyntheticFill whole = fillOf(SyntheticKind::Normal, SyntheticStorage::F32,
+                               static_cast<float>(0.06 * kPerUnit), 0.0f, 1, 6 * 10 * 12);
+  const std::vector<float> all = generateF32(whole);
+  for (int axis = 0; axis < 3; ++axis) {
+    int64_t outer = 1, inner = 1;
+    for (int d = 0; d < axis; ++d)
+      outer *= dims[d];
+    for (int d = axis + 1; d < 3; ++d)
+      inner *= dims[d];
+    const int64_t begin = 1, count = dims[axis] - 3; // neither end of the axis
+    SCOPED_TRACE("axis " + std::to_string(axis));
+    SyntheticFill slice = whole;
+    slice.rows = outer;
+    slice.cols = count * inner;
+    slice.sourceRowStride = dims[axis] * inner;
+    slice.sourceOffset = begin * inner;
+    slice.storedElements = slice.rows * slice.cols;
+    std::vector<float> expected;
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < count * inner; ++i)
+        expected.push_back(all[static_cast<size_t>((o * dims[axis] + begin) * inner + i)]);
+    EXPECT_EQ(generateF32(slice), expected);
+  }
+
+  // Columns [40, 90) of a 70 x 100 bf16 matrix, stored in 16 x 32 tiles.
+  SyntheticFill matrix = fillOf(SyntheticKind::Normal, SyntheticStorage::BF16,
+                                static_cast<float>(0.06 * kPerUnit), 0.0f, 70, 100);
+  std::vector<uint16_t> matrixBits(static_cast<size_t>(matrix.storedElements));
+  ref::fillSynthetic(matrix, matrixBits.data());
+  std::vector<std::byte> columns(70 * 50 * 2);
+  for (int64_t r = 0; r < 70; ++r)
+    std::memcpy(columns.data() + r * 50 * 2, matrixBits.data() + r * 100 + 40, 50 * 2);
+  const ref::TiledLayout layout{70, 50, {16, 32}};
+  SyntheticFill tiled = matrix;
+  tiled.cols = 50;
+  tiled.tileRows = 16;
+  tiled.tileCols = 32;
+  tiled.sourceRowStride = 100;
+  tiled.sourceOffset = 40;
+  tiled.storedElements = layout.paddedRows() * layout.paddedCols();
+  std::vector<std::byte> tiledBytes(static_cast<size_t>(tiled.storedElements) * 2);
+  ref::fillSynthetic(tiled, tiledBytes.data());
+  std::vector<std::byte> expected(tiledBytes.size());
+  ref::packTiled(columns, expected, layout, 2);
   EXPECT_EQ(tiledBytes, expected);
 }
 

@@ -422,10 +422,10 @@ TEST_F(WeightArchiveTest, CorruptEntryDataFoundByVerifyContents) {
 
 TEST_F(WeightArchiveTest, UnsupportedFormatVersion) {
   std::string message = corruptedOpenError([](std::string &bytes) {
-    storeU32(bytes, kFormatVersionField, 3);
+    storeU32(bytes, kFormatVersionField, 4);
     reseal(bytes);
   });
-  EXPECT_NE(message.find("'format_version' is 3"), std::string::npos) << message;
+  EXPECT_NE(message.find("'format_version' is 4"), std::string::npos) << message;
 }
 
 TEST_F(WeightArchiveTest, BadPageSize) {
@@ -572,6 +572,15 @@ std::vector<SyntheticTestEntry> sampleSyntheticEntries() {
        {SyntheticKind::Normal, 9, 0.25f, 0.0f, 10, 40, 8, 32}},
       {"model.layers.0.mlp.gate_proj.weight_scale_inv", DType::F32, {1, 1},
        {SyntheticKind::Constant, 11, 0.0f, 0.125f, 1, 1, 0, 0}},
+      // A sharded rank's columns [6, 12) of a [4, 12] tensor.
+      {"model.layers.0.self_attn.o_proj.weight", DType::BF16, {4, 6},
+       {.kind = SyntheticKind::Normal,
+        .key = 13,
+        .a = 0.5f,
+        .rows = 4,
+        .cols = 6,
+        .sourceRowStride = 12,
+        .sourceOffset = 6}},
   };
 }
 
@@ -631,7 +640,7 @@ TEST_F(SyntheticArchiveTest, RoundTripKeepsDescriptorsAndPlannedOffsets) {
   ASSERT_TRUE(archive.isOk()) << archive.status().message();
   EXPECT_TRUE(archive->synthetic());
   ASSERT_EQ(archive->entries().size(), entries.size());
-  const std::vector<uint64_t> sizes = {30, 16, 1024, 4};
+  const std::vector<uint64_t> sizes = {30, 16, 1024, 4, 48};
   const std::vector<uint64_t> offsets = planWeightOffsets(sizes);
   for (size_t i = 0; i < entries.size(); ++i) {
     const WeightArchiveEntry &entry = archive->entries()[i];
@@ -650,7 +659,53 @@ TEST_F(SyntheticArchiveTest, RoundTripKeepsDescriptorsAndPlannedOffsets) {
   EXPECT_EQ(fill.storedElements, 1024);
   EXPECT_EQ(fill.tileRows, 8);
   EXPECT_EQ(fill.cols, 40);
+  EXPECT_EQ(fill.sourceRowStride, 0);
+  const kernels::SyntheticFill window = syntheticFill(archive->entries()[4]);
+  EXPECT_EQ(window.sourceRowStride, 12);
+  EXPECT_EQ(window.sourceOffset, 6);
+  EXPECT_EQ(window.storedElements, 24);
   EXPECT_TRUE(archive->verifyContents().isOk());
+}
+
+// Format version 2 (before sharded plans) has no source window: its entries are whole tensors.
+TEST_F(SyntheticArchiveTest, VersionTwoReadsAsWholeTensors) {
+  const SyntheticTestEntry entry = sampleSyntheticEntries()[0];
+  std::string bytes = readWholeFile(writeSynthetic("whole.hyw", {entry}));
+  // The only record ends the file with its window (two u64 zeros): drop them, as version 2 wrote.
+  ASSERT_EQ(bytes.substr(bytes.size() - 16), std::string(16, '\0'));
+  bytes.resize(bytes.size() - 16);
+  storeU64(bytes, kTableSizeField, loadU64(bytes, kTableSizeField) - 16);
+  storeU32(bytes, kFormatVersionField, kWholeTensorSyntheticWeightArchiveFormatVersion);
+  reseal(bytes);
+  const std::string path = pathFor("version2.hyw");
+  writeWholeFile(path, bytes);
+  StatusOr<WeightArchive> archive = WeightArchive::open(path);
+  ASSERT_TRUE(archive.isOk()) << archive.status().message();
+  ASSERT_EQ(archive->entries().size(), 1u);
+  EXPECT_EQ(*archive->entries()[0].synthetic, entry.synthetic);
+}
+
+TEST_F(SyntheticArchiveTest, WriterRejectsABadSourceWindow) {
+  StatusOr<WeightArchiveWriter> writer =
+      WeightArchiveWriter::create(pathFor("window.hyw"), testKey());
+  ASSERT_TRUE(writer.isOk());
+  SyntheticWeight overlapping{.kind = SyntheticKind::Normal, .a = 0.5f, .rows = 2, .cols = 3,
+                              .sourceRowStride = 2};
+  Status status = writer->addSynthetic("w", DType::BF16, {2, 3}, overlapping);
+  EXPECT_NE(status.message().find("field 'synthetic.source_row_stride' is 2, expected 0 or at "
+                                  "least the 3 columns"),
+            std::string::npos)
+      << status.message();
+  SyntheticWeight negative{.kind = SyntheticKind::Normal, .a = 0.5f, .rows = 2, .cols = 3,
+                           .sourceOffset = -1};
+  status = writer->addSynthetic("w", DType::BF16, {2, 3}, negative);
+  EXPECT_NE(status.message().find("'synthetic.source_offset' is negative"), std::string::npos)
+      << status.message();
+  SyntheticWeight far{.kind = SyntheticKind::Normal, .a = 0.5f, .rows = 2, .cols = 3,
+                      .sourceRowStride = int64_t{1} << 62, .sourceOffset = int64_t{1} << 62};
+  status = writer->addSynthetic("w", DType::BF16, {2, 3}, far);
+  EXPECT_NE(status.message().find("place elements past 2^63"), std::string::npos)
+      << status.message();
 }
 
 TEST_F(SyntheticArchiveTest, WriterRejectsBadDescriptorsAndStaysUsable) {

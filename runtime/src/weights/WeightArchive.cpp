@@ -43,8 +43,6 @@ constexpr uint32_t kMaxNameBytes = 64 * 1024;
 constexpr uint32_t kMaxRank = 32;
 // name length + dtype + rank + offset + size + hash: the smallest possible table record.
 constexpr uint64_t kMinEntryRecordBytes = 4 + 1 + 4 + 8 + 8 + 8;
-// A synthetic record's descriptor after data_hash: kind, key, a, b, rows, cols, tile rows, cols.
-constexpr uint64_t kSyntheticDescriptorBytes = 1 + 8 + 4 + 4 + 8 + 8 + 8 + 8;
 
 //===------------------------------------------------------------------------------------------===//
 // Small helpers.
@@ -178,7 +176,8 @@ std::string encodeTable(const std::vector<WeightArchiveEntry> &entries) {
       putF32(table, synthetic->a);
       putF32(table, synthetic->b);
       for (int64_t value : {synthetic->rows, synthetic->cols, synthetic->tileRows,
-                            synthetic->tileCols})
+                            synthetic->tileCols, synthetic->sourceRowStride,
+                            synthetic->sourceOffset})
         putU64(table, static_cast<uint64_t>(value));
     }
   }
@@ -225,7 +224,8 @@ Status writeAllAt(int fd, const void *data, size_t size, uint64_t offset) {
 //===------------------------------------------------------------------------------------------===//
 
 struct ParsedHeader {
-  bool synthetic = false; // format version 2
+  bool synthetic = false;    // format version 2 or 3
+  bool sourceWindow = false; // format version 3: descriptors end with the source window
   ArchiveKey key{};
   uint64_t pageSize = 0;
   uint64_t entryCount = 0;
@@ -252,14 +252,18 @@ StatusOr<ParsedHeader> parseHeader(std::span<const std::byte> file) {
                          " (corrupt header)");
   auto formatVersion = static_cast<uint32_t>(loadLittleEndian(header + kFormatVersionOffset, 4));
   if (formatVersion != kWeightArchiveFormatVersion &&
-      formatVersion != kSyntheticWeightArchiveFormatVersion)
+      formatVersion != kSyntheticWeightArchiveFormatVersion &&
+      formatVersion != kWholeTensorSyntheticWeightArchiveFormatVersion)
     return Status::error("header field 'format_version' is " + std::to_string(formatVersion) +
                          ", this runtime reads versions " +
                          std::to_string(kWeightArchiveFormatVersion) + " (data) and " +
-                         std::to_string(kSyntheticWeightArchiveFormatVersion) + " (synthetic)");
+                         std::to_string(kWholeTensorSyntheticWeightArchiveFormatVersion) +
+                         " and " + std::to_string(kSyntheticWeightArchiveFormatVersion) +
+                         " (synthetic)");
 
   ParsedHeader parsed;
-  parsed.synthetic = formatVersion == kSyntheticWeightArchiveFormatVersion;
+  parsed.synthetic = formatVersion != kWeightArchiveFormatVersion;
+  parsed.sourceWindow = formatVersion == kSyntheticWeightArchiveFormatVersion;
   parsed.pageSize = loadLittleEndian(header + kPageSizeOffset, 4);
   std::memcpy(parsed.key.data(), header + kKeyOffset, parsed.key.size());
   parsed.entryCount = loadLittleEndian(header + kEntryCountOffset, 8);
@@ -361,6 +365,11 @@ Status parseEntry(TableReader &reader, size_t index, const ParsedHeader &header,
     for (uint64_t &value : layout)
       if (!reader.readU64(value))
         return truncated("synthetic.layout");
+    uint64_t window[2] = {}; // version 2: the whole tensor (stride 0 = cols, offset 0)
+    if (header.sourceWindow)
+      for (uint64_t &value : window)
+        if (!reader.readU64(value))
+          return truncated("synthetic.source");
     synthetic.kind = static_cast<kernels::SyntheticKind>(kind);
     synthetic.a = std::bit_cast<float>(a);
     synthetic.b = std::bit_cast<float>(b);
@@ -368,6 +377,8 @@ Status parseEntry(TableReader &reader, size_t index, const ParsedHeader &header,
     synthetic.cols = static_cast<int64_t>(layout[1]);
     synthetic.tileRows = static_cast<int64_t>(layout[2]);
     synthetic.tileCols = static_cast<int64_t>(layout[3]);
+    synthetic.sourceRowStride = static_cast<int64_t>(window[0]);
+    synthetic.sourceOffset = static_cast<int64_t>(window[1]);
     entry.synthetic = synthetic;
     if (entry.dataHash != 0)
       return Status::error(context + ": field 'data_hash' is " + hex64(entry.dataHash) +
@@ -525,6 +536,23 @@ std::optional<std::string> syntheticWeightError(const SyntheticWeight &synthetic
   if (__builtin_mul_overflow(static_cast<uint64_t>(synthetic.rows),
                              static_cast<uint64_t>(synthetic.cols), &logical))
     return std::string("fields 'synthetic.rows' x 'synthetic.cols' overflow");
+  // The window must lie in a stream of 2^63 elements: sourceRowStride 0 (cols) or at least cols
+  // (rows do not overlap), the offset not negative, the last element's index representable.
+  if (synthetic.sourceRowStride != 0 && synthetic.sourceRowStride < synthetic.cols)
+    return "field 'synthetic.source_row_stride' is " + std::to_string(synthetic.sourceRowStride) +
+           ", expected 0 or at least the " + std::to_string(synthetic.cols) + " columns";
+  if (synthetic.sourceOffset < 0)
+    return std::string("field 'synthetic.source_offset' is negative");
+  if (synthetic.rows > 0 && synthetic.cols > 0) {
+    const int64_t stride =
+        synthetic.sourceRowStride == 0 ? synthetic.cols : synthetic.sourceRowStride;
+    int64_t last = 0;
+    if (__builtin_mul_overflow(synthetic.rows - 1, stride, &last) ||
+        __builtin_add_overflow(last, synthetic.sourceOffset, &last) ||
+        __builtin_add_overflow(last, synthetic.cols, &last))
+      return std::string("fields 'synthetic.source_row_stride' and 'synthetic.source_offset' "
+                         "place elements past 2^63");
+  }
   if (synthetic.tileRows == 0 && synthetic.tileCols == 0) {
     if (logical != elements)
       return "fields 'synthetic.rows' x 'synthetic.cols' (" + std::to_string(synthetic.rows) +
@@ -561,6 +589,8 @@ kernels::SyntheticFill syntheticFill(const WeightArchiveEntry &entry) {
   fill.cols = synthetic.cols;
   fill.tileRows = synthetic.tileRows;
   fill.tileCols = synthetic.tileCols;
+  fill.sourceRowStride = synthetic.sourceRowStride;
+  fill.sourceOffset = synthetic.sourceOffset;
   fill.storedElements = static_cast<int64_t>(entry.size / dtypeByteSize(entry.dtype));
   return fill;
 }

@@ -1,5 +1,6 @@
 // The CUDA generator of synthetic weights against the host one: the same bytes for every kind,
-// storage and layout (the decay kinds, computed through double log/exp, within one fp32 ulp).
+// storage, layout and source window (the decay kinds, computed through double log/exp, within one
+// fp32 ulp).
 #include "hybrid/kernels/cuda/SyntheticWeights.h"
 
 #include "CudaTestSupport.h"
@@ -16,6 +17,7 @@ struct Case {
   SyntheticStorage storage;
   float a, b;
   int64_t rows, cols, tileRows, tileCols;
+  int64_t sourceRowStride = 0, sourceOffset = 0; // a sharded rank's slice of the tensor
 };
 
 TEST(SyntheticWeightsCuda, DeviceBytesEqualTheHostBytes) {
@@ -34,11 +36,28 @@ TEST(SyntheticWeightsCuda, DeviceBytesEqualTheHostBytes) {
       {"block scales", SyntheticKind::Constant, SyntheticStorage::F32, 0.0f, 0.0005f, 3, 5, 0, 0},
       {"A_log", SyntheticKind::LogUniform, SyntheticStorage::F32, 1.0f, 16.0f, 1, 4096, 0, 0},
       {"dt_bias", SyntheticKind::DecayTimeBias, SyntheticStorage::F32, 1e-3f, 1e-1f, 1, 4096, 0, 0},
+      {"bf16 row slice", SyntheticKind::Normal, SyntheticStorage::BF16, 0.06f * unit, 0.0f, 300,
+       1031, 0, 0, 0, 300 * 1031},
+      {"bf16 column slice", SyntheticKind::Normal, SyntheticStorage::BF16, 0.06f * unit, 0.0f, 777,
+       515, 0, 0, 1031, 515},
+      {"tiled column slice", SyntheticKind::Normal, SyntheticStorage::BF16, 0.06f * unit, 0.0f, 70,
+       50, 16, 32, 100, 40},
+      {"A_log heads", SyntheticKind::LogUniform, SyntheticStorage::F32, 1.0f, 16.0f, 1, 2048, 0, 0,
+       4096, 2048},
   };
   for (const Case &c : cases) {
     SCOPED_TRACE(c.name);
-    SyntheticFill fill{c.kind, c.storage, 0xfeedULL, c.a, c.b, c.rows, c.cols, c.tileRows,
-                       c.tileCols, 0};
+    SyntheticFill fill{.kind = c.kind,
+                       .storage = c.storage,
+                       .key = 0xfeedULL,
+                       .a = c.a,
+                       .b = c.b,
+                       .rows = c.rows,
+                       .cols = c.cols,
+                       .tileRows = c.tileRows,
+                       .tileCols = c.tileCols,
+                       .sourceRowStride = c.sourceRowStride,
+                       .sourceOffset = c.sourceOffset};
     const int64_t paddedRows = c.tileRows ? (c.rows + c.tileRows - 1) / c.tileRows * c.tileRows
                                           : c.rows;
     const int64_t paddedCols = c.tileCols ? (c.cols + c.tileCols - 1) / c.tileCols * c.tileCols

@@ -54,6 +54,12 @@ struct SyntheticFill {
   int64_t tileRows = 0;
   int64_t tileCols = 0;
   int64_t storedElements = 0; // rows * cols, or the padded extent when tiled
+  // Where the logical matrix lies in the seeded tensor: element (r, c) is element
+  // r * sourceRowStride + sourceOffset + c of the tensor's stream, so one rank's slice of a sharded
+  // plan (rows, columns or a range along another axis) draws the very values the unsharded
+  // tensor holds there. sourceRowStride 0 means cols (the whole tensor, or a slice of its rows).
+  int64_t sourceRowStride = 0;
+  int64_t sourceOffset = 0;
 };
 
 // splitmix64 (Steele, Lea, Flood 2014) in counter form: output n of the stream keyed `key`.
@@ -64,16 +70,20 @@ HYBRID_HOST_DEVICE inline uint64_t splitMix64At(uint64_t key, uint64_t position)
   return z ^ (z >> 31);
 }
 
-// The logical row-major index of stored element `stored`, or -1 for tile padding.
+// The index in the seeded tensor's stream of stored element `stored`, or -1 for tile padding.
 HYBRID_HOST_DEVICE inline int64_t syntheticLogicalIndex(const SyntheticFill &fill, int64_t stored) {
-  if (fill.tileRows == 0)
-    return stored;
+  const int64_t stride = fill.sourceRowStride == 0 ? fill.cols : fill.sourceRowStride;
+  if (fill.tileRows == 0) {
+    if (stride == fill.cols) // rows consecutive in the source: no division
+      return stored + fill.sourceOffset;
+    return (stored / fill.cols) * stride + fill.sourceOffset + stored % fill.cols;
+  }
   const int64_t tileElements = fill.tileRows * fill.tileCols;
   const int64_t tilesPerPanel = (fill.cols + fill.tileCols - 1) / fill.tileCols;
   const int64_t tile = stored / tileElements, within = stored % tileElements;
   const int64_t row = (tile / tilesPerPanel) * fill.tileRows + within / fill.tileCols;
   const int64_t col = (tile % tilesPerPanel) * fill.tileCols + within % fill.tileCols;
-  return row < fill.rows && col < fill.cols ? row * fill.cols + col : -1;
+  return row < fill.rows && col < fill.cols ? row * stride + fill.sourceOffset + col : -1;
 }
 
 // The fp32 value of logical element `element` (before rounding to the storage type).

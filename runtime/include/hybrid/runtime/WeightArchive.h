@@ -27,9 +27,11 @@ namespace hybrid {
 using ArchiveKey = std::array<uint8_t, 16>;
 
 inline constexpr uint32_t kWeightArchiveFormatVersion = 1;
-// Format version 2: a synthetic archive, whose entries hold generator descriptors instead of data
-// (hybrid-compile --synthetic-weights); the runtime generates their values at load.
-inline constexpr uint32_t kSyntheticWeightArchiveFormatVersion = 2;
+// Format version 3: a synthetic archive, whose entries hold generator descriptors instead of data
+// (hybrid-compile --synthetic-weights); the runtime generates their values at load. Version 2
+// (still read) lacked the descriptor's source window: every entry was a whole tensor.
+inline constexpr uint32_t kSyntheticWeightArchiveFormatVersion = 3;
+inline constexpr uint32_t kWholeTensorSyntheticWeightArchiveFormatVersion = 2;
 inline constexpr uint64_t kDefaultWeightArchivePageSize = 4096;
 // Page sizes accepted by the writer and reader: powers of two in this range.
 inline constexpr uint64_t kMinWeightArchivePageSize = 4096;
@@ -55,7 +57,9 @@ std::vector<uint64_t> planWeightOffsets(std::span<const uint64_t> sizes,
 
 // How a synthetic entry's values are generated (kernels/include/hybrid/kernels/SyntheticWeights.h):
 // the logical tensor is a row-major [rows, cols] matrix, stored row-major (tile 0 x 0) or tiled
-// with zero padding (the entry's shape is then the padded [rows, cols]).
+// with zero padding (the entry's shape is then the padded [rows, cols]). Its element (r, c) is
+// element r * sourceRowStride + sourceOffset + c of the seeded tensor (sourceRowStride 0: cols),
+// which is how a sharded plan's rank holds its slice of a synthetic tensor.
 struct SyntheticWeight {
   kernels::SyntheticKind kind = kernels::SyntheticKind::Normal;
   uint64_t key = 0;
@@ -65,6 +69,8 @@ struct SyntheticWeight {
   int64_t cols = 0;
   int64_t tileRows = 0;
   int64_t tileCols = 0;
+  int64_t sourceRowStride = 0;
+  int64_t sourceOffset = 0;
 
   bool operator==(const SyntheticWeight &) const = default;
 };
@@ -77,8 +83,8 @@ struct WeightArchiveEntry {
   uint64_t offset = 0;        // from the start of the file, a multiple of the page size
   uint64_t size = 0;          // bytes
   uint64_t dataHash = 0;      // XXH3-64 of the entry's bytes; 0 for a synthetic entry
-  // Set in a synthetic archive (format version 2): the entry has no bytes in the file; offset and
-  // size still place it in the data region the plan addresses.
+  // Set in a synthetic archive (format version 2 or 3): the entry has no bytes in the file;
+  // offset and size still place it in the data region the plan addresses.
   std::optional<SyntheticWeight> synthetic;
 };
 
@@ -113,7 +119,7 @@ public:
              std::span<const std::byte> data);
   // Adds an entry without data whose values the runtime generates from `synthetic` (checked with
   // syntheticWeightError). Such an entry takes its planned offset and size but no file bytes, and
-  // makes the archive a synthetic one (format version 2): an archive holds data entries or
+  // makes the archive a synthetic one (format version 3): an archive holds data entries or
   // synthetic ones, never both.
   Status addSynthetic(std::string name, plan::fb::DType dtype, std::vector<int64_t> shape,
                       const SyntheticWeight &synthetic);
@@ -162,7 +168,7 @@ public:
   const ArchiveKey &key() const { return key_; }
   uint64_t pageSize() const { return pageSize_; }
   uint64_t fileSize() const { return fileSize_; }
-  // A synthetic archive (format version 2): every entry has a descriptor and no bytes.
+  // A synthetic archive (format version 2 or 3): every entry has a descriptor and no bytes.
   bool synthetic() const { return synthetic_; }
   // In table order (the order they were added).
   const std::vector<Entry> &entries() const { return entries_; }
