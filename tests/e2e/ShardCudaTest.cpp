@@ -1,9 +1,11 @@
-// Sharded plans on the cuda device (issue 10 / 11): the tensor- and expert-parallel plans of the
-// goldens (hybrid-compile --device=cuda --shard, tests/e2e/CMakeLists.txt) against the unsharded
-// cuda plan on one GPU: prompt logits within 2e-3 (the cpu sharded tests' tolerance), the same
-// greedy ids, every rank the same ids.
+// Sharded plans on the cuda device (issue 10 / 11): the tensor-, expert- and context-parallel
+// plans of the goldens (hybrid-compile --device=cuda --shard, tests/e2e/CMakeLists.txt) against
+// the unsharded cuda plan on one GPU: prompt logits within 2e-3 (the cpu sharded tests'
+// tolerance), the same greedy ids, every rank the same ids.
 //   - NCCL, one GPU per rank (rank threads of this process, rendezvous over 127.0.0.1): the
-//     collectives in the plan's streams, captured in the decode graphs. Needs 2 GPUs.
+//     collectives in the plan's streams, captured in the decode graphs. Needs 2 GPUs (tp=2,
+//     tp=2 ep=2, cp=2), 4 for tp=2 cp=2 (a communicator per tensor- and context-parallel group,
+//     split from the world).
 //   - one GPU: a world of one over NCCL (the launch path: the unsharded plan with a
 //     communicator gives the unsharded run's bits, and an all-reduce captured in a graph), and
 //     two ranks sharing the GPU whose communicator takes device buffers and stages them through
@@ -265,7 +267,7 @@ TEST(ShardedCuda, TwoRanksSharingAGpuOnTheDevicePath) {
   if (gpuCount() < 1)
     GTEST_SKIP() << "no CUDA device";
   for (const char *model : kModels)
-    for (const char *layout : {"tp2", "tp2-ep2"}) {
+    for (const char *layout : {"tp2", "tp2-ep2", "cp2"}) {
       auto reference = oneGpuRun(model);
       ASSERT_TRUE(reference.isOk()) << model << ": " << reference.status().message();
       auto group = comm::makeLoopbackGroup(2);
@@ -282,11 +284,35 @@ TEST(ShardedCuda, TwoRanksSharingAGpuOnTheDevicePath) {
     }
 }
 
+// Context parallelism for prompts shorter than its 2 cp = 4 chunks (1 token: rank 1 holds none
+// of them and still takes rank 0's rows into its caches and state; 3 tokens: uneven chunks),
+// two ranks sharing the GPU on the device collective path.
+TEST(ShardedCuda, ContextParallelShortPromptsSharingAGpu) {
+  if (gpuCount() < 1)
+    GTEST_SKIP() << "no CUDA device";
+  for (const char *model : kModels)
+    for (const std::vector<int64_t> &prompt : {std::vector<int64_t>{5}, std::vector<int64_t>{7, 3, 9}}) {
+      const std::string what = std::string(model) + " cp2, " + std::to_string(prompt.size()) +
+                               "-token prompt";
+      auto reference = runModel(e2eDir() + "/" + model + "-cuda", cudaOptions(), prompt);
+      ASSERT_TRUE(reference.isOk()) << what << ": " << reference.status().message();
+      auto group = comm::makeLoopbackGroup(2);
+      ASSERT_TRUE(group.isOk()) << group.status().message();
+      auto ranks = onRankThreads(2, [&](int rank) -> StatusOr<GenerationResult> {
+        StagedDeviceCommunicator staged(std::move((*group)[static_cast<size_t>(rank)]));
+        LoadOptions options = cudaOptions(&staged);
+        options.cudaGraphs = false; // the staging waits for its stream
+        return runModel(e2eDir() + "/" + model + "-cuda-cp2", options, prompt);
+      });
+      expectMatchesOneGpu(what, *reference, ranks);
+    }
+}
+
 TEST(ShardedCuda, TwoGpusOverNccl) {
   if (gpuCount() < 2)
     GTEST_SKIP() << "needs 2 GPUs, " << gpuCount() << " here";
   for (const char *model : kModels)
-    for (const char *layout : {"tp2", "tp2-ep2"}) {
+    for (const char *layout : {"tp2", "tp2-ep2", "cp2"}) {
       auto reference = oneGpuRun(model);
       ASSERT_TRUE(reference.isOk()) << model << ": " << reference.status().message();
       const std::string dir = e2eDir() + "/" + model + "-cuda-" + layout;
@@ -300,6 +326,49 @@ TEST(ShardedCuda, TwoGpusOverNccl) {
       });
       expectMatchesOneGpu(std::string(model) + " " + layout, *reference, ranks);
     }
+}
+
+// tp=2 cp=2: world rank r is tensor rank r % 2 of context rank r / 2; the all-reduces run over
+// the tensor-parallel pairs' communicators and the gathers over the context-parallel pairs',
+// both split from the world at load.
+TEST(ShardedCuda, FourGpusTensorAndContextParallelOverNccl) {
+  if (gpuCount() < 4)
+    GTEST_SKIP() << "needs 4 GPUs, " << gpuCount() << " here";
+  for (const char *model : kModels) {
+    auto reference = oneGpuRun(model);
+    ASSERT_TRUE(reference.isOk()) << model << ": " << reference.status().message();
+    const std::string dir = e2eDir() + "/" + model + "-cuda-tp2-cp2";
+    const std::vector<int64_t> prompt = goldenPrompt(model);
+    const int port = freePort();
+    auto ranks = onRankThreads(4, [&](int rank) -> StatusOr<GenerationResult> {
+      HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> nccl,
+                              comm::connectNccl(localRank(rank, 4, port)));
+      return runModel(dir, cudaOptions(nccl.get()), prompt);
+    });
+    expectMatchesOneGpu(std::string(model) + " tp2-cp2", *reference, ranks);
+  }
+}
+
+// A host backend cannot split its communicator: a tp=2 cp=2 plan on the device collective path
+// without NCCL is refused at load, naming the reason, on every rank.
+TEST(ShardedCuda, ContextAndTensorGroupsNeedASplittableCommunicator) {
+  if (gpuCount() < 1)
+    GTEST_SKIP() << "no CUDA device";
+  auto group = comm::makeLoopbackGroup(4);
+  ASSERT_TRUE(group.isOk()) << group.status().message();
+  auto ranks = onRankThreads(4, [&](int rank) -> StatusOr<GenerationResult> {
+    StagedDeviceCommunicator staged(std::move((*group)[static_cast<size_t>(rank)]));
+    return runModel(e2eDir() + "/deepseek_v32_tiny-cuda-tp2-cp2", cudaOptions(&staged),
+                    goldenPrompt("deepseek_v32_tiny"));
+  });
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ASSERT_FALSE(ranks[r].isOk()) << "rank " << r;
+    EXPECT_NE(ranks[r].status().message().find(
+                  "context parallelism: the staged loopback communicator cannot split into "
+                  "groups"),
+              std::string::npos)
+        << ranks[r].status().message();
+  }
 }
 
 // A plan sharded for another world is refused before any GPU work, naming both layouts.

@@ -68,6 +68,21 @@ public:
     return status;
   }
 
+  StatusOr<std::unique_ptr<Communicator>> split(int color, int key) override {
+    ncclComm_t group = nullptr;
+    HYBRID_RETURN_IF_ERROR(ncclStatus(ncclCommSplit(comm_, color, key, &group, nullptr),
+                                      "split (color " + std::to_string(color) + ")"));
+    int rank = 0, size = 0;
+    Status status = ncclStatus(ncclCommUserRank(group, &rank), "split rank");
+    if (status)
+      status = ncclStatus(ncclCommCount(group, &size), "split size");
+    if (!status) {
+      ncclCommDestroy(group);
+      return status;
+    }
+    return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(group, rank, size));
+  }
+
 private:
   ncclComm_t comm_;
   int rank_, worldSize_;

@@ -950,6 +950,10 @@ Status runAllGatherRows(const StepContext &c, const fb::Dispatch &d) {
 
 } // namespace
 
+int64_t valueRows(const StepContext &context, const fb::Value &value) {
+  return rowsOf(context, value);
+}
+
 StatusOr<std::span<float>> floatValue(const StepContext &context, int32_t index) {
   return valueAs<float>(context, index, fb::DType::F32);
 }

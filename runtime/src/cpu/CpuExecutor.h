@@ -136,6 +136,10 @@ Status runStepDispatch(const StepContext &context, const plan::fb::Dispatch &dis
 kernels::ref::RopeLayout ropeLayout(const plan::fb::Rope *rope);
 std::vector<float> ropeFrequencies(const plan::fb::Rope *rope, int64_t rotaryDim);
 
+// Rows of `value` in this step: the step's, or in a context-parallel prefill as its ValueRows say
+// (this rank's, its two chunks, every chunk).
+int64_t valueRows(const StepContext &context, const plan::fb::Value &value);
+
 // A float view of value `index` for the step's rows (F32 values only).
 StatusOr<std::span<float>> floatValue(const StepContext &context, int32_t index);
 

@@ -361,9 +361,24 @@ Status CudaExecutor::Impl::prepareKvStep(const cpu::StepContext &host) {
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(rowPositions, pinnedPositions, rowBytes,
                                        cudaMemcpyHostToDevice, stream),
                        "positions upload");
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(rowSequences, pinnedSequences, rowBytes,
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(rowSequences, pinnedSequences,
+                                       static_cast<size_t>(std::max(rows, written)) *
+                                           sizeof(int32_t),
                                        cudaMemcpyHostToDevice, stream),
                        "block-table rows upload");
+  writePositions = rowPositions;
+  if (shard) {
+    if (!stepPositions)
+      return Status::error("a context-parallel prefill on a plan loaded without context "
+                           "parallelism");
+    for (int64_t t = 0; t < written; ++t)
+      pinnedStepPositions[t] = static_cast<int32_t>(host.firstPosition + t);
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(stepPositions, pinnedStepPositions,
+                                         static_cast<size_t>(written) * sizeof(int32_t),
+                                         cudaMemcpyHostToDevice, stream),
+                         "step positions upload");
+    writePositions = stepPositions;
+  }
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(blockTables, pinnedTables,
                                        tableSequences.size() * static_cast<size_t>(maxPages) *
                                            sizeof(int32_t),
@@ -505,9 +520,10 @@ Status CudaExecutor::Impl::runDsaIndexer(const fb::Program &program, unsigned ch
   const auto *headWeights = reinterpret_cast<const float *>(value(d.inputs()->Get(2)));
   auto *indices = reinterpret_cast<int32_t *>(value(d.outputs()->Get(0)));
 
-  // The step's keys join the pool first: every row attends to its own and earlier positions.
+  // The step's keys join the pool first: every row attends to its own and earlier positions. In
+  // a context-parallel prefill they are every rank's (gathered), the queries this rank's.
   kc::IndexKeyWriteParams write;
-  write.where = stepTokens(T);
+  write.where = stepTokens(cpu::valueRows(host, valueOf(program, d.inputs()->Get(1))));
   write.dim = static_cast<int32_t>(Di);
   write.type = kv.keyType;
   write.keys = keys;
@@ -518,7 +534,7 @@ Status CudaExecutor::Impl::runDsaIndexer(const fb::Program &program, unsigned ch
   // The workspace form, rows in chunks: on the H200 it is faster than the fused form at every
   // measured shape (docs/performance.md, 2026-11-30), whose cluster of blocks per row leaves
   // most of the GPU idle at small batches.
-  const int64_t chunk = chunkRows(maxKeys, T);
+  const int64_t chunk = chunkRows(maxKeys, std::max<int64_t>(1, T));
   const size_t scoreBytes = alignUp(static_cast<size_t>(chunk * maxKeys) * sizeof(float));
   if (scoreBytes + kc::indexerSelectWorkspaceBytes(static_cast<int32_t>(chunk),
                                                    static_cast<int32_t>(maxKeys)) >
@@ -578,7 +594,17 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
   heads.kvB = kvBWeights.count(kvB) ? kvBWeights.at(kvB) : weight(kvB);
   heads.type = weightTypes[kvB] == fb::DType::BF16 ? kc::WeightType::BF16 : kc::WeightType::F32;
 
-  if (static_cast<size_t>(mlaScratchFloats(*p, T)) > scratchFloats)
+  // The step's cache rows: this step's own, or in a context-parallel prefill every rank's,
+  // gathered (the input after the others: [latent | rope] rows at the step's positions).
+  const int32_t ownInputs = (sparse ? 2 : 1) + (p->q_lora_rank() > 0 ? 1 : 0);
+  const bool gathered = static_cast<int32_t>(d.inputs()->size()) == ownInputs + 1;
+  const int64_t written =
+      gathered ? cpu::valueRows(host, valueOf(program, d.inputs()->Get(ownInputs))) : T;
+  if (gathered && valueOf(program, d.inputs()->Get(ownInputs)).row_elements() != rkv + dr)
+    return Status::error("input " + std::to_string(ownInputs) + " (gathered cache rows) holds " +
+                         std::to_string(valueOf(program, d.inputs()->Get(ownInputs)).row_elements()) +
+                         " values per row, the attention makes " + std::to_string(rkv + dr));
+  if (static_cast<size_t>(mlaScratchFloats(*p, std::max<int64_t>({1, T, written}))) > scratchFloats)
     return Status::error("MLA scratch larger than planned at load");
   float *next = r.scratch;
   auto carve = [&](int64_t floats) {
@@ -586,15 +612,35 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
     next += pad(floats);
     return start;
   };
-  const int64_t chunk = chunkRows(mlaFloatsPerChunkRow(*p), T);
-  float *kvA = carve(T * (rkv + dr)), *latent = carve(T * rkv), *rope = carve(T * dr);
+  const int64_t chunk = chunkRows(mlaFloatsPerChunkRow(*p), std::max<int64_t>(1, T));
+  const int64_t cacheRows = std::max(T, written);
+  float *kvA = carve(cacheRows * (rkv + dr)), *latent = carve(cacheRows * rkv);
+  float *rope = carve(cacheRows * dr);
   float *queries = carve(chunk * H * qkDim), *absorbed = carve(chunk * H * (rkv + dr));
   float *latentOut = carve(chunk * H * rkv), *headOut = carve(chunk * H * dv);
   float *gate = carve(chunk * H * dv);
 
   // The step's cache rows: c = RMSNorm(kv_a latent part), k_r rotated; into the pool first, so
   // that every row attends to its own position too.
-  HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, roleOf(d, MlaKvA), kvA, rkv + dr, T, dModel, rkv + dr));
+  if (gathered) { // [latent | rope] rows, split into the write's two arrays
+    const auto *rowsIn = reinterpret_cast<const float *>(value(d.inputs()->Get(ownInputs)));
+    const size_t pitch = static_cast<size_t>(rkv + dr) * sizeof(float);
+    CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(latent, static_cast<size_t>(rkv) * sizeof(float), rowsIn,
+                                           pitch, static_cast<size_t>(rkv) * sizeof(float),
+                                           static_cast<size_t>(written), cudaMemcpyDeviceToDevice,
+                                           r.stream),
+                         "gathered cache rows");
+    if (dr > 0)
+      CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(rope, static_cast<size_t>(dr) * sizeof(float),
+                                             rowsIn + rkv, pitch,
+                                             static_cast<size_t>(dr) * sizeof(float),
+                                             static_cast<size_t>(written),
+                                             cudaMemcpyDeviceToDevice, r.stream),
+                           "gathered cache rows");
+  }
+  if (!gathered)
+    HYBRID_RETURN_IF_ERROR(
+        gemm(r, x, dModel, roleOf(d, MlaKvA), kvA, rkv + dr, T, dModel, rkv + dr));
   kc::MlaLatentRowsParams rows;
   rows.rows = static_cast<int32_t>(T);
   rows.latentDim = static_cast<int32_t>(rkv);
@@ -607,9 +653,10 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
   rows.positions = rowPositions;
   rows.latent = latent;
   rows.rope = rope;
-  LAUNCH_RETURN_IF_ERROR(kc::launchMlaLatentRows(rows, r.stream), "MLA cache rows");
+  if (!gathered)
+    LAUNCH_RETURN_IF_ERROR(kc::launchMlaLatentRows(rows, r.stream), "MLA cache rows");
   kc::LatentWriteParams write;
-  write.where = stepTokens(T);
+  write.where = stepTokens(written);
   write.latentDim = static_cast<int32_t>(rkv);
   write.ropeDim = static_cast<int32_t>(dr);
   write.latent = latent;

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 
 namespace hybrid::cudadev {
 
@@ -31,6 +32,7 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
            kc::gatedActivationValid(gatedActivationOf(*d.params_as_MlpParams())) &&
            gemmWeight(roleOf(d, 0)) && gemmWeight(roleOf(d, 1)) && gemmWeight(roleOf(d, 2));
   case fb::KernelId::KdaChunkPrefill:
+  case fb::KernelId::KdaContextSummary: // the same layer's weights and state
   case fb::KernelId::KdaRecurrentDecode: {
     const fb::KdaParams *p = d.params_as_KdaParams();
     if (!p || p->state_layout() != fb::StateLayout::KMajor || p->conv_kernel() < 1 ||
@@ -47,7 +49,14 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
   case fb::KernelId::RouterTopK:
     return moeRunsOnGpu(d);
   case fb::KernelId::AllReduceSum: // NCCL on device buffers; a host communicator is staged
+  case fb::KernelId::AllGatherRows:
     return communicator && communicator->deviceBuffers();
+  case fb::KernelId::MlaCacheRows: { // with its layer's attention (the pools' rows)
+    const fb::MlaParams *p = d.params_as_MlaParams();
+    return p && p->kv_slot() >= 0 && p->kv_slot() < static_cast<int32_t>(kvLayers.size()) &&
+           kvLayers[static_cast<size_t>(p->kv_slot())].onGpu && gemmWeight(roleOf(d, 0)) &&
+           roleOf(d, 1) >= 0;
+  }
   case fb::KernelId::MoeExperts:
     return d.params_as_MoeParams() &&
            kc::gatedActivationValid(gatedActivationOf(*d.params_as_MoeParams())) &&
@@ -298,25 +307,27 @@ Status CudaExecutor::Impl::checkCollective(const fb::Program &program,
     return Status::ok(); // the cpu reference runs it (and refuses kinds it does not know)
   switch (d.kernel()) {
   case fb::KernelId::AllReduceSum:
+  case fb::KernelId::AllGatherRows:
     break;
   default: // a newer collective kind: never handed to the cpu reference with device buffers
     return Status::error("the cuda device has no " + communicator->backend() +
                          " path for collective '" + kernelName(d.kernel()) + "'");
   }
-  // The communicator spans the world: a group of fewer ranks would need a communicator of its
-  // own (ncclCommSplit), not built yet.
+  // A group spanning the world runs on its communicator, a narrower one on the communicator
+  // split for it at load (prepareContextParallel), a group of one rank on none.
   const fb::CollectiveParams *params = d.params_as_CollectiveParams();
-  const fb::Target &target = *plan->target();
   const fb::CollectiveGroup group = params ? params->group() : fb::CollectiveGroup::TensorParallel;
-  const bool tensorGroup = group == fb::CollectiveGroup::TensorParallel ||
-                           group == fb::CollectiveGroup::ExpertParallel;
-  if (!tensorGroup || target.tensor_parallel() != communicator->worldSize())
-    return Status::error(
-        "collective over the " + std::string(fb::EnumNameCollectiveGroup(group)) +
-        " group in a world of " + std::to_string(communicator->worldSize()) +
-        " ranks (tensor_parallel " + std::to_string(target.tensor_parallel()) +
-        ", context_parallel " + std::to_string(target.context_parallel()) +
-        "): the cuda device runs collectives over the whole world only");
+  const int size = groupSize(group);
+  comm::Communicator *groupComm = groupCommunicator(group);
+  if (size > 1 && (!groupComm || groupComm->worldSize() != size))
+    return Status::error("collective over the " + std::string(fb::EnumNameCollectiveGroup(group)) +
+                         " group of " + std::to_string(size) + " ranks in a world of " +
+                         std::to_string(communicator->worldSize()) +
+                         ": no communicator for the group");
+  if (d.kernel() == fb::KernelId::AllGatherRows && group != fb::CollectiveGroup::ContextParallel)
+    return Status::error("all_gather_rows over the " +
+                         std::string(fb::EnumNameCollectiveGroup(group)) +
+                         " group: it gathers over the context_parallel group");
   return Status::ok();
 }
 
@@ -339,7 +350,10 @@ Status CudaExecutor::Impl::runAllReduceSum(const fb::Program &program, unsigned 
     CUDA_RETURN_IF_ERROR(cudaMemsetAsync(sum, 0, count * sizeof(float), r.stream),
                          "all-reduce zeros");
   }
-  return communicator->allReduceSum(sum, count, r.stream);
+  const fb::CollectiveParams *params = d.params_as_CollectiveParams();
+  comm::Communicator *group =
+      groupCommunicator(params ? params->group() : fb::CollectiveGroup::TensorParallel);
+  return group ? group->allReduceSum(sum, count, r.stream) : Status::ok(); // one rank: the copy
 }
 
 Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *arena,
@@ -425,7 +439,15 @@ Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *a
   }
   case fb::KernelId::KdaChunkPrefill:
   case fb::KernelId::KdaRecurrentDecode:
+    if (d.inputs()->size() == 3) // a context-parallel prefill's: [x, x_tails, summaries]
+      return runKdaContext(program, arena, d, r, host);
     return runKda(program, arena, d, r, host);
+  case fb::KernelId::KdaContextSummary:
+    return runKdaContext(program, arena, d, r, host);
+  case fb::KernelId::MlaCacheRows:
+    return runMlaCacheRows(program, arena, d, r, host);
+  case fb::KernelId::AllGatherRows:
+    return runAllGatherRows(program, arena, d, r, host);
   case fb::KernelId::AttnRes:
   case fb::KernelId::AttnResRmsNorm: {
     // The plan lists the partial sum first; the mix takes the completed blocks, then the partial.
@@ -471,7 +493,8 @@ Status CudaExecutor::Impl::runOnCpu(const fb::Program &program, const fb::Dispat
   for (int32_t index : *d.inputs()) {
     const fb::Value &value = valueOf(program, index);
     CUDA_RETURN_IF_ERROR(cudaMemcpy(hostArena.data() + value.arena_offset(),
-                                    arena + value.arena_offset(), valueBytes(value, host.rows),
+                                    arena + value.arena_offset(),
+                                    valueBytes(value, cpu::valueRows(host, value)),
                                     cudaMemcpyDeviceToHost),
                          "download of a cpu step's input");
   }
@@ -480,7 +503,8 @@ Status CudaExecutor::Impl::runOnCpu(const fb::Program &program, const fb::Dispat
     const fb::Value &value = valueOf(program, index);
     CUDA_RETURN_IF_ERROR(cudaMemcpy(arena + value.arena_offset(),
                                     hostArena.data() + value.arena_offset(),
-                                    valueBytes(value, host.rows), cudaMemcpyHostToDevice),
+                                    valueBytes(value, cpu::valueRows(host, value)),
+                                    cudaMemcpyHostToDevice),
                          "upload of a cpu step's output");
   }
   // A pageable upload may return before its DMA lands, and the plan's streams do not wait on the
@@ -569,6 +593,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   for (const fb::Program *program : impl->programs)
     maxRows = std::max<int64_t>(maxRows, program->max_tokens());
   HYBRID_RETURN_IF_ERROR(impl->planKvLayers(plan, kvCache, options, maxRows));
+  HYBRID_RETURN_IF_ERROR(impl->prepareContextParallel(options, maxRows).withContext(
+      dir + ": context parallelism"));
   std::string report;
   for (const fb::Program *program : impl->programs) {
     const int64_t rows = std::max<int64_t>(1, program->max_tokens());
@@ -601,6 +627,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
           if (index >= 0 && impl->fp8GemmWeight(index))
             HYBRID_RETURN_IF_ERROR(impl->prepareFp8Weight(index, rows, hostWeights));
       if (d->kernel() == fb::KernelId::KdaChunkPrefill ||
+          d->kernel() == fb::KernelId::KdaContextSummary ||
           d->kernel() == fb::KernelId::KdaRecurrentDecode)
         impl->gpuStateLayers.insert(d->params_as_KdaParams()->state_slot());
       auto role = [&](int index) { return d->weights()->Get(index); };
@@ -626,6 +653,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         break;
       }
       case fb::KernelId::KdaChunkPrefill:
+      case fb::KernelId::KdaContextSummary:
       case fb::KernelId::KdaRecurrentDecode: {
         const fb::KdaParams *p = d->params_as_KdaParams();
         const int64_t H = p->num_heads(), P = H * p->head_dim(), W = p->conv_kernel();
@@ -663,6 +691,33 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         impl->kdaWorkspaceBytes = std::max({impl->kdaWorkspaceBytes,
                                             kc::kdaPrefillWorkspaceBytes(prefill),
                                             kc::kdaDecodeWorkspaceBytes(step)});
+        if (d->kernel() == fb::KernelId::KdaContextSummary || d->inputs()->size() == 3)
+          impl->kdaContextScratch(*d, rows, floats, impl->kdaWorkspaceBytes);
+        break;
+      }
+      case fb::KernelId::AllGatherRows: { // this rank's rows out, every context rank's in
+        const fb::Value &input = valueOf(*program, d->inputs()->Get(0));
+        const fb::CollectiveParams *params = d->params_as_CollectiveParams();
+        const int cp = impl->contextParallel;
+        const int64_t slots = input.rows() == fb::ValueRows::ContextChunks ? 2
+                              : params && params->tail_rows() > 0
+                                  ? 2 * int64_t(params->tail_rows())
+                                  : 2 * ((rows + 2 * cp - 1) / (2 * cp)); // two chunks' rows
+        floats = static_cast<size_t>(
+            Impl::gatherScratchFloats(cp, slots, input.row_elements()));
+        break;
+      }
+      case fb::KernelId::MlaCacheRows: {
+        const fb::MlaParams *p = d->params_as_MlaParams();
+        const int64_t rkv = p->kv_lora_rank(), dr = p->qk_rope_head_dim();
+        HYBRID_RETURN_IF_ERROR(impl->uploadSmallWeight(roleOf(*d, 1), hostWeights));
+        if (p->rope() && p->rope()->kind() != fb::RopeKind::None && dr > 0 &&
+            !impl->ropeFrequencies.count(d))
+          HYBRID_RETURN_IF_ERROR(uploadFloats(cpu::ropeFrequencies(p->rope(), dr),
+                                              impl->ropeFrequencies[d], "RoPE frequencies"));
+        floats = static_cast<size_t>(pad(rows * (rkv + dr)) + pad(rows * rkv) + pad(rows * dr));
+        xWidth = width(d->inputs()->Get(0));
+        outWidth = static_cast<size_t>(rkv + dr);
         break;
       }
       case fb::KernelId::AttnRes:
@@ -841,7 +896,19 @@ Status CudaExecutor::Impl::launchRun(const fb::Program &program, unsigned char *
         for (int32_t event : *d.wait_events())
           if (!capturing || recorded.count(event))
             CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(r.stream, events.at(event), 0), where);
-      HYBRID_RETURN_IF_ERROR(runOnGpu(program, arena, d, r, host).withContext(where));
+      // A context-parallel prefill: the dispatch's rows are its first output's. A rank without
+      // rows (a prompt shorter than the chunks) skips its row-wise steps; the attention and KDA
+      // steps still take the other ranks' rows into the caches and state.
+      std::optional<cpu::StepContext> own;
+      if (host.contextShard)
+        own = dispatchContext(host, program, d);
+      const cpu::StepContext &c = own ? *own : host;
+      const bool takesOthersRows = d.kernel() == fb::KernelId::KdaChunkPrefill ||
+                                   d.kernel() == fb::KernelId::MlaPrefill ||
+                                   d.kernel() == fb::KernelId::SparseMlaPrefill ||
+                                   d.kernel() == fb::KernelId::DsaIndexer;
+      if (c.rows > 0 || takesOthersRows)
+        HYBRID_RETURN_IF_ERROR(runOnGpu(program, arena, d, r, c).withContext(where));
       if (d.signal_event() >= 0) {
         CUDA_RETURN_IF_ERROR(cudaEventRecord(events.at(d.signal_event()), r.stream), where);
         recorded.insert(d.signal_event());
@@ -857,6 +924,14 @@ Status CudaExecutor::Impl::launchRun(const fb::Program &program, unsigned char *
             continue;
           CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), where);
           const fb::Value &value = valueOf(program, output);
+          if (host.contextShard) { // this rank's rows: every rank's, in position order
+            HYBRID_ASSIGN_OR_RETURN(
+                std::vector<float> all,
+                gatherHiddenRows(host, reinterpret_cast<const float *>(arena + value.arena_offset()),
+                                 value.row_elements()));
+            hidden->layers[layer].insert(hidden->layers[layer].end(), all.begin(), all.end());
+            continue;
+          }
           std::vector<float> values(static_cast<size_t>(host.rows * value.row_elements()));
           CUDA_RETURN_IF_ERROR(cudaMemcpy(values.data(), arena + value.arena_offset(),
                                           values.size() * sizeof(float), cudaMemcpyDeviceToHost),

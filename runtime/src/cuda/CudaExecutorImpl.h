@@ -7,6 +7,7 @@
 
 #include "hybrid/kernels/cuda/DsaCacheWrite.h"
 #include "hybrid/kernels/cuda/DsaIndexer.h"
+#include "hybrid/kernels/cuda/KdaContext.h"
 #include "hybrid/kernels/cuda/KdaDecode.h"
 #include "hybrid/kernels/cuda/KdaPrefill.h"
 #include "hybrid/kernels/cuda/Activation.h"
@@ -227,6 +228,7 @@ struct CudaExecutor::Impl {
     cudaFreeHost(pinnedSequences);
     cudaFreeHost(pinnedTables);
     releaseExpertLists();
+    releaseContextParallel();
     for (auto &[dispatch, pointers] : expertPointers)
       cudaFree(pointers);
     cudaFree(kvPool);
@@ -335,14 +337,26 @@ struct CudaExecutor::Impl {
   // (one row in a prefill). Device copies in `pool`, staged in pinned memory.
   int32_t *rowPositions = nullptr, *rowSequences = nullptr, *blockTables = nullptr;
   int32_t *pinnedPositions = nullptr, *pinnedSequences = nullptr, *pinnedTables = nullptr;
+  // The positions of the rows a step writes to the pools: the rows' own (rowPositions), or in a
+  // context-parallel prefill every rank's rows of the step (stepPositions, device and pinned;
+  // rowPositions are then this rank's).
+  int32_t *stepPositions = nullptr, *pinnedStepPositions = nullptr;
+  const int32_t *writePositions = nullptr;
   // Where a step's `rows` tokens go in the pools: their positions and block-table rows.
   kc::PagedTokens stepTokens(int64_t rows) const {
-    return {static_cast<int32_t>(rows), rowPositions, rowSequences, blockTables, maxPages,
-            static_cast<int32_t>(pageTokens)};
+    return {static_cast<int32_t>(rows), writePositions ? writePositions : rowPositions,
+            rowSequences, blockTables, maxPages, static_cast<int32_t>(pageTokens)};
   }
   std::map<const fb::Dispatch *, float *> ropeFrequencies; // per dispatch that rotates
   std::map<int32_t, void *> kvBWeights; // FP8 kv_b_proj weights, dequantized to fp32 at load
   size_t attentionWorkspaceBytes = 0;
+  // Kernel configurations tuned for this GPU, looked up per launch shape (CudaTuning.cpp).
+  std::unique_ptr<kernels::tuning::TuningTable> tuning;
+  // LoadOptions::tuningCache opened for this GPU.
+  Status openTuning(const std::string &setting);
+  // The tuned configuration of the launch's shape bucket set on `params`; none: its defaults.
+  void applyTuning(kc::IndexerParams &params);
+  void applyTuning(kc::SparseMlaDecodeParams &params);
   std::vector<std::vector<const fb::Dispatch *>> kvWriters; // per program: GPU MLA dispatches
 
   // At load, before placement: which KV layers run on the GPU, and their pools.
@@ -368,6 +382,71 @@ struct CudaExecutor::Impl {
   // Repeats the host cache's page copies since the last call on the pools, in order (stream 0).
   Status flushPageCopies(PagedKvCache &cache);
   Status finishKvStep(size_t programIndex, const cpu::StepContext &host);
+
+  // ---- Context parallelism (CudaContextParallel.cpp, docs/parallelism.md) ----
+  int tensorParallel = 1, contextParallel = 1; // the plan's layout
+  // Communicators of the groups narrower than the world, split from it at load (the groups this
+  // rank is in); a group spanning the world uses `communicator` itself.
+  std::unique_ptr<comm::Communicator> tensorGroup, contextGroup;
+  // cu_seqlens {0, n0, n0 + n1} of this rank's two chunks in a context-parallel prefill (the KDA
+  // kernels' two-sequence form), device and pinned.
+  int32_t *chunkCuSeqlens = nullptr, *pinnedChunkCuSeqlens = nullptr;
+  // At load: the layout, the group communicators, the buffers above.
+  Status prepareContextParallel(const LoadOptions &options, int64_t maxRows);
+  void releaseContextParallel();
+  int groupSize(fb::CollectiveGroup group) const {
+    return group == fb::CollectiveGroup::ContextParallel ? contextParallel : tensorParallel;
+  }
+  // The communicator of `group` (null for a group of one rank, which needs none).
+  comm::Communicator *groupCommunicator(fb::CollectiveGroup group) const;
+  // Per context-parallel prefill step, on stream 0 before its runs: this rank's token ids (the
+  // ids value holds this rank's rows) and its chunks' cu_seqlens.
+  Status prepareContextStep(const cpu::StepContext &host, std::span<const int64_t> tokens,
+                            unsigned char *arena, const fb::Program &program);
+  // A dispatch's own context: in a context-parallel prefill its rows are those of its first
+  // output (plan.fbs ValueRows), as on the cpu device.
+  static cpu::StepContext dispatchContext(const cpu::StepContext &host, const fb::Program &program,
+                                          const fb::Dispatch &dispatch);
+  Status runAllGatherRows(const fb::Program &program, unsigned char *arena,
+                          const fb::Dispatch &dispatch, StreamResources &resources,
+                          const cpu::StepContext &host);
+  // Every context rank's rows of `mine` (this rank's, `width` floats each) into `out` at their
+  // positions in the step, or with `tail` > 0 only each chunk's last `tail` rows (the rest
+  // zero; this rank's own rows whole). `scratch`: gatherScratchFloats of device memory.
+  Status gatherShardRows(comm::Communicator &group, const cpu::ContextShard &shard,
+                         const float *mine, int64_t width, int64_t tail, float *out,
+                         float *scratch, cudaStream_t stream);
+  // A gather's scratch: the `slots` rows each rank sends, then every rank's.
+  static int64_t gatherScratchFloats(int contextParallel, int64_t slots, int64_t width) {
+    return pad(slots * width) + pad(int64_t(contextParallel) * slots * width);
+  }
+  // A hidden-state dump's rows of this rank, gathered into the step's order (host).
+  StatusOr<std::vector<float>> gatherHiddenRows(const cpu::StepContext &host, const float *mine,
+                                                int64_t width);
+  // The q/k/v, forget, beta and gate projections of `rows` rows of a KDA layer's input into
+  // the stream's scratch (qkv [rows, 3P], forget [rows, P], beta [rows, H], gate [rows, P]),
+  // room for o [rows, P]; `next`: the scratch after them.
+  struct KdaProjections {
+    float *qkv = nullptr, *forget = nullptr, *beta = nullptr, *gate = nullptr, *o = nullptr;
+    float *next = nullptr;
+  };
+  StatusOr<KdaProjections> projectKda(const fb::Dispatch &dispatch, StreamResources &resources,
+                                      const float *x, int64_t dModel, int64_t rows);
+  // KdaContextSummary and the context-parallel KdaChunkPrefill (inputs x, x_tails, summaries).
+  Status runKdaContext(const fb::Program &program, unsigned char *arena,
+                       const fb::Dispatch &dispatch, StreamResources &resources,
+                       const cpu::StepContext &host);
+  // Scratch floats and KDA workspace bytes of those two over `rows` rows.
+  void kdaContextScratch(const fb::Dispatch &dispatch, int64_t rows, size_t &floats,
+                         size_t &workspaceBytes) const;
+  Status runMlaCacheRows(const fb::Program &program, unsigned char *arena,
+                         const fb::Dispatch &dispatch, StreamResources &resources,
+                         const cpu::StepContext &host);
+  // The conv history a KDA chunk starting at step row `begin` starts from ([3, W - 1, P]): the
+  // projections of the gathered tails before it, for positions before the step the slot's
+  // history before the step (`convBefore`).
+  Status kdaHistory(const fb::Dispatch &dispatch, StreamResources &resources, const float *tails,
+                    int64_t dModel, int64_t begin, const float *convBefore, float *history);
 
   // ---- MoE (CudaMoe.cpp) ----
   // Per MoeExperts dispatch: device arrays of its experts' gate, up and down weight pointers.

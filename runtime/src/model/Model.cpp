@@ -415,10 +415,6 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
   HYBRID_ASSIGN_OR_RETURN(LoadedPlan plan, LoadedPlan::load(dir + "/" + planName));
   HYBRID_RETURN_IF_ERROR(checkTarget(plan, options.device, worldSize));
   HYBRID_RETURN_IF_ERROR(checkRank(plan, rank));
-  if (cudaDevice && plan->target()->context_parallel() > 1)
-    return Status::error(plan.path() + " is sharded for context_parallel " +
-                         std::to_string(plan->target()->context_parallel()) +
-                         ": context-parallel prefill runs on the cpu device only for now");
   if (options.communicator && options.communicator->deviceBuffers() && !cudaDevice)
     return Status::error("the " + options.communicator->backend() +
                          " communicator takes device buffers (the cuda device's); the cpu device "

@@ -46,6 +46,15 @@ public:
   virtual Status allToAll(const float *sent, float *received, size_t count,
                           void *stream = nullptr) = 0;
   virtual Status barrier() = 0;
+  // The ranks passing the same `color`, ranked by `key`, as a communicator of their own (a
+  // tensor- or context-parallel group inside the world): a collective call of every rank, in the
+  // same order. NCCL splits its communicator (ncclCommSplit); the host backends serve groups
+  // through the world instead (the cpu device), so they say they cannot.
+  virtual StatusOr<std::unique_ptr<Communicator>> split(int color, int key) {
+    (void)color;
+    (void)key;
+    return Status::error("the " + backend() + " communicator cannot split into groups");
+  }
 };
 
 // `worldSize` communicators of one loopback group, rank r at index r: hand each to its own thread.
