@@ -8,6 +8,7 @@
 #include "hybrid/runtime/LoadGenerator.h"
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Server.h"
+#include "Tune.h"
 #ifdef HYBRID_BENCH_KDA
 #include "hybrid/kernels/cuda/BenchDevice.h"
 #include "hybrid/kernels/cuda/DsaBench.h" // and SparseMla.h
@@ -903,7 +904,15 @@ int main(int argc, char **argv) {
                        "(for ncu --profile-from-start off)");
   e2eCommand->add_option("--plot", e2e.plotPath, "Write TPOT against context as a PNG");
   addRecordOptions(e2eCommand, record);
+  TuneCommandOptions tuneOptions;
+  CLI::App *tune = app.add_subcommand(
+      "tune", "Search the tunable kernels' configurations per shape bucket on this GPU and store "
+              "the winners in the compilation cache (docs/autotune.md)");
+  addTuneOptions(tune, tuneOptions);
   CLI11_PARSE(app, argc, argv);
+
+  if (tune->parsed())
+    return runTune(tuneOptions);
 
   if (e2eCommand->parsed()) {
     e2e.load.cudaGraphs = !e2eNoGraphs;

@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kScoreThreads)
 }
 
 constexpr int kMmaThreads = 128;   // 4 warps, 16 keys of a tile each
-constexpr int kTileKeys = 64;
+constexpr int kTileKeys = kIndexerTileKeys;
 constexpr int kBlocksPerSm = 4;    // <= 128 registers a thread, 54.5 KB of shared memory a block
 constexpr int kMmaMaxHeads = 64;   // 4 m-tiles of 16 heads
 
@@ -1206,8 +1206,11 @@ int launchScoreTiles(Kernel kernel, size_t shared, const IndexerParams &p, int64
                      const DeviceSetup &setup, cudaStream_t stream) {
   if (setup.status != cudaSuccess)
     return int(setup.status);
-  const int perBlock = tilesPerBlock(p, setup.multiprocessors);
   const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
+  const int perBlock = p.tilesPerBlock > 0 ? std::min<int>(p.tilesPerBlock, tiles)
+                                           : tilesPerBlock(p, setup.multiprocessors);
+  if ((tiles + perBlock - 1) / perBlock > 65535)
+    return cudaErrorInvalidValue; // a configured tilesPerBlock too small for the grid
   const dim3 grid(unsigned(p.rows), unsigned((tiles + perBlock - 1) / perBlock));
   kernel<<<grid, kMmaThreads, shared, stream>>>(p, pageBytes, perBlock);
   return int(cudaGetLastError());
@@ -1295,7 +1298,7 @@ int launchIndexerTopK(const IndexerParams &p, void *stream) {
       p.maxKeys <= 0 || p.topK <= 0 || p.topK > p.maxKeys || p.topK > kIndexerMaxTopK ||
       !p.indices || (!fused && !p.selectWorkspace) ||
       (fused && !indexerFusedSupported(p.keyType, p.headDim, p.maxKeys)) ||
-      (p.maxKeys + kScoreThreads - 1) / kScoreThreads > 65535)
+      (p.maxKeys + kScoreThreads - 1) / kScoreThreads > 65535 || p.tilesPerBlock < 0)
     return cudaErrorInvalidValue;
   const auto s = static_cast<cudaStream_t>(stream);
   if (fused)

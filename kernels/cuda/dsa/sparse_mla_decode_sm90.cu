@@ -26,8 +26,9 @@ namespace hybrid::kernels::cuda {
 namespace {
 
 constexpr int kScaleTile = 128; // latent elements per fp32 scale (FlashMLA)
-constexpr int kMaxSplits = 32;
-constexpr int kMaxPositionsPerBlock = 2048; // a split's resolved rows live in shared memory
+constexpr int kMaxSplits = kSparseMlaMaxSplits;
+constexpr int kMaxPositionsPerBlock = kSparseMlaMaxPositionsPerBlock; // a split's resolved rows
+                                                                      // live in shared memory
 constexpr int kCombineThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
@@ -782,10 +783,14 @@ template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, c
   if (setup.status != cudaSuccess)
     return int(setup.status);
   const int tiles = (p.topK + S::kTileKeys - 1) / S::kTileKeys;
-  const int splits = splitCount<S>(p, setup.multiprocessors);
+  static_assert(S::kTileKeys == sparseMlaTileKeys(S::kHeads),
+                "the header's tile size is the launched kernel's");
+  const int splits = p.splits > 0 ? p.splits : splitCount<S>(p, setup.multiprocessors);
   if (splits == 0)
     return cudaErrorInvalidValue; // top-k past kMaxSplits * kMaxPositionsPerBlock
   const int tilesPerSplit = (tiles + splits - 1) / splits;
+  if (splits > kMaxSplits || tilesPerSplit > S::kMaxTiles)
+    return cudaErrorInvalidValue; // a configured split count outside the kernel's range
   const int used = (tiles + tilesPerSplit - 1) / tilesPerSplit; // no empty split
   const dim3 grid(unsigned(p.rows), unsigned((p.heads + S::kHeads - 1) / S::kHeads), unsigned(used));
   auto *partials = static_cast<float *>(p.workspace);
@@ -835,7 +840,8 @@ int launchSparseMlaDecode(const SparseMlaDecodeParams &p, void *stream) {
   if (p.rows <= 0 || p.heads <= 0 || p.topK <= 0 || !p.q || !(p.indices || p.positions) ||
       !p.sequences || !p.workspace ||
       !p.latentPages || p.pageTokens <= 0 || !p.blockTables || p.maxPages <= 0 || !p.out ||
-      !std::isfinite(p.softmaxScale) || reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || (p.heads + 15) / 16 > 65535)
+      !std::isfinite(p.softmaxScale) || reinterpret_cast<uintptr_t>(p.q) % 16 != 0 ||
+      (p.heads + 15) / 16 > 65535 || p.splits < 0)
     return cudaErrorInvalidValue;
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.latentDim == 512 && p.ropeDim == 64)

@@ -560,6 +560,7 @@ Status CudaExecutor::Impl::runDsaIndexer(const fb::Program &program, unsigned ch
     s.topK = static_cast<int32_t>(topK);
     s.indices = indices + first * topK;
     s.selectWorkspace = static_cast<unsigned char *>(r.attentionWorkspace) + scoreBytes;
+    applyTuning(s);
     LAUNCH_RETURN_IF_ERROR(kc::launchIndexerTopK(s, r.stream), "DSA indexer");
   }
   return Status::ok();
@@ -712,6 +713,7 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
       s.workspace = r.attentionWorkspace;
       if (kc::sparseMlaWorkspaceBytes(rowsNow, s.heads, s.latentDim) > attentionWorkspaceBytes)
         return Status::error("sparse MLA workspace larger than planned at load");
+      applyTuning(s);
       LAUNCH_RETURN_IF_ERROR(kc::launchSparseMlaDecode(s, r.stream), "sparse MLA");
     } else {
       kc::LatentAttentionParams a;

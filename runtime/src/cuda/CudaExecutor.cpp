@@ -540,6 +540,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   else if (options.kdaPrefill != "auto")
     return Status::error("kdaPrefill '" + options.kdaPrefill +
                          "' is not one of auto, chunked, recurrent");
+  HYBRID_RETURN_IF_ERROR(impl->openTuning(options.tuningCache));
   for (const char *name : {"prefill", "decode", "mtp"}) {
     const fb::Program *program = nullptr;
     for (const fb::Program *candidate : *plan.programs())

@@ -91,6 +91,9 @@ public:
                           int64_t count);
   // Which kernels run where, one line per program.
   const std::string &placementReport() const { return report_; }
+  // The tuned kernel configurations looked up so far (LoadOptions::tuningCache), one line per
+  // kernel and shape bucket: the configuration, or why the defaults run.
+  std::string tuningReport() const;
   // The weights of the steps that run on the cpu reference: what the host must hold in fp32.
   const std::vector<int32_t> &cpuStepWeights() const { return cpuStepWeights_; }
   // A synthetic archive's weights generated on the device at create (deviceBytes, deviceSeconds).

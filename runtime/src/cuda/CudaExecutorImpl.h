@@ -6,6 +6,7 @@
 #include "cuda/CudaExecutor.h"
 
 #include "hybrid/kernels/cuda/DsaCacheWrite.h"
+#include "hybrid/kernels/KernelTuning.h"
 #include "hybrid/kernels/cuda/DsaIndexer.h"
 #include "hybrid/kernels/cuda/KdaContext.h"
 #include "hybrid/kernels/cuda/KdaDecode.h"
@@ -350,6 +351,13 @@ struct CudaExecutor::Impl {
   std::map<const fb::Dispatch *, float *> ropeFrequencies; // per dispatch that rotates
   std::map<int32_t, void *> kvBWeights; // FP8 kv_b_proj weights, dequantized to fp32 at load
   size_t attentionWorkspaceBytes = 0;
+  // Kernel configurations tuned for this GPU, looked up per launch shape (CudaTuning.cpp).
+  std::unique_ptr<kernels::tuning::TuningTable> tuning;
+  // LoadOptions::tuningCache opened for this GPU.
+  Status openTuning(const std::string &setting);
+  // The tuned configuration of the launch's shape bucket set on `params`; none: its defaults.
+  void applyTuning(kc::IndexerParams &params);
+  void applyTuning(kc::SparseMlaDecodeParams &params);
   // Kernel configurations tuned for this GPU, looked up per launch shape (CudaTuning.cpp).
   std::unique_ptr<kernels::tuning::TuningTable> tuning;
   // LoadOptions::tuningCache opened for this GPU.

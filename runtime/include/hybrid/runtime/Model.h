@@ -68,6 +68,11 @@ struct LoadOptions {
   // host for the cpu device (and for the small weights the cuda device reads on the host). Must be
   // set to load such an archive and only such, so random weights are never served by accident.
   bool syntheticWeights = false;
+  // cuda device: where kernel configurations tuned for this GPU are looked up (hybrid-bench tune,
+  // docs/autotune.md): "default" (the compilation cache folder, cache::defaultCacheDir(); a
+  // folder that cannot be opened there means no tuning), a folder (which must open), or "off".
+  // A launch shape with no entry for this GPU, driver and toolkit runs the kernels' defaults.
+  std::string tuningCache = "default";
   // A sharded model (hybrid-compile --shard): this rank's end of the group the plans were sharded
   // for, not owned (it must outlive the Model). The Model loads the communicator's rank's plan
   // and archive (plan.rank<r>.hyplan, weights.rank<r>.hyw) and runs its collectives over it; a

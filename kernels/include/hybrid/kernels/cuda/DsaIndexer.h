@@ -58,7 +58,13 @@ struct IndexerParams {
                               // of them, then -1s
   // Unfused: indexerSelectWorkspaceBytes(rows, maxKeys), 8-byte aligned.
   void *selectWorkspace = nullptr;
+  // The unfused tensor-core scores' 64-key tiles per block (a tuned configuration, kernels/
+  // KernelTuning.h); 0: the default, about two waves of blocks on the GPU.
+  int32_t tilesPerBlock = 0;
 };
+
+// Keys per tile of the tensor-core score kernels (IndexerParams::tilesPerBlock counts these).
+inline constexpr int kIndexerTileKeys = 64;
 
 // Whether the fused form takes these keys: FP8 keys, and maxKeys whose scores fit the shared
 // memory of a cluster of 16 blocks (about 600K keys on H200). Queries the current device.

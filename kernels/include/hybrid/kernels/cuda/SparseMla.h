@@ -38,7 +38,17 @@ struct SparseMlaDecodeParams {
   int32_t maxPages = 0;
   float *out = nullptr; // [rows, heads, latentDim]: o^ (zero for a row without positions)
   void *workspace = nullptr; // sparseMlaWorkspaceBytes(rows, heads, latentDim): split partials
+  // Blocks the positions of a row are split over (flash-decoding; a tuned configuration,
+  // kernels/KernelTuning.h), 1..kSparseMlaMaxSplits, at least topK / kSparseMlaMaxPositionsPerBlock
+  // and at most the row's tiles (sparseMlaTileKeys); 0: the default, a cost model of waves.
+  int32_t splits = 0;
 };
+
+// The most blocks a row's positions are split over, and the most positions one block holds.
+inline constexpr int32_t kSparseMlaMaxSplits = 32;
+inline constexpr int32_t kSparseMlaMaxPositionsPerBlock = 2048;
+// Positions per tile of the launched kernel: 64 with more than 16 heads, else 32.
+inline constexpr int32_t sparseMlaTileKeys(int32_t heads) { return heads > 16 ? 64 : 32; }
 
 // The most positions a causal (index-free) launch may cover.
 int32_t sparseMlaMaxCausalPositions();

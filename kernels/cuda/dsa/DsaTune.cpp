@@ -1,0 +1,322 @@
+// Candidate measurements of the DSA families (Tune.h): the indexer's tiles per block and sparse
+// MLA decode's splits, on random data at a bucket's sizes.
+#include "hybrid/kernels/cuda/Tune.h"
+#include "../common/bench_support.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <optional>
+#include <random>
+
+namespace hybrid::kernels::cuda {
+using namespace bench;
+using tuning::CandidateTiming;
+
+namespace {
+
+constexpr int32_t kPageTokens = 64;
+constexpr int32_t kDistinctPages = 64; // random pages, copied over the whole pool on the device
+
+std::string cudaText(int status) {
+  return cudaGetErrorString(static_cast<cudaError_t>(status));
+}
+
+template <typename T> StatusOr<std::vector<T>> download(const T *device, size_t count) {
+  std::vector<T> host(count);
+  if (cudaError_t status = cudaMemcpy(host.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost);
+      status != cudaSuccess)
+    return Status::error(std::string("reading the output back: ") + cudaGetErrorString(status));
+  return host;
+}
+
+// ||a - b|| / ||b||, over the finite values (a NaN or an infinity in either is a mismatch).
+double relativeRms(const std::vector<float> &a, const std::vector<float> &b, bool &finite) {
+  double difference = 0, reference = 0;
+  finite = true;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i]))
+      finite = false;
+    difference += double(a[i] - b[i]) * double(a[i] - b[i]);
+    reference += double(b[i]) * double(b[i]);
+  }
+  return reference > 0 ? std::sqrt(difference / reference) : std::sqrt(difference);
+}
+
+// One candidate after another: apply, launch once (warm-up, and the output compared with the
+// defaults'), then time graph replays. `compare` returns "" or how the output differs.
+template <typename Params, typename Output, typename Compare>
+StatusOr<std::vector<CandidateTiming>>
+measureEach(const Params &base, const std::vector<cache::TuningConfig> &configs,
+            tuning::Clock::time_point deadline, int32_t iterations, int (*launch)(const Params &, void *),
+            Output &&output, Compare &&compare) {
+  std::vector<CandidateTiming> timings;
+  std::optional<std::decay_t<decltype(*output())>> reference; // the defaults' output
+  for (size_t i = 0; i < configs.size(); ++i) {
+    if (tuning::Clock::now() >= deadline)
+      break;
+    Params p = base;
+    tuning::applyConfig(configs[i], p);
+    const int status = launch(p, nullptr);
+    const cudaError_t synced = status == 0 ? cudaDeviceSynchronize() : cudaSuccess;
+    if (status != 0 || synced != cudaSuccess) {
+      const std::string why =
+          "launch failed: " + cudaText(status != 0 ? status : int(synced));
+      if (i == 0)
+        return Status::error("the defaults: " + why);
+      timings.push_back({.microseconds = 0, .mismatch = why});
+      continue;
+    }
+    auto produced = output();
+    if (!produced.isOk())
+      return produced.status();
+    CandidateTiming timing;
+    if (i == 0)
+      reference = std::move(*produced);
+    else
+      timing.mismatch = compare(*produced, *reference);
+    timing.microseconds =
+        graphMicroseconds(iterations, [&](cudaStream_t stream) { return launch(p, stream); });
+    if (timing.microseconds < 0) {
+      if (i == 0)
+        return Status::error("the defaults: the graph capture failed");
+      timing.microseconds = 0;
+      timing.mismatch = "the graph capture failed";
+    }
+    timings.push_back(std::move(timing));
+  }
+  return timings;
+}
+
+int64_t dimension(const cache::ShapeBucket &shape, const char *name) {
+  auto found = shape.find(name);
+  return found == shape.end() ? -1 : found->second;
+}
+
+// One random index-key page: finite E4M3 codes with unit scales, or normal fp32 values.
+std::vector<uint8_t> randomKeyPage(IndexKeyType type, int32_t headDim, std::mt19937 &rng) {
+  std::vector<uint8_t> page(size_t(indexerPageBytes(type, kPageTokens, headDim)));
+  if (type == IndexKeyType::F32) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    auto *values = reinterpret_cast<float *>(page.data());
+    for (size_t i = 0; i < page.size() / 4; ++i)
+      values[i] = normal(rng);
+    return page;
+  }
+  const size_t codes = size_t(kPageTokens) * headDim;
+  for (size_t i = 0; i < codes; ++i)
+    page[i] = uint8_t(rng() % 0x7E) | uint8_t((rng() & 1u) << 7); // never a NaN code
+  if (type == IndexKeyType::Mxfp8) {
+    std::fill(page.begin() + codes, page.end(), uint8_t(127)); // E8M0 1.0
+  } else {
+    auto *scales = reinterpret_cast<float *>(page.data() + codes);
+    std::fill(scales, scales + kPageTokens, 1.0f);
+  }
+  return page;
+}
+
+// One random page of latent rows (E4M3 codes, power-of-two scales per 128, bf16 rope values).
+std::vector<uint8_t> randomLatentPage(int32_t latent, int32_t rope, std::mt19937 &rng) {
+  const int64_t rowBytes = sparseMlaRowBytes(latent, rope);
+  const int32_t scaleTiles = (latent + 127) / 128;
+  std::vector<uint8_t> page(size_t(kPageTokens * rowBytes));
+  for (int32_t t = 0; t < kPageTokens; ++t) {
+    uint8_t *row = page.data() + t * rowBytes;
+    for (int32_t i = 0; i < latent; ++i)
+      row[i] = uint8_t(rng() % 0x7E) | uint8_t((rng() & 1u) << 7);
+    const float scale = 1.0f / 64;
+    for (int32_t s = 0; s < scaleTiles; ++s)
+      std::memcpy(row + latent + 4 * s, &scale, 4);
+    for (int32_t i = 0; i < rope; ++i) {
+      const uint16_t bits = uint16_t(0x3C00u + rng() % 0x200u); // bf16 values around 0.01
+      std::memcpy(row + latent + 4 * scaleTiles + 2 * i, &bits, 2);
+    }
+  }
+  return page;
+}
+
+} // namespace
+
+StatusOr<std::vector<CandidateTiming>>
+measureIndexerScores(const cache::ShapeBucket &shape, const std::vector<cache::TuningConfig> &configs,
+                     tuning::Clock::time_point deadline, int32_t iterations) {
+  const int64_t rows = dimension(shape, "rows"), heads = dimension(shape, "heads"),
+                headDim = dimension(shape, "head_dim"), maxKeys = dimension(shape, "max_keys"),
+                keyType = dimension(shape, "key_type"), form = dimension(shape, "score_form");
+  if (rows < 1 || rows > 65535 || heads < 1 || heads > kIndexerMaxHeads ||
+      (headDim != 64 && headDim != 128) || maxKeys < 1 || maxKeys > (int64_t(1) << 24) ||
+      keyType < 0 || keyType > 2 || form < 0 || form > 3 || (form == 0) != (keyType == 2))
+    return Status::error("dsa-indexer-scores: cannot measure bucket " + tuning::formatShape(shape) +
+                         " (rows 1..65535, heads 1..64, head_dim 64 or 128, max_keys up to 2^24, "
+                         "score_form 0 exactly for key_type 2)");
+  const auto type = static_cast<IndexKeyType>(keyType);
+  const int32_t context = static_cast<int32_t>(maxKeys), batch = static_cast<int32_t>(rows);
+  const int32_t pagesPerSequence = (context + kPageTokens - 1) / kPageTokens;
+  const int64_t pages = int64_t(batch) * pagesPerSequence;
+  const int64_t pageBytes = indexerPageBytes(type, kPageTokens, static_cast<int32_t>(headDim));
+  std::mt19937 rng(14);
+  std::vector<int32_t> tables(static_cast<size_t>(pages));
+  std::iota(tables.begin(), tables.end(), 0);
+  std::shuffle(tables.begin(), tables.end(), rng);
+  std::vector<int32_t> positions(static_cast<size_t>(batch), context - 1),
+      sequences(static_cast<size_t>(batch));
+  std::iota(sequences.begin(), sequences.end(), 0);
+  const int32_t topK = std::min(2048, context);
+
+  DeviceAllocations held;
+  unsigned char *pool = held.keep(devicePagePool(pages, pageBytes, kDistinctPages, [&] {
+    return randomKeyPage(type, static_cast<int32_t>(headDim), rng);
+  }));
+  std::vector<float> q(size_t(batch) * heads * headDim);
+  std::normal_distribution<float> normal(0.0f, 0.5f);
+  for (float &v : q)
+    v = normal(rng);
+  if (type != IndexKeyType::F32) { // the policy's MXFP8 queries: exact in bf16
+    std::vector<uint8_t> codes(q.size()), scales(q.size() / 32);
+    if (!ref::quantizeMxfp8(q, int64_t(q.size() / headDim), headDim, codes, scales,
+                            ref::MxScaleRule::RoundUp) ||
+        !ref::dequantizeMxfp8(codes, scales, int64_t(q.size() / headDim), headDim, q))
+      return Status::error("dsa-indexer-scores: the query quantization failed");
+  }
+  std::string error;
+  IndexerParams p;
+  p.rows = batch;
+  p.heads = static_cast<int32_t>(heads);
+  p.headDim = static_cast<int32_t>(headDim);
+  p.q = held.keep(deviceCopy(q));
+  p.mxfp8Queries = form >= 2;
+  p.scoreKernel = form == 1 ? IndexerParams::ScoreKernel::Bf16
+                  : form == 2 ? IndexerParams::ScoreKernel::Fp8
+                              : IndexerParams::ScoreKernel::Auto;
+  p.headWeights = held.keep(deviceRandom(size_t(batch) * heads, 1.0f, 0, rng, error));
+  p.positions = held.keep(deviceCopy(positions));
+  p.sequences = held.keep(deviceCopy(sequences));
+  p.keyPages = pool;
+  p.keyType = type;
+  p.pageTokens = kPageTokens;
+  p.blockTables = held.keep(deviceCopy(tables));
+  p.maxPages = pagesPerSequence;
+  p.scores = held.allocate<float>(size_t(batch) * context);
+  p.maxKeys = context;
+  p.topK = topK;
+  p.indices = held.allocate<int32_t>(size_t(batch) * topK);
+  p.selectWorkspace = held.allocate<unsigned char>(indexerSelectWorkspaceBytes(batch, context));
+  if (!pool || !p.q || !p.headWeights || !p.positions || !p.sequences || !p.blockTables ||
+      !p.scores || !p.indices || !p.selectWorkspace)
+    return Status::error("dsa-indexer-scores: cannot allocate bucket " +
+                         tuning::formatShape(shape) + " on the device" +
+                         (error.empty() ? "" : ": " + error));
+
+  struct Output {
+    std::vector<float> scores;
+    std::vector<int32_t> indices;
+  };
+  auto output = [&]() -> StatusOr<Output> {
+    HYBRID_ASSIGN_OR_RETURN(std::vector<float> scores,
+                            download(p.scores, size_t(batch) * context));
+    HYBRID_ASSIGN_OR_RETURN(std::vector<int32_t> indices,
+                            download(p.indices, size_t(batch) * topK));
+    return Output{.scores = std::move(scores), .indices = std::move(indices)};
+  };
+  // Tiles per block only regroups the keys over blocks: each key's score is computed the same
+  // way, so scores and the selection must match the defaults' (up to 1e-6 of the largest score).
+  auto compare = [](const Output &candidate, const Output &reference) -> std::string {
+    float largest = 0, worst = 0;
+    for (size_t i = 0; i < reference.scores.size(); ++i) {
+      largest = std::max(largest, std::fabs(reference.scores[i]));
+      const float difference = std::fabs(candidate.scores[i] - reference.scores[i]);
+      worst = std::isfinite(candidate.scores[i]) ? std::max(worst, difference) : INFINITY;
+    }
+    if (!(worst <= 1e-6f * largest))
+      return "scores differ by up to " + std::to_string(worst) + " (largest " +
+             std::to_string(largest) + ")";
+    const size_t differing = size_t(std::inner_product(
+        candidate.indices.begin(), candidate.indices.end(), reference.indices.begin(), size_t(0),
+        std::plus<>(), std::not_equal_to<>()));
+    return differing ? std::to_string(differing) + " selected positions differ" : std::string();
+  };
+  return measureEach(p, configs, deadline, iterations, launchIndexerTopK, output, compare);
+}
+
+StatusOr<std::vector<CandidateTiming>>
+measureSparseMlaDecode(const cache::ShapeBucket &shape,
+                       const std::vector<cache::TuningConfig> &configs,
+                       tuning::Clock::time_point deadline, int32_t iterations) {
+  const int64_t rows = dimension(shape, "rows"), heads = dimension(shape, "heads"),
+                latent = dimension(shape, "latent_dim"), rope = dimension(shape, "rope_dim"),
+                topK = dimension(shape, "top_k"), causal = dimension(shape, "causal");
+  if (rows < 1 || rows > 65535 || heads < 1 || heads > 1024 ||
+      !((latent == 512 && rope == 64) || (latent == 64 && rope == 32)) || topK < 1 ||
+      topK > sparseMlaMaxCausalPositions() || (causal != 0 && causal != 1))
+    return Status::error("sparse-mla-decode: cannot measure bucket " + tuning::formatShape(shape) +
+                         " (rows 1..65535, heads 1..1024, latent_dim/rope_dim 512/64 or 64/32, "
+                         "top_k up to " + std::to_string(sparseMlaMaxCausalPositions()) +
+                         ", causal 0 or 1)");
+  const int32_t batch = static_cast<int32_t>(rows), k = static_cast<int32_t>(topK);
+  const int32_t L = static_cast<int32_t>(latent), R = static_cast<int32_t>(rope);
+  // Sparse rows pick k distinct positions of twice as many cached; causal rows attend to all k.
+  const int32_t context = causal ? k : 2 * k;
+  const int32_t pagesPerSequence = (context + kPageTokens - 1) / kPageTokens;
+  const int64_t pages = int64_t(batch) * pagesPerSequence;
+  const int64_t pageBytes = kPageTokens * sparseMlaRowBytes(L, R);
+  std::mt19937 rng(15);
+  std::vector<int32_t> tables(static_cast<size_t>(pages));
+  std::iota(tables.begin(), tables.end(), 0);
+  std::shuffle(tables.begin(), tables.end(), rng);
+  std::vector<int32_t> sequences(static_cast<size_t>(batch)), indices,
+      positions(static_cast<size_t>(batch), context - 1);
+  std::iota(sequences.begin(), sequences.end(), 0);
+  if (!causal) {
+    std::vector<int32_t> all(static_cast<size_t>(context));
+    std::iota(all.begin(), all.end(), 0);
+    for (int32_t b = 0; b < batch; ++b) {
+      std::shuffle(all.begin(), all.end(), rng);
+      indices.insert(indices.end(), all.begin(), all.begin() + k);
+    }
+  }
+  DeviceAllocations held;
+  std::string error;
+  unsigned char *pool = held.keep(devicePagePool(pages, pageBytes, kDistinctPages,
+                                                 [&] { return randomLatentPage(L, R, rng); }));
+  SparseMlaDecodeParams p;
+  p.rows = batch;
+  p.heads = static_cast<int32_t>(heads);
+  p.latentDim = L;
+  p.ropeDim = R;
+  p.softmaxScale = 1.0f / std::sqrt(float(L + R));
+  p.q = held.keep(deviceRandom(size_t(batch) * heads * (L + R), 0.3f, 0.0f, rng, error));
+  p.indices = causal ? nullptr : held.keep(deviceCopy(indices));
+  p.topK = k;
+  p.positions = causal ? held.keep(deviceCopy(positions)) : nullptr;
+  p.sequences = held.keep(deviceCopy(sequences));
+  p.latentPages = pool;
+  p.pageTokens = kPageTokens;
+  p.blockTables = held.keep(deviceCopy(tables));
+  p.maxPages = pagesPerSequence;
+  const size_t outFloats = size_t(batch) * heads * L;
+  p.out = held.allocate<float>(outFloats);
+  p.workspace = held.allocate<unsigned char>(sparseMlaWorkspaceBytes(batch, p.heads, L));
+  if (!pool || !p.q || !(p.indices || p.positions) || !p.sequences || !p.blockTables || !p.out ||
+      !p.workspace)
+    return Status::error("sparse-mla-decode: cannot allocate bucket " + tuning::formatShape(shape) +
+                         " on the device" + (error.empty() ? "" : ": " + error));
+  auto output = [&] { return download(p.out, outFloats); };
+  // Splits change where the softmax is rescaled and its weights rounded to bf16, so the outputs
+  // differ in rounding only: a relative RMS of 2e-3 (a wrong merge of splits is off by O(1)).
+  auto compare = [](const std::vector<float> &candidate,
+                    const std::vector<float> &reference) -> std::string {
+    bool finite = true;
+    const double error = relativeRms(candidate, reference, finite);
+    if (!finite || !(error <= 2e-3))
+      return "output differs from the defaults' by a relative RMS of " + std::to_string(error) +
+             (finite ? "" : " (not finite)");
+    return "";
+  };
+  return measureEach(p, configs, deadline, iterations, launchSparseMlaDecode, output, compare);
+}
+
+} // namespace hybrid::kernels::cuda
