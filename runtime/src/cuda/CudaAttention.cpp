@@ -328,11 +328,17 @@ Status CudaExecutor::Impl::prepareKvStep(const cpu::StepContext &host) {
   // Table row per sequence: one in a prefill (every row the same sequence), one per row in a
   // batched decode.
   std::vector<int32_t> tableSequences;
+  // A context-parallel prefill writes every rank's rows of the step (at stepPositions); its
+  // rows are this rank's.
+  const cpu::ContextShard *shard = host.contextShard;
+  const int64_t written = shard ? shard->stepRows : rows;
   if (host.batch.empty()) {
-    HYBRID_RETURN_IF_ERROR(cache.prepareWrite(host.kvSequence, host.firstPosition, rows));
+    HYBRID_RETURN_IF_ERROR(cache.prepareWrite(host.kvSequence, host.firstPosition, written));
     tableSequences.push_back(host.kvSequence);
-    for (int64_t r = 0; r < rows; ++r) {
-      pinnedPositions[r] = static_cast<int32_t>(host.firstPosition + r);
+    for (int64_t r = 0; r < std::max(rows, written); ++r) {
+      if (r < rows)
+        pinnedPositions[r] =
+            static_cast<int32_t>(host.firstPosition + (shard ? shard->rows[size_t(r)] : r));
       pinnedSequences[r] = 0;
     }
   } else {
@@ -452,7 +458,8 @@ Status CudaExecutor::Impl::finishKvStep(size_t programIndex, const cpu::StepCont
   for (const fb::Dispatch *d : kvWriters[programIndex]) {
     const int32_t slot = d->params_as_MlaParams()->kv_slot();
     if (host.batch.empty()) {
-      HYBRID_RETURN_IF_ERROR(host.kvCache->advance(slot, host.kvSequence, host.rows));
+      HYBRID_RETURN_IF_ERROR(host.kvCache->advance(
+          slot, host.kvSequence, host.contextShard ? host.contextShard->stepRows : host.rows));
       continue;
     }
     for (const cpu::BatchRow &row : host.batch)

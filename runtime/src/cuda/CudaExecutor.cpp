@@ -1204,8 +1204,9 @@ Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> 
                          float *logitsOut, HiddenStates *hidden, bool lastRowLogits) {
   HYBRID_RETURN_IF_ERROR(runProgram(host, tokens, hidden));
   const fb::Program &program = *host.program;
-  const int64_t rows = host.rows;
   const fb::Value &logits = valueOf(program, program.logits());
+  // A context-parallel prefill's logits are every rank's rows (gathered before the LM head).
+  const int64_t rows = cpu::valueRows(host, logits);
   const size_t rowBytes = valueBytes(logits, 1);
   CUDA_RETURN_IF_ERROR(
       cudaMemcpy(logitsOut, impl_->logitsOf(program) + (lastRowLogits ? (rows - 1) * rowBytes : 0),
@@ -1280,13 +1281,18 @@ Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const in
     impl.kdaLogUsed = 0;
     impl.kdaLogRows = rows;
   }
-  // Staged in pinned memory: the previous call's copy finished with its synchronization.
-  std::copy(tokens.begin(), tokens.end(), impl.pinnedTokens);
-  const fb::Value &ids = valueOf(program, program.token_ids());
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arena + ids.arena_offset(), impl.pinnedTokens,
-                                       tokens.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
-                                       impl.streams[0]->stream),
-                       "token ids upload");
+  // Staged in pinned memory: the previous call's copy finished with its synchronization. A
+  // context-parallel prefill's ids are this rank's rows (prepareContextStep).
+  if (host.contextShard) {
+    HYBRID_RETURN_IF_ERROR(impl.prepareContextStep(host, tokens, arena, program));
+  } else {
+    std::copy(tokens.begin(), tokens.end(), impl.pinnedTokens);
+    const fb::Value &ids = valueOf(program, program.token_ids());
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arena + ids.arena_offset(), impl.pinnedTokens,
+                                         tokens.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                                         impl.streams[0]->stream),
+                         "token ids upload");
+  }
 
   if (prefill) { // one sequence of `rows` tokens, for the KDA prefill kernels
     HYBRID_RETURN_IF_ERROR(impl.uploadCuSeqlens(rows));

@@ -358,13 +358,6 @@ struct CudaExecutor::Impl {
   // The tuned configuration of the launch's shape bucket set on `params`; none: its defaults.
   void applyTuning(kc::IndexerParams &params);
   void applyTuning(kc::SparseMlaDecodeParams &params);
-  // Kernel configurations tuned for this GPU, looked up per launch shape (CudaTuning.cpp).
-  std::unique_ptr<kernels::tuning::TuningTable> tuning;
-  // LoadOptions::tuningCache opened for this GPU.
-  Status openTuning(const std::string &setting);
-  // The tuned configuration of the launch's shape bucket set on `params`; none: its defaults.
-  void applyTuning(kc::IndexerParams &params);
-  void applyTuning(kc::SparseMlaDecodeParams &params);
   std::vector<std::vector<const fb::Dispatch *>> kvWriters; // per program: GPU MLA dispatches
 
   // At load, before placement: which KV layers run on the GPU, and their pools.
