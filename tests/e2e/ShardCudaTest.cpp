@@ -284,6 +284,48 @@ TEST(ShardedCuda, TwoRanksSharingAGpuOnTheDevicePath) {
     }
 }
 
+// Expert parallelism on the GPU MoE kernels: an ep rank's moe_experts step, whose experts held by
+// the other rank are absent, runs on the GPU (the kernels skip the absent experts' pairs), not on
+// the cpu reference, and the ranks' tokens and logits match one GPU's (two ranks sharing the GPU
+// on the device collective path; tools/scripts/check-multi-gpu.sh runs them on two GPUs).
+TEST(ShardedCuda, ExpertParallelMoeRunsOnTheGpu) {
+  if (gpuCount() < 1)
+    GTEST_SKIP() << "no CUDA device";
+  for (const char *model : kModels) {
+    auto reference = oneGpuRun(model);
+    ASSERT_TRUE(reference.isOk()) << model << ": " << reference.status().message();
+    auto group = comm::makeLoopbackGroup(2);
+    ASSERT_TRUE(group.isOk()) << group.status().message();
+    const std::string dir = e2eDir() + "/" + model + "-cuda-tp2-ep2";
+    const std::vector<int64_t> prompt = goldenPrompt(model);
+    std::string reports[2];
+    auto ranks = onRankThreads(2, [&](int rank) -> StatusOr<GenerationResult> {
+      StagedDeviceCommunicator staged(std::move((*group)[static_cast<size_t>(rank)]));
+      LoadOptions options = cudaOptions(&staged);
+      options.cudaGraphs = false; // the staging waits for its stream
+      HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Model> loaded, Model::load(dir, options));
+      reports[rank] = loaded->placementReport();
+      return generateGreedy(*loaded, prompt, greedy());
+    });
+    expectMatchesOneGpu(std::string(model) + " tp2-ep2", *reference, ranks);
+    for (const std::string &report : reports) {
+      // One line per program: "cuda <program>: GPU: <kernels>; cpu reference: <kernels>".
+      bool onGpu = false;
+      for (size_t line = 0; line < report.size();) {
+        const size_t end = std::min(report.find('\n', line), report.size());
+        const std::string text = report.substr(line, end - line);
+        const size_t cpu = text.find("; cpu reference: ");
+        if (text.rfind("cuda ", 0) == 0 && cpu != std::string::npos) {
+          onGpu = onGpu || text.substr(0, cpu).find("moe_experts") != std::string::npos;
+          EXPECT_EQ(text.find("moe_experts", cpu), std::string::npos) << model << ": " << text;
+        }
+        line = end + 1;
+      }
+      EXPECT_TRUE(onGpu) << model << ": " << report;
+    }
+  }
+}
+
 // Context parallelism for prompts shorter than its 2 cp = 4 chunks (1 token: rank 1 holds none
 // of them and still takes rank 0's rows into its caches and state; 3 tokens: uneven chunks),
 // two ranks sharing the GPU on the device collective path.

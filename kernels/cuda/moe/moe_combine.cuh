@@ -10,6 +10,12 @@
 
 namespace hybrid::kernels::cuda {
 
+// Whether this launch holds expert `expert`: a valid id whose weights are present (an expert-
+// parallel rank's experts held elsewhere have null pointers and add nothing).
+__device__ inline bool expertHeld(const MoeExpertsParams &p, int32_t expert) {
+  return expert >= 0 && expert < p.experts && p.gate[expert] != nullptr;
+}
+
 // A token's slots in ascending expert id (stable). One thread sorts; topK is small.
 __device__ inline void sortSlotsByExpert(const int32_t *ids, int topK, int *order) {
   for (int k = 0; k < topK; ++k) {
@@ -24,7 +30,7 @@ __device__ inline void sortSlotsByExpert(const int32_t *ids, int topK, int *orde
 
 // Block (token blockIdx.x, columns blockIdx.y * blockDim.x + threadIdx.x): out[token, j] = the
 // sum over the token's slots, in expert order, of weights[token, slot] * y[rowOf(token, slot), j];
-// a negative row (an invalid expert) adds nothing. Contains a block barrier.
+// a negative row (an invalid or absent expert) adds nothing. Contains a block barrier.
 template <typename RowOf>
 __device__ inline void combineToken(const MoeExpertsParams &p, const float *y, RowOf rowOf) {
   __shared__ int order[kMoeMaxTopK];

@@ -72,15 +72,18 @@ Workspace carve(void *base, int64_t pairs, int64_t experts, int64_t hidden, int6
   return w;
 }
 
-__global__ void __launch_bounds__(kSortThreads)
-    sortPairsKernel(const int32_t *ids, int32_t pairs, int32_t topK, int32_t experts, Workspace w) {
+// Pairs of absent experts (expertHeld) get no rows and no tiles: an expert-parallel rank
+// multiplies only the experts it holds.
+__global__ void __launch_bounds__(kSortThreads) sortPairsKernel(MoeExpertsParams p, Workspace w) {
   __shared__ int32_t counts[kMoeMaxExperts + 1];
+  const int32_t *ids = p.ids;
+  const int32_t pairs = p.tokens * p.topK, topK = p.topK, experts = p.experts;
   for (int e = threadIdx.x; e <= experts; e += kSortThreads)
     counts[e] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < pairs; i += kSortThreads) {
     const int32_t e = ids[i];
-    if (e >= 0 && e < experts)
+    if (expertHeld(p, e))
       atomicAdd(&counts[e], 1);
   }
   __syncthreads();
@@ -103,6 +106,8 @@ __global__ void __launch_bounds__(kSortThreads)
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int e = warp; e < experts; e += kSortThreads / 32) {
+    if (p.gate[e] == nullptr) // absent: its pairs get no row (warp-uniform)
+      continue;
     int32_t next = counts[e];
     for (int first = 0; first < pairs; first += 32) {
       const int i = first + lane;
@@ -117,7 +122,7 @@ __global__ void __launch_bounds__(kSortThreads)
     }
   }
   for (int i = threadIdx.x; i < pairs; i += kSortThreads)
-    if (ids[i] < 0 || ids[i] >= experts)
+    if (!expertHeld(p, ids[i]))
       w.pairRow[i] = -1;
 }
 
@@ -328,7 +333,7 @@ int launchMoeExpertsGrouped(const MoeExpertsParams &p, bool splitInputs, void *s
   });
   if (setup.status != cudaSuccess)
     return int(setup.status);
-  sortPairsKernel<<<1, kSortThreads, 0, s>>>(p.ids, int32_t(pairs), p.topK, p.experts, w);
+  sortPairsKernel<<<1, kSortThreads, 0, s>>>(p, w);
   const unsigned tiles = unsigned(maxTiles(pairs, p.experts));
   groupedProjectionKernel<true><<<dim3(tiles, unsigned(p.intermediate / kTileColumns)), kThreads,
                                   groupedSharedBytes<true>(), s>>>(p, w, splitInputs);

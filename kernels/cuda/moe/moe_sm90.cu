@@ -201,6 +201,8 @@ __global__ void __launch_bounds__(kThreads) gateUpKernel(MoeExpertsParams p, flo
   extern __shared__ float x[];
   const int slot = blockIdx.x, token = slot / p.topK;
   const int expert = p.ids[slot];
+  if (!expertHeld(p, expert)) // the whole block: an invalid or absent expert adds nothing
+    return;
   for (int i = threadIdx.x; i < p.hidden; i += kThreads)
     x[i] = p.x[size_t(token) * p.hidden + i];
   __syncthreads();
@@ -208,8 +210,6 @@ __global__ void __launch_bounds__(kThreads) gateUpKernel(MoeExpertsParams p, flo
     roundFp8Tiles(x, p.hidden, p.activationScale);
     __syncthreads();
   }
-  if (expert < 0 || expert >= p.experts)
-    return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = int(blockIdx.y) * kWarps + warp;
   if (row >= p.intermediate)
@@ -233,6 +233,8 @@ __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const
                                                        float *y) {
   extern __shared__ float hs[];
   const int slot = blockIdx.x, expert = p.ids[slot];
+  if (!expertHeld(p, expert)) // the whole block; gateUpKernel wrote no h for it
+    return;
   for (int i = threadIdx.x; i < p.intermediate; i += kThreads)
     hs[i] = h[size_t(slot) * p.intermediate + i];
   __syncthreads();
@@ -240,8 +242,6 @@ __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const
     roundFp8Tiles(hs, p.intermediate, p.activationScale);
     __syncthreads();
   }
-  if (expert < 0 || expert >= p.experts)
-    return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = int(blockIdx.y) * kWarps + warp;
   if (row >= p.hidden)
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const
 __global__ void __launch_bounds__(kThreads) combineKernel(MoeExpertsParams p, const float *y) {
   combineToken(p, y, [&](int token, int slot) -> int64_t {
     const int32_t expert = p.ids[int64_t(token) * p.topK + slot];
-    return expert >= 0 && expert < p.experts ? int64_t(token) * p.topK + slot : -1;
+    return expertHeld(p, expert) ? int64_t(token) * p.topK + slot : -1;
   });
 }
 

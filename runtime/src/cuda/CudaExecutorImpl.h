@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 #include <tuple>
 
@@ -471,6 +472,14 @@ struct CudaExecutor::Impl {
     expertListCapacity = 0;
   }
   bool moeRunsOnGpu(const fb::Dispatch &dispatch) const;
+  // A moe_experts dispatch's weight index of expert e's matrix m (0 gate, 1 up, 2 down); -1 for
+  // an expert another expert-parallel rank holds.
+  static int32_t expertWeight(const fb::Dispatch &dispatch, int64_t e, int m) {
+    return dispatch.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e + m));
+  }
+  // The type of the experts this rank holds (bf16 or FP8 with block scales, all alike, each
+  // expert whole or absent), BF16 when it holds none; nullopt when the GPU forms cannot run them.
+  std::optional<fb::DType> expertWeightType(const fb::Dispatch &dispatch) const;
   Status prepareMoe(const fb::Dispatch &dispatch, const fb::Program &program, int64_t rows,
                     bool decodeProgram, const HostWeights &hostWeights,
                     size_t &floats, size_t &xWidth, size_t &outWidth);

@@ -5,6 +5,8 @@
 // host round trip, so decode graphs hold it too); other prefills group on the host around the
 // GEMMs (the chosen experts come to the host, each expert runs once on its tokens).
 // Experts in bf16 or FP8 with block scales (their inputs then rounded to E4M3 as the FP8 GEMMs do).
+// An expert-parallel rank's experts held elsewhere are absent (-1 in the dispatch, null pointers
+// for the kernels): every form skips their pairs, and the plan's all-reduce adds the other ranks'.
 #include "cuda/CudaExecutorImpl.h"
 
 #include "hybrid/kernels/cuda/Elementwise.h"
@@ -36,19 +38,38 @@ bool CudaExecutor::Impl::moeRunsOnGpu(const fb::Dispatch &d) const {
            p->topk_groups() >= 1 && p->topk_groups() <= p->num_groups() &&
            gemmWeight(roleOf(d, 0));
   // Experts: row-major weights the GEMMs and the CUDA-core kernels both read, all bf16 or all
-  // FP8 with block scales. An expert-parallel rank's experts held elsewhere are absent (-1): the
-  // kernels take every expert, so such a layer runs on the cpu reference, which skips them.
+  // FP8 with block scales. An expert-parallel rank's experts held elsewhere are absent: all three
+  // of an expert's matrices -1 (a partly present expert is not a layout any plan has).
   if (!d.weights() || static_cast<int64_t>(d.weights()->size()) < 3 * p->num_experts() ||
       p->intermediate_size() <= 0 || p->intermediate_size() > kc::kMoeMaxHidden ||
-      p->intermediate_size() % 2 != 0 || d.weights()->Get(0) < 0)
+      p->intermediate_size() % 2 != 0)
     return false;
-  const fb::DType type = weightTypes[static_cast<size_t>(d.weights()->Get(0))];
-  for (int64_t i = 0; i < 3 * p->num_experts(); ++i) {
-    const int32_t index = d.weights()->Get(static_cast<flatbuffers::uoffset_t>(i));
-    if (!gemmWeight(index) || weightTypes[static_cast<size_t>(index)] != type)
-      return false;
+  return expertWeightType(d).has_value();
+}
+
+std::optional<fb::DType> CudaExecutor::Impl::expertWeightType(const fb::Dispatch &d) const {
+  const int64_t E = d.params_as_MoeParams()->num_experts();
+  std::optional<fb::DType> type;
+  for (int64_t e = 0; e < E; ++e) {
+    const int32_t gate = expertWeight(d, e, 0);
+    if (gate < 0) {
+      if (expertWeight(d, e, 1) >= 0 || expertWeight(d, e, 2) >= 0)
+        return std::nullopt;
+      continue;
+    }
+    if (!type)
+      type = weightTypes[static_cast<size_t>(gate)];
+    for (int m = 0; m < 3; ++m) {
+      const int32_t index = expertWeight(d, e, m);
+      if (!gemmWeight(index) || weightTypes[static_cast<size_t>(index)] != *type)
+        return std::nullopt;
+    }
   }
-  return type == fb::DType::BF16 || type == fb::DType::F8_E4M3;
+  if (!type) // holds no expert: every pair adds nothing, in any form
+    return fb::DType::BF16;
+  if (*type != fb::DType::BF16 && *type != fb::DType::F8_E4M3)
+    return std::nullopt;
+  return type;
 }
 
 Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &program,
@@ -76,11 +97,14 @@ Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &
     return Status::ok();
   }
   if (!expertPointers.count(&d)) {
-    // gate, up, down, then (FP8 experts) their block scales: six arrays of E pointers.
+    // gate, up, down, then (FP8 experts) their block scales: six arrays of E pointers, null for
+    // an absent expert (the kernels' sign to skip it).
     std::vector<const void *> pointers(static_cast<size_t>(6 * E), nullptr);
     for (int64_t e = 0; e < E; ++e)
       for (int m = 0; m < 3; ++m) {
-        const int32_t index = d.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e + m));
+        const int32_t index = expertWeight(d, e, m);
+        if (index < 0)
+          continue;
         pointers[static_cast<size_t>(m * E + e)] = weight(index);
         if (fp8WeightScales.count(index)) // prepared with the dispatch's FP8 weights
           pointers[static_cast<size_t>((3 + m) * E + e)] = fp8WeightScales.at(index);
@@ -169,7 +193,7 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
 
   // What both GPU forms take: the step's rows, the experts' pointers and activation (bf16, or
   // FP8 codes with their block scales).
-  const fb::DType type = weightTypes[static_cast<size_t>(d.weights()->Get(0))];
+  const fb::DType type = expertWeightType(d).value_or(fb::DType::BF16); // checked at load
   kc::MoeExpertsParams m;
   m.tokens = static_cast<int32_t>(T);
   m.hidden = static_cast<int32_t>(hidden);
@@ -254,21 +278,21 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
   float *result = up + pad(T * inner);
   for (int64_t e = 0; e < E; ++e) { // in expert order: each token's sum is in that order too
     const int64_t begin = starts[static_cast<size_t>(e)], n = starts[static_cast<size_t>(e) + 1] - begin;
-    if (n == 0)
+    if (n == 0 || expertWeight(d, e, 0) < 0) // none of its tokens, or held by another rank
       continue;
     const int32_t count = static_cast<int32_t>(n);
     LAUNCH_RETURN_IF_ERROR(kc::launchGatherRows(x, hidden, expertTokens + begin, count, gathered,
                                                 r.stream),
                            "MoE token gather");
-    HYBRID_RETURN_IF_ERROR(gemm(r, gathered, hidden, d.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e)),
-                                gate, inner, n, hidden, inner));
-    HYBRID_RETURN_IF_ERROR(gemm(r, gathered, hidden, d.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e + 1)),
-                                up, inner, n, hidden, inner));
+    HYBRID_RETURN_IF_ERROR(gemm(r, gathered, hidden, expertWeight(d, e, 0), gate, inner, n,
+                                hidden, inner));
+    HYBRID_RETURN_IF_ERROR(gemm(r, gathered, hidden, expertWeight(d, e, 1), up, inner, n, hidden,
+                                inner));
     LAUNCH_RETURN_IF_ERROR(kc::launchGatedActivation(gate, up, n, inner, inner, gate,
                                                      gatedActivationOf(*p), r.stream),
                            "MoE gated activation");
-    HYBRID_RETURN_IF_ERROR(gemm(r, gate, inner, d.weights()->Get(static_cast<flatbuffers::uoffset_t>(3 * e + 2)),
-                                result, hidden, n, inner, hidden));
+    HYBRID_RETURN_IF_ERROR(gemm(r, gate, inner, expertWeight(d, e, 2), result, hidden, n, inner,
+                                hidden));
     LAUNCH_RETURN_IF_ERROR(kc::launchScatterAddRows(result, hidden, expertTokens + begin,
                                                     expertListWeights + begin, count, out,
                                                     r.stream),

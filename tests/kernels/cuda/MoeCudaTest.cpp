@@ -1,6 +1,8 @@
 // MoE on CUDA (Moe.h) against the reference: the router (sigmoid and softmax scores, correction
 // bias, grouped top-k, exact ties) and the routed experts per (token, expert) in bf16 and fp32,
-// plus the grouped forms (tensor cores; the host-grouped form's gather / scatter-add). Labelled `gpu`; skipped without a GPU.
+// plus the grouped forms (tensor cores; the host-grouped form's gather / scatter-add), and every
+// form skipping the experts an expert-parallel rank does not hold. Labelled `gpu`; skipped
+// without a GPU.
 #include "hybrid/kernels/cuda/Moe.h"
 #include "hybrid/kernels/ref/Moe.h"
 #include "hybrid/kernels/ref/Quant.h"
@@ -8,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -190,37 +193,42 @@ TEST(MoeExpertsCuda, PerTokenMatchesReference) {
 // FP8 experts (DeepSeek-V3.2's): E4M3 codes with 128 x 128 block scales in the FP8 GEMM's padded
 // layout, each projection's input rounded to E4M3 per 128 values first, against ref::moeExperts
 // on the dequantized weights with the same activation rule.
+// An FP8 expert matrix: E4M3 codes with random 128 x 128 block scales.
+struct Fp8Matrix {
+  std::vector<uint8_t> codes;
+  std::vector<float> padded, values; // scales in the GEMM's layout; dequantized weights
+};
+
+Fp8Matrix randomFp8Matrix(int rows, int cols, std::mt19937 &rng) {
+  Fp8Matrix m;
+  const int blockRows = (rows + 127) / 128, blockCols = (cols + 127) / 128;
+  const int stride = int(cuda::linearFp8WeightScaleStride(cols));
+  std::uniform_real_distribution<float> scale(0.001f, 0.004f);
+  std::vector<float> scales(size_t(blockRows) * blockCols);
+  for (float &v : scales)
+    v = scale(rng);
+  m.padded.assign(size_t(blockRows) * stride, 0.0f);
+  for (int r = 0; r < blockRows; ++r)
+    for (int c = 0; c < blockCols; ++c)
+      m.padded[size_t(r) * stride + c] = scales[size_t(r) * blockCols + c];
+  m.codes.resize(size_t(rows) * cols);
+  m.values.resize(m.codes.size());
+  for (size_t i = 0; i < m.codes.size(); ++i) {
+    m.codes[i] = uint8_t(rng() % 0x7E) | uint8_t((rng() & 1u) << 7); // never NaN
+    const int r = int(i / cols), c = int(i % cols);
+    m.values[i] = ref::e4m3ToFloat(m.codes[i]) * scales[size_t(r / 128) * blockCols + c / 128];
+  }
+  return m;
+}
+
 TEST(MoeExpertsCuda, Fp8ExpertsMatchReference) {
   if (!gpuPresent())
     GTEST_SKIP() << "no CUDA device";
   std::mt19937 rng(5);
   const int tokens = 3, hidden = 384, inner = 192, experts = 6, topK = 2;
   const std::vector<float> x = random(size_t(tokens) * hidden, rng, 1.0f);
-  struct Matrix {
-    std::vector<uint8_t> codes;
-    std::vector<float> padded, values; // scales in the GEMM's layout; dequantized weights
-  };
-  auto makeMatrix = [&](int rows, int cols) {
-    Matrix m;
-    const int blockRows = (rows + 127) / 128, blockCols = (cols + 127) / 128;
-    const int stride = int(cuda::linearFp8WeightScaleStride(cols));
-    std::uniform_real_distribution<float> scale(0.001f, 0.004f);
-    std::vector<float> scales(size_t(blockRows) * blockCols);
-    for (float &v : scales)
-      v = scale(rng);
-    m.padded.assign(size_t(blockRows) * stride, 0.0f);
-    for (int r = 0; r < blockRows; ++r)
-      for (int c = 0; c < blockCols; ++c)
-        m.padded[size_t(r) * stride + c] = scales[size_t(r) * blockCols + c];
-    m.codes.resize(size_t(rows) * cols);
-    m.values.resize(m.codes.size());
-    for (size_t i = 0; i < m.codes.size(); ++i) {
-      m.codes[i] = uint8_t(rng() % 0x7E) | uint8_t((rng() & 1u) << 7); // never NaN
-      const int r = int(i / cols), c = int(i % cols);
-      m.values[i] = ref::e4m3ToFloat(m.codes[i]) * scales[size_t(r / 128) * blockCols + c / 128];
-    }
-    return m;
-  };
+  using Matrix = Fp8Matrix;
+  auto makeMatrix = [&](int rows, int cols) { return randomFp8Matrix(rows, cols, rng); };
   std::vector<Matrix> matrices;
   for (int e = 0; e < experts; ++e) {
     matrices.push_back(makeMatrix(inner, hidden)); // gate
@@ -375,6 +383,128 @@ TEST(MoeExpertsCuda, GroupedOnTensorCoresMatchesReference) {
   p.hidden = 100; // not a multiple of 64
   EXPECT_FALSE(cuda::moeGroupedSupports(p));
   EXPECT_EQ(cuda::launchMoeExpertsGrouped(p, true, nullptr), int(cudaErrorInvalidValue));
+}
+
+// Expert parallelism: a rank holds some experts and the others' pointers are null. Each form
+// (per token in bf16 and FP8, grouped on tensor cores) then gives, bit for bit, what it gives
+// with those experts' choices made invalid (-1, as the cpu reference is handed them); the two
+// halves' outputs add up to every expert's output (the plan's all-reduce); a rank holding none
+// of the chosen experts writes zeros. Against ref::moeExperts with the absent choices at -1 too.
+TEST(MoeExpertsCuda, AbsentExpertsAddNothing) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(21);
+  const int hidden = 512, inner = 128, experts = 16, topK = 4;
+  enum class Form { PerTokenBf16, PerTokenFp8, Grouped };
+  for (Form form : {Form::PerTokenBf16, Form::PerTokenFp8, Form::Grouped}) {
+    const bool fp8 = form == Form::PerTokenFp8;
+    // Grouped: several tiles per expert. FP8: few pairs, as a sum on an E4M3 rounding boundary
+    // may land one step apart from the reference's (Fp8ExpertsMatchReference).
+    const int tokens = form == Form::Grouped ? 150 : fp8 ? 3 : 5;
+    SCOPED_TRACE(form == Form::Grouped ? "grouped" : fp8 ? "per token, FP8" : "per token, bf16");
+    const std::vector<float> x = random(size_t(tokens) * hidden, rng, 1.0f);
+    // Per matrix (gate, up, down of each expert): its device bytes, block scales and the values
+    // the reference multiplies by.
+    std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> codes;
+    std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> b16;
+    std::vector<std::unique_ptr<DeviceBuffer<float>>> scales;
+    std::vector<std::vector<float>> values;
+    std::vector<uint64_t> matrix, scale;
+    for (int e = 0; e < experts; ++e)
+      for (int m = 0; m < 3; ++m) {
+        const int rows = m == 2 ? hidden : inner, cols = m == 2 ? inner : hidden;
+        if (fp8) {
+          Fp8Matrix w = randomFp8Matrix(rows, cols, rng);
+          codes.push_back(std::make_unique<DeviceBuffer<uint8_t>>(w.codes));
+          scales.push_back(std::make_unique<DeviceBuffer<float>>(w.padded));
+          matrix.push_back(reinterpret_cast<uint64_t>(codes.back()->data));
+          scale.push_back(reinterpret_cast<uint64_t>(scales.back()->data));
+          values.push_back(w.values);
+        } else {
+          values.push_back(roundedToBf16(random(size_t(rows) * cols, rng, 0.05f)));
+          b16.push_back(std::make_unique<DeviceBuffer<uint16_t>>(bf16Bits(values.back())));
+          matrix.push_back(reinterpret_cast<uint64_t>(b16.back()->data));
+        }
+      }
+    std::vector<int32_t> ids;
+    std::vector<float> weights;
+    for (int t = 0; t < tokens; ++t) {
+      std::vector<int32_t> pool(static_cast<size_t>(experts), 0);
+      std::iota(pool.begin(), pool.end(), 0);
+      std::shuffle(pool.begin(), pool.end(), rng);
+      for (int k = 0; k < topK; ++k) {
+        ids.push_back(pool[size_t(k)]);
+        weights.push_back(0.1f + 0.2f * float(k));
+      }
+    }
+    // Runs the form with the experts `held` says present (the others' pointers null) on `chosen`.
+    auto run = [&](const std::function<bool(int)> &held, const std::vector<int32_t> &chosen) {
+      std::vector<uint64_t> pointers[6];
+      for (int e = 0; e < experts; ++e)
+        for (int m = 0; m < 3; ++m) {
+          const size_t i = size_t(3 * e + m);
+          pointers[m].push_back(held(e) ? matrix[i] : 0);
+          pointers[3 + m].push_back(held(e) && fp8 ? scale[i] : 0);
+        }
+      DeviceBuffer<uint64_t> gate(pointers[0]), up(pointers[1]), down(pointers[2]),
+          gateScales(pointers[3]), upScales(pointers[4]), downScales(pointers[5]);
+      DeviceBuffer<float> dX(x), dWeights(weights);
+      DeviceBuffer<float> dOut{std::vector<float>(size_t(tokens) * hidden, -3.0f)};
+      DeviceBuffer<int32_t> dIds(chosen);
+      const size_t workspace =
+          form == Form::Grouped
+              ? cuda::moeGroupedWorkspaceBytes(tokens, topK, hidden, inner, experts)
+              : cuda::moeExpertsWorkspaceBytes(tokens, topK, hidden, inner);
+      DeviceBuffer<uint8_t> dWorkspace{std::vector<uint8_t>(workspace)};
+      cuda::MoeExpertsParams p =
+          expertsParams(tokens, hidden, inner, experts, topK, dX.data, dIds.data, dWeights.data,
+                        gate.data, up.data, down.data, dWorkspace.data);
+      p.out = dOut.data;
+      if (fp8) {
+        p.type = cuda::WeightType::Fp8Block;
+        p.gateScales = reinterpret_cast<const float *const *>(gateScales.data);
+        p.upScales = reinterpret_cast<const float *const *>(upScales.data);
+        p.downScales = reinterpret_cast<const float *const *>(downScales.data);
+        p.gateScaleStride = int32_t(cuda::linearFp8WeightScaleStride(hidden));
+        p.downScaleStride = int32_t(cuda::linearFp8WeightScaleStride(inner));
+      }
+      EXPECT_EQ(form == Form::Grouped ? cuda::launchMoeExpertsGrouped(p, true, nullptr)
+                                      : cuda::launchMoeExpertsPerToken(p, nullptr),
+                0);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      return dOut.download();
+    };
+    auto all = [](int) { return true; };
+    auto lowHalf = [&](int e) { return e < experts / 2; };
+    auto highHalf = [&](int e) { return e >= experts / 2; };
+    auto onlyHeld = [&](const std::function<bool(int)> &held) {
+      std::vector<int32_t> chosen = ids;
+      for (int32_t &id : chosen)
+        if (!held(id))
+          id = -1;
+      return chosen;
+    };
+    const std::vector<float> whole = run(all, ids);
+    const std::vector<float> low = run(lowHalf, ids), high = run(highHalf, ids);
+    EXPECT_EQ(low, run(all, onlyHeld(lowHalf)));
+    EXPECT_EQ(high, run(all, onlyHeld(highHalf)));
+    std::vector<float> summed(whole.size());
+    for (size_t i = 0; i < summed.size(); ++i)
+      summed[i] = low[i] + high[i];
+    EXPECT_LT(relativeRms(summed, whole), 1e-6); // one sum against two partial sums added
+    EXPECT_EQ(run([](int) { return false; }, ids), std::vector<float>(whole.size(), 0.0f));
+
+    // The reference, handed the low half's choices only (the grouped form rounds its inputs to
+    // bf16 hi + lo, the per-token forms multiply in fp32).
+    std::vector<ref::SwiGluWeights> reference;
+    for (int e = 0; e < experts; ++e)
+      reference.push_back({values[size_t(3 * e)], values[size_t(3 * e + 1)],
+                           values[size_t(3 * e + 2)], hidden, inner,
+                           fp8 ? std::optional(ref::Fp8ScaleRule::DeepSeekLinear) : std::nullopt});
+    std::vector<float> expected(size_t(tokens) * hidden);
+    ref::moeExperts(x, tokens, hidden, onlyHeld(lowHalf), weights, topK, reference, {}, expected);
+    EXPECT_LT(relativeRms(low, expected), fp8 ? 1e-4 : 2e-5);
+  }
 }
 
 TEST(MoeExpertsCuda, GatherAndScatterAddRows) {

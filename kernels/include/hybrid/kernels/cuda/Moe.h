@@ -44,7 +44,9 @@ int launchMoeRouter(const MoeRouterParams &params, void *stream);
 // The routed experts of `tokens` rows: out[t] = sum over the row's topK experts e (ascending) of
 // weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t). Per expert e, gate[e] / up[e] point to
 // [intermediate, hidden] matrices and down[e] to [hidden, intermediate] (device arrays of
-// device pointers, all of one type).
+// device pointers, all of one type). An expert whose gate[e] is null is absent (an expert-
+// parallel rank holds only its share; the plan's all-reduce adds the other ranks' parts): its
+// pairs add nothing here and none of its pointers is read, as ref::moeExperts skips it.
 struct MoeExpertsParams {
   int32_t tokens = 0;
   int32_t hidden = 0;       // <= kMoeMaxHidden
