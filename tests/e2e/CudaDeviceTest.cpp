@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -354,6 +355,115 @@ TEST_P(CudaDeviceTest, SpeculativeDecodingKeepsTheGreedyTokens) {
     magnitude = std::max(magnitude, double(std::abs((*stateB)[i])));
   }
   EXPECT_LE(difference, 1e-5 * magnitude);
+}
+
+double worstDifference(std::span<const float> a, std::span<const float> b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    worst = std::max(worst, std::abs(double(a[i]) - double(b[i])));
+  return worst;
+}
+
+// The state of `a` against `b`, relative to b's largest magnitude (at least 1).
+double relativeStateDifference(Sequence &a, Sequence &b) {
+  auto state = a.recurrentState(), expected = b.recurrentState();
+  EXPECT_TRUE(state.isOk() && expected.isOk());
+  if (!state.isOk() || !expected.isOk())
+    return 1e30;
+  double magnitude = 1;
+  for (float value : *expected)
+    magnitude = std::max(magnitude, double(std::abs(value)));
+  return worstDifference(*state, *expected) / magnitude;
+}
+
+// Several sequences in one prefill call (Model::prefillBatch: per-segment KDA launches, every
+// row's own position and block-table row for MLA / DSA) against each alone on the cuda device
+// (GEMMs over more rows sum in another order: 1e-3, the batched decode's bound) and against the
+// cpu oracle (2e-3, the goldens' tolerance), then the decode steps that read their caches; and
+// several verifications in one pass (Model::verifyDrafts: per-segment rollback and KDA replay)
+// against each sequence's own verifyDraft.
+TEST_P(CudaDeviceTest, BatchedPrefillAndVerificationMatchSingleSequencesAndTheCpu) {
+  LoadOptions options;
+  options.device = "cuda";
+  options.kdaPrefill = "recurrent";
+  options.maxSequences = 8;
+  auto model = Model::load(cudaPlan(GetParam()), options);
+  if (noGpu(model))
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(model.isOk()) << model.status().message();
+  LoadOptions cpuOptions;
+  cpuOptions.maxSequences = 4;
+  auto oracle = Model::load(directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + GetParam(),
+                            cpuOptions);
+  ASSERT_TRUE(oracle.isOk()) << oracle.status().message();
+  const int64_t vocab = (*model)->vocabSize();
+  std::mt19937_64 random(29);
+  std::vector<std::vector<int64_t>> chunks;
+  std::vector<std::unique_ptr<Sequence>> batched, alone, cpu;
+  for (int i = 0; i < 4; ++i) {
+    std::vector<int64_t> chunk(std::uniform_int_distribution<size_t>(1, 40)(random));
+    for (int64_t &token : chunk)
+      token = std::uniform_int_distribution<int64_t>(0, vocab - 1)(random);
+    for (auto *group : {&batched, &alone, &cpu}) {
+      auto sequence = group == &cpu ? (*oracle)->newSequence() : (*model)->newSequence();
+      ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
+      group->push_back(std::move(*sequence));
+    }
+    chunks.push_back(std::move(chunk));
+  }
+  std::vector<PrefillSegment> segments;
+  for (size_t i = 0; i < chunks.size(); ++i)
+    segments.push_back({.sequence = batched[i].get(), .tokens = chunks[i]});
+  auto logits = (*model)->prefillBatch(segments);
+  ASSERT_TRUE(logits.isOk()) << logits.status().message();
+  size_t row = 0;
+  std::vector<int64_t> next;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "sequence " << i << ", " << chunks[i].size() << " tokens");
+    auto single = alone[i]->prefill(chunks[i]);
+    auto reference = cpu[i]->prefill(chunks[i]);
+    ASSERT_TRUE(single.isOk() && reference.isOk());
+    const std::span<const float> rows(logits->data() + row * vocab, chunks[i].size() * vocab);
+    row += chunks[i].size();
+    EXPECT_LT(worstDifference(rows, *single), 1e-3);
+    EXPECT_LT(worstDifference(rows, *reference), 2e-3);
+    EXPECT_LE(relativeStateDifference(*batched[i], *alone[i]), 1e-5);
+    next.push_back(argmax(*reference, vocab));
+    EXPECT_EQ(argmax(std::vector<float>(rows.end() - vocab, rows.end()), vocab), next.back());
+    for (int step = 0; step < 3; ++step) { // the same tokens on all three
+      auto a = batched[i]->decode(next.back()), b = cpu[i]->decode(next.back());
+      ASSERT_TRUE(a.isOk() && b.isOk() && alone[i]->decode(next.back()).isOk());
+      EXPECT_LT(worstDifference(*a, *b), 2e-3) << "decode step " << step;
+      next.back() = argmax(*b, vocab);
+    }
+  }
+  // Made-up drafts: each sequence keeps what greedy decoding agrees with and rolls back the rest.
+  std::vector<std::vector<int64_t>> drafts;
+  std::vector<DraftCheck> checks;
+  for (size_t i = 0; i < batched.size(); ++i)
+    drafts.push_back({(next[i] + 1) % vocab, next[i], (next[i] + 7) % vocab});
+  for (size_t i = 0; i < batched.size(); ++i)
+    checks.push_back({.sequence = batched[i].get(), .token = next[i], .draft = drafts[i]});
+  auto verified = (*model)->verifyDrafts(checks);
+  ASSERT_TRUE(verified.isOk()) << verified.status().message();
+  for (size_t i = 0; i < batched.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "verification " << i);
+    auto single = alone[i]->verifyDraft(next[i], drafts[i]);
+    auto reference = cpu[i]->verifyDraft(next[i], drafts[i]);
+    ASSERT_TRUE(single.isOk() && reference.isOk()) << single.status().message();
+    EXPECT_EQ((*verified)[i].tokens, single->tokens);
+    EXPECT_EQ((*verified)[i].tokens, reference->tokens);
+    EXPECT_LT(worstDifference((*verified)[i].logits, single->logits), 1e-3);
+    EXPECT_LT(worstDifference((*verified)[i].logits, reference->logits), 2e-3);
+    EXPECT_EQ(batched[i]->length(), cpu[i]->length());
+    EXPECT_EQ(batched[i]->length(), alone[i]->length());
+    EXPECT_LE(relativeStateDifference(*batched[i], *alone[i]), 1e-5);
+    const int64_t token = reference->tokens.back();
+    auto a = batched[i]->decode(token), b = cpu[i]->decode(token);
+    ASSERT_TRUE(a.isOk() && b.isOk());
+    EXPECT_LT(worstDifference(*a, *b), 2e-3);
+  }
 }
 
 // The Kimi models' MLA layers and every DeepSeek layer keep their KV rows in the device pools:

@@ -1177,12 +1177,13 @@ Status runStepDispatch(const StepContext &context, const fb::Dispatch &dispatch)
   const std::span<const BatchRow> batch = context.batch;
   BatchScratch &scratch = *context.batchScratch;
   const fb::Program &program = *context.program;
-  auto copyRow = [&](Arena &from, Arena &to, int32_t index, uint64_t fromRow, uint64_t toRow) {
+  auto copyRows = [&](Arena &from, Arena &to, int32_t index, uint64_t fromRow, uint64_t toRow,
+                      uint64_t count) {
     const fb::Value &value = *program.values()->Get(static_cast<flatbuffers::uoffset_t>(index));
     const uint64_t bytes =
         static_cast<uint64_t>(value.row_elements()) * dtypeByteSize(value.dtype());
-    auto source = from.view(value.arena_offset() + fromRow * bytes, bytes);
-    auto target = to.view(value.arena_offset() + toRow * bytes, bytes);
+    auto source = from.view(value.arena_offset() + fromRow * bytes, count * bytes);
+    auto target = to.view(value.arena_offset() + toRow * bytes, count * bytes);
     if (!source.isOk())
       return source.status();
     if (!target.isOk())
@@ -1190,22 +1191,26 @@ Status runStepDispatch(const StepContext &context, const fb::Dispatch &dispatch)
     std::copy(source->begin(), source->end(), target->begin());
     return Status::ok();
   };
-  for (size_t row = 0; row < batch.size(); ++row) {
+  uint64_t first = 0; // the segment's first row in the step
+  for (size_t segment = 0; segment < batch.size(); ++segment) {
+    const auto count = static_cast<uint64_t>(batch[segment].rows);
     StepContext one = context;
     one.arena = &scratch.rowArena;
-    one.rows = 1;
-    one.kvSequence = batch[row].kvSequence;
-    one.stateSlot = batch[row].stateSlot;
-    one.firstPosition = batch[row].position;
-    one.kvStaging = &scratch.staging[row];
-    one.kdaLog = nullptr;
+    one.rows = batch[segment].rows;
+    one.kvSequence = batch[segment].kvSequence;
+    one.stateSlot = batch[segment].stateSlot;
+    one.firstPosition = batch[segment].position;
+    one.kvStaging = &scratch.staging[segment];
+    one.kdaLog = batch[segment].kdaLog;
     one.batch = {};
     for (int32_t input : *dispatch.inputs())
-      HYBRID_RETURN_IF_ERROR(copyRow(*context.arena, scratch.rowArena, input, row, 0));
+      HYBRID_RETURN_IF_ERROR(copyRows(*context.arena, scratch.rowArena, input, first, 0, count));
     HYBRID_RETURN_IF_ERROR(runDispatch(one, dispatch).withContext(
-        "row " + std::to_string(row) + " of a batched step"));
+        "segment " + std::to_string(segment) + " (rows " + std::to_string(first) + " to " +
+        std::to_string(first + count - 1) + ") of a batched step"));
     for (int32_t output : *dispatch.outputs())
-      HYBRID_RETURN_IF_ERROR(copyRow(scratch.rowArena, *context.arena, output, 0, row));
+      HYBRID_RETURN_IF_ERROR(copyRows(scratch.rowArena, *context.arena, output, 0, first, count));
+    first += count;
   }
   return Status::ok();
 }

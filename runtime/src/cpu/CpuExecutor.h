@@ -47,11 +47,16 @@ struct KdaReplayLog {
 // logged step, from the state the slot holds now (the state before that step).
 Status replayKda(RecurrentStatePool &states, int32_t slot, const KdaReplayLog &log, int64_t tokens);
 
-// One row of a batched decode step (Model::decodeBatch): the sequence the row's token belongs to.
+// Consecutive rows of a batched step that belong to one sequence: one row each in a batched
+// decode step (Model::decodeBatch), a chunk of a prompt or a token and its draft in a batched
+// prefill or verification (Model::prefillBatch, verifyDrafts). The step's rows are the segments'
+// rows in order.
 struct BatchRow {
   int32_t kvSequence = 0;
   int32_t stateSlot = 0;
-  int64_t position = 0; // of the row's token in its sequence
+  int64_t position = 0; // of the segment's first token in its sequence
+  int64_t rows = 1;
+  KdaReplayLog *kdaLog = nullptr; // when set, the segment's KDA layers record their inputs
 };
 
 // What running per-sequence kernels row by row needs: a one-row arena (the program's offsets, one
@@ -100,8 +105,9 @@ struct StepContext {
   int64_t firstPosition = 0; // position of the step's first token in the sequence
   bool decode = false;
   KdaReplayLog *kdaLog = nullptr; // when set, KDA layers record their per-token inputs
-  // A batched decode step (Model::decodeBatch): row r belongs to batch[r]'s sequence, and the
-  // per-sequence kernels run row by row in *batchScratch. Empty: every row is this sequence's.
+  // A batched step (Model::decodeBatch, prefillBatch, verifyDrafts): the rows are batch's
+  // segments in order, and the per-sequence kernels run segment by segment in *batchScratch.
+  // Empty: every row is this sequence's.
   std::span<const BatchRow> batch;
   BatchScratch *batchScratch = nullptr;
   // A sharded plan's collectives (AllReduceSum, AllGatherRows) run over this rank's
@@ -125,10 +131,10 @@ bool perSequenceKernel(plan::fb::KernelId kernel);
 Status runDispatch(const StepContext &context, const plan::fb::Dispatch &dispatch);
 
 // runDispatch for any step: in a batched one (context.batch), row-wise kernels once over all
-// rows (the same arithmetic per row as a one-row step) and per-sequence kernels once per row on
-// a copy of the row in batchScratch->rowArena (which must hold the program's arena), with the
-// row's sequence, state slot, position and staging (batchScratch->staging: one entry per row,
-// each with one vector per KV slot, cleared at the step's start).
+// rows (the same arithmetic per row as a step of fewer rows) and per-sequence kernels once per
+// segment on a copy of its rows in batchScratch->rowArena (which must hold the program's arena),
+// with the segment's sequence, state slot, first position, staging (batchScratch->staging: one
+// entry per segment, each with one vector per KV slot, cleared at the step's start) and KDA log.
 Status runStepDispatch(const StepContext &context, const plan::fb::Dispatch &dispatch);
 
 // A plan's RoPE: which values pair up (None: no rotation), and the inverse frequencies of a

@@ -325,8 +325,8 @@ Status CudaExecutor::Impl::prepareKvStep(const cpu::StepContext &host) {
     return Status::ok();
   PagedKvCache &cache = *host.kvCache;
   const int64_t rows = host.rows;
-  // Table row per sequence: one in a prefill (every row the same sequence), one per row in a
-  // batched decode.
+  // Table row per sequence: one in a prefill (every row the same sequence), one per segment in
+  // a batched step (a row each in a batched decode).
   std::vector<int32_t> tableSequences;
   // A context-parallel prefill writes every rank's rows of the step (at stepPositions); its
   // rows are this rank's.
@@ -342,12 +342,18 @@ Status CudaExecutor::Impl::prepareKvStep(const cpu::StepContext &host) {
       pinnedSequences[r] = 0;
     }
   } else {
-    for (int64_t r = 0; r < rows; ++r) {
-      const cpu::BatchRow &row = host.batch[static_cast<size_t>(r)];
-      HYBRID_RETURN_IF_ERROR(cache.prepareWrite(row.kvSequence, row.position, 1));
-      tableSequences.push_back(row.kvSequence);
-      pinnedPositions[r] = static_cast<int32_t>(row.position);
-      pinnedSequences[r] = static_cast<int32_t>(r);
+    int64_t r = 0;
+    for (size_t i = 0; i < host.batch.size(); ++i) {
+      const cpu::BatchRow &segment = host.batch[i];
+      if (r + segment.rows > rows)
+        return Status::error("a batched step's segments hold more than its " +
+                             std::to_string(rows) + " rows");
+      HYBRID_RETURN_IF_ERROR(cache.prepareWrite(segment.kvSequence, segment.position, segment.rows));
+      tableSequences.push_back(segment.kvSequence);
+      for (int64_t k = 0; k < segment.rows; ++k, ++r) {
+        pinnedPositions[r] = static_cast<int32_t>(segment.position + k);
+        pinnedSequences[r] = static_cast<int32_t>(i);
+      }
     }
   }
   cudaStream_t stream = streams[0]->stream;
@@ -462,8 +468,8 @@ Status CudaExecutor::Impl::finishKvStep(size_t programIndex, const cpu::StepCont
           slot, host.kvSequence, host.contextShard ? host.contextShard->stepRows : host.rows));
       continue;
     }
-    for (const cpu::BatchRow &row : host.batch)
-      HYBRID_RETURN_IF_ERROR(host.kvCache->advance(slot, row.kvSequence, 1));
+    for (const cpu::BatchRow &segment : host.batch)
+      HYBRID_RETURN_IF_ERROR(host.kvCache->advance(slot, segment.kvSequence, segment.rows));
   }
   return Status::ok();
 }

@@ -252,6 +252,8 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
 
   // RecurrentStatePool (host) checks the layer and slot; the device regions have their layout.
   HYBRID_RETURN_IF_ERROR(host.states->stateOffset(p->state_slot(), host.stateSlot).status());
+  for (const cpu::BatchRow &segment : host.batch)
+    HYBRID_RETURN_IF_ERROR(host.states->stateOffset(p->state_slot(), segment.stateSlot).status());
   const size_t layer = static_cast<size_t>(p->state_slot());
   kc::KdaLayerCall call = layerCall(d, host.stateSlot);
   call.qkv = qkv;
@@ -280,16 +282,38 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
       return Status::error("KDA decode workspace larger than planned at load");
     LAUNCH_RETURN_IF_ERROR(kc::launchKdaFusedDecode(step, r.stream), "KDA decode step");
   } else {
-    kc::KdaPrefillParams prefill;
-    static_cast<kc::KdaLayerCall &>(prefill) = call;
-    prefill.sequences = 1;
-    prefill.cuSeqlens = cuSeqlens; // uploaded with the token ids
-    prefill.tokens = static_cast<int32_t>(T);
-    prefill.workspace = r.kdaWorkspace;
-    prefill.path = kdaPrefillPath;
-    if (kc::kdaPrefillWorkspaceBytes(prefill) > kdaWorkspaceBytes)
-      return Status::error("KDA prefill workspace larger than planned at load");
-    LAUNCH_RETURN_IF_ERROR(kc::launchKdaPrefill(prefill, r.stream), "KDA prefill");
+    // One launch per segment of a batched prefill, each on its own slot's state and conv
+    // history: the kernels' cu_seqlens form takes packed states, the pool's slots are strided.
+    const cpu::BatchRow whole{.stateSlot = host.stateSlot, .rows = T};
+    const std::span<const cpu::BatchRow> segments =
+        host.batch.empty() ? std::span(&whole, 1) : host.batch;
+    int64_t first = 0;
+    for (size_t i = 0; i < segments.size(); ++i) {
+      kc::KdaPrefillParams prefill;
+      static_cast<kc::KdaLayerCall &>(prefill) = call;
+      if (segments[i].stateSlot != host.stateSlot) {
+        const kc::KdaLayerCall own = layerCall(d, segments[i].stateSlot);
+        prefill.state = own.state;
+        prefill.convState = own.convState;
+      }
+      prefill.qkv = qkv + first * 3 * P;
+      prefill.forget = forget + first * P;
+      prefill.betaLogits = beta + first * H;
+      prefill.outputGate = gate + first * P;
+      prefill.out = o + first * P;
+      prefill.sequences = 1;
+      prefill.cuSeqlens = cuSeqlens + 2 * i; // uploaded with the token ids
+      prefill.tokens = static_cast<int32_t>(segments[i].rows);
+      prefill.workspace = r.kdaWorkspace;
+      prefill.path = kdaPrefillPath;
+      if (kc::kdaPrefillWorkspaceBytes(prefill) > kdaWorkspaceBytes)
+        return Status::error("KDA prefill workspace larger than planned at load");
+      LAUNCH_RETURN_IF_ERROR(kc::launchKdaPrefill(prefill, r.stream), "KDA prefill");
+      first += segments[i].rows;
+    }
+    if (first != T)
+      return Status::error("a batched prefill's segments hold " + std::to_string(first) +
+                           " rows, the step " + std::to_string(T));
   }
   return gemm(r, o, P, role(O), out, dModel, T, P, dModel);
 }
@@ -790,8 +814,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   bytes += alignUp(std::max<uint64_t>(1, impl->slotConvFloats * numSlots) * sizeof(float));
   const size_t rowSlotsOffset = bytes;
   bytes += alignUp(static_cast<size_t>(maxRows) * sizeof(int32_t));
-  const size_t cuSeqlensOffset = bytes;
-  bytes += alignUp(2 * sizeof(int32_t));
+  const size_t cuSeqlensOffset = bytes; // a pair per segment: at most one segment per row
+  bytes += alignUp(2 * static_cast<size_t>(maxRows) * sizeof(int32_t));
   const size_t halves = impl->splitGemmInputs ? 2 : 1;
   const size_t perStream = alignUp(std::max<size_t>(1, impl->xBf16Elements) * 2 * halves) +
                            alignUp(std::max<size_t>(1, impl->gemmOutputs) * 4 * halves) +
@@ -840,7 +864,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedTokens,
                                       static_cast<size_t>(maxRows) * sizeof(int64_t)),
                        "pinned token buffer");
-  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedCuSeqlens, 2 * sizeof(int32_t)),
+  CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedCuSeqlens,
+                                      2 * static_cast<size_t>(maxRows) * sizeof(int32_t)),
                        "pinned cu_seqlens");
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedSlots,
                                       static_cast<size_t>(maxRows) * sizeof(int32_t)),
@@ -1017,25 +1042,30 @@ Status CudaExecutor::Impl::transferSlot(int32_t slot, RecurrentStatePool &pool,
   return Status::ok();
 }
 
-Status CudaExecutor::replayKdaLog(int32_t slot, int64_t tokens) {
+Status CudaExecutor::replayKdaLog(int32_t slot, int64_t tokens, int64_t firstRow) {
   Impl &impl = *impl_;
-  if (tokens < 0 || tokens > impl.kdaLogRows)
-    return Status::error("KDA replay of " + std::to_string(tokens) + " tokens from a step of " +
+  if (tokens < 0 || firstRow < 0 || firstRow + tokens > impl.kdaLogRows)
+    return Status::error("KDA replay of rows [" + std::to_string(firstRow) + ", " +
+                         std::to_string(firstRow + tokens) + ") from a step of " +
                          std::to_string(impl.kdaLogRows));
   if (tokens == 0 || impl.kdaLogUsed == 0)
     return Status::ok();
   StreamResources &r = *impl.streams[0];
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), "before a KDA replay");
-  HYBRID_RETURN_IF_ERROR(impl.uploadCuSeqlens(tokens));
+  const int64_t segment[1] = {tokens};
+  HYBRID_RETURN_IF_ERROR(impl.uploadCuSeqlens(segment));
   for (size_t i = 0; i < impl.kdaLogUsed; ++i) {
     const Impl::LoggedKda &entry = impl.kdaLog[i];
+    const fb::KdaParams *p = entry.dispatch->params_as_KdaParams();
+    const int64_t H = p->num_heads(), P = H * p->head_dim();
     kc::KdaPrefillParams prefill;
     static_cast<kc::KdaLayerCall &>(prefill) = impl.layerCall(*entry.dispatch, slot);
-    prefill.qkv = entry.qkv; // rows are contiguous: the first `tokens` are a prefix
-    prefill.forget = entry.forget;
-    prefill.betaLogits = entry.beta;
-    prefill.outputGate = entry.gate;
-    prefill.out = entry.out;
+    // Rows are contiguous: a segment's first `tokens` rows are one run of each input.
+    prefill.qkv = entry.qkv + firstRow * 3 * P;
+    prefill.forget = entry.forget + firstRow * P;
+    prefill.betaLogits = entry.beta + firstRow * H;
+    prefill.outputGate = entry.gate + firstRow * P;
+    prefill.out = entry.out + firstRow * P;
     prefill.sequences = 1;
     prefill.cuSeqlens = impl.cuSeqlens;
     prefill.tokens = static_cast<int32_t>(tokens);
@@ -1201,17 +1231,31 @@ Status CudaExecutor::downloadFinalHidden(const fb::Program &program, int64_t row
 }
 
 Status CudaExecutor::run(const cpu::StepContext &host, std::span<const int64_t> tokens,
-                         float *logitsOut, HiddenStates *hidden, bool lastRowLogits) {
+                         float *logitsOut, HiddenStates *hidden,
+                         std::span<const int64_t> logitRows) {
   HYBRID_RETURN_IF_ERROR(runProgram(host, tokens, hidden));
   const fb::Program &program = *host.program;
   const fb::Value &logits = valueOf(program, program.logits());
   // A context-parallel prefill's logits are every rank's rows (gathered before the LM head).
   const int64_t rows = cpu::valueRows(host, logits);
   const size_t rowBytes = valueBytes(logits, 1);
-  CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(logitsOut, impl_->logitsOf(program) + (lastRowLogits ? (rows - 1) * rowBytes : 0),
-                 lastRowLogits ? rowBytes : valueBytes(logits, rows), cudaMemcpyDeviceToHost),
-      "logits download");
+  if (logitRows.empty()) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpy(logitsOut, impl_->logitsOf(program), valueBytes(logits, rows),
+                                    cudaMemcpyDeviceToHost),
+                         "logits download");
+    return Status::ok();
+  }
+  // Rows apart (each segment's last of a batched prefill): one strided copy.
+  for (size_t i = 1; i < logitRows.size(); ++i)
+    if (logitRows[i] <= logitRows[i - 1] || logitRows[i] >= rows)
+      return Status::error("logits rows must ascend within the step's " + std::to_string(rows));
+  for (size_t i = 0; i < logitRows.size(); ++i)
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(reinterpret_cast<unsigned char *>(logitsOut) + i * rowBytes,
+                                         impl_->logitsOf(program) + logitRows[i] * rowBytes,
+                                         rowBytes, cudaMemcpyDeviceToHost,
+                                         impl_->streams[0]->stream),
+                         "logits download");
+  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(impl_->streams[0]->stream), "logits download");
   return Status::ok();
 }
 
@@ -1256,7 +1300,8 @@ Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const in
   const size_t programIndex = impl.indexOf(program);
   if (programIndex >= impl.arenas.size())
     return Status::error("cuda device: program '" + program.name()->str() + "' is not loaded");
-  // The prefill and mtp programs take rows of one sequence (the KDA prefill kernels' form).
+  // The prefill and mtp programs take rows of one sequence, or segments of several (batched
+  // prefill); a decode step one row per sequence.
   const bool prefill = programIndex != Impl::kDecode;
   unsigned char *arena = impl.arenas[programIndex];
   const int64_t rows = host.rows;
@@ -1294,8 +1339,13 @@ Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const in
                          "token ids upload");
   }
 
-  if (prefill) { // one sequence of `rows` tokens, for the KDA prefill kernels
-    HYBRID_RETURN_IF_ERROR(impl.uploadCuSeqlens(rows));
+  if (prefill) { // per segment (one sequence, or a batched prefill's), for the KDA prefill kernels
+    std::vector<int64_t> segmentRows;
+    for (const cpu::BatchRow &segment : host.batch)
+      segmentRows.push_back(segment.rows);
+    if (segmentRows.empty())
+      segmentRows.push_back(rows);
+    HYBRID_RETURN_IF_ERROR(impl.uploadCuSeqlens(segmentRows));
   } else { // each row's state slot, for the KDA decode kernels
     for (int64_t row = 0; row < rows; ++row) {
       const int32_t slot = host.batch.empty() ? host.stateSlot

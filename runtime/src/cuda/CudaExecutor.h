@@ -47,11 +47,13 @@ public:
   // arena, fp32 weights and caches serve the dispatches that run on the cpu reference); writes
   // logits [rows, vocab]. The mtp program reads the hidden rows setHiddenInput gave it. With
   // options.cudaGraphs the decode program's GPU runs are replayed as graphs (not while `hidden`
-  // is asked for: it reads values between steps). With `lastRowLogits` only the last row's
-  // logits [vocab] come back (a prefill's next-token choice: the other rows cost a copy of
-  // rows x vocab floats to the host).
+  // is asked for: it reads values between steps). With `logitRows` (ascending) only those
+  // rows' logits come back, in that order (a prefill's next-token choice, each segment's last
+  // row in a batched one: the other rows cost a copy of rows x vocab floats to the host).
+  // host.batch's segments (a batched prefill) each keep their own state slot, positions and
+  // block-table row.
   Status run(const cpu::StepContext &host, std::span<const int64_t> tokens, float *logits,
-             HiddenStates *hidden, bool lastRowLogits = false);
+             HiddenStates *hidden, std::span<const int64_t> logitRows = {});
   // A decode step whose rows choose their tokens on the GPU (kernels/cuda/Sampling.h, the
   // reference's definition): `chosen` [rows] receives them and no logits leave the device.
   Status runChoosing(const cpu::StepContext &host, std::span<const int64_t> tokens,
@@ -66,8 +68,9 @@ public:
   // Speculative rollback: in a step run with host.kdaLog set (a prefill), the GPU KDA layers keep
   // copies of their inputs; this reruns their prefill kernels over the first `tokens` of them on
   // `slot`'s states (which the caller has put back to before that step). Layers on the cpu
-  // reference log into host.kdaLog as on the cpu device.
-  Status replayKdaLog(int32_t slot, int64_t tokens);
+  // reference log into host.kdaLog as on the cpu device. A batched verification replays each
+  // sequence's segment: its first `tokens` rows from row `firstRow` of the step.
+  Status replayKdaLog(int32_t slot, int64_t tokens, int64_t firstRow = 0);
   // Multi-token prediction (the `mtp` program, docs/mtp.md) without host round trips: hidden
   // rows are kept in device records, growable [rows, hidden] buffers named by an id the caller
   // picks (the Model: two per KV sequence, the main model's final hidden states and the MTP's

@@ -181,7 +181,8 @@ struct CudaExecutor::Impl {
   int64_t *deviceChosen = nullptr, *pinnedChosen = nullptr;
   int32_t *pinnedSlots = nullptr;  // and each decode row's state slot
   int32_t *rowSlots = nullptr;     // the device copy the KDA decode kernels index states with
-  int32_t *pinnedCuSeqlens = nullptr, *cuSeqlens = nullptr; // {0, rows} of a prefill step
+  // A prefill step's cu_seqlens, {0, rows} per segment (pairs: one KDA launch per segment).
+  int32_t *pinnedCuSeqlens = nullptr, *cuSeqlens = nullptr;
   // Stream 0 forks the other streams at the start of a GPU run and joins them at its end, so a
   // run is ordered after the token upload and a captured run is one graph on stream 0.
   cudaEvent_t forkEvent = nullptr;
@@ -298,12 +299,16 @@ struct CudaExecutor::Impl {
   // were recorded before the run are dropped: the cpu step before it synchronized the device.
   Status launchRun(const fb::Program &program, unsigned char *arena, const StepRun &run,
                    const cpu::StepContext &host, HiddenStates *hidden, bool capturing);
-  // cu_seqlens {0, tokens} of a one-sequence KDA prefill, from pinned memory on stream 0 (the
-  // runs fork from it); the previous upload finished with its step's synchronization.
-  Status uploadCuSeqlens(int64_t tokens) {
-    pinnedCuSeqlens[0] = 0;
-    pinnedCuSeqlens[1] = static_cast<int32_t>(tokens);
-    return cudaStatus(cudaMemcpyAsync(cuSeqlens, pinnedCuSeqlens, 2 * sizeof(int32_t),
+  // cu_seqlens {0, tokens} of each segment's one-sequence KDA prefill (pair i at 2 i), from
+  // pinned memory on stream 0 (the runs fork from it); the previous upload finished with its
+  // step's synchronization.
+  Status uploadCuSeqlens(std::span<const int64_t> segmentTokens) {
+    for (size_t i = 0; i < segmentTokens.size(); ++i) {
+      pinnedCuSeqlens[2 * i] = 0;
+      pinnedCuSeqlens[2 * i + 1] = static_cast<int32_t>(segmentTokens[i]);
+    }
+    return cudaStatus(cudaMemcpyAsync(cuSeqlens, pinnedCuSeqlens,
+                                      2 * segmentTokens.size() * sizeof(int32_t),
                                       cudaMemcpyHostToDevice, streams[0]->stream),
                       "cu_seqlens upload");
   }

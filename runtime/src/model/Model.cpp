@@ -178,6 +178,21 @@ struct RunExtras {
   float *finalHiddenOut = nullptr;
 };
 
+// The rows whose logits a run returns: every row (empty), or with lastRowLogits the last row of
+// the step, or of each segment of a batched one.
+static std::vector<int64_t> logitRowsOf(int64_t rows, std::span<const cpu::BatchRow> batch,
+                                        const RunExtras &extras) {
+  if (!extras.lastRowLogits)
+    return {};
+  if (batch.empty())
+    return {rows - 1};
+  std::vector<int64_t> last;
+  int64_t end = 0;
+  for (const cpu::BatchRow &segment : batch)
+    last.push_back((end += segment.rows) - 1);
+  return last;
+}
+
 struct Model::Impl {
   std::string dir;
   // Usage's sparse-attention counters (read by other threads, e.g. a server's /metrics).
@@ -321,7 +336,8 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
                                                         extras.hiddenRecordFirst, rows));
     if (extras.chosenOut && !extras.finalHiddenOut && !hidden)
       return cuda->runChoosing(context, tokens, extras.choices, extras.chosenOut);
-    HYBRID_RETURN_IF_ERROR(cuda->run(context, tokens, logitsOut, hidden, extras.lastRowLogits));
+    HYBRID_RETURN_IF_ERROR(
+        cuda->run(context, tokens, logitsOut, hidden, logitRowsOf(rows, batch, extras)));
     if (extras.finalHiddenOut)
       HYBRID_RETURN_IF_ERROR(cuda->downloadFinalHidden(*program, rows, extras.finalHiddenOut));
     return Status::ok();
@@ -377,9 +393,13 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
       }
   }
   HYBRID_ASSIGN_OR_RETURN(std::span<float> logits, cpu::floatValue(context, program->logits()));
-  if (extras.lastRowLogits)
-    logits = logits.last(logits.size() / static_cast<size_t>(rows));
-  std::copy(logits.begin(), logits.end(), logitsOut);
+  const std::vector<int64_t> logitRows = logitRowsOf(rows, batch, extras);
+  const size_t vocab = logits.size() / static_cast<size_t>(rows);
+  if (logitRows.empty())
+    std::copy(logits.begin(), logits.end(), logitsOut);
+  for (size_t i = 0; i < logitRows.size(); ++i)
+    std::copy_n(logits.begin() + static_cast<std::ptrdiff_t>(logitRows[i] * int64_t(vocab)), vocab,
+                logitsOut + i * vocab);
   if (extras.finalHiddenOut) {
     HYBRID_ASSIGN_OR_RETURN(std::span<float> final,
                             cpu::floatValue(context, layerOutputs->Get(layerOutputs->size() - 1)));
@@ -579,13 +599,14 @@ void Model::Impl::countSparseAttention(const ProgramRunner &runner, int64_t rows
                                        int64_t firstPosition,
                                        std::span<const cpu::BatchRow> batch) {
   uint64_t selected = 0, context = 0;
+  const cpu::BatchRow whole{.position = firstPosition, .rows = rows};
   for (const int64_t topK : runner.dsaTopKs)
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t position =
-          batch.empty() ? firstPosition + r : batch[static_cast<size_t>(r)].position;
-      selected += static_cast<uint64_t>(std::min(topK, position + 1));
-      context += static_cast<uint64_t>(position + 1);
-    }
+    for (const cpu::BatchRow &segment : batch.empty() ? std::span(&whole, 1) : batch)
+      for (int64_t r = 0; r < segment.rows; ++r) {
+        const int64_t position = segment.position + r;
+        selected += static_cast<uint64_t>(std::min(topK, position + 1));
+        context += static_cast<uint64_t>(position + 1);
+      }
   sparseSelected += selected;
   sparseContext += context;
 }
@@ -776,66 +797,182 @@ StatusOr<CachedPrefill> Sequence::prefillWithPrefixCache(std::span<const int64_t
 
 StatusOr<DraftVerification> Sequence::verifyDraft(int64_t token,
                                                    std::span<const int64_t> draft) {
-  Model::Impl &impl = *model_.impl_;
-  const auto vocab = static_cast<size_t>(model_.vocabSize());
+  if (draft.empty()) {
+    DraftVerification result;
+    HYBRID_ASSIGN_OR_RETURN(result.logits, decode(token));
+    result.tokens.push_back(static_cast<int64_t>(
+        std::max_element(result.logits.begin(), result.logits.end()) - result.logits.begin()));
+    return result;
+  }
+  const DraftCheck check{.sequence = this, .token = token, .draft = draft};
+  HYBRID_ASSIGN_OR_RETURN(std::vector<DraftVerification> results,
+                          model_.verifyDrafts(std::span(&check, 1)));
+  return std::move(results[0]);
+}
+
+Status Model::checkSegments(const char *caller, std::span<Sequence *const> sequences,
+                            std::span<const int64_t> rows) const {
+  const Impl &impl = *impl_;
+  if (sequences.empty())
+    return Status::error(std::string(caller) + ": no sequences");
+  if (impl.prefill.contextParallel && sequences.size() > 1)
+    return Status::error(std::string(caller) + ": " + impl.plan.path() +
+                         " is context-parallel: its prefill splits one sequence over the ranks, "
+                         "so it runs one sequence per call");
+  int64_t total = 0;
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    const Sequence *sequence = sequences[i];
+    const std::string which = std::string(caller) + ": sequence " + std::to_string(i);
+    if (!sequence || &sequence->model_ != this)
+      return Status::error(which + " is not one of this model's");
+    for (size_t j = 0; j < i; ++j)
+      if (sequences[j] == sequence)
+        return Status::error(std::string(caller) + ": sequences " + std::to_string(j) + " and " +
+                             std::to_string(i) + " are the same sequence");
+    if (rows[i] < 1)
+      return Status::error(which + " has no tokens");
+    if (sequence->length_ + rows[i] > impl.options.maxContextTokens)
+      return Status::error(which + " would grow to " + std::to_string(sequence->length_ + rows[i]) +
+                           " tokens, past maxContextTokens = " +
+                           std::to_string(impl.options.maxContextTokens));
+    total += rows[i];
+  }
+  if (total > maxPrefillTokens())
+    return Status::error(std::string(caller) + ": " + std::to_string(total) + " rows of " +
+                         std::to_string(sequences.size()) +
+                         " sequences, the prefill program takes at most " +
+                         std::to_string(maxPrefillTokens()) +
+                         " per call (hybrid-compile --prefill-tokens)");
+  return Status::ok();
+}
+
+int64_t Model::maxPrefillTokens() const {
+  return std::max<int64_t>(1, impl_->prefill.program->max_tokens());
+}
+
+StatusOr<std::vector<float>> Model::prefillBatch(std::span<const PrefillSegment> segments,
+                                                 PrefillLogits which) {
+  Impl &impl = *impl_;
+  std::vector<Sequence *> sequences;
+  std::vector<int64_t> rows;
+  for (const PrefillSegment &segment : segments) {
+    sequences.push_back(segment.sequence);
+    rows.push_back(static_cast<int64_t>(segment.tokens.size()));
+  }
+  HYBRID_RETURN_IF_ERROR(checkSegments("prefillBatch", sequences, rows));
+  if (segments.size() == 1) // the plain prefill: one call, since the tokens fit it
+    return sequences[0]->prefill(segments[0].tokens, nullptr, which);
+  std::vector<cpu::BatchRow> batch;
+  std::vector<int64_t> fed;
+  for (const PrefillSegment &segment : segments) {
+    batch.push_back({.kvSequence = segment.sequence->kvSequence_,
+                     .stateSlot = segment.sequence->stateSlot_,
+                     .position = segment.sequence->length_,
+                     .rows = static_cast<int64_t>(segment.tokens.size())});
+    fed.insert(fed.end(), segment.tokens.begin(), segment.tokens.end());
+  }
+  const bool lastRow = which == PrefillLogits::LastRow;
+  std::vector<float> logits((lastRow ? segments.size() : fed.size()) *
+                            static_cast<size_t>(vocabSize()));
+  Sequence &first = *sequences[0];
+  HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, first, first.kvSequence_, first.stateSlot_, fed,
+                                  /*decodeStep=*/false, logits.data(), nullptr, nullptr, batch,
+                                  RunExtras{.lastRowLogits = lastRow}));
+  int64_t row = 0;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    Sequence &sequence = *sequences[i];
+    HYBRID_RETURN_IF_ERROR(
+        sequence.keepFinalHidden(*impl.prefill.program, sequence.length_, row, rows[i]));
+    sequence.length_ += rows[i];
+    row += rows[i];
+  }
+  return logits;
+}
+
+StatusOr<std::vector<DraftVerification>> Model::verifyDrafts(std::span<const DraftCheck> checks) {
+  Impl &impl = *impl_;
+  const auto vocab = static_cast<size_t>(vocabSize());
+  std::vector<Sequence *> sequences;
+  std::vector<int64_t> rows;
+  for (size_t i = 0; i < checks.size(); ++i) {
+    if (checks[i].draft.empty())
+      return Status::error("verifyDrafts: check " + std::to_string(i) +
+                           " has an empty draft (a token alone is a decode step)");
+    sequences.push_back(checks[i].sequence);
+    rows.push_back(1 + static_cast<int64_t>(checks[i].draft.size()));
+  }
+  HYBRID_RETURN_IF_ERROR(checkSegments("verifyDrafts", sequences, rows));
+  // One snapshot per sequence before the pass (taken on the host) and one KDA log per sequence.
+  std::vector<RecurrentStateSnapshot> before;
+  for (Sequence *sequence : sequences) {
+#ifdef HYBRID_HAS_CUDA_DEVICE
+    if (impl.cuda)
+      HYBRID_RETURN_IF_ERROR(impl.cuda->downloadSlot(sequence->stateSlot_, impl.states));
+#endif
+    HYBRID_ASSIGN_OR_RETURN(RecurrentStateSnapshot snapshot,
+                            impl.states.snapshot(sequence->stateSlot_));
+    before.push_back(std::move(snapshot));
+  }
+  std::vector<cpu::KdaReplayLog> logs(checks.size());
+  std::vector<cpu::BatchRow> batch;
+  std::vector<int64_t> fed;
+  for (size_t i = 0; i < checks.size(); ++i) {
+    batch.push_back({.kvSequence = sequences[i]->kvSequence_,
+                     .stateSlot = sequences[i]->stateSlot_,
+                     .position = sequences[i]->length_,
+                     .rows = rows[i],
+                     .kdaLog = &logs[i]});
+    fed.push_back(checks[i].token);
+    fed.insert(fed.end(), checks[i].draft.begin(), checks[i].draft.end());
+  }
+  if (checks.size() == 1) // one sequence: the plain prefill path, logging into its log
+    batch.clear();
+  std::vector<float> logits(fed.size() * vocab);
+  Sequence &first = *sequences[0];
+  HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, first, first.kvSequence_, first.stateSlot_, fed,
+                                  /*decodeStep=*/false, logits.data(), nullptr, &logs[0], batch));
+
   auto argmax = [](std::span<const float> row) {
     return static_cast<int64_t>(std::max_element(row.begin(), row.end()) - row.begin());
   };
-  DraftVerification result;
-  if (draft.empty()) {
-    HYBRID_ASSIGN_OR_RETURN(result.logits, decode(token));
-    result.tokens.push_back(argmax(result.logits));
-    return result;
-  }
-  const auto rows = static_cast<int64_t>(draft.size()) + 1;
-  if (rows > std::max<int64_t>(1, impl.prefill.program->max_tokens()))
-    return Status::error("a draft of " + std::to_string(draft.size()) +
-                         " tokens does not fit the prefill program's " +
-                         std::to_string(impl.prefill.program->max_tokens()) + " rows");
-  if (length_ + rows > impl.options.maxContextTokens)
-    return Status::error("sequence would grow to " + std::to_string(length_ + rows) +
-                         " tokens, past maxContextTokens = " +
-                         std::to_string(impl.options.maxContextTokens));
-  [[maybe_unused]] bool onGpu = false;
+  std::vector<DraftVerification> results(checks.size());
+  int64_t offset = 0; // the check's first row in the pass
+  for (size_t i = 0; i < checks.size(); ++i) {
+    Sequence &sequence = *sequences[i];
+    const std::span<const int64_t> draft = checks[i].draft;
+    DraftVerification &result = results[i];
+    auto row = [&](int64_t r) {
+      return std::span<const float>(logits).subspan(static_cast<size_t>(offset + r) * vocab, vocab);
+    };
+    while (result.accepted < static_cast<int64_t>(draft.size()) &&
+           argmax(row(result.accepted)) == draft[static_cast<size_t>(result.accepted)])
+      ++result.accepted;
+    result.tokens.assign(draft.begin(), draft.begin() + result.accepted);
+    result.tokens.push_back(argmax(row(result.accepted)));
+    const auto begin = logits.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(offset) * vocab);
+    result.logits.assign(begin, begin + static_cast<std::ptrdiff_t>(
+                                            static_cast<size_t>(result.accepted + 1) * vocab));
+
+    const int64_t start = sequence.length_;
+    sequence.length_ += rows[i];
+    const int64_t keep = 1 + result.accepted; // the token and the accepted draft tokens
+    HYBRID_RETURN_IF_ERROR(sequence.keepFinalHidden(*impl.prefill.program, start, offset, keep));
+    if (keep < rows[i]) {
+      const int32_t slot = sequence.stateSlot_;
+      HYBRID_RETURN_IF_ERROR(impl.kvCache.truncate(sequence.kvSequence_, start + keep));
+      HYBRID_RETURN_IF_ERROR(impl.states.restore(slot, before[i]));
+      HYBRID_RETURN_IF_ERROR(cpu::replayKda(impl.states, slot, logs[i], keep));
 #ifdef HYBRID_HAS_CUDA_DEVICE
-  onGpu = impl.cuda != nullptr;
-  if (onGpu) // the snapshot is taken on the host
-    HYBRID_RETURN_IF_ERROR(impl.cuda->downloadSlot(stateSlot_, impl.states));
+      if (impl.cuda) { // the GPU's KDA layers: back to the snapshot, then their logged inputs
+        HYBRID_RETURN_IF_ERROR(impl.cuda->uploadSlot(slot, impl.states));
+        HYBRID_RETURN_IF_ERROR(impl.cuda->replayKdaLog(slot, keep, offset));
+      }
 #endif
-  HYBRID_ASSIGN_OR_RETURN(RecurrentStateSnapshot before, impl.states.snapshot(stateSlot_));
-  std::vector<int64_t> fed = {token};
-  fed.insert(fed.end(), draft.begin(), draft.end());
-  std::vector<float> logits(static_cast<size_t>(rows) * vocab);
-  cpu::KdaReplayLog log;
-  const int64_t start = length_;
-  HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, *this, kvSequence_, stateSlot_, fed,
-                                  /*decodeStep=*/false, logits.data(), nullptr, &log));
-  length_ += rows;
-
-  auto row = [&](int64_t i) { return std::span<const float>(logits).subspan(i * vocab, vocab); };
-  while (result.accepted < static_cast<int64_t>(draft.size()) &&
-         argmax(row(result.accepted)) == draft[static_cast<size_t>(result.accepted)])
-    ++result.accepted;
-  result.tokens.assign(draft.begin(), draft.begin() + result.accepted);
-  result.tokens.push_back(argmax(row(result.accepted)));
-  result.logits.assign(logits.begin(),
-                       logits.begin() + static_cast<std::ptrdiff_t>((result.accepted + 1) * vocab));
-
-  const int64_t keep = 1 + result.accepted; // `token` and the accepted draft tokens
-  HYBRID_RETURN_IF_ERROR(keepFinalHidden(*impl.prefill.program, start, 0, keep));
-  if (keep < rows) {
-    HYBRID_RETURN_IF_ERROR(impl.kvCache.truncate(kvSequence_, start + keep));
-    HYBRID_RETURN_IF_ERROR(impl.states.restore(stateSlot_, before));
-    HYBRID_RETURN_IF_ERROR(cpu::replayKda(impl.states, stateSlot_, log, keep));
-#ifdef HYBRID_HAS_CUDA_DEVICE
-    if (onGpu) { // the GPU's KDA layers: back to the snapshot, then their logged inputs again
-      HYBRID_RETURN_IF_ERROR(impl.cuda->uploadSlot(stateSlot_, impl.states));
-      HYBRID_RETURN_IF_ERROR(impl.cuda->replayKdaLog(stateSlot_, keep));
+      sequence.length_ = start + keep;
     }
-#endif
-    length_ = start + keep;
+    offset += rows[i];
   }
-  return result;
+  return results;
 }
 
 StatusOr<std::vector<float>> Sequence::recurrentState() const {
@@ -888,7 +1025,9 @@ StatusOr<std::vector<float>> Model::decodeRows(std::span<Sequence *const> sequen
       return Status::error("decodeBatch: sequence " + std::to_string(i) +
                            " is full: maxContextTokens = " +
                            std::to_string(impl.options.maxContextTokens));
-    batch.push_back({sequence->kvSequence_, sequence->stateSlot_, sequence->length_});
+    batch.push_back({.kvSequence = sequence->kvSequence_,
+                     .stateSlot = sequence->stateSlot_,
+                     .position = sequence->length_});
   }
   std::vector<float> logits(chosen ? 0 : sequences.size() * static_cast<size_t>(vocabSize()));
   Sequence &first = *sequences[0];

@@ -163,10 +163,11 @@ struct Scheduler::Outcome {
   bool mayPreempt = true;
 };
 
-// A prefill chunk or a speculative step for `active`; plain decode steps are left to
-// decodeGroup (`decodes` collects them).
-void Scheduler::runOwnStep(Active &active, Outcome &outcome, bool &decodes) {
+// What `active`'s step is, or its error; a prefill chunk and a verification are left to
+// prefillGroup / verifyGroup (in `work`), a plain decode step to decodeGroup (`decodes`).
+void Scheduler::planOwnStep(Active &active, Outcome &outcome, OwnStep &work, bool &decodes) {
   decodes = false;
+  work = {};
   const auto contextLength = static_cast<int64_t>(active.context.size());
   if (active.fed == 0) {
     // The first step restores the longest kept prefix (if the model keeps prefixes).
@@ -186,15 +187,7 @@ void Scheduler::runOwnStep(Active &active, Outcome &outcome, bool &decodes) {
     int64_t count = std::min(options_.prefillChunkTokens, contextLength - active.fed);
     if (active.fed < boundary)
       count = std::min(count, boundary - active.fed);
-    outcome.logits = active.sequence->prefill(
-        std::span(active.context).subspan(static_cast<size_t>(active.fed), static_cast<size_t>(count)),
-        nullptr, PrefillLogits::LastRow); // only the last row chooses a token
-    active.fed += count;
-    if (outcome.logits && active.fed == boundary)
-      if (Status kept = active.sequence->keepPrefix(
-              std::span(active.context).first(static_cast<size_t>(boundary)));
-          !kept)
-        outcome.logits = kept;
+    work = {.kind = OwnStep::Prefill, .tokens = count, .draft = {}, .proposeSeconds = 0};
   } else if (speculates(active) && draftingPays(active)) {
     const auto start = std::chrono::steady_clock::now();
     const int64_t room = active.request.maxNewTokens - active.generated();
@@ -205,35 +198,156 @@ void Scheduler::runOwnStep(Active &active, Outcome &outcome, bool &decodes) {
       outcome.mayPreempt = false;
       return;
     }
-    const std::vector<int64_t> &draft = *proposed;
-    if (draft.empty() && options_.draftOnlyWhenItPays) {
+    if (proposed->empty() && options_.draftOnlyWhenItPays) {
       // Nothing to verify: a pass would be one decode step of its own; the batched one is cheaper.
       ++stats_.declinedDrafts;
       decodes = true;
       return;
     }
-    StatusOr<DraftVerification> verified =
-        active.sequence->verifyDraft(active.context.back(), draft);
-    if (verified) {
-      ++stats_.verifySteps;
-      stats_.draftedTokens += static_cast<int64_t>(draft.size());
-      stats_.acceptedTokens += verified->accepted;
-      active.draftLength = adaptDraftLength(active.draftLength, options_.draftTokens,
-                                            static_cast<int64_t>(draft.size()), verified->accepted);
-      active.acceptedPerPass = blend(active.acceptedPerPass < 0 ? 0 : active.acceptedPerPass,
-                                     double(verified->accepted));
-      verifyPassSeconds_ = blend(verifyPassSeconds_, secondsSince(start));
-      outcome.chosen = verified->tokens;
-      outcome.logits = std::move(verified->logits);
-    } else {
-      outcome.logits = verified.status();
-    }
-    active.fed = contextLength;
+    work = {.kind = OwnStep::Verify,
+            .tokens = 1 + static_cast<int64_t>(proposed->size()),
+            .draft = std::move(*proposed),
+            .proposeSeconds = secondsSince(start)};
   } else {
     if (speculates(active))
       ++stats_.declinedDrafts;
     decodes = true;
   }
+}
+
+// Consecutive runs of `group` (indices into running_) whose steps' rows fit one prefill program
+// call together (a step longer than a call runs alone); one index per run when the KV cache may
+// not have a page for every row (then a request that finds it full is preempted alone, not its
+// whole call).
+std::vector<std::vector<size_t>> Scheduler::packCalls(const std::vector<size_t> &group,
+                                                      const std::vector<OwnStep> &work) const {
+  int64_t newPages = 0;
+  for (size_t index : group) {
+    const int64_t length = running_[index]->sequence->length();
+    newPages += model_.pagesFor(length + work[index].tokens) - model_.pagesFor(length);
+  }
+  const bool batched = newPages <= model_.usage().freePages;
+  const int64_t budget = model_.maxPrefillTokens();
+  std::vector<std::vector<size_t>> calls;
+  int64_t rows = 0;
+  for (size_t index : group) {
+    if (calls.empty() || !batched || rows + work[index].tokens > budget) {
+      calls.emplace_back();
+      rows = 0;
+    }
+    calls.back().push_back(index);
+    rows += work[index].tokens;
+  }
+  return calls;
+}
+
+// The prefill chunks of `group`, several requests per prefill program call (Model::prefillBatch).
+void Scheduler::prefillGroup(const std::vector<size_t> &group, const std::vector<OwnStep> &work,
+                             std::vector<Outcome> &outcomes) {
+  const auto vocab = static_cast<size_t>(model_.vocabSize());
+  for (const std::vector<size_t> &call : packCalls(group, work)) {
+    std::vector<PrefillSegment> segments;
+    for (size_t index : call) {
+      Active &active = *running_[index];
+      segments.push_back({.sequence = active.sequence.get(),
+                          .tokens = std::span(active.context)
+                                        .subspan(static_cast<size_t>(active.fed),
+                                                 static_cast<size_t>(work[index].tokens))});
+    }
+    if (call.size() > 1) {
+      ++stats_.prefillBatches;
+      stats_.batchedPrefillSegments += static_cast<int64_t>(call.size());
+    }
+    // Only each segment's last row chooses a token. A request alone prefills as before, in as
+    // many program calls as its chunk needs.
+    StatusOr<std::vector<float>> logits =
+        segments.size() == 1
+            ? segments[0].sequence->prefill(segments[0].tokens, nullptr, PrefillLogits::LastRow)
+            : model_.prefillBatch(segments, PrefillLogits::LastRow);
+    for (size_t i = 0; i < call.size(); ++i) {
+      Active &active = *running_[call[i]];
+      Outcome &outcome = outcomes[call[i]];
+      active.fed += work[call[i]].tokens;
+      if (!logits) {
+        outcome.logits = logits.status(); // each recomputes (or fails) on its own
+        continue;
+      }
+      outcome.logits = std::vector<float>(logits->begin() + static_cast<std::ptrdiff_t>(i * vocab),
+                                          logits->begin() + static_cast<std::ptrdiff_t>((i + 1) * vocab));
+      const auto contextLength = static_cast<int64_t>(active.context.size());
+      const int64_t boundary = active.sequence->prefixBoundary(contextLength);
+      if (active.fed == boundary)
+        if (Status kept = active.sequence->keepPrefix(
+                std::span(active.context).first(static_cast<size_t>(boundary)));
+            !kept)
+          outcome.logits = kept;
+    }
+  }
+}
+
+// The verifications of `group`, several requests' drafts per pass (Model::verifyDrafts); each
+// request then keeps its accepted tokens and rolls the rest back on its own.
+void Scheduler::verifyGroup(const std::vector<size_t> &group, const std::vector<OwnStep> &work,
+                            std::vector<Outcome> &outcomes) {
+  for (const std::vector<size_t> &call : packCalls(group, work)) {
+    std::vector<DraftCheck> checks;
+    for (size_t index : call) {
+      Active &active = *running_[index];
+      checks.push_back({.sequence = active.sequence.get(),
+                        .token = active.context.back(),
+                        .draft = work[index].draft});
+    }
+    if (call.size() > 1) {
+      ++stats_.verifyBatches;
+      stats_.batchedVerifySequences += static_cast<int64_t>(call.size());
+    }
+    const auto start = std::chrono::steady_clock::now();
+    StatusOr<std::vector<DraftVerification>> verified = model_.verifyDrafts(checks);
+    // What drafting pays is judged per sequence: its share of the pass, plus drafting it.
+    if (verified) {
+      double proposing = 0;
+      for (size_t index : call)
+        proposing += work[index].proposeSeconds;
+      verifyPassSeconds_ =
+          blend(verifyPassSeconds_, (secondsSince(start) + proposing) / double(call.size()));
+    }
+    for (size_t i = 0; i < call.size(); ++i) {
+      Active &active = *running_[call[i]];
+      Outcome &outcome = outcomes[call[i]];
+      active.fed = static_cast<int64_t>(active.context.size());
+      if (!verified) {
+        outcome.logits = verified.status();
+        continue;
+      }
+      DraftVerification &result = (*verified)[i];
+      const auto drafted = static_cast<int64_t>(work[call[i]].draft.size());
+      ++stats_.verifySteps;
+      stats_.draftedTokens += drafted;
+      stats_.acceptedTokens += result.accepted;
+      active.draftLength =
+          adaptDraftLength(active.draftLength, options_.draftTokens, drafted, result.accepted);
+      active.acceptedPerPass = blend(active.acceptedPerPass < 0 ? 0 : active.acceptedPerPass,
+                                     double(result.accepted));
+      outcome.chosen = result.tokens;
+      outcome.logits = std::move(result.logits);
+    }
+  }
+}
+
+// An empty draft without draftOnlyWhenItPays: a pass of one token (Sequence::verifyDraft's decode
+// step), as before batched verification.
+void Scheduler::verifyAlone(Active &active, Outcome &outcome) {
+  StatusOr<DraftVerification> verified = active.sequence->verifyDraft(active.context.back(), {});
+  active.fed = static_cast<int64_t>(active.context.size());
+  if (!verified) {
+    outcome.logits = verified.status();
+    return;
+  }
+  ++stats_.verifySteps;
+  active.draftLength = adaptDraftLength(active.draftLength, options_.draftTokens, 0, 0);
+  active.acceptedPerPass = blend(active.acceptedPerPass < 0 ? 0 : active.acceptedPerPass, 0.0);
+  outcome.chosen = verified->tokens;
+  outcome.logits = std::move(verified->logits);
 }
 
 // Plain decode steps of `group` (indices into running_), as few Model::decodeBatch calls as the
@@ -290,13 +404,22 @@ std::vector<TokenEvent> Scheduler::step() {
   // Every request's own step first (prefill chunks, speculative steps), then the plain decode
   // steps together; their results are applied in admission order.
   std::vector<Outcome> outcomes(running_.size());
-  std::vector<size_t> decodes;
+  std::vector<OwnStep> work(running_.size());
+  std::vector<size_t> prefills, verifications, decodes;
   for (size_t index = 0; index < running_.size(); ++index) {
     bool decodeStep = false;
-    runOwnStep(*running_[index], outcomes[index], decodeStep);
+    planOwnStep(*running_[index], outcomes[index], work[index], decodeStep);
     if (decodeStep)
       decodes.push_back(index);
+    else if (work[index].kind == OwnStep::Prefill)
+      prefills.push_back(index);
+    else if (work[index].kind == OwnStep::Verify && work[index].draft.empty())
+      verifyAlone(*running_[index], outcomes[index]);
+    else if (work[index].kind == OwnStep::Verify)
+      verifications.push_back(index);
   }
+  prefillGroup(prefills, work, outcomes);
+  verifyGroup(verifications, work, outcomes);
   decodeGroup(decodes, outcomes);
 
   std::vector<TokenEvent> events;

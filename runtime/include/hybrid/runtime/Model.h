@@ -117,6 +117,22 @@ struct DraftVerification {
   std::vector<float> logits;   // [tokens.size(), vocab]: the logits that chose each
 };
 
+class Sequence;
+
+// One sequence's tokens in a batched prefill (Model::prefillBatch).
+struct PrefillSegment {
+  Sequence *sequence = nullptr;
+  std::span<const int64_t> tokens;
+};
+
+// One sequence's chosen (not yet consumed) token and its draft in a batched verification
+// (Model::verifyDrafts).
+struct DraftCheck {
+  Sequence *sequence = nullptr;
+  int64_t token = 0;
+  std::span<const int64_t> draft;
+};
+
 // The main model's final hidden states (the LM head's input) of consecutive positions, as a
 // sequence recorded them (Sequence::recordFinalHidden): rows [count, hidden] from firstPosition.
 struct FinalHiddenRows {
@@ -270,6 +286,30 @@ public:
                                                    std::span<const TokenChoice> choices);
   // Sequences one decodeBatch() step takes: the decode program's max_tokens.
   int64_t maxDecodeBatch() const;
+  // Batched prefill (varlen): each segment's tokens through the prefill program for its
+  // sequence, all segments in one program call. Row-wise kernels (GEMMs, MLP, MoE, norms) run
+  // once over every row; each segment keeps its own positions, KV pages, recurrent state slot
+  // and conv history. Returns every row's logits in segment order [total tokens, vocab], or with
+  // PrefillLogits::LastRow each segment's last row [segments, vocab]. A segment's results equal
+  // its sequence's prefill() of the same tokens in one call (the same arithmetic per row on the
+  // cpu device). Refused before anything runs: no segments, an empty segment, more tokens in
+  // all than the prefill program's rows (maxPrefillTokens: hybrid-compile --prefill-tokens), a
+  // sequence that is not this model's, appears twice or would pass maxContextTokens, and a
+  // context-parallel plan (its prefill splits one sequence over the ranks). Like prefill(), a
+  // failure while running leaves the sequences' caches undefined.
+  StatusOr<std::vector<float>> prefillBatch(std::span<const PrefillSegment> segments,
+                                            PrefillLogits which = PrefillLogits::AllRows);
+  // Speculative verification of several sequences in one pass through the prefill program: each
+  // check's token and draft are a segment of prefillBatch, and each sequence then keeps its
+  // token and its accepted draft prefix and rolls the rest back on its own (KV tail truncated,
+  // recurrent state restored from its snapshot and its kept tokens' KDA inputs replayed), as
+  // Sequence::verifyDraft does. Results in check order, each equal to verifyDraft's. Drafts must
+  // not be empty (a token alone is a decode step: decodeBatch); the rows (1 + draft per check)
+  // must fit maxPrefillTokens.
+  StatusOr<std::vector<DraftVerification>> verifyDrafts(std::span<const DraftCheck> checks);
+  // Rows one prefill program call takes (its max_tokens): the total of a prefillBatch or
+  // verifyDrafts call.
+  int64_t maxPrefillTokens() const;
   // The plan has a multi-token-prediction program (`mtp`: DeepSeek-V3's MTP layer), the draft
   // source of hybrid-run --draft mtp. On the cuda device it runs on the GPU.
   bool hasMtp() const;
@@ -303,6 +343,10 @@ public:
 private:
   friend class Sequence;
   explicit Model(std::unique_ptr<Impl> impl);
+  // Refuses a batched prefill-program call (prefillBatch, verifyDrafts) of rows[i] tokens for
+  // sequences[i] that cannot run, naming the caller and the sequence.
+  Status checkSegments(const char *caller, std::span<Sequence *const> sequences,
+                       std::span<const int64_t> rows) const;
   // decodeBatch's step; with `chosen`, the device chooses each row's token by `choices` into it
   // (the cuda device) and no logits are returned.
   StatusOr<std::vector<float>> decodeRows(std::span<Sequence *const> sequences,

@@ -4,9 +4,12 @@
 // preempted: its sequence is freed and it is recomputed (prompt + tokens so far) when readmitted.
 // With prefix caching on the model, a request's first step restores its longest kept prefix, and
 // its prefill chunks stop at its own block boundary to keep that prefix for later requests.
-// Prefill chunks and speculative steps run one sequence per program call; the plain decode steps
-// of a step run together through Model::decodeBatch, as many per call as the plan's decode
-// program takes (hybrid-compile --decode-batch; one at a time with a plan for one).
+// The prefill chunks of a step run together through Model::prefillBatch and its verifications
+// through Model::verifyDrafts, as many requests per call as the prefill program's rows take
+// (hybrid-compile --prefill-tokens); the plain decode steps together through Model::decodeBatch,
+// as many per call as the plan's decode program takes (hybrid-compile --decode-batch; one at a
+// time with a plan for one). Where the KV cache may lack a page for every row, they run one
+// request per call, so that one finding it full is preempted alone.
 // Each request chooses its tokens by its own SamplingParams (greedy by default): decode steps
 // through Model::decodeBatchChoose, a prefill's last row on the host, the n-th generated token
 // with the uniform samplingUniform(seed, n), so a seeded request's tokens do not depend on the
@@ -74,6 +77,12 @@ struct SchedulerStats {
   int64_t declinedDrafts = 0;
   int64_t decodeBatches = 0;     // Model::decodeBatch calls
   int64_t batchedDecodeRows = 0; // decode steps they ran
+  // Prefill program calls that ran several requests (Model::prefillBatch, verifyDrafts) and the
+  // requests they ran.
+  int64_t prefillBatches = 0;
+  int64_t batchedPrefillSegments = 0;
+  int64_t verifyBatches = 0;
+  int64_t batchedVerifySequences = 0;
 };
 
 class Scheduler {
@@ -112,7 +121,22 @@ private:
   void reserveStepPages();
   // Back to the front of the queue without its sequence (pages freed), to recompute later.
   void preempt(std::unique_ptr<Active> active);
-  void runOwnStep(Active &active, Outcome &outcome, bool &decodes);
+  // A request's step other than a plain decode: a prefill chunk of `tokens`, or a verification
+  // of its last token and `draft` (tokens = 1 + its size).
+  struct OwnStep {
+    enum Kind { None, Prefill, Verify } kind = None;
+    int64_t tokens = 0;
+    std::vector<int64_t> draft;
+    double proposeSeconds = 0; // what drafting it took
+  };
+  void planOwnStep(Active &active, Outcome &outcome, OwnStep &work, bool &decodes);
+  std::vector<std::vector<size_t>> packCalls(const std::vector<size_t> &group,
+                                             const std::vector<OwnStep> &work) const;
+  void prefillGroup(const std::vector<size_t> &group, const std::vector<OwnStep> &work,
+                    std::vector<Outcome> &outcomes);
+  void verifyGroup(const std::vector<size_t> &group, const std::vector<OwnStep> &work,
+                   std::vector<Outcome> &outcomes);
+  void verifyAlone(Active &active, Outcome &outcome);
   void decodeGroup(const std::vector<size_t> &group, std::vector<Outcome> &outcomes);
 
   Model &model_;
