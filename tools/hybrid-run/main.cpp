@@ -79,6 +79,10 @@ int main(int argc, char **argv) {
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
   app.add_flag("--kda-bf16-state", load.kdaBf16State,
                "cuda: keep the KDA recurrent states in bf16 (half the memory and traffic)");
+  app.add_option("--tuning-cache", load.tuningCache,
+                 "cuda: kernel configurations tuned on this GPU (hybrid-bench tune): 'default' "
+                 "(the compilation cache folder), a folder, or 'off' (the kernels' defaults)")
+      ->default_val("default");
   bool noCudaGraphs = false;
   app.add_flag("--no-cuda-graphs", noCudaGraphs,
                "cuda: launch every decode kernel each step instead of replaying CUDA graphs");
