@@ -193,7 +193,13 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
 
   // What both GPU forms take: the step's rows, the experts' pointers and activation (bf16, or
   // FP8 codes with their block scales).
-  const fb::DType type = expertWeightType(d).value_or(fb::DType::BF16); // checked at load
+  // The held experts' type (all alike, checked at load by expertWeightType): the first held one's.
+  fb::DType type = fb::DType::BF16;
+  for (int64_t e = 0; e < E; ++e)
+    if (const int32_t gate = expertWeight(d, e, 0); gate >= 0) {
+      type = weightTypes[static_cast<size_t>(gate)];
+      break;
+    }
   kc::MoeExpertsParams m;
   m.tokens = static_cast<int32_t>(T);
   m.hidden = static_cast<int32_t>(hidden);
