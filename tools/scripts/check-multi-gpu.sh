@@ -3,8 +3,9 @@
 # MLIR:
 #   check-multi-gpu.sh compile [OUT] [--world-sizes 2,4]   (here, with hybrid-compile)
 #     the golden checkpoints (tests/data: kimi_linear_tiny, kimi_attnres_tiny, deepseek_v32_tiny)
-#     for cuda sm_90a, unsharded (OUT/<model>-cuda) and at tp=N and tp=N,ep=N for each world size
-#     (OUT/<model>-cuda-tpN, OUT/<model>-cuda-tpN-epN), unquantized; then OUT.tar.xz of them.
+#     for cuda sm_90a, unsharded (OUT/<model>-cuda) and at tp=N, tp=N,ep=N and cp=N for each world
+#     size, and tp=2,cp=N/2 for even N >= 4 (OUT/<model>-cuda-tpN, -tpN-epN, -cpN, -tp2-cpM),
+#     unquantized; then OUT.tar.xz of them.
 #   check-multi-gpu.sh run [OUT] [--world-sizes 2,4]       (there, on N GPUs)
 #     unpacks OUT.tar.xz when OUT is absent; per model: the unsharded plan on one GPU against the
 #     golden file (logits within 2e-3, the same 12 greedy ids), then every sharded plan as N
@@ -22,7 +23,7 @@ new_tokens=12
 
 half=${1:-}
 [[ $half == compile || $half == run ]] || {
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 shift
@@ -47,6 +48,10 @@ out=$(realpath -m "$out")
 layouts() { # the sharded plan suffixes and their --shard values for world size $1
   echo "tp$1 tp=$1"
   echo "tp$1-ep$1 tp=$1,ep=$1"
+  echo "cp$1 cp=$1" # context-parallel prefill: zigzag attention, KDA's state-passing scan
+  if (($1 >= 4 && $1 % 2 == 0)); then
+    echo "tp2-cp$(($1 / 2)) tp=2,cp=$(($1 / 2))" # a communicator per group, split from the world
+  fi
 }
 
 if [[ $half == compile ]]; then
