@@ -60,7 +60,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormCuda,
                                          NormCase{1, 7, true, true, false},
                                          NormCase{5, 1000, true, false, false},
                                          NormCase{2, 7168, false, true, true},
-                                         NormCase{4, 300, true, true, true}),
+                                         NormCase{4, 300, true, true, true},
+                                         NormCase{2, 4096, true, true, true}),
                          [](const testing::TestParamInfo<NormCase> &info) {
                            const NormCase &c = info.param;
                            std::string name = "rows";
