@@ -654,7 +654,8 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
         double(r.acceptedTokens + r.verifySteps) / double(std::max<int64_t>(1, r.verifySteps));
     std::printf("spec batch %d: %lld prompts x %d tokens, %lld generated, %s drafts <= %d: "
                 "outputs %s\n"
-                "  decode %.1f tokens/s plain, %.1f speculative (%.2fx); %lld passes, %lld "
+                "  decode %.1f tokens/s plain, %.1f speculative (%.2fx); %lld passes in %lld "
+                "program calls (%.1f sequences per call), %lld "
                 "drafted, %lld accepted (acceptance %.0f%%, %.2f tokens per pass); %lld decode "
                 "steps without a pass (drafting did not pay, or nothing was proposed)\n"
                 "  rollback memory %.1f KiB per sequence: state snapshot %.1f KiB, KDA replay "
@@ -664,6 +665,8 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
                 std::string(hybrid::draftSourceName(*draftSource)).c_str(), o.draftTokens,
                 r.identical ? "identical" : "DIFFERENT", r.plainTokensPerSecond,
                 r.speculativeTokensPerSecond, ratio, static_cast<long long>(r.verifySteps),
+                static_cast<long long>(r.verifyCalls),
+                double(r.verifySteps) / double(std::max<int64_t>(1, r.verifyCalls)),
                 static_cast<long long>(r.draftedTokens), static_cast<long long>(r.acceptedTokens),
                 100.0 * acceptance, perPass, static_cast<long long>(r.declinedDrafts),
                 r.rollbackBytesPerSequence / 1024.0, r.stateSnapshotBytes / 1024.0,
@@ -676,6 +679,7 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
          << ", \"plain_tokens_per_second\": " << r.plainTokensPerSecond
          << ", \"speculative_tokens_per_second\": " << r.speculativeTokensPerSecond
          << ", \"speedup\": " << ratio << ", \"verify_passes\": " << r.verifySteps
+         << ", \"verify_calls\": " << r.verifyCalls
          << ", \"drafted\": " << r.draftedTokens << ", \"accepted\": " << r.acceptedTokens
          << ", \"acceptance\": " << acceptance << ", \"tokens_per_pass\": " << perPass
          << ", \"declined_drafts\": " << r.declinedDrafts

@@ -284,6 +284,8 @@ StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
   report.plainTokensPerSecond = reference.decodeTokens / std::max(reference.decodeSeconds, 1e-9);
   report.speculativeTokensPerSecond = drafted.decodeTokens / std::max(drafted.decodeSeconds, 1e-9);
   report.verifySteps = drafted.stats.verifySteps;
+  report.verifyCalls = drafted.stats.verifySteps - drafted.stats.batchedVerifySequences +
+                       drafted.stats.verifyBatches;
   report.draftedTokens = drafted.stats.draftedTokens;
   report.acceptedTokens = drafted.stats.acceptedTokens;
   report.declinedDrafts = drafted.stats.declinedDrafts;

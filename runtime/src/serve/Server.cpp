@@ -570,6 +570,17 @@ std::string Server::Impl::metrics() {
          "Batched decode calls (rows / calls = mean decode batch).", double(stats.decodeBatches));
   metric("hybrid_decode_batch_rows_total", "counter", "Decode steps run in batched calls.",
          double(stats.batchedDecodeRows));
+  metric("hybrid_prefill_batches_total", "counter",
+         "Prefill calls that ran several requests' chunks (Model::prefillBatch).",
+         double(stats.prefillBatches));
+  metric("hybrid_prefill_batch_requests_total", "counter",
+         "Prompt chunks run in batched prefill calls (requests / calls = mean prefill batch).",
+         double(stats.batchedPrefillSegments));
+  metric("hybrid_spec_verify_batches_total", "counter",
+         "Verification passes that checked several sequences' drafts (Model::verifyDrafts).",
+         double(stats.verifyBatches));
+  metric("hybrid_spec_verify_batch_sequences_total", "counter",
+         "Sequences verified in batched passes.", double(stats.batchedVerifySequences));
   metric("hybrid_prompt_tokens_total", "counter",
          "Prompt tokens of admitted requests (cached / prompt = prefix-cache hit rate).",
          double(stats.promptTokens));

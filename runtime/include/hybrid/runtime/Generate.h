@@ -73,6 +73,9 @@ struct SpeculationReport {
   double plainTokensPerSecond = 0;
   double speculativeTokensPerSecond = 0;
   int64_t verifySteps = 0, draftedTokens = 0, acceptedTokens = 0;
+  // Prefill program calls the verifications took (several sequences' drafts per call where they
+  // were batched: Model::verifyDrafts).
+  int64_t verifyCalls = 0;
   int64_t declinedDrafts = 0; // decode steps that did not draft: speculation did not pay
   uint64_t stateSnapshotBytes = 0, replayLogBytes = 0, kvTailBytes = 0; // per sequence
   uint64_t rollbackBytesPerSequence = 0; // their sum
