@@ -262,6 +262,7 @@ TEST_P(BatchedPrefillTest, SchedulerBatchesPrefillsAndVerifications) {
   SchedulerOptions schedulerOptions;
   schedulerOptions.prefillChunkTokens = 16;
   schedulerOptions.draftTokens = 4;
+  schedulerOptions.batchPrefillCalls = true;
   Scheduler scheduler(*model, schedulerOptions);
   std::map<uint64_t, size_t> promptOf;
   for (size_t i = 0; i < prompts.size(); ++i) {

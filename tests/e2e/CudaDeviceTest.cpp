@@ -458,7 +458,10 @@ TEST_P(CudaDeviceTest, BatchedPrefillAndVerificationMatchSingleSequencesAndTheCp
     EXPECT_LT(worstDifference((*verified)[i].logits, reference->logits), 2e-3);
     EXPECT_EQ(batched[i]->length(), cpu[i]->length());
     EXPECT_EQ(batched[i]->length(), alone[i]->length());
-    EXPECT_LE(relativeStateDifference(*batched[i], *alone[i]), 1e-5);
+    // Two batched passes (prefill, verification) and a replay: cuBLASLt picks its GEMM kernels by
+    // row count, so each pass sums the projections in another order than the one-sequence calls
+    // (measured 1.05e-5 on kimi_linear_tiny, H200); the cpu comparisons above bound the error.
+    EXPECT_LE(relativeStateDifference(*batched[i], *alone[i]), 5e-5);
     const int64_t token = reference->tokens.back();
     auto a = batched[i]->decode(token), b = cpu[i]->decode(token);
     ASSERT_TRUE(a.isOk() && b.isOk());

@@ -524,7 +524,8 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
 
 // The serving benchmark against `--host:--port`, or against a server started here on `--model`.
 int runServe(hybrid::LoadGeneratorOptions load, const std::string &modelDir,
-             hybrid::LoadOptions modelOptions, const std::string &jsonPath) {
+             hybrid::LoadOptions modelOptions, const hybrid::SchedulerOptions &scheduler,
+             const std::string &jsonPath) {
   std::unique_ptr<hybrid::Model> model;
   std::unique_ptr<hybrid::Server> server;
   std::thread serving;
@@ -538,6 +539,7 @@ int runServe(hybrid::LoadGeneratorOptions load, const std::string &modelDir,
     load.vocabSize = model->vocabSize();
     hybrid::ServeOptions serveOptions;
     serveOptions.port = 0;
+    serveOptions.scheduler = scheduler;
     serveOptions.maxQueuedRequests = static_cast<size_t>(std::max(load.concurrency, 8));
     auto started = hybrid::Server::start(*model, serveOptions);
     if (!started) {
@@ -828,6 +830,12 @@ int main(int argc, char **argv) {
       ->check(CLI::PositiveNumber);
   serve->add_option("--seed", load.seed, "Prompt seed");
   serve->add_option("--device", modelOptions.device, "--model: cpu or cuda")->default_val("cpu");
+  hybrid::SchedulerOptions serveScheduler;
+  serve->add_option("--prefill-chunk", serveScheduler.prefillChunkTokens,
+                    "--model: prompt tokens a prefilling request gets per step")
+      ->check(CLI::PositiveNumber);
+  serve->add_flag("--batch-prefill-calls", serveScheduler.batchPrefillCalls,
+                  "--model: several requests per prefill call, up to the plan's rows (else one)");
   serve->add_option("--max-sequences", modelOptions.maxSequences, "--model: sequences at once")
       ->check(CLI::PositiveNumber);
   serve->add_option("--prefix-cache", modelOptions.prefixCacheEntries,
@@ -938,7 +946,7 @@ int main(int argc, char **argv) {
   if (spec->parsed())
     return runSpec(specOptions, record);
   if (serve->parsed())
-    return runServe(load, modelDir, modelOptions, o.jsonPath);
+    return runServe(load, modelDir, modelOptions, serveScheduler, o.jsonPath);
   if (kda->parsed())
     return runKda(o, record);
   if (dsaIndexer->parsed())

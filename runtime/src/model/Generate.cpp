@@ -264,6 +264,7 @@ StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
     return Status::error("benchmarkSpeculation: no prompts");
   SchedulerOptions plain;
   plain.prefillChunkTokens = options.prefillChunkTokens;
+  plain.batchPrefillCalls = true; // several sequences' drafts verified in one pass
   // Untimed first: the cuda device captures its decode graph of this batch on first use.
   HYBRID_RETURN_IF_ERROR(
       runScheduled(model, prompts, plain, std::min<int64_t>(3, options.maxNewTokens)).status());

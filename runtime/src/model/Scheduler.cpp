@@ -226,7 +226,7 @@ std::vector<std::vector<size_t>> Scheduler::packCalls(const std::vector<size_t> 
     const int64_t length = running_[index]->sequence->length();
     newPages += model_.pagesFor(length + work[index].tokens) - model_.pagesFor(length);
   }
-  const bool batched = newPages <= model_.usage().freePages;
+  const bool batched = options_.batchPrefillCalls && newPages <= model_.usage().freePages;
   const int64_t budget = model_.maxPrefillTokens();
   std::vector<std::vector<size_t>> calls;
   int64_t rows = 0;

@@ -47,6 +47,11 @@ struct TokenEvent {
 
 struct SchedulerOptions {
   int64_t prefillChunkTokens = 256; // prompt tokens a prefilling request gets per step
+  // Several requests' prefill chunks (and verifications) per prefill program call, up to the
+  // plan's rows; off: one request per call. Off by default: on the H200 a cuda call of 32
+  // segments of 256 rows takes 2.5x a one-sequence call's time per row (hybrid-bench serve, 64 x
+  // 512-token prompts: 1358 output tokens/s batched, 1728 one per call; docs/performance.md).
+  bool batchPrefillCalls = false;
   // Speculative decoding with drafts of at most this many tokens per decode step (0: off) from
   // `draftSource`; the length adapts per request to its acceptance. Tokens do not change.
   // Greedy requests only: drafts are verified by argmax, so sampled requests decode plainly. A
