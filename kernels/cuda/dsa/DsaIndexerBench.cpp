@@ -1,6 +1,7 @@
 #include "hybrid/kernels/cuda/DsaBench.h"
 #include "hybrid/kernels/cuda/KdaBench.h" // kH200CopyTbPerSecond
 #include "../common/bench_support.h"
+#include "dsa_bench_pages.h"
 
 #include <cuda_runtime.h>
 
@@ -17,27 +18,6 @@ namespace {
 constexpr int32_t kPageTokens = 64;
 constexpr int32_t kDistinctPages = 64; // random pages, copied over the whole pool on the device
 
-// One random page of `type`: finite E4M3 codes with unit scales, or normal fp32 values.
-std::vector<uint8_t> randomPage(IndexKeyType type, int32_t headDim, std::mt19937 &rng) {
-  std::vector<uint8_t> page(size_t(indexerPageBytes(type, kPageTokens, headDim)));
-  if (type == IndexKeyType::F32) {
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    auto *values = reinterpret_cast<float *>(page.data());
-    for (size_t i = 0; i < page.size() / 4; ++i)
-      values[i] = normal(rng);
-    return page;
-  }
-  const size_t codes = size_t(kPageTokens) * headDim;
-  for (size_t i = 0; i < codes; ++i)
-    page[i] = uint8_t(rng() % 0x7E) | uint8_t((rng() & 1u) << 7); // never a NaN code
-  if (type == IndexKeyType::Mxfp8) {
-    std::fill(page.begin() + codes, page.end(), uint8_t(127)); // E8M0 1.0
-  } else {
-    auto *scales = reinterpret_cast<float *>(page.data() + codes);
-    std::fill(scales, scales + kPageTokens, 1.0f);
-  }
-  return page;
-}
 
 } // namespace
 
@@ -74,7 +54,7 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
         return std::vector<IndexerBenchResult>{};
       };
       unsigned char *pool = held.keep(devicePagePool(
-          pages, pageBytes, kDistinctPages, [&] { return randomPage(keyType, headDim, rng); }));
+          pages, pageBytes, kDistinctPages, [&] { return randomIndexKeyPage(keyType, headDim, kPageTokens, rng); }));
       if (!pool)
         return fail("the page pool");
       int32_t *dTables = held.keep(deviceCopy(tables));

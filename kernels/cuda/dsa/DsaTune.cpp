@@ -2,6 +2,7 @@
 // MLA decode's splits, on random data at a bucket's sizes.
 #include "hybrid/kernels/cuda/Tune.h"
 #include "../common/bench_support.h"
+#include "dsa_bench_pages.h"
 
 #include <cuda_runtime.h>
 
@@ -97,47 +98,7 @@ int64_t dimension(const cache::ShapeBucket &shape, const char *name) {
   return found == shape.end() ? -1 : found->second;
 }
 
-// One random index-key page: finite E4M3 codes with unit scales, or normal fp32 values.
-std::vector<uint8_t> randomKeyPage(IndexKeyType type, int32_t headDim, std::mt19937 &rng) {
-  std::vector<uint8_t> page(size_t(indexerPageBytes(type, kPageTokens, headDim)));
-  if (type == IndexKeyType::F32) {
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    auto *values = reinterpret_cast<float *>(page.data());
-    for (size_t i = 0; i < page.size() / 4; ++i)
-      values[i] = normal(rng);
-    return page;
-  }
-  const size_t codes = size_t(kPageTokens) * headDim;
-  for (size_t i = 0; i < codes; ++i)
-    page[i] = uint8_t(rng() % 0x7E) | uint8_t((rng() & 1u) << 7); // never a NaN code
-  if (type == IndexKeyType::Mxfp8) {
-    std::fill(page.begin() + codes, page.end(), uint8_t(127)); // E8M0 1.0
-  } else {
-    auto *scales = reinterpret_cast<float *>(page.data() + codes);
-    std::fill(scales, scales + kPageTokens, 1.0f);
-  }
-  return page;
-}
 
-// One random page of latent rows (E4M3 codes, power-of-two scales per 128, bf16 rope values).
-std::vector<uint8_t> randomLatentPage(int32_t latent, int32_t rope, std::mt19937 &rng) {
-  const int64_t rowBytes = sparseMlaRowBytes(latent, rope);
-  const int32_t scaleTiles = (latent + 127) / 128;
-  std::vector<uint8_t> page(size_t(kPageTokens * rowBytes));
-  for (int32_t t = 0; t < kPageTokens; ++t) {
-    uint8_t *row = page.data() + t * rowBytes;
-    for (int32_t i = 0; i < latent; ++i)
-      row[i] = uint8_t(rng() % 0x7E) | uint8_t((rng() & 1u) << 7);
-    const float scale = 1.0f / 64;
-    for (int32_t s = 0; s < scaleTiles; ++s)
-      std::memcpy(row + latent + 4 * s, &scale, 4);
-    for (int32_t i = 0; i < rope; ++i) {
-      const uint16_t bits = uint16_t(0x3C00u + rng() % 0x200u); // bf16 values around 0.01
-      std::memcpy(row + latent + 4 * scaleTiles + 2 * i, &bits, 2);
-    }
-  }
-  return page;
-}
 
 } // namespace
 
@@ -169,7 +130,7 @@ measureIndexerScores(const cache::ShapeBucket &shape, const std::vector<cache::T
 
   DeviceAllocations held;
   unsigned char *pool = held.keep(devicePagePool(pages, pageBytes, kDistinctPages, [&] {
-    return randomKeyPage(type, static_cast<int32_t>(headDim), rng);
+    return randomIndexKeyPage(type, static_cast<int32_t>(headDim), kPageTokens, rng);
   }));
   std::vector<float> q(size_t(batch) * heads * headDim);
   std::normal_distribution<float> normal(0.0f, 0.5f);
@@ -281,7 +242,7 @@ measureSparseMlaDecode(const cache::ShapeBucket &shape,
   DeviceAllocations held;
   std::string error;
   unsigned char *pool = held.keep(devicePagePool(pages, pageBytes, kDistinctPages,
-                                                 [&] { return randomLatentPage(L, R, rng); }));
+                                                 [&] { return randomLatentPage(L, R, kPageTokens, rng); }));
   SparseMlaDecodeParams p;
   p.rows = batch;
   p.heads = static_cast<int32_t>(heads);

@@ -1,6 +1,7 @@
 #include "hybrid/kernels/cuda/DsaBench.h"
 #include "hybrid/kernels/cuda/KdaBench.h" // kH200CopyTbPerSecond
 #include "../common/bench_support.h"
+#include "dsa_bench_pages.h"
 
 #include <cuda_runtime.h>
 
@@ -17,22 +18,6 @@ namespace {
 constexpr int32_t kPageTokens = 64, kLatent = 512, kRope = 64;
 constexpr int32_t kDistinctPages = 64; // random pages, copied over the whole pool on the device
 
-// One random page of V32 rows: finite E4M3 codes, power-of-two scales, bf16 rope values.
-std::vector<uint8_t> randomLatentPage(std::mt19937 &rng) {
-  const int64_t rowBytes = sparseMlaRowBytes(kLatent, kRope);
-  std::vector<uint8_t> page(size_t(kPageTokens * rowBytes));
-  for (int32_t t = 0; t < kPageTokens; ++t) {
-    uint8_t *row = page.data() + t * rowBytes;
-    for (int32_t i = 0; i < kLatent; ++i)
-      row[i] = uint8_t(rng() % 0x7E) | uint8_t((rng() & 1u) << 7);
-    auto *scales = reinterpret_cast<float *>(row + kLatent);
-    std::fill(scales, scales + kLatent / 128, 1.0f / 64);
-    auto *rope = reinterpret_cast<uint16_t *>(row + kLatent + 4 * (kLatent / 128));
-    for (int32_t i = 0; i < kRope; ++i)
-      rope[i] = uint16_t(0x3C00u + rng() % 0x200u); // bf16 values around 0.01
-  }
-  return page;
-}
 
 } // namespace
 
@@ -74,7 +59,7 @@ std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &bat
         return std::vector<SparseMlaBenchResult>{};
       };
       unsigned char *pool = held.keep(
-          devicePagePool(pages, pageBytes, kDistinctPages, [&] { return randomLatentPage(rng); }));
+          devicePagePool(pages, pageBytes, kDistinctPages, [&] { return randomLatentPage(kLatent, kRope, kPageTokens, rng); }));
       if (!pool)
         return fail("the page pool");
       const size_t qFloats = size_t(batch) * heads * (kLatent + kRope);
