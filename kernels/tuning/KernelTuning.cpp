@@ -78,7 +78,108 @@ TunableKernel makeSparseMlaDecode() {
   return kernel;
 }
 
+// The per-token threshold's values: 0 the default, then the thresholds worth trying.
+const std::vector<int64_t> kMoeThresholds = {0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512};
+
+// The (token, expert) pairs of the launches in a MoE bucket: tokens in (bucket / 2, bucket].
+int64_t moeFewestPairs(const ShapeBucket &shape) {
+  const int64_t tokens = shape.at("tokens");
+  return (tokens <= 1 ? 1 : tokens / 2 + 1) * shape.at("top_k");
+}
+int64_t moeMostPairs(const ShapeBucket &shape) { return shape.at("tokens") * shape.at("top_k"); }
+
+// What a threshold runs over a bucket's launches: every one per token, every one grouped, or
+// some each way.
+enum class MoeForms { PerToken, Grouped, Both };
+MoeForms moeForms(int64_t threshold, const ShapeBucket &shape) {
+  if (threshold >= moeMostPairs(shape))
+    return MoeForms::PerToken;
+  if (threshold < moeFewestPairs(shape))
+    return MoeForms::Grouped;
+  return MoeForms::Both;
+}
+const char *moeFormsName(MoeForms forms) {
+  return forms == MoeForms::PerToken ? "per token" : forms == MoeForms::Grouped ? "grouped" : "both";
+}
+
+TunableKernel makeMoeExperts() {
+  TunableKernel kernel;
+  kernel.name = std::string(kMoeExperts);
+  kernel.parameters = {
+      {.name = "per_token_max_pairs", .values = kMoeThresholds, .defaultValue = 0}};
+  kernel.constraint = [](const TuningConfig &config,
+                         const ShapeBucket &shape) -> std::optional<std::string> {
+    const int64_t threshold = config.at("per_token_max_pairs");
+    if (threshold == 0)
+      return std::nullopt;
+    const std::string name = "per_token_max_pairs " + std::to_string(threshold);
+    if (!kc::moeGroupedShape(static_cast<kc::WeightType>(shape.at("weight_type")),
+                             shape.at("hidden"), shape.at("intermediate")))
+      return name + ": only the per-token form runs here (the grouped form takes bf16 experts, "
+                    "hidden and intermediate multiples of " +
+             std::to_string(kc::kMoeGroupedTileK) + ")";
+    if (threshold > kc::kMoeTunedMaxPairs)
+      return name + " > " + std::to_string(kc::kMoeTunedMaxPairs) +
+             ", the most pairs the per-token workspace is sized for";
+    const std::string pairs = std::to_string(moeFewestPairs(shape)) + ".." +
+                              std::to_string(moeMostPairs(shape)) + " pairs";
+    const MoeForms forms = moeForms(threshold, shape);
+    if (forms == MoeForms::Both)
+      return name + " splits the bucket's launches of " + pairs + " between the forms";
+    if (forms == moeForms(kc::kMoePerTokenMaxPairs, shape))
+      return name + " runs the default's form (" + moeFormsName(forms) + ") at " + pairs;
+    // One threshold of each form is measured: the smallest that runs every launch per token,
+    // the largest that groups every launch.
+    int64_t chosen = 0;
+    for (int64_t value : kMoeThresholds)
+      if (value > 0 && value <= kc::kMoeTunedMaxPairs && moeForms(value, shape) == forms &&
+          (chosen == 0 || forms == MoeForms::Grouped))
+        chosen = value;
+    if (chosen != threshold)
+      return name + " launches as per_token_max_pairs " + std::to_string(chosen) + " (" +
+             moeFormsName(forms) + ") at " + pairs;
+    return std::nullopt;
+  };
+  return kernel;
+}
+
+TunableKernel makeKdaDecode() {
+  TunableKernel kernel;
+  kernel.name = std::string(kKdaDecode);
+  kernel.parameters = {{.name = "path", .values = {0, 1, 2}, .defaultValue = 0}};
+  kernel.constraint = [](const TuningConfig &config,
+                         const ShapeBucket &shape) -> std::optional<std::string> {
+    const int64_t path = config.at("path");
+    if (path == 0)
+      return std::nullopt;
+    const int64_t headDim = shape.at("head_dim"), heads = shape.at("heads");
+    if (headDim != 64 && headDim != 128)
+      return "the decode kernels take head_dim 64 or 128, not " + std::to_string(headDim);
+    // The default's choice at the bucket's smallest and largest batch: a path it takes at both
+    // is not measured twice.
+    const int64_t most = shape.at("batch"), fewest = most <= 1 ? 1 : most / 2 + 1;
+    const bool split = path == 2;
+    if (kc::kdaDecodeUsesSplit(kc::KdaDecodePath::Auto, fewest, heads, headDim) == split &&
+        kc::kdaDecodeUsesSplit(kc::KdaDecodePath::Auto, most, heads, headDim) == split)
+      return "path " + std::to_string(path) + (split ? " (split)" : " (fused)") +
+             " is the default's at " + std::to_string(fewest) + ".." + std::to_string(most) +
+             " x " + std::to_string(heads) + " (sequence, head) pairs";
+    return std::nullopt;
+  };
+  return kernel;
+}
+
 } // namespace
+
+const TunableKernel &moeExpertsKernel() {
+  static const TunableKernel kernel = makeMoeExperts();
+  return kernel;
+}
+
+const TunableKernel &kdaDecodeKernel() {
+  static const TunableKernel kernel = makeKdaDecode();
+  return kernel;
+}
 
 const TunableKernel &indexerScoresKernel() {
   static const TunableKernel kernel = makeIndexerScores();
@@ -91,7 +192,8 @@ const TunableKernel &sparseMlaDecodeKernel() {
 }
 
 std::vector<const TunableKernel *> tunableKernels() {
-  return {&indexerScoresKernel(), &sparseMlaDecodeKernel()};
+  return {&indexerScoresKernel(), &sparseMlaDecodeKernel(), &moeExpertsKernel(),
+          &kdaDecodeKernel()};
 }
 
 const TunableKernel *findTunableKernel(std::string_view name) {
@@ -119,11 +221,31 @@ ShapeBucket sparseMlaDecodeShape(const kc::SparseMlaDecodeParams &p) {
           {"causal", p.indices ? 0 : 1}};
 }
 
+ShapeBucket moeExpertsShape(const kc::MoeExpertsParams &p) {
+  return {{"tokens", cache::bucketSize(p.tokens)},
+          {"top_k", p.topK},
+          {"experts", p.experts},
+          {"hidden", p.hidden},
+          {"intermediate", p.intermediate},
+          {"weight_type", static_cast<int64_t>(p.type)}};
+}
+
+ShapeBucket kdaDecodeShape(const kc::KdaDecodeParams &p) {
+  return {{"batch", cache::bucketSize(p.batch)},
+          {"heads", p.heads},
+          {"head_dim", p.headDim},
+          {"state_type", static_cast<int64_t>(p.stateType)}};
+}
+
 std::vector<std::string> shapeDimensions(const TunableKernel &kernel) {
   if (kernel.name == kIndexerScores)
     return {"rows", "heads", "head_dim", "max_keys", "key_type", "score_form"};
   if (kernel.name == kSparseMlaDecode)
     return {"rows", "heads", "latent_dim", "rope_dim", "top_k", "causal"};
+  if (kernel.name == kMoeExperts)
+    return {"tokens", "top_k", "experts", "hidden", "intermediate", "weight_type"};
+  if (kernel.name == kKdaDecode)
+    return {"batch", "heads", "head_dim", "state_type"};
   return {};
 }
 
@@ -135,6 +257,16 @@ void applyConfig(const TuningConfig &config, kc::IndexerParams &params) {
 void applyConfig(const TuningConfig &config, kc::SparseMlaDecodeParams &params) {
   if (auto found = config.find("splits"); found != config.end())
     params.splits = static_cast<int32_t>(found->second);
+}
+
+void applyConfig(const TuningConfig &config, kc::MoeExpertsParams &params) {
+  if (auto found = config.find("per_token_max_pairs"); found != config.end())
+    params.perTokenMaxPairs = static_cast<int32_t>(found->second);
+}
+
+void applyConfig(const TuningConfig &config, kc::KdaDecodeParams &params) {
+  if (auto found = config.find("path"); found != config.end())
+    params.path = static_cast<kc::KdaDecodePath>(found->second);
 }
 
 TuningTable::TuningTable(cache::CacheStore store, cache::TuningDevice device)

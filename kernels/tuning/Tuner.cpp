@@ -203,6 +203,32 @@ TuneRequest sparseMlaRequest(int64_t rows, int64_t heads, int64_t topK, bool cau
   return {.kernel = &sparseMlaDecodeKernel(), .shape = sparseMlaDecodeShape(p)};
 }
 
+// bf16 experts (the grouped tensor-core form runs only for them: DeepSeek-V3.2's FP8 experts run
+// per token whatever the threshold) at a decode step's or a short prefill's token count.
+TuneRequest moeRequest(int64_t tokens, int64_t experts, int64_t topK, int64_t hidden,
+                       int64_t intermediate) {
+  kernels::cuda::MoeExpertsParams p;
+  p.tokens = static_cast<int32_t>(tokens);
+  p.experts = static_cast<int32_t>(experts);
+  p.topK = static_cast<int32_t>(topK);
+  p.hidden = static_cast<int32_t>(hidden);
+  p.intermediate = static_cast<int32_t>(intermediate);
+  p.type = kernels::cuda::WeightType::BF16;
+  return {.kernel = &moeExpertsKernel(), .shape = moeExpertsShape(p)};
+}
+
+TuneRequest kdaDecodeRequest(int64_t batch, int64_t heads, int64_t headDim) {
+  kernels::cuda::KdaDecodeParams p;
+  p.batch = static_cast<int32_t>(batch);
+  p.heads = static_cast<int32_t>(heads);
+  p.headDim = static_cast<int32_t>(headDim);
+  p.stateType = kernels::cuda::KdaStateType::F32;
+  return {.kernel = &kdaDecodeKernel(), .shape = kdaDecodeShape(p)};
+}
+
+// The token counts of the MoE buckets: decode batches and the per-token/grouped crossover.
+constexpr int64_t kMoeTokenCounts[] = {1, 8, 16, 32, 64};
+
 } // namespace
 
 std::vector<std::string> presetNames() { return {"deepseek-v32", "kimi-linear-48b"}; }
@@ -217,6 +243,9 @@ StatusOr<std::vector<TuneRequest>> presetRequests(std::string_view preset) {
     for (int64_t heads : {128, 16})
       for (int64_t batch : {1, 8, 64})
         requests.push_back(sparseMlaRequest(batch, heads, 2048, false));
+    // Its routed experts: 256 of hidden 7168, intermediate 2048, top 8.
+    for (int64_t tokens : kMoeTokenCounts)
+      requests.push_back(moeRequest(tokens, 256, 8, 7168, 2048));
     return requests;
   }
   if (preset == "kimi-linear-48b") {
@@ -224,6 +253,12 @@ StatusOr<std::vector<TuneRequest>> presetRequests(std::string_view preset) {
     for (int64_t context : {8192, 32768})
       for (int64_t batch : {1, 8, 64})
         requests.push_back(sparseMlaRequest(batch, 32, context, true));
+    // Its routed experts (256 of hidden 2304, intermediate 1024, top 8) and its KDA layers'
+    // decode step (32 heads of 128, fp32 state).
+    for (int64_t tokens : kMoeTokenCounts)
+      requests.push_back(moeRequest(tokens, 256, 8, 2304, 1024));
+    for (int64_t batch : {1, 8, 64})
+      requests.push_back(kdaDecodeRequest(batch, 32, 128));
     return requests;
   }
   std::string names;
@@ -284,6 +319,31 @@ StatusOr<TuneRequest> parseRequest(std::string_view kernelName, std::string_view
                            std::to_string(shape["score_form"]) + " is not 0..3");
     bucketed["score_form"] = shape["score_form"];
     return TuneRequest{.kernel = kernel, .shape = std::move(bucketed)};
+  }
+  if (kernel->name == kMoeExperts) {
+    if (shape["weight_type"] > 2)
+      return Status::error(kernel->name + " shape: weight_type " +
+                           std::to_string(shape["weight_type"]) +
+                           " is none of 0 (f32), 1 (bf16), 2 (fp8 with block scales)");
+    kernels::cuda::MoeExpertsParams p;
+    p.tokens = static_cast<int32_t>(shape["tokens"]);
+    p.topK = static_cast<int32_t>(shape["top_k"]);
+    p.experts = static_cast<int32_t>(shape["experts"]);
+    p.hidden = static_cast<int32_t>(shape["hidden"]);
+    p.intermediate = static_cast<int32_t>(shape["intermediate"]);
+    p.type = static_cast<kernels::cuda::WeightType>(shape["weight_type"]);
+    return TuneRequest{.kernel = kernel, .shape = moeExpertsShape(p)};
+  }
+  if (kernel->name == kKdaDecode) {
+    if (shape["state_type"] > 1)
+      return Status::error(kernel->name + " shape: state_type " +
+                           std::to_string(shape["state_type"]) + " is none of 0 (f32), 1 (bf16)");
+    kernels::cuda::KdaDecodeParams p;
+    p.batch = static_cast<int32_t>(shape["batch"]);
+    p.heads = static_cast<int32_t>(shape["heads"]);
+    p.headDim = static_cast<int32_t>(shape["head_dim"]);
+    p.stateType = static_cast<kernels::cuda::KdaStateType>(shape["state_type"]);
+    return TuneRequest{.kernel = kernel, .shape = kdaDecodeShape(p)};
   }
   kernels::cuda::SparseMlaDecodeParams p;
   p.rows = static_cast<int32_t>(shape["rows"]);

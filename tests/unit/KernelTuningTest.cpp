@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <stdlib.h>
 
@@ -104,6 +105,100 @@ TEST(KernelTuning, SparseMlaSplitsFitTheKernelsBlocks) {
             "splits 6 > the row's 4 tiles of 32 positions");
 }
 
+kc::MoeExpertsParams moeStep(int32_t tokens, int32_t topK, int32_t hidden, int32_t intermediate,
+                             kc::WeightType type = kc::WeightType::BF16) {
+  kc::MoeExpertsParams p;
+  p.tokens = tokens;
+  p.topK = topK;
+  p.experts = 256;
+  p.hidden = hidden;
+  p.intermediate = intermediate;
+  p.type = type;
+  return p;
+}
+
+// Kimi-Linear-48B's experts: 256 of 2304 x 1024, top 8.
+kc::MoeExpertsParams kimiMoe(int32_t tokens) { return moeStep(tokens, 8, 2304, 1024); }
+
+TEST(KernelTuning, MoeThresholdsMeasureEachFormOnceABucket) {
+  const TunableKernel &kernel = moeExpertsKernel();
+  EXPECT_EQ(kernel.defaults(), (TuningConfig{{"per_token_max_pairs", 0}}));
+  const ShapeBucket five = moeExpertsShape(kimiMoe(5));
+  EXPECT_EQ(five, (ShapeBucket{{"tokens", 8}, {"top_k", 8}, {"experts", 256}, {"hidden", 2304},
+                               {"intermediate", 1024}, {"weight_type", 1}}));
+  // One token's 8 pairs run per token by default (at most 64): only a threshold below 8, the
+  // largest of them, is worth measuring.
+  const ShapeBucket one = moeExpertsShape(kimiMoe(1));
+  EXPECT_EQ(validValues(kernel, one, "per_token_max_pairs"), (std::vector<int64_t>{0, 4}));
+  EXPECT_EQ(rejection(kernel, one, {{"per_token_max_pairs", 2}}),
+            "per_token_max_pairs 2 launches as per_token_max_pairs 4 (grouped) at 8..8 pairs");
+  EXPECT_EQ(rejection(kernel, one, {{"per_token_max_pairs", 512}}),
+            "per_token_max_pairs 512 runs the default's form (per token) at 8..8 pairs");
+  // Batches of 5..8 tokens (40..64 pairs): per token by default, grouped below 40.
+  EXPECT_EQ(validValues(kernel, five, "per_token_max_pairs"), (std::vector<int64_t>{0, 32}));
+  // 9..16 tokens (72..128 pairs) and up are grouped by default: the smallest threshold that runs
+  // the whole bucket per token is the other candidate, while one exists (512 pairs at most).
+  EXPECT_EQ(validValues(kernel, moeExpertsShape(kimiMoe(16)), "per_token_max_pairs"),
+            (std::vector<int64_t>{0, 128}));
+  EXPECT_EQ(validValues(kernel, moeExpertsShape(kimiMoe(64)), "per_token_max_pairs"),
+            (std::vector<int64_t>{0, 512}));
+  EXPECT_EQ(validValues(kernel, moeExpertsShape(kimiMoe(128)), "per_token_max_pairs"),
+            (std::vector<int64_t>{0}));
+  EXPECT_EQ(rejection(kernel, moeExpertsShape(kimiMoe(16)), {{"per_token_max_pairs", 64}}),
+            "per_token_max_pairs 64 runs the default's form (grouped) at 72..128 pairs");
+  // Top 6 of 9..16 tokens (54..96 pairs): the default 64 runs both forms; so does 64 as a
+  // configuration, which is refused, while 32 (all grouped) and 128 (all per token) are not.
+  const ShapeBucket topSix = moeExpertsShape(moeStep(16, 6, 2304, 1024));
+  EXPECT_EQ(validValues(kernel, topSix, "per_token_max_pairs"),
+            (std::vector<int64_t>{0, 32, 128}));
+  EXPECT_EQ(rejection(kernel, topSix, {{"per_token_max_pairs", 64}}),
+            "per_token_max_pairs 64 splits the bucket's launches of 54..96 pairs between the forms");
+  // DeepSeek-V3.2's experts (7168 x 2048): bf16 ones tune like Kimi's; its FP8 experts have no
+  // tensor-core form, so the threshold changes nothing there.
+  EXPECT_EQ(validValues(kernel, moeExpertsShape(moeStep(8, 8, 7168, 2048)), "per_token_max_pairs"),
+            (std::vector<int64_t>{0, 32}));
+  const ShapeBucket fp8 =
+      moeExpertsShape(moeStep(64, 8, 7168, 2048, kc::WeightType::Fp8Block));
+  EXPECT_EQ(fp8.at("weight_type"), 2);
+  EXPECT_EQ(validValues(kernel, fp8, "per_token_max_pairs"), (std::vector<int64_t>{0}));
+  EXPECT_EQ(rejection(kernel, fp8, {{"per_token_max_pairs", 512}}),
+            "per_token_max_pairs 512: only the per-token form runs here (the grouped form takes "
+            "bf16 experts, hidden and intermediate multiples of 64)");
+  // Every admitted threshold is one the runtime sized its workspaces for.
+  for (int32_t tokens : {1, 2, 8, 16, 32, 64, 128, 1024})
+    for (const TuningConfig &config :
+         cache::enumerateCandidates(kernel, moeExpertsShape(kimiMoe(tokens))).valid)
+      EXPECT_LE(config.at("per_token_max_pairs"), kc::kMoeTunedMaxPairs);
+}
+
+TEST(KernelTuning, KdaDecodePathsOtherThanTheDefaults) {
+  const TunableKernel &kernel = kdaDecodeKernel();
+  EXPECT_EQ(kernel.defaults(), (TuningConfig{{"path", 0}}));
+  // Kimi-Linear-48B's KDA layers: 32 heads of 128.
+  auto kimi = [](int32_t batch, int32_t headDim = 128) {
+    kc::KdaDecodeParams p;
+    p.batch = batch;
+    p.heads = 32;
+    p.headDim = headDim;
+    return kdaDecodeShape(p);
+  };
+  EXPECT_EQ(kimi(5), (ShapeBucket{{"batch", 8}, {"heads", 32}, {"head_dim", 128},
+                                  {"state_type", 0}}));
+  // Up to 4095 (sequence, head) pairs the default is fused: the split path is the candidate.
+  for (int32_t batch : {1, 8, 64}) {
+    EXPECT_EQ(validValues(kernel, kimi(batch), "path"), (std::vector<int64_t>{0, 2})) << batch;
+  }
+  EXPECT_EQ(rejection(kernel, kimi(64), {{"path", 1}}),
+            "path 1 (fused) is the default's at 33..64 x 32 (sequence, head) pairs");
+  // 65..128 sequences straddle the default's 4096 pairs: both paths; from 129 on it splits.
+  EXPECT_EQ(validValues(kernel, kimi(128), "path"), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(validValues(kernel, kimi(256), "path"), (std::vector<int64_t>{0, 1}));
+  // head_dim 64 is always fused by default; other head sizes have no decode kernel to choose.
+  EXPECT_EQ(validValues(kernel, kimi(256, 64), "path"), (std::vector<int64_t>{0, 2}));
+  EXPECT_EQ(rejection(kernel, kimi(8, 96), {{"path", 2}}),
+            "the decode kernels take head_dim 64 or 128, not 96");
+}
+
 TEST(KernelTuning, ConfigurationsSetTheLaunchParams) {
   kc::IndexerParams indexer;
   applyConfig({}, indexer);
@@ -119,6 +214,23 @@ TEST(KernelTuning, ConfigurationsSetTheLaunchParams) {
   splits["splits"] = 6;
   applyConfig(splits, mla);
   EXPECT_EQ(mla.splits, 6);
+  kc::MoeExpertsParams moe = kimiMoe(8);
+  applyConfig({}, moe);
+  EXPECT_EQ(moe.perTokenMaxPairs, 0);
+  EXPECT_EQ(kc::moePerTokenMaxPairs(moe), 64) << "0: the default threshold";
+  applyConfig({{"per_token_max_pairs", 32}}, moe);
+  EXPECT_EQ(moe.perTokenMaxPairs, 32);
+  EXPECT_EQ(kc::moePerTokenMaxPairs(moe), 32);
+  kc::KdaDecodeParams kda;
+  kda.batch = 8;
+  kda.heads = 32;
+  kda.headDim = 128;
+  applyConfig({}, kda);
+  EXPECT_EQ(kda.path, kc::KdaDecodePath::Auto);
+  EXPECT_FALSE(kc::kdaDecodeUsesSplit(kda.path, kda.batch, kda.heads, kda.headDim));
+  applyConfig({{"path", 2}}, kda);
+  EXPECT_EQ(kda.path, kc::KdaDecodePath::Split);
+  EXPECT_TRUE(kc::kdaDecodeUsesSplit(kda.path, kda.batch, kda.heads, kda.headDim));
 }
 
 TEST(KernelTuning, RequestsParseAndBucketAsTheRuntimeDoes) {
@@ -138,7 +250,8 @@ TEST(KernelTuning, RequestsParseAndBucketAsTheRuntimeDoes) {
     return parsed.isOk() ? std::string("ok") : parsed.status().message();
   };
   EXPECT_EQ(error("gemm", "rows=1"),
-            "unknown tunable kernel 'gemm' (known: dsa-indexer-scores, sparse-mla-decode)");
+            "unknown tunable kernel 'gemm' (known: dsa-indexer-scores, sparse-mla-decode, "
+            "moe-experts, kda-decode)");
   EXPECT_EQ(error("sparse-mla-decode", "rows=1,heads=128"),
             "sparse-mla-decode shape: 'rows=1,heads=128' has no 'latent_dim'");
   EXPECT_EQ(error("sparse-mla-decode", "rows=1,tiles=4"), "sparse-mla-decode shape: no dimension 'tiles'");
@@ -147,9 +260,63 @@ TEST(KernelTuning, RequestsParseAndBucketAsTheRuntimeDoes) {
   EXPECT_EQ(error("dsa-indexer-scores",
                   "rows=1,heads=64,head_dim=128,max_keys=8,key_type=7,score_form=3"),
             "dsa-indexer-scores shape: key_type 7 is none of 0 (fp8 per key), 1 (mxfp8), 2 (f32)");
+  auto moe = parseRequest("moe-experts",
+                          "tokens=5,top_k=8,experts=256,hidden=2304,intermediate=1024,weight_type=1");
+  ASSERT_TRUE(moe.isOk()) << moe.status().message();
+  EXPECT_EQ(moe->kernel, &moeExpertsKernel());
+  EXPECT_EQ(moe->shape, moeExpertsShape(kimiMoe(5)));
+  EXPECT_EQ(error("moe-experts",
+                  "tokens=5,top_k=8,experts=256,hidden=2304,intermediate=1024,weight_type=7"),
+            "moe-experts shape: weight_type 7 is none of 0 (f32), 1 (bf16), 2 (fp8 with block "
+            "scales)");
+  auto kda = parseRequest("kda-decode", "batch=40,heads=32,head_dim=128,state_type=1");
+  ASSERT_TRUE(kda.isOk()) << kda.status().message();
+  EXPECT_EQ(kda->shape, (ShapeBucket{{"batch", 64}, {"heads", 32}, {"head_dim", 128},
+                                     {"state_type", 1}}));
+  EXPECT_EQ(error("kda-decode", "batch=1,heads=32,head_dim=128,state_type=2"),
+            "kda-decode shape: state_type 2 is none of 0 (f32), 1 (bf16)");
+
+  // The presets: each family's buckets at the model's shapes.
+  auto count = [](const std::vector<TuneRequest> &requests, std::string_view kernel) {
+    return std::count_if(requests.begin(), requests.end(),
+                         [&](const TuneRequest &r) { return r.kernel->name == kernel; });
+  };
   auto presets = presetRequests("deepseek-v32");
   ASSERT_TRUE(presets.isOk());
-  EXPECT_EQ(presets->size(), 15u); // 9 indexer buckets, 6 sparse MLA
+  EXPECT_EQ(presets->size(), 20u);
+  EXPECT_EQ(count(*presets, kIndexerScores), 9);
+  EXPECT_EQ(count(*presets, kSparseMlaDecode), 6);
+  EXPECT_EQ(count(*presets, kMoeExperts), 5);
+  for (const TuneRequest &request : *presets)
+    if (request.kernel == &moeExpertsKernel()) {
+      EXPECT_EQ(request.shape.at("hidden"), 7168);
+      EXPECT_EQ(request.shape.at("intermediate"), 2048);
+      EXPECT_EQ(request.shape.at("experts"), 256);
+      EXPECT_EQ(request.shape.at("top_k"), 8);
+      EXPECT_EQ(request.shape.at("weight_type"), 1);
+    }
+  auto kimi = presetRequests("kimi-linear-48b");
+  ASSERT_TRUE(kimi.isOk());
+  EXPECT_EQ(kimi->size(), 14u);
+  EXPECT_EQ(count(*kimi, kSparseMlaDecode), 6);
+  EXPECT_EQ(count(*kimi, kMoeExperts), 5);
+  EXPECT_EQ(count(*kimi, kKdaDecode), 3);
+  std::vector<ShapeBucket> moeShapes, kdaShapes;
+  for (const TuneRequest &request : *kimi) {
+    if (request.kernel == &moeExpertsKernel())
+      moeShapes.push_back(request.shape);
+    if (request.kernel == &kdaDecodeKernel())
+      kdaShapes.push_back(request.shape);
+  }
+  EXPECT_EQ(moeShapes.front(), moeExpertsShape(kimiMoe(1)));
+  EXPECT_EQ(moeShapes.back(), moeExpertsShape(kimiMoe(64)));
+  EXPECT_EQ(kdaShapes.back(), (ShapeBucket{{"batch", 64}, {"heads", 32}, {"head_dim", 128},
+                                           {"state_type", 0}}));
+  // Every preset bucket has a candidate besides the defaults: none is measured for nothing.
+  for (const auto *requests : {&*presets, &*kimi})
+    for (const TuneRequest &request : *requests)
+      EXPECT_GE(cache::enumerateCandidates(*request.kernel, request.shape).valid.size(), 2u)
+          << request.kernel->name << " " << formatShape(request.shape);
   EXPECT_EQ(presetRequests("llama").status().message(),
             "unknown preset 'llama' (known: deepseek-v32, kimi-linear-48b)");
 }

@@ -35,6 +35,10 @@ tuning::MeasureFn cudaMeasure(int32_t iterations) {
       return measureIndexerScores(shape, configs, deadline, iterations);
     if (kernel.name == tuning::kSparseMlaDecode)
       return measureSparseMlaDecode(shape, configs, deadline, iterations);
+    if (kernel.name == tuning::kMoeExperts)
+      return measureMoeExperts(shape, configs, deadline, iterations);
+    if (kernel.name == tuning::kKdaDecode)
+      return measureKdaDecode(shape, configs, deadline, iterations);
     return Status::error("no GPU measurement for kernel '" + kernel.name + "'");
   };
 }

@@ -2,6 +2,7 @@
 // MLA decode's splits, on random data at a bucket's sizes.
 #include "hybrid/kernels/cuda/Tune.h"
 #include "../common/bench_support.h"
+#include "../common/tune_measure.h"
 #include "dsa_bench_pages.h"
 
 #include <cuda_runtime.h>
@@ -16,89 +17,13 @@
 
 namespace hybrid::kernels::cuda {
 using namespace bench;
+using namespace tune_measure;
 using tuning::CandidateTiming;
 
 namespace {
 
 constexpr int32_t kPageTokens = 64;
 constexpr int32_t kDistinctPages = 64; // random pages, copied over the whole pool on the device
-
-std::string cudaText(int status) {
-  return cudaGetErrorString(static_cast<cudaError_t>(status));
-}
-
-template <typename T> StatusOr<std::vector<T>> download(const T *device, size_t count) {
-  std::vector<T> host(count);
-  if (cudaError_t status = cudaMemcpy(host.data(), device, count * sizeof(T), cudaMemcpyDeviceToHost);
-      status != cudaSuccess)
-    return Status::error(std::string("reading the output back: ") + cudaGetErrorString(status));
-  return host;
-}
-
-// ||a - b|| / ||b||, over the finite values (a NaN or an infinity in either is a mismatch).
-double relativeRms(const std::vector<float> &a, const std::vector<float> &b, bool &finite) {
-  double difference = 0, reference = 0;
-  finite = true;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i]) || !std::isfinite(b[i]))
-      finite = false;
-    difference += double(a[i] - b[i]) * double(a[i] - b[i]);
-    reference += double(b[i]) * double(b[i]);
-  }
-  return reference > 0 ? std::sqrt(difference / reference) : std::sqrt(difference);
-}
-
-// One candidate after another: apply, launch once (warm-up, and the output compared with the
-// defaults'), then time graph replays. `compare` returns "" or how the output differs.
-template <typename Params, typename Output, typename Compare>
-StatusOr<std::vector<CandidateTiming>>
-measureEach(const Params &base, const std::vector<cache::TuningConfig> &configs,
-            tuning::Clock::time_point deadline, int32_t iterations, int (*launch)(const Params &, void *),
-            Output &&output, Compare &&compare) {
-  std::vector<CandidateTiming> timings;
-  std::optional<std::decay_t<decltype(*output())>> reference; // the defaults' output
-  for (size_t i = 0; i < configs.size(); ++i) {
-    if (tuning::Clock::now() >= deadline)
-      break;
-    Params p = base;
-    tuning::applyConfig(configs[i], p);
-    const int status = launch(p, nullptr);
-    const cudaError_t synced = status == 0 ? cudaDeviceSynchronize() : cudaSuccess;
-    if (status != 0 || synced != cudaSuccess) {
-      const std::string why =
-          "launch failed: " + cudaText(status != 0 ? status : int(synced));
-      if (i == 0)
-        return Status::error("the defaults: " + why);
-      timings.push_back({.microseconds = 0, .mismatch = why});
-      continue;
-    }
-    auto produced = output();
-    if (!produced.isOk())
-      return produced.status();
-    CandidateTiming timing;
-    if (i == 0)
-      reference = std::move(*produced);
-    else
-      timing.mismatch = compare(*produced, *reference);
-    timing.microseconds =
-        graphMicroseconds(iterations, [&](cudaStream_t stream) { return launch(p, stream); });
-    if (timing.microseconds < 0) {
-      if (i == 0)
-        return Status::error("the defaults: the graph capture failed");
-      timing.microseconds = 0;
-      timing.mismatch = "the graph capture failed";
-    }
-    timings.push_back(std::move(timing));
-  }
-  return timings;
-}
-
-int64_t dimension(const cache::ShapeBucket &shape, const char *name) {
-  auto found = shape.find(name);
-  return found == shape.end() ? -1 : found->second;
-}
-
-
 
 } // namespace
 
@@ -268,14 +193,8 @@ measureSparseMlaDecode(const cache::ShapeBucket &shape,
   auto output = [&] { return download(p.out, outFloats); };
   // Splits change where the softmax is rescaled and its weights rounded to bf16, so the outputs
   // differ in rounding only: a relative RMS of 2e-3 (a wrong merge of splits is off by O(1)).
-  auto compare = [](const std::vector<float> &candidate,
-                    const std::vector<float> &reference) -> std::string {
-    bool finite = true;
-    const double error = relativeRms(candidate, reference, finite);
-    if (!finite || !(error <= 2e-3))
-      return "output differs from the defaults' by a relative RMS of " + std::to_string(error) +
-             (finite ? "" : " (not finite)");
-    return "";
+  auto compare = [](const std::vector<float> &candidate, const std::vector<float> &reference) {
+    return relativeRmsMismatch(candidate, reference, 2e-3);
   };
   return measureEach(p, configs, deadline, iterations, launchSparseMlaDecode, output, compare);
 }

@@ -250,9 +250,7 @@ template <int kDim> int launchSplit(const KdaDecodeParams &params, cudaStream_t 
 }
 
 bool useSplit(const KdaDecodeParams &params) {
-  if (params.path != KdaDecodePath::Auto)
-    return params.path == KdaDecodePath::Split;
-  return params.headDim == 128 && int64_t(params.batch) * params.heads >= kKdaDecodeSplitPairs;
+  return kdaDecodeUsesSplit(params.path, params.batch, params.heads, params.headDim);
 }
 
 } // namespace
@@ -273,7 +271,8 @@ size_t kdaDecodeWorkspaceBytes(const KdaDecodeParams &params) {
 
 int launchKdaFusedDecode(const KdaDecodeParams &params, void *stream) {
   if (params.batch <= 0 || params.heads <= 0 || params.convKernel < 1 ||
-      params.convKernel > kKdaMaxConvKernel)
+      params.convKernel > kKdaMaxConvKernel || static_cast<int32_t>(params.path) < 0 ||
+      static_cast<int32_t>(params.path) > static_cast<int32_t>(KdaDecodePath::Split))
     return cudaErrorInvalidValue;
   if (params.headDim != 64 && params.headDim != 128)
     return cudaErrorInvalidValue;

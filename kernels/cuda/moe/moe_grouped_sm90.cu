@@ -27,7 +27,7 @@
 namespace hybrid::kernels::cuda {
 namespace {
 
-constexpr int kTileRows = 64, kTileColumns = 64, kTileK = 64;
+constexpr int kTileRows = 64, kTileColumns = 64, kTileK = kMoeGroupedTileK;
 constexpr int kThreads = 128;           // 4 warps, 2 x 2 over the 64 x 64 output tile
 constexpr int kStride = kTileK + 8;     // shared rows 144 bytes apart: ldmatrix conflict-free
 constexpr int kSortThreads = 1024;
@@ -297,10 +297,10 @@ __global__ void __launch_bounds__(256) combineSortedKernel(MoeExpertsParams p, W
 } // namespace
 
 bool moeGroupedSupports(const MoeExpertsParams &p) {
-  return p.type == WeightType::BF16 && gatedActivationValid(p.activation) && p.tokens > 0 &&
+  return moeGroupedShape(p.type, p.hidden, p.intermediate) &&
+         gatedActivationValid(p.activation) && p.tokens > 0 &&
          p.topK > 0 && p.topK <= kMoeMaxTopK &&
-         p.experts > 0 && p.experts <= kMoeMaxExperts && p.hidden > 0 &&
-         p.hidden % kTileK == 0 && p.intermediate > 0 && p.intermediate % kTileK == 0 &&
+         p.experts > 0 && p.experts <= kMoeMaxExperts &&
          int64_t(p.tokens) * p.topK <= 0x7fffffff &&
          maxTiles(int64_t(p.tokens) * p.topK, p.experts) <= 0x7fffffff;
 }
@@ -342,6 +342,23 @@ int launchMoeExpertsGrouped(const MoeExpertsParams &p, bool splitInputs, void *s
   combineSortedKernel<<<dim3(unsigned(p.tokens), unsigned((p.hidden + 255) / 256)), 256, 0, s>>>(
       p, w);
   return int(cudaGetLastError());
+}
+
+bool moeLaunchesGrouped(const MoeExpertsParams &p) {
+  return moeGroupedSupports(p) && int64_t(p.tokens) * p.topK > moePerTokenMaxPairs(p);
+}
+
+size_t moeExpertsLaunchWorkspaceBytes(const MoeExpertsParams &p) {
+  return moeLaunchesGrouped(p)
+             ? moeGroupedWorkspaceBytes(p.tokens, p.topK, p.hidden, p.intermediate, p.experts)
+             : moeExpertsWorkspaceBytes(p.tokens, p.topK, p.hidden, p.intermediate);
+}
+
+int launchMoeExperts(const MoeExpertsParams &p, bool splitInputs, void *stream) {
+  if (p.perTokenMaxPairs < 0 || p.perTokenMaxPairs > kMoeTunedMaxPairs)
+    return cudaErrorInvalidValue;
+  return moeLaunchesGrouped(p) ? launchMoeExpertsGrouped(p, splitInputs, stream)
+                               : launchMoeExpertsPerToken(p, stream);
 }
 
 } // namespace hybrid::kernels::cuda

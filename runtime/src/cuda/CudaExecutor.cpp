@@ -278,6 +278,7 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
     step.convStateStride = static_cast<int64_t>(slotConvFloats);
     step.stateIndices = rowSlots;
     step.workspace = r.kdaWorkspace;
+    applyTuning(step); // the fused or split path tuned for this batch, if any
     if (kc::kdaDecodeWorkspaceBytes(step) > kdaWorkspaceBytes)
       return Status::error("KDA decode workspace larger than planned at load");
     LAUNCH_RETURN_IF_ERROR(kc::launchKdaFusedDecode(step, r.stream), "KDA decode step");
@@ -713,6 +714,10 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         step.batch = static_cast<int32_t>(rows);
         step.heads = static_cast<int32_t>(H);
         step.headDim = p->head_dim();
+        // A decode step may run the split path at any batch (a tuned kda-decode path, looked
+        // up at run time): its workspace, which is at least the Auto choice's.
+        if (d->kernel() == fb::KernelId::KdaRecurrentDecode)
+          step.path = kc::KdaDecodePath::Split;
         impl->kdaWorkspaceBytes = std::max({impl->kdaWorkspaceBytes,
                                             kc::kdaPrefillWorkspaceBytes(prefill),
                                             kc::kdaDecodeWorkspaceBytes(step)});

@@ -364,6 +364,8 @@ struct CudaExecutor::Impl {
   // The tuned configuration of the launch's shape bucket set on `params`; none: its defaults.
   void applyTuning(kc::IndexerParams &params);
   void applyTuning(kc::SparseMlaDecodeParams &params);
+  void applyTuning(kc::MoeExpertsParams &params);
+  void applyTuning(kc::KdaDecodeParams &params);
   std::vector<std::vector<const fb::Dispatch *>> kvWriters; // per program: GPU MLA dispatches
 
   // At load, before placement: which KV layers run on the GPU, and their pools.

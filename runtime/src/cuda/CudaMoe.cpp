@@ -1,6 +1,7 @@
 // MoE layers on the cuda device (issue 7): the router (its GEMM, then the fused noaux_tc
 // selection) and the routed experts: per (token, expert) on CUDA cores for up to 64 pairs (a
-// decode step of up to 8 tokens: each pair streams its expert's rows); beyond, bf16 experts are
+// decode step of up to 8 tokens: each pair streams its expert's rows; a tuned threshold per step
+// shape where the grouped form could run, docs/autotune.md); beyond, bf16 experts are
 // grouped by expert on the GPU and multiplied on tensor cores (kc::launchMoeExpertsGrouped, no
 // host round trip, so decode graphs hold it too); other prefills group on the host around the
 // GEMMs (the chosen experts come to the host, each expert runs once on its tokens).
@@ -17,12 +18,11 @@
 namespace hybrid::cudadev {
 namespace {
 
-// Above this many (token, expert) pairs a prefill groups the tokens by expert: each expert's
-// weights are then read once, not once per token.
-constexpr int64_t kPerTokenMaxPairs = 64;
-
+// Experts the tensor-core form cannot take: above kc::kMoePerTokenMaxPairs (token, expert) pairs
+// a prefill groups the tokens by expert on the host: each expert's weights are then read once,
+// not once per token.
 bool groupedForm(const cpu::StepContext &host, int64_t topK) {
-  return !host.decode && host.rows * topK > kPerTokenMaxPairs;
+  return !host.decode && host.rows * topK > kc::kMoePerTokenMaxPairs;
 }
 
 } // namespace
@@ -117,15 +117,24 @@ Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &
                          "expert weight pointers");
   }
   // Per-token form: hidden and output rows per pair; grouped form (prefill): gathered rows, gate,
-  // up, the expert's output.
-  const int64_t pairs = decodeProgram ? rows * K : std::min(rows * K, kPerTokenMaxPairs);
+  // up, the expert's output. Where the tensor-core form can run, a tuned threshold may move the
+  // per-token form up to kc::kMoeTunedMaxPairs pairs, or the tensor-core form down to 2 pairs:
+  // sized for every threshold the moe-experts family admits, so a tuning cache read at run time
+  // never needs more than this.
+  const bool tensorCores = kc::moeGroupedShape(
+      *expertWeightType(d) == fb::DType::BF16 ? kc::WeightType::BF16 : kc::WeightType::Fp8Block,
+      hidden, inner);
+  const int64_t pairs =
+      decodeProgram ? rows * K
+                    : std::min<int64_t>(rows * K, tensorCores ? kc::kMoeTunedMaxPairs
+                                                              : kc::kMoePerTokenMaxPairs);
   const int64_t perToken = pad(static_cast<int64_t>(
       kc::moeExpertsWorkspaceBytes(static_cast<int32_t>(pairs), 1, static_cast<int32_t>(hidden),
                                    static_cast<int32_t>(inner)) / sizeof(float)));
   const int64_t grouped = decodeProgram ? 0 : 2 * pad(rows * hidden) + 2 * pad(rows * inner);
   // The tensor-core grouped form (bf16 experts, more pairs than the per-token form takes).
   const int64_t tensorCore =
-      rows * K > kPerTokenMaxPairs
+      tensorCores && rows * K > 1
           ? pad(static_cast<int64_t>(kc::moeGroupedWorkspaceBytes(
                     static_cast<int32_t>(rows), static_cast<int32_t>(K),
                     static_cast<int32_t>(hidden), static_cast<int32_t>(inner),
@@ -225,19 +234,18 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
   m.activation = gatedActivationOf(*p);
   m.out = out;
   m.workspace = r.scratch;
-  if (T * K > kPerTokenMaxPairs && kc::moeGroupedSupports(m)) { // bf16 experts only
-    if (kc::moeGroupedWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate, m.experts) >
-        scratchFloats * sizeof(float))
-      return Status::error("MoE grouped workspace larger than planned at load");
-    LAUNCH_RETURN_IF_ERROR(kc::launchMoeExpertsGrouped(m, splitGemmInputs, r.stream),
-                           "MoE experts (grouped)");
-    return Status::ok();
-  }
-  if (!groupedForm(host, K)) {
-    if (kc::moeExpertsWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate) >
-        scratchFloats * sizeof(float))
-      return Status::error("MoE workspace larger than planned at load");
-    LAUNCH_RETURN_IF_ERROR(kc::launchMoeExpertsPerToken(m, r.stream), "MoE experts");
+  // Where the tensor-core form can run (bf16 experts), launchMoeExperts picks it or the per-token
+  // form by the step's pairs: above 64, or the threshold tuned for this step's shape.
+  const bool tensorCores = kc::moeGroupedSupports(m);
+  if (tensorCores)
+    applyTuning(m);
+  if (tensorCores || !groupedForm(host, K)) {
+    const bool grouped = kc::moeLaunchesGrouped(m);
+    if (kc::moeExpertsLaunchWorkspaceBytes(m) > scratchFloats * sizeof(float))
+      return Status::error(grouped ? "MoE grouped workspace larger than planned at load"
+                                   : "MoE workspace larger than planned at load");
+    LAUNCH_RETURN_IF_ERROR(kc::launchMoeExperts(m, splitGemmInputs, r.stream),
+                           grouped ? "MoE experts (grouped)" : "MoE experts");
     return Status::ok();
   }
 

@@ -41,6 +41,18 @@ void CudaExecutor::Impl::applyTuning(kc::SparseMlaDecodeParams &params) {
       kt::applyConfig(*config, params);
 }
 
+void CudaExecutor::Impl::applyTuning(kc::MoeExpertsParams &params) {
+  if (tuning && tuning->enabled())
+    if (auto config = tuning->lookup(kt::moeExpertsKernel(), kt::moeExpertsShape(params)))
+      kt::applyConfig(*config, params);
+}
+
+void CudaExecutor::Impl::applyTuning(kc::KdaDecodeParams &params) {
+  if (tuning && tuning->enabled())
+    if (auto config = tuning->lookup(kt::kdaDecodeKernel(), kt::kdaDecodeShape(params)))
+      kt::applyConfig(*config, params);
+}
+
 std::string CudaExecutor::tuningReport() const {
   if (!impl_->tuning || !impl_->tuning->enabled())
     return "kernel tuning: off (the kernels' defaults)\n";

@@ -9,6 +9,8 @@
 
 #include "hybrid/cache/Tuning.h"
 #include "hybrid/kernels/cuda/DsaIndexer.h"
+#include "hybrid/kernels/cuda/KdaDecode.h"
+#include "hybrid/kernels/cuda/Moe.h"
 #include "hybrid/kernels/cuda/SparseMla.h"
 
 #include <mutex>
@@ -29,9 +31,18 @@ inline constexpr std::string_view kIndexerScores = "dsa-indexer-scores";
 // Sparse MLA decode (sparse_mla_decode_sm90.cu): splits, the blocks a row's positions are split
 // over (0: the cost model of waves).
 inline constexpr std::string_view kSparseMlaDecode = "sparse-mla-decode";
+// The routed experts (moe_sm90.cu per token, moe_grouped_sm90.cu on tensor cores):
+// per_token_max_pairs, the (token, expert) pairs at or below which the per-token form runs where
+// the grouped form could (0: kMoePerTokenMaxPairs, 64).
+inline constexpr std::string_view kMoeExperts = "moe-experts";
+// KDA's decode step (kda_decode_sm90.cu): path, 1 the fused kernel, 2 the split prolog + state
+// kernels (0: the split path from kKdaDecodeSplitPairs (sequence, head) pairs at head_dim 128).
+inline constexpr std::string_view kKdaDecode = "kda-decode";
 
 const TunableKernel &indexerScoresKernel();
 const TunableKernel &sparseMlaDecodeKernel();
+const TunableKernel &moeExpertsKernel();
+const TunableKernel &kdaDecodeKernel();
 // Every tunable family, and one by name (null when there is none of that name).
 std::vector<const TunableKernel *> tunableKernels();
 const TunableKernel *findTunableKernel(std::string_view name);
@@ -41,12 +52,16 @@ const TunableKernel *findTunableKernel(std::string_view name);
 // sizes; the runtime looks up the bucket of each launch.
 ShapeBucket indexerScoresShape(const kernels::cuda::IndexerParams &params);
 ShapeBucket sparseMlaDecodeShape(const kernels::cuda::SparseMlaDecodeParams &params);
+ShapeBucket moeExpertsShape(const kernels::cuda::MoeExpertsParams &params);
+ShapeBucket kdaDecodeShape(const kernels::cuda::KdaDecodeParams &params);
 // The dimensions a family's bucket must hold, in order (the tuner's --shape checks them).
 std::vector<std::string> shapeDimensions(const TunableKernel &kernel);
 
 // Sets a configuration on the params; an empty one leaves them at the defaults.
 void applyConfig(const TuningConfig &config, kernels::cuda::IndexerParams &params);
 void applyConfig(const TuningConfig &config, kernels::cuda::SparseMlaDecodeParams &params);
+void applyConfig(const TuningConfig &config, kernels::cuda::MoeExpertsParams &params);
+void applyConfig(const TuningConfig &config, kernels::cuda::KdaDecodeParams &params);
 
 // The configurations tuned for this GPU, read from a cache store on first use of each (kernel,
 // bucket) and remembered; thread safe. Without a store, or on a miss, a lookup gives nothing and

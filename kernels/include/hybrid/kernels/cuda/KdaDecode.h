@@ -25,7 +25,8 @@ struct KdaLayerWeights {
 // that rounding accumulating over calls: one rounding per decode step).
 enum class KdaStateType : int32_t { F32, BF16 };
 
-// Which kernels run the step (see kKdaDecodeSplitPairs); tests and benchmarks force one.
+// Which kernels run the step (see kKdaDecodeSplitPairs); tests and benchmarks force one, and a
+// tuned configuration may (the kda-decode family, docs/autotune.md).
 enum class KdaDecodePath : int32_t { Auto, Fused, Split };
 
 // What a KDA layer's decode step and prefill share: its shapes, weights and device tensors. Rows
@@ -70,13 +71,19 @@ struct KdaDecodeParams : KdaLayerCall {
 // below, and at headDim 64 everywhere: docs/performance.md). The split path needs
 // kdaDecodeWorkspaceBytes() of workspace; the fused path none (0).
 constexpr int64_t kKdaDecodeSplitPairs = 4096;
+// Whether a step of these params runs the split path (Auto: the rule above).
+inline bool kdaDecodeUsesSplit(KdaDecodePath path, int64_t batch, int64_t heads, int64_t headDim) {
+  if (path != KdaDecodePath::Auto)
+    return path == KdaDecodePath::Split;
+  return headDim == 128 && batch * heads >= kKdaDecodeSplitPairs;
+}
 // The longest short convolution the kernels take (Kimi-Linear uses 4).
 constexpr int32_t kKdaMaxConvKernel = 4;
 size_t kdaDecodeWorkspaceBytes(const KdaDecodeParams &params);
 
 // Launches on `stream` (a cudaStream_t, null for the default stream). Returns 0 or the CUDA error
-// code (cudaError_t); an unsupported headDim or convKernel, or a missing workspace, returns
-// cudaErrorInvalidValue (1).
+// code (cudaError_t); an unsupported headDim or convKernel, a path outside the enum, or a missing
+// workspace, returns cudaErrorInvalidValue (1).
 int launchKdaFusedDecode(const KdaDecodeParams &params, void *stream);
 
 } // namespace hybrid::kernels::cuda

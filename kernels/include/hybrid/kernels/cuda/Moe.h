@@ -72,8 +72,28 @@ struct MoeExpertsParams {
   GatedActivation activation; // SiLU (SwiGLU) or Kimi K3's SiTU
   float *out = nullptr;       // [tokens, hidden]
   void *workspace = nullptr;  // moeExpertsWorkspaceBytes
+  // launchMoeExperts' choice of form: the (token, expert) pairs at or below which the per-token
+  // form runs where the grouped tensor-core form could (0: kMoePerTokenMaxPairs; at most
+  // kMoeTunedMaxPairs; docs/autotune.md). The forms' own launches ignore it.
+  int32_t perTokenMaxPairs = 0;
 };
 inline constexpr int kMoeMaxHidden = 16384;
+// The default threshold: a decode step of up to 8 tokens' top-8 streams each pair's expert rows.
+inline constexpr int32_t kMoePerTokenMaxPairs = 64;
+// The largest threshold perTokenMaxPairs may set (what a runtime sizes the per-token workspace for).
+inline constexpr int32_t kMoeTunedMaxPairs = 512;
+// The grouped form's k step: hidden and intermediate must be multiples of it.
+inline constexpr int32_t kMoeGroupedTileK = 64;
+
+inline int32_t moePerTokenMaxPairs(const MoeExpertsParams &params) {
+  return params.perTokenMaxPairs > 0 ? params.perTokenMaxPairs : kMoePerTokenMaxPairs;
+}
+// Whether the grouped tensor-core form takes experts of this type and shape (moeGroupedSupports
+// without the per-launch checks).
+inline bool moeGroupedShape(WeightType type, int64_t hidden, int64_t intermediate) {
+  return type == WeightType::BF16 && hidden > 0 && hidden % kMoeGroupedTileK == 0 &&
+         intermediate > 0 && intermediate % kMoeGroupedTileK == 0;
+}
 
 // Decode form: every (token, expert) pair on CUDA cores, one launch chain, no host round trip.
 size_t moeExpertsWorkspaceBytes(int32_t tokens, int32_t topK, int32_t hidden, int32_t intermediate);
@@ -88,6 +108,14 @@ bool moeGroupedSupports(const MoeExpertsParams &params);
 size_t moeGroupedWorkspaceBytes(int32_t tokens, int32_t topK, int32_t hidden,
                                 int32_t intermediate, int32_t experts);
 int launchMoeExpertsGrouped(const MoeExpertsParams &params, bool splitInputs, void *stream);
+
+// Either form, as a graph-safe step chooses: grouped on tensor cores when it supports the params
+// and the step has more than moePerTokenMaxPairs(params) pairs, else per token. The workspace
+// must hold the chosen form's (moeExpertsLaunchWorkspaceBytes). A perTokenMaxPairs outside
+// 0..kMoeTunedMaxPairs is cudaErrorInvalidValue.
+bool moeLaunchesGrouped(const MoeExpertsParams &params);
+size_t moeExpertsLaunchWorkspaceBytes(const MoeExpertsParams &params);
+int launchMoeExperts(const MoeExpertsParams &params, bool splitInputs, void *stream);
 
 // Grouped form's pieces (experts run one by one around the GEMMs): rows[r] of x into out[r] (count rows of `width`), and out[rows[r]] +=
 // scales[r] * in[r] (each target row at most once per call, so calls made expert by expert add

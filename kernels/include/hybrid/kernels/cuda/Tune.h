@@ -23,5 +23,11 @@ StatusOr<std::vector<tuning::CandidateTiming>>
 measureSparseMlaDecode(const cache::ShapeBucket &shape,
                        const std::vector<cache::TuningConfig> &configs,
                        tuning::Clock::time_point deadline, int32_t iterations);
+StatusOr<std::vector<tuning::CandidateTiming>>
+measureMoeExperts(const cache::ShapeBucket &shape, const std::vector<cache::TuningConfig> &configs,
+                  tuning::Clock::time_point deadline, int32_t iterations);
+StatusOr<std::vector<tuning::CandidateTiming>>
+measureKdaDecode(const cache::ShapeBucket &shape, const std::vector<cache::TuningConfig> &configs,
+                 tuning::Clock::time_point deadline, int32_t iterations);
 
 } // namespace hybrid::kernels::cuda
