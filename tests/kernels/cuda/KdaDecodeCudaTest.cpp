@@ -272,6 +272,16 @@ TEST(KdaDecodeCudaErrors, ConvolutionLongerThanSupported) {
   EXPECT_EQ(cuda::launchKdaFusedDecode(params, nullptr), int(cudaErrorInvalidValue));
 }
 
+// A path a tuning entry set (kda-decode) that is none of the enum's is refused, never run.
+TEST(KdaDecodeCudaErrors, PathOutsideTheEnum) {
+  cuda::KdaDecodeParams params;
+  params.batch = 1;
+  params.heads = 1;
+  params.headDim = 128;
+  params.path = static_cast<cuda::KdaDecodePath>(3);
+  EXPECT_EQ(cuda::launchKdaFusedDecode(params, nullptr), int(cudaErrorInvalidValue));
+}
+
 TEST(KdaDecodeCudaErrors, SplitPathNeedsWorkspace) {
   cuda::KdaDecodeParams params;
   params.batch = int32_t(cuda::kKdaDecodeSplitPairs);

@@ -385,6 +385,74 @@ TEST(MoeExpertsCuda, GroupedOnTensorCoresMatchesReference) {
   EXPECT_EQ(cuda::launchMoeExpertsGrouped(p, true, nullptr), int(cudaErrorInvalidValue));
 }
 
+// launchMoeExperts (the cuda device's launch): per token up to moePerTokenMaxPairs pairs (64, or
+// a tuned threshold), grouped on tensor cores above; each form's output exactly as its own
+// launch gives it, the two within the split inputs' rounding of each other.
+TEST(MoeExpertsCuda, TheThresholdPicksTheForm) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(14);
+  const int tokens = 10, hidden = 128, inner = 64, experts = 8, topK = 4; // 40 pairs
+  const std::vector<float> x = random(size_t(tokens) * hidden, rng, 1.0f);
+  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> b16;
+  std::vector<uint64_t> pointers[3];
+  for (int m = 0; m < 3 * experts; ++m) {
+    b16.push_back(std::make_unique<DeviceBuffer<uint16_t>>(
+        bf16Bits(roundedToBf16(random(size_t(hidden) * inner, rng, 0.05f)))));
+    pointers[m % 3].push_back(reinterpret_cast<uint64_t>(b16.back()->data));
+  }
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  for (int t = 0; t < tokens; ++t)
+    for (int k = 0; k < topK; ++k) {
+      ids.push_back((t + 3 * k) % experts);
+      weights.push_back(0.1f + 0.2f * float(k));
+    }
+  DeviceBuffer<uint64_t> gate(pointers[0]), up(pointers[1]), down(pointers[2]);
+  DeviceBuffer<float> dX(x), dWeights(weights);
+  DeviceBuffer<int32_t> dIds(ids);
+  DeviceBuffer<uint8_t> dWorkspace{std::vector<uint8_t>(
+      std::max(cuda::moeExpertsWorkspaceBytes(tokens, topK, hidden, inner),
+               cuda::moeGroupedWorkspaceBytes(tokens, topK, hidden, inner, experts)))};
+  cuda::MoeExpertsParams p =
+      expertsParams(tokens, hidden, inner, experts, topK, dX.data, dIds.data, dWeights.data,
+                    gate.data, up.data, down.data, dWorkspace.data);
+  p.type = cuda::WeightType::BF16;
+  auto run = [&](auto launch) {
+    DeviceBuffer<float> dOut{std::vector<float>(size_t(tokens) * hidden, -3.0f)};
+    p.out = dOut.data;
+    EXPECT_EQ(launch(), 0);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return dOut.download();
+  };
+  const std::vector<float> perToken = run([&] { return cuda::launchMoeExpertsPerToken(p, nullptr); });
+  const std::vector<float> grouped =
+      run([&] { return cuda::launchMoeExpertsGrouped(p, true, nullptr); });
+  EXPECT_LT(relativeRms(grouped, perToken), 2e-5);
+
+  EXPECT_FALSE(cuda::moeLaunchesGrouped(p)) << "40 pairs: per token by default";
+  EXPECT_EQ(cuda::moeExpertsLaunchWorkspaceBytes(p),
+            cuda::moeExpertsWorkspaceBytes(tokens, topK, hidden, inner));
+  EXPECT_EQ(run([&] { return cuda::launchMoeExperts(p, true, nullptr); }), perToken);
+  p.perTokenMaxPairs = 32; // tuned: grouped above 32 pairs
+  EXPECT_TRUE(cuda::moeLaunchesGrouped(p));
+  EXPECT_EQ(cuda::moeExpertsLaunchWorkspaceBytes(p),
+            cuda::moeGroupedWorkspaceBytes(tokens, topK, hidden, inner, experts));
+  EXPECT_EQ(run([&] { return cuda::launchMoeExperts(p, true, nullptr); }), grouped);
+  p.perTokenMaxPairs = 40; // at or below the threshold: per token
+  EXPECT_EQ(run([&] { return cuda::launchMoeExperts(p, true, nullptr); }), perToken);
+  // FP32 experts have no grouped form: per token whatever the threshold.
+  p.type = cuda::WeightType::F32;
+  p.perTokenMaxPairs = 1;
+  EXPECT_FALSE(cuda::moeLaunchesGrouped(p));
+  p.type = cuda::WeightType::BF16;
+  // A threshold past what the runtime sizes its per-token workspace for is refused.
+  p.perTokenMaxPairs = cuda::kMoeTunedMaxPairs + 1;
+  EXPECT_EQ(cuda::launchMoeExperts(p, true, nullptr), int(cudaErrorInvalidValue));
+  p.perTokenMaxPairs = -1;
+  EXPECT_EQ(cuda::launchMoeExperts(p, true, nullptr), int(cudaErrorInvalidValue));
+}
+
 // Expert parallelism: a rank holds some experts and the others' pointers are null. Each form
 // (per token in bf16 and FP8, grouped on tensor cores) then gives, bit for bit, what it gives
 // with those experts' choices made invalid (-1, as the cpu reference is handed them); the two
