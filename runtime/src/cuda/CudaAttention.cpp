@@ -79,6 +79,25 @@ bool onTensorCoreKernel(bool sparse, const DeviceKvLayer &kv, int64_t latentDim,
 
 } // namespace
 
+kc::MlaLatentRowsParams mlaLatentRowsParams(const fb::MlaParams &p, int64_t rows, const float *kvA,
+                                            const float *normWeight,
+                                            const float *inverseFrequencies,
+                                            const int32_t *positions, float *latent, float *rope) {
+  kc::MlaLatentRowsParams params;
+  params.rows = static_cast<int32_t>(rows);
+  params.latentDim = static_cast<int32_t>(p.kv_lora_rank());
+  params.ropeDim = static_cast<int32_t>(p.qk_rope_head_dim());
+  params.epsilon = p.latent_norm_epsilon();
+  params.kvA = kvA;
+  params.normWeight = normWeight;
+  params.pairing = pairingOf(p.rope());
+  params.inverseFrequencies = inverseFrequencies;
+  params.positions = positions;
+  params.latent = latent;
+  params.rope = rope;
+  return params;
+}
+
 Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCache,
                                         const LoadOptions &options, int64_t maxRows) {
   const fb::CacheSpec *spec = plan.cache();
@@ -655,18 +674,9 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
   if (!gathered)
     HYBRID_RETURN_IF_ERROR(
         gemm(r, x, dModel, roleOf(d, MlaKvA), kvA, rkv + dr, T, dModel, rkv + dr));
-  kc::MlaLatentRowsParams rows;
-  rows.rows = static_cast<int32_t>(T);
-  rows.latentDim = static_cast<int32_t>(rkv);
-  rows.ropeDim = static_cast<int32_t>(dr);
-  rows.epsilon = p->latent_norm_epsilon();
-  rows.kvA = kvA;
-  rows.normWeight = fp32Weights.at(roleOf(d, MlaKvANorm));
-  rows.pairing = pairingOf(p->rope());
-  rows.inverseFrequencies = frequencies;
-  rows.positions = rowPositions;
-  rows.latent = latent;
-  rows.rope = rope;
+  const kc::MlaLatentRowsParams rows =
+      mlaLatentRowsParams(*p, T, kvA, fp32Weights.at(roleOf(d, MlaKvANorm)), frequencies,
+                          rowPositions, latent, rope);
   if (!gathered)
     LAUNCH_RETURN_IF_ERROR(kc::launchMlaLatentRows(rows, r.stream), "MLA cache rows");
   kc::LatentWriteParams write;

@@ -493,20 +493,10 @@ Status CudaExecutor::Impl::runMlaCacheRows(const fb::Program &program, unsigned 
   const int64_t dModel = in.row_elements();
   HYBRID_RETURN_IF_ERROR(gemm(r, reinterpret_cast<const float *>(arena + in.arena_offset()),
                               dModel, roleOf(d, CacheRowsKvA), kvA, rkv + dr, T, dModel, rkv + dr));
-  kc::MlaLatentRowsParams rows;
-  rows.rows = static_cast<int32_t>(T);
-  rows.latentDim = static_cast<int32_t>(rkv);
-  rows.ropeDim = static_cast<int32_t>(dr);
-  rows.epsilon = p->latent_norm_epsilon();
-  rows.kvA = kvA;
-  rows.normWeight = fp32Weights.at(roleOf(d, CacheRowsNorm));
-  rows.pairing = p->rope() && p->rope()->pairing() == fb::RopePairing::HalfSplit
-                     ? kc::RopePairing::HalfSplit
-                     : kc::RopePairing::Interleaved;
-  rows.inverseFrequencies = rotates(p->rope()) && dr > 0 ? ropeFrequencies.at(&d) : nullptr;
-  rows.positions = rowPositions; // this rank's rows' positions
-  rows.latent = latent;
-  rows.rope = rope;
+  const kc::MlaLatentRowsParams rows = mlaLatentRowsParams(
+      *p, T, kvA, fp32Weights.at(roleOf(d, CacheRowsNorm)),
+      rotates(p->rope()) && dr > 0 ? ropeFrequencies.at(&d) : nullptr,
+      rowPositions /* this rank's rows' positions */, latent, rope);
   LAUNCH_RETURN_IF_ERROR(kc::launchMlaLatentRows(rows, r.stream), "MLA cache rows");
   // [latent | rope] per row, as the gather hands them to every rank's attention.
   auto *out = reinterpret_cast<float *>(arena + outValue.arena_offset());

@@ -13,6 +13,7 @@
 #include "hybrid/kernels/cuda/KdaPrefill.h"
 #include "hybrid/kernels/cuda/Activation.h"
 #include "hybrid/kernels/cuda/Linear.h"
+#include "hybrid/kernels/cuda/Mla.h"
 #include "hybrid/kernels/cuda/Sampling.h"
 #include "hybrid/kernels/cuda/SparseMla.h"
 #include "hybrid/runtime/Communicator.h"
@@ -121,6 +122,13 @@ struct StepRun {
   size_t begin = 0, end = 0;
   bool gpu = true;
 };
+
+// The MLA latent-rows kernel's params (kv_a rows -> normalized latent and rotated rope) for
+// `rows` rows of `kvA` with the dispatch's norm weight; `inverseFrequencies` null: no rotation.
+kc::MlaLatentRowsParams mlaLatentRowsParams(const fb::MlaParams &p, int64_t rows, const float *kvA,
+                                            const float *normWeight,
+                                            const float *inverseFrequencies,
+                                            const int32_t *positions, float *latent, float *rope);
 
 struct CudaExecutor::Impl {
   const fb::Plan *plan = nullptr;
