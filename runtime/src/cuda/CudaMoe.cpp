@@ -121,9 +121,8 @@ Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &
   // per-token form up to kc::kMoeTunedMaxPairs pairs, or the tensor-core form down to 2 pairs:
   // sized for every threshold the moe-experts family admits, so a tuning cache read at run time
   // never needs more than this.
-  const bool tensorCores = kc::moeGroupedShape(
-      *expertWeightType(d) == fb::DType::BF16 ? kc::WeightType::BF16 : kc::WeightType::Fp8Block,
-      hidden, inner);
+  const bool tensorCores = expertWeightType(d) == fb::DType::BF16 &&
+                           kc::moeGroupedShape(kc::WeightType::BF16, hidden, inner);
   const int64_t pairs =
       decodeProgram ? rows * K
                     : std::min<int64_t>(rows * K, tensorCores ? kc::kMoeTunedMaxPairs
