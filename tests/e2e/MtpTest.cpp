@@ -10,6 +10,7 @@
 #include "hybrid/runtime/Safetensors.h"
 #include "hybrid/runtime/Scheduler.h"
 #include "hybrid/runtime/SyntheticCheckpoint.h"
+#include "E2eTestSupport.h"
 
 #include <gtest/gtest.h>
 
@@ -23,16 +24,12 @@ namespace hybrid {
 namespace {
 
 namespace fs = std::filesystem;
+using e2etest::compiledDir;
+using e2etest::loadOrDie;
 
 // tests/e2e/CMakeLists.txt compiles hybrid-synth --preset deepseek-v32-tiny --layers 2
 // --mtp-layers 1 into this plan.
-std::string mtpPlanDir() { return std::string(HYBRID_E2E_DIR) + "/synth-mtp-cpu"; }
-
-std::unique_ptr<Model> loadOrDie(const std::string &dir) {
-  auto model = Model::load(dir, {});
-  EXPECT_TRUE(model.isOk()) << model.status().message();
-  return model.isOk() ? std::move(*model) : nullptr;
-}
+std::string mtpPlanDir() { return compiledDir("synth-mtp-cpu"); }
 
 int64_t argmax(std::span<const float> row) {
   return std::max_element(row.begin(), row.end()) - row.begin();
@@ -157,7 +154,7 @@ TEST(MtpTest, SchedulerDraftingOnlyWhenItPaysKeepsTheTokens) {
 }
 
 TEST(MtpTest, MtpDraftSourceNeedsAnMtpProgram) {
-  auto model = loadOrDie(std::string(HYBRID_E2E_DIR) + "/deepseek_v32_tiny");
+  auto model = loadOrDie(compiledDir("deepseek_v32_tiny"));
   ASSERT_TRUE(model);
   EXPECT_FALSE(model->hasMtp());
   auto source = makeDraftSource(*model, DraftSourceKind::Mtp);

@@ -5,6 +5,7 @@
 #include "hybrid/runtime/Safetensors.h"
 #include "hybrid/runtime/Server.h"
 #include "hybrid/runtime/Tokenizer.h"
+#include "E2eTestSupport.h"
 
 #include <gtest/gtest.h>
 #include <cerrno>
@@ -27,10 +28,8 @@ namespace {
 
 using json = nlohmann::json;
 
-std::string compiledDir(const std::string &model) { return std::string(HYBRID_E2E_DIR) + "/" + model; }
-std::string goldenFile(const std::string &model) {
-  return std::string(HYBRID_TEST_DATA_DIR) + "/" + model + "/golden.safetensors";
-}
+using e2etest::compiledDir;
+using e2etest::goldenFile;
 
 std::vector<int64_t> goldenTensor(const std::string &model, const std::string &name) {
   auto file = safetensors::File::open(goldenFile(model));
