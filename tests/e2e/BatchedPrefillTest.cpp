@@ -264,26 +264,8 @@ TEST_P(BatchedPrefillTest, SchedulerBatchesPrefillsAndVerifications) {
   schedulerOptions.draftTokens = 4;
   schedulerOptions.batchPrefillCalls = true;
   Scheduler scheduler(*model, schedulerOptions);
-  std::map<uint64_t, size_t> promptOf;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    auto id = scheduler.submit({.prompt = prompts[i],  .maxNewTokens = 20, .stopTokens = {},
-                                .sampling = {}});
-    ASSERT_TRUE(id.isOk()) << id.status().message();
-    promptOf[*id] = i;
-  }
-  std::map<uint64_t, std::vector<int64_t>> generated;
-  for (int step = 0; step < 500 && !scheduler.idle(); ++step)
-    for (const TokenEvent &event : scheduler.step()) {
-      ASSERT_TRUE(event.error.empty()) << event.error;
-      generated[event.request].push_back(event.token);
-    }
-  ASSERT_TRUE(scheduler.idle());
-  for (const auto &[id, index] : promptOf) {
-    GenerationOptions greedyOptions;
-    greedyOptions.maxNewTokens = 20;
-    EXPECT_EQ(generated[id], generateGreedy(*model, prompts[index], greedyOptions).value().generated)
-        << "request " << id;
-  }
+  e2etest::expectGreedyTokens(*model, prompts, e2etest::runToCompletion(scheduler, prompts, 20),
+                              20);
   const SchedulerStats stats = scheduler.stats();
   EXPECT_GT(stats.prefillBatches, 0);
   EXPECT_GE(stats.batchedPrefillSegments, 2 * stats.prefillBatches);

@@ -25,7 +25,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using e2etest::compiledDir;
+using e2etest::expectGreedyTokens;
 using e2etest::loadOrDie;
+using e2etest::runToCompletion;
 
 // tests/e2e/CMakeLists.txt compiles hybrid-synth --preset deepseek-v32-tiny --layers 2
 // --mtp-layers 1 into this plan.
@@ -91,25 +93,7 @@ TEST(MtpTest, SchedulerWithMtpDraftsMatchesGreedy) {
   options.prefillChunkTokens = 16; // prompts prefill in several chunks
   Scheduler scheduler(*model, options);
   const auto prompts = randomPrompts(model->vocabSize());
-  std::map<uint64_t, size_t> promptOf;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    auto id = scheduler.submit({prompts[i], 8, {}, {}});
-    ASSERT_TRUE(id.isOk()) << id.status().message();
-    promptOf[*id] = i;
-  }
-  std::vector<std::vector<int64_t>> tokens(prompts.size());
-  while (!scheduler.idle())
-    for (const TokenEvent &event : scheduler.step()) {
-      ASSERT_TRUE(event.error.empty()) << event.error;
-      tokens[promptOf[event.request]].push_back(event.token);
-    }
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    GenerationOptions plain;
-    plain.maxNewTokens = 8;
-    auto reference = generateGreedy(*model, prompts[i], plain);
-    ASSERT_TRUE(reference.isOk());
-    EXPECT_EQ(tokens[i], reference->generated) << "prompt " << i;
-  }
+  expectGreedyTokens(*model, prompts, runToCompletion(scheduler, prompts, 8), 8);
   const SchedulerStats stats = scheduler.stats();
   EXPECT_GT(stats.verifySteps, 0);
   EXPECT_LE(stats.acceptedTokens, stats.draftedTokens);
@@ -128,25 +112,7 @@ TEST(MtpTest, SchedulerDraftingOnlyWhenItPaysKeepsTheTokens) {
   Scheduler scheduler(*model, options);
   const auto prompts = randomPrompts(model->vocabSize());
   const int64_t newTokens = 8;
-  std::map<uint64_t, size_t> promptOf;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    auto id = scheduler.submit({prompts[i], newTokens, {}, {}});
-    ASSERT_TRUE(id.isOk()) << id.status().message();
-    promptOf[*id] = i;
-  }
-  std::vector<std::vector<int64_t>> tokens(prompts.size());
-  while (!scheduler.idle())
-    for (const TokenEvent &event : scheduler.step()) {
-      ASSERT_TRUE(event.error.empty()) << event.error;
-      tokens[promptOf[event.request]].push_back(event.token);
-    }
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    GenerationOptions plain;
-    plain.maxNewTokens = newTokens;
-    auto reference = generateGreedy(*model, prompts[i], plain);
-    ASSERT_TRUE(reference.isOk());
-    EXPECT_EQ(tokens[i], reference->generated) << "prompt " << i;
-  }
+  expectGreedyTokens(*model, prompts, runToCompletion(scheduler, prompts, newTokens), newTokens);
   const SchedulerStats stats = scheduler.stats();
   EXPECT_GE(stats.verifySteps, 1);
   EXPECT_EQ(stats.verifySteps + stats.acceptedTokens + stats.declinedDrafts,
