@@ -2,6 +2,7 @@
 #include "hybrid/kernels/cuda/KdaDecode.h"
 #include "hybrid/kernels/cuda/LaunchFloor.h"
 #include "../common/bench_support.h"
+#include "kda_decode_inputs.h"
 
 #include <cuda_runtime.h>
 
@@ -23,7 +24,7 @@ std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &bat
   std::vector<KdaDecodeBenchResult> results;
   std::mt19937 rng(7);
   for (int32_t batch : batches) {
-    const size_t P = size_t(heads) * headDim, W = 4;
+    const size_t P = size_t(heads) * headDim, W = kDecodeConvKernel;
     std::vector<float *> buffers;
     auto make = [&](size_t n, float scale, float offset = 0.0f) {
       float *buffer = deviceRandom(n, scale, offset, rng, error);
@@ -31,18 +32,7 @@ std::vector<KdaDecodeBenchResult> benchKdaDecode(const std::vector<int32_t> &bat
       return buffer;
     };
     KdaDecodeParams p;
-    p.batch = batch;
-    p.heads = heads;
-    p.headDim = headDim;
-    p.convKernel = int32_t(W);
-    p.qkv = make(size_t(batch) * 3 * P, 1.0f);
-    p.weights.convWeight = make(3 * P * W, 0.5f);
-    p.forget = make(size_t(batch) * P, 1.0f);
-    p.weights.aLog = make(size_t(heads), 0.3f, 0.5f);
-    p.weights.dtBias = make(P, 0.5f);
-    p.betaLogits = make(size_t(batch) * heads, 1.0f);
-    p.outputGate = make(size_t(batch) * P, 1.0f);
-    p.weights.normWeight = make(size_t(headDim), 0.1f, 1.0f);
+    randomDecodeInputs(p, batch, heads, headDim, make);
     p.convState = make(size_t(batch) * 3 * (W - 1) * P, 1.0f);
     const bool bf16State = stateType == KdaStateType::BF16;
     const size_t stateElements = size_t(batch) * heads * headDim * headDim;

@@ -5,6 +5,7 @@
 #include "hybrid/kernels/cuda/Tune.h"
 #include "../common/bench_support.h"
 #include "../common/tune_measure.h"
+#include "kda_decode_inputs.h"
 
 #include <cuda_runtime.h>
 
@@ -29,23 +30,13 @@ measureKdaDecode(const cache::ShapeBucket &shape, const std::vector<cache::Tunin
   std::mt19937 rng(17);
   std::string error;
   DeviceAllocations held;
-  const size_t P = size_t(heads) * size_t(headDim), W = 4;
+  const size_t P = size_t(heads) * size_t(headDim), W = kDecodeConvKernel;
   auto make = [&](size_t n, float scale, float offset = 0.0f) {
     return held.keep(deviceRandom(n, scale, offset, rng, error));
   };
   KdaDecodeParams p;
-  p.batch = static_cast<int32_t>(batch);
-  p.heads = static_cast<int32_t>(heads);
-  p.headDim = static_cast<int32_t>(headDim);
-  p.convKernel = static_cast<int32_t>(W);
-  p.qkv = make(size_t(batch) * 3 * P, 1.0f);
-  p.weights.convWeight = make(3 * P * W, 0.5f);
-  p.forget = make(size_t(batch) * P, 1.0f);
-  p.weights.aLog = make(size_t(heads), 0.3f, 0.5f);
-  p.weights.dtBias = make(P, 0.5f);
-  p.betaLogits = make(size_t(batch) * heads, 1.0f);
-  p.outputGate = make(size_t(batch) * P, 1.0f);
-  p.weights.normWeight = make(size_t(headDim), 0.1f, 1.0f);
+  randomDecodeInputs(p, static_cast<int32_t>(batch), static_cast<int32_t>(heads),
+                     static_cast<int32_t>(headDim), make);
   const size_t convFloats = size_t(batch) * 3 * (W - 1) * P;
   const float *initialConv = make(convFloats, 1.0f);
   p.convState = held.allocate<float>(convFloats);
