@@ -605,6 +605,8 @@ struct SpecOptions {
   std::vector<int32_t> batches = {1};
   int32_t promptTokens = 64, maxTokens = 32, draftTokens = 4;
   std::string draftSource = "prompt-lookup";
+  double replayAcceptance = 1.0;      // --draft-source replay only
+  bool replayAcceptanceGiven = false; // --replay-acceptance was on the command line
   bool alwaysDraft = false;
   uint64_t seed = 1;
 };
@@ -615,6 +617,20 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
     std::cerr << "error: spec: --draft-source: " << draftSource.status().message() << "\n";
     return 1;
   }
+  const bool replay = *draftSource == hybrid::DraftSourceKind::Replay;
+  if (o.replayAcceptanceGiven && !replay) {
+    std::cerr << "error: spec: --replay-acceptance applies to --draft-source replay only (not "
+              << hybrid::draftSourceName(*draftSource) << ")\n";
+    return 1;
+  }
+  const hybrid::ReplayOptions replayOptions{.acceptance = o.replayAcceptance,
+                                            .seed = o.seed};
+  // The source as printed: replay with the acceptance it emulates.
+  char acceptanceText[32];
+  std::snprintf(acceptanceText, sizeof acceptanceText, "%.2f", replayOptions.acceptance);
+  std::string sourceName(hybrid::draftSourceName(*draftSource));
+  if (replay)
+    sourceName += std::string(" (acceptance ") + acceptanceText + ")";
   const int32_t maxBatch = *std::max_element(o.batches.begin(), o.batches.end());
   o.load.maxSequences = maxBatch;
   // A verification pass may append draftTokens + 1 rows before it truncates.
@@ -641,7 +657,8 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
                                              .draftTokens = o.draftTokens,
                                              .draftSource = *draftSource,
                                              .draftOnlyWhenItPays = !o.alwaysDraft,
-                                             .prefillChunkTokens = 8192};
+                                             .prefillChunkTokens = 8192,
+                                             .replay = replayOptions};
     auto report = hybrid::benchmarkSpeculation(**model, prompts, options);
     if (!report) {
       std::cerr << "error: spec: batch " << batch << ": " << report.status().message() << "\n";
@@ -664,7 +681,7 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
                 "inputs %.1f KiB, KV tail pages %.1f KiB (truncated, not copied)\n",
                 batch, static_cast<long long>(r.prompts), o.promptTokens,
                 static_cast<long long>(r.generatedTokens),
-                std::string(hybrid::draftSourceName(*draftSource)).c_str(), o.draftTokens,
+                sourceName.c_str(), o.draftTokens,
                 r.identical ? "identical" : "DIFFERENT", r.plainTokensPerSecond,
                 r.speculativeTokensPerSecond, ratio, static_cast<long long>(r.verifySteps),
                 static_cast<long long>(r.verifyCalls),
@@ -676,8 +693,10 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
     std::ostringstream json;
     json << "{\"batch\": " << batch << ", \"prompt_tokens\": " << o.promptTokens
          << ", \"new_tokens\": " << o.maxTokens << ", \"draft_tokens\": " << o.draftTokens
-         << ", \"draft_source\": \"" << hybrid::draftSourceName(*draftSource)
-         << "\", \"identical\": " << (r.identical ? "true" : "false")
+         << ", \"draft_source\": \"" << hybrid::draftSourceName(*draftSource) << "\"";
+    if (replay)
+      json << ", \"replay_acceptance\": " << replayOptions.acceptance;
+    json << ", \"identical\": " << (r.identical ? "true" : "false")
          << ", \"plain_tokens_per_second\": " << r.plainTokensPerSecond
          << ", \"speculative_tokens_per_second\": " << r.speculativeTokensPerSecond
          << ", \"speedup\": " << ratio << ", \"verify_passes\": " << r.verifySteps
@@ -692,7 +711,8 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
     rows.push_back({"spec batch=" + std::to_string(batch) + " prompt=" +
                         std::to_string(o.promptTokens) + " new=" + std::to_string(o.maxTokens) +
                         " draft=" + std::to_string(o.draftTokens) + " source=" +
-                        std::string(hybrid::draftSourceName(*draftSource)),
+                        std::string(hybrid::draftSourceName(*draftSource)) +
+                        (replay ? std::string(" acceptance=") + acceptanceText : ""),
                     1e6 / std::max(r.speculativeTokensPerSecond, 1e-9), json.str()});
   }
   std::string device = o.load.device;
@@ -846,7 +866,8 @@ int main(int argc, char **argv) {
   serve->add_option("--json", o.jsonPath, "Write the results as JSON");
   SpecOptions specOptions;
   CLI::App *spec = app.add_subcommand(
-      "spec", "Speculative (prompt-lookup or MTP drafts) against plain greedy decoding, batched");
+      "spec", "Speculative (prompt-lookup, MTP or replay drafts) against plain greedy decoding, "
+              "batched");
   spec->add_option("--model", specOptions.model, "A compiled model")->required();
   spec->add_option("--batch", specOptions.batches,
                    "Requests decoding together, one run per value (repetitive-text prompts)")
@@ -859,7 +880,14 @@ int main(int argc, char **argv) {
   spec->add_option("--draft", specOptions.draftTokens, "Most draft tokens per verification pass")
       ->check(CLI::PositiveNumber);
   spec->add_option("--draft-source", specOptions.draftSource,
-                   "prompt-lookup, or mtp (the model's multi-token-prediction layer)");
+                   "prompt-lookup, mtp (the model's multi-token-prediction layer), or replay (the "
+                   "plain run's own tokens: the verification machinery's upper bound, not a "
+                   "draft model's quality)");
+  CLI::Option *replayAcceptance =
+      spec->add_option("--replay-acceptance", specOptions.replayAcceptance,
+                       "--draft-source replay: the chance each draft token is the plain run's "
+                       "(else a wrong one, seeded by --seed); default 1")
+          ->check(CLI::Range(0.0, 1.0));
   spec->add_flag("--always-draft", specOptions.alwaysDraft,
                  "Draft on every greedy step, also where a verification pass is slower than the "
                  "batched decode step it replaces (default: drafts back off to 0 there)");
@@ -943,8 +971,10 @@ int main(int argc, char **argv) {
     batchOptions.cudaGraphs = !batchNoGraphs;
     return runDecodeBatch(batchModel, batchOptions, decodeBatches, batchPromptTokens, batchSteps);
   }
-  if (spec->parsed())
+  if (spec->parsed()) {
+    specOptions.replayAcceptanceGiven = replayAcceptance->count() > 0;
     return runSpec(specOptions, record);
+  }
   if (serve->parsed())
     return runServe(load, modelDir, modelOptions, serveScheduler, o.jsonPath);
   if (kda->parsed())

@@ -125,6 +125,8 @@ int main(int argc, char **argv) {
   auto drafts = hybrid::parseDraftSource(draftSource);
   if (!drafts)
     return fail("--draft: " + drafts.status().message());
+  if (*drafts == hybrid::DraftSourceKind::Replay)
+    return fail("--draft replay: " + std::string(hybrid::kReplayNeedsReference));
   generation.draftSource = *drafts;
   auto prompt = hybrid::readInputIds(inputIds);
   if (!prompt)

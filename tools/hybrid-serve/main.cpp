@@ -106,6 +106,10 @@ int main(int argc, char **argv) {
     std::cerr << "error: --draft: " << drafts.status().message() << "\n";
     return 1;
   }
+  if (*drafts == hybrid::DraftSourceKind::Replay) {
+    std::cerr << "error: --draft replay: " << hybrid::kReplayNeedsReference << "\n";
+    return 1;
+  }
   serve.scheduler.draftSource = *drafts;
 
   std::cerr << "hybrid-serve: loading " << modelDir << " (" << load.device << ")\n";

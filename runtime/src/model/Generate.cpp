@@ -56,6 +56,8 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
 
   const bool speculate = options.draftTokens > 0 && options.useCaches;
   std::unique_ptr<DraftSource> drafts;
+  if (speculate && options.draftSource == DraftSourceKind::Replay)
+    return Status::error(std::string(kReplayNeedsReference));
   if (speculate) {
     HYBRID_ASSIGN_OR_RETURN(drafts, makeDraftSource(model, options.draftSource));
   }
@@ -219,15 +221,21 @@ struct ScheduledRun {
   SchedulerStats stats;
 };
 
-StatusOr<ScheduledRun> runScheduled(Model &model, const std::vector<std::vector<int64_t>> &prompts,
-                                    const SchedulerOptions &options, int64_t maxNewTokens) {
+// `continuations` (replay drafts): each prompt's tokens from a plain run, or null.
+StatusOr<ScheduledRun>
+runScheduled(Model &model, const std::vector<std::vector<int64_t>> &prompts,
+             const SchedulerOptions &options, int64_t maxNewTokens,
+             const std::vector<std::vector<int64_t>> *continuations = nullptr) {
   Scheduler scheduler(model, options);
   std::map<uint64_t, size_t> indexOf;
   for (size_t i = 0; i < prompts.size(); ++i) {
+    const std::span<const int64_t> continuation =
+        continuations ? std::span<const int64_t>((*continuations)[i]) : std::span<const int64_t>();
     HYBRID_ASSIGN_OR_RETURN(uint64_t id, scheduler.submit({.prompt = prompts[i],
                                                            .maxNewTokens = maxNewTokens,
                                                            .stopTokens = {},
-                                                           .sampling = {}}));
+                                                           .sampling = {}},
+                                                          continuation));
     indexOf[id] = i;
   }
   ScheduledRun run;
@@ -274,8 +282,12 @@ StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
   speculative.draftTokens = options.draftTokens;
   speculative.draftSource = options.draftSource;
   speculative.draftOnlyWhenItPays = options.draftOnlyWhenItPays;
+  speculative.replay = options.replay;
+  // Replay drafts what the plain run just generated for each request.
+  const bool replay = options.draftSource == DraftSourceKind::Replay;
   HYBRID_ASSIGN_OR_RETURN(ScheduledRun drafted,
-                          runScheduled(model, prompts, speculative, options.maxNewTokens));
+                          runScheduled(model, prompts, speculative, options.maxNewTokens,
+                                       replay ? &reference.tokens : nullptr));
   SpeculationReport report;
   report.prompts = static_cast<int64_t>(prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {

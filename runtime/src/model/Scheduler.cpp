@@ -16,6 +16,8 @@ struct Scheduler::Active {
   int64_t fed = 0;         // context tokens the sequence has consumed
   int64_t draftLength = 0; // speculative decoding: this request's current draft length
   double acceptedPerPass = -1; // running mean of its accepted drafts per pass (-1: none yet)
+  // Replay drafts: the prompt, then a plain run's generated tokens (empty for other sources).
+  std::vector<int64_t> replayReference;
 
   int64_t generated() const {
     return static_cast<int64_t>(context.size() - request.prompt.size());
@@ -26,14 +28,19 @@ Scheduler::Scheduler(Model &model, SchedulerOptions options)
     : model_(model), options_(options) {
   options_.prefillChunkTokens = std::max<int64_t>(1, options_.prefillChunkTokens);
   if (options_.draftTokens > 0)
-    drafts_ = makeDraftSource(model_, options_.draftSource);
+    drafts_ = makeDraftSource(model_, options_.draftSource, options_.replay);
 }
 
 Scheduler::~Scheduler() = default;
 
-StatusOr<uint64_t> Scheduler::submit(GenerationRequest request) {
+StatusOr<uint64_t> Scheduler::submit(GenerationRequest request,
+                                     std::span<const int64_t> replayContinuation) {
   if (!drafts_)
     return drafts_.status();
+  const bool replay = options_.draftTokens > 0 && options_.draftSource == DraftSourceKind::Replay;
+  if (replay && samplingIsGreedy(request.sampling) && replayContinuation.empty())
+    return Status::error("request: no replayContinuation: " +
+                         std::string(kReplayNeedsReference));
   if (request.prompt.empty())
     return Status::error("request: the prompt is empty");
   if (request.maxNewTokens < 1)
@@ -63,6 +70,11 @@ StatusOr<uint64_t> Scheduler::submit(GenerationRequest request) {
   active->id = nextId_++;
   active->context = request.prompt;
   active->draftLength = options_.draftTokens;
+  if (replay) {
+    active->replayReference = request.prompt;
+    active->replayReference.insert(active->replayReference.end(), replayContinuation.begin(),
+                                   replayContinuation.end());
+  }
   active->request = std::move(request);
   waiting_.push_back(std::move(active));
   return waiting_.back()->id;
@@ -191,8 +203,9 @@ void Scheduler::planOwnStep(Active &active, Outcome &outcome, OwnStep &work, boo
   } else if (speculates(active) && draftingPays(active)) {
     const auto start = std::chrono::steady_clock::now();
     const int64_t room = active.request.maxNewTokens - active.generated();
-    StatusOr<std::vector<int64_t>> proposed = (*drafts_)->propose(
-        *active.sequence, active.context, std::min(active.draftLength, room - 1));
+    StatusOr<std::vector<int64_t>> proposed = (*drafts_)->proposeFromReference(
+        *active.sequence, active.context, std::min(active.draftLength, room - 1),
+        active.replayReference);
     if (!proposed) {
       outcome.logits = proposed.status();
       outcome.mayPreempt = false;

@@ -8,6 +8,14 @@
 //                  num_nextn_predict_layers; docs/mtp.md): one MTP step per draft token, the
 //                  first from the main model's final hidden state, the next ones chained on the
 //                  MTP's own. Needs a plan with an `mtp` program.
+//   replay         benchmark only (hybrid-bench spec): the tokens a plain greedy run of the same
+//                  request generated at the drafted positions, each replaced by a wrong token
+//                  with probability 1 - ReplayOptions::acceptance (seeded, deterministic). It
+//                  measures the verification and rollback machinery's upper bound with a draft
+//                  that is right as often as asked, not a draft model's quality. It needs each
+//                  request's reference run (proposeFromReference; Scheduler::submit's
+//                  replayContinuation), so generation (generateGreedy, hybrid-run, hybrid-serve)
+//                  refuses it.
 //
 //   auto source = makeDraftSource(model, DraftSourceKind::Mtp);
 //   (*source)->attach(*sequence);                 // before the sequence's first prefill
@@ -26,11 +34,26 @@
 
 namespace hybrid {
 
-enum class DraftSourceKind { PromptLookup, Mtp };
+enum class DraftSourceKind { PromptLookup, Mtp, Replay };
 
-// "prompt-lookup" or "mtp"; anything else is an error listing both.
+// "prompt-lookup", "mtp" or "replay"; anything else is an error listing them.
 StatusOr<DraftSourceKind> parseDraftSource(std::string_view name);
 std::string_view draftSourceName(DraftSourceKind kind);
+
+// The replay source's emulated acceptance: each draft token is the reference run's with
+// probability `acceptance` (in [0, 1]), else another token, drawn from (seed, the reference run,
+// the position), so the same position gets the same choice in every pass and every run.
+struct ReplayOptions {
+  double acceptance = 1.0;
+  uint64_t seed = 0;
+};
+
+// Why generation refuses the replay source (the message of generateGreedy, hybrid-run and
+// hybrid-serve): it needs a reference run of the same request.
+inline constexpr std::string_view kReplayNeedsReference =
+    "draft source replay drafts the tokens a plain greedy run of the same request generated, a "
+    "benchmark of the verification machinery (hybrid-bench spec --draft-source replay); "
+    "generation has no such run: use prompt-lookup or mtp";
 
 class DraftSource {
 public:
@@ -44,9 +67,23 @@ public:
   virtual StatusOr<std::vector<int64_t>> propose(Sequence &sequence,
                                                  std::span<const int64_t> context,
                                                  int64_t maxTokens) = 0;
+  // propose() for a request that comes with a reference run: its prompt, then the tokens a
+  // plain greedy run of it generated (the Scheduler passes its replayContinuation). Only the
+  // replay source reads it, and needs it (its propose() fails with kReplayNeedsReference);
+  // the others propose() as without.
+  virtual StatusOr<std::vector<int64_t>> proposeFromReference(Sequence &sequence,
+                                                              std::span<const int64_t> context,
+                                                              int64_t maxTokens,
+                                                              std::span<const int64_t> reference) {
+    (void)reference;
+    return propose(sequence, context, maxTokens);
+  }
 };
 
-// The source of `kind` for `model`; Mtp fails, naming the plan, when it has no `mtp` program.
-StatusOr<std::unique_ptr<DraftSource>> makeDraftSource(Model &model, DraftSourceKind kind);
+// The source of `kind` for `model`; Mtp fails, naming the plan, when it has no `mtp` program;
+// Replay (with `replay`'s acceptance and seed) when the acceptance is outside [0, 1] or the
+// vocabulary has no wrong token to draft.
+StatusOr<std::unique_ptr<DraftSource>> makeDraftSource(Model &model, DraftSourceKind kind,
+                                                       const ReplayOptions &replay = {});
 
 } // namespace hybrid

@@ -46,6 +46,7 @@ struct GenerationOptions {
   // `draftSource` (Draft.h). The draft length adapts to the acceptance: one longer after a fully
   // accepted draft, one shorter when less than half was accepted. Greedy outputs do not change.
   int64_t draftTokens = 0;
+  // Replay is refused (kReplayNeedsReference): generation has no reference run to replay.
   DraftSourceKind draftSource = DraftSourceKind::PromptLookup;
   // How generate() chooses tokens (greedy by default); the n-th generated token's uniform is
   // samplingUniform(seed, n). Drafts are verified greedily, so sampled runs ignore draftTokens.
@@ -58,13 +59,16 @@ struct GenerationOptions {
 // after every prompt was prefilled), the drafts' acceptance, and the memory a rollback keeps per
 // sequence: the recurrent state's pre-verification snapshot, the logged KDA inputs of one pass
 // (draftTokens + 1 rows, replayed for the accepted prefix), and the KV pages a pass can append
-// past the kept tokens (truncated, not copied).
+// past the kept tokens (truncated, not copied). With the replay source each request drafts what
+// the plain run generated for it (Draft.h), right with probability replay.acceptance: the
+// machinery's speedup where a draft is that good, not any draft model's.
 struct SpeculationOptions {
   int64_t maxNewTokens = 32;
   int64_t draftTokens = 4;
   DraftSourceKind draftSource = DraftSourceKind::PromptLookup;
   bool draftOnlyWhenItPays = true; // SchedulerOptions::draftOnlyWhenItPays
   int64_t prefillChunkTokens = 8192;
+  ReplayOptions replay = {}; // draftSource Replay only
 };
 struct SpeculationReport {
   int64_t prompts = 0;

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,9 @@ struct SchedulerOptions {
   // source the model cannot serve (mtp without an `mtp` program) makes submit() refuse.
   int64_t draftTokens = 0;
   DraftSourceKind draftSource = DraftSourceKind::PromptLookup;
+  // The replay source's acceptance and seed (benchmark only: hybrid-bench spec; each request
+  // then needs its reference run, Scheduler::submit's replayContinuation).
+  ReplayOptions replay = {};
   // Speculate only where it pays: a request verifies its drafts (one pass of its own) only while
   // its expected tokens per pass (1 + its running mean of accepted drafts) over the measured
   // seconds of a pass beat a plain decode row's rate (a batched decode step's seconds over its
@@ -100,7 +104,11 @@ public:
   // Queues a request; its id names its events. Refuses (with the reason) an empty prompt, a token
   // outside the vocabulary, maxNewTokens < 1, sampling parameters out of range (naming the
   // field), and a prompt plus maxNewTokens past the model's context or past the whole KV cache.
-  StatusOr<uint64_t> submit(GenerationRequest request);
+  // `replayContinuation` (benchmark only: the replay draft source, Draft.h) is what a plain
+  // greedy run of the same request generated; a greedy request is refused without one when the
+  // scheduler drafts from replay, and other sources ignore it.
+  StatusOr<uint64_t> submit(GenerationRequest request,
+                            std::span<const int64_t> replayContinuation = {});
   // Admits waiting requests in arrival order while a sequence and the pages for their prompt are
   // free, then advances every running request by one prefill chunk or one decode step. Returns
   // this step's events, in the order the requests were admitted.

@@ -1,0 +1,175 @@
+// The replay draft source (benchmark only, Draft.h): hybrid-bench spec drafts, for each request,
+// what the plain greedy run generated, with a fraction 1 - acceptance of the draft tokens made
+// wrong. On kimi_linear_tiny (the batch-4 plan, as e2e-bench-spec): with every draft right each
+// pass yields its whole draft and outputs stay identical, with none right nothing is accepted,
+// and generation outside the benchmark refuses it by name.
+#include "E2eTestSupport.h"
+
+#include "hybrid/runtime/Draft.h"
+#include "hybrid/runtime/Generate.h"
+#include "hybrid/runtime/Scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace hybrid {
+namespace {
+
+using e2etest::compiledDir;
+using e2etest::loadOrDie;
+
+// Random prompts: prompt lookup finds nothing to draft in them, replay drafts anyway.
+std::vector<std::vector<int64_t>> randomPrompts(int64_t vocab, int64_t count, int64_t length) {
+  std::mt19937_64 random(99);
+  std::uniform_int_distribution<int64_t> token(0, vocab - 1);
+  std::vector<std::vector<int64_t>> prompts(static_cast<size_t>(count));
+  for (std::vector<int64_t> &prompt : prompts)
+    for (int64_t i = 0; i < length; ++i)
+      prompt.push_back(token(random));
+  return prompts;
+}
+
+SpeculationOptions replayOptions(int64_t maxNewTokens, double acceptance) {
+  return {.maxNewTokens = maxNewTokens,
+          .draftTokens = 3,
+          .draftSource = DraftSourceKind::Replay,
+          .draftOnlyWhenItPays = false, // every step drafts: counts independent of timing
+          .prefillChunkTokens = 8192,
+          .replay = {.acceptance = acceptance, .seed = 7}};
+}
+
+TEST(ReplayDrafts, FullAcceptanceYieldsWholeDraftsWithIdenticalOutputs) {
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny-batch4"));
+  ASSERT_TRUE(model);
+  for (int64_t batch : {1, 3}) {
+    const auto prompts = randomPrompts(model->vocabSize(), batch, 24);
+    auto report = benchmarkSpeculation(*model, prompts, replayOptions(12, 1.0));
+    ASSERT_TRUE(report.isOk()) << report.status().message();
+    EXPECT_TRUE(report->identical) << "batch " << batch;
+    EXPECT_EQ(report->generatedTokens, 12 * batch);
+    // Per request: the first token from the prefill, then passes of 3 drafts + 1 (4, 4) and a
+    // last one with room for 3 (2 drafts + 1), every draft accepted.
+    EXPECT_EQ(report->verifySteps, 3 * batch) << "batch " << batch;
+    EXPECT_EQ(report->draftedTokens, 8 * batch) << "batch " << batch;
+    EXPECT_EQ(report->acceptedTokens, report->draftedTokens) << "batch " << batch;
+    const double tokensPerPass = double(report->acceptedTokens + report->verifySteps) /
+                                 double(report->verifySteps);
+    EXPECT_GT(tokensPerPass, 1.0);
+    EXPECT_DOUBLE_EQ(tokensPerPass, 11.0 / 3.0);
+    if (batch > 1) { // the scheduler verified several requests' drafts per pass
+      EXPECT_LT(report->verifyCalls, report->verifySteps);
+    }
+  }
+}
+
+TEST(ReplayDrafts, ZeroAcceptanceAcceptsNothing) {
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny-batch4"));
+  ASSERT_TRUE(model);
+  const auto prompts = randomPrompts(model->vocabSize(), 3, 24);
+  auto report = benchmarkSpeculation(*model, prompts, replayOptions(8, 0.0));
+  ASSERT_TRUE(report.isOk()) << report.status().message();
+  EXPECT_TRUE(report->identical);
+  EXPECT_GT(report->draftedTokens, 0);
+  EXPECT_EQ(report->acceptedTokens, 0);
+  // Every pass yields only the model's own token: 7 per request after the prefill's.
+  EXPECT_EQ(report->verifySteps, 3 * 7);
+}
+
+TEST(ReplayDrafts, PartialAcceptanceKeepsOutputs) {
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny-batch4"));
+  ASSERT_TRUE(model);
+  const auto prompts = randomPrompts(model->vocabSize(), 3, 24);
+  auto report = benchmarkSpeculation(*model, prompts, replayOptions(24, 0.5));
+  ASSERT_TRUE(report.isOk()) << report.status().message();
+  EXPECT_TRUE(report->identical);
+  EXPECT_GT(report->acceptedTokens, 0);
+  EXPECT_LT(report->acceptedTokens, report->draftedTokens);
+}
+
+// The source itself: the reference's tokens at the next positions, fewer near its end, none
+// past it; at acceptance 0 every token differs from the reference's, the same in every call.
+TEST(ReplayDrafts, SourceDraftsTheReferenceRun) {
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"));
+  ASSERT_TRUE(model);
+  auto sequence = model->newSequence();
+  ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
+  const std::vector<int64_t> reference = randomPrompts(model->vocabSize(), 1, 20)[0];
+  const std::span<const int64_t> context = std::span(reference).first(12);
+
+  auto right = makeDraftSource(*model, DraftSourceKind::Replay, {.acceptance = 1.0, .seed = 3});
+  ASSERT_TRUE(right.isOk()) << right.status().message();
+  EXPECT_EQ((*right)->kind(), DraftSourceKind::Replay);
+  auto draft = (*right)->proposeFromReference(**sequence, context, 4, reference);
+  ASSERT_TRUE(draft.isOk()) << draft.status().message();
+  EXPECT_EQ(*draft, std::vector<int64_t>(reference.begin() + 12, reference.begin() + 16));
+  auto tail = (*right)->proposeFromReference(**sequence, std::span(reference).first(18), 4,
+                                             reference);
+  ASSERT_TRUE(tail.isOk());
+  EXPECT_EQ(*tail, std::vector<int64_t>(reference.begin() + 18, reference.end()));
+  auto past = (*right)->proposeFromReference(**sequence, reference, 4, reference);
+  ASSERT_TRUE(past.isOk());
+  EXPECT_TRUE(past->empty());
+
+  auto wrong = makeDraftSource(*model, DraftSourceKind::Replay, {.acceptance = 0.0, .seed = 3});
+  ASSERT_TRUE(wrong.isOk()) << wrong.status().message();
+  auto bad = (*wrong)->proposeFromReference(**sequence, context, 8, reference);
+  ASSERT_TRUE(bad.isOk()) << bad.status().message();
+  ASSERT_EQ(bad->size(), 8u);
+  for (size_t i = 0; i < bad->size(); ++i) {
+    EXPECT_NE((*bad)[i], reference[12 + i]) << "draft token " << i;
+    EXPECT_GE((*bad)[i], 0);
+    EXPECT_LT((*bad)[i], model->vocabSize());
+  }
+  auto again = (*wrong)->proposeFromReference(**sequence, context, 8, reference);
+  ASSERT_TRUE(again.isOk());
+  EXPECT_EQ(*again, *bad);
+
+  // Without a reference run there is nothing to replay.
+  auto none = (*right)->propose(**sequence, context, 4);
+  ASSERT_FALSE(none.isOk());
+  EXPECT_NE(none.status().message().find("draft source replay"), std::string::npos)
+      << none.status().message();
+}
+
+TEST(ReplayDrafts, RefusedOutsideTheBenchmark) {
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"));
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = randomPrompts(model->vocabSize(), 1, 8)[0];
+
+  GenerationOptions generation;
+  generation.maxNewTokens = 4;
+  generation.draftTokens = 2;
+  generation.draftSource = DraftSourceKind::Replay;
+  auto generated = generateGreedy(*model, prompt, generation);
+  ASSERT_FALSE(generated.isOk());
+  EXPECT_NE(generated.status().message().find("draft source replay"), std::string::npos)
+      << generated.status().message();
+
+  SchedulerOptions options;
+  options.draftTokens = 2;
+  options.draftSource = DraftSourceKind::Replay;
+  Scheduler scheduler(*model, options);
+  auto refused = scheduler.submit(
+      {.prompt = prompt, .maxNewTokens = 4, .stopTokens = {}, .sampling = {}});
+  ASSERT_FALSE(refused.isOk());
+  EXPECT_NE(refused.status().message().find("no replayContinuation"), std::string::npos)
+      << refused.status().message();
+  const std::vector<int64_t> continuation = {1, 2, 3, 4};
+  EXPECT_TRUE(scheduler
+                  .submit({.prompt = prompt, .maxNewTokens = 4, .stopTokens = {}, .sampling = {}},
+                          continuation)
+                  .isOk());
+
+  for (double acceptance : {-0.1, 1.5}) {
+    auto source = makeDraftSource(*model, DraftSourceKind::Replay, {.acceptance = acceptance});
+    ASSERT_FALSE(source.isOk());
+    EXPECT_NE(source.status().message().find("outside [0, 1]"), std::string::npos)
+        << source.status().message();
+  }
+  EXPECT_EQ(*parseDraftSource("replay"), DraftSourceKind::Replay);
+  EXPECT_EQ(draftSourceName(DraftSourceKind::Replay), "replay");
+}
+
+} // namespace
+} // namespace hybrid
