@@ -155,6 +155,49 @@ TEST(SyntheticWeights, WindowedFillIsTheWholeTensorsSlice) {
   EXPECT_EQ(tiledBytes, expected);
 }
 
+// The device's 32-bit index path (syntheticLogicalIndexIn<uint32_t>, taken where
+// syntheticIndexFits32) gives every stored element the 64-bit path's source index; fills past
+// 2^32 are refused it.
+TEST(SyntheticWeights, NarrowIndexPathEqualsTheWideOne) {
+  SyntheticFill rowMajor = fillOf(SyntheticKind::Normal, SyntheticStorage::BF16, 1.0f, 0.0f, 70, 100);
+  SyntheticFill window = rowMajor; // columns [40, 90) of a 100-wide tensor
+  window.cols = 50;
+  window.sourceRowStride = 100;
+  window.sourceOffset = 40;
+  window.storedElements = 70 * 50;
+  SyntheticFill tiled = rowMajor; // 16 x 32 tiles, padding on both edges
+  tiled.tileRows = 16;
+  tiled.tileCols = 32;
+  tiled.storedElements = 80 * 128;
+  SyntheticFill tiledWindow = window;
+  tiledWindow.tileRows = 16;
+  tiledWindow.tileCols = 32;
+  tiledWindow.storedElements = 80 * 64;
+  SyntheticFill rowsSlice = rowMajor; // rows [10, 80) of a taller tensor
+  rowsSlice.sourceOffset = 10 * 100;
+  for (const SyntheticFill &fill : {rowMajor, window, tiled, tiledWindow, rowsSlice}) {
+    ASSERT_TRUE(syntheticIndexFits32(fill));
+    for (int64_t stored = 0; stored < fill.storedElements; ++stored)
+      ASSERT_EQ(syntheticLogicalIndexIn<uint32_t>(fill, uint32_t(stored)),
+                syntheticLogicalIndex(fill, stored))
+          << "stored element " << stored << " of a " << fill.rows << " x " << fill.cols
+          << " fill (tiles " << fill.tileRows << " x " << fill.tileCols << ")";
+  }
+  // Kimi-Linear-48B's lm_head, tiled: 163840 x 2304 fits; a 70000 x 70000 matrix, or a window
+  // whose source index passes 2^32, does not.
+  SyntheticFill head = fillOf(SyntheticKind::Normal, SyntheticStorage::BF16, 1.0f, 0.0f, 163840, 2304);
+  head.tileRows = 64;
+  head.tileCols = 64;
+  EXPECT_TRUE(syntheticIndexFits32(head));
+  EXPECT_EQ(syntheticLogicalIndexIn<uint32_t>(head, uint32_t(head.storedElements - 1)),
+            syntheticLogicalIndex(head, head.storedElements - 1));
+  SyntheticFill huge = fillOf(SyntheticKind::Normal, SyntheticStorage::BF16, 1.0f, 0.0f, 70000, 70000);
+  EXPECT_FALSE(syntheticIndexFits32(huge));
+  SyntheticFill farWindow = rowMajor;
+  farWindow.sourceOffset = int64_t(1) << 32;
+  EXPECT_FALSE(syntheticIndexFits32(farWindow));
+}
+
 TEST(SyntheticWeights, Fp8CodesUseTheRangeWithoutSaturating) {
   // The compiler's FP8 parameters: codes of N(0, 1) * 128 (synth::syntheticValuesFor).
   const SyntheticFill fill = fillOf(SyntheticKind::Normal, SyntheticStorage::F8E4M3,

@@ -13,11 +13,11 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <SyntheticStorage Storage>
+template <SyntheticStorage Storage, typename Index>
 __global__ void syntheticFillKernel(SyntheticFill fill, void *out) {
   for (int64_t stored = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
        stored < fill.storedElements; stored += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t element = syntheticLogicalIndex(fill, stored);
+    const int64_t element = syntheticLogicalIndexIn<Index>(fill, Index(stored));
     const float value = element < 0 ? 0.0f : syntheticValue(fill, element);
     if constexpr (Storage == SyntheticStorage::F32)
       static_cast<float *>(out)[stored] = value;
@@ -46,15 +46,25 @@ int launchSyntheticFill(const SyntheticFill &fill, void *out, void *stream) {
   const auto blocks = unsigned(std::clamp<int64_t>((fill.storedElements + kThreads - 1) / kThreads,
                                                    1, int64_t(sms) * 16));
   auto s = static_cast<cudaStream_t>(stream);
+  const bool narrow = syntheticIndexFits32(fill);
+  auto launch = [&](auto kernel32, auto kernel64) {
+    if (narrow)
+      kernel32<<<blocks, kThreads, 0, s>>>(fill, out);
+    else
+      kernel64<<<blocks, kThreads, 0, s>>>(fill, out);
+  };
   switch (fill.storage) {
   case SyntheticStorage::F32:
-    syntheticFillKernel<SyntheticStorage::F32><<<blocks, kThreads, 0, s>>>(fill, out);
+    launch(syntheticFillKernel<SyntheticStorage::F32, uint32_t>,
+           syntheticFillKernel<SyntheticStorage::F32, int64_t>);
     break;
   case SyntheticStorage::BF16:
-    syntheticFillKernel<SyntheticStorage::BF16><<<blocks, kThreads, 0, s>>>(fill, out);
+    launch(syntheticFillKernel<SyntheticStorage::BF16, uint32_t>,
+           syntheticFillKernel<SyntheticStorage::BF16, int64_t>);
     break;
   case SyntheticStorage::F8E4M3:
-    syntheticFillKernel<SyntheticStorage::F8E4M3><<<blocks, kThreads, 0, s>>>(fill, out);
+    launch(syntheticFillKernel<SyntheticStorage::F8E4M3, uint32_t>,
+           syntheticFillKernel<SyntheticStorage::F8E4M3, int64_t>);
     break;
   default:
     return cudaErrorInvalidValue;

@@ -70,20 +70,44 @@ HYBRID_HOST_DEVICE inline uint64_t splitMix64At(uint64_t key, uint64_t position)
   return z ^ (z >> 31);
 }
 
-// The index in the seeded tensor's stream of stored element `stored`, or -1 for tile padding.
-HYBRID_HOST_DEVICE inline int64_t syntheticLogicalIndex(const SyntheticFill &fill, int64_t stored) {
-  const int64_t stride = fill.sourceRowStride == 0 ? fill.cols : fill.sourceRowStride;
+// The index in the seeded tensor's stream of stored element `stored`, or -1 for tile padding,
+// computed in the integer type `Index`: int64_t always holds it; uint32_t where
+// syntheticIndexFits32, which the device takes because it emulates 64-bit division in about a
+// hundred instructions (a tiled weight divides four times per element).
+template <typename Index>
+HYBRID_HOST_DEVICE inline int64_t syntheticLogicalIndexIn(const SyntheticFill &fill, Index stored) {
+  const Index cols = Index(fill.cols), offset = Index(fill.sourceOffset);
+  const Index stride = fill.sourceRowStride == 0 ? cols : Index(fill.sourceRowStride);
   if (fill.tileRows == 0) {
-    if (stride == fill.cols) // rows consecutive in the source: no division
-      return stored + fill.sourceOffset;
-    return (stored / fill.cols) * stride + fill.sourceOffset + stored % fill.cols;
+    if (stride == cols) // rows consecutive in the source: no division
+      return int64_t(stored + offset);
+    return int64_t((stored / cols) * stride + offset + stored % cols);
   }
-  const int64_t tileElements = fill.tileRows * fill.tileCols;
-  const int64_t tilesPerPanel = (fill.cols + fill.tileCols - 1) / fill.tileCols;
-  const int64_t tile = stored / tileElements, within = stored % tileElements;
-  const int64_t row = (tile / tilesPerPanel) * fill.tileRows + within / fill.tileCols;
-  const int64_t col = (tile % tilesPerPanel) * fill.tileCols + within % fill.tileCols;
-  return row < fill.rows && col < fill.cols ? row * stride + fill.sourceOffset + col : -1;
+  const Index tileRows = Index(fill.tileRows), tileCols = Index(fill.tileCols);
+  const Index tileElements = tileRows * tileCols;
+  const Index tilesPerPanel = (cols + tileCols - 1) / tileCols;
+  const Index tile = stored / tileElements, within = stored % tileElements;
+  const Index row = (tile / tilesPerPanel) * tileRows + within / tileCols;
+  const Index col = (tile % tilesPerPanel) * tileCols + within % tileCols;
+  return row < Index(fill.rows) && col < cols ? int64_t(row * stride + offset + col) : -1;
+}
+
+HYBRID_HOST_DEVICE inline int64_t syntheticLogicalIndex(const SyntheticFill &fill, int64_t stored) {
+  return syntheticLogicalIndexIn<int64_t>(fill, stored);
+}
+
+// Whether every quantity of syntheticLogicalIndexIn<uint32_t> stays below 2^32 for `fill`: the
+// stored extent and the largest source index (padded rows included, before the padding test).
+HYBRID_HOST_DEVICE inline bool syntheticIndexFits32(const SyntheticFill &fill) {
+  const int64_t stride = fill.sourceRowStride == 0 ? fill.cols : fill.sourceRowStride;
+  const int64_t paddedRows =
+      fill.tileRows == 0 ? fill.rows : (fill.rows + fill.tileRows - 1) / fill.tileRows * fill.tileRows;
+  const int64_t paddedCols =
+      fill.tileCols == 0 ? fill.cols : (fill.cols + fill.tileCols - 1) / fill.tileCols * fill.tileCols;
+  constexpr int64_t kLimit = int64_t(1) << 32;
+  return fill.storedElements < kLimit && fill.rows >= 0 && fill.cols >= 0 && stride >= 0 &&
+         fill.sourceOffset >= 0 && paddedRows * (stride > paddedCols ? stride : paddedCols) +
+                                           fill.sourceOffset + paddedCols < kLimit;
 }
 
 // The fp32 value of logical element `element` (before rounding to the storage type).
