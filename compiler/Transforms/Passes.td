@@ -45,8 +45,11 @@ def Shard : Pass<"hybrid-shard", "mlir::ModuleOp"> {
     others' weights are absent, and an `all_reduce_sum` over the expert group combines the
     routed outputs (tokens are replicated, so dispatching them is free). Weights a rank reads
     become its slices (`slice = [axis, begin]`, the packer cuts them from the checkpoint), the
-    rest leave its plan, and its archive is laid out again. Heads or intermediate rows that do
-    not split over the ranks are an error naming the layer.
+    rest leave its plan, and its archive is laid out again. A block-quantized weight (FP8 with
+    128x128 `weight_scale_inv` blocks) is cut at whole blocks and its scale grid by the same
+    blocks; a cut inside a block is an error naming the weight and the tp values that would
+    keep every block whole. Heads or intermediate rows that do not split over the ranks are an
+    error naming the layer.
     Context parallelism (`cp`; world rank = context rank x tp + tensor rank): the prefill's
     values hold this rank's zigzag share of the step (`rows = "context_shard"`: chunks i and
     2 cp - 1 - i of 2 cp). An `all_gather_rows` over the context group gives each MLA layer the

@@ -10,6 +10,8 @@
 #include "llvm/ADT/SetVector.h"
 
 #include <map>
+#include <optional>
+#include <string>
 
 namespace hybrid {
 #define GEN_PASS_DEF_SHARD
@@ -32,6 +34,40 @@ struct Slice {
   bool operator==(const Slice &other) const {
     return axis == other.axis && begin == other.begin && size == other.size;
   }
+};
+
+// How a layer divides an axis among the tensor ranks: `units` groups (heads, or an MLP's
+// intermediate rows) of `unitSize` entries, split by the head rule (a tp dividing the heads, or
+// a multiple of them: one head per rank) or, for an MLP, by any tp dividing the rows. Kept for
+// every slice so that a refused split can name the tp values that would work.
+struct SplitRule {
+  int64_t units = 0, unitSize = 1;
+  bool headCopies = false;
+};
+
+// A slice of a weight along one axis under a rule, with the block its scales cover along that
+// axis (1 for a weight without block scales).
+struct RecordedSplit {
+  SplitRule rule;
+  int64_t block = 1, full = 0;
+};
+
+// The entries a rank holds along the axis at tensor-parallel size `tp`, or none when the rule
+// cannot split over tp ranks.
+std::optional<int64_t> partEntries(const SplitRule &rule, int64_t tp) {
+  if (rule.units % tp == 0)
+    return rule.units / tp * rule.unitSize;
+  if (rule.headCopies && tp % rule.units == 0)
+    return rule.unitSize;
+  return std::nullopt;
+}
+
+// A block-quantized weight's slice whose boundary falls inside one of its scale blocks.
+struct MisalignedSlice {
+  plan::DispatchOp dispatch;
+  int32_t weight = -1;
+  Slice slice;
+  int64_t block = 0;
 };
 
 // The heads a rank runs, [first, first + count), and whether its partial output joins the sum.
@@ -66,6 +102,8 @@ public:
       if (cp_ > 1 && program.getName() == "prefill")
         shardContext(program);
     }
+    if (misaligned_)
+      return refuseMisaligned();
     if (failed(resizeStateLayers()))
       return failure();
     return rewriteWeights();
@@ -86,25 +124,93 @@ private:
 
   // Records that weight `index` is read as `slice` (the same weight read by the prefill and the
   // decode program must be cut the same way).
-  LogicalResult addSlice(plan::DispatchOp dispatch, int32_t index, Slice slice) {
+  // A block-quantized weight (FP8 with `weight_scale_inv`) is cut at whole blocks and its scale
+  // grid by the same blocks; a cut inside a block is recorded and refused once the whole plan is
+  // seen (the refusal names the tp values that would keep every block whole).
+  LogicalResult addSlice(plan::DispatchOp dispatch, int32_t index, Slice slice, SplitRule rule) {
     if (index < 0)
       return success();
     if (index >= static_cast<int32_t>(weights_.size()))
       return dispatch.emitOpError() << "reads weight " << index << " of " << weights_.size();
-    auto type = cast<RankedTensorType>(weights_[index].getType());
+    plan::WeightOp weight = weights_[index];
+    auto type = cast<RankedTensorType>(weight.getType());
     if (slice.axis >= type.getRank() || slice.begin + slice.size > type.getDimSize(slice.axis))
       return dispatch.emitOpError()
-             << "layer " << layerOf(dispatch) << ": weight '" << weights_[index].getName()
+             << "layer " << layerOf(dispatch) << ": weight '" << weight.getName()
              << "' " << type << " has no entries [" << slice.begin << ", "
              << slice.begin + slice.size << ") along axis " << slice.axis;
-    if (slice.size == type.getDimSize(slice.axis))
+    const int64_t full = type.getDimSize(slice.axis);
+    int64_t block = 1;
+    if (scaleOf(weight) >= 0) {
+      std::optional<ArrayRef<int32_t>> blocks = weight.getBlock();
+      if (!blocks || static_cast<int64_t>(blocks->size()) != type.getRank() ||
+          (*blocks)[slice.axis] <= 0)
+        return dispatch.emitOpError() << "layer " << layerOf(dispatch) << ": weight '"
+                                      << weight.getName() << "' " << type
+                                      << " has block scales but no block along axis "
+                                      << slice.axis;
+      block = (*blocks)[slice.axis];
+    }
+    splits_.push_back({rule, block, full});
+    if (slice.size == full)
       return success(); // the whole axis: nothing to cut
     sliceReaders_.insert({dispatch.getOperation(), index});
     auto [it, inserted] = slices_.insert({index, slice});
     if (!inserted && !(it->second == slice))
-      return dispatch.emitOpError() << "weight '" << weights_[index].getName()
+      return dispatch.emitOpError() << "weight '" << weight.getName()
+                                    << "' is read as two different slices";
+    if (block == 1)
+      return success();
+    const int64_t end = slice.begin + slice.size;
+    if (slice.begin % block != 0 || (end % block != 0 && end != full)) {
+      if (!misaligned_)
+        misaligned_ = MisalignedSlice{dispatch, index, slice, block};
+      return success();
+    }
+    // The scales of the blocks the slice holds: the same axis, in blocks (the last one may be
+    // a partial block of the tensor, as in the checkpoint).
+    const int32_t scale = scaleOf(weight);
+    if (scale >= static_cast<int32_t>(weights_.size()))
+      return dispatch.emitOpError() << "weight '" << weight.getName() << "' has scale weight "
+                                    << scale << " of " << weights_.size();
+    const Slice scaleSlice{slice.axis, slice.begin / block,
+                           (end + block - 1) / block - slice.begin / block};
+    auto [scaleIt, scaleInserted] = slices_.insert({scale, scaleSlice});
+    if (!scaleInserted && !(scaleIt->second == scaleSlice))
+      return dispatch.emitOpError() << "scale weight '" << weights_[scale].getName()
                                     << "' is read as two different slices";
     return success();
+  }
+
+  // The refusal of a cut inside a scale block, with the tensor-parallel sizes that would split
+  // every layer and cut every block-quantized weight at whole blocks.
+  LogicalResult refuseMisaligned() {
+    MisalignedSlice bad = *misaligned_;
+    plan::WeightOp weight = weights_[bad.weight];
+    int64_t largest = 1;
+    for (const RecordedSplit &split : splits_)
+      largest = std::max(largest, split.rule.units);
+    std::string working;
+    for (int64_t tp = 1; tp <= std::min<int64_t>(largest, 1 << 16); ++tp) {
+      const bool splitsWhole = llvm::all_of(splits_, [&](const RecordedSplit &split) {
+        std::optional<int64_t> part = partEntries(split.rule, tp);
+        return part && (*part % split.block == 0 || *part == split.full);
+      });
+      if (splitsWhole)
+        working += (working.empty() ? "" : ", ") + std::to_string(tp);
+    }
+    const char *what = bad.slice.axis == 0 ? "rows" : bad.slice.axis == 1 ? "columns" : "entries";
+    InFlightDiagnostic error = bad.dispatch.emitOpError();
+    error << "layer " << layerOf(bad.dispatch) << ": block-quantized weight '" << weight.getName()
+          << "' " << weight.getType() << " cannot be sliced for tp=" << tp_ << ": this rank's "
+          << what << " [" << bad.slice.begin << ", " << bad.slice.begin + bad.slice.size
+          << ") cut through its " << bad.block << "-entry scale blocks along axis "
+          << bad.slice.axis;
+    const int32_t scale = scaleOf(weight);
+    if (scale >= 0 && scale < static_cast<int32_t>(weights_.size()))
+      error << " ('" << weights_[scale].getName() << "')";
+    error << "; tp=" << working << " keep every block whole";
+    return error;
   }
 
   // The one axis of `index` whose size is `heads` x `unit` (per-head vectors such as A_log
@@ -146,9 +252,12 @@ private:
     const int64_t dv = intParam(dispatch, "v_head_dim");
     ArrayRef<int32_t> w = dispatch.getWeights();
     auto rows = [&](int64_t perHead) { return Slice{0, share->first * perHead, share->count * perHead}; };
-    if (failed(addSlice(dispatch, w[0], rows(qk))) || failed(addSlice(dispatch, w[1], rows(qk))) ||
-        failed(addSlice(dispatch, w[4], rows(kvb))) || failed(addSlice(dispatch, w[5], rows(dv))) ||
-        failed(addSlice(dispatch, w[6], Slice{1, share->first * dv, share->count * dv})))
+    auto byHead = [&](int64_t perHead) { return SplitRule{heads, perHead, true}; };
+    if (failed(addSlice(dispatch, w[0], rows(qk), byHead(qk))) ||
+        failed(addSlice(dispatch, w[1], rows(qk), byHead(qk))) ||
+        failed(addSlice(dispatch, w[4], rows(kvb), byHead(kvb))) ||
+        failed(addSlice(dispatch, w[5], rows(dv), byHead(dv))) ||
+        failed(addSlice(dispatch, w[6], Slice{1, share->first * dv, share->count * dv}, byHead(dv))))
       return failure();
     return setHeads(dispatch, share->count);
   }
@@ -170,16 +279,19 @@ private:
       return success();
     ArrayRef<int32_t> w = dispatch.getWeights();
     auto rows = [&](int64_t perHead) { return Slice{0, share->first * perHead, share->count * perHead}; };
+    auto byHead = [&](int64_t perHead) { return SplitRule{heads, perHead, true}; };
     for (int role : {0, 1, 2, 3, 4, 5, 7, 12, 13})
-      if (failed(addSlice(dispatch, w[role], rows(dim))))
+      if (failed(addSlice(dispatch, w[role], rows(dim), byHead(dim))))
         return failure();
-    if (failed(addSlice(dispatch, w[10], rows(1))) ||
-        failed(addSlice(dispatch, w[15], Slice{1, share->first * dim, share->count * dim})))
+    if (failed(addSlice(dispatch, w[10], rows(1), byHead(1))) ||
+        failed(addSlice(dispatch, w[15], Slice{1, share->first * dim, share->count * dim},
+                        byHead(dim))))
       return failure();
     for (auto [role, unit] : {std::pair{8, int64_t{1}}, {9, dim}}) { // A_log, dt_bias
       FailureOr<int64_t> axis = headAxis(dispatch, w[role], heads * unit);
       if (failed(axis) ||
-          failed(addSlice(dispatch, w[role], Slice{*axis, share->first * unit, share->count * unit})))
+          failed(addSlice(dispatch, w[role], Slice{*axis, share->first * unit, share->count * unit},
+                          byHead(unit))))
         return failure();
     }
     return setHeads(dispatch, share->count);
@@ -195,9 +307,10 @@ private:
                                     << width << " intermediate rows cannot be split over tp="
                                     << tp_ << " ranks";
     const int64_t part = width / tp_, begin = rank_ * part;
-    if (failed(addSlice(dispatch, w[0], Slice{0, begin, part})) ||
-        failed(addSlice(dispatch, w[1], Slice{0, begin, part})) ||
-        failed(addSlice(dispatch, w[2], Slice{1, begin, part})))
+    const SplitRule byRow{width, 1, false};
+    if (failed(addSlice(dispatch, w[0], Slice{0, begin, part}, byRow)) ||
+        failed(addSlice(dispatch, w[1], Slice{0, begin, part}, byRow)) ||
+        failed(addSlice(dispatch, w[2], Slice{1, begin, part}, byRow)))
       return failure();
     partials_.push_back({dispatch, true, "tensor_parallel"});
     return success();
@@ -521,10 +634,11 @@ private:
         weight.setScaleAttr(builder_.getI32IntegerAttr(renumber[scaleOf(weight)]));
       auto it = slices_.find(static_cast<int32_t>(index));
       if (it != slices_.end()) {
-        if (scaleOf(weight) >= 0 || weight.getNzTiled())
+        if (weight.getNzTiled())
           return weight.emitOpError()
-                 << "cannot be sliced for tp=" << tp_ << ": block-quantized and tiled weights "
-                 << "are not sharded yet (run --hybrid-shard before --hybrid-assign-weight-layout)";
+                 << "cannot be sliced for tp=" << tp_ << ": it is tiled already (run "
+                 << "--hybrid-shard before --hybrid-assign-weight-layout, which tiles each "
+                 << "rank's part)";
         auto type = cast<RankedTensorType>(weight.getType());
         SmallVector<int64_t> shape(type.getShape());
         shape[it->second.axis] = it->second.size;
@@ -551,7 +665,9 @@ private:
   int64_t tp_, ep_, cp_, rank_; // rank_: the tensor rank
   OpBuilder builder_;
   SmallVector<plan::WeightOp> weights_;
-  std::map<int32_t, Slice> slices_;
+  std::map<int32_t, Slice> slices_; // the weights this rank cuts, block scales included
+  SmallVector<RecordedSplit> splits_;  // every slice's rule, for naming the tp values that work
+  std::optional<MisalignedSlice> misaligned_; // the first cut inside a scale block
   llvm::DenseSet<std::pair<Operation *, int32_t>> sliceReaders_; // (dispatch, weight) cut reads
   std::map<int64_t, int64_t> stateHeads_; // state slot -> heads on this rank
   SmallVector<PartialOutput> partials_;

@@ -5,25 +5,31 @@
 #     the golden checkpoints (tests/data: kimi_linear_tiny, kimi_attnres_tiny, deepseek_v32_tiny)
 #     for cuda sm_90a, unsharded (OUT/<model>-cuda) and at tp=N, tp=N,ep=N and cp=N for each world
 #     size, and tp=2,cp=N/2 for even N >= 4 (OUT/<model>-cuda-tpN, -tpN-epN, -cpN, -tp2-cpM),
-#     unquantized; then OUT.tar.xz of them.
+#     unquantized; and a synthetic FP8 DeepSeek-V3.2 (hybrid-synth --preset
+#     deepseek-v32-shard-tiny --fp8: 128x128 block scales, widths whose tp=2 slices are whole
+#     blocks) unsharded and at tp=2, tp=2,ep=2 and cp=N (tp=2,cp=N/2 for even N >= 4; tp=4 would
+#     cut its blocks and is refused); then OUT.tar.xz of them.
 #   check-multi-gpu.sh run [OUT] [--world-sizes 2,4]       (there, on N GPUs)
 #     unpacks OUT.tar.xz when OUT is absent; per model: the unsharded plan on one GPU against the
-#     golden file (logits within 2e-3, the same 12 greedy ids), then every sharded plan as N
+#     golden file (logits within 2e-3, the same 12 greedy ids; the FP8 model has no golden file:
+#     its one-GPU run on a fixed 100-token prompt is the reference), then every sharded plan as N
 #     processes (launch-local.sh: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, NCCL)
 #     against that one-GPU run: prompt logits and hidden states within 2e-3 and the same 12 ids,
 #     with decode graphs and (tp=N) without. World sizes above the GPU count are skipped, named.
 #     Then hybrid_shard_cuda_tests on OUT when HYBRID_SHARD_TESTS names it.
-# OUT defaults to build-multi-gpu in the repository. Binaries: HYBRID_COMPILE, HYBRID_RUN
-# (default build/bin/...). Prints a table; exits 1 when any run fails or differs.
+# OUT defaults to build-multi-gpu in the repository. Binaries: HYBRID_COMPILE, HYBRID_SYNTH,
+# HYBRID_RUN (default build/bin/...). Prints a table; exits 1 when any run fails or differs.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 models=(kimi_linear_tiny kimi_attnres_tiny deepseek_v32_tiny)
+fp8_model=deepseek_v32_shard_tiny_fp8 # synthetic (hybrid-synth, seed 5), FP8 block-scaled
+fp8_prompt=$(for i in $(seq 0 99); do printf '%s' "$(((i * 53 + 7) % 256))"; [[ $i -lt 99 ]] && printf ,; done)
 tolerance=2e-3
 new_tokens=12
 
 half=${1:-}
 [[ $half == compile || $half == run ]] || {
-  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 shift
@@ -53,6 +59,16 @@ layouts() { # the sharded plan suffixes and their --shard values for world size 
     echo "tp2-cp$(($1 / 2)) tp=2,cp=$(($1 / 2))" # a communicator per group, split from the world
   fi
 }
+fp8_layouts() { # the FP8 model's: its 128x128 blocks split at tp=2 only
+  if (($1 == 2)); then
+    echo "tp2 tp=2"
+    echo "tp2-ep2 tp=2,ep=2"
+  fi
+  echo "cp$1 cp=$1"
+  if (($1 >= 4 && $1 % 2 == 0)); then
+    echo "tp2-cp$(($1 / 2)) tp=2,cp=$(($1 / 2))"
+  fi
+}
 
 if [[ $half == compile ]]; then
   compile=${HYBRID_COMPILE:-$root/build/bin/hybrid-compile}
@@ -67,6 +83,19 @@ if [[ $half == compile ]]; then
       done < <(layouts "$n")
     done
   done
+  synth=${HYBRID_SYNTH:-$root/build/bin/hybrid-synth}
+  [[ -x $synth ]] || { echo "check-multi-gpu.sh: no hybrid-synth at $synth (HYBRID_SYNTH)" >&2; exit 2; }
+  checkpoint=$out/$fp8_model-checkpoint
+  "$synth" --preset deepseek-v32-shard-tiny --fp8 --seed 5 --out "$checkpoint" --force > /dev/null ||
+    exit 1
+  args=("$checkpoint" --no-cache --quantization=none --device=cuda --arch=sm_90a --prefill-tokens 64)
+  "$compile" "${args[@]}" -o "$out/$fp8_model-cuda" > /dev/null || exit 1
+  for n in "${sizes[@]}"; do
+    while read -r suffix shard; do
+      "$compile" "${args[@]}" --shard="$shard" -o "$out/$fp8_model-cuda-$suffix" > /dev/null || exit 1
+    done < <(fp8_layouts "$n")
+  done
+  rm -rf "$checkpoint" # packed into the plans' archives
   find "$out" -name '*.source' -delete # the compile cache's notes: not needed to run
   tar -cJf "$out.tar.xz" -C "$(dirname "$out")" "$(basename "$out")" || exit 1
   echo "compiled into $out ($(du -sh "$out" | cut -f1)), packed as $out.tar.xz ($(du -h "$out.tar.xz" | cut -f1))"
@@ -105,13 +134,28 @@ record() {
 }
 
 common=(--device cuda --kda-prefill recurrent --max-new-tokens "$new_tokens" --tolerance "$tolerance")
-for model in "${models[@]}"; do
-  golden=$root/tests/data/$model/golden.safetensors
-  one_gpu=$out/$model-1gpu.safetensors
+# One model: MODEL INPUTS GOLDEN LAYOUTS; GOLDEN empty: the one-GPU run is only the reference.
+check_model() {
+  local model=$1 inputs=$2 golden=$3 layouts_of=$4 n suffix shard variant extra log
+  local one_gpu=$out/$model-1gpu.safetensors
   log=$logs/$model-1gpu.log
-  "$run" "$out/$model-cuda" "${common[@]}" --input-ids "$golden" --compare-with "$golden" \
-    --output "$one_gpu" --dump-hidden > "$log" 2>&1
-  record "$model 1 GPU vs golden" "$log" $?
+  if [[ -n $golden ]]; then
+    "$run" "$out/$model-cuda" "${common[@]}" --input-ids "$inputs" --compare-with "$golden" \
+      --output "$one_gpu" --dump-hidden > "$log" 2>&1
+    record "$model 1 GPU vs golden" "$log" $?
+  else
+    "$run" "$out/$model-cuda" "${common[@]}" --input-ids "$inputs" --output "$one_gpu" \
+      --dump-hidden > "$log" 2>&1
+    local code=$?
+    if [[ $code -eq 0 ]]; then
+      rows+=("$(printf '%-52s %-7s %s' "$model 1 GPU (the reference)" ok -)")
+    else
+      failures=$((failures + 1))
+      rows+=("$(printf '%-52s %-7s %s' "$model 1 GPU (the reference)" FAILED -)")
+      tail -n 15 "$log" >&2
+      return
+    fi
+  fi
   for n in "${sizes[@]}"; do
     if [[ $n -gt $gpus ]]; then
       rows+=("$(printf '%-52s %-7s %s' "$model world $n" skipped "$gpus GPUs here")")
@@ -125,13 +169,19 @@ for model in "${models[@]}"; do
         [[ $variant == eager ]] && extra=(--no-cuda-graphs)
         log=$logs/$model-$suffix-$variant.log
         "$root/tools/scripts/launch-local.sh" -n "$n" --log-dir "$logs/$model-$suffix-$variant" -- \
-          "$run" "$out/$model-cuda-$suffix" "${common[@]}" "${extra[@]}" --input-ids "$golden" \
+          "$run" "$out/$model-cuda-$suffix" "${common[@]}" "${extra[@]}" --input-ids "$inputs" \
           --compare-with "$one_gpu" > "$log" 2>&1
         record "$model $shard on $n GPUs ($variant) vs 1 GPU" "$log" $?
       done
-    done < <(layouts "$n")
+    done < <("$layouts_of" "$n")
   done
+}
+
+for model in "${models[@]}"; do
+  golden=$root/tests/data/$model/golden.safetensors
+  check_model "$model" "$golden" "$golden" layouts
 done
+check_model "$fp8_model" "$fp8_prompt" "" fp8_layouts
 
 if [[ -n ${HYBRID_SHARD_TESTS:-} ]]; then
   log=$logs/hybrid_shard_cuda_tests.log

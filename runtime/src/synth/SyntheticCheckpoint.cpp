@@ -928,6 +928,17 @@ SyntheticSpec deepseekV32Tiny() {
   return spec;
 }
 
+// deepseek-v32-tiny with widths whose tp=2 slices hold whole 128x128 FP8 blocks (with --fp8),
+// as DeepSeek-V3.2's do: 8 heads of q 64 + 32 rope (4 per rank: 384 query rows), kv_b 64 + 64
+// (512 rows) and v 64 (256 o_proj columns); dense MLP 256 rows; shared experts 2 x 128.
+SyntheticSpec deepseekV32ShardTiny() {
+  SyntheticSpec spec = deepseekV32Tiny();
+  spec.numAttentionHeads = 8;
+  spec.moeIntermediateSize = 128;
+  spec.numSharedExperts = 2;
+  return spec;
+}
+
 // MODEL_SPEC 1.3: DeepSeek-V3.2 (the 61 main layers; the MTP layer is not generated).
 SyntheticSpec deepseekV32_671b() {
   SyntheticSpec spec;
@@ -1069,6 +1080,8 @@ StatusOr<SyntheticSpec> SyntheticSpec::preset(const std::string &name) {
     return kimiLinear48b();
   if (name == "deepseek-v32-tiny")
     return deepseekV32Tiny();
+  if (name == "deepseek-v32-shard-tiny")
+    return deepseekV32ShardTiny();
   if (name == "deepseek-v32-671b")
     return deepseekV32_671b();
   if (name == "hybrid-tiny")
@@ -1084,8 +1097,9 @@ StatusOr<SyntheticSpec> SyntheticSpec::preset(const std::string &name) {
 }
 
 std::vector<std::string> SyntheticSpec::presetNames() {
-  return {"kimi-linear-tiny", "kimi-attnres-tiny", "deepseek-v32-tiny", "hybrid-tiny",
-          "kimi-k3-tiny",     "kimi-linear-48b",   "deepseek-v32-671b", "kimi-k3-slice"};
+  return {"kimi-linear-tiny", "kimi-attnres-tiny", "deepseek-v32-tiny", "deepseek-v32-shard-tiny",
+          "hybrid-tiny",      "kimi-k3-tiny",      "kimi-linear-48b",   "deepseek-v32-671b",
+          "kimi-k3-slice"};
 }
 
 std::string SyntheticSpec::mixerKind(int64_t layer) const {

@@ -8,6 +8,9 @@
 // RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="cp=2 ep=2" 2>&1 | FileCheck %s --check-prefix=EPCP
 // RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="cp=2" | FileCheck %s --check-prefix=CP
 // RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="tp=2 cp=2 ep=2" --hybrid-fuse-super-kernels --hybrid-assign-streams --hybrid-plan-memory --hybrid-verify-plan-contract | FileCheck %s --check-prefix=TPCP
+// RUN: hybrid-opt %S/Inputs/shard_fp8.mlir --hybrid-lower-to-plan --hybrid-shard="tp=2 ep=2" | FileCheck %s --check-prefix=FP8
+// RUN: hybrid-opt %S/Inputs/shard_fp8.mlir --hybrid-lower-to-plan --hybrid-shard="tp=2 ep=2" --hybrid-fuse-super-kernels --hybrid-assign-weight-layout --hybrid-assign-streams --hybrid-plan-memory --hybrid-verify-plan-contract | FileCheck %s --check-prefix=FP8PIPE
+// RUN: not hybrid-opt %S/Inputs/shard_fp8.mlir --hybrid-lower-to-plan --hybrid-shard="tp=4" 2>&1 | FileCheck %s --check-prefix=FP8TP4
 
 // The model of lower_to_plan.mlir (KDA + dense MLP, MLA + MoE; 2 heads each, intermediate 8,
 // 2 experts), sharded: one plan per rank, per-head and per-column weight slices, an explicit
@@ -233,3 +236,59 @@ hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, voca
 // TPCP-LABEL: plan.program "decode"
 // TPCP-NOT: all_gather_rows
 // TPCP: plan.dispatch  lm_head
+
+// FP8 block-quantized weights (Inputs/shard_fp8.mlir, 128x128 blocks): each rank's slice is whole
+// blocks and its scale grid is cut by the same blocks (rows [128, 256) take scale row 1). Routed
+// experts stay whole, their scales with them; the other rank's experts and scales leave the plan.
+// FP8-LABEL: plan.plan @fp8_rank0
+// FP8-SAME: expert_parallel = 2 : i32{{.*}}rank = 0 : i32, tensor_parallel = 2 : i32
+// FP8: plan.weight "l0.kv_a" : tensor<160x256xf8E4M3FN> {block = array<i32: 128, 128>, offset = {{[0-9]+}} : i64, scale = [[KVAS:[0-9]+]] : i32, size = 40960 : i64}
+// FP8-NEXT: plan.weight "l0.kv_a_scale_inv" : tensor<2x2xf32> {offset = {{[0-9]+}} : i64, size = 16 : i64}
+// FP8-NEXT: plan.weight "l0.kv_b" : tensor<256x96xf8E4M3FN> {{{.*}}size = 24576 : i64, slice = array<i64: 0, 0>}
+// FP8-NEXT: plan.weight "l0.kv_b_scale_inv" : tensor<2x1xf32> {{{.*}}size = 8 : i64, slice = array<i64: 0, 0>}
+// FP8-NEXT: plan.weight "l0.o_proj" : tensor<256x128xf8E4M3FN> {{{.*}}slice = array<i64: 1, 0>}
+// FP8-NEXT: plan.weight "l0.o_proj_scale_inv" : tensor<2x1xf32> {{{.*}}slice = array<i64: 1, 0>}
+// FP8-NEXT: plan.weight "l0.q_proj" : tensor<256x256xf8E4M3FN> {{{.*}}slice = array<i64: 0, 0>}
+// FP8-NEXT: plan.weight "l0.q_proj_scale_inv" : tensor<2x2xf32> {{{.*}}slice = array<i64: 0, 0>}
+// FP8-NEXT: plan.weight "l0.down" : tensor<256x128xf8E4M3FN> {{{.*}}slice = array<i64: 1, 0>}
+// FP8-NEXT: plan.weight "l0.down_scale_inv" : tensor<2x1xf32> {{{.*}}slice = array<i64: 1, 0>}
+// FP8-NEXT: plan.weight "l0.gate" : tensor<128x256xf8E4M3FN> {{{.*}}slice = array<i64: 0, 0>}
+// FP8-NEXT: plan.weight "l0.gate_scale_inv" : tensor<1x2xf32> {{{.*}}slice = array<i64: 0, 0>}
+// FP8-NEXT: plan.weight "l0.up" : tensor<128x256xf8E4M3FN> {{{.*}}slice = array<i64: 0, 0>}
+// FP8-NEXT: plan.weight "l0.up_scale_inv" : tensor<1x2xf32> {{{.*}}slice = array<i64: 0, 0>}
+// FP8-NEXT: plan.weight "e0.down" : tensor<256x128xf8E4M3FN> {block = array<i32: 128, 128>, offset = {{[0-9]+}} : i64, scale = 17 : i32, size = 32768 : i64}
+// FP8-NEXT: plan.weight "e0.down_scale_inv" : tensor<2x1xf32> {offset = {{[0-9]+}} : i64, size = 8 : i64}
+// FP8-NEXT: plan.weight "e0.gate" : tensor<128x256xf8E4M3FN>
+// FP8-NEXT: plan.weight "e0.gate_scale_inv" : tensor<1x2xf32> {offset
+// FP8-NEXT: plan.weight "e0.up" : tensor<128x256xf8E4M3FN>
+// FP8-NEXT: plan.weight "e0.up_scale_inv" : tensor<1x2xf32> {offset
+// FP8-NEXT: plan.weight "l1.router"
+// FP8-NEXT: plan.weight "l1.shared.down" : tensor<256x128xf8E4M3FN> {{{.*}}slice = array<i64: 1, 0>}
+// FP8-NEXT: plan.weight "l1.shared.down_scale_inv" : tensor<2x1xf32> {{{.*}}slice = array<i64: 1, 0>}
+// FP8-NEXT: plan.weight "l1.shared.gate" : tensor<128x256xf8E4M3FN> {{{.*}}slice = array<i64: 0, 0>}
+// FP8-NEXT: plan.weight "l1.shared.gate_scale_inv" : tensor<1x2xf32> {{{.*}}slice = array<i64: 0, 0>}
+// FP8: plan.program "prefill"
+// FP8: mla_prefill [{{[0-9]+}}] -> [{{[0-9]+}}] weights [{{[0-9]+}}, -1, 2, 1, 4, -1, 6] {{{.*}}num_heads = 2 : i32
+// FP8: moe_experts [{{.*}}] -> [{{[0-9]+}}] weights [18, 20, 16, -1, -1, -1]
+// FP8-LABEL: plan.plan @fp8_rank1
+// FP8: plan.weight "l0.kv_b" : tensor<256x96xf8E4M3FN> {{{.*}}slice = array<i64: 0, 256>}
+// FP8-NEXT: plan.weight "l0.kv_b_scale_inv" : tensor<2x1xf32> {{{.*}}slice = array<i64: 0, 2>}
+// FP8-NEXT: plan.weight "l0.o_proj" : tensor<256x128xf8E4M3FN> {{{.*}}slice = array<i64: 1, 128>}
+// FP8-NEXT: plan.weight "l0.o_proj_scale_inv" : tensor<2x1xf32> {{{.*}}slice = array<i64: 1, 1>}
+// FP8-NEXT: plan.weight "l0.q_proj" : tensor<256x256xf8E4M3FN> {{{.*}}slice = array<i64: 0, 256>}
+// FP8-NEXT: plan.weight "l0.q_proj_scale_inv" : tensor<2x2xf32> {{{.*}}slice = array<i64: 0, 2>}
+// FP8: plan.weight "l0.gate" : tensor<128x256xf8E4M3FN> {{{.*}}slice = array<i64: 0, 128>}
+// FP8-NEXT: plan.weight "l0.gate_scale_inv" : tensor<1x2xf32> {{{.*}}slice = array<i64: 0, 1>}
+// FP8-NOT: "e0.
+// FP8: plan.weight "e1.down" : tensor<256x128xf8E4M3FN>
+// FP8-NEXT: plan.weight "e1.down_scale_inv" : tensor<2x1xf32> {offset
+// FP8: moe_experts [{{.*}}] -> [{{[0-9]+}}] weights [-1, -1, -1, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}]
+
+// Through the rest of the pipeline and the contract verifier (each sliced scale grid covers its
+// weight's part in 128 blocks): FP8 weights stay row-major, only bf16 ones are tiled.
+// FP8PIPE-LABEL: plan.plan @fp8_rank1
+// FP8PIPE: plan.weight "l0.o_proj" : tensor<256x128xf8E4M3FN> {block = array<i32: 128, 128>, offset = {{[0-9]+}} : i64, scale = {{[0-9]+}} : i32, size = 32768 : i64, slice = array<i64: 1, 128>}
+// FP8PIPE: plan.weight "lm_head" : tensor<32x256xbf16> {nz_tiled = true
+
+// A cut inside a 128 block is refused, naming the weight, the cut and the tp values that work.
+// FP8TP4: error: loc("model.layers.0.self_attn"): 'plan.dispatch' op layer 0: block-quantized weight 'l0.o_proj' 'tensor<256x256xf8E4M3FN>' cannot be sliced for tp=4: this rank's columns [0, 64) cut through its 128-entry scale blocks along axis 1 ('l0.o_proj_scale_inv'); tp=1, 2 keep every block whole
