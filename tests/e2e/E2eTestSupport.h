@@ -36,41 +36,51 @@ inline std::unique_ptr<Model> loadOrDie(const std::string &dir, LoadOptions opti
   return model.isOk() ? std::move(*model) : nullptr;
 }
 
-// Submits every prompt (greedy, maxNewTokens each) to `scheduler` and steps it until idle; a
-// request's error fails the test. Each prompt's tokens, in prompt order.
-inline std::vector<std::vector<int64_t>>
-runToCompletion(Scheduler &scheduler, const std::vector<std::vector<int64_t>> &prompts,
-                int64_t maxNewTokens) {
-  std::map<uint64_t, size_t> promptOf;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    auto id = scheduler.submit(
-        {.prompt = prompts[i], .maxNewTokens = maxNewTokens, .stopTokens = {}, .sampling = {}});
-    EXPECT_TRUE(id.isOk()) << id.status().message();
-    if (id.isOk())
-      promptOf[*id] = i;
-  }
-  std::vector<std::vector<int64_t>> tokens(prompts.size());
-  for (int step = 0; step < 100000 && !scheduler.idle(); ++step)
+// What a scheduler produced until idle: each request's tokens and errors, and the steps taken.
+struct SchedulerRun {
+  std::map<uint64_t, std::vector<int64_t>> tokens;
+  std::map<uint64_t, std::string> errors;
+  int steps = 0;
+};
+
+inline SchedulerRun runToIdle(Scheduler &scheduler, int maxSteps = 2000) {
+  SchedulerRun run;
+  while (!scheduler.idle() && run.steps < maxSteps) {
+    ++run.steps;
     for (const TokenEvent &event : scheduler.step()) {
-      EXPECT_TRUE(event.error.empty()) << event.error;
-      tokens[promptOf[event.request]].push_back(event.token);
+      if (!event.error.empty())
+        run.errors[event.request] = event.error;
+      else
+        run.tokens[event.request].push_back(event.token);
     }
-  EXPECT_TRUE(scheduler.idle()) << "the scheduler did not finish";
-  return tokens;
+  }
+  EXPECT_TRUE(scheduler.idle()) << "still busy after " << maxSteps << " steps";
+  return run;
 }
 
-// Each prompt's tokens equal greedy decoding of it alone (maxNewTokens each).
-inline void expectGreedyTokens(Model &model, const std::vector<std::vector<int64_t>> &prompts,
-                               const std::vector<std::vector<int64_t>> &tokens,
-                               int64_t maxNewTokens) {
-  ASSERT_EQ(tokens.size(), prompts.size());
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    GenerationOptions plain;
-    plain.maxNewTokens = maxNewTokens;
-    auto reference = generateGreedy(model, prompts[i], plain);
-    ASSERT_TRUE(reference.isOk()) << reference.status().message();
-    EXPECT_EQ(tokens[i], reference->generated) << "prompt " << i;
+// The greedy tokens of `prompt` decoded alone.
+inline std::vector<int64_t> greedyIds(Model &model, const std::vector<int64_t> &prompt,
+                                      int64_t count) {
+  GenerationOptions options;
+  options.maxNewTokens = count;
+  auto result = generateGreedy(model, prompt, options);
+  EXPECT_TRUE(result.isOk()) << result.status().message();
+  return result.isOk() ? result->generated : std::vector<int64_t>{};
+}
+
+// Submits every prompt as a greedy request of maxNewTokens: request id -> its prompt.
+inline std::map<uint64_t, std::vector<int64_t>>
+submitGreedy(Scheduler &scheduler, const std::vector<std::vector<int64_t>> &prompts,
+             int64_t maxNewTokens) {
+  std::map<uint64_t, std::vector<int64_t>> promptOf;
+  for (const std::vector<int64_t> &prompt : prompts) {
+    auto id = scheduler.submit(
+        {.prompt = prompt, .maxNewTokens = maxNewTokens, .stopTokens = {}, .sampling = {}});
+    EXPECT_TRUE(id.isOk()) << id.status().message();
+    if (id.isOk())
+      promptOf[*id] = prompt;
   }
+  return promptOf;
 }
 
 } // namespace hybrid::e2etest

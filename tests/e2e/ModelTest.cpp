@@ -24,7 +24,10 @@ namespace fs = std::filesystem;
 
 using e2etest::compiledDir;
 using e2etest::goldenPrompt;
+using e2etest::greedyIds;
 using e2etest::loadOrDie;
+using e2etest::runToIdle;
+using e2etest::SchedulerRun;
 
 double maxAbsDiff(std::span<const float> a, std::span<const float> b) {
   EXPECT_EQ(a.size(), b.size());
@@ -515,27 +518,6 @@ TEST_F(DamagedModelTest, CorruptedWeightDataCaughtByVerification) {
       << model.status().message();
 }
 
-// Runs the scheduler until idle (at most `maxSteps`); the tokens and errors of each request.
-struct SchedulerRun {
-  std::map<uint64_t, std::vector<int64_t>> tokens;
-  std::map<uint64_t, std::string> errors;
-  int steps = 0;
-};
-SchedulerRun runToIdle(Scheduler &scheduler, int maxSteps = 2000) {
-  SchedulerRun run;
-  while (!scheduler.idle() && run.steps < maxSteps) {
-    ++run.steps;
-    for (const TokenEvent &event : scheduler.step()) {
-      if (!event.error.empty())
-        run.errors[event.request] = event.error;
-      else
-        run.tokens[event.request].push_back(event.token);
-    }
-  }
-  EXPECT_TRUE(scheduler.idle()) << "still busy after " << maxSteps << " steps";
-  return run;
-}
-
 // Prompts of different lengths built from the golden prompt.
 std::vector<std::vector<int64_t>> schedulerPrompts(const std::vector<int64_t> &prompt) {
   std::vector<std::vector<int64_t>> prompts = {prompt,
@@ -547,14 +529,6 @@ std::vector<std::vector<int64_t>> schedulerPrompts(const std::vector<int64_t> &p
   doubled.insert(doubled.end(), prompt.begin(), prompt.end());
   prompts.push_back(doubled);
   return prompts;
-}
-
-std::vector<int64_t> greedyIds(Model &model, const std::vector<int64_t> &prompt, int64_t count) {
-  GenerationOptions options;
-  options.maxNewTokens = count;
-  auto result = generateGreedy(model, prompt, options);
-  EXPECT_TRUE(result.isOk()) << result.status().message();
-  return result.isOk() ? result->generated : std::vector<int64_t>{};
 }
 
 // Requests of different lengths, prefilled in 16-token chunks between the others' decode steps,

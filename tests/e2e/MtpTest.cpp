@@ -25,9 +25,11 @@ namespace {
 
 namespace fs = std::filesystem;
 using e2etest::compiledDir;
-using e2etest::expectGreedyTokens;
+using e2etest::greedyIds;
 using e2etest::loadOrDie;
-using e2etest::runToCompletion;
+using e2etest::runToIdle;
+using e2etest::SchedulerRun;
+using e2etest::submitGreedy;
 
 // tests/e2e/CMakeLists.txt compiles hybrid-synth --preset deepseek-v32-tiny --layers 2
 // --mtp-layers 1 into this plan.
@@ -93,7 +95,11 @@ TEST(MtpTest, SchedulerWithMtpDraftsMatchesGreedy) {
   options.prefillChunkTokens = 16; // prompts prefill in several chunks
   Scheduler scheduler(*model, options);
   const auto prompts = randomPrompts(model->vocabSize());
-  expectGreedyTokens(*model, prompts, runToCompletion(scheduler, prompts, 8), 8);
+  const auto promptOf = submitGreedy(scheduler, prompts, 8);
+  const SchedulerRun run = runToIdle(scheduler);
+  EXPECT_TRUE(run.errors.empty());
+  for (const auto &[id, prompt] : promptOf)
+    EXPECT_EQ(run.tokens.at(id), greedyIds(*model, prompt, 8)) << "request " << id;
   const SchedulerStats stats = scheduler.stats();
   EXPECT_GT(stats.verifySteps, 0);
   EXPECT_LE(stats.acceptedTokens, stats.draftedTokens);
@@ -112,7 +118,11 @@ TEST(MtpTest, SchedulerDraftingOnlyWhenItPaysKeepsTheTokens) {
   Scheduler scheduler(*model, options);
   const auto prompts = randomPrompts(model->vocabSize());
   const int64_t newTokens = 8;
-  expectGreedyTokens(*model, prompts, runToCompletion(scheduler, prompts, newTokens), newTokens);
+  const auto promptOf = submitGreedy(scheduler, prompts, newTokens);
+  const SchedulerRun run = runToIdle(scheduler);
+  EXPECT_TRUE(run.errors.empty());
+  for (const auto &[id, prompt] : promptOf)
+    EXPECT_EQ(run.tokens.at(id), greedyIds(*model, prompt, newTokens)) << "request " << id;
   const SchedulerStats stats = scheduler.stats();
   EXPECT_GE(stats.verifySteps, 1);
   EXPECT_EQ(stats.verifySteps + stats.acceptedTokens + stats.declinedDrafts,

@@ -124,17 +124,12 @@ TEST(ModelErrors, BadDecodeBatchChoices) {
     EXPECT_EQ(sequence->length(), 3);
 }
 
-// Each request's tokens, running the scheduler until it is idle.
+// Each request's tokens, running the scheduler until it is idle; a request's error fails the test.
 std::map<uint64_t, std::vector<int64_t>> runToIdle(Scheduler &scheduler) {
-  std::map<uint64_t, std::vector<int64_t>> tokens;
-  for (int step = 0; step < 2000 && !scheduler.idle(); ++step)
-    for (const TokenEvent &event : scheduler.step()) {
-      EXPECT_TRUE(event.error.empty()) << "request " << event.request << ": " << event.error;
-      if (event.error.empty())
-        tokens[event.request].push_back(event.token);
-    }
-  EXPECT_TRUE(scheduler.idle());
-  return tokens;
+  const e2etest::SchedulerRun run = e2etest::runToIdle(scheduler);
+  for (const auto &[request, error] : run.errors)
+    ADD_FAILURE() << "request " << request << ": " << error;
+  return run.tokens;
 }
 
 // `request` in a scheduler of its own.
