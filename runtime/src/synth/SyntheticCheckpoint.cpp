@@ -863,30 +863,38 @@ SyntheticSpec kimiLinearTiny() {
   return spec;
 }
 
-// MODEL_SPEC 1.2: Kimi-Linear-48B-A3B.
-SyntheticSpec kimiLinear48b() {
+// What the full-size Kimi presets share with Kimi-Linear-48B's published config: the tokenizer's
+// vocabulary and ids, norms and positions, MLA and KDA head widths, the short conv, three KDA
+// layers per MLA layer and a dense first layer.
+SyntheticSpec kimiFullSizeBase() {
   SyntheticSpec spec;
   spec.modelType = "kimi_linear";
-  spec.hiddenSize = 2304;
   spec.vocabSize = 163840;
-  spec.numLayers = 27;
-  spec.intermediateSize = 9216;
   spec.rmsNormEps = 1e-5;
   spec.maxPositionEmbeddings = 1048576;
   spec.bosTokenId = 163584;
   spec.eosTokenId = 163586;
   spec.padTokenId = 163839;
-  spec.numAttentionHeads = 32;
   spec.kvLoraRank = 512;
   spec.qkNopeHeadDim = 128;
   spec.qkRopeHeadDim = 64;
   spec.vHeadDim = 128;
   spec.mlaUseNope = true;
-  spec.kdaNumHeads = 32;
   spec.kdaHeadDim = 128;
   spec.shortConvKernelSize = 4;
   spec.fullAttentionPeriod = 4;
   spec.firstKDenseReplace = 1;
+  return spec;
+}
+
+// MODEL_SPEC 1.2: Kimi-Linear-48B-A3B.
+SyntheticSpec kimiLinear48b() {
+  SyntheticSpec spec = kimiFullSizeBase();
+  spec.hiddenSize = 2304;
+  spec.numLayers = 27;
+  spec.intermediateSize = 9216;
+  spec.numAttentionHeads = 32;
+  spec.kdaNumHeads = 32;
   spec.numExperts = 256;
   spec.numExpertsPerToken = 8;
   spec.numSharedExperts = 1;
@@ -1015,35 +1023,20 @@ SyntheticSpec kimiK3Tiny() {
 // heads with q_lora 1536 / kv_lora 512, dense intermediate 33792, experts of 3072 in a 3584-wide
 // latent space, 2 shared, top 16, AttnRes blocks of 12) in its first 12 layers, with 64 instead
 // of 896 experts so the weights (about 60 GB) fit one GPU: the shapes for timing a decode step,
-// e.g. with and without AttnRes (hybrid-synth --attn-res-block-size 0). SiLU instead of SiTU:
-// the cuda device has no SiTU kernel yet, and the two cost the same there.
+// e.g. with and without AttnRes (hybrid-synth --attn-res-block-size 0). SiLU instead of SiTU, as
+// the AttnRes overhead in docs/performance.md (2026-11-30) was timed; the two cost the same on
+// the cuda device, which has both.
 SyntheticSpec kimiK3Slice() {
-  SyntheticSpec spec;
-  spec.modelType = "kimi_linear";
+  SyntheticSpec spec = kimiFullSizeBase();
   spec.hiddenSize = 7168;
-  spec.vocabSize = 163840;
   spec.numLayers = 12;
   spec.intermediateSize = 33792;
-  spec.rmsNormEps = 1e-5;
-  spec.maxPositionEmbeddings = 1048576;
-  spec.bosTokenId = 163584;
-  spec.eosTokenId = 163586;
-  spec.padTokenId = 163839;
   spec.numAttentionHeads = 96;
   spec.qLoraRank = 1536;
-  spec.kvLoraRank = 512;
-  spec.qkNopeHeadDim = 128;
-  spec.qkRopeHeadDim = 64;
-  spec.vHeadDim = 128;
-  spec.mlaUseNope = true;
   spec.mlaOutputGate = true;
   spec.kdaNumHeads = 96;
-  spec.kdaHeadDim = 128;
-  spec.shortConvKernelSize = 4;
   spec.kdaGateLowerBound = -5.0;
   spec.kdaFullRankOutputGate = true;
-  spec.fullAttentionPeriod = 4;
-  spec.firstKDenseReplace = 1;
   spec.numExperts = 64;
   spec.numExpertsPerToken = 16;
   spec.numSharedExperts = 2;
