@@ -4,9 +4,10 @@
 // preempted: its sequence is freed and it is recomputed (prompt + tokens so far) when readmitted.
 // With prefix caching on the model, a request's first step restores its longest kept prefix, and
 // its prefill chunks stop at its own block boundary to keep that prefix for later requests.
-// The prefill chunks of a step run together through Model::prefillBatch and its verifications
-// through Model::verifyDrafts, as many requests per call as the prefill program's rows take
-// (hybrid-compile --prefill-tokens); the plain decode steps together through Model::decodeBatch,
+// With SchedulerOptions::batchPrefillCalls the prefill chunks of a step run together through
+// Model::prefillBatch and its verifications through Model::verifyDrafts, as many requests per call
+// as the prefill program's rows take (hybrid-compile --prefill-tokens; otherwise one request per
+// call); the plain decode steps together through Model::decodeBatch,
 // as many per call as the plan's decode program takes (hybrid-compile --decode-batch; one at a
 // time with a plan for one). Where the KV cache may lack a page for every row, they run one
 // request per call, so that one finding it full is preempted alone.
