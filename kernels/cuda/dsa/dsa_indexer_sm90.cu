@@ -760,7 +760,6 @@ struct SelectState {
   uint32_t prefix; // the digits chosen so far, in place
   uint32_t mask;
   int remaining;   // keys still to take below the prefix's digits; at the end, ties at T taken
-  int unused;
 };
 
 // Exclusive prefix of `value` over the block's threads in thread order, and the block's total
@@ -954,7 +953,7 @@ __global__ void __launch_bounds__(kHistogramThreads)
 __global__ void selectResetKernel(SelectState *states, uint32_t *histograms, int rows, int topK) {
   const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < size_t(rows))
-    states[i] = SelectState{.prefix = 0u, .mask = 0u, .remaining = topK, .unused = 0};
+    states[i] = SelectState{.prefix = 0u, .mask = 0u, .remaining = topK};
   if (i < size_t(rows) << kMaxDigitBits)
     histograms[i] = 0;
 }
