@@ -2,7 +2,8 @@
 // what the plain greedy run generated, with a fraction 1 - acceptance of the draft tokens made
 // wrong. On kimi_linear_tiny (the batch-4 plan, as e2e-bench-spec): with every draft right each
 // pass yields its whole draft and outputs stay identical, with none right nothing is accepted,
-// and generation outside the benchmark refuses it by name.
+// and generation outside the benchmark refuses it by name. Replay drafts also drive the
+// scheduler's draftOnlyWhenItPays through rejections and acceptances (DraftOnlyWhenItPays).
 #include "E2eTestSupport.h"
 
 #include "hybrid/runtime/Draft.h"
@@ -11,6 +12,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <memory>
 #include <random>
 
 namespace hybrid {
@@ -169,6 +174,151 @@ TEST(ReplayDrafts, RefusedOutsideTheBenchmark) {
   }
   EXPECT_EQ(*parseDraftSource("replay"), DraftSourceKind::Replay);
   EXPECT_EQ(draftSourceName(DraftSourceKind::Replay), "replay");
+}
+
+// SchedulerOptions::draftOnlyWhenItPays with re-probing. A clock that advances one second per
+// reading makes its choices deterministic: every interval the scheduler times (a proposal, a
+// pass, a decode call) lasts one second, so a request's pass costs 2 (its proposal and the pass)
+// and a decode row 1 / the call's rows; a request alone drafts while it accepts at least one draft
+// per pass on average.
+std::function<double()> tickingClock() {
+  auto ticks = std::make_shared<double>(0);
+  return [ticks] { return ++*ticks; };
+}
+
+SchedulerOptions payingOptions() {
+  SchedulerOptions options;
+  options.prefillChunkTokens = 8192;
+  options.draftTokens = 3;
+  options.draftSource = DraftSourceKind::Replay;
+  options.replay = {.acceptance = 1.0, .seed = 7}; // drafts are the continuation given
+  options.draftOnlyWhenItPays = true;
+  options.clock = tickingClock();
+  return options;
+}
+
+// The greedy continuation with its first `wrong` tokens replaced: replay drafts from it are
+// rejected there and accepted after.
+std::vector<int64_t> wrongAtFirst(std::vector<int64_t> reference, size_t wrong, int64_t vocab) {
+  for (size_t i = 0; i < std::min(wrong, reference.size()); ++i)
+    reference[i] = (reference[i] + 1) % vocab;
+  return reference;
+}
+
+// One request alone stepped to the end: its tokens, and the declined steps before each pass.
+struct SteppedRun {
+  std::vector<int64_t> tokens;
+  std::vector<int64_t> declinedBeforePass;
+};
+SteppedRun stepAlone(Scheduler &scheduler) {
+  SteppedRun run;
+  SchedulerStats before = scheduler.stats();
+  int64_t declined = 0;
+  for (int steps = 0; !scheduler.idle() && steps < 5000; ++steps) {
+    for (const TokenEvent &event : scheduler.step()) {
+      EXPECT_TRUE(event.error.empty()) << event.error;
+      run.tokens.push_back(event.token);
+    }
+    const SchedulerStats after = scheduler.stats();
+    declined += after.declinedDrafts - before.declinedDrafts;
+    if (after.verifySteps > before.verifySteps) {
+      EXPECT_EQ(after.verifySteps, before.verifySteps + 1);
+      run.declinedBeforePass.push_back(declined);
+      declined = 0;
+    }
+    before = after;
+  }
+  EXPECT_TRUE(scheduler.idle());
+  return run;
+}
+
+// The first pass (the probe) and the re-probe after 8 declined steps accept nothing (the first 12
+// drafted tokens are wrong); the re-probe after 16 more accepts its draft, and from then on the
+// request speculates on every step. Before re-probing existed the probe decided for good: 1 pass
+// and 38 declined steps. Tokens: the prefill's, then 6 passes of 1 + 0, 0, 1, 2, 3, 3 accepted
+// drafts (draft lengths 3, 2, 1 after the rejections, then 1, 2, 3, 3 as they are accepted) and 24
+// plain decode steps: 1 + 15 + 24 = 40.
+TEST(DraftOnlyWhenItPays, ReprobesAfterABackOffAndSpeculatesOnceDraftsAreAccepted) {
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"));
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = randomPrompts(model->vocabSize(), 1, 24)[0];
+  const int64_t newTokens = 40;
+  const std::vector<int64_t> reference = e2etest::greedyIds(*model, prompt, newTokens);
+  ASSERT_EQ(static_cast<int64_t>(reference.size()), newTokens);
+
+  Scheduler scheduler(*model, payingOptions());
+  auto id = scheduler.submit(
+      {.prompt = prompt, .maxNewTokens = newTokens, .stopTokens = {}, .sampling = {}},
+      wrongAtFirst(reference, 12, model->vocabSize()));
+  ASSERT_TRUE(id.isOk()) << id.status().message();
+  const SteppedRun run = stepAlone(scheduler);
+  EXPECT_EQ(run.tokens, reference);
+  EXPECT_EQ(run.declinedBeforePass, (std::vector<int64_t>{0, 8, 16, 0, 0, 0}));
+  const SchedulerStats stats = scheduler.stats();
+  EXPECT_EQ(stats.verifySteps, 6);
+  EXPECT_EQ(stats.declinedDrafts, 24);
+  EXPECT_EQ(stats.draftedTokens, 3 + 2 + 1 + 2 + 3 + 3);
+  EXPECT_EQ(stats.acceptedTokens, 0 + 0 + 1 + 2 + 3 + 3);
+  EXPECT_EQ(stats.verifySteps + stats.acceptedTokens + stats.declinedDrafts, newTokens - 1);
+}
+
+// Drafts that are never accepted: after the first probe the request re-probes after 8 declined
+// steps, then 16, 32, ... doubling up to 256 (kReprobeAfterMax), and stays there: 7 re-probes in
+// 800 tokens, each one pass of 1 token, and the tokens are the plain greedy ones.
+TEST(DraftOnlyWhenItPays, ReprobeBackOffDoublesUpToItsCap) {
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny"));
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = randomPrompts(model->vocabSize(), 1, 24)[0];
+  const int64_t newTokens = 800;
+  ASSERT_GE(model->maxContextTokens(), 24 + newTokens);
+  const std::vector<int64_t> reference = e2etest::greedyIds(*model, prompt, newTokens);
+  ASSERT_EQ(static_cast<int64_t>(reference.size()), newTokens);
+  EXPECT_EQ(SchedulerOptions::kReprobeAfter, 8);
+  EXPECT_EQ(SchedulerOptions::kReprobeAfterMax, 256);
+
+  Scheduler scheduler(*model, payingOptions());
+  auto id = scheduler.submit(
+      {.prompt = prompt, .maxNewTokens = newTokens, .stopTokens = {}, .sampling = {}},
+      wrongAtFirst(reference, reference.size(), model->vocabSize()));
+  ASSERT_TRUE(id.isOk()) << id.status().message();
+  const SteppedRun run = stepAlone(scheduler);
+  EXPECT_EQ(run.tokens, reference);
+  EXPECT_EQ(run.declinedBeforePass, (std::vector<int64_t>{0, 8, 16, 32, 64, 128, 256, 256}));
+  const SchedulerStats stats = scheduler.stats();
+  EXPECT_EQ(stats.verifySteps, 8);
+  EXPECT_EQ(stats.acceptedTokens, 0);
+  EXPECT_EQ(stats.draftedTokens, 3 + 2 + 6 * 1); // the draft length shrinks to 1 and stays
+  // 760 before the last re-probe, 31 after it.
+  EXPECT_EQ(stats.declinedDrafts, newTokens - 1 - 8);
+}
+
+// Several requests with the real clock: which steps draft follows the timings, the tokens do not;
+// every token after a request's first comes from a pass (1 + its accepted drafts) or a declined
+// step.
+TEST(DraftOnlyWhenItPays, ReprobingKeepsTheTokensOfABatch) {
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny-batch4"));
+  ASSERT_TRUE(model);
+  const auto prompts = randomPrompts(model->vocabSize(), 3, 24);
+  const int64_t newTokens = 48;
+  SchedulerOptions options = payingOptions();
+  options.clock = {};
+  Scheduler scheduler(*model, options);
+  std::map<uint64_t, std::vector<int64_t>> expected;
+  for (const std::vector<int64_t> &prompt : prompts) {
+    std::vector<int64_t> reference = e2etest::greedyIds(*model, prompt, newTokens);
+    auto id = scheduler.submit(
+        {.prompt = prompt, .maxNewTokens = newTokens, .stopTokens = {}, .sampling = {}},
+        wrongAtFirst(reference, 16, model->vocabSize()));
+    ASSERT_TRUE(id.isOk()) << id.status().message();
+    expected[*id] = std::move(reference);
+  }
+  const e2etest::SchedulerRun run = e2etest::runToIdle(scheduler);
+  EXPECT_TRUE(run.errors.empty());
+  EXPECT_EQ(run.tokens, expected);
+  const SchedulerStats stats = scheduler.stats();
+  EXPECT_GE(stats.verifySteps, 1);
+  EXPECT_EQ(stats.verifySteps + stats.acceptedTokens + stats.declinedDrafts,
+            static_cast<int64_t>(prompts.size()) * (newTokens - 1));
 }
 
 } // namespace

@@ -16,6 +16,10 @@ struct Scheduler::Active {
   int64_t fed = 0;         // context tokens the sequence has consumed
   int64_t draftLength = 0; // speculative decoding: this request's current draft length
   double acceptedPerPass = -1; // running mean of its accepted drafts per pass (-1: none yet)
+  // draftOnlyWhenItPays: steps it declined since its last pass, and how many it declines before
+  // it probes again (doubled by each re-probe, reset where drafting pays).
+  int64_t declinedSteps = 0;
+  int64_t reprobeAfter = SchedulerOptions::kReprobeAfter;
   // Replay drafts: the prompt, then a plain run's generated tokens (empty for other sources).
   std::vector<int64_t> replayReference;
 
@@ -88,27 +92,37 @@ bool Scheduler::speculates(const Active &active) const {
 
 namespace {
 
-double secondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 // Running means that follow a drifting cost (batch sizes and contexts change).
 double blend(double mean, double sample) { return mean <= 0 ? sample : 0.75 * mean + 0.25 * sample; }
 
 } // namespace
 
-bool Scheduler::draftingPays(const Active &active) {
+double Scheduler::now() const {
+  if (options_.clock)
+    return options_.clock();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+Scheduler::Drafting Scheduler::drafting(const Active &active) {
   if (!options_.draftOnlyWhenItPays)
-    return true;
+    return Drafting::Verifies;
   if (verifyPassSeconds_ <= 0) { // nothing timed yet: one request per step finds out
     const bool probe = !probedThisStep_;
     probedThisStep_ = true;
-    return probe;
+    return probe ? Drafting::Verifies : Drafting::Declines;
   }
-  if (decodeRowSeconds_ <= 0)
-    return false; // a plain step first, to compare with
-  const double expected =
-      1 + (active.acceptedPerPass >= 0 ? active.acceptedPerPass : double(active.draftLength));
-  return expected / verifyPassSeconds_ >= 1 / decodeRowSeconds_;
+  if (decodeRowSeconds_ > 0) { // else a plain step first, to compare with
+    const double expected =
+        1 + (active.acceptedPerPass >= 0 ? active.acceptedPerPass : double(active.draftLength));
+    if (expected / verifyPassSeconds_ >= 1 / decodeRowSeconds_)
+      return Drafting::Verifies;
+  }
+  // One bad pass (or a slow one) must not decide for the rest of the request.
+  if (active.declinedSteps >= active.reprobeAfter && !probedThisStep_) {
+    probedThisStep_ = true;
+    return Drafting::Reprobes;
+  }
+  return Drafting::Declines;
 }
 
 int64_t Scheduler::stepPages(const Active &active) const {
@@ -200,8 +214,9 @@ void Scheduler::planOwnStep(Active &active, Outcome &outcome, OwnStep &work, boo
     if (active.fed < boundary)
       count = std::min(count, boundary - active.fed);
     work = {.kind = OwnStep::Prefill, .tokens = count, .draft = {}, .proposeSeconds = 0};
-  } else if (speculates(active) && draftingPays(active)) {
-    const auto start = std::chrono::steady_clock::now();
+  } else if (const Drafting choice = speculates(active) ? drafting(active) : Drafting::Declines;
+             choice != Drafting::Declines) {
+    const double start = now();
     const int64_t room = active.request.maxNewTokens - active.generated();
     StatusOr<std::vector<int64_t>> proposed = (*drafts_)->proposeFromReference(
         *active.sequence, active.context, std::min(active.draftLength, room - 1),
@@ -214,16 +229,24 @@ void Scheduler::planOwnStep(Active &active, Outcome &outcome, OwnStep &work, boo
     if (proposed->empty() && options_.draftOnlyWhenItPays) {
       // Nothing to verify: a pass would be one decode step of its own; the batched one is cheaper.
       ++stats_.declinedDrafts;
+      ++active.declinedSteps; // a re-probe that proposed nothing stays due
       decodes = true;
       return;
     }
+    active.declinedSteps = 0;
+    active.reprobeAfter =
+        choice == Drafting::Reprobes
+            ? std::min(2 * active.reprobeAfter, SchedulerOptions::kReprobeAfterMax)
+            : SchedulerOptions::kReprobeAfter;
     work = {.kind = OwnStep::Verify,
             .tokens = 1 + static_cast<int64_t>(proposed->size()),
             .draft = std::move(*proposed),
-            .proposeSeconds = secondsSince(start)};
+            .proposeSeconds = now() - start};
   } else {
-    if (speculates(active))
+    if (speculates(active)) {
       ++stats_.declinedDrafts;
+      ++active.declinedSteps;
+    }
     decodes = true;
   }
 }
@@ -314,7 +337,7 @@ void Scheduler::verifyGroup(const std::vector<size_t> &group, const std::vector<
       ++stats_.verifyBatches;
       stats_.batchedVerifySequences += static_cast<int64_t>(call.size());
     }
-    const auto start = std::chrono::steady_clock::now();
+    const double start = now();
     StatusOr<std::vector<DraftVerification>> verified = model_.verifyDrafts(checks);
     // What drafting pays is judged per sequence: its share of the pass, plus drafting it.
     if (verified) {
@@ -322,7 +345,7 @@ void Scheduler::verifyGroup(const std::vector<size_t> &group, const std::vector<
       for (size_t index : call)
         proposing += work[index].proposeSeconds;
       verifyPassSeconds_ =
-          blend(verifyPassSeconds_, (secondsSince(start) + proposing) / double(call.size()));
+          blend(verifyPassSeconds_, (now() - start + proposing) / double(call.size()));
     }
     for (size_t i = 0; i < call.size(); ++i) {
       Active &active = *running_[call[i]];
@@ -390,10 +413,10 @@ void Scheduler::decodeGroup(const std::vector<size_t> &group, std::vector<Outcom
       ++stats_.decodeBatches;
       stats_.batchedDecodeRows += static_cast<int64_t>(count);
     }
-    const auto start = std::chrono::steady_clock::now();
+    const double start = now();
     StatusOr<std::vector<int64_t>> chosen = model_.decodeBatchChoose(sequences, tokens, choices);
     if (chosen)
-      decodeRowSeconds_ = blend(decodeRowSeconds_, secondsSince(start) / double(count));
+      decodeRowSeconds_ = blend(decodeRowSeconds_, (now() - start) / double(count));
     for (size_t i = 0; i < count; ++i) {
       Outcome &outcome = outcomes[group[first + i]];
       if (!chosen) {

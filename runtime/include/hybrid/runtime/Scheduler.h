@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -68,7 +69,17 @@ struct SchedulerOptions {
   // seconds of a pass beat a plain decode row's rate (a batched decode step's seconds over its
   // rows); otherwise it joins the batched decode step, i.e. its drafts back off to 0. Before a
   // pass has been timed one request per step probes. Off: every greedy request speculates.
+  // Acceptance varies along a text and a pass's cost with the batch, so a request that declined
+  // kReprobeAfter steps probes again (one pass, which updates its mean and the pass's cost like
+  // any other); each probe after which drafting still does not pay doubles the steps it waits
+  // next, up to kReprobeAfterMax, and a step where drafting pays resets it. At most one request
+  // per step probes (the initial probe included), so probing costs at most one pass per step
+  // and, for a request whose drafting never pays, one pass per kReprobeAfterMax of its steps.
   bool draftOnlyWhenItPays = false;
+  static constexpr int64_t kReprobeAfter = 8, kReprobeAfterMax = 256;
+  // The clock draftOnlyWhenItPays times proposals, passes and decode steps with, in seconds
+  // (empty: std::chrono::steady_clock). Tests pass a fake one to make its choices deterministic.
+  std::function<double()> clock = {};
 };
 
 struct SchedulerStats {
@@ -83,7 +94,8 @@ struct SchedulerStats {
   int64_t draftedTokens = 0;  // draft tokens proposed
   int64_t acceptedTokens = 0; // and accepted
   // Decode steps of a speculating request without a pass (draftOnlyWhenItPays): drafting did
-  // not pay, or the source proposed nothing (a plain batched step is cheaper than a pass).
+  // not pay, or the source proposed nothing (a plain batched step is cheaper than a pass). Its
+  // probes are passes (verifySteps).
   int64_t declinedDrafts = 0;
   int64_t decodeBatches = 0;     // Model::decodeBatch calls
   int64_t batchedDecodeRows = 0; // decode steps they ran
@@ -160,7 +172,11 @@ private:
   // draftOnlyWhenItPays's measurements (0: none yet) and this step's probe.
   double verifyPassSeconds_ = 0, decodeRowSeconds_ = 0;
   bool probedThisStep_ = false;
-  bool draftingPays(const Active &active);
+  // Whether a speculating request drafts this step: it verifies (drafting pays, or the initial
+  // probe), it probes again after its back-off, or it declines; at most one probe per step.
+  enum class Drafting { Verifies, Reprobes, Declines };
+  Drafting drafting(const Active &active);
+  double now() const;
   std::deque<std::unique_ptr<Active>> waiting_;
   std::vector<std::unique_ptr<Active>> running_; // in admission order
   SchedulerStats stats_;
