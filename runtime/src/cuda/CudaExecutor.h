@@ -65,6 +65,16 @@ public:
   // for what works on host snapshots: prefix caching, Sequence::recurrentState.
   Status downloadSlot(int32_t slot, RecurrentStatePool &pool);
   Status uploadSlot(int32_t slot, RecurrentStatePool &pool);
+  // Speculative rollback without host round trips: snapshotSlots copies the device states of
+  // `slots` (every GPU KDA layer's recurrent and conv state) to device snapshot i = their index,
+  // ordered before the next run; restoreSlot copies snapshot `index` back into `slot`. One
+  // device-to-device copy per sequence (44 MB at Kimi-Linear-48B shapes, tens of microseconds)
+  // where downloadSlot / uploadSlot cross PCIe through pageable host memory.
+  Status snapshotSlots(std::span<const int32_t> slots);
+  Status restoreSlot(int32_t slot, size_t index);
+  // Whether every recurrent layer's state lives on the device (no KDA step on the cpu reference):
+  // then the host pool's copies are unused by steps and need no snapshot.
+  bool holdsEveryRecurrentState() const;
   // Speculative rollback: in a step run with host.kdaLog set (a prefill), the GPU KDA layers keep
   // copies of their inputs; this reruns their prefill kernels over the first `tokens` of them on
   // `slot`'s states (which the caller has put back to before that step). Layers on the cpu

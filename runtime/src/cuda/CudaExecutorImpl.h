@@ -173,6 +173,10 @@ struct CudaExecutor::Impl {
   uint64_t slotStateBytes = 0, slotConvFloats = 0;
   std::vector<uint64_t> layerStateBytes, layerConvFloats; // within a slot, per KdaParams.state_slot
   std::set<int32_t> gpuStateLayers; // state slots of the KDA dispatches that run on the GPU
+  // Speculative verification's pre-pass copies of slots' states (CudaStateSnapshots.cpp): one
+  // [slotStateBytes | slotConvFloats] entry per sequence of a pass, grown on demand.
+  unsigned char *snapshots = nullptr;
+  size_t snapshotCapacity = 0; // entries
   // Copies layer `layer`'s states of `slot` between the device and `pool` (Down: to the pool).
   enum class Direction { Down, Up };
   Status transferSlot(int32_t slot, RecurrentStatePool &pool, Direction direction);
@@ -220,6 +224,7 @@ struct CudaExecutor::Impl {
     cudaFreeHost(pinnedCuSeqlens);
     for (LoggedKda &entry : kdaLog)
       cudaFree(entry.inputs);
+    cudaFree(snapshots);
     for (auto &[id, record] : hiddenRecords)
       cudaFree(record.rows);
     for (auto &resources : streams)

@@ -303,8 +303,9 @@ StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
   report.acceptedTokens = drafted.stats.acceptedTokens;
   report.declinedDrafts = drafted.stats.declinedDrafts;
 
-  // Per sequence: the pre-verification snapshot (fp32 on the host, on either device), the logged
-  // inputs of draftTokens + 1 rows per KDA layer, and the KV pages the draft rows can take.
+  // Per sequence: the pre-verification snapshot (fp32; on the device for the GPU's KDA layers),
+  // the logged inputs of draftTokens + 1 rows per KDA layer, and the KV pages the draft rows can
+  // take.
   const Model::Usage usage = model.usage();
   report.stateSnapshotBytes = usage.recurrentStateBytes;
   const bool onGpu = !model.placementReport().empty();

@@ -902,17 +902,26 @@ StatusOr<std::vector<DraftVerification>> Model::verifyDrafts(std::span<const Dra
     rows.push_back(1 + static_cast<int64_t>(checks[i].draft.size()));
   }
   HYBRID_RETURN_IF_ERROR(checkSegments("verifyDrafts", sequences, rows));
-  // One snapshot per sequence before the pass (taken on the host) and one KDA log per sequence.
-  std::vector<RecurrentStateSnapshot> before;
-  for (Sequence *sequence : sequences) {
+  // One snapshot per sequence before the pass and one KDA log per sequence. The GPU's KDA
+  // states are copied on the device; the host pool's (the cpu device's, or layers on the cpu
+  // reference) on the host.
+  bool hostSnapshots = true;
 #ifdef HYBRID_HAS_CUDA_DEVICE
-    if (impl.cuda)
-      HYBRID_RETURN_IF_ERROR(impl.cuda->downloadSlot(sequence->stateSlot_, impl.states));
-#endif
-    HYBRID_ASSIGN_OR_RETURN(RecurrentStateSnapshot snapshot,
-                            impl.states.snapshot(sequence->stateSlot_));
-    before.push_back(std::move(snapshot));
+  if (impl.cuda) {
+    std::vector<int32_t> slots;
+    for (const Sequence *sequence : sequences)
+      slots.push_back(sequence->stateSlot_);
+    HYBRID_RETURN_IF_ERROR(impl.cuda->snapshotSlots(slots));
+    hostSnapshots = !impl.cuda->holdsEveryRecurrentState();
   }
+#endif
+  std::vector<RecurrentStateSnapshot> before;
+  if (hostSnapshots)
+    for (const Sequence *sequence : sequences) {
+      HYBRID_ASSIGN_OR_RETURN(RecurrentStateSnapshot snapshot,
+                              impl.states.snapshot(sequence->stateSlot_));
+      before.push_back(std::move(snapshot));
+    }
   std::vector<cpu::KdaReplayLog> logs(checks.size());
   std::vector<cpu::BatchRow> batch;
   std::vector<int64_t> fed;
@@ -960,11 +969,13 @@ StatusOr<std::vector<DraftVerification>> Model::verifyDrafts(std::span<const Dra
     if (keep < rows[i]) {
       const int32_t slot = sequence.stateSlot_;
       HYBRID_RETURN_IF_ERROR(impl.kvCache.truncate(sequence.kvSequence_, start + keep));
-      HYBRID_RETURN_IF_ERROR(impl.states.restore(slot, before[i]));
-      HYBRID_RETURN_IF_ERROR(cpu::replayKda(impl.states, slot, logs[i], keep));
+      if (hostSnapshots) {
+        HYBRID_RETURN_IF_ERROR(impl.states.restore(slot, before[i]));
+        HYBRID_RETURN_IF_ERROR(cpu::replayKda(impl.states, slot, logs[i], keep));
+      }
 #ifdef HYBRID_HAS_CUDA_DEVICE
       if (impl.cuda) { // the GPU's KDA layers: back to the snapshot, then their logged inputs
-        HYBRID_RETURN_IF_ERROR(impl.cuda->uploadSlot(slot, impl.states));
+        HYBRID_RETURN_IF_ERROR(impl.cuda->restoreSlot(slot, i));
         HYBRID_RETURN_IF_ERROR(impl.cuda->replayKdaLog(slot, keep, offset));
       }
 #endif
