@@ -1175,7 +1175,9 @@ int launchKdaChunkedPrefill(const KdaPrefillParams &params, void *stream) {
 KdaPrefillPath resolveKdaPrefillPath(const KdaPrefillParams &params) {
   if (params.path != KdaPrefillPath::Auto)
     return params.path;
-  return params.headDim == kDim ? KdaPrefillPath::Chunked : KdaPrefillPath::Recurrent;
+  return params.headDim == kDim && params.tokens > kKdaRecurrentPrefillMaxTokens
+             ? KdaPrefillPath::Chunked
+             : KdaPrefillPath::Recurrent;
 }
 
 size_t kdaPrefillWorkspaceBytes(const KdaPrefillParams &params) {

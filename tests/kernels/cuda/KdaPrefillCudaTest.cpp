@@ -318,6 +318,25 @@ TEST(KdaPrefillCudaComposition, PrefillThenDecodeEqualsPrefill) {
   }
 }
 
+// Auto: the chunked kernel for long calls of 128-wide heads; the recurrent one (the decode
+// step's arithmetic) for short calls such as speculative verifications, and for 64-wide heads.
+TEST(KdaPrefillCudaPath, AutoTakesTheRecurrentKernelForShortCalls) {
+  cuda::KdaPrefillParams params;
+  params.sequences = 1;
+  params.heads = 4;
+  params.headDim = 128;
+  params.tokens = cuda::kKdaRecurrentPrefillMaxTokens;
+  EXPECT_EQ(cuda::resolveKdaPrefillPath(params), cuda::KdaPrefillPath::Recurrent);
+  params.tokens = cuda::kKdaRecurrentPrefillMaxTokens + 1;
+  EXPECT_EQ(cuda::resolveKdaPrefillPath(params), cuda::KdaPrefillPath::Chunked);
+  params.headDim = 64;
+  EXPECT_EQ(cuda::resolveKdaPrefillPath(params), cuda::KdaPrefillPath::Recurrent);
+  params.headDim = 128;
+  params.tokens = 5;
+  params.path = cuda::KdaPrefillPath::Chunked; // forced
+  EXPECT_EQ(cuda::resolveKdaPrefillPath(params), cuda::KdaPrefillPath::Chunked);
+}
+
 TEST(KdaPrefillCudaErrors, RejectsBadShapes) {
   cuda::KdaPrefillParams params;
   params.sequences = 1;

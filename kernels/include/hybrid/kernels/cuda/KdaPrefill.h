@@ -15,17 +15,25 @@
 namespace hybrid::kernels::cuda {
 
 // Which implementation runs (launchKdaPrefill); Auto takes the chunked one where it is compiled
-// (headDim 128) and the recurrent one elsewhere. Tests and benchmarks force one.
+// (headDim 128) for calls of more than kKdaRecurrentPrefillMaxTokens tokens, and the recurrent one
+// elsewhere. Tests and benchmarks force one.
 enum class KdaPrefillPath : int32_t { Auto, Recurrent, Chunked };
+// Short calls (a speculative verification's 1 + draft rows, a replay, a prompt's last few
+// tokens) take the recurrent kernel under Auto: its fp32 recurrence is the decode step's, so a
+// verified row chooses what a decode step would (the chunked kernel's bf16 operands flipped the
+// greedy token of the first pass at Kimi-Linear-48B shapes on synthetic weights), and a pass of
+// a few rows does not fill a chunk anyway.
+inline constexpr int32_t kKdaRecurrentPrefillMaxTokens = 16;
 
 // A varlen prefill: headDim 64 or 128, convKernel 1..kKdaMaxConvKernel (KdaDecode.h); the rows
 // of KdaLayerCall are the sequences' tokens, packed. An empty sequence keeps its states.
 struct KdaPrefillParams : KdaLayerCall {
   int32_t sequences = 0;
   const int32_t *cuSeqlens = nullptr; // device [sequences + 1], non-decreasing, cuSeqlens[0] = 0
-  // The chunked path only: the packed token count cuSeqlens[sequences] as the host knows it (it
-  // sizes the grid and the workspace), and device scratch of kdaChunkedPrefillWorkspaceBytes()
-  // bytes, 256-byte aligned, not shared with a launch that may run concurrently.
+  // The packed token count cuSeqlens[sequences] as the host knows it (Auto's choice; the
+  // chunked path's grid and workspace), and for the chunked path device scratch of
+  // kdaChunkedPrefillWorkspaceBytes() bytes, 256-byte aligned, not shared with a launch that may
+  // run concurrently.
   int32_t tokens = 0;
   void *workspace = nullptr;
   KdaPrefillPath path = KdaPrefillPath::Auto;
