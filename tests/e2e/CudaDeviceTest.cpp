@@ -383,26 +383,29 @@ double relativeStateDifference(Sequence &a, Sequence &b) {
 // cpu oracle (2e-3, the goldens' tolerance), then the decode steps that read their caches; and
 // several verifications in one pass (Model::verifyDrafts: per-segment rollback and KDA replay)
 // against each sequence's own verifyDraft.
-TEST_P(CudaDeviceTest, BatchedPrefillAndVerificationMatchSingleSequencesAndTheCpu) {
+// `plan`: a plan name in HYBRID_E2E_DIR compiled for the cpu, with PLAN-cuda beside it. With
+// `decodeAgainstCpu` off the decode steps' logits are held to the same sequence decoding alone
+// on the cuda device, and to the cpu oracle only by their greedy ids.
+void checkBatchedPrefillAndVerification(const std::string &plan, bool decodeAgainstCpu) {
   LoadOptions options;
   options.device = "cuda";
   options.kdaPrefill = "recurrent";
   options.maxSequences = 8;
-  auto model = Model::load(cudaPlan(GetParam()), options);
+  auto model = Model::load(cudaPlan(plan), options);
   if (noGpu(model))
     GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(model.isOk()) << model.status().message();
   LoadOptions cpuOptions;
   cpuOptions.maxSequences = 4;
-  auto oracle = Model::load(directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + GetParam(),
-                            cpuOptions);
+  auto oracle = Model::load(directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/" + plan, cpuOptions);
   ASSERT_TRUE(oracle.isOk()) << oracle.status().message();
   const int64_t vocab = (*model)->vocabSize();
   std::mt19937_64 random(29);
   std::vector<std::vector<int64_t>> chunks;
   std::vector<std::unique_ptr<Sequence>> batched, alone, cpu;
   for (int i = 0; i < 4; ++i) {
-    std::vector<int64_t> chunk(std::uniform_int_distribution<size_t>(1, 40)(random));
+    // Up to 150 tokens: prompts over several 64-token pages, so that block-table rows matter.
+    std::vector<int64_t> chunk(std::uniform_int_distribution<size_t>(1, 150)(random));
     for (int64_t &token : chunk)
       token = std::uniform_int_distribution<int64_t>(0, vocab - 1)(random);
     for (auto *group : {&batched, &alone, &cpu}) {
@@ -433,8 +436,12 @@ TEST_P(CudaDeviceTest, BatchedPrefillAndVerificationMatchSingleSequencesAndTheCp
     EXPECT_EQ(argmax(std::vector<float>(rows.end() - vocab, rows.end()), vocab), next.back());
     for (int step = 0; step < 3; ++step) { // the same tokens on all three
       auto a = batched[i]->decode(next.back()), b = cpu[i]->decode(next.back());
-      ASSERT_TRUE(a.isOk() && b.isOk() && alone[i]->decode(next.back()).isOk());
-      EXPECT_LT(worstDifference(*a, *b), 2e-3) << "decode step " << step;
+      auto c = alone[i]->decode(next.back());
+      ASSERT_TRUE(a.isOk() && b.isOk() && c.isOk());
+      if (decodeAgainstCpu)
+        EXPECT_LT(worstDifference(*a, *b), 2e-3) << "decode step " << step;
+      EXPECT_LT(worstDifference(*a, *c), 1e-3) << "decode step " << step;
+      EXPECT_EQ(argmax(*a, vocab), argmax(*b, vocab)) << "decode step " << step;
       next.back() = argmax(*b, vocab);
     }
   }
@@ -467,6 +474,23 @@ TEST_P(CudaDeviceTest, BatchedPrefillAndVerificationMatchSingleSequencesAndTheCp
     ASSERT_TRUE(a.isOk() && b.isOk());
     EXPECT_LT(worstDifference(*a, *b), 2e-3);
   }
+}
+
+TEST_P(CudaDeviceTest, BatchedPrefillAndVerificationMatchSingleSequencesAndTheCpu) {
+  checkBatchedPrefillAndVerification(GetParam(), /*decodeAgainstCpu=*/true);
+}
+
+// Kimi's full-attention layers with FP8 pages (the policy's dense_attention_kv_cache:
+// fp8_tiles) run on the tensor-core MLA kernel in causal mode, not the CUDA-core one the plans
+// above take: several sequences of several rows each in one call. Decode logits are compared
+// with the cpu by greedy id only: one of these twelve steps (sequence 3, 11 tokens, step 0)
+// differs from the cpu by 1.24 in logits on the H200 with the same id, the batched and the
+// single-sequence cuda runs agreeing within 1e-6 and the prefill of the same 12 tokens on the
+// GPU giving the same row: a near-tie the GPU's summation order resolves otherwise (an E4M3
+// code or an MoE expert choice one side of its boundary); the cpu itself agrees with its full
+// forwards to 2e-6.
+TEST(CudaDenseFp8Cache, BatchedPrefillAndVerificationMatchSingleSequencesAndTheCpu) {
+  checkBatchedPrefillAndVerification("kimi_linear_tiny-fp8kv", /*decodeAgainstCpu=*/false);
 }
 
 // The Kimi models' MLA layers and every DeepSeek layer keep their KV rows in the device pools:
