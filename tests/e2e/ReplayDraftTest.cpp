@@ -321,5 +321,36 @@ TEST(DraftOnlyWhenItPays, ReprobingKeepsTheTokensOfABatch) {
             static_cast<int64_t>(prompts.size()) * (newTokens - 1));
 }
 
+// A batch where a decode row costs a third of a tick or less (3-4 rows per call) and a pass of one
+// draft 2 ticks: even a pass accepting its whole draft (2 tokens per 2 ticks) loses to the batched
+// rows, so after the first probe no request probes again, however long it declines (re-probing
+// every 8+ steps cost 35% of the decode rate at batch 32 on the H200).
+TEST(DraftOnlyWhenItPays, NoReprobeWhereEvenAFullyAcceptedPassWouldNotPay) {
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny-batch4"));
+  ASSERT_TRUE(model);
+  const auto prompts = randomPrompts(model->vocabSize(), 4, 24);
+  const int64_t newTokens = 40;
+  SchedulerOptions options = payingOptions();
+  options.draftTokens = 1;
+  Scheduler scheduler(*model, options);
+  std::map<uint64_t, std::vector<int64_t>> expected;
+  for (const std::vector<int64_t> &prompt : prompts) {
+    std::vector<int64_t> reference = e2etest::greedyIds(*model, prompt, newTokens);
+    auto id = scheduler.submit(
+        {.prompt = prompt, .maxNewTokens = newTokens, .stopTokens = {}, .sampling = {}},
+        reference); // drafts that are all accepted
+    ASSERT_TRUE(id.isOk()) << id.status().message();
+    expected[*id] = std::move(reference);
+  }
+  const e2etest::SchedulerRun run = e2etest::runToIdle(scheduler);
+  EXPECT_TRUE(run.errors.empty());
+  EXPECT_EQ(run.tokens, expected);
+  const SchedulerStats stats = scheduler.stats();
+  EXPECT_EQ(stats.verifySteps, 1); // the first probe only
+  EXPECT_EQ(stats.acceptedTokens, 1);
+  EXPECT_EQ(stats.verifySteps + stats.acceptedTokens + stats.declinedDrafts,
+            static_cast<int64_t>(prompts.size()) * (newTokens - 1));
+}
+
 } // namespace
 } // namespace hybrid

@@ -74,7 +74,8 @@ struct SchedulerOptions {
   // any other); each probe after which drafting still does not pay doubles the steps it waits
   // next, up to kReprobeAfterMax, and a step where drafting pays resets it. At most one request
   // per step probes (the initial probe included), so probing costs at most one pass per step
-  // and, for a request whose drafting never pays, one pass per kReprobeAfterMax of its steps.
+  // and, for a request whose drafting never pays, one pass per kReprobeAfterMax of its steps;
+  // none while even a pass that accepted all draftTokens would not pay (a large batch).
   bool draftOnlyWhenItPays = false;
   static constexpr int64_t kReprobeAfter = 8, kReprobeAfterMax = 256;
   // The clock draftOnlyWhenItPays times proposals, passes and decode steps with, in seconds
