@@ -419,6 +419,51 @@ INSTANTIATE_TEST_SUITE_P(TinyPresets, SyntheticWeightsTest,
                            return name;
                          });
 
+// Model::loadTimings on the cpu device: the host phases are timed, the phases are disjoint (they
+// sum to at most the total), summary() names each one that ran, the cuda phases stay zero, and
+// weight verification is a phase only when asked for.
+TEST(LoadTimingsTest, CpuLoadFillsItsPhases) {
+  for (bool verify : {false, true}) {
+    SCOPED_TRACE(verify ? "verifyWeightContents" : "plain load");
+    LoadOptions options;
+    options.verifyWeightContents = verify;
+    auto model = loadOrDie(compiledDir("kimi_linear_tiny"), options);
+    ASSERT_TRUE(model);
+    const LoadTimings &t = model->loadTimings();
+    const double fields[] = {t.planSeconds,        t.verifyWeightsSeconds, t.hostPoolsSeconds,
+                             t.hostWeightsSeconds, t.cudaInitSeconds,      t.weightBufferSeconds,
+                             t.weightsSeconds,     t.kvPoolsSeconds,       t.kernelSetupSeconds,
+                             t.devicePoolsSeconds, t.streamsSeconds};
+    double sum = 0;
+    for (double seconds : fields) {
+      EXPECT_GE(seconds, 0);
+      sum += seconds;
+    }
+    EXPECT_GT(t.totalSeconds, 0);
+    EXPECT_LE(sum, t.totalSeconds + 1e-9);
+    EXPECT_GT(t.planSeconds, 0);
+    EXPECT_GT(t.hostPoolsSeconds, 0);
+    EXPECT_GT(t.hostWeightsSeconds, 0); // every weight converted to fp32
+    EXPECT_EQ(t.verifyWeightsSeconds > 0, verify);
+    for (double cuda :
+         {t.cudaInitSeconds, t.weightBufferSeconds, t.weightsSeconds, t.kvPoolsSeconds,
+          t.kernelSetupSeconds, t.devicePoolsSeconds, t.streamsSeconds})
+      EXPECT_EQ(cuda, 0);
+    double phased = 0;
+    const std::string summary = t.summary();
+    for (const LoadTimings::Phase &phase : t.phases()) {
+      EXPECT_GT(phase.seconds, 0) << phase.name;
+      EXPECT_NE(summary.find(std::string(phase.name) + " "), std::string::npos) << summary;
+      phased += phase.seconds;
+    }
+    EXPECT_DOUBLE_EQ(phased, sum);
+    EXPECT_EQ(t.phases().size(), verify ? 4u : 3u);
+    EXPECT_NE(summary.find(" s ("), std::string::npos) << summary;
+    EXPECT_NE(summary.find(", other "), std::string::npos) << summary;
+    std::printf("kimi_linear_tiny cpu load: %s\n", summary.c_str());
+  }
+}
+
 TEST(ModelErrors, TokenOutsideVocabulary) {
   auto model = loadOrDie(compiledDir("kimi_linear_tiny"));
   ASSERT_TRUE(model);

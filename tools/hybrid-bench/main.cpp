@@ -474,6 +474,7 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
   std::fprintf(stderr, "e2e: loaded %s on %s in %.1f s (synthetic weights: %.1f GB generated)\n",
                o.model.c_str(), o.load.device.c_str(), loadSeconds,
                double(generated.hostBytes + generated.deviceBytes) / 1e9);
+  std::fprintf(stderr, "e2e: load %s\n", (*model)->loadTimings().summary().c_str());
   // Which dispatches run where: a step left on the cpu reference explains a slow row at once.
   if (const std::string placement = (*model)->placementReport(); !placement.empty())
     std::fprintf(stderr, "%s%s", placement.c_str(), placement.back() == '\n' ? "" : "\n");

@@ -7,12 +7,50 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
+#include <fstream>
 #include <iostream>
+#include <iterator>
+#include <sstream>
 #include <thread>
+#include <unistd.h>
+
+namespace {
+
+// Seconds from this process's start to now, from the kernel's record of its start (field 22 of
+// /proc/self/stat, clock ticks since boot): what loading the executable and its shared libraries
+// took before main. Negative where /proc cannot say.
+double secondsSinceProcessStart() {
+  std::ifstream file("/proc/self/stat");
+  const std::string stat{std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
+  const size_t nameEnd = stat.rfind(')'); // the command name (field 2) may hold spaces
+  timespec now{};
+  const long ticksPerSecond = sysconf(_SC_CLK_TCK);
+  if (nameEnd == std::string::npos || ticksPerSecond <= 0 || clock_gettime(CLOCK_BOOTTIME, &now))
+    return -1;
+  std::istringstream fields(stat.substr(nameEnd + 1));
+  std::string skipped;
+  for (int field = 3; field < 22; ++field)
+    fields >> skipped;
+  unsigned long long startTicks = 0;
+  if (!(fields >> startTicks))
+    return -1;
+  return double(now.tv_sec) + 1e-9 * double(now.tv_nsec) - double(startTicks) / ticksPerSecond;
+}
+
+double secondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+} // namespace
 
 int main(int argc, char **argv) {
+  const auto mainStart = std::chrono::steady_clock::now();
+  const double beforeMain = secondsSinceProcessStart();
   CLI::App app{"Run a model compiled by hybrid-compile"};
   std::string modelDir, inputIds, output, compareWith;
   hybrid::LoadOptions load;
@@ -203,9 +241,20 @@ int main(int argc, char **argv) {
                  generated.deviceBytes / 1e9, generated.deviceSeconds, generated.hostBytes / 1e9,
                  generated.hostSeconds);
   }
+  const hybrid::LoadTimings &loadTimings = (*model)->loadTimings();
+  std::fprintf(stderr, "load: %s\n", loadTimings.summary().c_str());
+  const double mainToGenerate = secondsSince(mainStart);
   auto result = hybrid::generate(**model, *prompt, generation);
   if (!result)
     return failRanks(result.status().message());
+  // Cold start: process start (main where /proc cannot say) to the first token, the prefill's.
+  const double coldStart = std::max(0.0, beforeMain) + mainToGenerate + result->prefillSeconds;
+  std::fprintf(stderr,
+               "cold start to the first token: %.3f s from %s (before main %.3f, load %.3f, "
+               "rest of main %.3f, prefill %.3f)\n",
+               coldStart, beforeMain >= 0 ? "process start" : "main", std::max(0.0, beforeMain),
+               loadTimings.totalSeconds, mainToGenerate - loadTimings.totalSeconds,
+               result->prefillSeconds);
   joinPeers();
   for (int rank = 1; rank < worldSize; ++rank) {
     if (!peerStatus[static_cast<size_t>(rank)])

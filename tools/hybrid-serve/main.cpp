@@ -5,7 +5,6 @@
 
 #include <CLI/CLI.hpp>
 
-#include <chrono>
 #include <csignal>
 #include <pthread.h>
 #include <cstdio>
@@ -113,7 +112,6 @@ int main(int argc, char **argv) {
   serve.scheduler.draftSource = *drafts;
 
   std::cerr << "hybrid-serve: loading " << modelDir << " (" << load.device << ")\n";
-  const auto loadStart = std::chrono::steady_clock::now();
   auto model = hybrid::Model::load(modelDir, load);
   if (!model) {
     std::cerr << "error: " << model.status().message() << "\n";
@@ -124,9 +122,7 @@ int main(int argc, char **argv) {
                  "checkpoint has no multi-token-prediction layer)\n";
     return 1;
   }
-  std::cerr << "hybrid-serve: loaded in "
-            << std::chrono::duration<double>(std::chrono::steady_clock::now() - loadStart).count()
-            << " s\n";
+  std::cerr << "hybrid-serve: loaded in " << (*model)->loadTimings().summary() << "\n";
   if (const hybrid::WeightGeneration &g = (*model)->weightGeneration();
       g.hostBytes + g.deviceBytes > 0)
     std::cerr << "hybrid-serve: synthetic weights: " << double(g.deviceBytes) / 1e9

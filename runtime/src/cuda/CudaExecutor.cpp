@@ -540,12 +540,22 @@ Status CudaExecutor::Impl::runOnCpu(const fb::Program &program, const fb::Dispat
 
 StatusOr<std::unique_ptr<CudaExecutor>>
 CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightArchive &archive,
-                     const HostWeights &hostWeights,
-                     const RecurrentStatePool &states, PagedKvCache &kvCache,
-                     const LoadOptions &options) {
+                     const HostWeights &hostWeights, const RecurrentStatePool &states,
+                     PagedKvCache &kvCache, const LoadOptions &options, LoadTimings &timings) {
+  // Each lap adds the time since the previous one to a phase (LoadTimings).
+  auto lapStart = std::chrono::steady_clock::now();
+  auto lap = [&lapStart](double &phase) {
+    const auto now = std::chrono::steady_clock::now();
+    phase += std::chrono::duration<double>(now - lapStart).count();
+    lapStart = now;
+  };
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
     return Status::error("no CUDA device");
+  // The runtime creates the context on the first call that needs one: here, so that its cost
+  // is a phase of its own rather than part of the first allocation's.
+  CUDA_RETURN_IF_ERROR(cudaFree(nullptr), "context creation");
+  lap(timings.cudaInitSeconds);
   auto impl = std::make_unique<Impl>();
   impl->plan = &plan;
   impl->splitGemmInputs = !options.bf16GemmInputs;
@@ -582,8 +592,10 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   // generated in place (no host copy).
   const auto *weights = plan.weights();
   const size_t numWeights = weights ? weights->size() : 0;
+  lap(timings.kernelSetupSeconds);
   CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->weights, std::max<uint64_t>(1, plan.weight_archive_bytes())),
                        "weights (" + std::to_string(plan.weight_archive_bytes()) + " bytes)");
+  lap(timings.weightBufferSeconds);
   const auto generationStart = std::chrono::steady_clock::now();
   WeightGeneration generation;
   for (size_t i = 0; i < numWeights; ++i) {
@@ -611,6 +623,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
     generation.deviceSeconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - generationStart).count();
   }
+  lap(timings.weightsSeconds);
 
   // Placement, scratch sizes and fp32 copies of the small weights the GPU kernels read.
   std::vector<int32_t> cpuStepWeights;
@@ -621,6 +634,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   HYBRID_RETURN_IF_ERROR(impl->planKvLayers(plan, kvCache, options, maxRows));
   HYBRID_RETURN_IF_ERROR(impl->prepareContextParallel(options, maxRows).withContext(
       dir + ": context parallelism"));
+  lap(timings.kvPoolsSeconds);
   std::string report;
   for (const fb::Program *program : impl->programs) {
     const int64_t rows = std::max<int64_t>(1, program->max_tokens());
@@ -796,6 +810,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
               "; cpu reference: " + list(cpuKernels) + "\n";
   }
 
+  lap(timings.kernelSetupSeconds);
+
   // One allocation: the arenas, the state mirror, then per stream its scratch.
   size_t bytes = 0;
   std::vector<size_t> arenaOffsets;
@@ -839,6 +855,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   impl->convRegion = reinterpret_cast<float *>(impl->pool + convRegionOffset);
   impl->rowSlots = reinterpret_cast<int32_t *>(impl->pool + rowSlotsOffset);
   impl->cuSeqlens = reinterpret_cast<int32_t *>(impl->pool + cuSeqlensOffset);
+  lap(timings.devicePoolsSeconds);
 
   for (int32_t s = 0; s < maxStreams; ++s) {
     impl->streams.push_back(std::make_unique<StreamResources>());
@@ -884,6 +901,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
                        "token choice buffers");
   CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->deviceChosen, choiceRows * sizeof(int64_t)),
                        "token choice buffers");
+  lap(timings.streamsSeconds);
   auto executor = std::unique_ptr<CudaExecutor>(new CudaExecutor(std::move(impl)));
   executor->report_ = std::move(report);
   std::sort(cpuStepWeights.begin(), cpuStepWeights.end());

@@ -32,13 +32,15 @@ public:
   // Uploads the weights (GEMM weights as stored, small ones as fp32 from `hostWeights`) and makes
   // one device allocation for the programs' arenas, a mirror of `states`, and the scratch every
   // stream needs, and one for the KV pools of `kvCache`'s layers that run here (it then records
-  // its page copies for this device to repeat). GEMM inputs go to the tensor cores split into two bf16 halves (close to the fp32
-  // oracle) unless options.bf16GemmInputs (Linear.h); options.kdaPrefill picks the KDA prefill
-  // kernel. Fails with "no CUDA device" where there is no GPU.
+  // its page copies for this device to repeat). GEMM inputs go to the tensor cores split into two
+  // bf16 halves (close to the fp32 oracle) unless options.bf16GemmInputs (Linear.h);
+  // options.kdaPrefill picks the KDA prefill kernel. Fails with "no CUDA device" where there is no
+  // GPU. Adds the time of its phases to the cuda fields of `timings` (the CUDA context is created
+  // first, as a phase of its own).
   static StatusOr<std::unique_ptr<CudaExecutor>>
   create(const std::string &dir, const plan::fb::Plan &plan, const WeightArchive &archive,
-         const HostWeights &hostWeights, const RecurrentStatePool &states,
-         PagedKvCache &kvCache, const LoadOptions &options);
+         const HostWeights &hostWeights, const RecurrentStatePool &states, PagedKvCache &kvCache,
+         const LoadOptions &options, LoadTimings &timings);
   ~CudaExecutor();
   CudaExecutor(const CudaExecutor &) = delete;
   CudaExecutor &operator=(const CudaExecutor &) = delete;

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -24,6 +25,10 @@ namespace hybrid {
 namespace fb = plan::fb;
 
 namespace {
+
+double secondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 // A program and the arena its values live in (allocated once, at load).
 struct ProgramRunner {
@@ -217,6 +222,7 @@ struct Model::Impl {
   cpu::BatchScratch batchScratch; // decodeBatch's per-row runs of per-sequence kernels
   PrefixCache prefixCache{0, 1};
   WeightGeneration generation; // a synthetic archive's, at load
+  LoadTimings timings;
   // Hidden-state records (Sequence::mainRecord, chainRecord) [rows, hidden] on the cpu device;
   // the cuda device keeps its own on the GPU.
   std::map<int32_t, std::vector<float>> hostRecords;
@@ -414,7 +420,40 @@ constexpr const char *kDevices = "cpu, cuda";
 constexpr const char *kDevices = "cpu";
 #endif
 
+std::vector<LoadTimings::Phase> LoadTimings::phases() const {
+  std::vector<Phase> all = {{"plan", planSeconds},
+                            {"verify weights", verifyWeightsSeconds},
+                            {"host pools", hostPoolsSeconds},
+                            {"host weights", hostWeightsSeconds},
+                            {"cuda init", cudaInitSeconds},
+                            {"weight buffer", weightBufferSeconds},
+                            {"weights", weightsSeconds},
+                            {"kv pools", kvPoolsSeconds},
+                            {"kernel setup", kernelSetupSeconds},
+                            {"device pools", devicePoolsSeconds},
+                            {"streams", streamsSeconds}};
+  std::erase_if(all, [](const Phase &phase) { return phase.seconds <= 0; });
+  return all;
+}
+
+std::string LoadTimings::summary() const {
+  auto format = [](double seconds) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.3f", seconds);
+    return std::string(text);
+  };
+  std::string text = format(totalSeconds) + " s (";
+  double phased = 0;
+  for (const Phase &phase : phases()) {
+    text += std::string(phase.name) + " " + format(phase.seconds) + ", ";
+    phased += phase.seconds;
+  }
+  return text + "other " + format(std::max(0.0, totalSeconds - phased)) + ")";
+}
+
 StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadOptions &options) {
+  const auto loadStart = std::chrono::steady_clock::now();
+  LoadTimings timings;
   const bool cudaDevice = options.device == "cuda";
 #ifdef HYBRID_HAS_CUDA_DEVICE
   if (options.device != "cpu" && !cudaDevice)
@@ -432,6 +471,7 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
     for (const std::string &other : {planFileName(0, 1), planFileName(0, 2)})
       if (std::filesystem::exists(dir + "/" + other))
         planName = other;
+  auto phaseStart = std::chrono::steady_clock::now();
   HYBRID_ASSIGN_OR_RETURN(LoadedPlan plan, LoadedPlan::load(dir + "/" + planName));
   HYBRID_RETURN_IF_ERROR(checkTarget(plan, options.device, worldSize));
   HYBRID_RETURN_IF_ERROR(checkRank(plan, rank));
@@ -442,6 +482,7 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
   HYBRID_ASSIGN_OR_RETURN(WeightArchive archive,
                           WeightArchive::open(dir + "/" + archiveFileName(rank, worldSize)));
   HYBRID_RETURN_IF_ERROR(checkWeights(plan, archive));
+  timings.planSeconds = secondsSince(phaseStart);
   if (archive.synthetic() && !options.syntheticWeights)
     return Status::error(archive.path() + " holds synthetic weights (hybrid-compile "
                                           "--synthetic-weights): load it with syntheticWeights "
@@ -450,8 +491,11 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
     return Status::error(archive.path() + " holds real weights; syntheticWeights "
                                           "(--synthetic-weights) is for archives compiled with "
                                           "hybrid-compile --synthetic-weights");
-  if (options.verifyWeightContents)
+  if (options.verifyWeightContents) {
+    phaseStart = std::chrono::steady_clock::now();
     HYBRID_RETURN_IF_ERROR(archive.verifyContents());
+    timings.verifyWeightsSeconds = secondsSince(phaseStart);
+  }
   if (options.maxSequences < 1 || options.maxContextTokens < 1)
     return Status::error("maxSequences and maxContextTokens must be positive");
   if (options.prefixCacheEntries < 0 || options.prefixCacheBlockTokens < 1)
@@ -474,12 +518,14 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
                                     ? (options.kvCacheTokens + pageSize - 1) / pageSize
                                     : pagesPerSequence * options.maxSequences;
   // Kept prefixes hold pages of their own once their sequences are gone.
+  phaseStart = std::chrono::steady_clock::now();
   HYBRID_ASSIGN_OR_RETURN(
       PagedKvCache kvCache,
       PagedKvCache::create(*spec, sequencePages + pagesPerSequence * options.prefixCacheEntries,
                            options.maxSequences));
   HYBRID_ASSIGN_OR_RETURN(RecurrentStatePool states,
                           RecurrentStatePool::create(*spec, options.maxSequences));
+  timings.hostPoolsSeconds = secondsSince(phaseStart);
 
   auto impl = std::make_unique<Impl>(dir, options, std::move(plan), std::move(archive),
                                      std::move(kvCache), std::move(states));
@@ -509,6 +555,7 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
     }
     return &impl->weights[static_cast<size_t>(index)];
   };
+  phaseStart = std::chrono::steady_clock::now();
   for (size_t i = 0; i < impl->weights.size(); ++i) {
     if (!cudaDevice)
       HYBRID_RETURN_IF_ERROR(convert(static_cast<int32_t>(i)).status());
@@ -531,6 +578,9 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
     }
   }
 
+  timings.hostWeightsSeconds = secondsSince(phaseStart);
+
+  phaseStart = std::chrono::steady_clock::now();
   for (auto [name, runner] : {std::pair{"prefill", &impl->prefill}, {"decode", &impl->decode}}) {
     runner->program = impl->plan.findProgram(name);
     if (!runner->program)
@@ -558,27 +608,33 @@ StatusOr<std::unique_ptr<Model>> Model::load(const std::string &dir, const LoadO
                                                "with layer = num_layers = " +
                            std::to_string(root.num_layers()) + ")");
   }
+  timings.hostPoolsSeconds += secondsSince(phaseStart);
 #ifdef HYBRID_HAS_CUDA_DEVICE
   if (cudaDevice) {
     auto cuda = cudadev::CudaExecutor::create(dir, root, impl->archive, convert, impl->states,
-                                              impl->kvCache, options);
+                                              impl->kvCache, options, timings);
     if (!cuda)
       return Status(cuda.status()).withContext("cuda device");
     impl->cuda = std::move(*cuda);
     impl->generation.deviceBytes = impl->cuda->weightGeneration().deviceBytes;
     impl->generation.deviceSeconds = impl->cuda->weightGeneration().deviceSeconds;
+    phaseStart = std::chrono::steady_clock::now();
     for (int32_t index : impl->cuda->cpuStepWeights())
       HYBRID_RETURN_IF_ERROR(convert(index).status());
+    timings.hostWeightsSeconds += secondsSince(phaseStart);
   }
 #else
   (void)cudaDevice;
 #endif
+  timings.totalSeconds = secondsSince(loadStart);
+  impl->timings = timings;
   return std::unique_ptr<Model>(new Model(std::move(impl)));
 }
 
 Model::Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 const WeightGeneration &Model::weightGeneration() const { return impl_->generation; }
+const LoadTimings &Model::loadTimings() const { return impl_->timings; }
 Model::~Model() = default;
 
 const fb::Plan &Model::plan() const { return impl_->plan.plan(); }

@@ -92,6 +92,43 @@ struct WeightGeneration {
   double deviceSeconds = 0;
 };
 
+// Where Model::load spent its time (Model::loadTimings): wall-clock seconds (steady_clock) of
+// disjoint phases, and of the whole load. Checks and small bookkeeping between the phases are in
+// none of them, so the phases sum to at most totalSeconds. A phase that starts device work ends
+// where the load already waits for it (the weights' uploads, the synthetic weights' generation);
+// no phase adds a synchronization, so work still queued when a phase ends (a cudaMemset of the
+// pools) finishes in a later phase or in the first step. The cuda phases stay zero on the cpu
+// device.
+struct LoadTimings {
+  double planSeconds = 0;          // the plan read and verified, the weight archive opened (mmap)
+  double verifyWeightsSeconds = 0; // LoadOptions::verifyWeightContents: every entry re-hashed
+  double hostPoolsSeconds = 0;     // the host KV cache, recurrent-state pool and program arenas
+  // fp32 host copies of weights (a synthetic archive's host generation included): every weight
+  // on the cpu device, those of the steps left to the cpu reference on the cuda device.
+  double hostWeightsSeconds = 0;
+  // cuda device
+  double cudaInitSeconds = 0;     // driver and context creation (lazy in CUDA: forced first)
+  double weightBufferSeconds = 0; // the one cudaMalloc of the weight archive's size
+  double weightsSeconds = 0;      // the uploads, or the synthetic generation and its wait
+  double kvPoolsSeconds = 0;      // the device KV pools, their pinned page tables, CP buffers
+  // Placement and per-dispatch preparation: the tuning cache, the small weights converted on
+  // the host and uploaded, FP8 block scales, MoE and attention setup.
+  double kernelSetupSeconds = 0;
+  double devicePoolsSeconds = 0; // arenas, recurrent-state mirror, stream scratch (one cudaMalloc)
+  double streamsSeconds = 0;     // streams, cuBLASLt handles, events, pinned host buffers
+  double totalSeconds = 0;
+
+  struct Phase {
+    const char *name;
+    double seconds;
+  };
+  // The phases that ran (non-zero), in load order.
+  std::vector<Phase> phases() const;
+  // "4.812 s (plan 0.004, host pools 0.120, ..., other 0.002)": the total, then each phase that
+  // ran and the rest, in seconds.
+  std::string summary() const;
+};
+
 // Which logits a prefill returns: every prompt row's, or the last row's only.
 enum class PrefillLogits { AllRows, LastRow };
 
@@ -262,6 +299,8 @@ public:
   std::string placementReport() const;
   // What was generated at load for a synthetic archive (all zero otherwise).
   const WeightGeneration &weightGeneration() const;
+  // Where load spent its time.
+  const LoadTimings &loadTimings() const;
 
   // A fresh sequence (zero state, empty cache); fails when maxSequences are alive.
   StatusOr<std::unique_ptr<Sequence>> newSequence();
