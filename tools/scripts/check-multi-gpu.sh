@@ -8,7 +8,10 @@
 #     unquantized; and a synthetic FP8 DeepSeek-V3.2 (hybrid-synth --preset
 #     deepseek-v32-shard-tiny --fp8: 128x128 block scales, widths whose tp=2 slices are whole
 #     blocks) unsharded and at tp=2, tp=2,ep=2 and cp=N (tp=2,cp=N/2 for even N >= 4; tp=4 would
-#     cut its blocks and is refused); then OUT.tar.xz of them.
+#     cut its blocks and is refused); also, whatever the world sizes, the golden models' plans
+#     that hybrid_shard_cuda_tests loads (tp=2, tp=2,ep=2, cp=2 and tp=2,cp=2: its loopback
+#     tests run them as threads on one GPU; not part of the run half's table unless a world size
+#     names them); then OUT.tar.xz of them.
 #   check-multi-gpu.sh run [OUT] [--world-sizes 2,4]       (there, on N GPUs)
 #     unpacks OUT.tar.xz when OUT is absent; per model: the unsharded plan on one GPU against the
 #     golden file (logits within 2e-3, the same 12 greedy ids; the FP8 model has no golden file:
@@ -29,7 +32,7 @@ new_tokens=12
 
 half=${1:-}
 [[ $half == compile || $half == run ]] || {
-  sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 shift
@@ -59,6 +62,10 @@ layouts() { # the sharded plan suffixes and their --shard values for world size 
     echo "tp2-cp$(($1 / 2)) tp=2,cp=$(($1 / 2))" # a communicator per group, split from the world
   fi
 }
+shard_test_layouts() { # the plans tests/e2e/ShardCudaTest.cpp loads, any world size
+  layouts 2
+  echo "tp2-cp2 tp=2,cp=2" # ContextAndTensorGroupsNeedASplittableCommunicator: 4 loopback ranks
+}
 fp8_layouts() { # the FP8 model's: its 128x128 blocks split at tp=2 only
   if (($1 == 2)); then
     echo "tp2 tp=2"
@@ -77,11 +84,18 @@ if [[ $half == compile ]]; then
   for model in "${models[@]}"; do
     args=("$root/tests/data/$model" --no-cache --quantization=none --device=cuda --arch=sm_90a)
     "$compile" "${args[@]}" -o "$out/$model-cuda" > /dev/null || exit 1
+    declare -A compiled=()
     for n in "${sizes[@]}"; do
       while read -r suffix shard; do
         "$compile" "${args[@]}" --shard="$shard" -o "$out/$model-cuda-$suffix" > /dev/null || exit 1
+        compiled[$suffix]=1
       done < <(layouts "$n")
     done
+    while read -r suffix shard; do # the rest of what hybrid_shard_cuda_tests loads
+      [[ -n ${compiled[$suffix]:-} ]] && continue
+      "$compile" "${args[@]}" --shard="$shard" -o "$out/$model-cuda-$suffix" > /dev/null || exit 1
+    done < <(shard_test_layouts)
+    unset compiled
   done
   synth=${HYBRID_SYNTH:-$root/build/bin/hybrid-synth}
   [[ -x $synth ]] || { echo "check-multi-gpu.sh: no hybrid-synth at $synth (HYBRID_SYNTH)" >&2; exit 2; }
