@@ -350,6 +350,49 @@ TEST(ShardedCuda, ContextParallelShortPromptsSharingAGpu) {
     }
 }
 
+// FP8 MoE experts under context parallelism over a prefill of two steps: the synthetic FP8
+// DeepSeek-V3.2 (tools/scripts/check-multi-gpu.sh's deepseek_v32_shard_tiny_fp8, prefill steps
+// of 64) on its 100-token prompt, steps of 64 and 36 rows of which each rank holds 32 and 18.
+// A rank's experts run in the form its step's pairs choose (one GPU's: grouped around cuBLASLt's
+// FP8 GEMMs, 128 and 72 pairs), not the per-token form its own 64 and 36 pairs would take, whose
+// fp32 accumulation moves E4M3 steps of the experts' intermediate that this random model's
+// router near-ties turn into other experts: then the layer-1 hidden states were 3.6e-2 and the
+// prompt logits 1.9 off one GPU's, the greedy ids different. Every layer's hidden state within
+// the tolerance too (two ranks sharing the GPU on the device collective path).
+TEST(ShardedCuda, ContextParallelFp8ExpertsTakeTheStepsForm) {
+  if (gpuCount() < 1)
+    GTEST_SKIP() << "no CUDA device";
+  const std::string model = "deepseek_v32_shard_tiny_fp8";
+  std::vector<int64_t> prompt;
+  for (int64_t i = 0; i < 100; ++i)
+    prompt.push_back((i * 53 + 7) % 256);
+  GenerationOptions options = greedy();
+  options.dumpHidden = true;
+  auto run = [&](const std::string &dir, const LoadOptions &load) -> StatusOr<GenerationResult> {
+    HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Model> loaded, Model::load(dir, load));
+    return generateGreedy(*loaded, prompt, options);
+  };
+  auto reference = run(e2eDir() + "/" + model + "-cuda", cudaOptions());
+  ASSERT_TRUE(reference.isOk()) << reference.status().message();
+  auto group = comm::makeLoopbackGroup(2);
+  ASSERT_TRUE(group.isOk()) << group.status().message();
+  auto ranks = onRankThreads(2, [&](int rank) -> StatusOr<GenerationResult> {
+    StagedDeviceCommunicator staged(std::move((*group)[static_cast<size_t>(rank)]));
+    LoadOptions load = cudaOptions(&staged);
+    load.cudaGraphs = false; // the staging waits for its stream
+    return run(e2eDir() + "/" + model + "-cuda-cp2", load);
+  });
+  expectMatchesOneGpu(model + " cp2, 100 tokens", *reference, ranks);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ASSERT_TRUE(ranks[r].isOk());
+    const auto &ours = ranks[r]->hidden.layers, &theirs = reference->hidden.layers;
+    ASSERT_EQ(ours.size(), theirs.size()) << "rank " << r;
+    for (size_t layer = 0; layer < ours.size(); ++layer)
+      EXPECT_LE(maxDiff(ours[layer], theirs[layer]), kTolerance)
+          << "rank " << r << ", hidden." << layer << " (0: the embedding)";
+  }
+}
+
 TEST(ShardedCuda, TwoGpusOverNccl) {
   if (gpuCount() < 2)
     GTEST_SKIP() << "needs 2 GPUs, " << gpuCount() << " here";

@@ -8,10 +8,10 @@
 #     unquantized; and a synthetic FP8 DeepSeek-V3.2 (hybrid-synth --preset
 #     deepseek-v32-shard-tiny --fp8: 128x128 block scales, widths whose tp=2 slices are whole
 #     blocks) unsharded and at tp=2, tp=2,ep=2 and cp=N (tp=2,cp=N/2 for even N >= 4; tp=4 would
-#     cut its blocks and is refused); also, whatever the world sizes, the golden models' plans
-#     that hybrid_shard_cuda_tests loads (tp=2, tp=2,ep=2, cp=2 and tp=2,cp=2: its loopback
-#     tests run them as threads on one GPU; not part of the run half's table unless a world size
-#     names them); then OUT.tar.xz of them.
+#     cut its blocks and is refused); also, whatever the world sizes, the plans that
+#     hybrid_shard_cuda_tests loads (the goldens' tp=2, tp=2,ep=2, cp=2 and tp=2,cp=2, the FP8
+#     model's cp=2: its loopback tests run them as threads on one GPU; not part of the run half's
+#     table unless a world size names them); then OUT.tar.xz of them.
 #   check-multi-gpu.sh run [OUT] [--world-sizes 2,4]       (there, on N GPUs)
 #     unpacks OUT.tar.xz when OUT is absent; per model: the unsharded plan on one GPU against the
 #     golden file (logits within 2e-3, the same 12 greedy ids; the FP8 model has no golden file:
@@ -104,11 +104,16 @@ if [[ $half == compile ]]; then
     exit 1
   args=("$checkpoint" --no-cache --quantization=none --device=cuda --arch=sm_90a --prefill-tokens 64)
   "$compile" "${args[@]}" -o "$out/$fp8_model-cuda" > /dev/null || exit 1
+  fp8_cp2=
   for n in "${sizes[@]}"; do
     while read -r suffix shard; do
       "$compile" "${args[@]}" --shard="$shard" -o "$out/$fp8_model-cuda-$suffix" > /dev/null || exit 1
+      [[ $suffix == cp2 ]] && fp8_cp2=1
     done < <(fp8_layouts "$n")
   done
+  if [[ -z $fp8_cp2 ]]; then # hybrid_shard_cuda_tests' ContextParallelFp8ExpertsTakeTheStepsForm
+    "$compile" "${args[@]}" --shard=cp=2 -o "$out/$fp8_model-cuda-cp2" > /dev/null || exit 1
+  fi
   rm -rf "$checkpoint" # packed into the plans' archives
   find "$out" -name '*.source' -delete # the compile cache's notes: not needed to run
   # -9: a 64 MiB window, where the ranks' copies of the same weights repeat (110 MB: 47.6 MB at

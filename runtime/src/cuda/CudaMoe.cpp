@@ -4,7 +4,8 @@
 // shape where the grouped form could run, docs/autotune.md); beyond, bf16 experts are
 // grouped by expert on the GPU and multiplied on tensor cores (kc::launchMoeExpertsGrouped, no
 // host round trip, so decode graphs hold it too); other prefills group on the host around the
-// GEMMs (the chosen experts come to the host, each expert runs once on its tokens).
+// GEMMs (the chosen experts come to the host, each expert runs once on its tokens). A
+// context-parallel rank takes the form its step's pairs choose, not its own rows' (formRows).
 // Experts in bf16 or FP8 with block scales (their inputs then rounded to E4M3 as the FP8 GEMMs do).
 // An expert-parallel rank's experts held elsewhere are absent (-1 in the dispatch, null pointers
 // for the kernels): every form skips their pairs, and the plan's all-reduce adds the other ranks'.
@@ -18,11 +19,24 @@
 namespace hybrid::cudadev {
 namespace {
 
+// The rows whose (token, expert) pairs choose the form: the step's. A context-parallel rank holds
+// part of the step's rows and runs them in the form an unsharded run of the same step takes, so
+// that its rows get the same arithmetic: the forms differ by more than summation order (FP8
+// experts: the host-grouped form's cuBLASLt GEMMs accumulate each 128-wide k block with about 14
+// bits on sm_90, the per-token form in fp32, and the E4M3 rounding of the intermediate turns
+// that into whole E4M3 steps; bf16 experts: the tensor-core form's x is bf16 hi + lo, the
+// per-token form's fp32). With the rank's own rows, a 64-token step at cp=2 ran FP8 experts per
+// token (32 rows, 64 pairs) where one GPU grouped them (128 pairs), and a synthetic FP8
+// DeepSeek-V3.2's hidden states differed from one GPU's by 3.6e-2 after its first MoE layer.
+int64_t formRows(const cpu::StepContext &host) {
+  return host.contextShard ? host.contextShard->stepRows : host.rows;
+}
+
 // Experts the tensor-core form cannot take: above kc::kMoePerTokenMaxPairs (token, expert) pairs
 // a prefill groups the tokens by expert on the host: each expert's weights are then read once,
 // not once per token.
 bool groupedForm(const cpu::StepContext &host, int64_t topK) {
-  return !host.decode && host.rows * topK > kc::kMoePerTokenMaxPairs;
+  return !host.decode && formRows(host) * topK > kc::kMoePerTokenMaxPairs;
 }
 
 } // namespace
@@ -233,17 +247,27 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
   m.activation = gatedActivationOf(*p);
   m.out = out;
   m.workspace = r.scratch;
-  // Where the tensor-core form can run (bf16 experts), launchMoeExperts picks it or the per-token
-  // form by the step's pairs: above 64, or the threshold tuned for this step's shape.
+  // Where the tensor-core form can run (bf16 experts), it or the per-token form by the step's
+  // pairs (formRows): above 64, or the threshold tuned for the step's shape, as
+  // kc::moeLaunchesGrouped decides for the step's tokens.
   const bool tensorCores = kc::moeGroupedSupports(m);
-  if (tensorCores)
-    applyTuning(m);
+  bool grouped = false;
+  if (tensorCores) {
+    kc::MoeExpertsParams step = m;
+    step.tokens = static_cast<int32_t>(formRows(host));
+    applyTuning(step);
+    m.perTokenMaxPairs = step.perTokenMaxPairs;
+    grouped = kc::moeLaunchesGrouped(step);
+  }
   if (tensorCores || !groupedForm(host, K)) {
-    const bool grouped = kc::moeLaunchesGrouped(m);
-    if (kc::moeExpertsLaunchWorkspaceBytes(m) > scratchFloats * sizeof(float))
+    const size_t bytes =
+        grouped ? kc::moeGroupedWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate, m.experts)
+                : kc::moeExpertsWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate);
+    if (bytes > scratchFloats * sizeof(float))
       return Status::error(grouped ? "MoE grouped workspace larger than planned at load"
                                    : "MoE workspace larger than planned at load");
-    LAUNCH_RETURN_IF_ERROR(kc::launchMoeExperts(m, splitGemmInputs, r.stream),
+    LAUNCH_RETURN_IF_ERROR(grouped ? kc::launchMoeExpertsGrouped(m, splitGemmInputs, r.stream)
+                                   : kc::launchMoeExpertsPerToken(m, r.stream),
                            grouped ? "MoE experts (grouped)" : "MoE experts");
     return Status::ok();
   }
