@@ -4,8 +4,8 @@
 #   scale-multi-gpu.sh compile [OUT] [--world-sizes 2,4]   (here, with hybrid-synth/compile)
 #     hybrid-synth --preset kimi-linear-48b --config-only, then hybrid-compile --synthetic-weights
 #     for cuda sm_90a (decode batch 64, prefill 8192 tokens, the dense-attention KV cache in FP8
-#     tiles) unsharded (OUT/k48-cuda) and at tp=N and tp=N,ep=N per world size (OUT/k48-tpN,
-#     OUT/k48-tpN-epN: each rank's archive names its slices, generated at load); the same
+#     tiles) unsharded (OUT/k48-cuda) and at tp=N, tp=N,ep=N and cp=N per world size (OUT/k48-tpN,
+#     OUT/k48-tpN-epN, OUT/k48-cpN: each rank's archive names its slices, generated at load); the same
 #     layouts of a synthetic kimi-linear-tiny (OUT/tiny-cuda, OUT/tiny-tpN, ...); OUT.tar.xz.
 #   scale-multi-gpu.sh run [OUT] [--world-sizes 2,4] [--batch 1,8,64] [--context 1024]
 #                          [--decode-steps 16]                 (there, on N GPUs)
@@ -51,6 +51,7 @@ out=$(realpath -m "$out")
 layouts() { # the sharded plan suffixes and their --shard values for world size $1
   echo "tp$1 tp=$1"           # heads and dense MLPs split; the routed experts stay whole
   echo "tp$1-ep$1 tp=$1,ep=$1" # and the routed experts spread over the ranks
+  echo "cp$1 cp=$1"           # the prompt split over the ranks (zigzag), the weights whole
 }
 
 if [[ $half == compile ]]; then
@@ -75,7 +76,7 @@ if [[ $half == compile ]]; then
     done < <(layouts "$n")
   done
   find "$out" -name '*.source' -delete # the compile cache's notes: not needed to run
-  tar -cJf "$out.tar.xz" -C "$(dirname "$out")" "$(basename "$out")" || exit 1
+  XZ_OPT=-9 tar -cJf "$out.tar.xz" -C "$(dirname "$out")" "$(basename "$out")" || exit 1
   echo "compiled into $out ($(du -sh "$out" | cut -f1)), packed as $out.tar.xz ($(du -h "$out.tar.xz" | cut -f1))"
   echo "on the GPU machine: tools/scripts/scale-multi-gpu.sh run $out --world-sizes $world_sizes"
   exit 0
