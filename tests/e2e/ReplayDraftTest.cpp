@@ -292,6 +292,25 @@ TEST(DraftOnlyWhenItPays, ReprobeBackOffDoublesUpToItsCap) {
   EXPECT_EQ(stats.declinedDrafts, newTokens - 1 - 8);
 }
 
+// Submits each prompt with the replay continuation `wrong` of its greedy ids (the first `wrong`
+// replaced), runs the scheduler to idle and checks every request's tokens are its greedy ids.
+void runBatchAgainstGreedy(Scheduler &scheduler, Model &model,
+                           const std::vector<std::vector<int64_t>> &prompts, int64_t newTokens,
+                           size_t wrong) {
+  std::map<uint64_t, std::vector<int64_t>> expected;
+  for (const std::vector<int64_t> &prompt : prompts) {
+    std::vector<int64_t> reference = e2etest::greedyIds(model, prompt, newTokens);
+    auto id = scheduler.submit(
+        {.prompt = prompt, .maxNewTokens = newTokens, .stopTokens = {}, .sampling = {}},
+        wrongAtFirst(reference, wrong, model.vocabSize()));
+    ASSERT_TRUE(id.isOk()) << id.status().message();
+    expected[*id] = std::move(reference);
+  }
+  const e2etest::SchedulerRun run = e2etest::runToIdle(scheduler);
+  EXPECT_TRUE(run.errors.empty());
+  EXPECT_EQ(run.tokens, expected);
+}
+
 // Several requests with the real clock: which steps draft follows the timings, the tokens do not;
 // every token after a request's first comes from a pass (1 + its accepted drafts) or a declined
 // step.
@@ -303,18 +322,7 @@ TEST(DraftOnlyWhenItPays, ReprobingKeepsTheTokensOfABatch) {
   SchedulerOptions options = payingOptions();
   options.clock = {};
   Scheduler scheduler(*model, options);
-  std::map<uint64_t, std::vector<int64_t>> expected;
-  for (const std::vector<int64_t> &prompt : prompts) {
-    std::vector<int64_t> reference = e2etest::greedyIds(*model, prompt, newTokens);
-    auto id = scheduler.submit(
-        {.prompt = prompt, .maxNewTokens = newTokens, .stopTokens = {}, .sampling = {}},
-        wrongAtFirst(reference, 16, model->vocabSize()));
-    ASSERT_TRUE(id.isOk()) << id.status().message();
-    expected[*id] = std::move(reference);
-  }
-  const e2etest::SchedulerRun run = e2etest::runToIdle(scheduler);
-  EXPECT_TRUE(run.errors.empty());
-  EXPECT_EQ(run.tokens, expected);
+  runBatchAgainstGreedy(scheduler, *model, prompts, newTokens, 16);
   const SchedulerStats stats = scheduler.stats();
   EXPECT_GE(stats.verifySteps, 1);
   EXPECT_EQ(stats.verifySteps + stats.acceptedTokens + stats.declinedDrafts,
@@ -333,18 +341,7 @@ TEST(DraftOnlyWhenItPays, NoReprobeWhereEvenAFullyAcceptedPassWouldNotPay) {
   SchedulerOptions options = payingOptions();
   options.draftTokens = 1;
   Scheduler scheduler(*model, options);
-  std::map<uint64_t, std::vector<int64_t>> expected;
-  for (const std::vector<int64_t> &prompt : prompts) {
-    std::vector<int64_t> reference = e2etest::greedyIds(*model, prompt, newTokens);
-    auto id = scheduler.submit(
-        {.prompt = prompt, .maxNewTokens = newTokens, .stopTokens = {}, .sampling = {}},
-        reference); // drafts that are all accepted
-    ASSERT_TRUE(id.isOk()) << id.status().message();
-    expected[*id] = std::move(reference);
-  }
-  const e2etest::SchedulerRun run = e2etest::runToIdle(scheduler);
-  EXPECT_TRUE(run.errors.empty());
-  EXPECT_EQ(run.tokens, expected);
+  runBatchAgainstGreedy(scheduler, *model, prompts, newTokens, 0); // every draft accepted
   const SchedulerStats stats = scheduler.stats();
   EXPECT_EQ(stats.verifySteps, 1); // the first probe only
   EXPECT_EQ(stats.acceptedTokens, 1);
