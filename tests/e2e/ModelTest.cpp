@@ -134,6 +134,32 @@ TEST_P(GoldenModelTest, CachedGreedyMatchesGolden) {
   EXPECT_LE(report->maxLogitsDiff, 2e-3);
 }
 
+// Without keepLogits greedy decoding chooses on the device (Model::decodeBatchChoose) and keeps
+// only the prompt's last row of logits: the same ids as with every row kept.
+TEST_P(GoldenModelTest, GreedyWithoutLogitsChoosesTheSameIds) {
+  auto model = loadOrDie(compiledDir(GetParam()));
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  GenerationOptions options;
+  options.maxNewTokens = 12;
+  auto kept = generateGreedy(*model, prompt, options);
+  options.keepLogits = false;
+  auto chosen = generateGreedy(*model, prompt, options);
+  ASSERT_TRUE(kept.isOk() && chosen.isOk());
+  EXPECT_EQ(chosen->generated, kept->generated);
+  ASSERT_EQ(chosen->promptLogits.size(), static_cast<size_t>(model->vocabSize()));
+  EXPECT_EQ(chosen->promptLogits,
+            std::vector<float>(kept->promptLogits.end() - model->vocabSize(),
+                               kept->promptLogits.end()));
+  EXPECT_TRUE(chosen->generatedLogits.empty());
+  // A stop token ends both runs at the same place.
+  options.stopTokens = {kept->generated[5]};
+  auto stopped = generateGreedy(*model, prompt, options);
+  ASSERT_TRUE(stopped.isOk());
+  const auto stop = std::find(kept->generated.begin(), kept->generated.end(), kept->generated[5]);
+  EXPECT_EQ(stopped->generated, std::vector<int64_t>(kept->generated.begin(), stop + 1));
+}
+
 // The cpu device runs the steps in random orders that respect the plan's streams and events:
 // the logits must not change by a single bit, or the stream assignment or the memory plan races.
 TEST_P(GoldenModelTest, RandomStreamInterleavingsGiveIdenticalResults) {

@@ -159,6 +159,9 @@ int main(int argc, char **argv) {
   generation.useCaches = !noCacheDecode;
   if (!compareWith.empty())
     generation.dumpHidden = true;
+  // Logits leave the device only for what writes or compares them: else greedy steps choose
+  // there (the decode rate printed is the engine's, not a 0.66 MB copy per token).
+  generation.keepLogits = !output.empty() || !compareWith.empty();
 
   auto drafts = hybrid::parseDraftSource(draftSource);
   if (!drafts)

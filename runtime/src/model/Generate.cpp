@@ -65,13 +65,36 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
   HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> sequence, model.newSequence());
   if (drafts)
     drafts->attach(*sequence);
+  // Without keepLogits (and with caches: full forwards are the golden semantics) greedy steps
+  // choose on the device.
+  const bool choosing = !options.keepLogits && options.useCaches && !speculate;
   HYBRID_ASSIGN_OR_RETURN(result.promptLogits,
-                          sequence->prefill(prompt, options.dumpHidden ? &result.hidden : nullptr));
+                          sequence->prefill(prompt, options.dumpHidden ? &result.hidden : nullptr,
+                                            choosing ? PrefillLogits::LastRow
+                                                     : PrefillLogits::AllRows));
   result.prefillSeconds = seconds(start);
   if (options.maxNewTokens <= 0)
     return result;
 
   std::vector<float> last(result.promptLogits.end() - vocab, result.promptLogits.end());
+  if (choosing) {
+    start = std::chrono::steady_clock::now();
+    int64_t next = argmax(last);
+    const TokenChoice greedy{};
+    for (int64_t step = 0;; ++step) {
+      result.generated.push_back(next);
+      if (step + 1 == options.maxNewTokens ||
+          std::count(options.stopTokens.begin(), options.stopTokens.end(), next))
+        break;
+      Sequence *row = sequence.get();
+      HYBRID_ASSIGN_OR_RETURN(const std::vector<int64_t> chosen,
+                              model.decodeBatchChoose(std::span(&row, 1), std::span(&next, 1),
+                                                      std::span(&greedy, 1)));
+      next = chosen[0];
+    }
+    result.decodeSeconds = seconds(start);
+    return result;
+  }
   start = std::chrono::steady_clock::now();
   std::vector<int64_t> tokens(prompt.begin(), prompt.end());
   if (speculate) {

@@ -20,10 +20,11 @@ namespace hybrid {
 struct GenerationResult {
   int64_t vocabSize = 0;
   std::vector<int64_t> prompt;
-  std::vector<float> promptLogits; // [T, V]
+  // [T, V]; without GenerationOptions::keepLogits the last row only, [1, V]
+  std::vector<float> promptLogits;
   std::vector<int64_t> generated;  // the chosen ids
-  // [N, V]: the logits that chose each generated id; empty for sampled generation (its decode
-  // steps return the chosen tokens only: Model::decodeBatchChoose)
+  // [N, V]: the logits that chose each generated id; empty for sampled generation and without
+  // keepLogits (decode steps then return the chosen tokens only: Model::decodeBatchChoose)
   std::vector<float> generatedLogits;
   HiddenStates hidden;             // filled when asked for
   double prefillSeconds = 0;       // time to first token
@@ -48,6 +49,11 @@ struct GenerationOptions {
   int64_t draftTokens = 0;
   // Replay is refused (kReplayNeedsReference): generation has no reference run to replay.
   DraftSourceKind draftSource = DraftSourceKind::PromptLookup;
+  // Every prompt row's logits and those of each greedy step (what comparing with a golden file
+  // needs). Off: the prompt's last row only and greedy decode steps that choose on the device,
+  // so no step downloads a vocabulary of logits (at 163,840 entries 0.66 MB a step, and 5.4 GB
+  // for an 8K prompt's rows). Speculative steps keep their logits either way.
+  bool keepLogits = true;
   // How generate() chooses tokens (greedy by default); the n-th generated token's uniform is
   // samplingUniform(seed, n). Drafts are verified greedily, so sampled runs ignore draftTokens.
   SamplingParams sampling;
