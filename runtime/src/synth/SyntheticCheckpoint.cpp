@@ -831,16 +831,13 @@ Status writeCheckpoint(const SyntheticSpec &spec, const std::string &dir,
 // Presets.
 //===------------------------------------------------------------------------------------------===//
 
-// tests/data/kimi_linear_tiny: 4 layers (KDA, KDA, KDA, NoPE MLA), dense layer 0, 8 experts.
-SyntheticSpec kimiLinearTiny() {
-  SyntheticSpec spec;
-  spec.modelType = "kimi_linear";
+// `spec` (a family's base) at the widths both families' tiny presets share: a 256-token
+// vocabulary (ids 0..2 for pad, bos, eos), hidden and dense MLP 256, 2 MLA heads (kv_lora 64,
+// q 64 + rope 32, v 64) and 8 routed experts of 64 (top 2) plus one shared.
+SyntheticSpec withTinyWidths(SyntheticSpec spec) {
   spec.hiddenSize = 256;
   spec.vocabSize = 256;
-  spec.numLayers = 4;
   spec.intermediateSize = 256;
-  spec.rmsNormEps = 1e-5;
-  spec.maxPositionEmbeddings = 1048576;
   spec.bosTokenId = 1;
   spec.eosTokenId = 2;
   spec.padTokenId = 0;
@@ -849,24 +846,18 @@ SyntheticSpec kimiLinearTiny() {
   spec.qkNopeHeadDim = 64;
   spec.qkRopeHeadDim = 32;
   spec.vHeadDim = 64;
-  spec.mlaUseNope = true;
-  spec.kdaNumHeads = 2;
-  spec.kdaHeadDim = 128;
-  spec.shortConvKernelSize = 4;
-  spec.fullAttentionPeriod = 4;
-  spec.firstKDenseReplace = 1;
   spec.numExperts = 8;
   spec.numExpertsPerToken = 2;
   spec.numSharedExperts = 1;
   spec.moeIntermediateSize = 64;
-  spec.routedScalingFactor = 2.446;
   return spec;
 }
 
-// What the full-size Kimi presets share with Kimi-Linear-48B's published config: the tokenizer's
-// vocabulary and ids, norms and positions, MLA and KDA head widths, the short conv, three KDA
-// layers per MLA layer and a dense first layer.
-SyntheticSpec kimiFullSizeBase() {
+// The Kimi family's base, from Kimi-Linear-48B's published config: the tokenizer's vocabulary
+// and ids, norms and positions, MLA and KDA head widths, the short conv, three KDA layers per MLA
+// layer and a dense first layer. The full-size presets keep all of it; the tiny ones narrow the
+// vocabulary, ids and MLA widths (withTinyWidths).
+SyntheticSpec kimiLinearBase() {
   SyntheticSpec spec;
   spec.modelType = "kimi_linear";
   spec.vocabSize = 163840;
@@ -887,9 +878,18 @@ SyntheticSpec kimiFullSizeBase() {
   return spec;
 }
 
+// tests/data/kimi_linear_tiny: 4 layers (KDA, KDA, KDA, NoPE MLA), dense layer 0, 8 experts.
+SyntheticSpec kimiLinearTiny() {
+  SyntheticSpec spec = withTinyWidths(kimiLinearBase());
+  spec.numLayers = 4;
+  spec.kdaNumHeads = 2;
+  spec.routedScalingFactor = 2.446;
+  return spec;
+}
+
 // MODEL_SPEC 1.2: Kimi-Linear-48B-A3B.
 SyntheticSpec kimiLinear48b() {
-  SyntheticSpec spec = kimiFullSizeBase();
+  SyntheticSpec spec = kimiLinearBase();
   spec.hiddenSize = 2304;
   spec.numLayers = 27;
   spec.intermediateSize = 9216;
@@ -903,36 +903,27 @@ SyntheticSpec kimiLinear48b() {
   return spec;
 }
 
-// tests/data/deepseek_v32_tiny: 3 layers of MLA + indexer, dense layer 0, 8 experts in 2 groups.
-SyntheticSpec deepseekV32Tiny() {
+// What every DeepSeek-V3.2 preset shares: norms, positions, the routed experts' scale.
+SyntheticSpec deepseekV32Base() {
   SyntheticSpec spec;
   spec.modelType = "deepseek_v32";
-  spec.hiddenSize = 256;
-  spec.vocabSize = 256;
-  spec.numLayers = 3;
-  spec.intermediateSize = 256;
   spec.rmsNormEps = 1e-6;
   spec.maxPositionEmbeddings = 163840;
-  spec.bosTokenId = 1;
-  spec.eosTokenId = 2;
-  spec.padTokenId = 0;
-  spec.numAttentionHeads = 2;
+  spec.routedScalingFactor = 2.5;
+  return spec;
+}
+
+// tests/data/deepseek_v32_tiny: 3 layers of MLA + indexer, dense layer 0, 8 experts in 2 groups.
+SyntheticSpec deepseekV32Tiny() {
+  SyntheticSpec spec = withTinyWidths(deepseekV32Base());
+  spec.numLayers = 3;
   spec.qLoraRank = 96;
-  spec.kvLoraRank = 64;
-  spec.qkNopeHeadDim = 64;
-  spec.qkRopeHeadDim = 32;
-  spec.vHeadDim = 64;
   spec.indexNumHeads = 4;
   spec.indexHeadDim = 64;
   spec.indexTopK = 8;
   spec.firstKDenseReplace = 1;
-  spec.numExperts = 8;
-  spec.numExpertsPerToken = 2;
-  spec.numSharedExperts = 1;
-  spec.moeIntermediateSize = 64;
   spec.numExpertGroups = 2;
   spec.topkGroup = 1;
-  spec.routedScalingFactor = 2.5;
   return spec;
 }
 
@@ -949,14 +940,11 @@ SyntheticSpec deepseekV32ShardTiny() {
 
 // MODEL_SPEC 1.3: DeepSeek-V3.2 (the 61 main layers; the MTP layer is not generated).
 SyntheticSpec deepseekV32_671b() {
-  SyntheticSpec spec;
-  spec.modelType = "deepseek_v32";
+  SyntheticSpec spec = deepseekV32Base();
   spec.hiddenSize = 7168;
   spec.vocabSize = 129280;
   spec.numLayers = 61;
   spec.intermediateSize = 18432;
-  spec.rmsNormEps = 1e-6;
-  spec.maxPositionEmbeddings = 163840;
   spec.bosTokenId = 0;
   spec.eosTokenId = 1;
   spec.numAttentionHeads = 128;
@@ -976,7 +964,6 @@ SyntheticSpec deepseekV32_671b() {
   spec.moeIntermediateSize = 2048;
   spec.numExpertGroups = 8;
   spec.topkGroup = 4;
-  spec.routedScalingFactor = 2.5;
   return spec;
 }
 
@@ -1027,7 +1014,7 @@ SyntheticSpec kimiK3Tiny() {
 // the AttnRes overhead in docs/performance.md (2026-11-30) was timed; the two cost the same on
 // the cuda device, which has both.
 SyntheticSpec kimiK3Slice() {
-  SyntheticSpec spec = kimiFullSizeBase();
+  SyntheticSpec spec = kimiLinearBase();
   spec.hiddenSize = 7168;
   spec.numLayers = 12;
   spec.intermediateSize = 33792;
