@@ -140,6 +140,37 @@ TEST(LoopbackCommunicator, MismatchedCallsFailEveryRank) {
     EXPECT_TRUE(s) << s.message();
 }
 
+// skipCollectives (timing only): every collective leaves its buffers as they are and does not
+// enter the real group's collectives (which stay in step afterwards); rank, world size, buffer
+// kind and barriers are the real communicator's, a split its refusal.
+TEST(SkippingCommunicator, CollectivesLeaveTheirBuffersAndTheRealGroupInStep) {
+  auto group = makeLoopbackGroup(2);
+  ASSERT_TRUE(group);
+  const auto statuses = onEveryRank(*group, [&](int r, Communicator &real) -> Status {
+    std::unique_ptr<Communicator> skipping = skipCollectives(real);
+    if (skipping->rank() != r || skipping->worldSize() != 2 ||
+        skipping->deviceBuffers() != real.deviceBuffers() ||
+        skipping->backend() != "loopback (collectives skipped)")
+      return Status::error("identity not forwarded: " + skipping->backend());
+    std::vector<float> v(4, float(r + 1)), all(8, -1.0f), mine(4, -2.0f), received(8, -3.0f);
+    HYBRID_RETURN_IF_ERROR(skipping->allReduceSum(v.data(), v.size()));
+    HYBRID_RETURN_IF_ERROR(skipping->allGather(v.data(), all.data(), v.size()));
+    HYBRID_RETURN_IF_ERROR(skipping->reduceScatterSum(all.data(), mine.data(), mine.size()));
+    HYBRID_RETURN_IF_ERROR(skipping->allToAll(all.data(), received.data(), 4));
+    if (v != std::vector<float>(4, float(r + 1)) || all != std::vector<float>(8, -1.0f) ||
+        mine != std::vector<float>(4, -2.0f) || received != std::vector<float>(8, -3.0f))
+      return Status::error("a skipped collective wrote its buffers");
+    HYBRID_RETURN_IF_ERROR(skipping->barrier());
+    auto split = skipping->split(0, r);
+    if (split.isOk() || split.status().message().find("cannot split") == std::string::npos)
+      return Status::error("split: not the real communicator's refusal");
+    HYBRID_RETURN_IF_ERROR(real.allReduceSum(v.data(), v.size()));
+    return v[0] == 3.0f ? Status::ok() : Status::error("the real group fell out of step");
+  });
+  for (const Status &s : statuses)
+    EXPECT_TRUE(s) << s.message();
+}
+
 TEST(LoopbackCommunicator, AMissingRankTimesOutInsteadOfHanging) {
   auto group = makeLoopbackGroup(3, std::chrono::milliseconds(200));
   ASSERT_TRUE(group);

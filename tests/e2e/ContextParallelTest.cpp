@@ -51,9 +51,10 @@ Status runOne(Model &model, std::span<const int64_t> prompt, int64_t split, int 
   return Status::ok();
 }
 
-// The same run on every rank of a `world`-rank loopback group (one rank: no communicator).
+// The same run on every rank of a `world`-rank loopback group (one rank: no communicator);
+// `skipping`: through comm::skipCollectives (hybrid-bench e2e --skip-collectives).
 std::vector<RankRun> runRanks(const std::string &dir, int world, std::span<const int64_t> prompt,
-                              int64_t split, int newTokens) {
+                              int64_t split, int newTokens, bool skipping = false) {
   std::vector<RankRun> runs(static_cast<size_t>(world));
   std::vector<std::unique_ptr<comm::Communicator>> group;
   if (world > 1) {
@@ -68,6 +69,11 @@ std::vector<RankRun> runRanks(const std::string &dir, int world, std::span<const
     threads.emplace_back([&, r] {
       LoadOptions options;
       options.communicator = world > 1 ? group[size_t(r)].get() : nullptr;
+      std::unique_ptr<comm::Communicator> skipper;
+      if (skipping && options.communicator) {
+        skipper = comm::skipCollectives(*options.communicator);
+        options.communicator = skipper.get();
+      }
       RankRun &run = runs[size_t(r)];
       auto model = Model::load(dir, options);
       run.status = model.isOk() ? runOne(**model, prompt, split, newTokens, run) : model.status();
@@ -128,6 +134,23 @@ TEST_P(ContextParallel, LogitsAndGreedyIdsEqualOneRank) {
 INSTANTIATE_TEST_SUITE_P(Goldens, ContextParallel,
                          ::testing::Values("kimi_linear_tiny", "kimi_attnres_tiny",
                                            "deepseek_v32_tiny"));
+
+// Timing only: with every collective skipped a sharded model still loads and runs the same
+// steps on every rank (nothing waits for a peer), and its logits are not the real run's (each
+// rank lacks the others' rows): what hybrid-bench e2e --skip-collectives times.
+TEST(ContextParallelWork, RunsWithItsCollectivesSkipped) {
+  const std::vector<int64_t> prompt = promptOf(40, 256);
+  const std::string dir = compiledDir("kimi_linear_tiny") + "-cp2";
+  const std::vector<RankRun> real = runRanks(dir, 2, prompt, 40, 2);
+  const std::vector<RankRun> skipped = runRanks(dir, 2, prompt, 40, 2, /*skipping=*/true);
+  ASSERT_EQ(real.size(), 2u);
+  ASSERT_EQ(skipped.size(), 2u);
+  for (size_t r = 0; r < 2; ++r) {
+    ASSERT_TRUE(skipped[r].status.isOk()) << skipped[r].status.message();
+    ASSERT_EQ(skipped[r].logits.size(), real[r].logits.size());
+    EXPECT_NE(skipped[r].logits, real[r].logits) << "rank " << r;
+  }
+}
 
 // Zigzag pairs an early and a late chunk on each rank, so the causal (query, key) pairs the DSA
 // indexer scores are spread evenly: every rank within 5% of the mean (counted by the runtime),

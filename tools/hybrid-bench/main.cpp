@@ -439,6 +439,7 @@ struct E2eCommandOptions {
   std::string model, plotPath;
   hybrid::LoadOptions load;
   hybrid::bench::E2eOptions bench;
+  bool skipCollectives = false; // timing only: the sharded steps without their communication
 };
 
 int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
@@ -461,6 +462,18 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
     return 1;
   }
   o.load.communicator = processRank->get();
+  std::unique_ptr<hybrid::comm::Communicator> skipping;
+  if (o.skipCollectives) {
+    if (!*processRank) {
+      std::cerr << "error: e2e: --skip-collectives: this is not a sharded launch (WORLD_SIZE is "
+                   "unset or 1): there are no collectives to skip\n";
+      return 1;
+    }
+    skipping = hybrid::comm::skipCollectives(**processRank);
+    o.load.communicator = skipping.get();
+    std::fprintf(stderr, "e2e: collectives skipped (timing only: the logits and tokens are "
+                         "wrong; the difference to a real run is the communication)\n");
+  }
   const bool reports = !*processRank || (*processRank)->rank() == 0;
   const auto loadStart = std::chrono::steady_clock::now();
   auto model = hybrid::Model::load(o.model, o.load);
@@ -939,6 +952,9 @@ int main(int argc, char **argv) {
   e2eCommand->add_option("--kda-prefill", e2e.load.kdaPrefill, "cuda: auto, chunked or recurrent")
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
   e2eCommand->add_flag("--no-cuda-graphs", e2eNoGraphs, "cuda: launch every kernel each step");
+  e2eCommand->add_flag("--skip-collectives", e2e.skipCollectives,
+                       "Sharded launch, timing only: every collective returns at once (wrong "
+                       "results); the time against a real run is the share spent communicating");
   bool e2eProfileStep = false;
   e2eCommand->add_flag("--profile-decode-step", e2eProfileStep,
                        "cuda: one extra, untimed decode step per row inside a profiler range "

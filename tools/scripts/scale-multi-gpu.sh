@@ -8,7 +8,7 @@
 #     OUT/k48-tpN-epN, OUT/k48-cpN: each rank's archive names its slices, generated at load); the same
 #     layouts of a synthetic kimi-linear-tiny (OUT/tiny-cuda, OUT/tiny-tpN, ...); OUT.tar.xz.
 #   scale-multi-gpu.sh run [OUT] [--world-sizes 2,4] [--batch 1,8,64] [--context 1024]
-#                          [--decode-steps 16]                 (there, on N GPUs)
+#                          [--decode-steps 16] [--comm-share]  (there, on N GPUs)
 #     unpacks OUT.tar.xz when OUT is absent; first the synthetic tiny model's sharded plans as N
 #     processes against its one-GPU run (hybrid-run: logits within 2e-3, the same greedy ids: the
 #     ranks' generated slices are the unsharded weights); then hybrid-bench e2e at k48 shapes on
@@ -16,6 +16,9 @@
 #     per layout and row TTFT, TPOT, decode tokens/s and the speedups against one GPU, the weights
 #     each rank generated and the GPUs' peak memory (nvidia-smi, sampled each second), and names
 #     any step a rank left on the cpu reference. World sizes above the GPU count are skipped.
+#     --comm-share: each sharded layout runs again with hybrid-bench e2e --skip-collectives
+#     (timing only) and the share of TTFT and TPOT spent communicating is printed per row:
+#     1 - (time without collectives) / (time with them).
 # OUT defaults to build-scale in the repository. Binaries: HYBRID_SYNTH, HYBRID_COMPILE,
 # HYBRID_RUN, HYBRID_BENCH (default build/bin/...). Exits 1 when a check or a run fails.
 set -uo pipefail
@@ -23,18 +26,19 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 
 half=${1:-}
 [[ $half == compile || $half == run ]] || {
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 shift
 out=$root/build-scale
-world_sizes=2 batches=1,8,64 contexts=1024 decode_steps=16
+world_sizes=2 batches=1,8,64 contexts=1024 decode_steps=16 comm_share=0
 while [[ $# -gt 0 ]]; do
   case $1 in
   --world-sizes) world_sizes=$2; shift 2 ;;
   --batch) batches=$2; shift 2 ;;
   --context) contexts=$2; shift 2 ;;
   --decode-steps) decode_steps=$2; shift 2 ;;
+  --comm-share) comm_share=1; shift ;;
   -*) echo "scale-multi-gpu.sh: unknown option '$1'" >&2; exit 2 ;;
   *) out=$1; shift ;;
   esac
@@ -149,6 +153,32 @@ record() {
   done < <(grep '^e2e ' "$log")
 }
 
+# The share of a layout's rows spent communicating: its real log against its run with every
+# collective skipped (hybrid-bench e2e --skip-collectives).
+shares=()
+record_share() {
+  local layout=$1 log=$2 skipped=$3 code=$4
+  if [[ $code -ne 0 ]] || ! grep -q '^e2e ' "$skipped"; then
+    failures=$((failures + 1))
+    shares+=("$(printf '%-10s comm share: FAILED (exit %s): %s' "$layout" "$code" "$skipped")")
+    tail -n 15 "$skipped" >&2
+    return
+  fi
+  local -A ttftReal tpotReal
+  while read -r _ batch context ttft _ tpot _; do
+    ttftReal["$batch $context"]=$ttft
+    tpotReal["$batch $context"]=$tpot
+  done < <(grep '^e2e ' "$log")
+  while read -r _ batch context ttft _ tpot _; do
+    local key="$batch $context"
+    [[ -n ${tpotReal[$key]:-} ]] || continue
+    shares+=("$(awk -v l="$layout" -v b="$batch" -v c="$context" -v t="${ttftReal[$key]}" \
+      -v ts="$ttft" -v p="${tpotReal[$key]}" -v ps="$tpot" 'BEGIN {
+        printf "%-10s batch %4s context %7s: communication %4.1f%% of TTFT, %4.1f%% of TPOT", l, b, c,
+          100 * (1 - ts / t), 100 * (1 - ps / p) }')")
+  done < <(grep '^e2e ' "$skipped")
+}
+
 # The synthetic tiny model: each sharded plan on N GPUs against the one-GPU run.
 checks=()
 prompt=3,1,4,1,5,9,2,6,5,3,5,8,9,7,9,3
@@ -194,6 +224,12 @@ for n in "${sizes[@]}"; do
       "$root/tools/scripts/launch-local.sh" -n "$n" --log-dir "$logs/k48-$suffix" -- \
       "$bench" e2e --model "$out/k48-$suffix" "${common[@]}" > "$log" 2>&1
     record "$shard" "$n" "$log" $?
+    if ((comm_share)); then
+      "$root/tools/scripts/launch-local.sh" -n "$n" --log-dir "$logs/k48-$suffix-nocomm" -- \
+        "$bench" e2e --model "$out/k48-$suffix" "${common[@]}" --skip-collectives \
+        > "$log.nocomm" 2>&1
+      record_share "$shard" "$log" "$log.nocomm" $?
+    fi
   done < <(layouts "$n")
 done
 
@@ -202,6 +238,7 @@ printf '%-10s %4s %6s %8s %10s %10s %12s %9s %9s\n' layout GPUs batch context "T
   "TPOT us" "decode t/s" "TTFT x" "TPOT x"
 printf '%s\n' "${rows[@]}"
 printf '%s\n' "${notes[@]}"
+((${#shares[@]})) && printf '%s\n' "${shares[@]}"
 if [[ $failures -gt 0 ]]; then
   echo "SCALING RUN FAILED ($failures)"
   exit 1

@@ -98,4 +98,11 @@ StatusOr<std::unique_ptr<Communicator>> connectNccl(const RendezvousConfig &conf
 // the device or the rank that failed.
 StatusOr<std::unique_ptr<Communicator>> connectFromEnvironment(const std::string &device);
 
+// Timing only: a communicator over `real` (which must outlive it) whose collectives return at
+// once, leaving their buffers as they are (an all-reduce keeps this rank's partial, a gather the
+// rows it had); rank, world size, buffer kind and splits are real's. A sharded step run with it
+// costs its kernels without its communication: hybrid-bench e2e --skip-collectives measures the
+// share of a step spent communicating. Its results are wrong by design.
+std::unique_ptr<Communicator> skipCollectives(Communicator &real);
+
 } // namespace hybrid::comm
