@@ -23,6 +23,7 @@
 namespace hybrid::comm {
 namespace {
 
+using rankthreads::freePort;
 using rankthreads::onEveryRank;
 
 std::vector<float> randomValues(size_t n, uint32_t seed) {
@@ -303,21 +304,6 @@ TEST_F(LaunchEnvironment, ConnectsThisProcessAsItsRank) {
   ASSERT_FALSE(nccl);
   EXPECT_EQ(nccl.status().message().rfind("rank 1 of 2: nccl", 0), 0u)
       << nccl.status().message();
-}
-
-// A port nobody listens on right now (the kernel's pick for port 0).
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof address;
-  int port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr *>(&address), sizeof address) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr *>(&address), &length) == 0)
-    port = ntohs(address.sin_port);
-  ::close(fd);
-  return port;
 }
 
 TEST(Rendezvous, EveryRankGetsEveryBlobInRankOrder) {

@@ -16,13 +16,10 @@
 #include "hybrid/runtime/Generate.h"
 #include "hybrid/runtime/Model.h"
 
+#include "../comm/RankThreads.h"
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
-
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -35,6 +32,8 @@
 
 namespace hybrid {
 namespace {
+
+using comm::rankthreads::freePort;
 
 const char *const kModels[] = {"kimi_linear_tiny", "kimi_attnres_tiny", "deepseek_v32_tiny"};
 constexpr int64_t kNewTokens = 12;
@@ -114,21 +113,6 @@ onRankThreads(int world, const std::function<StatusOr<GenerationResult>(int)> &b
   for (std::thread &thread : threads)
     thread.join();
   return results;
-}
-
-// A port nobody listens on right now (the kernel's pick for port 0).
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof address;
-  int port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr *>(&address), sizeof address) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr *>(&address), &length) == 0)
-    port = ntohs(address.sin_port);
-  ::close(fd);
-  return port;
 }
 
 comm::RendezvousConfig localRank(int rank, int world, int port) {
