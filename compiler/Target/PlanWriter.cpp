@@ -140,7 +140,8 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
                                 static_cast<float>(p.real("routed_scaling_factor")),
                                 p.i32("intermediate_size"), p.i32("num_shared_experts"),
                                 writeActivation(p), static_cast<float>(p.real("situ_beta")),
-                                static_cast<float>(p.real("situ_linear_beta")))
+                                static_cast<float>(p.real("situ_linear_beta")),
+                                p.flag("all_to_all"))
                 .Union()};
   case plan::KernelId::lm_head:
     return {fb::KernelParams::LmHeadParams, fb::CreateLmHeadParams(b).Union()};

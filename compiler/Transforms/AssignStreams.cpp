@@ -71,16 +71,22 @@ void assignProgram(plan::ProgramOp program, int32_t maxStreams) {
 
   // Streams: a step continues the lowest stream whose last step it depends on anyway (no false
   // serialization); work independent of every stream's tail opens a new stream.
-  // Collectives (a sharded plan's all-reduces and gathers) go on a stream of their own, after the compute
-  // streams, in program order: every rank then issues them in the same order, and compute that
-  // does not need a sum can overlap it.
+  // Collectives (a sharded plan's all-reduces and gathers, and the routed experts that exchange
+  // rows by an all-to-all) go on a stream of their own, after the compute streams, in program
+  // order: every rank then issues them in the same order, and compute that does not need a sum
+  // can overlap it.
   constexpr int32_t kCollectiveStream = -2;
   SmallVector<int64_t> tail; // last step per stream
   SmallVector<int32_t> streamOf(n, 0);
   bool anyCollective = false;
+  auto communicates = [](plan::DispatchOp step) {
+    auto allToAll = step.getParams().getAs<BoolAttr>("all_to_all");
+    return step.getKernel() == plan::KernelId::all_reduce_sum ||
+           step.getKernel() == plan::KernelId::all_gather_rows ||
+           (step.getKernel() == plan::KernelId::moe_experts && allToAll && allToAll.getValue());
+  };
   for (size_t s = 0; s < n; ++s) {
-    if (steps[s].getKernel() == plan::KernelId::all_reduce_sum ||
-        steps[s].getKernel() == plan::KernelId::all_gather_rows) {
+    if (communicates(steps[s])) {
       streamOf[s] = kCollectiveStream;
       anyCollective = true;
       continue;

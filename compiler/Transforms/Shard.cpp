@@ -85,12 +85,17 @@ struct PartialOutput {
   StringRef group;
 };
 
+// Whether the routed experts are spread over the context ranks (ep = cp, tp = 1): those hold
+// different tokens in the prefill, which exchanges them by an all-to-all (docs/parallelism.md).
+bool expertsOverContext(int64_t tp, int64_t ep, int64_t cp) { return tp == 1 && cp > 1 && ep == cp; }
+
 // Ranks are numbered tensor-parallel first (plan.fbs CollectiveGroup): world rank r is tensor
 // rank r % tp of context rank r / tp.
 class RankSharder {
 public:
   RankSharder(plan::PlanOp planOp, int64_t tp, int64_t ep, int64_t cp, int64_t rank)
-      : plan_(planOp), tp_(tp), ep_(ep), cp_(cp), rank_(rank % tp), builder_(planOp.getContext()) {}
+      : plan_(planOp), tp_(tp), ep_(ep), cp_(cp), rank_(rank % tp), contextRank_(rank / tp),
+        builder_(planOp.getContext()) {}
 
   LogicalResult run() {
     Block &body = plan_.getBodyBlock();
@@ -316,26 +321,39 @@ private:
     return success();
   }
 
-  // Routed experts: rank r holds experts [r E / ep, (r + 1) E / ep); the others' weights are
-  // absent (-1) and the kernel skips their choices, so its output is this rank's part of the sum.
-  LogicalResult shardExperts(plan::DispatchOp dispatch) {
+  // Routed experts: rank r of the expert group holds experts [r E / ep, (r + 1) E / ep); the
+  // others' weights are absent (-1) and the kernel skips their choices, so its output is this
+  // rank's part of the sum. The group is the tensor-parallel ranks, or with ep = cp (tp = 1) the
+  // context ranks: their prefill holds different rows, so there the dispatch exchanges them
+  // (`all_to_all`: its output is already the whole sum of this rank's rows), while their decode
+  // runs the same rows everywhere and sums the parts over the context group.
+  LogicalResult shardExperts(plan::DispatchOp dispatch, bool contextPrefill) {
     const int64_t experts = intParam(dispatch, "num_experts");
     if (experts % ep_ != 0)
       return dispatch.emitOpError() << "layer " << layerOf(dispatch) << ": " << experts
                                     << " experts cannot be split over ep=" << ep_ << " ranks";
-    const int64_t part = experts / ep_, group = rank_ % ep_;
+    const bool overContext = expertsOverContext(tp_, ep_, cp_);
+    const int64_t part = experts / ep_, group = (overContext ? contextRank_ : rank_) % ep_;
     SmallVector<int32_t> w(dispatch.getWeights());
     for (int64_t e = 0; e < experts; ++e)
       if (e / part != group)
         for (int role = 0; role < 3; ++role)
           w[3 * e + role] = -1;
     dispatch.setWeightsAttr(builder_.getDenseI32ArrayAttr(w));
-    partials_.push_back({dispatch, true, "expert_parallel"});
+    if (overContext && contextPrefill) {
+      NamedAttrList params(dispatch.getParams());
+      params.set("all_to_all", builder_.getBoolAttr(true));
+      dispatch.setParamsAttr(params.getDictionary(dispatch.getContext()));
+      return success();
+    }
+    partials_.push_back({dispatch, true, overContext ? "context_parallel" : "expert_parallel"});
     return success();
   }
 
   LogicalResult shardProgram(plan::ProgramOp program) {
     partials_.clear();
+    // The program whose rows shardContext cuts among the context ranks.
+    const bool contextPrefill = cp_ > 1 && program.getName() == "prefill";
     SmallVector<plan::DispatchOp> dispatches(program.getBodyBlock().getOps<plan::DispatchOp>());
     for (plan::DispatchOp dispatch : dispatches) {
       LogicalResult result = success();
@@ -360,7 +378,7 @@ private:
         break;
       case plan::KernelId::moe_experts:
         if (ep_ > 1)
-          result = shardExperts(dispatch);
+          result = shardExperts(dispatch, contextPrefill);
         break;
       default:
         break;
@@ -662,7 +680,7 @@ private:
   }
 
   plan::PlanOp plan_;
-  int64_t tp_, ep_, cp_, rank_; // rank_: the tensor rank
+  int64_t tp_, ep_, cp_, rank_, contextRank_; // rank_: the tensor rank
   OpBuilder builder_;
   SmallVector<plan::WeightOp> weights_;
   std::map<int32_t, Slice> slices_; // the weights this rank cuts, block scales included
@@ -686,12 +704,20 @@ struct ShardPass : impl::ShardBase<ShardPass> {
       return signalPassFailure();
     }
     const int64_t world = tp * cp;
-    // The expert all-reduce needs ranks holding the same tokens: context ranks hold different
-    // ones (spreading experts over them would need the all-to-all dispatch).
-    if (ep != 1 && ep != tp) {
-      module.emitError() << "--hybrid-shard: ep=" << ep << " must be 1 or tp=" << tp
-                         << ": experts are spread over the tensor-parallel ranks, which hold "
-                         << "the same tokens";
+    // Experts go over the tensor-parallel ranks (the same tokens: an all-reduce combines them)
+    // or, without tensor parallelism, over the context ranks (an all-to-all in the prefill).
+    if (ep != 1 && ep != tp && !expertsOverContext(tp, ep, cp)) {
+      InFlightDiagnostic error = module.emitError();
+      error << "--hybrid-shard: ep=" << ep << " must be 1" << (tp == 1 && cp > 1 ? ", " : " or ")
+            << "tp=" << tp;
+      if (tp == 1 && cp > 1)
+        error << " or cp=" << cp;
+      error << ": experts are spread over the tensor-parallel ranks, which hold the same "
+            << "tokens, or with tp=1 over the context-parallel ranks (an all-to-all in the "
+            << "prefill)";
+      if (tp > 1 && cp > 1)
+        error << "; experts over both the tensor and the context ranks (ep=" << world
+              << ") are not built";
       return signalPassFailure();
     }
     if (world == 1)

@@ -226,6 +226,31 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
       if (!group || group.getValue() != "context_parallel")
         return dispatch.emitOpError() << "all_gather_rows runs over the context_parallel group";
     }
+    // Experts spread over the context ranks (ep = cp, tp = 1): the prefill exchanges its rows
+    // inside moe_experts (all_to_all), the decode sums the experts' parts over the context group.
+    const int64_t tp = planOp.getTensorParallel().value_or(1),
+                  ep = planOp.getExpertParallel().value_or(1),
+                  cp = planOp.getContextParallel().value_or(1);
+    const bool expertsOverContext = tp == 1 && cp > 1 && ep == cp;
+    if (auto allToAll = dispatch.getParams().getAs<BoolAttr>("all_to_all");
+        allToAll && allToAll.getValue()) {
+      if (dispatch.getKernel() != plan::KernelId::moe_experts || !expertsOverContext ||
+          values[dispatch.getInputs()[0]].getRows() != "context_shard")
+        return dispatch.emitOpError()
+               << "all_to_all: only moe_experts on a context-parallel prefill's rows, in a plan "
+               << "whose experts are spread over the context ranks (expert_parallel = "
+               << "context_parallel, tensor_parallel 1; this plan has tensor_parallel " << tp
+               << ", expert_parallel " << ep << ", context_parallel " << cp << ")";
+    }
+    if (dispatch.getKernel() == plan::KernelId::all_reduce_sum) {
+      auto group = dispatch.getParams().getAs<StringAttr>("group");
+      if (group && group.getValue() == "context_parallel" &&
+          (!expertsOverContext || values[dispatch.getOutputs()[0]].getRows() != "step"))
+        return dispatch.emitOpError()
+               << "all_reduce_sum over the context_parallel group: only the decode's routed "
+               << "experts in a plan whose experts are spread over the context ranks "
+               << "(expert_parallel = context_parallel, tensor_parallel 1)";
+    }
     for (StringRef param : requiredParams(dispatch.getKernel()))
       if (!dispatch.getParams().get(param))
         return dispatch.emitOpError() << signature->name << " needs param '" << param << "'";

@@ -41,6 +41,7 @@ struct DispatchSpec {
   int32_t numExperts = 2;
   CollectiveGroup group = CollectiveGroup::TensorParallel;
   int32_t tailRows = 0;
+  bool allToAll = false; // MoeParams.all_to_all
 };
 
 struct CopySpec {
@@ -233,6 +234,7 @@ flatbuffers::Offset<void> buildParams(flatbuffers::FlatBufferBuilder &builder,
     MoeParamsBuilder params(builder);
     params.add_num_experts(dispatch.numExperts);
     params.add_top_k(1);
+    params.add_all_to_all(dispatch.allToAll);
     return params.Finish().Union();
   }
   case KernelParams::LmHeadParams:
@@ -716,12 +718,73 @@ TEST(PlanLoader, ContextParallelRowsAndGathers) {
   EXPECT_CONTAINS(loadError(noGroup), "(AllGatherRows).params.group: ContextParallel in a plan "
                                       "without context parallelism (target.context_parallel 1)");
 
-  // Experts spread over the ranks holding the same tokens only.
+  // Experts spread over the tensor ranks (the same tokens) or, with tensor_parallel 1, over the
+  // context ranks (since 1.5), not over a number of ranks that is neither.
   PlanSpec experts = plan;
   experts.expertParallel = 2;
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(experts), kSource).isOk());
+  experts.expertParallel = 4;
   EXPECT_CONTAINS(loadError(experts), "target: tensor_parallel 1 x context_parallel 2 must equal "
-                                      "world_size 2, and expert_parallel 2 must be 1 or "
-                                      "tensor_parallel");
+                                      "world_size 2, and expert_parallel 4 must be 1, "
+                                      "tensor_parallel or (with tensor_parallel 1) "
+                                      "context_parallel");
+}
+
+// Experts spread over the context ranks (plan format 1.5, cp=2 ep=2 tp=1): the prefill's
+// MoeExperts on this rank's rows exchanges them (all_to_all), the decode's sums its part over the
+// context group; neither anywhere else.
+TEST(PlanLoader, ExpertsOverTheContextRanks) {
+  PlanSpec prefill = minimalPlan();
+  prefill.worldSize = 2;
+  prefill.contextParallel = 2;
+  prefill.expertParallel = 2;
+  prefill.values = {{DType::I64, 1, 0, ValueRows::ContextShard},
+                    {DType::F32, 16, 64, ValueRows::ContextShard},
+                    {DType::F32, 16, 320, ValueRows::ContextShard}};
+  firstDispatch(prefill) = dispatchOf(KernelId::MoeExperts, KernelParams::MoeParams,
+                                      {0, 0, 0, -1, -1, -1}, {1, 1, 1}, {2});
+  firstDispatch(prefill).allToAll = true;
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(prefill), kSource).isOk());
+  PlanSpec partial = prefill; // a partial sum nothing completes
+  firstDispatch(partial).allToAll = false;
+  EXPECT_CONTAINS(loadError(partial), "(MoeExperts).params.all_to_all: MoeExperts on ContextShard "
+                                      "rows with the experts spread over the context ranks must "
+                                      "exchange its rows (all_to_all true)");
+  PlanSpec tensorExperts = prefill; // tp=2 cp=2 ep=2: the experts over the tensor ranks
+  tensorExperts.worldSize = 4;
+  tensorExperts.tensorParallel = 2;
+  EXPECT_CONTAINS(loadError(tensorExperts),
+                  "(MoeExperts).params.all_to_all: only MoeExperts on ContextShard rows in a plan "
+                  "whose experts are spread over the context ranks (expert_parallel = "
+                  "context_parallel, tensor_parallel 1)");
+  PlanSpec router = prefill;
+  firstDispatch(router) =
+      dispatchOf(KernelId::RouterTopK, KernelParams::MoeParams, {0, -1}, {1}, {2, 2});
+  firstDispatch(router).allToAll = true;
+  EXPECT_CONTAINS(loadError(router), "(RouterTopK).params.all_to_all: only MoeExperts");
+
+  PlanSpec decode = minimalPlan();
+  decode.programName = "decode";
+  decode.worldSize = 2;
+  decode.contextParallel = 2;
+  decode.expertParallel = 2;
+  firstDispatch(decode) = dispatchOf(KernelId::AllReduceSum, KernelParams::CollectiveParams, {},
+                                     {1}, {2});
+  firstDispatch(decode).group = CollectiveGroup::ContextParallel;
+  EXPECT_TRUE(LoadedPlan::fromBytes(buildPlan(decode), kSource).isOk());
+  PlanSpec onStepRows = decode; // the decode's rows: an all_to_all there is refused
+  firstDispatch(onStepRows) = dispatchOf(KernelId::MoeExperts, KernelParams::MoeParams,
+                                         {0, 0, 0, -1, -1, -1}, {1, 1, 1}, {2});
+  firstDispatch(onStepRows).allToAll = true;
+  EXPECT_CONTAINS(loadError(onStepRows), "(MoeExperts).params.all_to_all: only MoeExperts on "
+                                         "ContextShard rows");
+  PlanSpec shardRows = decode; // an all-reduce over the context ranks of rows they do not share
+  shardRows.values[1].rows = ValueRows::ContextShard;
+  shardRows.values[2].rows = ValueRows::ContextShard;
+  EXPECT_CONTAINS(loadError(shardRows), "(AllReduceSum).params.group: an all-reduce sums over the "
+                                        "TensorParallel or ExpertParallel group, or over "
+                                        "ContextParallel the Step rows of a plan whose experts "
+                                        "are spread over the context ranks");
 }
 
 TEST(PlanLoader, OperandCountsFollowTheKernelSignature) {
@@ -896,7 +959,9 @@ TEST(PlanTarget, ShardedPlanNeedsItsWorldAndRank) {
   PlanSpec uneven = sharded;
   uneven.tensorParallel = 3;
   EXPECT_CONTAINS(loadError(uneven), "target: tensor_parallel 3 x context_parallel 1 must equal "
-                                     "world_size 2, and expert_parallel 2 must be 1 or tensor_parallel");
+                                     "world_size 2, and expert_parallel 2 must be 1, "
+                                     "tensor_parallel or (with tensor_parallel 1) "
+                                     "context_parallel");
   PlanSpec outside = sharded;
   outside.rank = 2;
   EXPECT_CONTAINS(loadError(outside), "target.rank: 2 is outside the world of 2 ranks");

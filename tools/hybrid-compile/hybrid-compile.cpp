@@ -81,10 +81,11 @@ cl::opt<std::string> syntheticWeights(
     cl::value_desc("seed"), cl::ValueOptional, cl::init(""));
 cl::opt<std::string> shard(
     "shard",
-    cl::desc("Shard for several ranks (--hybrid-shard): tp=N tensor-parallel, ep=M "
-             "expert-parallel (1 or N), comma separated; writes plan.rank<r>.hyplan and "
-             "weights.rank<r>.hyw per rank (run with hybrid-run --world-size)"),
-    cl::value_desc("tp=N,ep=M"), cl::init(""));
+    cl::desc("Shard for several ranks (--hybrid-shard): tp=N tensor-parallel, cp=C "
+             "context-parallel (prefill), ep=M expert-parallel (1, N, or C when N is 1), comma "
+             "separated; writes plan.rank<r>.hyplan and weights.rank<r>.hyw per rank (run with "
+             "hybrid-run --world-size)"),
+    cl::value_desc("tp=N,cp=C,ep=M"), cl::init(""));
 cl::opt<bool> report("report",
                      cl::desc("With --emit=plan: print the plan's arena sizes, fused kernels, "
                               "streams, events and weight bytes per dtype"),

@@ -8,7 +8,7 @@
 #include "hybrid/kernels/ref/Moe.h"
 #include "hybrid/kernels/ref/Norm.h"
 #include "hybrid/kernels/ref/Quant.h"
-#include "hybrid/runtime/ContextParallel.h" // zigzagPositions
+#include "hybrid/runtime/ContextParallel.h" // zigzagPositions, moeExpertParallel
 #include "hybrid/runtime/WeightArchive.h"
 #include "runtime/schema/kernel_signatures.h"
 
@@ -773,37 +773,6 @@ ref::GatedActivation gatedActivation(fb::Activation activation, float beta, floa
   return {};
 }
 
-// The routed experts: Σ_k weight_k · SwiGLU_{id_k}(x) per token (the shared expert is its own
-// dispatch).
-Status runMoeExperts(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
-  const fb::MoeParams *p = d.params_as_MoeParams();
-  HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
-  HYBRID_ASSIGN_OR_RETURN(std::span<int32_t> ids, valueAs<int32_t>(c, d.inputs()->Get(1),
-                                                                   fb::DType::I32));
-  HYBRID_ASSIGN_OR_RETURN(std::span<float> weights, floatValue(c, d.inputs()->Get(2)));
-  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
-  const int64_t dModel = rowElements(c, d.inputs()->Get(0)), width = p->intermediate_size();
-  std::vector<ref::SwiGluWeights> experts;
-  for (int64_t e = 0; e < p->num_experts(); ++e)
-    experts.push_back({w[3 * e], w[3 * e + 1], w[3 * e + 2], dModel, width,
-                       w.fp8Activations(3 * e),
-                       gatedActivation(p->activation(), p->situ_beta(), p->situ_linear_beta())});
-  // Expert parallelism: experts held by other ranks have no weights here; their choices are
-  // skipped (-1), so the output is this rank's part of the sum an all-reduce completes.
-  std::vector<int32_t> heldIds;
-  std::span<const int32_t> chosen = ids;
-  if (!std::all_of(experts.begin(), experts.end(),
-                   [](const ref::SwiGluWeights &e) { return !e.gateProj.empty(); })) {
-    heldIds.assign(ids.begin(), ids.begin() + c.rows * p->top_k());
-    for (int32_t &id : heldIds)
-      if (id >= 0 && id < p->num_experts() && experts[static_cast<size_t>(id)].gateProj.empty())
-        id = -1;
-    chosen = heldIds;
-  }
-  ref::moeExperts(x, c.rows, dModel, chosen, weights, p->top_k(), experts, {}, out);
-  return Status::ok();
-}
-
 // ---- Collectives. A group (plan.fbs CollectiveGroup) is the world or part of it; a part's
 // collectives go through the world communicator (an all-gather, of which each rank keeps its
 // group's pieces) so that every backend serves them: a correctness path, as the cpu device is.
@@ -822,6 +791,93 @@ std::vector<int> groupMembers(const StepContext &c, fb::CollectiveGroup group) {
   return members;
 }
 
+Status needCommunicator(const StepContext &c) {
+  if (!c.communicator)
+    return Status::error("a sharded plan's collective needs a communicator "
+                         "(LoadOptions::communicator, hybrid-run --world-size)");
+  return Status::ok();
+}
+
+// MoeParams.all_to_all: the routed experts of a context-parallel prefill whose experts are
+// spread over the context ranks (expert_parallel = context_parallel, tensor_parallel 1). This
+// rank's rows go to the ranks holding their experts and come back (parallel::moeExpertParallel
+// over the context group, which is the world); the output is their whole routed sum, added in
+// ascending expert order as ref::moeExperts adds it.
+Status runMoeAllToAll(const StepContext &c, const fb::MoeParams *p, std::span<const float> x,
+                      int64_t dModel, std::span<const int32_t> ids,
+                      std::span<const float> weights, std::span<float> out,
+                      std::span<const ref::SwiGluWeights> experts) {
+  HYBRID_RETURN_IF_ERROR(needCommunicator(c));
+  if (!c.contextShard)
+    return Status::error("all_to_all runs in a context-parallel prefill only");
+  const int world = c.communicator->worldSize(), rank = c.communicator->rank();
+  if (static_cast<int>(groupMembers(c, fb::CollectiveGroup::ContextParallel).size()) != world)
+    return Status::error("all_to_all exchanges rows over the context_parallel group, which must "
+                         "be the whole world of " + std::to_string(world) +
+                         " ranks (tensor_parallel 1)");
+  const int64_t numExperts = p->num_experts();
+  if (numExperts % world != 0)
+    return Status::error("all_to_all: " + std::to_string(numExperts) +
+                         " experts do not split over the " + std::to_string(world) +
+                         " context ranks");
+  // This rank holds experts [rank E / N, (rank + 1) E / N) and no other.
+  const int64_t perRank = numExperts / world;
+  for (int64_t e = 0; e < numExperts; ++e) {
+    const bool mine = e / perRank == rank;
+    if (mine == experts[size_t(e)].gateProj.empty())
+      return Status::error("all_to_all: context rank " + std::to_string(rank) + " of " +
+                           std::to_string(world) + " holds experts [" +
+                           std::to_string(rank * perRank) + ", " +
+                           std::to_string((rank + 1) * perRank) + "), but expert " +
+                           std::to_string(e) + "'s weights are " +
+                           (mine ? "absent" : "present") + " in the dispatch");
+  }
+  parallel::ExpertParallelShard shard;
+  shard.tokens = c.rows;
+  shard.hidden = dModel;
+  shard.topK = p->top_k();
+  shard.numExperts = numExperts;
+  shard.x = x.data();
+  shard.expertIds = ids.data();
+  shard.expertWeights = weights.data();
+  shard.localExperts = experts.subspan(size_t(rank * perRank), size_t(perRank));
+  shard.out = out.data();
+  return parallel::moeExpertParallel(*c.communicator, shard);
+}
+
+// The routed experts: Σ_k weight_k · SwiGLU_{id_k}(x) per token (the shared expert is its own
+// dispatch).
+Status runMoeExperts(const StepContext &c, const fb::Dispatch &d, const Weights &w) {
+  const fb::MoeParams *p = d.params_as_MoeParams();
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> x, floatValue(c, d.inputs()->Get(0)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<int32_t> ids, valueAs<int32_t>(c, d.inputs()->Get(1),
+                                                                   fb::DType::I32));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> weights, floatValue(c, d.inputs()->Get(2)));
+  HYBRID_ASSIGN_OR_RETURN(std::span<float> out, floatValue(c, d.outputs()->Get(0)));
+  const int64_t dModel = rowElements(c, d.inputs()->Get(0)), width = p->intermediate_size();
+  std::vector<ref::SwiGluWeights> experts;
+  for (int64_t e = 0; e < p->num_experts(); ++e)
+    experts.push_back({w[3 * e], w[3 * e + 1], w[3 * e + 2], dModel, width,
+                       w.fp8Activations(3 * e),
+                       gatedActivation(p->activation(), p->situ_beta(), p->situ_linear_beta())});
+  if (p->all_to_all())
+    return runMoeAllToAll(c, p, x, dModel, ids, weights, out, experts);
+  // Expert parallelism: experts held by other ranks have no weights here; their choices are
+  // skipped (-1), so the output is this rank's part of the sum an all-reduce completes.
+  std::vector<int32_t> heldIds;
+  std::span<const int32_t> chosen = ids;
+  if (!std::all_of(experts.begin(), experts.end(),
+                   [](const ref::SwiGluWeights &e) { return !e.gateProj.empty(); })) {
+    heldIds.assign(ids.begin(), ids.begin() + c.rows * p->top_k());
+    for (int32_t &id : heldIds)
+      if (id >= 0 && id < p->num_experts() && experts[static_cast<size_t>(id)].gateProj.empty())
+        id = -1;
+    chosen = heldIds;
+  }
+  ref::moeExperts(x, c.rows, dModel, chosen, weights, p->top_k(), experts, {}, out);
+  return Status::ok();
+}
+
 // Every member's `count` floats, in member order. `count` must be the same on every rank of the
 // world, not only of the group.
 Status groupAllGather(const StepContext &c, const std::vector<int> &members, const float *mine,
@@ -836,13 +892,6 @@ Status groupAllGather(const StepContext &c, const std::vector<int> &members, con
   out.resize(members.size() * count);
   for (size_t m = 0; m < members.size(); ++m)
     std::copy_n(all.data() + size_t(members[m]) * count, count, out.data() + m * count);
-  return Status::ok();
-}
-
-Status needCommunicator(const StepContext &c) {
-  if (!c.communicator)
-    return Status::error("a sharded plan's collective needs a communicator "
-                         "(LoadOptions::communicator, hybrid-run --world-size)");
   return Status::ok();
 }
 

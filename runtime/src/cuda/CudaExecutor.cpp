@@ -542,6 +542,16 @@ StatusOr<std::unique_ptr<CudaExecutor>>
 CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightArchive &archive,
                      const HostWeights &hostWeights, const RecurrentStatePool &states,
                      PagedKvCache &kvCache, const LoadOptions &options, LoadTimings &timings) {
+  // Experts spread over the context ranks (plan 1.5): the prefill's MoeExperts exchange rows by
+  // an all-to-all that only the cpu device runs (parallel::moeExpertParallel on host buffers).
+  // Refused here, before anything touches a GPU, rather than run as a partial sum.
+  if (const fb::Target *target = plan.target();
+      target && target->tensor_parallel() == 1 && target->context_parallel() > 1 &&
+      target->expert_parallel() == target->context_parallel())
+    return Status::error(dir + ": cp=" + std::to_string(target->context_parallel()) +
+                         ",ep=" + std::to_string(target->expert_parallel()) +
+                         ": the expert all-to-all runs on the cpu device only so far (compile "
+                         "for the cuda device with ep=1, or with tp=N,ep=N)");
   // Each lap adds the time since the previous one to a phase (LoadTimings).
   auto lapStart = std::chrono::steady_clock::now();
   auto lap = [&lapStart](double &phase) {

@@ -174,15 +174,17 @@ private:
     HYBRID_RETURN_IF_ERROR(checkPositive("target.context_parallel", target->context_parallel()));
     // The layout docs/parallelism.md describes: TP x CP ranks, experts spread over the same ranks.
     const int64_t world = target->world_size();
-    // Experts spread over ranks holding the same tokens: the tensor-parallel ones.
+    // Experts spread over ranks holding the same tokens (the tensor-parallel ones) or, without
+    // tensor parallelism, over the context ranks (exchanging rows in the prefill, since 1.5).
     if (int64_t(target->tensor_parallel()) * target->context_parallel() != world ||
         (target->expert_parallel() != 1 &&
-         target->expert_parallel() != target->tensor_parallel()))
+         target->expert_parallel() != target->tensor_parallel() && !expertsOverContext()))
       return Status::error("target: tensor_parallel " + std::to_string(target->tensor_parallel()) +
                            " x context_parallel " + std::to_string(target->context_parallel()) +
                            " must equal world_size " + std::to_string(world) +
                            ", and expert_parallel " + std::to_string(target->expert_parallel()) +
-                           " must be 1 or tensor_parallel");
+                           " must be 1, tensor_parallel or (with tensor_parallel 1) "
+                           "context_parallel");
     if (target->rank() < 0 || target->rank() >= world)
       return Status::error("target.rank: " + std::to_string(target->rank()) +
                            " is outside the world of " + std::to_string(world) + " ranks");
@@ -518,6 +520,7 @@ private:
         checkOptionalIndex(context + ".layer", dispatch.layer(), numLayers(), "the plan's layers"));
     HYBRID_RETURN_IF_ERROR(checkActivation(context, dispatch));
     HYBRID_RETURN_IF_ERROR(checkCollective(context, dispatch, scope));
+    HYBRID_RETURN_IF_ERROR(checkExpertAllToAll(context, dispatch, scope));
     return checkCacheSlots(context, dispatch);
   }
 
@@ -535,10 +538,19 @@ private:
     if (contextGroup && plan_.target()->context_parallel() == 1)
       return Status::error(context + ".params.group: ContextParallel in a plan without context "
                                      "parallelism (target.context_parallel 1)");
-    if (dispatch.kernel() != fb::KernelId::AllGatherRows)
-      return contextGroup ? Status::error(context + ".params.group: an all-reduce sums over the "
-                                                    "TensorParallel or ExpertParallel group")
-                          : Status::ok();
+    if (dispatch.kernel() != fb::KernelId::AllGatherRows) {
+      // Over the context ranks only the routed experts' parts of a step every context rank runs
+      // whole (decode), in a plan whose experts are spread over them.
+      if (contextGroup &&
+          (!expertsOverContext() ||
+           scope.values->Get(dispatch.outputs()->Get(0))->rows() != fb::ValueRows::Step))
+        return Status::error(context + ".params.group: an all-reduce sums over the "
+                                       "TensorParallel or ExpertParallel group, or over "
+                                       "ContextParallel the Step rows of a plan whose experts "
+                                       "are spread over the context ranks (expert_parallel = "
+                                       "context_parallel, tensor_parallel 1)");
+      return Status::ok();
+    }
     if (!contextGroup)
       return Status::error(context + ".params.group: AllGatherRows gathers over the "
                                      "ContextParallel group");
@@ -553,6 +565,37 @@ private:
                            fb::EnumNameValueRows(to) + " rows (ContextShard -> Step or "
                            "ContextChunks -> AllContextChunks)");
     return Status::ok();
+  }
+
+  // MoeParams.all_to_all: the routed experts of a context-parallel prefill exchange this rank's
+  // rows with the context ranks holding their experts. Only there, and there always (without it
+  // the output would be a partial sum that nothing completes).
+  Status checkExpertAllToAll(const std::string &context, const fb::Dispatch &dispatch,
+                             const ProgramScope &scope) {
+    const fb::MoeParams *p = dispatch.params_as_MoeParams();
+    if (!p)
+      return Status::ok();
+    const bool shardRows = dispatch.kernel() == fb::KernelId::MoeExperts &&
+                           scope.values->Get(dispatch.inputs()->Get(0))->rows() ==
+                               fb::ValueRows::ContextShard;
+    if (p->all_to_all() && (dispatch.kernel() != fb::KernelId::MoeExperts ||
+                            !expertsOverContext() || !shardRows))
+      return Status::error(context + ".params.all_to_all: only MoeExperts on ContextShard rows "
+                                     "in a plan whose experts are spread over the context ranks "
+                                     "(expert_parallel = context_parallel, tensor_parallel 1)");
+    if (!p->all_to_all() && shardRows && expertsOverContext())
+      return Status::error(context + ".params.all_to_all: MoeExperts on ContextShard rows with "
+                                     "the experts spread over the context ranks must exchange "
+                                     "its rows (all_to_all true)");
+    return Status::ok();
+  }
+
+  // The routed experts spread over the context ranks (expert_parallel = context_parallel,
+  // tensor_parallel 1): the layout whose prefill runs MoeExperts as an all-to-all.
+  bool expertsOverContext() const {
+    const fb::Target &target = *plan_.target();
+    return target.tensor_parallel() == 1 && target.context_parallel() > 1 &&
+           target.expert_parallel() == target.context_parallel();
   }
 
   // A gated MLP's activation is known and SiTU has its positive beta (the kernels divide by it).

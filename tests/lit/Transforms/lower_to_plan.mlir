@@ -57,7 +57,7 @@ hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, voca
 
 // CHECK-LABEL: plan.plan @tiny attributes
 // CHECK-SAME: device = "cpu"
-// CHECK-SAME: model_type = "test", num_layers = 2 : i32, page_size = 64 : i32, version = array<i32: 1, 4>
+// CHECK-SAME: model_type = "test", num_layers = 2 : i32, page_size = 64 : i32, version = array<i32: 1, 5>
 // Weights in first-use order, each page aligned; an fp8 weight's scale follows it.
 // CHECK-NEXT: plan.weight "embed" : tensor<32x16xbf16> {offset = 4096 : i64, size = 1024 : i64}
 // CHECK-NEXT: plan.weight "l0.norm" : tensor<16xbf16> {offset = 8192 : i64, size = 32 : i64}

@@ -5,7 +5,10 @@
 // RUN: not hybrid-opt %S/Inputs/shard_odd_heads.mlir --hybrid-lower-to-plan --hybrid-shard="tp=4" 2>&1 | FileCheck %s --check-prefix=HEADS4
 // RUN: not hybrid-opt %S/Inputs/shard_shared_weight.mlir --hybrid-lower-to-plan --hybrid-shard="tp=2" 2>&1 | FileCheck %s --check-prefix=SHARED
 // RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="tp=2 ep=4" 2>&1 | FileCheck %s --check-prefix=EP
-// RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="cp=2 ep=2" 2>&1 | FileCheck %s --check-prefix=EPCP
+// RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="cp=2 ep=3" 2>&1 | FileCheck %s --check-prefix=EPCP
+// RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="tp=2 cp=2 ep=4" 2>&1 | FileCheck %s --check-prefix=EPTPCP
+// RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="ep=2" 2>&1 | FileCheck %s --check-prefix=EPONE
+// RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="cp=2 ep=2" --hybrid-fuse-super-kernels --hybrid-assign-streams --hybrid-plan-memory --hybrid-verify-plan-contract | FileCheck %s --check-prefix=CPEP
 // RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="cp=2" | FileCheck %s --check-prefix=CP
 // RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-shard="tp=2 cp=2 ep=2" --hybrid-fuse-super-kernels --hybrid-assign-streams --hybrid-plan-memory --hybrid-verify-plan-contract | FileCheck %s --check-prefix=TPCP
 // RUN: hybrid-opt %S/Inputs/shard_fp8.mlir --hybrid-lower-to-plan --hybrid-shard="tp=2 ep=2" | FileCheck %s --check-prefix=FP8
@@ -168,9 +171,42 @@ hybrid.model @tiny attributes {model_type = "test", hidden_size = 16 : i64, voca
 // (Inputs/shard_shared_weight.mlir).
 // SHARED: error: loc("model.layers.0.probe"): 'plan.dispatch' op layer 0 reads weight 'mlp.gate' whole, which another kernel reads as this rank's slice
 
-// Experts go over the tensor-parallel ranks or none: context ranks hold other tokens.
-// EP: error: --hybrid-shard: ep=4 must be 1 or tp=2: experts are spread over the tensor-parallel ranks, which hold the same tokens
-// EPCP: error: --hybrid-shard: ep=2 must be 1 or tp=1
+// Experts go over the tensor-parallel ranks, or with tp=1 over the context ranks, or none.
+// EP: error: --hybrid-shard: ep=4 must be 1 or tp=2: experts are spread over the tensor-parallel ranks, which hold the same tokens, or with tp=1 over the context-parallel ranks (an all-to-all in the prefill){{$}}
+// EPCP: error: --hybrid-shard: ep=3 must be 1, tp=1 or cp=2: experts are spread over the tensor-parallel ranks
+// EPTPCP: error: --hybrid-shard: ep=4 must be 1 or tp=2: {{.*}}; experts over both the tensor and the context ranks (ep=4) are not built
+// EPONE: error: --hybrid-shard: ep=2 must be 1 or tp=1: experts are spread over the tensor-parallel ranks
+
+// cp=2 ep=2 (tp=1): the experts are spread over the context ranks, context rank r holding
+// expert r. The prefill's moe_experts exchanges this rank's rows by an all-to-all (all_to_all,
+// on the collective stream: every rank issues it in the same order as the gathers) and no
+// all-reduce follows it; the decode runs the same token on both ranks, so its moe_experts is a
+// partial sum completed by an all_reduce_sum over the context group. The contract verifier
+// accepts both.
+// CPEP-LABEL: plan.plan @tiny_rank0 attributes
+// CPEP-SAME: context_parallel = 2 : i32
+// CPEP-SAME: expert_parallel = 2 : i32
+// CPEP-SAME: rank = 0 : i32, tensor_parallel = 1 : i32
+// CPEP-NOT: slice =
+// CPEP: plan.weight "e0.down"
+// CPEP-NOT: plan.weight "e1.
+// CPEP-LABEL: plan.program "prefill" attributes {{{.*}}num_streams = 2 : i32
+// CPEP-NOT: all_reduce_sum
+// CPEP: plan.dispatch  router_topk [8] -> [9, 10] {{.*}}stream = 0 : i32
+// CPEP-NEXT: plan.dispatch  moe_experts [8, 9, 10] -> [11] weights [{{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}, -1, -1, -1] {layer = 1 : i32, params = {activation = "silu", all_to_all = true, {{.*}}stream = 1 : i32, wait_events =
+// CPEP-NEXT: plan.dispatch  add{{(_rms_norm)?}} [8, 11]
+// CPEP-NOT: all_reduce_sum
+// CPEP-LABEL: plan.program "decode"
+// CPEP: plan.dispatch  moe_experts [8, 9, 10] -> [11] weights [{{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}, -1, -1, -1] {layer = 1 : i32, params = {activation = "silu", intermediate_size
+// CPEP-NEXT: plan.dispatch  all_reduce_sum [11] -> {{\[}}[[SUM:[0-9]+]]] weights [] {layer = 1 : i32, params = {group = "context_parallel"}
+// CPEP-NEXT: plan.dispatch  add{{(_rms_norm)?}} [8, [[SUM]]]
+// CPEP-LABEL: plan.plan @tiny_rank1 attributes
+// CPEP-SAME: rank = 1 : i32
+// CPEP-NOT: plan.weight "e0.
+// CPEP: plan.weight "e1.down"
+// CPEP: plan.dispatch  moe_experts [8, 9, 10] -> [11] weights [-1, -1, -1, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}] {{{.*}}all_to_all = true
+// CPEP: plan.dispatch  moe_experts [8, 9, 10] -> [11] weights [-1, -1, -1, {{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}]
+// CPEP-NEXT: plan.dispatch  all_reduce_sum [11] {{.*}}group = "context_parallel"
 
 // cp=2: every rank keeps every head and weight; the prefill's values hold this rank's zigzag
 // rows, and gathers over the context group give each layer what it needs from every position:

@@ -25,11 +25,14 @@ namespace hybrid {
 
 // The plan format this runtime reads: same major, minor not newer (see plan.fbs).
 inline constexpr uint16_t kPlanVersionMajor = 1;
-inline constexpr uint16_t kPlanVersionMinor = 4; // 1.1: Plan.fp8_activation_scale; 1.2: sharding
+inline constexpr uint16_t kPlanVersionMinor = 5; // 1.1: Plan.fp8_activation_scale; 1.2: sharding
                                                  // (Target rank/layout, Weight.slice, AllReduceSum);
                                                  // 1.3: the Situ activation (Mlp/MoeParams);
                                                  // 1.4: context parallelism (Value.rows,
-                                                 // AllGatherRows, KdaContextSummary, MlaCacheRows)
+                                                 // AllGatherRows, KdaContextSummary, MlaCacheRows);
+                                                 // 1.5: experts over the context ranks
+                                                 // (MoeParams.all_to_all, AllReduceSum over
+                                                 // ContextParallel)
 
 // Shorthands over the kernel table of runtime/schema/kernel_signatures.h, which the compiler's
 // contract verifier reads too. The params table a kernel takes (MlaPrefill, MlaDecode,
