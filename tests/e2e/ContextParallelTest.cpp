@@ -1,16 +1,20 @@
-// Context-parallel prefill (hybrid-compile --shard=cp=N[,tp=M], docs/parallelism.md) on the cpu
-// device, every rank a thread over the loopback communicator: the golden checkpoints' prompt
-// logits and greedy ids equal one rank's, for prompts shorter than the 2N chunks and lengths 2N
-// does not divide, prefilled in one call or two; and the DSA indexer's work is spread evenly.
+// Context-parallel prefill (hybrid-compile --shard=cp=N[,tp=M] or cp=N,ep=N, docs/parallelism.md)
+// on the cpu device, every rank a thread over the loopback communicator: the golden checkpoints'
+// prompt logits and greedy ids equal one rank's, for prompts shorter than the 2N chunks and
+// lengths 2N does not divide, prefilled in one call or two; the DSA indexer's work is spread
+// evenly; and with the experts over the context ranks each rank holds only its own.
 #include "E2eTestSupport.h"
 
 #include "hybrid/runtime/Communicator.h"
+#include "hybrid/runtime/Plan.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <regex>
+#include <set>
 #include <thread>
 
 namespace hybrid {
@@ -110,7 +114,8 @@ TEST_P(ContextParallel, LogitsAndGreedyIdsEqualOneRank) {
       const std::vector<RankRun> one = runRanks(compiledDir(model), 1, prompt, split, 4);
       ASSERT_EQ(one.size(), 1u);
       ASSERT_TRUE(one[0].status.isOk());
-      for (Layout layout : {Layout{"cp2", 2}, Layout{"cp4", 4}, Layout{"tp2-cp2", 4}}) {
+      for (Layout layout : {Layout{"cp2", 2}, Layout{"cp4", 4}, Layout{"tp2-cp2", 4},
+                            Layout{"cp2-ep2", 2}, Layout{"cp4-ep4", 4}}) {
         const std::string dir = compiledDir(model) + "-" + layout.suffix;
         SCOPED_TRACE(dir + ", " + std::to_string(tokens) + " tokens in calls of " +
                      std::to_string(split));
@@ -134,6 +139,77 @@ TEST_P(ContextParallel, LogitsAndGreedyIdsEqualOneRank) {
 INSTANTIATE_TEST_SUITE_P(Goldens, ContextParallel,
                          ::testing::Values("kimi_linear_tiny", "kimi_attnres_tiny",
                                            "deepseek_v32_tiny"));
+
+// Experts over the context ranks (cp=N,ep=N): context rank r's plan holds the weights of
+// experts [r E / N, (r + 1) E / N) and of no other (the rest are -1 in its moe_experts
+// dispatches and absent from its weight table and archive); the prefill's dispatches exchange
+// rows (all_to_all), the decode's do not and an all-reduce over the context group follows them.
+TEST_P(ContextParallel, ExpertsOverTheContextRanksHoldOnlyTheirOwn) {
+  const std::string model = GetParam();
+  const std::regex expertName(R"(\.experts\.([0-9]+)\.)");
+  for (Layout layout : {Layout{"cp2-ep2", 2}, Layout{"cp4-ep4", 4}}) {
+    const std::string dir = compiledDir(model) + "-" + layout.suffix;
+    for (int rank = 0; rank < layout.world; ++rank) {
+      SCOPED_TRACE(dir + " rank " + std::to_string(rank));
+      auto loaded = LoadedPlan::load(dir + "/" + planFileName(rank, layout.world));
+      ASSERT_TRUE(loaded.isOk()) << loaded.status().message();
+      const plan::fb::Plan &plan = loaded->plan();
+      EXPECT_EQ(plan.target()->tensor_parallel(), 1);
+      EXPECT_EQ(plan.target()->expert_parallel(), layout.world);
+      EXPECT_EQ(plan.target()->context_parallel(), layout.world);
+      int64_t experts = 0;
+      int dispatches = 0;
+      for (const plan::fb::Program *program : *plan.programs()) {
+        const bool prefill = program->name()->str() == "prefill";
+        const auto *steps = program->steps();
+        for (size_t s = 0; s < steps->size(); ++s) {
+          const plan::fb::Dispatch *d = steps->Get(flatbuffers::uoffset_t(s))->op_as_Dispatch();
+          if (!d || d->kernel() != plan::fb::KernelId::MoeExperts)
+            continue;
+          ++dispatches;
+          const plan::fb::MoeParams *p = d->params_as_MoeParams();
+          experts = p->num_experts();
+          EXPECT_EQ(p->all_to_all(), prefill) << program->name()->str();
+          const int64_t perRank = experts / layout.world;
+          for (int64_t e = 0; e < experts; ++e)
+            for (int role = 0; role < 3; ++role) {
+              const int32_t w = d->weights()->Get(flatbuffers::uoffset_t(3 * e + role));
+              EXPECT_EQ(w >= 0, e / perRank == rank) << "expert " << e;
+              if (w < 0)
+                continue;
+              std::smatch match;
+              const std::string name = plan.weights()->Get(flatbuffers::uoffset_t(w))->name()->str();
+              ASSERT_TRUE(std::regex_search(name, match, expertName)) << name;
+              EXPECT_EQ(std::stoll(match[1].str()), e) << name;
+            }
+          // The decode sums the experts' parts over the context group; the prefill does not.
+          const plan::fb::Dispatch *next =
+              s + 1 < steps->size() ? steps->Get(flatbuffers::uoffset_t(s + 1))->op_as_Dispatch()
+                                    : nullptr;
+          const bool reduced = next && next->kernel() == plan::fb::KernelId::AllReduceSum &&
+                               next->inputs()->size() == 1 &&
+                               next->inputs()->Get(0) == d->outputs()->Get(0) &&
+                               next->params_as_CollectiveParams()->group() ==
+                                   plan::fb::CollectiveGroup::ContextParallel;
+          EXPECT_EQ(reduced, !prefill) << program->name()->str();
+        }
+      }
+      EXPECT_GT(dispatches, 0);
+      // No other rank's expert anywhere in this rank's weight table.
+      const int64_t perRank = experts / layout.world;
+      std::set<int64_t> held;
+      for (const plan::fb::Weight *weight : *plan.weights()) {
+        std::smatch match;
+        const std::string name = weight->name()->str();
+        if (std::regex_search(name, match, expertName))
+          held.insert(std::stoll(match[1].str()));
+      }
+      ASSERT_FALSE(held.empty());
+      EXPECT_EQ(*held.begin(), rank * perRank);
+      EXPECT_EQ(*held.rbegin(), (rank + 1) * perRank - 1);
+    }
+  }
+}
 
 // Timing only: with every collective skipped a sharded model still loads and runs the same
 // steps on every rank (nothing waits for a peer), and its logits are not the real run's (each
