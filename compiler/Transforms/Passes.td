@@ -47,9 +47,9 @@ def Shard : Pass<"hybrid-shard", "mlir::ModuleOp"> {
     spreads the experts over the context ranks instead (context rank r holds the r-th share):
     the prefill's `moe_experts` gets `all_to_all = true` (the runtime sends each row to its
     experts' ranks and back; no all-reduce) and the decode's `moe_experts` is followed by an
-    `all_reduce_sum` over the context group (every context rank decodes the same rows). Weights a rank reads
-    become its slices (`slice = [axis, begin]`, the packer cuts them from the checkpoint), the
-    rest leave its plan, and its archive is laid out again. A block-quantized weight (FP8 with
+    `all_reduce_sum` over the context group (every context rank decodes the same rows).
+    Weights a rank reads become its slices (`slice = [axis, begin]`, the packer cuts them from
+    the checkpoint), the rest leave its plan, and its archive is laid out again. A block-quantized weight (FP8 with
     128x128 `weight_scale_inv` blocks) is cut at whole blocks and its scale grid by the same
     blocks; a cut inside a block is an error naming the weight and the tp values that would
     keep every block whole. Heads or intermediate rows that do not split over the ranks are an
@@ -64,7 +64,8 @@ def Shard : Pass<"hybrid-shard", "mlir::ModuleOp"> {
   }];
   let options = [
     Option<"tp", "tp", "int32_t", /*default=*/"1", "Tensor-parallel ranks">,
-    Option<"ep", "ep", "int32_t", /*default=*/"1", "Expert-parallel ranks (1, tp, or cp when tp=1)">,
+    Option<"ep", "ep", "int32_t", /*default=*/"1",
+           "Expert-parallel ranks (1, tp, or cp when tp=1)">,
     Option<"cp", "cp", "int32_t", /*default=*/"1", "Context-parallel ranks (prefill)">
   ];
 }

@@ -87,7 +87,9 @@ struct PartialOutput {
 
 // Whether the routed experts are spread over the context ranks (ep = cp, tp = 1): those hold
 // different tokens in the prefill, which exchanges them by an all-to-all (docs/parallelism.md).
-bool expertsOverContext(int64_t tp, int64_t ep, int64_t cp) { return tp == 1 && cp > 1 && ep == cp; }
+bool expertsOverContext(int64_t tp, int64_t ep, int64_t cp) {
+  return tp == 1 && cp > 1 && ep == cp;
+}
 
 // Ranks are numbered tensor-parallel first (plan.fbs CollectiveGroup): world rank r is tensor
 // rank r % tp of context rank r / tp.

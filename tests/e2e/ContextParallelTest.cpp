@@ -178,7 +178,8 @@ TEST_P(ContextParallel, ExpertsOverTheContextRanksHoldOnlyTheirOwn) {
               if (w < 0)
                 continue;
               std::smatch match;
-              const std::string name = plan.weights()->Get(flatbuffers::uoffset_t(w))->name()->str();
+              const std::string name =
+                  plan.weights()->Get(flatbuffers::uoffset_t(w))->name()->str();
               ASSERT_TRUE(std::regex_search(name, match, expertName)) << name;
               EXPECT_EQ(std::stoll(match[1].str()), e) << name;
             }
