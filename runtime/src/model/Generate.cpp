@@ -45,16 +45,69 @@ std::string format(double value) {
   return os.str();
 }
 
+// Each token chosen by options.sampling (greedy parameters: the argmax, lowest id on ties), the
+// decode steps choosing on the device (Model::decodeBatchChoose): no logits come back but the
+// prompt's (its last row only without keepLogits).
+StatusOr<GenerationResult> generateChoosing(Model &model, std::span<const int64_t> prompt,
+                                            const GenerationOptions &options) {
+  const SamplingParams &sampling = options.sampling;
+  GenerationResult result;
+  result.vocabSize = model.vocabSize();
+  result.prompt.assign(prompt.begin(), prompt.end());
+  const size_t vocab = static_cast<size_t>(result.vocabSize);
+  auto start = std::chrono::steady_clock::now();
+  HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> sequence, model.newSequence());
+  HYBRID_ASSIGN_OR_RETURN(result.promptLogits,
+                          sequence->prefill(prompt, options.dumpHidden ? &result.hidden : nullptr,
+                                            options.keepLogits ? PrefillLogits::AllRows
+                                                               : PrefillLogits::LastRow));
+  result.prefillSeconds = seconds(start);
+  if (options.maxNewTokens <= 0)
+    return result;
+
+  start = std::chrono::steady_clock::now();
+  std::vector<int64_t> tokens(prompt.begin(), prompt.end());
+  int64_t next = chooseToken(std::span<const float>(result.promptLogits).last(vocab),
+                             tokenChoice(sampling, 0));
+  for (int64_t step = 0;; ++step) {
+    result.generated.push_back(next);
+    tokens.push_back(next);
+    if (step + 1 == options.maxNewTokens ||
+        std::count(options.stopTokens.begin(), options.stopTokens.end(), next))
+      break;
+    const TokenChoice choice = tokenChoice(sampling, step + 1);
+    if (options.useCaches) {
+      Sequence *row = sequence.get();
+      HYBRID_ASSIGN_OR_RETURN(const std::vector<int64_t> chosen,
+                              model.decodeBatchChoose(std::span(&row, 1), std::span(&next, 1),
+                                                      std::span(&choice, 1)));
+      next = chosen[0];
+    } else {
+      sequence.reset();
+      HYBRID_ASSIGN_OR_RETURN(sequence, model.newSequence());
+      HYBRID_ASSIGN_OR_RETURN(std::vector<float> last,
+                              sequence->prefill(tokens, nullptr, PrefillLogits::LastRow));
+      next = chooseToken(last, choice);
+    }
+  }
+  result.decodeSeconds = seconds(start);
+  return result;
+}
+
 } // namespace
 
 StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t> prompt,
                                           const GenerationOptions &options) {
+  const bool speculate = options.draftTokens > 0 && options.useCaches;
+  // Without keepLogits (and with caches: full forwards are the golden semantics) greedy steps
+  // choose on the device, as sampled ones do.
+  if (!options.keepLogits && options.useCaches && !speculate)
+    return generateChoosing(model, prompt, options);
   GenerationResult result;
   result.vocabSize = model.vocabSize();
   result.prompt.assign(prompt.begin(), prompt.end());
   const size_t vocab = static_cast<size_t>(result.vocabSize);
 
-  const bool speculate = options.draftTokens > 0 && options.useCaches;
   std::unique_ptr<DraftSource> drafts;
   if (speculate && options.draftSource == DraftSourceKind::Replay)
     return Status::error(std::string(kReplayNeedsReference));
@@ -65,36 +118,13 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
   HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> sequence, model.newSequence());
   if (drafts)
     drafts->attach(*sequence);
-  // Without keepLogits (and with caches: full forwards are the golden semantics) greedy steps
-  // choose on the device.
-  const bool choosing = !options.keepLogits && options.useCaches && !speculate;
   HYBRID_ASSIGN_OR_RETURN(result.promptLogits,
-                          sequence->prefill(prompt, options.dumpHidden ? &result.hidden : nullptr,
-                                            choosing ? PrefillLogits::LastRow
-                                                     : PrefillLogits::AllRows));
+                          sequence->prefill(prompt, options.dumpHidden ? &result.hidden : nullptr));
   result.prefillSeconds = seconds(start);
   if (options.maxNewTokens <= 0)
     return result;
 
   std::vector<float> last(result.promptLogits.end() - vocab, result.promptLogits.end());
-  if (choosing) {
-    start = std::chrono::steady_clock::now();
-    int64_t next = argmax(last);
-    const TokenChoice greedy{};
-    for (int64_t step = 0;; ++step) {
-      result.generated.push_back(next);
-      if (step + 1 == options.maxNewTokens ||
-          std::count(options.stopTokens.begin(), options.stopTokens.end(), next))
-        break;
-      Sequence *row = sequence.get();
-      HYBRID_ASSIGN_OR_RETURN(const std::vector<int64_t> chosen,
-                              model.decodeBatchChoose(std::span(&row, 1), std::span(&next, 1),
-                                                      std::span(&greedy, 1)));
-      next = chosen[0];
-    }
-    result.decodeSeconds = seconds(start);
-    return result;
-  }
   start = std::chrono::steady_clock::now();
   std::vector<int64_t> tokens(prompt.begin(), prompt.end());
   if (speculate) {
@@ -151,51 +181,11 @@ StatusOr<GenerationResult> generateGreedy(Model &model, std::span<const int64_t>
 
 StatusOr<GenerationResult> generate(Model &model, std::span<const int64_t> prompt,
                                     const GenerationOptions &options) {
-  const SamplingParams &sampling = options.sampling;
-  if (const std::string problem = samplingParamsProblem(sampling); !problem.empty())
+  if (const std::string problem = samplingParamsProblem(options.sampling); !problem.empty())
     return Status::error("sampling: " + problem);
-  if (samplingIsGreedy(sampling))
+  if (samplingIsGreedy(options.sampling))
     return generateGreedy(model, prompt, options);
-
-  GenerationResult result;
-  result.vocabSize = model.vocabSize();
-  result.prompt.assign(prompt.begin(), prompt.end());
-  const size_t vocab = static_cast<size_t>(result.vocabSize);
-  auto start = std::chrono::steady_clock::now();
-  HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> sequence, model.newSequence());
-  HYBRID_ASSIGN_OR_RETURN(result.promptLogits,
-                          sequence->prefill(prompt, options.dumpHidden ? &result.hidden : nullptr));
-  result.prefillSeconds = seconds(start);
-  if (options.maxNewTokens <= 0)
-    return result;
-
-  start = std::chrono::steady_clock::now();
-  std::vector<int64_t> tokens(prompt.begin(), prompt.end());
-  int64_t next = chooseToken(std::span<const float>(result.promptLogits).last(vocab),
-                             tokenChoice(sampling, 0));
-  for (int64_t step = 0;; ++step) {
-    result.generated.push_back(next);
-    tokens.push_back(next);
-    if (step + 1 == options.maxNewTokens ||
-        std::count(options.stopTokens.begin(), options.stopTokens.end(), next))
-      break;
-    const TokenChoice choice = tokenChoice(sampling, step + 1);
-    if (options.useCaches) {
-      Sequence *row = sequence.get();
-      HYBRID_ASSIGN_OR_RETURN(const std::vector<int64_t> chosen,
-                              model.decodeBatchChoose(std::span(&row, 1), std::span(&next, 1),
-                                                      std::span(&choice, 1)));
-      next = chosen[0];
-    } else {
-      sequence.reset();
-      HYBRID_ASSIGN_OR_RETURN(sequence, model.newSequence());
-      HYBRID_ASSIGN_OR_RETURN(std::vector<float> last,
-                              sequence->prefill(tokens, nullptr, PrefillLogits::LastRow));
-      next = chooseToken(last, choice);
-    }
-  }
-  result.decodeSeconds = seconds(start);
-  return result;
+  return generateChoosing(model, prompt, options);
 }
 
 StatusOr<BatchDecodeReport> benchmarkBatchedDecode(Model &model, std::span<const int64_t> prompt,

@@ -50,9 +50,10 @@ struct GenerationOptions {
   // Replay is refused (kReplayNeedsReference): generation has no reference run to replay.
   DraftSourceKind draftSource = DraftSourceKind::PromptLookup;
   // Every prompt row's logits and those of each greedy step (what comparing with a golden file
-  // needs). Off: the prompt's last row only and greedy decode steps that choose on the device,
-  // so no step downloads a vocabulary of logits (at 163,840 entries 0.66 MB a step, and 5.4 GB
-  // for an 8K prompt's rows). Speculative steps keep their logits either way.
+  // needs). Off: the prompt's last row only, and greedy decode steps choose on the device as
+  // sampled ones always do, so no step downloads a vocabulary of logits (at 163,840 entries 0.66
+  // MB a step, and 5.4 GB for an 8K prompt's rows). Speculative steps keep their logits either
+  // way.
   bool keepLogits = true;
   // How generate() chooses tokens (greedy by default); the n-th generated token's uniform is
   // samplingUniform(seed, n). Drafts are verified greedily, so sampled runs ignore draftTokens.
