@@ -382,31 +382,41 @@ template <IndexKeyType Type, int D> __host__ __device__ constexpr int keyScaleBy
   return Type == IndexKeyType::Mxfp8 ? D / kMxBlock : 4;
 }
 
-// Key tile `tile` of a block (keys firstKey + 64 tile ...) into ring stage tile % kFp8Stages by
-// cp.async, codes at fp8RowBytes a key, then the tile's scales: one committed group, empty for a
-// tile past the block's or the row's end. Pages hold a multiple of 64 tokens.
+// One key tile (64 keys from `slot` of pool page `pageIndex`) into a ring `stage` by cp.async,
+// codes at fp8RowBytes a key, then the tile's scales: one committed group, empty for a tile the
+// block does not score (`live` false). Pages hold a multiple of 64 tokens.
 template <IndexKeyType Type, int D>
-__device__ __forceinline__ void issueKeyTile(const IndexerParams &p, const unsigned char *pool,
-                                             const int32_t *table, int64_t pageBytes,
-                                             int firstKey, int tile, int tilesPerBlock,
-                                             int position, unsigned char *stages, int tid) {
+__device__ __forceinline__ void issueKeyTileAt(const unsigned char *pool, int32_t pageIndex,
+                                               int slot, int64_t pageBytes, int pageTokens,
+                                               bool live, unsigned char *stage, int tid) {
   constexpr int kRow = fp8RowBytes<D>(), kScaleBytes = keyScaleBytes<Type, D>();
-  const int tileKey = firstKey + tile * kTileKeys;
-  if (tile < tilesPerBlock && tileKey <= position) {
-    const unsigned char *page = pool + table[tileKey / p.pageTokens] * pageBytes;
-    const int slot = tileKey % p.pageTokens;
-    unsigned char *stage = stages + (tile % kFp8Stages) * fp8StageBytes<D>();
+  if (live) {
+    const unsigned char *page = pool + pageIndex * pageBytes;
     constexpr int kPieces = kTileKeys * D / 16;
+#pragma unroll
     for (int c = tid; c < kPieces; c += kMmaThreads) {
       const int k = c / (D / 16), piece = c % (D / 16);
       mma::copyAsync16(stage + k * kRow + piece * 16, page + size_t(slot + k) * D + piece * 16);
     }
     constexpr int kScalePieces = kTileKeys * kScaleBytes / 16;
-    const unsigned char *scales = page + size_t(p.pageTokens) * D + size_t(slot) * kScaleBytes;
+    const unsigned char *scales = page + size_t(pageTokens) * D + size_t(slot) * kScaleBytes;
     for (int c = tid; c < kScalePieces; c += kMmaThreads)
       mma::copyAsync16(stage + kTileKeys * kRow + c * 16, scales + c * 16);
   }
   mma::commitAsyncCopies();
+}
+
+// Key tile `tile` of a block (keys firstKey + 64 tile ...) into ring stage tile % kFp8Stages.
+template <IndexKeyType Type, int D>
+__device__ __forceinline__ void issueKeyTile(const IndexerParams &p, const unsigned char *pool,
+                                             const int32_t *table, int64_t pageBytes,
+                                             int firstKey, int tile, int tilesPerBlock,
+                                             int position, unsigned char *stages, int tid) {
+  const int tileKey = firstKey + tile * kTileKeys;
+  const bool live = tile < tilesPerBlock && tileKey <= position;
+  issueKeyTileAt<Type, D>(pool, live ? table[tileKey / p.pageTokens] : 0, tileKey % p.pageTokens,
+                          pageBytes, p.pageTokens, live,
+                          stages + (tile % kFp8Stages) * fp8StageBytes<D>(), tid);
 }
 
 template <IndexKeyType Type, int D>
@@ -558,6 +568,179 @@ __global__ void __launch_bounds__(kMmaThreads, kBlocksPerSm)
   mma::waitAsyncCopies<0>(); // nothing in flight when the block ends
 }
 
+// Larger float -> larger unsigned key.
+__device__ inline uint32_t orderKey(float value) {
+  const uint32_t bits = __float_as_uint(value);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// ---- Top-k: a radix select spread over many blocks per row, in few launches.
+//
+// The selection key of a position is its score's order-preserving bits. Three digits of 11, 11
+// and 10 bits from the top: a histogram pass over the row's chunks (many blocks, shared-memory
+// histograms flushed into the row's global one) whose last block to finish finds the digit where
+// the count from the top reaches the keys still wanted; the warpgroup scores kernel makes the
+// first digit's histogram itself, as it writes the scores. The result is the k-th largest key T
+// and how many of the keys equal to T to take (ref::topKIndices' rule: the lowest positions); a
+// write pass then puts each chunk's keys above T and its share of the ties at its offset in
+// position order, the offset summed from the counts the chunks before it publish in the same
+// launch. (Ten launches before, with a separate digit pass per digit and a count pass: at batch
+// 1 the launches, not the bytes, were the select's time.)
+constexpr int kHistogramThreads = 256;
+constexpr int kChunkKeys = 2048;  // positions per histogram block
+constexpr int kMaxDigitBits = 11;
+constexpr int kSelectBins = 1 << kMaxDigitBits;
+constexpr int kFirstDigitShift = 32 - kMaxDigitBits;
+
+struct SelectState {
+  uint32_t prefix;   // the digits chosen so far, in place
+  uint32_t mask;
+  int remaining;     // keys still to take below the prefix's digits; at the end, ties at T taken
+  uint32_t arrivals; // blocks of the current digit's histogram done (the last one chooses)
+};
+
+// The select's workspace (indexerSelectWorkspaceBytes, 16-byte aligned): per row the warpgroup
+// kernel's queries (bf16, swizzled, made once per row by the reset kernel), a state and a
+// histogram; per chunk its published counts; the write pass's ticket counter.
+struct SelectWorkspace {
+  unsigned char *queries; // rows x selectQueryBytes
+  SelectState *states;
+  uint32_t *histograms;   // rows x kSelectBins
+  uint64_t *chunkCounts;  // rows x chunks: 0 until published, then kPublished | above T, at T
+  uint32_t *writeTickets; // one word
+};
+constexpr uint64_t kPublished = 1ull << 63;
+constexpr int kCountBits = 24; // a chunk's count of keys above T (or at T) fits: <= kChunkKeys
+constexpr size_t kSelectQueryBytes = size_t(kMmaMaxHeads) * 128 * 2; // the largest head dim
+
+__host__ __device__ inline int selectChunks(int32_t maxKeys) {
+  return (maxKeys + kChunkKeys - 1) / kChunkKeys;
+}
+
+// Byte offsets of the workspace's parts; the last is the total.
+struct SelectLayout {
+  size_t states, histograms, chunkCounts, writeTickets, total;
+};
+__host__ __device__ inline SelectLayout selectLayout(int rows, int maxKeys) {
+  SelectLayout l;
+  l.states = size_t(rows) * kSelectQueryBytes;
+  l.histograms = l.states + size_t(rows) * sizeof(SelectState);
+  l.chunkCounts = l.histograms + size_t(rows) * kSelectBins * sizeof(uint32_t);
+  l.writeTickets = l.chunkCounts + size_t(rows) * selectChunks(maxKeys) * sizeof(uint64_t);
+  l.total = l.writeTickets + sizeof(uint64_t);
+  return l;
+}
+
+inline SelectWorkspace selectWorkspace(void *base, int rows, int maxKeys) {
+  auto *bytes = static_cast<unsigned char *>(base);
+  const SelectLayout l = selectLayout(rows, maxKeys);
+  return SelectWorkspace{bytes, reinterpret_cast<SelectState *>(bytes + l.states),
+                         reinterpret_cast<uint32_t *>(bytes + l.histograms),
+                         reinterpret_cast<uint64_t *>(bytes + l.chunkCounts),
+                         reinterpret_cast<uint32_t *>(bytes + l.writeTickets)};
+}
+
+// Exclusive prefix of `value` over the block's threads in thread order, and the block's total
+// (warpSums: one word per warp).
+__device__ inline int blockExclusiveScan(int value, int *warpSums, int &total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int inclusive = value;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const int lower = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset)
+      inclusive += lower;
+  }
+  __syncthreads(); // warpSums may still be read by a previous scan
+  if (lane == 31)
+    warpSums[warp] = inclusive;
+  __syncthreads();
+  int before = 0;
+  total = 0;
+  for (int w = 0; w < int(blockDim.x) / 32; ++w) {
+    before += w < warp ? warpSums[w] : 0;
+    total += warpSums[w];
+  }
+  return before + inclusive - value;
+}
+
+// The row's digit at `shift` from its complete histogram (read through L2: other blocks' atomics
+// filled it): the bin where the count from the top reaches the keys still wanted. Each thread
+// holds its own run of bins in registers; a suffix sum over threads finds the one whose bins hold
+// the crossing, and it walks them from the top. Leaves the histogram zero for the next digit.
+template <int kThreads>
+__device__ void chooseDigit(SelectState &state, uint32_t *histogram, int shift, int bits,
+                            uint32_t *warpTotals) {
+  constexpr int kWarps = kThreads / 32, kMaxPerThread = kSelectBins / kThreads;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int bins = 1 << bits, perThread = (bins + kThreads - 1) / kThreads;
+  const int remaining = state.remaining;
+  uint32_t counts[kMaxPerThread], own = 0;
+#pragma unroll
+  for (int b = 0; b < kMaxPerThread; ++b) {
+    counts[b] = b < perThread && tid * perThread + b < bins
+                    ? __ldcg(histogram + tid * perThread + b)
+                    : 0u;
+    own += counts[b];
+  }
+  uint32_t suffix = own;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const uint32_t higher = __shfl_down_sync(0xffffffffu, suffix, offset);
+    if (lane + offset < 32)
+      suffix += higher;
+  }
+  if (lane == 0)
+    warpTotals[warp] = suffix;
+  __syncthreads();
+  for (int w = warp + 1; w < kWarps; ++w)
+    suffix += warpTotals[w];
+  if (suffix >= uint32_t(remaining) && suffix - own < uint32_t(remaining)) {
+    uint32_t above = suffix - own; // keys in the bins above this thread's
+    int chosen = 0;
+    bool found = false;
+#pragma unroll
+    for (int b = kMaxPerThread - 1; b >= 0; --b) // from the top (bins past `bins` hold 0)
+      if (!found) {
+        if (above + counts[b] >= uint32_t(remaining)) {
+          chosen = b;
+          found = true;
+        } else {
+          above += counts[b];
+        }
+      }
+    state.prefix |= uint32_t(tid * perThread + chosen) << shift;
+    state.mask |= uint32_t(bins - 1) << shift;
+    state.remaining = remaining - int(above);
+  }
+  __syncthreads(); // the histogram is read before it is cleared for the next digit
+  for (int b = tid; b < bins; b += kThreads)
+    histogram[b] = 0;
+  if (tid == 0)
+    state.arrivals = 0;
+}
+
+// A block's share of a row's digit histogram (`local`, in shared memory) into the row's, then
+// the row's last block (of `liveBlocks`) chooses the digit: threadFenceReduction's pattern.
+template <int kThreads>
+__device__ void flushHistogramAndChoose(const uint32_t *local, SelectState &state,
+                                        uint32_t *global, unsigned liveBlocks, int shift,
+                                        int bits, uint32_t *warpTotals, bool &last) {
+  __syncthreads(); // every key of the block counted
+  for (int b = threadIdx.x; b < (1 << bits); b += kThreads)
+    if (local[b])
+      atomicAdd(&global[b], local[b]);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0)
+    last = atomicAdd(&state.arrivals, 1u) == liveBlocks - 1;
+  __syncthreads();
+  if (!last)
+    return;
+  __threadfence();
+  chooseDigit<kThreads>(state, global, shift, bits, warpTotals);
+}
+
 // ---- Scores on the warpgroup tensor cores (sm_90a wgmma; MXFP8 queries): keys widened in
 // registers.
 //
@@ -577,7 +760,8 @@ template <int D> __host__ __device__ constexpr uint32_t warpgroupQueryBytes() {
   return uint32_t(kMmaMaxHeads) * D * 2; // 64 heads x D bf16, 128-byte swizzled
 }
 template <int D> size_t warpgroupSharedBytes() {
-  return 1024 + warpgroupQueryBytes<D>() + kFp8Stages * fp8StageBytes<D>(); // + alignment slack
+  return 1024 + warpgroupQueryBytes<D>() + kFp8Stages * fp8StageBytes<D>() + // + alignment slack
+         kSelectBins * sizeof(uint32_t);                                       // the histogram
 }
 
 // The permuted k position of dimension `column`: lane quad member t holds dimensions
@@ -590,7 +774,8 @@ template <int D> __device__ __forceinline__ int permutedColumn(int column) {
 
 template <IndexKeyType Type, int D>
 __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
-    indexerScoresWarpgroupKernel(IndexerParams p, int64_t pageBytes, int tilesPerBlock) {
+    indexerScoresWarpgroupKernel(IndexerParams p, int64_t pageBytes, int tilesPerBlock,
+                                 SelectWorkspace select) {
   static_assert(Type != IndexKeyType::F32, "fp32 keys take the CUDA-core kernel");
   constexpr int kRow = fp8RowBytes<D>(), kSteps = D / 16, kRun = D / 4; // kRun bytes a lane
   extern __shared__ __align__(16) unsigned char rawShared[];
@@ -598,6 +783,9 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
   unsigned char *smem = rawShared + ((1024 - mma::sharedAddress(rawShared) % 1024) % 1024);
   unsigned char *queries = smem;                                 // [64 heads][D] bf16, swizzled
   unsigned char *stages = smem + warpgroupQueryBytes<D>();       // [3][codes, scales]
+  auto *histogram = reinterpret_cast<uint32_t *>(stages + kFp8Stages * fp8StageBytes<D>());
+  __shared__ uint32_t warpTotals[kMmaThreads / 32];
+  __shared__ bool last;
   const int row = blockIdx.x, heads = p.heads, tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, t = lane % 4;
   const int key0 = 16 * warp + lane / 4; // this thread's keys key0 and key0 + 8 of a tile
@@ -607,25 +795,44 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
     return;
   const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
   const auto *pool = static_cast<const unsigned char *>(p.keyPages);
-  auto issue = [&](int tile) {
-    issueKeyTile<Type, D>(p, pool, table, pageBytes, firstKey, tile, tilesPerBlock, position,
-                          stages, tid);
+  auto live = [&](int tile) {
+    return tile < tilesPerBlock && firstKey + tile * kTileKeys <= position;
   };
-  issue(0);
-  issue(1);
+  // The row's queries, prepared by the reset kernel, land with the first tile.
+  const unsigned char *rowQueries = select.queries + size_t(row) * kSelectQueryBytes;
+  for (int c = tid; c < int(warpgroupQueryBytes<D>() / 16); c += kMmaThreads)
+    mma::copyAsync16(queries + 16 * c, rowQueries + 16 * c);
+  // Tiles are issued in order, a tile never straddles a page (pages hold a multiple of 64
+  // tokens), so the page entry and slot advance by counting, not dividing; each tile's table
+  // entry is loaded a tile before its copies are issued.
+  int entry = firstKey / p.pageTokens, slot = firstKey % p.pageTokens;
+  auto lookUp = [&](int tile, int &page, int &pageSlot) {
+    page = live(tile) ? __ldg(table + entry) : 0;
+    pageSlot = slot;
+    slot += kTileKeys;
+    if (slot == p.pageTokens) {
+      slot = 0;
+      ++entry;
+    }
+  };
+  auto issue = [&](int tile, int page, int pageSlot) {
+    issueKeyTileAt<Type, D>(pool, page, pageSlot, pageBytes, p.pageTokens, live(tile),
+                            stages + (tile % kFp8Stages) * fp8StageBytes<D>(), tid);
+  };
+  int page, pageSlot;
+  lookUp(0, page, pageSlot);
+  issue(0, page, pageSlot);
+  lookUp(1, page, pageSlot);
+  issue(1, page, pageSlot);
+  lookUp(2, page, pageSlot); // the next tile issued
 
-  // The queries in bf16 at their permuted columns (dimension pairs stay adjacent), heads past
-  // p.heads zero; this thread's 16 heads' weights, w * heads^-1/2 * D^-1/2 (the ReLU commutes
-  // with a positive scale).
-  const float *q = p.q + size_t(row) * heads * D;
-  for (int i = tid; i < kMmaMaxHeads * D / 2; i += kMmaThreads) {
-    const int h = i / (D / 2), column = 2 * (i % (D / 2));
-    const float2 v = h < heads ? *reinterpret_cast<const float2 *>(q + h * D + column)
-                               : make_float2(0.0f, 0.0f);
-    *reinterpret_cast<uint32_t *>(queries +
-                                  wgmma::swizzledOffset(64, h, permutedColumn<D>(column))) =
-        mma::packBf16(v.x, v.y);
-  }
+  // The first digit's histogram of the top-k (kFirstDigitShift), when the row has more keys than
+  // it selects.
+  const bool histogramming = position + 1 > p.topK;
+  for (int b = tid; b < kSelectBins; b += kMmaThreads)
+    histogram[b] = 0;
+  // This thread's 16 heads' weights, w * heads^-1/2 * D^-1/2 (the ReLU commutes with a positive
+  // scale).
   const float weightScale = 1.0f / (sqrtf(float(heads)) * sqrtf(float(D)));
   float weights[16]; // heads 8j + 2t + c at 2j + c
 #pragma unroll
@@ -636,19 +843,18 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
       weights[2 * j + c] =
           h < heads ? p.headWeights[size_t(row) * heads + h] * weightScale : 0.0f;
     }
-  wgmma::sharedWritesToAsyncProxy();
   const uint64_t queryDescriptor = wgmma::descriptor(mma::sharedAddress(queries));
   float *scores = p.scores + size_t(row) * p.maxKeys;
 
-  auto live = [&](int tile) {
-    return tile < tilesPerBlock && firstKey + tile * kTileKeys <= position;
-  };
-  // The tile's keys landed for every thread (and the queries, the first time round); the stage
-  // refilled next was consumed.
+  // The tile's keys landed for every thread (and the queries, the first time round: made visible
+  // to the wgmmas' async proxy); the stage refilled next was consumed.
   auto arrive = [&](int tile) {
     mma::waitAsyncCopies<1>();
+    if (tile == 0)
+      wgmma::sharedWritesToAsyncProxy();
     __syncthreads();
-    issue(tile + 2);
+    issue(tile + 2, page, pageSlot);
+    lookUp(tile + 3, page, pageSlot);
   };
   // This lane's run of each of its two keys, widened into the A fragments of every k step.
   auto widen = [&](int tile, uint32_t (&a)[kSteps][4], float (&keyScale)[2]) {
@@ -716,8 +922,12 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
     }
     if (t < 2) { // lane t = r of the quad writes key key0 + 8 r
       const int s = firstKey + tile * kTileKeys + key0 + 8 * t;
-      if (s <= position)
-        scores[s] = t == 0 ? sums[0] * keyScale[0] : sums[1] * keyScale[1];
+      if (s <= position) {
+        const float score = t == 0 ? sums[0] * keyScale[0] : sums[1] * keyScale[1];
+        scores[s] = score;
+        if (histogramming)
+          atomicAdd(&histogram[orderKey(score) >> kFirstDigitShift], 1u);
+      }
     }
   };
 
@@ -734,63 +944,20 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
     finish(tile, acc, keyScale);
   }
   mma::waitAsyncCopies<0>(); // nothing in flight when the block ends
-}
-
-// Larger float -> larger unsigned key.
-__device__ inline uint32_t orderKey(float value) {
-  const uint32_t bits = __float_as_uint(value);
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
-
-// ---- Top-k: a radix select spread over many blocks per row.
-//
-// The selection key of a position is its score's order-preserving bits. Three digits of 11, 11
-// and 10 bits from the top: a histogram pass over the row's chunks (many blocks, shared-memory
-// histograms flushed into the row's global one), then a one-block pass that finds the digit
-// where the count from the top reaches the keys still wanted. The result is the k-th largest key
-// T and how many of the keys equal to T to take (ref::topKIndices' rule: the lowest positions);
-// a count pass gives each chunk its keys above T and at T, and a write pass puts each chunk's
-// keys above T and its share of the ties at its offset in position order.
-constexpr int kHistogramThreads = 256;
-constexpr int kChunkKeys = 2048;  // positions per histogram block
-constexpr int kMaxDigitBits = 11;
-constexpr int kSelectThreads = 1024;
-
-struct SelectState {
-  uint32_t prefix; // the digits chosen so far, in place
-  uint32_t mask;
-  int remaining;   // keys still to take below the prefix's digits; at the end, ties at T taken
-};
-
-// Exclusive prefix of `value` over the block's threads in thread order, and the block's total
-// (warpSums: one word per warp).
-__device__ inline int blockExclusiveScan(int value, int *warpSums, int &total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int inclusive = value;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const int lower = __shfl_up_sync(0xffffffffu, inclusive, offset);
-    if (lane >= offset)
-      inclusive += lower;
+  if (histogramming) {
+    const int blockKeys = kTileKeys * tilesPerBlock;
+    flushHistogramAndChoose<kMmaThreads>(
+        histogram, select.states[row], select.histograms + size_t(row) * kSelectBins,
+        unsigned((position + blockKeys) / blockKeys), kFirstDigitShift, kMaxDigitBits,
+        warpTotals, last);
   }
-  __syncthreads(); // warpSums may still be read by a previous scan
-  if (lane == 31)
-    warpSums[warp] = inclusive;
-  __syncthreads();
-  int before = 0;
-  total = 0;
-  for (int w = 0; w < int(blockDim.x) / 32; ++w) {
-    before += w < warp ? warpSums[w] : 0;
-    total += warpSums[w];
-  }
-  return before + inclusive - value;
 }
-
 
 __global__ void __launch_bounds__(kHistogramThreads)
-    selectHistogramKernel(IndexerParams p, SelectState *states, uint32_t *histograms, int shift,
-                          int bits) {
-  __shared__ uint32_t histogram[1 << kMaxDigitBits];
+    selectHistogramKernel(IndexerParams p, SelectWorkspace w, int shift, int bits) {
+  __shared__ uint32_t histogram[kSelectBins];
+  __shared__ uint32_t warpTotals[kHistogramThreads / 32];
+  __shared__ bool last;
   const int row = blockIdx.x, n = p.positions[row] + 1;
   const int begin = int(blockIdx.y) * kChunkKeys;
   if (n <= p.topK || begin >= n)
@@ -798,7 +965,7 @@ __global__ void __launch_bounds__(kHistogramThreads)
   const int end = min(n, begin + kChunkKeys), bins = 1 << bits;
   for (int b = threadIdx.x; b < bins; b += kHistogramThreads)
     histogram[b] = 0;
-  const SelectState state = states[row];
+  const SelectState state = w.states[row];
   __syncthreads();
   const float *scores = p.scores + size_t(row) * p.maxKeys;
   constexpr int kInFlight = 8; // loads issued before the first is used
@@ -815,117 +982,40 @@ __global__ void __launch_bounds__(kHistogramThreads)
       if (first + u * kHistogramThreads < end && (keys[u] & state.mask) == state.prefix)
         atomicAdd(&histogram[(keys[u] >> shift) & (bins - 1)], 1u);
   }
-  __syncthreads();
-  uint32_t *global = histograms + size_t(row) * (1 << kMaxDigitBits);
-  for (int b = threadIdx.x; b < bins; b += kHistogramThreads)
-    if (histogram[b])
-      atomicAdd(&global[b], histogram[b]);
-}
-
-__global__ void __launch_bounds__(kSelectThreads)
-    selectDigitKernel(IndexerParams p, SelectState *states, uint32_t *histograms, int shift,
-                      int bits) {
-  __shared__ uint32_t warpTotals[kSelectThreads / 32];
-  const int row = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  if (p.positions[row] + 1 <= p.topK)
-    return;
-  uint32_t *histogram = histograms + size_t(row) * (1 << kMaxDigitBits);
-  const int bins = 1 << bits, perThread = (bins + kSelectThreads - 1) / kSelectThreads;
-  const int remaining = states[row].remaining;
-  // Each thread sums its own bins; a suffix sum over threads finds the one whose bins hold the
-  // crossing, and it walks them from the top.
-  uint32_t own = 0;
-  for (int b = 0; b < perThread; ++b)
-    if (tid * perThread + b < bins)
-      own += histogram[tid * perThread + b];
-  uint32_t suffix = own;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const uint32_t higher = __shfl_down_sync(0xffffffffu, suffix, offset);
-    if (lane + offset < 32)
-      suffix += higher;
-  }
-  if (lane == 0)
-    warpTotals[warp] = suffix;
-  __syncthreads();
-  for (int w = warp + 1; w < kSelectThreads / 32; ++w)
-    suffix += warpTotals[w];
-  if (suffix >= uint32_t(remaining) && suffix - own < uint32_t(remaining)) {
-    uint32_t above = suffix - own;
-    int bin = min(bins, (tid + 1) * perThread) - 1;
-    for (; bin > tid * perThread; --bin) {
-      if (above + histogram[bin] >= uint32_t(remaining))
-        break;
-      above += histogram[bin];
-    }
-    SelectState &state = states[row];
-    state.prefix |= uint32_t(bin) << shift;
-    state.mask |= uint32_t(bins - 1) << shift;
-    state.remaining = remaining - int(above);
-  }
-  __syncthreads(); // the histogram is read before it is cleared for the next digit
-  for (int b = tid; b < bins; b += kSelectThreads)
-    histogram[b] = 0;
-}
-
-// Per chunk of a row: its keys above the threshold T and at it (every chunk, written or not).
-__global__ void __launch_bounds__(kHistogramThreads)
-    selectCountKernel(IndexerParams p, SelectState *states, uint32_t *chunkCounts) {
-  __shared__ int warpSums[kHistogramThreads / 32];
-  const int row = blockIdx.x, n = p.positions[row] + 1;
-  const int begin = int(blockIdx.y) * kChunkKeys, end = min(n, begin + kChunkKeys);
-  const uint32_t threshold = states[row].prefix;
-  const float *scores = p.scores + size_t(row) * p.maxKeys;
-  int greater = 0, equal = 0;
-  if (n > p.topK)
-    for (int i = begin + int(threadIdx.x); i < end; i += kHistogramThreads) {
-      const uint32_t key = orderKey(scores[i]);
-      greater += key > threshold;
-      equal += key == threshold;
-    }
-  int greaterTotal = 0, equalTotal = 0;
-  blockExclusiveScan(greater, warpSums, greaterTotal);
-  blockExclusiveScan(equal, warpSums, equalTotal);
-  if (threadIdx.x == 0) {
-    uint32_t *counts = chunkCounts + 2 * (size_t(row) * gridDim.y + blockIdx.y);
-    counts[0] = uint32_t(greaterTotal);
-    counts[1] = uint32_t(equalTotal);
-  }
+  flushHistogramAndChoose<kHistogramThreads>(histogram, w.states[row],
+                                             w.histograms + size_t(row) * kSelectBins,
+                                             unsigned(selectChunks(n)), shift, bits, warpTotals,
+                                             last);
 }
 
 // The top k of each row in ascending position order: a chunk's keys above T and its share of the
-// ties at T (those the lower chunks leave over, lowest positions first) at its offset (from the
-// counts of the chunks before it), in order within the chunk (block scans), so the output is the
-// same every run whatever order the blocks ran in.
+// ties at T (those the lower chunks leave over, lowest positions first) at its offset, in order
+// within the chunk (block scans), so the output is the same every run whatever order the blocks
+// ran in. Each chunk publishes its counts, then sums those of the chunks before it: blocks take
+// their chunk from a ticket counter, so every chunk waited on has already started (no deadlock).
 __global__ void __launch_bounds__(kHistogramThreads)
-    selectWriteKernel(IndexerParams p, SelectState *states, const uint32_t *chunkCounts) {
+    selectWriteKernel(IndexerParams p, SelectWorkspace w, int chunks) {
   __shared__ int warpSums[kHistogramThreads / 32];
-  __shared__ int chunkOffset, chunkTies;
+  __shared__ int ticket;
   constexpr int kRun = kChunkKeys / kHistogramThreads;
-  const int row = blockIdx.x, n = p.positions[row] + 1, k = p.topK;
+  if (threadIdx.x == 0)
+    ticket = int(atomicAdd(w.writeTickets, 1u));
+  __syncthreads();
+  const int row = ticket % p.rows, chunk = ticket / p.rows;
+  const int n = p.positions[row] + 1, k = p.topK;
   int32_t *out = p.indices + size_t(row) * k;
   if (n <= k) { // every causal position, then -1s
-    if (blockIdx.y == 0)
+    if (chunk == 0)
       for (int i = threadIdx.x; i < k; i += kHistogramThreads)
         out[i] = i < n ? i : -1;
     return;
   }
-  const int begin = int(blockIdx.y) * kChunkKeys;
+  const int begin = chunk * kChunkKeys;
   if (begin >= n)
     return;
-  const int remaining = states[row].remaining; // ties at T taken over the whole row
-  if (threadIdx.x == 0) {
-    int offset = 0, tiesBefore = 0;
-    const uint32_t *counts = chunkCounts + 2 * size_t(row) * gridDim.y;
-    for (unsigned c = 0; c < blockIdx.y; ++c) {
-      const int greater = int(counts[2 * c]), equal = int(counts[2 * c + 1]);
-      offset += greater + min(max(remaining - tiesBefore, 0), equal);
-      tiesBefore += equal;
-    }
-    chunkOffset = offset;
-    chunkTies = max(remaining - tiesBefore, 0); // ties this chunk may still take
-  }
-  const uint32_t threshold = states[row].prefix;
+  const SelectState state = w.states[row];
+  const uint32_t threshold = state.prefix;
+  const int remaining = state.remaining; // ties at T taken over the whole row
   const float *scores = p.scores + size_t(row) * p.maxKeys;
   const int first = begin + int(threadIdx.x) * kRun, last = min(n, first + kRun);
   unsigned greater = 0, equal = 0; // bit j: key first + j above T / at T
@@ -934,8 +1024,31 @@ __global__ void __launch_bounds__(kHistogramThreads)
     greater |= unsigned(key > threshold) << (i - first);
     equal |= unsigned(key == threshold) << (i - first);
   }
-  int total = 0;
-  const int equalBefore = blockExclusiveScan(__popc(equal), warpSums, total); // orders chunkTies
+  int greaterTotal = 0, equalTotal = 0;
+  const int greaterBefore = blockExclusiveScan(__popc(greater), warpSums, greaterTotal);
+  const int equalBefore = blockExclusiveScan(__popc(equal), warpSums, equalTotal);
+  uint64_t *counts = w.chunkCounts + size_t(row) * chunks;
+  if (threadIdx.x == 0)
+    atomicExch(reinterpret_cast<unsigned long long *>(counts + chunk),
+               kPublished | uint64_t(greaterTotal) << kCountBits | uint64_t(equalTotal));
+  // The counts of the chunks before this one (each thread some of them, then a block sum).
+  int greaterPrior = 0, equalPrior = 0;
+  for (int c = int(threadIdx.x); c < chunk; c += kHistogramThreads) {
+    uint64_t word;
+    while (!((word = atomicAdd(reinterpret_cast<unsigned long long *>(counts + c), 0ull)) &
+             kPublished))
+      __nanosleep(64);
+    greaterPrior += int(word >> kCountBits & ((1u << kCountBits) - 1));
+    equalPrior += int(word & ((1u << kCountBits) - 1));
+  }
+  int sum = 0;
+  blockExclusiveScan(greaterPrior, warpSums, sum);
+  greaterPrior = sum;
+  blockExclusiveScan(equalPrior, warpSums, sum);
+  equalPrior = sum;
+  // Ties go to the lowest positions: the chunks before took min(remaining, their ties).
+  const int chunkOffset = greaterPrior + min(remaining, equalPrior);
+  const int chunkTies = max(remaining - equalPrior, 0); // ties this chunk may still take
   const int tiesMine = min(max(chunkTies - equalBefore, 0), __popc(equal));
   // The lowest tiesMine of this thread's ties.
   unsigned taken = greater;
@@ -943,40 +1056,76 @@ __global__ void __launch_bounds__(kHistogramThreads)
     taken |= left & (0u - left);
     left &= left - 1;
   }
-  int slot = chunkOffset + blockExclusiveScan(__popc(taken), warpSums, total);
+  // Ties taken by the threads before this one: min(chunkTies, their ties).
+  int slot = chunkOffset + greaterBefore + min(chunkTies, equalBefore);
   for (int i = first; i < last; ++i)
     if (taken >> (i - first) & 1u)
       out[slot++] = i;
 }
 
-// Fresh states and zero histograms (the digit passes leave them zero again behind them).
-__global__ void selectResetKernel(SelectState *states, uint32_t *histograms, int rows, int topK) {
+// Fresh states, zero histograms, unpublished counts and the ticket counter (the digit passes leave
+// the histograms zero again behind them, but a failed launch may not have); with `Queries`, also
+// each row's queries in bf16 at the warpgroup kernel's permuted, swizzled places, once per row
+// instead of once per block of the scores kernel.
+template <int D, bool Queries>
+__global__ void selectResetKernel(IndexerParams p, SelectWorkspace w, int chunks) {
   const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int rows = p.rows;
   if (i < size_t(rows))
-    states[i] = SelectState{.prefix = 0u, .mask = 0u, .remaining = topK};
-  if (i < size_t(rows) << kMaxDigitBits)
-    histograms[i] = 0;
+    w.states[i] = SelectState{.prefix = 0u, .mask = 0u, .remaining = p.topK, .arrivals = 0u};
+  if (i < size_t(rows) * kSelectBins)
+    w.histograms[i] = 0;
+  if (i < size_t(rows) * chunks)
+    w.chunkCounts[i] = 0;
+  if (i == 0)
+    *w.writeTickets = 0;
+  if constexpr (Queries) {
+    constexpr int kRowFloat4s = kMmaMaxHeads * D / 4;
+    if (i < size_t(rows) * kRowFloat4s) {
+      const int row = int(i / kRowFloat4s), within = int(i % kRowFloat4s);
+      const int h = within / (D / 4), column = 4 * (within % (D / 4));
+      const float4 v = h < p.heads ? reinterpret_cast<const float4 *>(
+                                         p.q + (size_t(row) * p.heads + h) * D)[column / 4]
+                                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      unsigned char *queries = w.queries + size_t(row) * kSelectQueryBytes;
+      *reinterpret_cast<uint32_t *>(queries + wgmma::swizzledOffset(64, h, permutedColumn<D>(column))) =
+          mma::packBf16(v.x, v.y);
+      *reinterpret_cast<uint32_t *>(queries +
+                                    wgmma::swizzledOffset(64, h, permutedColumn<D>(column + 2))) =
+          mma::packBf16(v.z, v.w);
+    }
+  }
 }
 
-// The select on `stream`: digits from the top of the 32-bit keys.
-int launchSelect(const IndexerParams &p, cudaStream_t stream) {
-  auto *states = static_cast<SelectState *>(p.selectWorkspace);
-  auto *histograms = reinterpret_cast<uint32_t *>(static_cast<unsigned char *>(p.selectWorkspace) +
-                                                  size_t(p.rows) * sizeof(SelectState));
-  selectResetKernel<<<unsigned(((size_t(p.rows) << kMaxDigitBits) + 255) / 256), 256, 0, stream>>>(
-      states, histograms, p.rows, p.topK);
-  const dim3 chunks(unsigned(p.rows), unsigned((p.maxKeys + kChunkKeys - 1) / kChunkKeys));
-  for (int top = 32; top > 0;) {
+// The select's first launch, before the scores: resets its workspace and, for the warpgroup
+// scores kernel (`queries`), prepares its queries.
+template <int D> int launchSelectReset(const IndexerParams &p, bool queries, cudaStream_t stream) {
+  const SelectWorkspace w = selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys);
+  const int chunks = selectChunks(p.maxKeys);
+  size_t items = std::max(size_t(p.rows) * kSelectBins, size_t(p.rows) * chunks);
+  if (queries)
+    items = std::max(items, size_t(p.rows) * kMmaMaxHeads * D / 4);
+  const unsigned blocks = unsigned((items + 255) / 256);
+  if (queries)
+    selectResetKernel<D, true><<<blocks, 256, 0, stream>>>(p, w, chunks);
+  else
+    selectResetKernel<D, false><<<blocks, 256, 0, stream>>>(p, w, chunks);
+  return int(cudaGetLastError());
+}
+
+// The select after the scores on `stream`: the digits from the top of the 32-bit keys (the first
+// one already chosen when the scores kernel histogrammed it), then the write.
+int launchSelect(const IndexerParams &p, bool firstDigitChosen, cudaStream_t stream) {
+  const SelectWorkspace w = selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys);
+  const int chunkCount = selectChunks(p.maxKeys);
+  const dim3 chunks(unsigned(p.rows), unsigned(chunkCount));
+  for (int top = firstDigitChosen ? kFirstDigitShift : 32; top > 0;) {
     const int bits = std::min(kMaxDigitBits, top), shift = top - bits;
-    selectHistogramKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, histograms, shift,
-                                                                    bits);
-    selectDigitKernel<<<unsigned(p.rows), kSelectThreads, 0, stream>>>(p, states, histograms,
-                                                                       shift, bits);
+    selectHistogramKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, w, shift, bits);
     top = shift;
   }
-  uint32_t *chunkCounts = histograms + (size_t(p.rows) << kMaxDigitBits);
-  selectCountKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, chunkCounts);
-  selectWriteKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, states, chunkCounts);
+  selectWriteKernel<<<unsigned(p.rows) * unsigned(chunkCount), kHistogramThreads, 0, stream>>>(
+      p, w, chunkCount);
   return int(cudaGetLastError());
 }
 
@@ -1200,9 +1349,9 @@ int tilesPerBlock(const IndexerParams &p, int multiprocessors) {
 
 // One of the tensor-core score kernels (`kernel`, with `shared` bytes of shared memory) over
 // rows x tile groups.
-template <typename Kernel>
+template <typename Kernel, typename... Extra>
 int launchScoreTiles(Kernel kernel, size_t shared, const IndexerParams &p, int64_t pageBytes,
-                     const DeviceSetup &setup, cudaStream_t stream) {
+                     const DeviceSetup &setup, cudaStream_t stream, Extra... extra) {
   if (setup.status != cudaSuccess)
     return int(setup.status);
   const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
@@ -1211,7 +1360,7 @@ int launchScoreTiles(Kernel kernel, size_t shared, const IndexerParams &p, int64
   if ((tiles + perBlock - 1) / perBlock > 65535)
     return cudaErrorInvalidValue; // a configured tilesPerBlock too small for the grid
   const dim3 grid(unsigned(p.rows), unsigned((tiles + perBlock - 1) / perBlock));
-  kernel<<<grid, kMmaThreads, shared, stream>>>(p, pageBytes, perBlock);
+  kernel<<<grid, kMmaThreads, shared, stream>>>(p, pageBytes, perBlock, extra...);
   return int(cudaGetLastError());
 }
 
@@ -1245,13 +1394,21 @@ int launchWarpgroupScores(const IndexerParams &p, cudaStream_t stream) {
                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
   });
   return launchScoreTiles(indexerScoresWarpgroupKernel<Type, D>, shared, p,
-                          indexerPageBytes(Type, p.pageTokens, D), setup, stream);
+                          indexerPageBytes(Type, p.pageTokens, D), setup, stream,
+                          selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys));
+}
+
+// Whether the scores take the warpgroup kernel, which also prepares the top-k's first digit.
+bool scoresOnWarpgroups(const IndexerParams &p) {
+  using Kind = IndexerParams::ScoreKernel;
+  return p.keyType != IndexKeyType::F32 && p.mxfp8Queries && p.pageTokens % kTileKeys == 0 &&
+         (p.scoreKernel == Kind::Auto || p.scoreKernel == Kind::Warpgroup);
 }
 
 template <IndexKeyType Type> int launchMmaScoresOf(const IndexerParams &p, cudaStream_t stream) {
   using Kind = IndexerParams::ScoreKernel;
   const bool mxfp8Tiles = p.mxfp8Queries && p.pageTokens % kTileKeys == 0;
-  if (mxfp8Tiles && (p.scoreKernel == Kind::Auto || p.scoreKernel == Kind::Warpgroup))
+  if (scoresOnWarpgroups(p))
     return p.headDim == 128 ? launchWarpgroupScores<Type, 128>(p, stream)
                             : launchWarpgroupScores<Type, 64>(p, stream);
   if (p.scoreKernel == Kind::Fp8 && mxfp8Tiles)
@@ -1272,10 +1429,9 @@ int64_t indexerPageBytes(IndexKeyType type, int32_t pageTokens, int32_t headDim)
 }
 
 size_t indexerSelectWorkspaceBytes(int32_t rows, int32_t maxKeys) {
-  const size_t chunks = maxKeys > 0 ? size_t(maxKeys + kChunkKeys - 1) / kChunkKeys : 0;
-  return rows > 0 ? size_t(rows) * (sizeof(SelectState) + (sizeof(uint32_t) << kMaxDigitBits) +
-                                    2 * chunks * sizeof(uint32_t)) // above T, at T
-                  : 0;
+  if (rows <= 0 || maxKeys <= 0)
+    return 0;
+  return selectLayout(rows, maxKeys).total;
 }
 
 bool indexerFusedSupported(IndexKeyType type, int32_t headDim, int32_t maxKeys) {
@@ -1306,14 +1462,18 @@ int launchIndexerTopK(const IndexerParams &p, void *stream) {
                                    : launchFused<IndexKeyType::Mxfp8, 64>(p, s))
                : (p.headDim == 128 ? launchFused<IndexKeyType::Fp8PerKey, 128>(p, s)
                                    : launchFused<IndexKeyType::Fp8PerKey, 64>(p, s));
-  const int status =
-      p.keyType == IndexKeyType::F32 ? (p.headDim == 128 ? launchFp32Scores<128>(p, s)
-                                                          : launchFp32Scores<64>(p, s))
-      : p.keyType == IndexKeyType::Mxfp8 ? launchMmaScoresOf<IndexKeyType::Mxfp8>(p, s)
-                                         : launchMmaScoresOf<IndexKeyType::Fp8PerKey>(p, s);
+  const bool warpgroup = scoresOnWarpgroups(p);
+  int status = p.headDim == 128 ? launchSelectReset<128>(p, warpgroup, s)
+                                : launchSelectReset<64>(p, warpgroup, s);
   if (status != 0)
     return status;
-  return launchSelect(p, s);
+  status = p.keyType == IndexKeyType::F32
+               ? (p.headDim == 128 ? launchFp32Scores<128>(p, s) : launchFp32Scores<64>(p, s))
+           : p.keyType == IndexKeyType::Mxfp8 ? launchMmaScoresOf<IndexKeyType::Mxfp8>(p, s)
+                                              : launchMmaScoresOf<IndexKeyType::Fp8PerKey>(p, s);
+  if (status != 0)
+    return status;
+  return launchSelect(p, /*firstDigitChosen=*/warpgroup, s);
 }
 
 } // namespace hybrid::kernels::cuda

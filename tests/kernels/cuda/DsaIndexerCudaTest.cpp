@@ -269,6 +269,18 @@ TEST(DsaIndexerCudaTies, LowestPositionsWin) {
               .indices;
       EXPECT_EQ(fused, topK == k ? lowest : lowest2000) << "maxKeys " << maxKeys << ", k " << topK;
     }
+  // The unfused select: every chunk of 2048 keys publishes its ties; with k = 2048 the first
+  // chunk takes all of them and the second none. Three rows of the same sequence, so the chunks
+  // of several rows wait on their predecessors in one launch.
+  std::vector<int32_t> lowest2048(2048);
+  std::iota(lowest2048.begin(), lowest2048.end(), 0);
+  std::vector<int32_t> expected;
+  for (int r = 0; r < 3; ++r)
+    expected.insert(expected.end(), lowest2048.begin(), lowest2048.end());
+  EXPECT_EQ(runIndexer(paged, IndexKeyType::Mxfp8, 64, 128, random(3 * 64 * 128, rng, 0.5f),
+                       random(3 * 64, rng, 1.0f), {n - 1, n - 1, n - 2}, {0, 0, 0}, n, 2048)
+                .indices,
+            expected);
 }
 
 TEST(DsaIndexerCudaErrors, RejectsBadShapes) {

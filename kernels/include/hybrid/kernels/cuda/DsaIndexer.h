@@ -56,7 +56,7 @@ struct IndexerParams {
   int32_t *indices = nullptr; // [rows, topK]: the selected positions in ascending order (the
                               // same bits every run); a row with fewer than topK keys gets all
                               // of them, then -1s
-  // Unfused: indexerSelectWorkspaceBytes(rows, maxKeys), 8-byte aligned.
+  // Unfused: indexerSelectWorkspaceBytes(rows, maxKeys), 16-byte aligned.
   void *selectWorkspace = nullptr;
   // The unfused tensor-core scores' 64-key tiles per block (a tuned configuration, kernels/
   // KernelTuning.h); 0: the default, about two waves of blocks on the GPU.
@@ -70,7 +70,8 @@ inline constexpr int kIndexerTileKeys = 64;
 // memory of a cluster of 16 blocks (about 600K keys on H200). Queries the current device.
 bool indexerFusedSupported(IndexKeyType type, int32_t headDim, int32_t maxKeys);
 
-// The top-k's scratch: per row its radix-select state and a digit histogram.
+// The top-k's scratch: per row the queries as the warpgroup scores kernel reads them (16 KB), its
+// radix-select state and a digit histogram, per 2048 keys a chunk's counts, and one counter.
 size_t indexerSelectWorkspaceBytes(int32_t rows, int32_t maxKeys);
 
 // Bytes of one index-key page (PagedCacheLayout::indexPageBytes for the same format).
