@@ -384,26 +384,45 @@ template <IndexKeyType Type, int D> __host__ __device__ constexpr int keyScaleBy
 
 // One key tile (64 keys from `slot` of pool page `pageIndex`) into a ring `stage` by cp.async,
 // codes at fp8RowBytes a key, then the tile's scales: one committed group, empty for a tile the
-// block does not score (`live` false). Pages hold a multiple of 64 tokens.
+// block does not score (`live` false). Pages hold a multiple of 64 tokens. A thread copies the
+// same piece of every kKeysPerPass-th key, so its offsets are fixed for the block and a tile
+// costs one page address and immediate offsets (the per-piece divisions and 64-bit products
+// were a quarter of the warpgroup kernel's instructions).
+template <IndexKeyType Type, int D> struct KeyTileCopier {
+  static constexpr int kRow = fp8RowBytes<D>(), kScaleBytes = keyScaleBytes<Type, D>();
+  static constexpr int kPiecesPerKey = D / 16, kKeysPerPass = kMmaThreads / kPiecesPerKey;
+  static constexpr int kPasses = kTileKeys / kKeysPerPass;
+  static constexpr int kScalePieces = kTileKeys * kScaleBytes / 16;
+  static_assert(kMmaThreads % kPiecesPerKey == 0 && kTileKeys % kKeysPerPass == 0, "even passes");
+  static_assert(kScalePieces <= kMmaThreads, "one scale piece a thread at most");
+  uint32_t stageOffset, pageOffset; // this thread's first piece in the stage and in the tile's rows
+  int tid;
+  __device__ explicit KeyTileCopier(int thread)
+      : stageOffset(uint32_t(thread / kPiecesPerKey * kRow + thread % kPiecesPerKey * 16)),
+        pageOffset(uint32_t(thread / kPiecesPerKey * D + thread % kPiecesPerKey * 16)),
+        tid(thread) {}
+  __device__ __forceinline__ void issue(const unsigned char *pool, int32_t pageIndex, int slot,
+                                        int64_t pageBytes, int pageTokens, bool live,
+                                        unsigned char *stage) const {
+    if (live) {
+      const unsigned char *page = pool + pageIndex * pageBytes;
+      const unsigned char *rows = page + size_t(slot) * D + pageOffset;
+#pragma unroll
+      for (int j = 0; j < kPasses; ++j)
+        mma::copyAsync16(stage + stageOffset + j * kKeysPerPass * kRow, rows + j * kKeysPerPass * D);
+      if (tid < kScalePieces)
+        mma::copyAsync16(stage + kTileKeys * kRow + tid * 16,
+                         page + size_t(pageTokens) * D + size_t(slot) * kScaleBytes + tid * 16);
+    }
+    mma::commitAsyncCopies();
+  }
+};
+
 template <IndexKeyType Type, int D>
 __device__ __forceinline__ void issueKeyTileAt(const unsigned char *pool, int32_t pageIndex,
                                                int slot, int64_t pageBytes, int pageTokens,
                                                bool live, unsigned char *stage, int tid) {
-  constexpr int kRow = fp8RowBytes<D>(), kScaleBytes = keyScaleBytes<Type, D>();
-  if (live) {
-    const unsigned char *page = pool + pageIndex * pageBytes;
-    constexpr int kPieces = kTileKeys * D / 16;
-#pragma unroll
-    for (int c = tid; c < kPieces; c += kMmaThreads) {
-      const int k = c / (D / 16), piece = c % (D / 16);
-      mma::copyAsync16(stage + k * kRow + piece * 16, page + size_t(slot + k) * D + piece * 16);
-    }
-    constexpr int kScalePieces = kTileKeys * kScaleBytes / 16;
-    const unsigned char *scales = page + size_t(pageTokens) * D + size_t(slot) * kScaleBytes;
-    for (int c = tid; c < kScalePieces; c += kMmaThreads)
-      mma::copyAsync16(stage + kTileKeys * kRow + c * 16, scales + c * 16);
-  }
-  mma::commitAsyncCopies();
+  KeyTileCopier<Type, D>(tid).issue(pool, pageIndex, slot, pageBytes, pageTokens, live, stage);
 }
 
 // Key tile `tile` of a block (keys firstKey + 64 tile ...) into ring stage tile % kFp8Stages.
@@ -815,9 +834,10 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
       ++entry;
     }
   };
+  const KeyTileCopier<Type, D> copier(tid);
   auto issue = [&](int tile, int page, int pageSlot) {
-    issueKeyTileAt<Type, D>(pool, page, pageSlot, pageBytes, p.pageTokens, live(tile),
-                            stages + (tile % kFp8Stages) * fp8StageBytes<D>(), tid);
+    copier.issue(pool, page, pageSlot, pageBytes, p.pageTokens, live(tile),
+                 stages + (tile % kFp8Stages) * fp8StageBytes<D>());
   };
   int page, pageSlot;
   lookUp(0, page, pageSlot);
@@ -872,18 +892,23 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
         words[4 * v + 2] = piece.z;
         words[4 * v + 3] = piece.w;
       }
-      float scale = 1.0f;
-      keyScale[r] = 1.0f; // Fp8PerKey: on the dot product
+      // The E8M0 scale code decides the path without floats: 2^(code - 127) times 2^120 is a
+      // finite normal bf16 (quadConversionExact) for codes 1..134, whose bits are (code + 120) << 7.
+      uint32_t scaleCode = 127u; // Fp8PerKey: the scale goes on the dot product
+      keyScale[r] = 1.0f;
       if constexpr (Type == IndexKeyType::Mxfp8)
-        scale = e8m0ToFloat(keyScales[key * (D / kMxBlock) + t * kRun / kMxBlock]);
+        scaleCode = keyScales[key * (D / kMxBlock) + t * kRun / kMxBlock];
       else
         keyScale[r] = reinterpret_cast<const float *>(keyScales)[key];
-      if (quadConversionExact(scale)) {
-        const __nv_bfloat162 factor = __float2bfloat162_rn(0x1p120f * scale);
+      if (scaleCode - 1u < 134u) {
+        const uint32_t factorBits = (scaleCode + 120u) << 7;
+        const uint32_t factorPair = factorBits | factorBits << 16;
+        const __nv_bfloat162 factor = *reinterpret_cast<const __nv_bfloat162 *>(&factorPair);
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) // fragment registers: row key0 then key0 + 8
           e4m3QuadToBf16(words[s], factor, a[s][r], a[s][2 + r]);
       } else {
+        const float scale = e8m0ToFloat(uint8_t(scaleCode));
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
           a[s][r] = e4m3PairToBf16(uint16_t(words[s]), scale);
