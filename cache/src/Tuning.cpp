@@ -50,7 +50,7 @@ CandidateSet enumerateCandidates(const TunableKernel &kernel, const ShapeBucket 
 CacheKey tuningKey(const TunableKernel &kernel, const ShapeBucket &shape,
                    const TuningDevice &device, std::string *canonicalText) {
   KeyBuilder key;
-  key.add("record", "kernel-tuning").add("kernel", kernel.name);
+  key.add("record", "kernel-tuning").add("kernel", kernel.name).add("revision", kernel.revision);
   // The space itself: a parameter added, removed or given other values re-tunes.
   for (const TunableParameter &parameter : kernel.parameters) {
     std::string values;

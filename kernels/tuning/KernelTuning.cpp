@@ -7,6 +7,21 @@ namespace kc = hybrid::kernels::cuda;
 
 namespace {
 
+// The hashes of each family's kernel sources (kernels/CMakeLists.txt); "unknown" where a build
+// did not define them (a tuned entry then matches any build, as before revisions existed).
+#ifndef HYBRID_TUNING_REVISION_DSA_INDEXER
+#define HYBRID_TUNING_REVISION_DSA_INDEXER "unknown"
+#endif
+#ifndef HYBRID_TUNING_REVISION_SPARSE_MLA
+#define HYBRID_TUNING_REVISION_SPARSE_MLA "unknown"
+#endif
+#ifndef HYBRID_TUNING_REVISION_MOE
+#define HYBRID_TUNING_REVISION_MOE "unknown"
+#endif
+#ifndef HYBRID_TUNING_REVISION_KDA_DECODE
+#define HYBRID_TUNING_REVISION_KDA_DECODE "unknown"
+#endif
+
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Which score kernel an unfused launch runs, as launchIndexerTopK picks it: 0 CUDA cores (fp32
@@ -26,6 +41,7 @@ int64_t indexerScoreForm(const kc::IndexerParams &p) {
 TunableKernel makeIndexerScores() {
   TunableKernel kernel;
   kernel.name = std::string(kIndexerScores);
+  kernel.revision = HYBRID_TUNING_REVISION_DSA_INDEXER;
   kernel.parameters = {{.name = "tiles_per_block",
                         .values = {0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512},
                         .defaultValue = 0}};
@@ -51,6 +67,7 @@ TunableKernel makeIndexerScores() {
 TunableKernel makeSparseMlaDecode() {
   TunableKernel kernel;
   kernel.name = std::string(kSparseMlaDecode);
+  kernel.revision = HYBRID_TUNING_REVISION_SPARSE_MLA;
   kernel.parameters = {{.name = "splits",
                         .values = {0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32},
                         .defaultValue = 0}};
@@ -105,6 +122,7 @@ const char *moeFormsName(MoeForms forms) {
 TunableKernel makeMoeExperts() {
   TunableKernel kernel;
   kernel.name = std::string(kMoeExperts);
+  kernel.revision = HYBRID_TUNING_REVISION_MOE;
   kernel.parameters = {
       {.name = "per_token_max_pairs", .values = kMoeThresholds, .defaultValue = 0}};
   kernel.constraint = [](const TuningConfig &config,
@@ -146,6 +164,7 @@ TunableKernel makeMoeExperts() {
 TunableKernel makeKdaDecode() {
   TunableKernel kernel;
   kernel.name = std::string(kKdaDecode);
+  kernel.revision = HYBRID_TUNING_REVISION_KDA_DECODE;
   kernel.parameters = {{.name = "path", .values = {0, 1, 2}, .defaultValue = 0}};
   kernel.constraint = [](const TuningConfig &config,
                          const ShapeBucket &shape) -> std::optional<std::string> {

@@ -72,6 +72,8 @@ TEST(Tuning, KeysChangeWithEveryFieldThatMatters) {
   renamed.name = "sparse-mla-prefill";
   TunableKernel widened = kernel;
   widened.parameters[0].values.push_back(32);
+  TunableKernel rewritten = kernel; // the same family, its kernel sources changed
+  rewritten.revision = "0123456789abcdef";
   TuningDevice otherGpu = kH200, fewerSms = kH200, otherDriver = kH200, otherCompiler = kH200;
   otherGpu.gpu = "NVIDIA H100 80GB HBM3";
   fewerSms.smCount = 114;
@@ -79,6 +81,7 @@ TEST(Tuning, KeysChangeWithEveryFieldThatMatters) {
   otherCompiler.compiler = "cuda 12.8";
   for (const CacheKey &other :
        {tuningKey(renamed, shape, kH200), tuningKey(widened, shape, kH200),
+        tuningKey(rewritten, shape, kH200),
         tuningKey(kernel, {{"heads", 16}, {"rows", 64}}, kH200),
         tuningKey(kernel, {{"heads", 128}, {"rows", 128}}, kH200),
         tuningKey(kernel, shape, otherGpu), tuningKey(kernel, shape, fewerSms),

@@ -31,6 +31,9 @@ struct TunableParameter {
 
 struct TunableKernel {
   std::string name; // e.g. "dsa-indexer-scores"
+  // The kernels' sources as built (a hash): a result measured on other code is another key, so a
+  // rewritten kernel is re-tuned instead of running a configuration chosen for its predecessor.
+  std::string revision;
   std::vector<TunableParameter> parameters;
   // A reason when `config` cannot run at `shape`; nullopt when it can. Empty: no constraint.
   std::function<std::optional<std::string>(const TuningConfig &, const ShapeBucket &)> constraint;
