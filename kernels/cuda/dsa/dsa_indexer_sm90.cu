@@ -1364,11 +1364,12 @@ template <int D> int launchFp32Scores(const IndexerParams &p, cudaStream_t strea
   return int(cudaGetLastError());
 }
 
-// As many key tiles per block as keep about two waves of blocks on the GPU: each block stages
-// its row's q once, so fewer, longer blocks when there are many rows.
+// As many key tiles per block as keep about one wave of blocks on the GPU: each block stages its
+// row's queries once, so fewer, longer blocks when there are many rows. (Two waves until the
+// tuner's winners on the H200 showed one wave's tile counts at 7 of 9 indexer buckets.)
 int tilesPerBlock(const IndexerParams &p, int multiprocessors) {
   const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
-  const int wantedBlocks = std::max(1, 2 * kBlocksPerSm * multiprocessors / p.rows);
+  const int wantedBlocks = std::max(1, kBlocksPerSm * multiprocessors / p.rows);
   return std::max(1, (tiles + wantedBlocks - 1) / wantedBlocks);
 }
 

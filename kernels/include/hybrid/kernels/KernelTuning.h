@@ -26,7 +26,7 @@ using cache::TunableKernel;
 using cache::TuningConfig;
 
 // The DSA indexer's unfused tensor-core scores (dsa_indexer_sm90.cu): tiles_per_block, the
-// 64-key tiles one block scores (0: about two waves of blocks on the GPU).
+// 64-key tiles one block scores (0: about one wave of blocks on the GPU).
 inline constexpr std::string_view kIndexerScores = "dsa-indexer-scores";
 // Sparse MLA decode (sparse_mla_decode_sm90.cu): splits, the blocks a row's positions are split
 // over (0: the cost model of waves).

@@ -59,7 +59,7 @@ struct IndexerParams {
   // Unfused: indexerSelectWorkspaceBytes(rows, maxKeys), 16-byte aligned.
   void *selectWorkspace = nullptr;
   // The unfused tensor-core scores' 64-key tiles per block (a tuned configuration, kernels/
-  // KernelTuning.h); 0: the default, about two waves of blocks on the GPU.
+  // KernelTuning.h); 0: the default, about one wave of blocks on the GPU.
   int32_t tilesPerBlock = 0;
 };
 
