@@ -58,9 +58,13 @@ bool CudaExecutor::Impl::runsOnGpu(const fb::Dispatch &d) const {
            roleOf(d, 1) >= 0;
   }
   case fb::KernelId::MoeExperts:
+    // An all_to_all exchange runs on the GPU over a device-buffer communicator (NCCL); with a
+    // host one (ranks sharing a GPU as threads) the cpu reference stages it, as the gathers.
     return d.params_as_MoeParams() &&
            kc::gatedActivationValid(gatedActivationOf(*d.params_as_MoeParams())) &&
-           moeRunsOnGpu(d);
+           moeRunsOnGpu(d) &&
+           (!d.params_as_MoeParams()->all_to_all() ||
+            (communicator && communicator->deviceBuffers()));
   case fb::KernelId::AttnRes:
   case fb::KernelId::AttnResRmsNorm: { // inputs: the partial sum, then the completed blocks
     const size_t roles = d.kernel() == fb::KernelId::AttnResRmsNorm ? 3 : 2;
@@ -542,16 +546,6 @@ StatusOr<std::unique_ptr<CudaExecutor>>
 CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightArchive &archive,
                      const HostWeights &hostWeights, const RecurrentStatePool &states,
                      PagedKvCache &kvCache, const LoadOptions &options, LoadTimings &timings) {
-  // Experts spread over the context ranks (plan 1.5): the prefill's MoeExperts exchange rows by
-  // an all-to-all that only the cpu device runs (parallel::moeExpertParallel on host buffers).
-  // Refused here, before anything touches a GPU, rather than run as a partial sum.
-  if (const fb::Target *target = plan.target();
-      target && target->tensor_parallel() == 1 && target->context_parallel() > 1 &&
-      target->expert_parallel() == target->context_parallel())
-    return Status::error(dir + ": cp=" + std::to_string(target->context_parallel()) +
-                         ",ep=" + std::to_string(target->expert_parallel()) +
-                         ": the expert all-to-all runs on the cpu device only so far (compile "
-                         "for the cuda device with ep=1, or with tp=N,ep=N)");
   // Each lap adds the time since the previous one to a phase (LoadTimings).
   auto lapStart = std::chrono::steady_clock::now();
   auto lap = [&lapStart](double &phase) {
@@ -663,6 +657,20 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
             dir + ": program '" + program->name()->str() + "', " + kernelName(d->kernel()) +
             " (layer " + std::to_string(d->layer()) + ")"));
       if (!impl->runsOnGpu(*d)) {
+        // The cpu reference exchanges host buffers: an all_to_all whose experts the GPU forms
+        // cannot run has no path with a device-buffer communicator.
+        if (const fb::MoeParams *moe = d->params_as_MoeParams();
+            moe && moe->all_to_all() && options.communicator &&
+            options.communicator->deviceBuffers()) {
+          const fb::Target *target = plan.target();
+          return Status::error(
+              dir + ": cp=" + std::to_string(target ? target->context_parallel() : 0) + ",ep=" +
+              std::to_string(target ? target->expert_parallel() : 0) + ": program '" +
+              program->name()->str() + "', moe_experts (layer " + std::to_string(d->layer()) +
+              "): the expert all-to-all over " + options.communicator->backend() +
+              " runs on the GPU MoE forms only (bf16 or FP8 block-scaled row-major experts, "
+              "SiLU or SiTU), which these experts do not fit");
+        }
         impl->onCpu.insert(d);
         ++cpuKernels[kernelName(d->kernel())];
         if (d->weights())
@@ -786,6 +794,10 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
                              hostWeights, floats, xWidth, outWidth)
                 .withContext(kernelName(d->kernel()) + " (layer " + std::to_string(d->layer()) +
                              ")"));
+        if (d->kernel() == fb::KernelId::MoeExperts && d->params_as_MoeParams()->all_to_all())
+          HYBRID_RETURN_IF_ERROR(impl->prepareMoeAllToAll(*d, rows).withContext(
+              dir + ": program '" + program->name()->str() + "', moe_experts (layer " +
+              std::to_string(d->layer()) + ")"));
         break;
       default:
         if (!impl->attentionRunsOnGpu(*d))
@@ -855,7 +867,9 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
                            alignUp(std::max<size_t>(1, impl->fp8ScratchBytes)) +
                            alignUp(std::max<size_t>(1, impl->attentionWorkspaceBytes));
   const size_t streamsOffset = bytes;
-  bytes += perStream * static_cast<size_t>(maxStreams);
+  // The plan's streams, then the expert stream of an all_to_all exchange (CudaMoeAllToAll.cpp).
+  const size_t poolStreams = static_cast<size_t>(maxStreams) + (impl->needsExpertStream ? 1 : 0);
+  bytes += perStream * poolStreams;
   CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->pool, bytes),
                        "device pools (" + std::to_string(bytes) + " bytes)");
   CUDA_RETURN_IF_ERROR(cudaMemset(impl->pool, 0, bytes), "device pools");
@@ -867,12 +881,17 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   impl->cuSeqlens = reinterpret_cast<int32_t *>(impl->pool + cuSeqlensOffset);
   lap(timings.devicePoolsSeconds);
 
-  for (int32_t s = 0; s < maxStreams; ++s) {
-    impl->streams.push_back(std::make_unique<StreamResources>());
-    StreamResources &r = *impl->streams.back();
+  for (size_t s = 0; s < poolStreams; ++s) {
+    const bool expertStream = s == static_cast<size_t>(maxStreams);
+    auto resources = std::make_unique<StreamResources>();
+    StreamResources &r = *resources;
+    if (expertStream)
+      impl->expertStream = std::move(resources);
+    else
+      impl->streams.push_back(std::move(resources));
     CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking), "streams");
     LAUNCH_RETURN_IF_ERROR(r.linear.init(), "cuBLASLt");
-    unsigned char *base = impl->pool + streamsOffset + perStream * static_cast<size_t>(s);
+    unsigned char *base = impl->pool + streamsOffset + perStream * s;
     r.xBf16 = base;
     base += alignUp(std::max<size_t>(1, impl->xBf16Elements) * 2 * halves);
     r.splitOutput = reinterpret_cast<float *>(base);
@@ -891,6 +910,10 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
     CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "events");
   for (cudaEvent_t &event : impl->joinEvents)
     CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "events");
+  if (impl->needsExpertStream)
+    for (cudaEvent_t *event : {&impl->chunkReceived[0], &impl->chunkReceived[1],
+                               &impl->chunkComputed[0], &impl->chunkComputed[1]})
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(event, cudaEventDisableTiming), "events");
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&impl->forkEvent, cudaEventDisableTiming),
                        "events");
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedTokens,
@@ -962,10 +985,14 @@ Status CudaExecutor::Impl::launchRun(const fb::Program &program, unsigned char *
       if (host.contextShard)
         own = dispatchContext(host, program, d);
       const cpu::StepContext &c = own ? *own : host;
+      // An expert exchange needs every rank, rows or not (the others' rows may be for its
+      // experts).
       const bool takesOthersRows = d.kernel() == fb::KernelId::KdaChunkPrefill ||
                                    d.kernel() == fb::KernelId::MlaPrefill ||
                                    d.kernel() == fb::KernelId::SparseMlaPrefill ||
-                                   d.kernel() == fb::KernelId::DsaIndexer;
+                                   d.kernel() == fb::KernelId::DsaIndexer ||
+                                   (d.kernel() == fb::KernelId::MoeExperts &&
+                                    d.params_as_MoeParams()->all_to_all());
       if (c.rows > 0 || takesOthersRows)
         HYBRID_RETURN_IF_ERROR(runOnGpu(program, arena, d, r, c).withContext(where));
       if (d.signal_event() >= 0) {

@@ -245,6 +245,7 @@ struct CudaExecutor::Impl {
     cudaFreeHost(pinnedTables);
     releaseExpertLists();
     releaseContextParallel();
+    releaseMoeAllToAll();
     for (auto &[dispatch, pointers] : expertPointers)
       cudaFree(pointers);
     cudaFree(kvPool);
@@ -508,6 +509,49 @@ struct CudaExecutor::Impl {
   Status runMoeExperts(const fb::Program &program, unsigned char *arena,
                        const fb::Dispatch &dispatch, StreamResources &resources,
                        const cpu::StepContext &host);
+  // How routed experts run: per (token, expert) pair on CUDA cores, grouped by expert on tensor
+  // cores (bf16), or grouped on the host around the GEMMs.
+  enum class MoeForm { PerToken, TensorCores, HostGrouped };
+  // What every form takes from the dispatch: shapes, the experts' pointers, type and activation.
+  kc::MoeExpertsParams moeExpertsParams(const fb::Dispatch &dispatch, int64_t hidden) const;
+  // The form the step's (token, expert) pairs choose for experts of `params` (its topK the
+  // step's): an unsharded run's, whatever rows this rank holds. Sets `perTokenMaxPairs` to a
+  // tuned threshold where one applies.
+  MoeForm moeForm(const kc::MoeExpertsParams &params, const cpu::StepContext &host,
+                  int32_t &perTokenMaxPairs);
+  // `params`' rows in `form` on `resources`' stream; the per-token and tensor-core forms'
+  // workspace is params.workspace, `workspaceBytes` of it (the host-grouped form uses the
+  // stream's scratch).
+  Status launchMoeForm(const fb::Dispatch &dispatch, const kc::MoeExpertsParams &params,
+                       MoeForm form, size_t workspaceBytes, StreamResources &resources);
+  Status runHostGroupedExperts(const fb::Dispatch &dispatch, const kc::MoeExpertsParams &params,
+                               StreamResources &resources);
+
+  // ---- Experts over the context ranks (CudaMoeAllToAll.cpp, docs/parallelism.md) ----
+  // A cp=N,ep=N prefill's moe_experts (MoeParams.all_to_all): this rank's rows go to the ranks
+  // holding their experts and come back over the context group's communicator, in two chunks
+  // whose exchanges overlap the other chunk's experts. The experts run on `expertStream` (a
+  // stream of the executor's own, with its own scratch), the exchanges on the dispatch's.
+  std::unique_ptr<StreamResources> expertStream;
+  bool needsExpertStream = false; // set by prepareMoeAllToAll, read when the pool is allocated
+  // Per chunk: its rows arrived (exchange stream), its experts' results are ready (expert stream).
+  cudaEvent_t chunkReceived[2] = {}, chunkComputed[2] = {};
+  // The destination lists of this rank's pairs (kc::MoeRouteToRanksParams) for up to
+  // `exchangePairs` pairs, the ranks' counts gathered (device and pinned).
+  int32_t *exchangeSlots = nullptr, *exchangePairLists = nullptr;
+  float *exchangeCounts = nullptr, *exchangeAllCounts = nullptr, *pinnedAllCounts = nullptr;
+  int64_t exchangePairs = 0;
+  // The exchange buffers, grown on demand: their size depends on how the router spreads the rows.
+  unsigned char *exchangeBuffers = nullptr;
+  size_t exchangeBytes = 0;
+  // At load, for an all_to_all dispatch on the GPU: the layout and the experts this rank holds
+  // checked, the buffers above for `rows` rows per step.
+  Status prepareMoeAllToAll(const fb::Dispatch &dispatch, int64_t rows);
+  Status createExpertStream(unsigned char *scratchBase);
+  Status runMoeAllToAll(const fb::Program &program, unsigned char *arena,
+                        const fb::Dispatch &dispatch, StreamResources &resources,
+                        const cpu::StepContext &host);
+  void releaseMoeAllToAll();
 };
 
 inline const fb::Value &valueOf(const fb::Program &program, int32_t index) {

@@ -157,8 +157,12 @@ Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &
   floats = static_cast<size_t>(std::max({perToken, grouped, tensorCore}));
   xWidth = static_cast<size_t>(std::max(hidden, inner));
   outWidth = static_cast<size_t>(std::max(hidden, inner));
-  if (!decodeProgram && static_cast<size_t>(rows * K) > expertListCapacity) {
-    const size_t entries = static_cast<size_t>(rows * K);
+  // An all_to_all's host-grouped form takes a chunk of every rank's padded slots as its rows, one
+  // choice each: N ceil(slots / 2) <= (rows + 2 N) K of them (slots: at most a rank's rows times
+  // K, a rank's rows at most rows / N + 2).
+  const size_t entries = static_cast<size_t>(
+      p->all_to_all() ? (rows + 2 * int64_t(contextParallel)) * K : rows * K);
+  if (!decodeProgram && entries > expertListCapacity) {
     releaseExpertLists();
     CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinnedExpertIds, entries * sizeof(int32_t)), "MoE lists");
     CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinnedExpertTokens, entries * sizeof(int32_t)),
@@ -200,21 +204,11 @@ Status CudaExecutor::Impl::runRouter(const fb::Program &program, unsigned char *
   return Status::ok();
 }
 
-Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned char *arena,
-                                         const fb::Dispatch &d, StreamResources &r,
-                                         const cpu::StepContext &host) {
+kc::MoeExpertsParams CudaExecutor::Impl::moeExpertsParams(const fb::Dispatch &d,
+                                                           int64_t hidden) const {
   const fb::MoeParams *p = d.params_as_MoeParams();
-  auto value = [&](int position) { return arena + valueOf(program, d.inputs()->Get(position)).arena_offset(); };
-  const int64_t T = host.rows, E = p->num_experts(), K = p->top_k(), inner = p->intermediate_size();
-  const int64_t hidden = valueOf(program, d.inputs()->Get(0)).row_elements();
-  const auto *x = reinterpret_cast<const float *>(value(0));
-  const auto *ids = reinterpret_cast<const int32_t *>(value(1));
-  const auto *weights = reinterpret_cast<const float *>(value(2));
-  auto *out = reinterpret_cast<float *>(arena + valueOf(program, d.outputs()->Get(0)).arena_offset());
+  const int64_t E = p->num_experts(), inner = p->intermediate_size();
   const void **pointers = expertPointers.at(&d);
-
-  // What both GPU forms take: the step's rows, the experts' pointers and activation (bf16, or
-  // FP8 codes with their block scales).
   // The held experts' type (all alike, checked at load by expertWeightType): the first held one's.
   fb::DType type = fb::DType::BF16;
   for (int64_t e = 0; e < E; ++e)
@@ -223,14 +217,9 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
       break;
     }
   kc::MoeExpertsParams m;
-  m.tokens = static_cast<int32_t>(T);
   m.hidden = static_cast<int32_t>(hidden);
   m.intermediate = static_cast<int32_t>(inner);
   m.experts = static_cast<int32_t>(E);
-  m.topK = static_cast<int32_t>(K);
-  m.x = x;
-  m.ids = ids;
-  m.weights = weights;
   m.gate = pointers;
   m.up = pointers + E;
   m.down = pointers + 2 * E;
@@ -245,34 +234,77 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
     m.activationScale = fp8ActivationScale;
   }
   m.activation = gatedActivationOf(*p);
-  m.out = out;
-  m.workspace = r.scratch;
+  return m;
+}
+
+CudaExecutor::Impl::MoeForm CudaExecutor::Impl::moeForm(const kc::MoeExpertsParams &m,
+                                                        const cpu::StepContext &host,
+                                                        int32_t &perTokenMaxPairs) {
   // Where the tensor-core form can run (bf16 experts), it or the per-token form by the step's
   // pairs (formRows): above 64, or the threshold tuned for the step's shape, as
   // kc::moeLaunchesGrouped decides for the step's tokens.
-  const bool tensorCores = kc::moeGroupedSupports(m);
-  bool grouped = false;
-  if (tensorCores) {
-    kc::MoeExpertsParams step = m;
-    step.tokens = static_cast<int32_t>(formRows(host));
+  kc::MoeExpertsParams step = m;
+  step.tokens = static_cast<int32_t>(formRows(host));
+  if (kc::moeGroupedSupports(step)) {
     applyTuning(step);
-    m.perTokenMaxPairs = step.perTokenMaxPairs;
-    grouped = kc::moeLaunchesGrouped(step);
+    perTokenMaxPairs = step.perTokenMaxPairs;
+    return kc::moeLaunchesGrouped(step) ? MoeForm::TensorCores : MoeForm::PerToken;
   }
-  if (tensorCores || !groupedForm(host, K)) {
-    const size_t bytes =
-        grouped ? kc::moeGroupedWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate, m.experts)
-                : kc::moeExpertsWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate);
-    if (bytes > scratchFloats * sizeof(float))
-      return Status::error(grouped ? "MoE grouped workspace larger than planned at load"
-                                   : "MoE workspace larger than planned at load");
-    LAUNCH_RETURN_IF_ERROR(grouped ? kc::launchMoeExpertsGrouped(m, splitGemmInputs, r.stream)
-                                   : kc::launchMoeExpertsPerToken(m, r.stream),
-                           grouped ? "MoE experts (grouped)" : "MoE experts");
-    return Status::ok();
-  }
+  return groupedForm(host, m.topK) ? MoeForm::HostGrouped : MoeForm::PerToken;
+}
 
-  // Grouped: the chosen experts come to the host, each expert runs once on its tokens.
+Status CudaExecutor::Impl::launchMoeForm(const fb::Dispatch &d, const kc::MoeExpertsParams &m,
+                                         MoeForm form, size_t workspaceBytes,
+                                         StreamResources &r) {
+  if (form == MoeForm::HostGrouped)
+    return runHostGroupedExperts(d, m, r);
+  const bool grouped = form == MoeForm::TensorCores;
+  const size_t bytes =
+      grouped ? kc::moeGroupedWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate, m.experts)
+              : kc::moeExpertsWorkspaceBytes(m.tokens, m.topK, m.hidden, m.intermediate);
+  if (bytes > workspaceBytes)
+    return Status::error(grouped ? "MoE grouped workspace larger than planned at load"
+                                 : "MoE workspace larger than planned at load");
+  LAUNCH_RETURN_IF_ERROR(grouped ? kc::launchMoeExpertsGrouped(m, splitGemmInputs, r.stream)
+                                 : kc::launchMoeExpertsPerToken(m, r.stream),
+                         grouped ? "MoE experts (grouped)" : "MoE experts");
+  return Status::ok();
+}
+
+Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned char *arena,
+                                         const fb::Dispatch &d, StreamResources &r,
+                                         const cpu::StepContext &host) {
+  const fb::MoeParams *p = d.params_as_MoeParams();
+  if (p->all_to_all()) // experts over the context ranks (CudaMoeAllToAll.cpp)
+    return runMoeAllToAll(program, arena, d, r, host);
+  auto value = [&](int position) { return arena + valueOf(program, d.inputs()->Get(position)).arena_offset(); };
+  const int64_t hidden = valueOf(program, d.inputs()->Get(0)).row_elements();
+  // What every form takes: the step's rows, the experts' pointers and activation (bf16, or
+  // FP8 codes with their block scales).
+  kc::MoeExpertsParams m = moeExpertsParams(d, hidden);
+  m.tokens = static_cast<int32_t>(host.rows);
+  m.topK = static_cast<int32_t>(p->top_k());
+  m.x = reinterpret_cast<const float *>(value(0));
+  m.ids = reinterpret_cast<const int32_t *>(value(1));
+  m.weights = reinterpret_cast<const float *>(value(2));
+  m.out = reinterpret_cast<float *>(arena + valueOf(program, d.outputs()->Get(0)).arena_offset());
+  m.workspace = r.scratch;
+  const MoeForm form = moeForm(m, host, m.perTokenMaxPairs);
+  return launchMoeForm(d, m, form, scratchFloats * sizeof(float), r);
+}
+
+// The host-grouped form: the chosen experts come to the host, each expert runs once on its
+// tokens (its GEMMs on the rows gathered for it), its weighted rows scatter-added into the
+// output in expert order.
+Status CudaExecutor::Impl::runHostGroupedExperts(const fb::Dispatch &d,
+                                                 const kc::MoeExpertsParams &m,
+                                                 StreamResources &r) {
+  const fb::MoeParams *p = d.params_as_MoeParams();
+  const int64_t T = m.tokens, E = m.experts, K = m.topK, hidden = m.hidden, inner = m.intermediate;
+  const float *x = m.x;
+  const int32_t *ids = m.ids;
+  const float *weights = m.weights;
+  float *out = m.out;
   const size_t pairs = static_cast<size_t>(T * K);
   if (pairs > expertListCapacity)
     return Status::error("MoE step of " + std::to_string(pairs) +
@@ -287,32 +319,40 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
   std::vector<int64_t> starts(static_cast<size_t>(E) + 1, 0);
   for (size_t i = 0; i < pairs; ++i) {
     const int32_t expert = pinnedExpertIds[i];
+    if (expert == -1) // no choice: an exchange's padding row
+      continue;
     if (expert < 0 || expert >= E)
       return Status::error("router chose expert " + std::to_string(expert) + " of " +
                            std::to_string(E));
     ++starts[static_cast<size_t>(expert) + 1];
   }
-  for (int64_t e = 0; e < E; ++e)
+  int64_t most = 0; // the most rows one expert takes: what the scratch below holds
+  for (int64_t e = 0; e < E; ++e) {
+    most = std::max(most, starts[static_cast<size_t>(e) + 1]);
     starts[static_cast<size_t>(e) + 1] += starts[static_cast<size_t>(e)];
+  }
   std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+  const size_t listed = static_cast<size_t>(starts.back());
   for (size_t i = 0; i < pairs; ++i) { // tokens in ascending order within each expert
+    if (pinnedExpertIds[i] < 0)
+      continue;
     const int64_t slot = next[static_cast<size_t>(pinnedExpertIds[i])]++;
     pinnedExpertTokens[slot] = static_cast<int32_t>(i / static_cast<size_t>(K));
     pinnedListWeights[slot] = pinnedExpertWeights[i];
   }
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(expertTokens, pinnedExpertTokens, pairs * sizeof(int32_t),
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(expertTokens, pinnedExpertTokens, listed * sizeof(int32_t),
                                        cudaMemcpyHostToDevice, r.stream),
                        "MoE token lists upload");
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(expertListWeights, pinnedListWeights, pairs * sizeof(float),
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(expertListWeights, pinnedListWeights, listed * sizeof(float),
                                        cudaMemcpyHostToDevice, r.stream),
                        "MoE token lists upload");
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(out, 0, static_cast<size_t>(T * hidden) * sizeof(float),
                                        r.stream),
                        "MoE output");
-  if (static_cast<size_t>(2 * pad(T * hidden) + 2 * pad(T * inner)) > scratchFloats)
+  if (static_cast<size_t>(2 * pad(most * hidden) + 2 * pad(most * inner)) > scratchFloats)
     return Status::error("MoE scratch larger than planned at load");
-  float *gathered = r.scratch, *gate = gathered + pad(T * hidden), *up = gate + pad(T * inner);
-  float *result = up + pad(T * inner);
+  float *gathered = r.scratch, *gate = gathered + pad(most * hidden), *up = gate + pad(most * inner);
+  float *result = up + pad(most * inner);
   for (int64_t e = 0; e < E; ++e) { // in expert order: each token's sum is in that order too
     const int64_t begin = starts[static_cast<size_t>(e)], n = starts[static_cast<size_t>(e) + 1] - begin;
     if (n == 0 || expertWeight(d, e, 0) < 0) // none of its tokens, or held by another rank
