@@ -4,8 +4,8 @@
 // tolerance), the same greedy ids, every rank the same ids.
 //   - NCCL, one GPU per rank (rank threads of this process, rendezvous over 127.0.0.1): the
 //     collectives in the plan's streams, captured in the decode graphs. Needs 2 GPUs (tp=2,
-//     tp=2 ep=2, cp=2), 4 for tp=2 cp=2 (a communicator per tensor- and context-parallel group,
-//     split from the world).
+//     tp=2 ep=2, cp=2, cp=2 ep=2: the experts' all-to-all), 4 for tp=2 cp=2 (a communicator per
+//     tensor- and context-parallel group, split from the world).
 //   - one GPU: a world of one over NCCL (the launch path: the unsharded plan with a
 //     communicator gives the unsharded run's bits, and an all-reduce captured in a graph), and
 //     two ranks sharing the GPU whose communicator takes device buffers and stages them through
@@ -251,7 +251,7 @@ TEST(ShardedCuda, TwoRanksSharingAGpuOnTheDevicePath) {
   if (gpuCount() < 1)
     GTEST_SKIP() << "no CUDA device";
   for (const char *model : kModels)
-    for (const char *layout : {"tp2", "tp2-ep2", "cp2"}) {
+    for (const char *layout : {"tp2", "tp2-ep2", "cp2", "cp2-ep2"}) {
       auto reference = oneGpuRun(model);
       ASSERT_TRUE(reference.isOk()) << model << ": " << reference.status().message();
       auto group = comm::makeLoopbackGroup(2);
@@ -266,6 +266,23 @@ TEST(ShardedCuda, TwoRanksSharingAGpuOnTheDevicePath) {
       });
       expectMatchesOneGpu(std::string(model) + " " + layout, *reference, ranks);
     }
+}
+
+// A placement report's moe_experts steps all on the GPU: one line per program, "cuda <program>:
+// GPU: <kernels>; cpu reference: <kernels>".
+void expectMoeExpertsOnTheGpu(const std::string &model, const std::string &report) {
+  bool onGpu = false;
+  for (size_t line = 0; line < report.size();) {
+    const size_t end = std::min(report.find('\n', line), report.size());
+    const std::string text = report.substr(line, end - line);
+    const size_t cpu = text.find("; cpu reference: ");
+    if (text.rfind("cuda ", 0) == 0 && cpu != std::string::npos) {
+      onGpu = onGpu || text.substr(0, cpu).find("moe_experts") != std::string::npos;
+      EXPECT_EQ(text.find("moe_experts", cpu), std::string::npos) << model << ": " << text;
+    }
+    line = end + 1;
+  }
+  EXPECT_TRUE(onGpu) << model << ": " << report;
 }
 
 // Expert parallelism on the GPU MoE kernels: an ep rank's moe_experts step, whose experts held by
@@ -292,21 +309,8 @@ TEST(ShardedCuda, ExpertParallelMoeRunsOnTheGpu) {
       return generateGreedy(*loaded, prompt, greedy());
     });
     expectMatchesOneGpu(std::string(model) + " tp2-ep2", *reference, ranks);
-    for (const std::string &report : reports) {
-      // One line per program: "cuda <program>: GPU: <kernels>; cpu reference: <kernels>".
-      bool onGpu = false;
-      for (size_t line = 0; line < report.size();) {
-        const size_t end = std::min(report.find('\n', line), report.size());
-        const std::string text = report.substr(line, end - line);
-        const size_t cpu = text.find("; cpu reference: ");
-        if (text.rfind("cuda ", 0) == 0 && cpu != std::string::npos) {
-          onGpu = onGpu || text.substr(0, cpu).find("moe_experts") != std::string::npos;
-          EXPECT_EQ(text.find("moe_experts", cpu), std::string::npos) << model << ": " << text;
-        }
-        line = end + 1;
-      }
-      EXPECT_TRUE(onGpu) << model << ": " << report;
-    }
+    for (const std::string &report : reports)
+      expectMoeExpertsOnTheGpu(model, report);
   }
 }
 
@@ -395,6 +399,40 @@ TEST(ShardedCuda, TwoGpusOverNccl) {
       });
       expectMatchesOneGpu(std::string(model) + " " + layout, *reference, ranks);
     }
+}
+
+// Experts over the context ranks (cp=2 ep=2): each GPU holds half the routed experts, and the
+// prefill's moe_experts sends its rows to the GPU holding their experts and back over NCCL
+// (CudaMoeAllToAll.cpp: two chunks, each one's exchange overlapping the other's experts); the
+// decode's experts are partial sums an all-reduce completes. The golden prompts and 1- and
+// 3-token ones (a rank without rows still joins every exchange), against one GPU's unsharded
+// run, every moe_experts step on the GPU.
+TEST(ShardedCuda, ExpertsOverTheContextRanksOnTwoGpus) {
+  if (gpuCount() < 2)
+    GTEST_SKIP() << "needs 2 GPUs, " << gpuCount() << " here";
+  for (const char *model : kModels) {
+    const std::string dir = e2eDir() + "/" + model + "-cuda-cp2-ep2";
+    for (const std::vector<int64_t> &prompt :
+         {goldenPrompt(model), std::vector<int64_t>{5}, std::vector<int64_t>{7, 3, 9}}) {
+      const std::string what = std::string(model) + " cp2-ep2, " +
+                               std::to_string(prompt.size()) + "-token prompt";
+      auto reference = runModel(e2eDir() + "/" + model + "-cuda", cudaOptions(), prompt);
+      ASSERT_TRUE(reference.isOk()) << what << ": " << reference.status().message();
+      const int port = freePort();
+      std::string reports[2];
+      auto ranks = onRankThreads(2, [&](int rank) -> StatusOr<GenerationResult> {
+        HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> nccl,
+                                comm::connectNccl(localRank(rank, 2, port)));
+        HYBRID_ASSIGN_OR_RETURN(std::unique_ptr<Model> loaded,
+                                Model::load(dir, cudaOptions(nccl.get())));
+        reports[rank] = loaded->placementReport();
+        return generateGreedy(*loaded, prompt, greedy()); // decode graphs on
+      });
+      expectMatchesOneGpu(what, *reference, ranks);
+      for (const std::string &report : reports)
+        expectMoeExpertsOnTheGpu(model, report);
+    }
+  }
 }
 
 // tp=2 cp=2: world rank r is tensor rank r % 2 of context rank r / 2; the all-reduces run over

@@ -3,13 +3,14 @@
 # MLIR:
 #   check-multi-gpu.sh compile [OUT] [--world-sizes 2,4]   (here, with hybrid-compile)
 #     the golden checkpoints (tests/data: kimi_linear_tiny, kimi_attnres_tiny, deepseek_v32_tiny)
-#     for cuda sm_90a, unsharded (OUT/<model>-cuda) and at tp=N, tp=N,ep=N and cp=N for each world
-#     size, and tp=2,cp=N/2 for even N >= 4 (OUT/<model>-cuda-tpN, -tpN-epN, -cpN, -tp2-cpM),
-#     unquantized; and a synthetic FP8 DeepSeek-V3.2 (hybrid-synth --preset
-#     deepseek-v32-shard-tiny --fp8: 128x128 block scales, widths whose tp=2 slices are whole
-#     blocks) unsharded and at tp=2, tp=2,ep=2 and cp=N (tp=2,cp=N/2 for even N >= 4; tp=4 would
-#     cut its blocks and is refused); also, whatever the world sizes, the plans that
-#     hybrid_shard_cuda_tests loads (the goldens' tp=2, tp=2,ep=2, cp=2 and tp=2,cp=2, the FP8
+#     for cuda sm_90a, unsharded (OUT/<model>-cuda) and at tp=N, tp=N,ep=N, cp=N and cp=N,ep=N
+#     (the experts' all-to-all; N dividing their 8 experts) for each world size, and tp=2,cp=N/2
+#     for even N >= 4 (OUT/<model>-cuda-tpN, -tpN-epN, -cpN, -cpN-epN, -tp2-cpM), unquantized;
+#     and a synthetic FP8 DeepSeek-V3.2 (hybrid-synth --preset deepseek-v32-shard-tiny --fp8:
+#     128x128 block scales, widths whose tp=2 slices are whole blocks) unsharded and at tp=2,
+#     tp=2,ep=2, cp=N and cp=N,ep=N (tp=2,cp=N/2 for even N >= 4; tp=4 would cut its blocks and
+#     is refused); also, whatever the world sizes, the plans that hybrid_shard_cuda_tests loads
+#     (the goldens' tp=2, tp=2,ep=2, cp=2, cp=2,ep=2 and tp=2,cp=2, the FP8
 #     model's cp=2: its loopback tests run them as threads on one GPU; not part of the run half's
 #     table unless a world size names them); then OUT.tar.xz of them.
 #   check-multi-gpu.sh run [OUT] [--world-sizes 2,4]       (there, on N GPUs)
@@ -32,7 +33,7 @@ new_tokens=12
 
 half=${1:-}
 [[ $half == compile || $half == run ]] || {
-  sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 shift
@@ -58,6 +59,9 @@ layouts() { # the sharded plan suffixes and their --shard values for world size 
   echo "tp$1 tp=$1"
   echo "tp$1-ep$1 tp=$1,ep=$1"
   echo "cp$1 cp=$1" # context-parallel prefill: zigzag attention, KDA's state-passing scan
+  if ((8 % $1 == 0)); then # the experts over the context ranks: the prefill's all-to-all
+    echo "cp$1-ep$1 cp=$1,ep=$1"
+  fi
   if (($1 >= 4 && $1 % 2 == 0)); then
     echo "tp2-cp$(($1 / 2)) tp=2,cp=$(($1 / 2))" # a communicator per group, split from the world
   fi
@@ -72,6 +76,9 @@ fp8_layouts() { # the FP8 model's: its 128x128 blocks split at tp=2 only
     echo "tp2-ep2 tp=2,ep=2"
   fi
   echo "cp$1 cp=$1"
+  if ((8 % $1 == 0)); then # its experts' all-to-all, grouped around the FP8 GEMMs
+    echo "cp$1-ep$1 cp=$1,ep=$1"
+  fi
   if (($1 >= 4 && $1 % 2 == 0)); then
     echo "tp2-cp$(($1 / 2)) tp=2,cp=$(($1 / 2))"
   fi
