@@ -9,6 +9,8 @@
 // Experts in bf16 or FP8 with block scales (their inputs then rounded to E4M3 as the FP8 GEMMs do).
 // An expert-parallel rank's experts held elsewhere are absent (-1 in the dispatch, null pointers
 // for the kernels): every form skips their pairs, and the plan's all-reduce adds the other ranks'.
+// A cp=N,ep=N prefill's all_to_all dispatch sends its rows to their experts' ranks first and runs
+// the rows it receives in the step's form (CudaMoeAllToAll.cpp).
 #include "cuda/CudaExecutorImpl.h"
 
 #include "hybrid/kernels/cuda/Elementwise.h"
