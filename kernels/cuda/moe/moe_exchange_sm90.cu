@@ -69,8 +69,8 @@ __global__ void __launch_bounds__(kThreads) packRowsKernel(MoePackRowsParams p) 
     if (pair < 0)
       value = column == 0 ? -1.0f : 0.0f;
     else
-      value = column == 0 ? float(p.ids[pair])
-                          : p.x[int64_t(pair / p.topK) * p.hidden + column - 1];
+      value =
+          column == 0 ? float(p.ids[pair]) : p.x[int64_t(pair / p.topK) * p.hidden + column - 1];
     p.sent[index] = value;
   }
 }
@@ -137,8 +137,7 @@ int launchMoeRouteToRanks(const MoeRouteToRanksParams &p, void *stream) {
 
 int launchMoePackRows(const MoePackRowsParams &p, void *stream) {
   if (p.tokens < 0 || p.topK <= 0 || p.hidden <= 0 || p.ranks <= 0 || p.firstSlot < 0 ||
-      p.chunkSlots < 0 || !p.counts || !p.sent ||
-      (p.tokens > 0 && (!p.x || !p.ids || !p.pairs)))
+      p.chunkSlots < 0 || !p.counts || !p.sent || (p.tokens > 0 && (!p.x || !p.ids || !p.pairs)))
     return cudaErrorInvalidValue;
   const int64_t total = int64_t(p.ranks) * p.chunkSlots * (int64_t(p.hidden) + 1);
   if (total == 0)
@@ -148,8 +147,7 @@ int launchMoePackRows(const MoePackRowsParams &p, void *stream) {
 }
 
 int launchMoeUnpackRows(const MoeUnpackRowsParams &p, void *stream) {
-  if (p.rows < 0 || p.hidden <= 0 ||
-      (p.rows > 0 && (!p.received || !p.x || !p.ids || !p.weights)))
+  if (p.rows < 0 || p.hidden <= 0 || (p.rows > 0 && (!p.received || !p.x || !p.ids || !p.weights)))
     return cudaErrorInvalidValue;
   const int64_t total = int64_t(p.rows) * (int64_t(p.hidden) + 1);
   if (total == 0)

@@ -14,7 +14,6 @@
 //      1's experts), then each token's returned rows are combined with its routing weights in
 //      ascending expert order, as ref::moeExperts adds them.
 #include "cuda/CudaExecutorImpl.h"
-
 #include "hybrid/kernels/cuda/Moe.h"
 #include "hybrid/kernels/cuda/MoeExchange.h"
 
@@ -46,12 +45,11 @@ Status CudaExecutor::Impl::prepareMoeAllToAll(const fb::Dispatch &d, int64_t row
   for (int64_t e = 0; e < E; ++e) {
     const bool mine = e / perRank == rank;
     if (mine != (expertWeight(d, e, 0) >= 0))
-      return Status::error("all_to_all: context rank " + std::to_string(rank) + " of " +
-                           std::to_string(world) + " holds experts [" +
-                           std::to_string(rank * perRank) + ", " +
-                           std::to_string((rank + 1) * perRank) + "), but expert " +
-                           std::to_string(e) + "'s weights are " + (mine ? "absent" : "present") +
-                           " in the dispatch");
+      return Status::error(
+          "all_to_all: context rank " + std::to_string(rank) + " of " + std::to_string(world) +
+          " holds experts [" + std::to_string(rank * perRank) + ", " +
+          std::to_string((rank + 1) * perRank) + "), but expert " + std::to_string(e) +
+          "'s weights are " + (mine ? "absent" : "present") + " in the dispatch");
   }
   if (!pinnedAllCounts) {
     const size_t counts = static_cast<size_t>(world) * static_cast<size_t>(world);
@@ -67,9 +65,9 @@ Status CudaExecutor::Impl::prepareMoeAllToAll(const fb::Dispatch &d, int64_t row
     cudaFree(exchangePairLists);
     exchangeSlots = exchangePairLists = nullptr;
     exchangePairs = rows * K;
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&exchangeSlots,
-                                    static_cast<size_t>(exchangePairs) * sizeof(int32_t)),
-                         "MoE exchange lists");
+    CUDA_RETURN_IF_ERROR(
+        cudaMalloc(&exchangeSlots, static_cast<size_t>(exchangePairs) * sizeof(int32_t)),
+        "MoE exchange lists");
     CUDA_RETURN_IF_ERROR(cudaMalloc(&exchangePairLists, static_cast<size_t>(world) *
                                                             static_cast<size_t>(exchangePairs) *
                                                             sizeof(int32_t)),
@@ -124,7 +122,8 @@ Status CudaExecutor::Impl::runMoeAllToAll(const fb::Program &program, unsigned c
   const auto *x = reinterpret_cast<const float *>(input(0));
   const auto *ids = reinterpret_cast<const int32_t *>(input(1));
   const auto *weights = reinterpret_cast<const float *>(input(2));
-  auto *out = reinterpret_cast<float *>(arena + valueOf(program, d.outputs()->Get(0)).arena_offset());
+  auto *out =
+      reinterpret_cast<float *>(arena + valueOf(program, d.outputs()->Get(0)).arena_offset());
   const cudaStream_t stream = r.stream;
 
   // 1. Where this rank's pairs go, and how many every rank sends every rank.
@@ -138,21 +137,21 @@ Status CudaExecutor::Impl::runMoeAllToAll(const fb::Program &program, unsigned c
   route.pairs = exchangePairLists;
   route.counts = exchangeCounts;
   LAUNCH_RETURN_IF_ERROR(kc::launchMoeRouteToRanks(route, stream), "MoE exchange lists");
-  HYBRID_RETURN_IF_ERROR(group->allGather(exchangeCounts, exchangeAllCounts,
-                                          static_cast<size_t>(world), stream));
+  HYBRID_RETURN_IF_ERROR(
+      group->allGather(exchangeCounts, exchangeAllCounts, static_cast<size_t>(world), stream));
   const size_t countEntries = static_cast<size_t>(world) * static_cast<size_t>(world);
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pinnedAllCounts, exchangeAllCounts,
                                        countEntries * sizeof(float), cudaMemcpyDeviceToHost,
                                        stream),
                        "MoE exchange counts");
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "MoE exchange counts");
-  const int64_t slots = static_cast<int64_t>(
-      *std::max_element(pinnedAllCounts, pinnedAllCounts + countEntries));
+  const int64_t slots =
+      static_cast<int64_t>(*std::max_element(pinnedAllCounts, pinnedAllCounts + countEntries));
   if (slots == 0) { // no rank chose any expert: the routed sum is zero
     if (T > 0)
-      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(out, 0, static_cast<size_t>(T * hidden) * sizeof(float),
-                                           stream),
-                           "MoE output");
+      CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(out, 0, static_cast<size_t>(T * hidden) * sizeof(float), stream),
+          "MoE output");
     return Status::ok();
   }
 
@@ -175,21 +174,20 @@ Status CudaExecutor::Impl::runMoeAllToAll(const fb::Program &program, unsigned c
   size_t bytes = 0;
   size_t offsets[2][8] = {};
   for (int c = 0; c < chunks; ++c) {
-    Chunk &k = chunk[c];
-    k.rows = int64_t(world) * chunkSlots[c];
-    const size_t n = static_cast<size_t>(k.rows), h = static_cast<size_t>(hidden);
+    Chunk &piece = chunk[c];
+    piece.rows = int64_t(world) * chunkSlots[c];
+    const size_t n = static_cast<size_t>(piece.rows), h = static_cast<size_t>(hidden);
     // sent, received, x, weights, results, returned, ids, the form's workspace
-    k.workspaceBytes =
-        form == MoeForm::TensorCores
-            ? kc::moeGroupedWorkspaceBytes(int32_t(n), 1, step.hidden, step.intermediate,
-                                           step.experts)
+    piece.workspaceBytes =
+        form == MoeForm::TensorCores ? kc::moeGroupedWorkspaceBytes(int32_t(n), 1, step.hidden,
+                                                                    step.intermediate, step.experts)
         : form == MoeForm::PerToken
             ? kc::moeExpertsWorkspaceBytes(int32_t(n), 1, step.hidden, step.intermediate)
             : 0;
     const size_t sizes[8] = {n * (h + 1) * sizeof(float), n * (h + 1) * sizeof(float),
                              n * h * sizeof(float),       n * sizeof(float),
                              n * h * sizeof(float),       n * h * sizeof(float),
-                             n * sizeof(int32_t),         k.workspaceBytes};
+                             n * sizeof(int32_t),         piece.workspaceBytes};
     for (int part = 0; part < 8; ++part) {
       offsets[c][part] = bytes;
       bytes += alignUp(std::max<size_t>(1, sizes[part]));
@@ -205,16 +203,16 @@ Status CudaExecutor::Impl::runMoeAllToAll(const fb::Program &program, unsigned c
     exchangeBytes = grown;
   }
   for (int c = 0; c < chunks; ++c) {
-    Chunk &k = chunk[c];
+    Chunk &piece = chunk[c];
     auto at = [&](int part) { return exchangeBuffers + offsets[c][part]; };
-    k.sent = reinterpret_cast<float *>(at(0));
-    k.received = reinterpret_cast<float *>(at(1));
-    k.x = reinterpret_cast<float *>(at(2));
-    k.weights = reinterpret_cast<float *>(at(3));
-    k.results = reinterpret_cast<float *>(at(4));
-    k.returned = reinterpret_cast<float *>(at(5));
-    k.ids = reinterpret_cast<int32_t *>(at(6));
-    k.workspace = at(7);
+    piece.sent = reinterpret_cast<float *>(at(0));
+    piece.received = reinterpret_cast<float *>(at(1));
+    piece.x = reinterpret_cast<float *>(at(2));
+    piece.weights = reinterpret_cast<float *>(at(3));
+    piece.results = reinterpret_cast<float *>(at(4));
+    piece.returned = reinterpret_cast<float *>(at(5));
+    piece.ids = reinterpret_cast<int32_t *>(at(6));
+    piece.workspace = at(7);
   }
 
   // Both chunks packed and sent, in the same order on every rank.
@@ -242,29 +240,31 @@ Status CudaExecutor::Impl::runMoeAllToAll(const fb::Program &program, unsigned c
 
   // 3. Each chunk's experts on the expert stream once it arrived: the next chunk's exchange
   // runs meanwhile.
-  StreamResources &e = *expertStream;
+  StreamResources &onExperts = *expertStream;
   for (int c = 0; c < chunks; ++c) {
-    Chunk &k = chunk[c];
-    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(e.stream, chunkReceived[c], 0), "MoE exchange");
+    Chunk &piece = chunk[c];
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(onExperts.stream, chunkReceived[c], 0),
+                         "MoE exchange");
     kc::MoeUnpackRowsParams unpack;
-    unpack.rows = static_cast<int32_t>(k.rows);
+    unpack.rows = static_cast<int32_t>(piece.rows);
     unpack.hidden = static_cast<int32_t>(hidden);
-    unpack.received = k.received;
-    unpack.x = k.x;
-    unpack.ids = k.ids;
-    unpack.weights = k.weights;
-    LAUNCH_RETURN_IF_ERROR(kc::launchMoeUnpackRows(unpack, e.stream), "MoE exchange unpacking");
+    unpack.received = piece.received;
+    unpack.x = piece.x;
+    unpack.ids = piece.ids;
+    unpack.weights = piece.weights;
+    LAUNCH_RETURN_IF_ERROR(kc::launchMoeUnpackRows(unpack, onExperts.stream),
+                           "MoE exchange unpacking");
     kc::MoeExpertsParams m = step;
-    m.tokens = static_cast<int32_t>(k.rows);
+    m.tokens = static_cast<int32_t>(piece.rows);
     m.topK = 1;
-    m.x = k.x;
-    m.ids = k.ids;
-    m.weights = k.weights;
-    m.out = k.results;
-    m.workspace = k.workspace;
-    HYBRID_RETURN_IF_ERROR(launchMoeForm(d, m, form, k.workspaceBytes, e)
+    m.x = piece.x;
+    m.ids = piece.ids;
+    m.weights = piece.weights;
+    m.out = piece.results;
+    m.workspace = piece.workspace;
+    HYBRID_RETURN_IF_ERROR(launchMoeForm(d, m, form, piece.workspaceBytes, onExperts)
                                .withContext("the experts of exchange chunk " + std::to_string(c)));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(chunkComputed[c], e.stream), "MoE exchange");
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(chunkComputed[c], onExperts.stream), "MoE exchange");
   }
 
   // 4. Each chunk's results back once computed, then the weighted combine.

@@ -23,8 +23,8 @@ inline constexpr int kMoeExchangeMaxRanks = 32;
 struct MoeRouteToRanksParams {
   int32_t tokens = 0;
   int32_t topK = 0;
-  int32_t experts = 0; // a multiple of ranks
-  int32_t ranks = 0;   // <= kMoeExchangeMaxRanks
+  int32_t experts = 0;          // a multiple of ranks
+  int32_t ranks = 0;            // <= kMoeExchangeMaxRanks
   const int32_t *ids = nullptr; // [tokens, topK]
   int32_t *slots = nullptr;     // [tokens, topK]
   int32_t *pairs = nullptr;     // [ranks, tokens * topK]
@@ -72,10 +72,10 @@ struct MoeCombineReturnedParams {
   int32_t topK = 0;
   int32_t hidden = 0;
   int32_t expertsPerRank = 0;
-  const int32_t *ids = nullptr;     // [tokens, topK]
-  const float *weights = nullptr;   // [tokens, topK]
-  const int32_t *slots = nullptr;   // MoeRouteToRanksParams::slots
-  int32_t chunks = 1;               // <= kMoeExchangeMaxChunks
+  const int32_t *ids = nullptr;   // [tokens, topK]
+  const float *weights = nullptr; // [tokens, topK]
+  const int32_t *slots = nullptr; // MoeRouteToRanksParams::slots
+  int32_t chunks = 1;             // <= kMoeExchangeMaxChunks
   const float *returned[kMoeExchangeMaxChunks] = {};
   int32_t chunkBegin[kMoeExchangeMaxChunks] = {};
   int32_t chunkSlots[kMoeExchangeMaxChunks] = {};
