@@ -137,6 +137,15 @@ Status CudaExecutor::Impl::runMoeAllToAll(const fb::Program &program, unsigned c
   route.pairs = exchangePairLists;
   route.counts = exchangeCounts;
   LAUNCH_RETURN_IF_ERROR(kc::launchMoeRouteToRanks(route, stream), "MoE exchange lists");
+  // Every rank's row first holds this rank's counts: what a communicator that skips its
+  // collectives (hybrid-bench e2e --skip-collectives, timing only) leaves, so that such a rank
+  // still runs its experts on as many rows as it sends. The all-gather overwrites them.
+  const size_t countBytes = static_cast<size_t>(world) * sizeof(float);
+  for (int source = 0; source < world; ++source)
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(exchangeAllCounts + int64_t(source) * world,
+                                         exchangeCounts, countBytes, cudaMemcpyDeviceToDevice,
+                                         stream),
+                         "MoE exchange counts");
   HYBRID_RETURN_IF_ERROR(
       group->allGather(exchangeCounts, exchangeAllCounts, static_cast<size_t>(world), stream));
   const size_t countEntries = static_cast<size_t>(world) * static_cast<size_t>(world);
@@ -145,6 +154,15 @@ Status CudaExecutor::Impl::runMoeAllToAll(const fb::Program &program, unsigned c
                                        stream),
                        "MoE exchange counts");
   CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "MoE exchange counts");
+  // A count is a number of pairs of one rank's step: at most its rows times top-k, which the
+  // plan bounds the same on every rank.
+  for (size_t i = 0; i < countEntries; ++i)
+    if (!(pinnedAllCounts[i] >= 0.0f && pinnedAllCounts[i] <= float(exchangePairs)) ||
+        pinnedAllCounts[i] != float(int64_t(pinnedAllCounts[i])))
+      return Status::error("all_to_all: rank " + std::to_string(i / size_t(world)) + " sends " +
+                           std::to_string(pinnedAllCounts[i]) + " rows to rank " +
+                           std::to_string(i % size_t(world)) + ", not a count of 0 to " +
+                           std::to_string(exchangePairs));
   const int64_t slots =
       static_cast<int64_t>(*std::max_element(pinnedAllCounts, pinnedAllCounts + countEntries));
   if (slots == 0) { // no rank chose any expert: the routed sum is zero
@@ -200,6 +218,9 @@ Status CudaExecutor::Impl::runMoeAllToAll(const fb::Program &program, unsigned c
     const size_t grown = bytes + bytes / 4; // headroom: the next steps' routing differs
     CUDA_RETURN_IF_ERROR(cudaMalloc(&exchangeBuffers, grown),
                          "MoE exchange buffers (" + std::to_string(grown) + " bytes)");
+    // Zeros, not leftovers, where a skipping communicator leaves the received rows as they are.
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(exchangeBuffers, 0, grown, stream),
+                         "MoE exchange buffers");
     exchangeBytes = grown;
   }
   for (int c = 0; c < chunks; ++c) {
