@@ -188,16 +188,21 @@ kc::KdaLayerCall CudaExecutor::Impl::layerCall(const fb::Dispatch &d, int32_t st
 Status CudaExecutor::Impl::logKdaInputs(const fb::Dispatch &d, const kc::KdaLayerCall &call,
                                         int64_t rows, StreamResources &r) {
   const int64_t P = int64_t(call.heads) * call.headDim, H = call.heads;
-  const size_t floats = static_cast<size_t>(rows * (3 * P + P + H + P + P));
+  const int64_t rowFloats = 3 * P + P + H + P + P;
+  const size_t floats = static_cast<size_t>(rows * rowFloats);
   if (kdaLogUsed == kdaLog.size())
     kdaLog.emplace_back();
   LoggedKda &entry = kdaLog[kdaLogUsed++];
   if (entry.capacity < floats) {
+    // Never below a graph-replayed pass's rows: a captured pass writes into this allocation, and
+    // one that moved would leave its graph writing to freed memory (runPrefillGraph checks).
+    const size_t capacity = static_cast<size_t>(
+        std::max(rows, Impl::kPrefillGraphMaxRows) * rowFloats);
     cudaFree(entry.inputs);
     entry.inputs = nullptr;
     entry.capacity = 0;
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&entry.inputs, floats * sizeof(float)), "KDA replay log");
-    entry.capacity = floats;
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&entry.inputs, capacity * sizeof(float)), "KDA replay log");
+    entry.capacity = capacity;
   }
   entry.dispatch = &d;
   entry.qkv = entry.inputs;
@@ -569,6 +574,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   // run eagerly; NCCL's collectives are captured with the rest.
   impl->cudaGraphs = options.cudaGraphs &&
                      !(options.communicator && !options.communicator->deviceBuffers());
+  impl->prefillGraphs = impl->cudaGraphs && options.prefillGraphs;
   impl->fp8ActivationScale = plan.fp8_activation_scale() == fb::Fp8ActivationScale::Ue8m0
                                  ? kc::Fp8ActivationScale::DeepSeekUe8m0
                                  : kc::Fp8ActivationScale::DeepSeekLinear;
@@ -1422,6 +1428,10 @@ Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const in
   }
   HYBRID_RETURN_IF_ERROR(impl.prepareKvStep(host));
   const bool graphs = impl.cudaGraphs && !prefill && !hidden;
+  // Checked after the uploads above: everything a replay reads from the host is in place.
+  const bool prefillGraph = prefill && impl.prefillGraphSafe(program, host, hidden);
+  if (prefill && !prefillGraph)
+    ++impl.graphCounts.prefillEager;
   const std::vector<StepRun> &runs = impl.runs[programIndex];
   for (size_t index = 0; index < runs.size(); ++index) {
     const StepRun &run = runs[index];
@@ -1435,8 +1445,12 @@ Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const in
       }
       continue;
     }
-    HYBRID_RETURN_IF_ERROR(graphs ? impl.replayRun(program, arena, index, host)
-                                  : impl.launchRun(program, arena, run, host, hidden, false));
+    if (graphs)
+      HYBRID_RETURN_IF_ERROR(impl.replayRun(program, arena, index, host));
+    else if (prefillGraph)
+      HYBRID_RETURN_IF_ERROR(impl.runPrefillGraph(program, arena, index, host));
+    else
+      HYBRID_RETURN_IF_ERROR(impl.launchRun(program, arena, run, host, hidden, false));
   }
   CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), program.name()->str() + " program");
   return impl.finishKvStep(programIndex, host);

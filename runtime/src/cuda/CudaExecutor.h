@@ -49,9 +49,11 @@ public:
   // arena, fp32 weights and caches serve the dispatches that run on the cpu reference); writes
   // logits [rows, vocab]. The mtp program reads the hidden rows setHiddenInput gave it. With
   // options.cudaGraphs the decode program's GPU runs are replayed as graphs (not while `hidden`
-  // is asked for: it reads values between steps). With `logitRows` (ascending) only those
-  // rows' logits come back, in that order (a prefill's next-token choice, each segment's last
-  // row in a batched one: the other rows cost a copy of rows x vocab floats to the host).
+  // is asked for: it reads values between steps), and with options.prefillGraphs so are
+  // single-sequence prefill calls of up to 16 rows that a graph can hold (prefillGraphSafe).
+  // With `logitRows` (ascending) only those rows' logits come back, in that order (a prefill's
+  // next-token choice, each segment's last row in a batched one: the other rows cost a copy of
+  // rows x vocab floats to the host).
   // host.batch's segments (a batched prefill) each keep their own state slot, positions and
   // block-table row.
   Status run(const cpu::StepContext &host, std::span<const int64_t> tokens, float *logits,
@@ -104,6 +106,8 @@ public:
   bool kvLayerOnDevice(int32_t kvSlot) const;
   Status appendZeroKvRows(PagedKvCache &kvCache, int32_t kvSlot, int32_t kvSequence,
                           int64_t count);
+  // The graphs captured and replayed so far (LoadOptions::cudaGraphs, prefillGraphs).
+  CudaGraphCounts graphCounts() const;
   // Which kernels run where, one line per program.
   const std::string &placementReport() const { return report_; }
   // The tuned kernel configurations looked up so far (LoadOptions::tuningCache), one line per

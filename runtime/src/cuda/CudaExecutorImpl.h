@@ -1,6 +1,6 @@
 // The cuda device's internals, shared by its source files (CudaExecutor.cpp: placement, GEMMs,
-// KDA, graphs; CudaAttention.cpp: the MLA and DSA layers over the device KV pools). Internal to
-// the runtime.
+// KDA, decode graphs; CudaPrefillGraphs.cpp: prefill and verification graphs; CudaAttention.cpp:
+// the MLA and DSA layers over the device KV pools). Internal to the runtime.
 #pragma once
 
 #include "cuda/CudaExecutor.h"
@@ -23,6 +23,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <compare>
+#include <list>
 #include <map>
 #include <optional>
 #include <set>
@@ -199,6 +201,13 @@ struct CudaExecutor::Impl {
   // run is ordered after the token upload and a captured run is one graph on stream 0.
   cudaEvent_t forkEvent = nullptr;
   std::vector<cudaEvent_t> joinEvents; // per stream
+  // A GPU KDA layer's inputs in a logged step (logKdaInputs), for replayKdaLog.
+  struct LoggedKda {
+    const fb::Dispatch *dispatch = nullptr;
+    float *inputs = nullptr; // one allocation: qkv [T, 3P], forget, beta, gate, then an output
+    size_t capacity = 0;
+    float *qkv = nullptr, *forget = nullptr, *beta = nullptr, *gate = nullptr, *out = nullptr;
+  };
   // Decode graphs per (GPU run, rows): a batch bucket. Everything a captured step reads from the
   // host must be in this key or in device memory: the rows' state slots, positions and block
   // tables are (uploaded each step with the token ids), and the attention kernels' launch shapes
@@ -206,9 +215,48 @@ struct CudaExecutor::Impl {
   bool cudaGraphs = true;
   std::map<std::tuple<size_t, int64_t>, cudaGraphExec_t> decodeGraphs;
 
+  // ---- Prefill graphs (CudaPrefillGraphs.cpp) ----
+  // Single-sequence prefill and verification calls of up to kPrefillGraphMaxRows rows (a
+  // speculative pass: a token and its draft) replay graphs too. Their kernels bake in what the
+  // decode graphs keep in device arrays: the KDA layers' state pointers (the slot) and the KDA
+  // replay log's buffers, so a graph is keyed by those as well; the positions, block table,
+  // cu_seqlens and token ids are uploaded into fixed buffers before every call.
+  static constexpr int64_t kPrefillGraphMaxRows = 16;
+  static constexpr size_t kPrefillGraphCapacity = 64; // least recently replayed ones destroyed
+  bool prefillGraphs = true;
+  struct PrefillGraphKey {
+    size_t program = 0, run = 0;
+    int64_t rows = 0;
+    int32_t stateSlot = 0;
+    bool logsKda = false; // writes the KDA replay log (a verification pass)
+    auto operator<=>(const PrefillGraphKey &) const = default;
+  };
+  struct PrefillGraph {
+    cudaGraphExec_t exec = nullptr;
+    std::list<PrefillGraphKey>::iterator recency;
+    // The replay log's bookkeeping as the captured run left it (which dispatch each entry logs,
+    // its buffers laid out for the rows): restored on replay, where no host code runs.
+    std::vector<LoggedKda> logEntries;
+  };
+  std::map<PrefillGraphKey, PrefillGraph> prefillGraphExecs;
+  std::list<PrefillGraphKey> prefillGraphRecency; // most recently replayed first
+  // Keys run once, eagerly: that call allocates what the kernels need (the replay log,
+  // cuBLASLt's algorithms, kernel attributes), so the second call can capture without allocating.
+  std::set<PrefillGraphKey> warmedPrefillKeys;
+  CudaGraphCounts graphCounts;
+  // Whether this call of `program` can be captured and replayed: see CudaPrefillGraphs.cpp.
+  bool prefillGraphSafe(const fb::Program &program, const cpu::StepContext &host,
+                        const HiddenStates *hidden);
+  // Runs GPU run `runIndex` of a graph-safe prefill call: eagerly on its key's first call,
+  // captured on its second, replayed from then on.
+  Status runPrefillGraph(const fb::Program &program, unsigned char *arena, size_t runIndex,
+                         const cpu::StepContext &host);
+  void destroyPrefillGraphs();
+
   ~Impl() {
     for (auto &[key, graph] : decodeGraphs)
       cudaGraphExecDestroy(graph);
+    destroyPrefillGraphs();
     for (cudaEvent_t event : events)
       cudaEventDestroy(event);
     for (cudaEvent_t event : joinEvents)
@@ -329,14 +377,10 @@ struct CudaExecutor::Impl {
   // A KDA layer's weights and `stateSlot`'s state pointers, for its kernels.
   kc::KdaLayerCall layerCall(const fb::Dispatch &dispatch, int32_t stateSlot) const;
   // Keeps copies of a KDA prefill's inputs (a logged step: Model::verifyDraft) for replayKdaLog.
+  // Each entry holds at least kPrefillGraphMaxRows rows from its first use, so that the graphs
+  // of verification passes, which write into it, stay valid as pass sizes vary.
   Status logKdaInputs(const fb::Dispatch &dispatch, const kc::KdaLayerCall &call, int64_t rows,
                       StreamResources &resources);
-  struct LoggedKda {
-    const fb::Dispatch *dispatch = nullptr;
-    float *inputs = nullptr; // one allocation: qkv [T, 3P], forget, beta, gate, then an output
-    size_t capacity = 0;
-    float *qkv = nullptr, *forget = nullptr, *beta = nullptr, *gate = nullptr, *out = nullptr;
-  };
   std::vector<LoggedKda> kdaLog; // reused across logged steps
   size_t kdaLogUsed = 0;
   int64_t kdaLogRows = 0;
@@ -493,6 +537,10 @@ struct CudaExecutor::Impl {
     expertListCapacity = 0;
   }
   bool moeRunsOnGpu(const fb::Dispatch &dispatch) const;
+  // Whether this step of `dispatch` groups its tokens by expert on the host: the router's
+  // choices come down mid-step, so no graph can hold it.
+  bool moeGroupsOnHost(const fb::Program &program, const fb::Dispatch &dispatch,
+                       const cpu::StepContext &host);
   // A moe_experts dispatch's weight index of expert e's matrix m (0 gate, 1 up, 2 down); -1 for
   // an expert another expert-parallel rank holds.
   static int32_t expertWeight(const fb::Dispatch &dispatch, int64_t e, int m) {

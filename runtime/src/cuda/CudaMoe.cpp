@@ -255,6 +255,15 @@ CudaExecutor::Impl::MoeForm CudaExecutor::Impl::moeForm(const kc::MoeExpertsPara
   return groupedForm(host, m.topK) ? MoeForm::HostGrouped : MoeForm::PerToken;
 }
 
+bool CudaExecutor::Impl::moeGroupsOnHost(const fb::Program &program, const fb::Dispatch &d,
+                                         const cpu::StepContext &host) {
+  kc::MoeExpertsParams m = moeExpertsParams(d, valueOf(program, d.inputs()->Get(0)).row_elements());
+  m.tokens = static_cast<int32_t>(host.rows);
+  m.topK = static_cast<int32_t>(d.params_as_MoeParams()->top_k());
+  int32_t perTokenMaxPairs = 0;
+  return moeForm(m, host, perTokenMaxPairs) == MoeForm::HostGrouped;
+}
+
 Status CudaExecutor::Impl::launchMoeForm(const fb::Dispatch &d, const kc::MoeExpertsParams &m,
                                          MoeForm form, size_t workspaceBytes,
                                          StreamResources &r) {

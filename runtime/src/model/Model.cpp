@@ -649,6 +649,14 @@ std::string Model::placementReport() const {
   return {};
 }
 
+CudaGraphCounts Model::cudaGraphCounts() const {
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (impl_->cuda)
+    return impl_->cuda->graphCounts();
+#endif
+  return {};
+}
+
 // Each DSA layer's indexer picks min(top_k, position + 1) of the position + 1 causal positions
 // for a token at `position`: the counts follow from the step's positions, on either device.
 void Model::Impl::countSparseAttention(const ProgramRunner &runner, int64_t rows,

@@ -52,6 +52,11 @@ struct LoadOptions {
   // of consecutive GPU steps (the steps on the cpu reference split a program into such runs),
   // captured on a slot's first decode step. Off: every kernel is launched each step.
   bool cudaGraphs = true;
+  // cuda device, with cudaGraphs: replay single-sequence prefill calls of up to 16 rows (a
+  // speculative verification pass, a short prompt chunk) as CUDA graphs too, one per (program,
+  // rows, state slot, whether the KDA replay log is written), captured on such a call's second
+  // occurrence; at most 64 are kept. Calls a graph cannot hold run eagerly (docs/runtime.md).
+  bool prefillGraphs = true;
   // cuda device: keep the KDA recurrent states in bf16 instead of fp32: half their memory and
   // traffic; the kernels compute in fp32 and round the state once per call (per decode step, per
   // prefill chunk of max_tokens), so the rounding accumulates over a long generation.
@@ -81,6 +86,16 @@ struct LoadOptions {
   // issues the collectives in its streams with a device-buffer communicator (NCCL, one GPU per
   // rank) and stages them through the host with a host one (loopback, TCP; decode then eager).
   comm::Communicator *communicator = nullptr;
+};
+
+// The CUDA graphs a cuda-device Model has used so far (Model::cudaGraphCounts); all zero on the
+// cpu device.
+struct CudaGraphCounts {
+  int64_t decodeGraphs = 0;     // decode graphs held (one per GPU run and batch size)
+  int64_t prefillCaptures = 0;  // prefill / verification graphs captured
+  int64_t prefillReplays = 0;   // prefill / verification calls run from a graph
+  int64_t prefillEvictions = 0; // graphs destroyed to keep at most 64
+  int64_t prefillEager = 0;     // prefill / verification calls run kernel by kernel
 };
 
 // What loading a synthetic archive generated (Model::weightGeneration): bytes in the stored
@@ -297,6 +312,8 @@ public:
   // Which kernels run on the GPU and which on the cpu reference, a line per program (cuda
   // device); empty on the cpu device.
   std::string placementReport() const;
+  // The CUDA graphs used so far (LoadOptions::cudaGraphs, prefillGraphs).
+  CudaGraphCounts cudaGraphCounts() const;
   // What was generated at load for a synthetic archive (all zero otherwise).
   const WeightGeneration &weightGeneration() const;
   // Where load spent its time.
