@@ -673,7 +673,9 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
                                              .draftOnlyWhenItPays = !o.alwaysDraft,
                                              .prefillChunkTokens = 8192,
                                              .replay = replayOptions};
+    const hybrid::CudaGraphCounts graphsBefore = (*model)->cudaGraphCounts();
     auto report = hybrid::benchmarkSpeculation(**model, prompts, options);
+    const hybrid::CudaGraphCounts graphsAfter = (*model)->cudaGraphCounts();
     if (!report) {
       std::cerr << "error: spec: batch " << batch << ": " << report.status().message() << "\n";
       return 1;
@@ -704,6 +706,17 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
                 100.0 * acceptance, perPass, static_cast<long long>(r.declinedDrafts),
                 r.rollbackBytesPerSequence / 1024.0, r.stateSnapshotBytes / 1024.0,
                 r.replayLogBytes / 1024.0, r.kvTailBytes / 1024.0);
+    // This batch's prefill and verification calls (plain and speculative runs together).
+    const long long prefillCaptures = graphsAfter.prefillCaptures - graphsBefore.prefillCaptures;
+    const long long prefillReplays = graphsAfter.prefillReplays - graphsBefore.prefillReplays;
+    const long long prefillEager = graphsAfter.prefillEager - graphsBefore.prefillEager;
+    const long long prefillEvictions =
+        graphsAfter.prefillEvictions - graphsBefore.prefillEvictions;
+    if (o.load.device == "cuda")
+      std::printf("  cuda graphs: %lld decode graphs held; prefill / verification calls: %lld "
+                  "replayed (%lld captures), %lld eager, %lld graphs evicted\n",
+                  static_cast<long long>(graphsAfter.decodeGraphs), prefillReplays,
+                  prefillCaptures, prefillEager, prefillEvictions);
     std::ostringstream json;
     json << "{\"batch\": " << batch << ", \"prompt_tokens\": " << o.promptTokens
          << ", \"new_tokens\": " << o.maxTokens << ", \"draft_tokens\": " << o.draftTokens
@@ -720,7 +733,15 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
          << ", \"declined_drafts\": " << r.declinedDrafts
          << ", \"rollback_bytes_per_sequence\": {\"state_snapshot\": " << r.stateSnapshotBytes
          << ", \"kda_replay_inputs\": " << r.replayLogBytes << ", \"kv_tail_pages\": "
-         << r.kvTailBytes << "}}";
+         << r.kvTailBytes << "}";
+    if (o.load.device == "cuda")
+      json << ", \"cuda_graphs\": " << (o.load.cudaGraphs ? "true" : "false")
+           << ", \"prefill_graphs\": "
+           << (o.load.cudaGraphs && o.load.prefillGraphs ? "true" : "false")
+           << ", \"prefill_graph_replays\": " << prefillReplays
+           << ", \"prefill_graph_captures\": " << prefillCaptures
+           << ", \"prefill_eager_calls\": " << prefillEager;
+    json << "}";
     // Compared by the speculative decode's time per token.
     rows.push_back({"spec batch=" + std::to_string(batch) + " prompt=" +
                         std::to_string(o.promptTokens) + " new=" + std::to_string(o.maxTokens) +
@@ -913,6 +934,12 @@ int main(int argc, char **argv) {
                    "cuda: KDA prefill kernel of the verification passes: auto, chunked (bf16 "
                    "operands: near-ties may flip against fp32 decode steps) or recurrent")
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
+  bool specNoGraphs = false, specNoPrefillGraphs = false;
+  spec->add_flag("--no-cuda-graphs", specNoGraphs,
+                 "cuda: launch every kernel of every call (decode steps and verification passes)");
+  spec->add_flag("--no-prefill-graphs", specNoPrefillGraphs,
+                 "cuda: launch the prefill and verification calls' kernels one by one (decode "
+                 "steps still replay graphs)");
   addRecordOptions(spec, record);
   std::string batchModel;
   hybrid::LoadOptions batchOptions;
@@ -951,7 +978,8 @@ int main(int argc, char **argv) {
       ->check(CLI::PositiveNumber);
   e2eCommand->add_option("--kda-prefill", e2e.load.kdaPrefill, "cuda: auto, chunked or recurrent")
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
-  e2eCommand->add_flag("--no-cuda-graphs", e2eNoGraphs, "cuda: launch every kernel each step");
+  e2eCommand->add_flag("--no-cuda-graphs", e2eNoGraphs,
+                       "cuda: launch every kernel each step (decode and short prefill calls)");
   e2eCommand->add_flag("--skip-collectives", e2e.skipCollectives,
                        "Sharded launch, timing only: every collective returns at once (wrong "
                        "results); the time against a real run is the share spent communicating");
@@ -990,6 +1018,8 @@ int main(int argc, char **argv) {
   }
   if (spec->parsed()) {
     specOptions.replayAcceptanceGiven = replayAcceptance->count() > 0;
+    specOptions.load.cudaGraphs = !specNoGraphs;
+    specOptions.load.prefillGraphs = !specNoPrefillGraphs;
     return runSpec(specOptions, record);
   }
   if (serve->parsed())

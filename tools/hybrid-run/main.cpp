@@ -123,7 +123,12 @@ int main(int argc, char **argv) {
       ->default_val("default");
   bool noCudaGraphs = false;
   app.add_flag("--no-cuda-graphs", noCudaGraphs,
-               "cuda: launch every decode kernel each step instead of replaying CUDA graphs");
+               "cuda: launch every kernel each step instead of replaying CUDA graphs (decode "
+               "steps, and prefill / verification calls of up to 16 rows)");
+  bool noPrefillGraphs = false;
+  app.add_flag("--no-prefill-graphs", noPrefillGraphs,
+               "cuda: launch the kernels of prefill / verification calls one by one (decode "
+               "steps still replay graphs)");
   app.add_flag("--verify-weights", load.verifyWeightContents,
                "Re-hash every weight archive entry while loading");
   int worldSize = 1;
@@ -141,6 +146,7 @@ int main(int argc, char **argv) {
                "--synthetic-weights (seeded random values, on the GPU with --device cuda)");
   CLI11_PARSE(app, argc, argv);
   load.cudaGraphs = !noCudaGraphs;
+  load.prefillGraphs = !noPrefillGraphs;
 
   auto fail = [](const std::string &message) {
     std::cerr << "error: " << message << "\n";
