@@ -1,9 +1,10 @@
 // The cuda device against itself: decode graphs against plain launches (several sequences
-// decoding in turn, a slot reused by a new sequence; fp32 and bf16 KDA states), batched decode
-// against single sequences, prefix-cache hits (states copied off and back onto the GPU, KV pages
-// shared and copied in the device pools) against full prefills; FP8 projections and the MTP
-// program (greedy outputs with MTP drafts, its logits) against the cpu oracle. Labelled `gpu`;
-// skipped where there is no GPU.
+// decoding in turn, a slot reused by a new sequence; fp32 and bf16 KDA states), prefill and
+// verification graphs against plain launches (rollbacks included) and under speculation,
+// batched decode against single sequences, prefix-cache hits (states copied off and back onto
+// the GPU, KV pages shared and copied in the device pools) against full prefills; FP8
+// projections and the MTP program (greedy outputs with MTP drafts, its logits) against the cpu
+// oracle. Labelled `gpu`; skipped where there is no GPU.
 #include "hybrid/runtime/Draft.h"
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Generate.h"
@@ -17,6 +18,7 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -473,6 +475,216 @@ void checkBatchedPrefillAndVerification(const std::string &plan, bool decodeAgai
     auto a = batched[i]->decode(token), b = cpu[i]->decode(token);
     ASSERT_TRUE(a.isOk() && b.isOk());
     EXPECT_LT(worstDifference(*a, *b), 2e-3);
+  }
+}
+
+// Whether every step of `program` runs on the GPU (the placement report's line for it).
+bool runsEntirelyOnTheGpu(const Model &model, const std::string &program) {
+  const std::string report = model.placementReport();
+  const size_t line = report.find("cuda " + program + ": GPU: ");
+  if (line == std::string::npos)
+    return false;
+  const std::string text = report.substr(line, report.find('\n', line) - line);
+  return text.find("; cpu reference: none") != std::string::npos;
+}
+
+// Everything a prefill-graph script produced, in order.
+struct PrefillTranscript {
+  std::vector<std::vector<float>> logits; // prefill chunks, verification passes, decode steps
+  std::vector<std::vector<int64_t>> verified; // each pass's kept draft tokens and next token
+  std::vector<int64_t> lengths;
+  std::vector<std::vector<float>> states; // each live sequence's recurrent state at the end
+};
+
+// Single-sequence prefill calls of 1 to 16 rows, repeated so that each (rows, slot, logged) key
+// runs eagerly, is captured and then replayed: prompts in chunks (5 rows; 16, 16, 8; then the
+// same chunks for a new sequence in a freed slot), and verification passes of 2, 4, 9 and 16
+// rows whose drafts follow the greedy continuation for a varying number of tokens and then go
+// wrong, so that the rollbacks after replayed passes keep 1 to 16 rows (the KDA replay log's
+// rows as the replayed pass left them); decode steps between them.
+PrefillTranscript runPrefillGraphScript(Model &model, const std::vector<int64_t> &prompt) {
+  PrefillTranscript transcript;
+  const int64_t vocab = model.vocabSize();
+  const std::vector<int64_t> reversed(prompt.rbegin(), prompt.rend());
+  // Draft hints: each prompt's greedy continuation (where a sequence leaves it, its drafts are
+  // simply rejected).
+  GenerationOptions plain;
+  plain.maxNewTokens = 64;
+  std::vector<std::vector<int64_t>> hints;
+  for (const auto *tokens : {&prompt, &reversed}) {
+    auto greedy = generateGreedy(model, *tokens, plain);
+    EXPECT_TRUE(greedy.isOk()) << greedy.status().message();
+    if (!greedy.isOk())
+      return transcript;
+    hints.push_back(greedy->generated);
+  }
+  struct Live {
+    std::unique_ptr<Sequence> sequence;
+    const std::vector<int64_t> *hint = nullptr;
+    size_t generated = 0; // tokens fed after the prompt: the hint's next index
+    int64_t next = 0;
+  };
+  auto start = [&](const std::vector<int64_t> &tokens, const std::vector<int64_t> &hint,
+                   int64_t chunk) -> std::optional<Live> {
+    auto sequence = model.newSequence();
+    EXPECT_TRUE(sequence.isOk()) << sequence.status().message();
+    if (!sequence.isOk())
+      return std::nullopt;
+    Live live{std::move(*sequence), &hint};
+    for (size_t first = 0; first < tokens.size(); first += static_cast<size_t>(chunk)) {
+      const size_t rows = std::min(tokens.size() - first, static_cast<size_t>(chunk));
+      auto logits = live.sequence->prefill(std::span(tokens).subspan(first, rows));
+      EXPECT_TRUE(logits.isOk()) << logits.status().message();
+      if (!logits.isOk())
+        return std::nullopt;
+      live.next = argmax(*logits, vocab);
+      transcript.logits.push_back(std::move(*logits));
+    }
+    return live;
+  };
+  // A pass of `draftTokens` drafts of which the first `following` are the hint's.
+  auto verify = [&](Live &live, int64_t draftTokens, int64_t following) {
+    std::vector<int64_t> draft;
+    for (int64_t i = 0; i < draftTokens; ++i) {
+      const size_t at = live.generated + 1 + static_cast<size_t>(i);
+      const bool follows = i < following && at < live.hint->size();
+      draft.push_back(follows ? (*live.hint)[at] : (live.next + 7 + i) % vocab);
+    }
+    auto result = live.sequence->verifyDraft(live.next, draft);
+    EXPECT_TRUE(result.isOk()) << result.status().message();
+    if (!result.isOk())
+      return false;
+    live.generated += static_cast<size_t>(1 + result->accepted);
+    live.next = result->tokens.back();
+    transcript.verified.push_back(result->tokens);
+    transcript.logits.push_back(std::move(result->logits));
+    transcript.lengths.push_back(live.sequence->length());
+    return true;
+  };
+  auto decode = [&](Live &live) {
+    auto logits = live.sequence->decode(live.next);
+    EXPECT_TRUE(logits.isOk()) << logits.status().message();
+    if (!logits.isOk())
+      return false;
+    live.generated += 1;
+    live.next = argmax(*logits, vocab);
+    transcript.logits.push_back(std::move(*logits));
+    return true;
+  };
+  auto passes = [&](Live &live, int round) {
+    for (int64_t draftTokens : {1, 3, 8, 15})
+      if (!verify(live, draftTokens, (round * 5 + draftTokens) % (draftTokens + 1)))
+        return false;
+    return decode(live);
+  };
+
+  std::optional<Live> a = start(prompt, hints[0], 5);
+  std::optional<Live> b = start(reversed, hints[1], 16);
+  if (!a || !b)
+    return transcript;
+  for (int round = 0; round < 4; ++round)
+    if (!passes(*a, round) || !passes(*b, round))
+      return transcript;
+  b.reset(); // its slot goes to a fresh sequence: the same keys, a zeroed state
+  std::optional<Live> c = start(reversed, hints[1], 16);
+  if (!c)
+    return transcript;
+  for (int round = 0; round < 3; ++round)
+    if (!passes(*c, round) || !passes(*a, round))
+      return transcript;
+  for (Live *live : {&*a, &*c}) {
+    auto state = live->sequence->recurrentState();
+    EXPECT_TRUE(state.isOk()) << state.status().message();
+    if (state.isOk())
+      transcript.states.push_back(std::move(*state));
+    transcript.lengths.push_back(live->sequence->length());
+  }
+  return transcript;
+}
+
+// Prefill and verification calls replayed from graphs (LoadOptions::prefillGraphs) against the
+// same calls launched kernel by kernel: the same kernels on the same data, so exactly the same
+// logits, kept tokens and states, rollbacks after replayed passes included.
+TEST_P(CudaDeviceTest, PrefillGraphsMatchPlainLaunches) {
+  const std::string dir = cudaPlan(GetParam());
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  ASSERT_GE(prompt.size(), 20u);
+  LoadOptions options;
+  options.device = "cuda";
+  options.maxSequences = 3;
+  options.prefillGraphs = true;
+  auto graphed = Model::load(dir, options);
+  if (noGpu(graphed))
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(graphed.isOk()) << graphed.status().message();
+  options.prefillGraphs = false;
+  auto plain = Model::load(dir, options);
+  ASSERT_TRUE(plain.isOk()) << plain.status().message();
+
+  const PrefillTranscript withGraphs = runPrefillGraphScript(**graphed, prompt);
+  const PrefillTranscript withLaunches = runPrefillGraphScript(**plain, prompt);
+  ASSERT_FALSE(withGraphs.logits.empty());
+  ASSERT_EQ(withGraphs.logits.size(), withLaunches.logits.size());
+  for (size_t i = 0; i < withGraphs.logits.size(); ++i)
+    EXPECT_EQ(withGraphs.logits[i], withLaunches.logits[i]) << "call " << i;
+  EXPECT_EQ(withGraphs.verified, withLaunches.verified);
+  EXPECT_EQ(withGraphs.lengths, withLaunches.lengths);
+  ASSERT_EQ(withGraphs.states.size(), 2u);
+  EXPECT_EQ(withGraphs.states, withLaunches.states);
+
+  const CudaGraphCounts counts = (*graphed)->cudaGraphCounts();
+  EXPECT_EQ((*plain)->cudaGraphCounts().prefillReplays, 0);
+  // A prefill program with steps on the cpu reference cannot be held by a graph (nothing is
+  // compared then beyond the eager path); one entirely on the GPU must have replayed passes.
+  if (runsEntirelyOnTheGpu(**graphed, "prefill")) {
+    EXPECT_GT(counts.prefillCaptures, 0);
+    EXPECT_GT(counts.prefillReplays, counts.prefillCaptures);
+  } else {
+    EXPECT_EQ(counts.prefillReplays, 0);
+  }
+}
+
+// Speculative decoding with verification passes replayed from graphs keeps the greedy tokens
+// of the same model without them, and of plain decoding.
+TEST_P(CudaDeviceTest, SpeculationWithPrefillGraphsKeepsTheGreedyTokens) {
+  const std::string dir = cudaPlan(GetParam());
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  LoadOptions options;
+  options.device = "cuda";
+  options.prefillGraphs = true;
+  auto graphed = Model::load(dir, options);
+  if (noGpu(graphed))
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(graphed.isOk()) << graphed.status().message();
+  options.prefillGraphs = false;
+  auto plain = Model::load(dir, options);
+  ASSERT_TRUE(plain.isOk()) << plain.status().message();
+  std::vector<int64_t> repetitive;
+  for (int i = 0; i < 6; ++i)
+    repetitive.insert(repetitive.end(), prompt.begin(), prompt.begin() + 7);
+  int64_t verifySteps = 0;
+  for (const auto &tokens : {prompt, repetitive}) {
+    GenerationOptions greedy;
+    greedy.maxNewTokens = 32;
+    GenerationOptions speculative = greedy;
+    speculative.draftTokens = 4;
+    auto reference = generateGreedy(**graphed, tokens, greedy);
+    ASSERT_TRUE(reference.isOk()) << reference.status().message();
+    for (int repeat = 0; repeat < 2; ++repeat) { // the second time the graphs exist already
+      auto withGraphs = generateGreedy(**graphed, tokens, speculative);
+      auto withoutGraphs = generateGreedy(**plain, tokens, speculative);
+      ASSERT_TRUE(withGraphs.isOk()) << withGraphs.status().message();
+      ASSERT_TRUE(withoutGraphs.isOk()) << withoutGraphs.status().message();
+      EXPECT_EQ(withGraphs->generated, withoutGraphs->generated);
+      EXPECT_EQ(withGraphs->generated, reference->generated);
+      EXPECT_EQ(withGraphs->verifySteps, withoutGraphs->verifySteps);
+      EXPECT_EQ(withGraphs->acceptedTokens, withoutGraphs->acceptedTokens);
+      verifySteps += withGraphs->verifySteps;
+    }
+  }
+  EXPECT_GT(verifySteps, 0);
+  if (runsEntirelyOnTheGpu(**graphed, "prefill")) {
+    EXPECT_GT((*graphed)->cudaGraphCounts().prefillReplays, 0);
   }
 }
 
