@@ -651,6 +651,7 @@ TEST_P(CudaDeviceTest, SpeculationWithPrefillGraphsKeepsTheGreedyTokens) {
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());
   LoadOptions options;
   options.device = "cuda";
+  options.kdaPrefill = "recurrent"; // as SpeculativeDecodingKeepsTheGreedyTokens
   options.prefillGraphs = true;
   auto graphed = Model::load(dir, options);
   if (noGpu(graphed))
@@ -792,6 +793,38 @@ TEST_F(CudaDeviceMtp, SpeculationKeepsTheGreedyTokens) {
     verifySteps += drafted->verifySteps;
   }
   EXPECT_GT(verifySteps, 0);
+}
+
+// MTP drafts with the mtp program's one-row calls and the verification passes replayed from
+// graphs (the hidden input comes from a device record into the program's fixed slot) against
+// the same model launching them kernel by kernel: the same tokens and acceptance.
+TEST_F(CudaDeviceMtp, PrefillGraphsKeepTheGreedyTokens) {
+  LoadOptions options;
+  options.device = "cuda";
+  options.prefixCacheEntries = 2;
+  options.prefixCacheBlockTokens = 16;
+  options.prefillGraphs = false;
+  auto plain =
+      Model::load(directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/synth-mtp-cuda", options);
+  ASSERT_TRUE(plain.isOk()) << plain.status().message();
+  for (const std::vector<int64_t> &prompt : prompts()) {
+    SCOPED_TRACE("prompt of " + std::to_string(prompt.size()) + " tokens");
+    GenerationOptions speculative;
+    speculative.maxNewTokens = 12;
+    speculative.draftTokens = 3;
+    speculative.draftSource = DraftSourceKind::Mtp;
+    auto withGraphs = generateGreedy(*gpu_, prompt, speculative);
+    auto withoutGraphs = generateGreedy(**plain, prompt, speculative);
+    ASSERT_TRUE(withGraphs.isOk()) << withGraphs.status().message();
+    ASSERT_TRUE(withoutGraphs.isOk()) << withoutGraphs.status().message();
+    EXPECT_EQ(withGraphs->generated, withoutGraphs->generated);
+    EXPECT_EQ(withGraphs->verifySteps, withoutGraphs->verifySteps);
+    EXPECT_EQ(withGraphs->acceptedTokens, withoutGraphs->acceptedTokens);
+  }
+  EXPECT_EQ((*plain)->cudaGraphCounts().prefillReplays, 0);
+  if (runsEntirelyOnTheGpu(*gpu_, "prefill")) {
+    EXPECT_GT(gpu_->cudaGraphCounts().prefillReplays, 0);
+  }
 }
 
 // The scheduler's batched, choosing decode steps record hidden states on the GPU too; with
