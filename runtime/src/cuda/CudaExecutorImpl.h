@@ -228,7 +228,8 @@ struct CudaExecutor::Impl {
     size_t program = 0, run = 0;
     int64_t rows = 0;
     int32_t stateSlot = 0;
-    bool logsKda = false; // writes the KDA replay log (a verification pass)
+    bool decodeStep = false; // StepContext::decode: it picks the MoE experts' form
+    bool logsKda = false;    // writes the KDA replay log (a verification pass)
     auto operator<=>(const PrefillGraphKey &) const = default;
   };
   struct PrefillGraph {

@@ -5,8 +5,9 @@
 // side, they read from fixed device buffers uploaded before each call (token ids, cu_seqlens,
 // positions, block-table row and table: runProgram, prepareKvStep); what they bake in is in the
 // key: the program and run, the rows (launch shapes, scratch carving), the state slot (the KDA
-// kernels take the slot's state pointers, not an index) and whether the KDA replay log is written
-// (its buffers, and copies only a verification pass makes).
+// kernels take the slot's state pointers, not an index), the step kind (a decode-kind step's MoE
+// experts never group on the host) and whether the KDA replay log is written (its buffers, and
+// copies only a verification pass makes).
 #include "cuda/CudaExecutorImpl.h"
 
 namespace hybrid::cudadev {
@@ -47,6 +48,7 @@ Status CudaExecutor::Impl::runPrefillGraph(const fb::Program &program, unsigned 
                             .run = runIndex,
                             .rows = host.rows,
                             .stateSlot = host.stateSlot,
+                            .decodeStep = host.decode,
                             .logsKda = host.kdaLog != nullptr};
   const StepRun &run = runs[key.program][runIndex];
   cudaStream_t origin = streams[0]->stream;
