@@ -1428,7 +1428,7 @@ Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const in
   }
   HYBRID_RETURN_IF_ERROR(impl.prepareKvStep(host));
   const bool graphs = impl.cudaGraphs && !prefill && !hidden;
-  // Checked after the uploads above: everything a replay reads from the host is in place.
+  // A replayed prefill graph reads what the uploads above put in fixed buffers (runPrefillGraph).
   const bool prefillGraph = prefill && impl.prefillGraphSafe(program, host, hidden);
   if (prefill && !prefillGraph)
     ++impl.graphCounts.prefillEager;
