@@ -11,10 +11,10 @@
 #   gpu-check.sh run [OUT] [--quick]   (there: the run command, with OUT carried)
 #     unpacks (python's tarfile: no xz tool there), then the kernel tests, the e2e cuda tests,
 #     the cold start (hybrid-run k48, its load phases), hybrid-bench e2e (batch 1 and 8 at 1K and
-#     8K), hybrid-bench spec with replay drafts (batch 1, 32, 128) and hybrid-bench tune twice
-#     (the second must reuse every entry); --quick: the tests and the cold start only. Logs and
-#     JSON records go to $OUT when set (the device machine's), else OUT/logs; one summary line
-#     per step, exit 1 when a step fails.
+#     8K), hybrid-bench spec with replay drafts (batch 1, 32, 128; batch 1 again without prefill
+#     graphs) and hybrid-bench tune twice (the second must reuse every entry); --quick: the tests
+#     and the cold start only. Logs and JSON records go to $OUT when set (the device machine's),
+#     else OUT/logs; one summary line per step, exit 1 when a step fails.
 # OUT defaults to build-gpu-check in the repository (ignored by git: /build*/).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -118,6 +118,12 @@ if ((!quick)); then
   step "spec bench (k48, replay)" spec-bench.log 300 "$out/hybrid-bench" spec --model "$out/k48" \
     --device cuda --synthetic-weights --batch 1,32,128 --prompt-tokens 512 --max-tokens 64 \
     --draft 4 --draft-source replay --replay-acceptance 1.0 --json "$logs/spec-k48-replay.json"
+  # The same at batch 1 with the verification passes launched kernel by kernel: what the
+  # prefill graphs gain.
+  step "spec bench (no prefill graphs)" spec-bench-eager.log 200 "$out/hybrid-bench" spec \
+    --model "$out/k48" --device cuda --synthetic-weights --batch 1 --prompt-tokens 512 \
+    --max-tokens 64 --draft 4 --draft-source replay --replay-acceptance 1.0 --no-prefill-graphs \
+    --json "$logs/spec-k48-replay-no-prefill-graphs.json"
   step "tune" tune-1.log 400 "$out/hybrid-bench" tune --preset deepseek-v32 kimi-linear-48b \
     --budget 300 --cache "$out/tune-cache"
   step "tune again (reuses)" tune-2.log 60 "$out/hybrid-bench" tune --preset deepseek-v32 \
