@@ -28,6 +28,23 @@ __device__ inline void sortSlotsByExpert(const int32_t *ids, int topK, int *orde
   }
 }
 
+// Column j of a token's combined output: the sum over its slots in `order` (expert order) of
+// weights[slot] * rowAt(slot)[j], unfused multiply then add from zero; a null row (an invalid or
+// absent expert) adds nothing. Every combine sums this way, so their outputs agree bit for bit.
+template <typename RowAt>
+__device__ inline float combinedColumn(const int *order, int topK, const float *weights, int64_t j,
+                                       RowAt rowAt) {
+  float sum = 0.0f;
+  for (int k = 0; k < topK; ++k) {
+    const int slot = order[k];
+    const float *row = rowAt(slot);
+    if (!row)
+      continue;
+    sum = __fadd_rn(sum, __fmul_rn(weights[slot], row[j]));
+  }
+  return sum;
+}
+
 // Block (token blockIdx.x, columns blockIdx.y * blockDim.x + threadIdx.x): out[token, j] = the
 // sum over the token's slots, in expert order, of weights[token, slot] * y[rowOf(token, slot), j];
 // a negative row (an invalid or absent expert) adds nothing. Contains a block barrier.
@@ -42,15 +59,11 @@ __device__ inline void combineToken(const MoeExpertsParams &p, const float *y, R
   const int64_t j = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   if (j >= p.hidden)
     return;
-  float sum = 0.0f;
-  for (int k = 0; k < p.topK; ++k) {
-    const int slot = order[k];
-    const int64_t row = rowOf(token, slot);
-    if (row < 0)
-      continue;
-    sum = __fadd_rn(sum, __fmul_rn(p.weights[int64_t(token) * p.topK + slot], y[row * p.hidden + j]));
-  }
-  p.out[int64_t(token) * p.hidden + j] = sum;
+  p.out[int64_t(token) * p.hidden + j] =
+      combinedColumn(order, p.topK, p.weights + int64_t(token) * p.topK, j, [&](int slot) {
+        const int64_t row = rowOf(token, slot);
+        return row < 0 ? static_cast<const float *>(nullptr) : y + row * p.hidden;
+      });
 }
 
 } // namespace hybrid::kernels::cuda

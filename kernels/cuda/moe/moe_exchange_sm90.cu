@@ -89,8 +89,8 @@ __global__ void __launch_bounds__(kThreads) unpackRowsKernel(MoeUnpackRowsParams
   }
 }
 
-// Block (token blockIdx.x, columns blockIdx.y * blockDim.x + threadIdx.x), the arithmetic of
-// combineToken (moe_combine.cuh): unfused multiply then add, from zero, in expert order.
+// Block (token blockIdx.x, columns blockIdx.y * blockDim.x + threadIdx.x): the returned rows
+// combined as combineToken combines (combinedColumn, moe_combine.cuh).
 __global__ void __launch_bounds__(kThreads) combineReturnedKernel(MoeCombineReturnedParams p) {
   __shared__ int order[kMoeMaxTopK];
   __shared__ const float *rows[kMoeMaxTopK];
@@ -113,14 +113,8 @@ __global__ void __launch_bounds__(kThreads) combineReturnedKernel(MoeCombineRetu
   const int64_t j = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   if (j >= p.hidden)
     return;
-  float sum = 0.0f;
-  for (int k = 0; k < p.topK; ++k) {
-    const int slot = order[k];
-    if (!rows[slot])
-      continue;
-    sum = __fadd_rn(sum, __fmul_rn(p.weights[token * p.topK + slot], rows[slot][j]));
-  }
-  p.out[token * p.hidden + j] = sum;
+  p.out[token * p.hidden + j] = combinedColumn(order, p.topK, p.weights + token * p.topK, j,
+                                               [&](int slot) { return rows[slot]; });
 }
 
 } // namespace
