@@ -876,51 +876,63 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
     issue(tile + 2, page, pageSlot);
     lookUp(tile + 3, page, pageSlot);
   };
-  // This lane's run of each of its two keys, widened into the A fragments of every k step.
-  auto widen = [&](int tile, uint32_t (&a)[kSteps][4], float (&keyScale)[2]) {
+  // This lane's run of each of its two keys (the codes of every k step) and their scales.
+  struct TileCodes {
+    uint32_t words[2][kSteps];
+    uint32_t scaleCode[2];
+  };
+  auto load = [&](int tile, TileCodes &c, float (&keyScale)[2]) {
     const unsigned char *codes = stages + (tile % kFp8Stages) * fp8StageBytes<D>();
     const unsigned char *keyScales = codes + kTileKeys * kRow;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int key = key0 + 8 * r;
-      uint32_t words[kSteps];
 #pragma unroll
       for (int v = 0; v < kRun / 16; ++v) {
         const uint4 piece = *reinterpret_cast<const uint4 *>(codes + key * kRow + t * kRun + 16 * v);
-        words[4 * v] = piece.x;
-        words[4 * v + 1] = piece.y;
-        words[4 * v + 2] = piece.z;
-        words[4 * v + 3] = piece.w;
+        c.words[r][4 * v] = piece.x;
+        c.words[r][4 * v + 1] = piece.y;
+        c.words[r][4 * v + 2] = piece.z;
+        c.words[r][4 * v + 3] = piece.w;
       }
-      // The E8M0 scale code decides the path without floats: 2^(code - 127) times 2^120 is a
-      // finite normal bf16 (quadConversionExact) for codes 1..134, whose bits are (code + 120) << 7.
-      uint32_t scaleCode = 127u; // Fp8PerKey: the scale goes on the dot product
+      c.scaleCode[r] = 127u; // Fp8PerKey: the scale goes on the dot product
       keyScale[r] = 1.0f;
       if constexpr (Type == IndexKeyType::Mxfp8)
-        scaleCode = keyScales[key * (D / kMxBlock) + t * kRun / kMxBlock];
+        c.scaleCode[r] = keyScales[key * (D / kMxBlock) + t * kRun / kMxBlock];
       else
         keyScale[r] = reinterpret_cast<const float *>(keyScales)[key];
+    }
+  };
+  // The k steps [first, last) widened into their A fragments. The E8M0 scale code decides the
+  // path without floats: 2^(code - 127) times 2^120 is a finite normal bf16 (quadConversionExact)
+  // for codes 1..134, whose bits are (code + 120) << 7.
+  auto widen = [&](const TileCodes &c, uint32_t (&a)[kSteps][4], int first, int last) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t scaleCode = c.scaleCode[r];
       if (scaleCode - 1u < 134u) {
         const uint32_t factorBits = (scaleCode + 120u) << 7;
         const uint32_t factorPair = factorBits | factorBits << 16;
         const __nv_bfloat162 factor = *reinterpret_cast<const __nv_bfloat162 *>(&factorPair);
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s) // fragment registers: row key0 then key0 + 8
-          e4m3QuadToBf16(words[s], factor, a[s][r], a[s][2 + r]);
+        for (int s = first; s < last; ++s) // fragment registers: row key0 then key0 + 8
+          e4m3QuadToBf16(c.words[r][s], factor, a[s][r], a[s][2 + r]);
       } else {
         const float scale = e8m0ToFloat(uint8_t(scaleCode));
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
-          a[s][r] = e4m3PairToBf16(uint16_t(words[s]), scale);
-          a[s][2 + r] = e4m3PairToBf16(uint16_t(words[s] >> 16), scale);
+        for (int s = first; s < last; ++s) {
+          a[s][r] = e4m3PairToBf16(uint16_t(c.words[r][s]), scale);
+          a[s][2 + r] = e4m3PairToBf16(uint16_t(c.words[r][s] >> 16), scale);
         }
       }
     }
   };
-  auto multiply = [&](const uint32_t (&a)[kSteps][4], float (&acc)[32]) {
+  // The wgmmas of k steps [first, last), one commit group; the A registers they read stay
+  // untouched until the wait.
+  auto multiply = [&](const uint32_t (&a)[kSteps][4], float (&acc)[32], int first, int last) {
     wgmma::fence();
 #pragma unroll
-    for (int s = 0; s < kSteps; ++s)
+    for (int s = first; s < last; ++s)
       wgmma::mma64x64RegisterA(acc, a[s], queryDescriptor + (s / 4 * 64 * 128 + s % 4 * 32) / 16,
                                /*accumulate=*/s > 0);
     wgmma::commit();
@@ -959,12 +971,18 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
   // One tile in flight a warpgroup: carrying a second tile's fragments and accumulators (to
   // widen it during the first's MMAs) takes 156 registers, 3 blocks an SM, and measured 22% slower
   // on the H200 (batch 64 x 128K) than 4 blocks of this form.
+  // Within a tile, the second half of the k steps is widened while the first half's wgmmas run
+  // (their A registers are the first half's, so nothing they read changes).
   for (int tile = 0; live(tile); ++tile) {
     uint32_t a[kSteps][4];
     float acc[32], keyScale[2];
+    TileCodes codes;
     arrive(tile);
-    widen(tile, a, keyScale);
-    multiply(a, acc);
+    load(tile, codes, keyScale);
+    widen(codes, a, 0, kSteps / 2);
+    multiply(a, acc, 0, kSteps / 2);
+    widen(codes, a, kSteps / 2, kSteps);
+    multiply(a, acc, kSteps / 2, kSteps);
     wgmma::wait<0>();
     finish(tile, acc, keyScale);
   }
