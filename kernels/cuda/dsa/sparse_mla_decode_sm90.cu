@@ -721,20 +721,39 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
 template <int L>
 __global__ void __launch_bounds__(kCombineThreads)
     sparseMlaCombineKernel(SparseMlaDecodeParams p, int splits, const float *partials) {
+  // The splits' maxima and sums are read once, in parallel, and their factors exp(max - largest)
+  // shared: each thread used to walk every split's header itself, one dependent load at a time
+  // (9.5 us for 17 splits at batch 1). The sums run in split order as before: the same bits.
+  __shared__ float factors[kMaxSplits], maxima[kMaxSplits], sums[kMaxSplits];
+  __shared__ float sharedDenominator;
   const size_t item = size_t(blockIdx.x) * p.heads + blockIdx.y; // (row, head)
   const float *first = partials + item * splits * (size_t(L) + 2);
-  float largest = -INFINITY;
-  for (int s = 0; s < splits; ++s)
-    largest = fmaxf(largest, first[s * (L + 2)]);
-  float denominator = 0.0f;
-  for (int s = 0; s < splits; ++s)
-    if (first[s * (L + 2)] != -INFINITY)
-      denominator += expf(first[s * (L + 2)] - largest) * first[s * (L + 2) + 1];
-  for (int d = threadIdx.x; d < L; d += kCombineThreads) {
-    float sum = 0.0f;
+  const int tid = threadIdx.x;
+  if (tid < splits) {
+    maxima[tid] = first[tid * (L + 2)];
+    sums[tid] = first[tid * (L + 2) + 1];
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float largest = -INFINITY;
     for (int s = 0; s < splits; ++s)
-      if (first[s * (L + 2)] != -INFINITY)
-        sum += expf(first[s * (L + 2)] - largest) * first[s * (L + 2) + 2 + d];
+      largest = fmaxf(largest, maxima[s]);
+    float denominator = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      factors[s] = maxima[s] != -INFINITY ? expf(maxima[s] - largest) : 0.0f;
+      if (maxima[s] != -INFINITY)
+        denominator += factors[s] * sums[s];
+    }
+    sharedDenominator = denominator;
+  }
+  __syncthreads();
+  const float denominator = sharedDenominator;
+  for (int d = tid; d < L; d += kCombineThreads) {
+    float sum = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s)
+      if (maxima[s] != -INFINITY)
+        sum += factors[s] * first[s * (L + 2) + 2 + d];
     p.out[item * L + d] = denominator > 0.0f ? sum / denominator : 0.0f;
   }
 }

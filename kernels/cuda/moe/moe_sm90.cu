@@ -37,6 +37,15 @@ __global__ void __launch_bounds__(kThreads) routerKernel(MoeRouterParams p) {
   __shared__ int chosen[kMoeMaxTopK];
   const int t = blockIdx.x, E = p.experts, tid = threadIdx.x;
   const float *logits = p.logits + size_t(t) * E;
+  // The correction bias loads with the logits, not a barrier later: a decode token's router is
+  // one block and all latency.
+  constexpr int kBiasPerThread = kMoeMaxExperts / kThreads;
+  float bias[kBiasPerThread];
+#pragma unroll
+  for (int j = 0; j < kBiasPerThread; ++j) {
+    const int e = tid + j * kThreads;
+    bias[j] = p.correctionBias && e < E ? p.correctionBias[e] : 0.0f;
+  }
   if (!p.softmax) {
     for (int e = tid; e < E; e += kThreads)
       scores[e] = 1.0f / (1.0f + expf(-logits[e]));
@@ -56,9 +65,13 @@ __global__ void __launch_bounds__(kThreads) routerKernel(MoeRouterParams p) {
     }
   }
   __syncthreads();
-  for (int e = tid; e < E; e += kThreads) {
-    choice[e] = scores[e] + (p.correctionBias ? p.correctionBias[e] : 0.0f);
-    taken[e] = false;
+#pragma unroll
+  for (int j = 0; j < kBiasPerThread; ++j) {
+    const int e = tid + j * kThreads;
+    if (e < E) {
+      choice[e] = scores[e] + bias[j];
+      taken[e] = false;
+    }
   }
   __syncthreads();
   if (p.groups > 1 && tid == 0) {
