@@ -443,11 +443,11 @@ private:
           dispatch.setInputsAttr(
               builder_.getDenseI32ArrayAttr(replaced(dispatch.getInputs(), from, to)));
       } else if (auto copy = dyn_cast<plan::CopyOp>(op)) {
-        if (copy.getSource() == from)
+        if (static_cast<int32_t>(copy.getSource()) == from)
           copy.setSourceAttr(builder_.getI32IntegerAttr(to));
       }
     }
-    if (program.getLogits() == from)
+    if (static_cast<int32_t>(program.getLogits()) == from)
       program.setLogitsAttr(builder_.getI32IntegerAttr(to));
     program.setLayerOutputsAttr(
         builder_.getDenseI32ArrayAttr(replaced(program.getLayerOutputs(), from, to)));
@@ -463,7 +463,8 @@ private:
     }
     while (!orphans.empty()) {
       const int32_t value = orphans.pop_back_val();
-      if (value == program.getLogits() || value == program.getTokenIds() ||
+      if (value == static_cast<int32_t>(program.getLogits()) ||
+          value == static_cast<int32_t>(program.getTokenIds()) ||
           llvm::is_contained(program.getLayerOutputs(), value))
         continue;
       plan::DispatchOp writer;
@@ -474,7 +475,7 @@ private:
           if (llvm::is_contained(dispatch.getOutputs(), value))
             writer = dispatch;
         } else if (auto copy = dyn_cast<plan::CopyOp>(op)) {
-          read |= copy.getSource() == value;
+          read |= static_cast<int32_t>(copy.getSource()) == value;
         }
       }
       if (read || !writer)

@@ -124,7 +124,7 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
   auto inRange = [&](int64_t v) { return v >= 0 && v < numValues; };
   if (!inRange(program.getTokenIds()) || !inRange(program.getLogits()))
     return program.emitOpError() << "token_ids or logits is not a value index";
-  if (program.getHiddenInput() != -1 && !inRange(program.getHiddenInput()))
+  if (static_cast<int32_t>(program.getHiddenInput()) != -1 && !inRange(program.getHiddenInput()))
     return program.emitOpError() << "hidden_input " << program.getHiddenInput()
                                  << " is not a value index";
   for (int32_t v : program.getLayerOutputs())
@@ -147,7 +147,7 @@ LogicalResult verifyProgram(plan::PlanOp planOp, plan::ProgramOp program, int64_
   // Definitions before uses in program order.
   SmallVector<int64_t> definedAt(numValues, -1);
   definedAt[program.getTokenIds()] = 0;
-  if (program.getHiddenInput() != -1)
+  if (static_cast<int32_t>(program.getHiddenInput()) != -1)
     definedAt[program.getHiddenInput()] = 0;
   int64_t step = 0;
   for (Operation &op : program.getBodyBlock()) {
