@@ -1,6 +1,7 @@
-// The DSA lightning indexer (see DsaIndexer.h): a scores kernel and a top-k kernel (one block
-// per row, radix select on the scores' order-preserving bit patterns). FP8 keys go through the
-// tensor cores: an E4M3 code (times an MXFP8 power-of-two block scale) is exact in bf16, so
+// The DSA lightning indexer (see DsaIndexer.h, docs/dsa-cache-layout.md): a scores kernel into a
+// workspace, then a radix select on the scores' order-preserving bit patterns spread over many
+// blocks per row (or the fused form: a cluster per row, scores kept on chip). FP8 keys go through
+// the tensor cores: an E4M3 code (times an MXFP8 power-of-two block scale) is exact in bf16, so
 // q . k is a bf16 mma of q (split into bf16 hi + lo halves, about 16 significant bits; lo is zero
 // for MXFP8-quantized queries and skipped) with the keys, in fp32; a per-key fp32 scale
 // multiplies the dot product. fp32 keys (the unquantized policy) take the CUDA-core kernel, one
