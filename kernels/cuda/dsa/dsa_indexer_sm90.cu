@@ -419,13 +419,6 @@ template <IndexKeyType Type, int D> struct KeyTileCopier {
   }
 };
 
-template <IndexKeyType Type, int D>
-__device__ __forceinline__ void issueKeyTileAt(const unsigned char *pool, int32_t pageIndex,
-                                               int slot, int64_t pageBytes, int pageTokens,
-                                               bool live, unsigned char *stage, int tid) {
-  KeyTileCopier<Type, D>(tid).issue(pool, pageIndex, slot, pageBytes, pageTokens, live, stage);
-}
-
 // Key tile `tile` of a block (keys firstKey + 64 tile ...) into ring stage tile % kFp8Stages.
 template <IndexKeyType Type, int D>
 __device__ __forceinline__ void issueKeyTile(const IndexerParams &p, const unsigned char *pool,
@@ -434,9 +427,9 @@ __device__ __forceinline__ void issueKeyTile(const IndexerParams &p, const unsig
                                              int position, unsigned char *stages, int tid) {
   const int tileKey = firstKey + tile * kTileKeys;
   const bool live = tile < tilesPerBlock && tileKey <= position;
-  issueKeyTileAt<Type, D>(pool, live ? table[tileKey / p.pageTokens] : 0, tileKey % p.pageTokens,
-                          pageBytes, p.pageTokens, live,
-                          stages + (tile % kFp8Stages) * fp8StageBytes<D>(), tid);
+  KeyTileCopier<Type, D>(tid).issue(pool, live ? table[tileKey / p.pageTokens] : 0,
+                                    tileKey % p.pageTokens, pageBytes, p.pageTokens, live,
+                                    stages + (tile % kFp8Stages) * fp8StageBytes<D>());
 }
 
 template <IndexKeyType Type, int D>
@@ -779,6 +772,8 @@ constexpr int kWarpgroupBlocksPerSm = 4;
 template <int D> __host__ __device__ constexpr uint32_t warpgroupQueryBytes() {
   return uint32_t(kMmaMaxHeads) * D * 2; // 64 heads x D bf16, 128-byte swizzled
 }
+static_assert(warpgroupQueryBytes<128>() == kSelectQueryBytes,
+              "the reset kernel lays out a row's queries for the largest head dim");
 template <int D> size_t warpgroupSharedBytes() {
   return 1024 + warpgroupQueryBytes<D>() + kFp8Stages * fp8StageBytes<D>() + // + alignment slack
          kSelectBins * sizeof(uint32_t);                                       // the histogram
