@@ -7,6 +7,7 @@
 #include "hybrid/kernels/ref/Moe.h"
 #include "hybrid/kernels/ref/Quant.h"
 #include "CudaTestSupport.h"
+#include "MoeCudaTestSupport.h"
 
 #include <algorithm>
 #include <cmath>
@@ -92,27 +93,6 @@ INSTANTIATE_TEST_SUITE_P(
         RouterCase{"one_group_1000_experts", 5, 1000, 16, 1, 1, false, true, false},
         RouterCase{"kimi_linear_batch_64", 64, 256, 8, 1, 1, false, true, false}),
     [](const testing::TestParamInfo<RouterCase> &info) { return info.param.name; });
-
-// The experts' fields every experts test sets the same way, from its device buffers.
-cuda::MoeExpertsParams expertsParams(int tokens, int hidden, int inner, int experts, int topK,
-                                     const float *x, const int32_t *ids, const float *weights,
-                                     const uint64_t *gate, const uint64_t *up,
-                                     const uint64_t *down, void *workspace) {
-  cuda::MoeExpertsParams p;
-  p.tokens = tokens;
-  p.hidden = hidden;
-  p.intermediate = inner;
-  p.experts = experts;
-  p.topK = topK;
-  p.x = x;
-  p.ids = ids;
-  p.weights = weights;
-  p.gate = reinterpret_cast<const void *const *>(gate);
-  p.up = reinterpret_cast<const void *const *>(up);
-  p.down = reinterpret_cast<const void *const *>(down);
-  p.workspace = workspace;
-  return p;
-}
 
 // The routed experts per (token, expert), against ref::moeExperts on the same weights.
 TEST(MoeExpertsCuda, PerTokenMatchesReference) {

@@ -6,6 +6,7 @@
 // expert held. Ranks of 0 rows and a choice of -1 included. Labelled `gpu`; skipped without a
 // GPU.
 #include "CudaTestSupport.h"
+#include "MoeCudaTestSupport.h"
 #include "hybrid/kernels/cuda/Moe.h"
 #include "hybrid/kernels/cuda/MoeExchange.h"
 
@@ -65,23 +66,13 @@ TEST(MoeExchangeCuda, SimulatedRanksMatchTheirOwnRowsWithEveryExpert) {
       auto runForm = [&](const std::vector<std::unique_ptr<DeviceBuffer<uint64_t>>> &arrays,
                          int tokens, int choices, const float *x, const int32_t *ids,
                          const float *weights, float *out) {
-        cuda::MoeExpertsParams p;
-        p.tokens = tokens;
-        p.hidden = hidden;
-        p.intermediate = inner;
-        p.experts = experts;
-        p.topK = choices;
-        p.x = x;
-        p.ids = ids;
-        p.weights = weights;
-        p.gate = reinterpret_cast<const void *const *>(arrays[0]->data);
-        p.up = reinterpret_cast<const void *const *>(arrays[1]->data);
-        p.down = reinterpret_cast<const void *const *>(arrays[2]->data);
-        p.out = out;
         DeviceBuffer<uint8_t> workspace{std::vector<uint8_t>(
             grouped ? cuda::moeGroupedWorkspaceBytes(tokens, choices, hidden, inner, experts)
                     : cuda::moeExpertsWorkspaceBytes(tokens, choices, hidden, inner))};
-        p.workspace = workspace.data;
+        cuda::MoeExpertsParams p =
+            expertsParams(tokens, hidden, inner, experts, choices, x, ids, weights,
+                          arrays[0]->data, arrays[1]->data, arrays[2]->data, workspace.data);
+        p.out = out;
         EXPECT_EQ(grouped ? cuda::launchMoeExpertsGrouped(p, true, nullptr)
                           : cuda::launchMoeExpertsPerToken(p, nullptr),
                   0);
