@@ -50,6 +50,29 @@ bool noGpu(const StatusOr<std::unique_ptr<Model>> &model) {
   return !model.isOk() && model.status().message().find("no CUDA device") != std::string::npos;
 }
 
+// One plan loaded twice with a graph switch of LoadOptions on (graphed) and off (plain), for
+// tests that hold graph replays to plain launches. False without a GPU (the test skips); a load
+// that fails otherwise is a test failure and leaves its model null.
+struct GraphedAndPlain {
+  std::unique_ptr<Model> graphed, plain;
+};
+bool loadGraphedAndPlain(const std::string &dir, LoadOptions options, bool LoadOptions::*graphs,
+                         GraphedAndPlain &models) {
+  options.*graphs = true;
+  auto graphed = Model::load(dir, options);
+  if (noGpu(graphed))
+    return false;
+  EXPECT_TRUE(graphed.isOk()) << graphed.status().message();
+  options.*graphs = false;
+  auto plain = Model::load(dir, options);
+  EXPECT_TRUE(plain.isOk()) << plain.status().message();
+  if (graphed.isOk())
+    models.graphed = std::move(*graphed);
+  if (plain.isOk())
+    models.plain = std::move(*plain);
+  return true;
+}
+
 int64_t argmax(const std::vector<float> &logits, int64_t vocab) {
   const auto last = logits.end() - vocab;
   return std::max_element(last, logits.end()) - last;
@@ -124,17 +147,14 @@ TEST_P(CudaDeviceTest, DecodeGraphsMatchPlainLaunches) {
     options.device = "cuda";
     options.maxSequences = 3;
     options.kdaBf16State = bf16States;
-    options.cudaGraphs = true;
-    auto graphed = Model::load(dir, options);
-    if (noGpu(graphed))
+    GraphedAndPlain models;
+    if (!loadGraphedAndPlain(dir, options, &LoadOptions::cudaGraphs, models))
       GTEST_SKIP() << "no CUDA device";
-    ASSERT_TRUE(graphed.isOk()) << graphed.status().message();
-    options.cudaGraphs = false;
-    auto plain = Model::load(dir, options);
-    ASSERT_TRUE(plain.isOk()) << plain.status().message();
+    ASSERT_TRUE(models.graphed && models.plain);
+    Model &graphed = *models.graphed, &plain = *models.plain;
 
-    const Transcript withGraphs = runInterleaved(**graphed, prompt);
-    const Transcript withLaunches = runInterleaved(**plain, prompt);
+    const Transcript withGraphs = runInterleaved(graphed, prompt);
+    const Transcript withLaunches = runInterleaved(plain, prompt);
     ASSERT_EQ(withGraphs.logits.size(), 3u + 4 * 3 + 1 + 4 * 3);
     ASSERT_EQ(withGraphs.logits.size(), withLaunches.logits.size());
     // The same kernels on the same data: exactly the same numbers.
@@ -612,17 +632,14 @@ TEST_P(CudaDeviceTest, PrefillGraphsMatchPlainLaunches) {
   LoadOptions options;
   options.device = "cuda";
   options.maxSequences = 3;
-  options.prefillGraphs = true;
-  auto graphed = Model::load(dir, options);
-  if (noGpu(graphed))
+  GraphedAndPlain models;
+  if (!loadGraphedAndPlain(dir, options, &LoadOptions::prefillGraphs, models))
     GTEST_SKIP() << "no CUDA device";
-  ASSERT_TRUE(graphed.isOk()) << graphed.status().message();
-  options.prefillGraphs = false;
-  auto plain = Model::load(dir, options);
-  ASSERT_TRUE(plain.isOk()) << plain.status().message();
+  ASSERT_TRUE(models.graphed && models.plain);
+  Model &graphed = *models.graphed, &plain = *models.plain;
 
-  const PrefillTranscript withGraphs = runPrefillGraphScript(**graphed, prompt);
-  const PrefillTranscript withLaunches = runPrefillGraphScript(**plain, prompt);
+  const PrefillTranscript withGraphs = runPrefillGraphScript(graphed, prompt);
+  const PrefillTranscript withLaunches = runPrefillGraphScript(plain, prompt);
   ASSERT_FALSE(withGraphs.logits.empty());
   ASSERT_EQ(withGraphs.logits.size(), withLaunches.logits.size());
   for (size_t i = 0; i < withGraphs.logits.size(); ++i)
@@ -632,11 +649,11 @@ TEST_P(CudaDeviceTest, PrefillGraphsMatchPlainLaunches) {
   ASSERT_EQ(withGraphs.states.size(), 2u);
   EXPECT_EQ(withGraphs.states, withLaunches.states);
 
-  const CudaGraphCounts counts = (*graphed)->cudaGraphCounts();
-  EXPECT_EQ((*plain)->cudaGraphCounts().prefillReplays, 0);
+  const CudaGraphCounts counts = graphed.cudaGraphCounts();
+  EXPECT_EQ(plain.cudaGraphCounts().prefillReplays, 0);
   // A prefill program with steps on the cpu reference cannot be held by a graph (nothing is
   // compared then beyond the eager path); one entirely on the GPU must have replayed passes.
-  if (runsEntirelyOnTheGpu(**graphed, "prefill")) {
+  if (runsEntirelyOnTheGpu(graphed, "prefill")) {
     EXPECT_GT(counts.prefillCaptures, 0);
     EXPECT_GT(counts.prefillReplays, counts.prefillCaptures);
   } else {
@@ -652,14 +669,11 @@ TEST_P(CudaDeviceTest, SpeculationWithPrefillGraphsKeepsTheGreedyTokens) {
   LoadOptions options;
   options.device = "cuda";
   options.kdaPrefill = "recurrent"; // as SpeculativeDecodingKeepsTheGreedyTokens
-  options.prefillGraphs = true;
-  auto graphed = Model::load(dir, options);
-  if (noGpu(graphed))
+  GraphedAndPlain models;
+  if (!loadGraphedAndPlain(dir, options, &LoadOptions::prefillGraphs, models))
     GTEST_SKIP() << "no CUDA device";
-  ASSERT_TRUE(graphed.isOk()) << graphed.status().message();
-  options.prefillGraphs = false;
-  auto plain = Model::load(dir, options);
-  ASSERT_TRUE(plain.isOk()) << plain.status().message();
+  ASSERT_TRUE(models.graphed && models.plain);
+  Model &graphed = *models.graphed, &plain = *models.plain;
   std::vector<int64_t> repetitive;
   for (int i = 0; i < 6; ++i)
     repetitive.insert(repetitive.end(), prompt.begin(), prompt.begin() + 7);
@@ -669,11 +683,11 @@ TEST_P(CudaDeviceTest, SpeculationWithPrefillGraphsKeepsTheGreedyTokens) {
     greedy.maxNewTokens = 32;
     GenerationOptions speculative = greedy;
     speculative.draftTokens = 4;
-    auto reference = generateGreedy(**graphed, tokens, greedy);
+    auto reference = generateGreedy(graphed, tokens, greedy);
     ASSERT_TRUE(reference.isOk()) << reference.status().message();
     for (int repeat = 0; repeat < 2; ++repeat) { // the second time the graphs exist already
-      auto withGraphs = generateGreedy(**graphed, tokens, speculative);
-      auto withoutGraphs = generateGreedy(**plain, tokens, speculative);
+      auto withGraphs = generateGreedy(graphed, tokens, speculative);
+      auto withoutGraphs = generateGreedy(plain, tokens, speculative);
       ASSERT_TRUE(withGraphs.isOk()) << withGraphs.status().message();
       ASSERT_TRUE(withoutGraphs.isOk()) << withoutGraphs.status().message();
       EXPECT_EQ(withGraphs->generated, withoutGraphs->generated);
@@ -684,8 +698,8 @@ TEST_P(CudaDeviceTest, SpeculationWithPrefillGraphsKeepsTheGreedyTokens) {
     }
   }
   EXPECT_GT(verifySteps, 0);
-  if (runsEntirelyOnTheGpu(**graphed, "prefill")) {
-    EXPECT_GT((*graphed)->cudaGraphCounts().prefillReplays, 0);
+  if (runsEntirelyOnTheGpu(graphed, "prefill")) {
+    EXPECT_GT(graphed.cudaGraphCounts().prefillReplays, 0);
   }
 }
 
