@@ -816,22 +816,9 @@ Status runMoeAllToAll(const StepContext &c, const fb::MoeParams *p, std::span<co
                          "be the whole world of " + std::to_string(world) +
                          " ranks (tensor_parallel 1)");
   const int64_t numExperts = p->num_experts();
-  if (numExperts % world != 0)
-    return Status::error("all_to_all: " + std::to_string(numExperts) +
-                         " experts do not split over the " + std::to_string(world) +
-                         " context ranks");
-  // This rank holds experts [rank E / N, (rank + 1) E / N) and no other.
+  HYBRID_RETURN_IF_ERROR(parallel::checkExpertsOfContextRank(
+      numExperts, rank, world, [&](int64_t e) { return !experts[size_t(e)].gateProj.empty(); }));
   const int64_t perRank = numExperts / world;
-  for (int64_t e = 0; e < numExperts; ++e) {
-    const bool mine = e / perRank == rank;
-    if (mine == experts[size_t(e)].gateProj.empty())
-      return Status::error("all_to_all: context rank " + std::to_string(rank) + " of " +
-                           std::to_string(world) + " holds experts [" +
-                           std::to_string(rank * perRank) + ", " +
-                           std::to_string((rank + 1) * perRank) + "), but expert " +
-                           std::to_string(e) + "'s weights are " +
-                           (mine ? "absent" : "present") + " in the dispatch");
-  }
   parallel::ExpertParallelShard shard;
   shard.tokens = c.rows;
   shard.hidden = dModel;

@@ -14,6 +14,7 @@
 //      1's experts), then each token's returned rows are combined with its routing weights in
 //      ascending expert order, as ref::moeExperts adds them.
 #include "cuda/CudaExecutorImpl.h"
+#include "hybrid/runtime/ContextParallel.h"
 #include "hybrid/kernels/cuda/Moe.h"
 #include "hybrid/kernels/cuda/MoeExchange.h"
 
@@ -34,23 +35,11 @@ Status CudaExecutor::Impl::prepareMoeAllToAll(const fb::Dispatch &d, int64_t row
     return Status::error("all_to_all over " + std::to_string(world) +
                          " context ranks: the cuda device exchanges over at most " +
                          std::to_string(kc::kMoeExchangeMaxRanks));
-  const int64_t E = p->num_experts(), K = p->top_k();
-  if (E % world != 0)
-    return Status::error("all_to_all: " + std::to_string(E) + " experts do not split over the " +
-                         std::to_string(world) + " context ranks");
-  // This rank holds experts [rank E / N, (rank + 1) E / N) and no other (the rows it receives
-  // are for those; an expert missing here would drop them).
-  const int rank = group->rank();
-  const int64_t perRank = E / world;
-  for (int64_t e = 0; e < E; ++e) {
-    const bool mine = e / perRank == rank;
-    if (mine != (expertWeight(d, e, 0) >= 0))
-      return Status::error(
-          "all_to_all: context rank " + std::to_string(rank) + " of " + std::to_string(world) +
-          " holds experts [" + std::to_string(rank * perRank) + ", " +
-          std::to_string((rank + 1) * perRank) + "), but expert " + std::to_string(e) +
-          "'s weights are " + (mine ? "absent" : "present") + " in the dispatch");
-  }
+  const int64_t K = p->top_k();
+  // The rows a rank receives are for the experts it holds: an expert missing here would drop them.
+  HYBRID_RETURN_IF_ERROR(parallel::checkExpertsOfContextRank(
+      p->num_experts(), group->rank(), world,
+      [&](int64_t e) { return expertWeight(d, e, 0) >= 0; }));
   if (!pinnedAllCounts) {
     const size_t counts = static_cast<size_t>(world) * static_cast<size_t>(world);
     CUDA_RETURN_IF_ERROR(cudaMalloc(&exchangeCounts, static_cast<size_t>(world) * sizeof(float)),

@@ -7,6 +7,26 @@ namespace hybrid::parallel {
 
 namespace ref = kernels::ref;
 
+Status checkExpertsOfContextRank(int64_t numExperts, int rank, int world,
+                                 const std::function<bool(int64_t)> &held) {
+  if (world < 1 || numExperts % world != 0)
+    return Status::error("all_to_all: " + std::to_string(numExperts) +
+                         " experts do not split over the " + std::to_string(world) +
+                         " context ranks");
+  const int64_t perRank = numExperts / world;
+  for (int64_t e = 0; e < numExperts; ++e) {
+    const bool mine = e / perRank == rank;
+    if (mine != held(e))
+      return Status::error("all_to_all: context rank " + std::to_string(rank) + " of " +
+                           std::to_string(world) + " holds experts [" +
+                           std::to_string(rank * perRank) + ", " +
+                           std::to_string((rank + 1) * perRank) + "), but expert " +
+                           std::to_string(e) + "'s weights are " +
+                           (mine ? "absent" : "present") + " in the dispatch");
+  }
+  return Status::ok();
+}
+
 Status moeExpertParallel(comm::Communicator &communicator, const ExpertParallelShard &s) {
   const int world = communicator.worldSize(), rank = communicator.rank();
   auto fail = [&](const std::string &why) {

@@ -12,6 +12,7 @@
 #include "hybrid/runtime/Status.h"
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -79,6 +80,13 @@ struct ExpertParallelShard {
   float *out = nullptr;                  // [tokens, hidden]: the routed experts' sum
 };
 Status moeExpertParallel(comm::Communicator &communicator, const ExpertParallelShard &shard);
+
+// Experts over the context ranks (cp=N,ep=N): context rank `rank` of `world` holds experts
+// [rank E / N, (rank + 1) E / N) and no other. An error when the experts do not split over the
+// ranks, or naming the first expert whose weights (`held(e)`: present in the dispatch) disagree;
+// both devices check their dispatch with it.
+Status checkExpertsOfContextRank(int64_t numExperts, int rank, int world,
+                                 const std::function<bool(int64_t)> &held);
 
 // ---- Tensor parallelism for a dense SwiGLU MLP (the pattern TP uses for every projection pair).
 //
