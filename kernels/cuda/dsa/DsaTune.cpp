@@ -185,7 +185,7 @@ measureSparseMlaDecode(const cache::ShapeBucket &shape,
   p.maxPages = pagesPerSequence;
   const size_t outFloats = size_t(batch) * heads * L;
   p.out = held.allocate<float>(outFloats);
-  p.workspace = held.allocate<unsigned char>(sparseMlaWorkspaceBytes(batch, p.heads, L));
+  p.workspace = held.allocate<unsigned char>(sparseMlaWorkspaceBytes(batch, p.heads, L, k));
   if (!pool || !p.q || !(p.indices || p.positions) || !p.sequences || !p.blockTables || !p.out ||
       !p.workspace)
     return Status::error("sparse-mla-decode: cannot allocate bucket " + tuning::formatShape(shape) +

@@ -67,7 +67,7 @@ std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &bat
       int32_t *dSequences = held.keep(deviceCopy(sequences));
       int32_t *dIndices = held.keep(deviceCopy(indices));
       auto *dOut = held.allocate<float>(size_t(batch) * heads * kLatent);
-      auto *dWorkspace = held.allocate<unsigned char>(sparseMlaWorkspaceBytes(batch, heads, kLatent));
+      auto *dWorkspace = held.allocate<unsigned char>(sparseMlaWorkspaceBytes(batch, heads, kLatent, topK));
       if (!dTables || !dSequences || !dIndices || !dOut || !dWorkspace)
         return fail("the table and output allocation");
       float *dQ = held.keep(deviceRandom(qFloats, 0.3f, 0.0f, rng, error));

@@ -26,10 +26,10 @@ namespace hybrid::kernels::cuda {
 namespace {
 
 constexpr int kScaleTile = 128; // latent elements per fp32 scale (FlashMLA)
-constexpr int kMaxSplits = kSparseMlaMaxSplits;
 constexpr int kMaxPositionsPerBlock = kSparseMlaMaxPositionsPerBlock; // a split's resolved rows
                                                                       // live in shared memory
 constexpr int kCombineThreads = 128;
+static_assert(kCombineThreads >= kSparseMlaMaxLongSplits, "the combine reads a split's header a thread");
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 // G head groups of 16 per block. 64 or 32 heads: 8 warps, tiles of 64 positions, one block per
@@ -724,7 +724,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   // The splits' maxima and sums are read once, in parallel, and their factors exp(max - largest)
   // shared: each thread used to walk every split's header itself, one dependent load at a time
   // (9.5 us for 17 splits at batch 1). The sums run in split order as before: the same bits.
-  __shared__ float factors[kMaxSplits], maxima[kMaxSplits], sums[kMaxSplits];
+  __shared__ float factors[kSparseMlaMaxLongSplits], maxima[kSparseMlaMaxLongSplits],
+      sums[kSparseMlaMaxLongSplits];
   __shared__ float sharedDenominator;
   const size_t item = size_t(blockIdx.x) * p.heads + blockIdx.y; // (row, head)
   const float *first = partials + item * splits * (size_t(L) + 2);
@@ -771,7 +772,7 @@ template <typename S> int splitCount(const SparseMlaDecodeParams &p, int sms) {
   int best = 0;
   int64_t bestTime = 0;
   for (int splits = (tiles + S::kMaxTiles - 1) / S::kMaxTiles;
-       splits <= std::min(tiles, kMaxSplits); ++splits) {
+       splits <= std::min(tiles, sparseMlaMaxSplits(p.topK)); ++splits) {
     const int64_t perSplit = (tiles + splits - 1) / splits;
     const int64_t used = (tiles + perSplit - 1) / perSplit;
     const int64_t time = (blocks * used + slots - 1) / slots * (perSplit + kBlockOverheadTiles);
@@ -780,7 +781,7 @@ template <typename S> int splitCount(const SparseMlaDecodeParams &p, int sms) {
       bestTime = time;
     }
   }
-  return best; // 0: more positions than kMaxSplits blocks hold
+  return best; // 0: more positions than sparseMlaMaxSplits(topK) blocks hold
 }
 
 // DeepSeek-V3.2's rows with 64 heads per block run on warpgroup MMAs (same tiles, splits and
@@ -806,9 +807,9 @@ template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, c
                 "the header's tile size is the launched kernel's");
   const int splits = p.splits > 0 ? p.splits : splitCount<S>(p, setup.multiprocessors);
   if (splits == 0)
-    return cudaErrorInvalidValue; // top-k past kMaxSplits * kMaxPositionsPerBlock
+    return cudaErrorInvalidValue; // top-k past sparseMlaMaxCausalPositions()
   const int tilesPerSplit = (tiles + splits - 1) / splits;
-  if (splits > kMaxSplits || tilesPerSplit > S::kMaxTiles)
+  if (splits > sparseMlaMaxSplits(p.topK) || tilesPerSplit > S::kMaxTiles)
     return cudaErrorInvalidValue; // a configured split count outside the kernel's range
   const int used = (tiles + tilesPerSplit - 1) / tilesPerSplit; // no empty split
   const dim3 grid(unsigned(p.rows), unsigned((p.heads + S::kHeads - 1) / S::kHeads), unsigned(used));
@@ -838,7 +839,7 @@ template <int L, int R> int launchHeads(const SparseMlaDecodeParams &p, cudaStre
 
 } // namespace
 
-int32_t sparseMlaMaxCausalPositions() { return kMaxSplits * kMaxPositionsPerBlock; }
+int32_t sparseMlaMaxCausalPositions() { return kSparseMlaMaxLongSplits * kMaxPositionsPerBlock; }
 
 int64_t sparseMlaRowBytes(int32_t latentDim, int32_t ropeDim) {
   return int64_t(latentDim) + 4 * ((latentDim + kScaleTile - 1) / kScaleTile) + 2 * int64_t(ropeDim);
@@ -849,9 +850,10 @@ int64_t latentRowBytes(LatentCacheType type, int32_t latentDim, int32_t ropeDim)
                                       : sparseMlaRowBytes(latentDim, ropeDim);
 }
 
-size_t sparseMlaWorkspaceBytes(int32_t rows, int32_t heads, int32_t latentDim) {
-  return rows > 0 && heads > 0 && latentDim > 0
-             ? size_t(rows) * heads * kMaxSplits * (size_t(latentDim) + 2) * sizeof(float)
+size_t sparseMlaWorkspaceBytes(int32_t rows, int32_t heads, int32_t latentDim, int32_t topK) {
+  return rows > 0 && heads > 0 && latentDim > 0 && topK > 0
+             ? size_t(rows) * heads * sparseMlaMaxSplits(topK) * (size_t(latentDim) + 2) *
+                   sizeof(float)
              : 0;
 }
 

@@ -327,14 +327,17 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
   outWidth = std::max({dModel, static_cast<size_t>(H * (dn + dr)), static_cast<size_t>(rkv + dr),
                        static_cast<size_t>(H * dv)});
   const int32_t slot = kvSlotOf(d);
+  const bool sparse = isSparseMla(d.kernel());
+  const int64_t capacity = int64_t(maxPages) * pageTokens;
   if (slot >= 0 && slot < static_cast<int32_t>(kvLayers.size()) &&
-      onTensorCoreKernel(isSparseMla(d.kernel()), kvLayers[static_cast<size_t>(slot)], rkv, dr,
-                         int64_t(maxPages) * pageTokens)) {
+      onTensorCoreKernel(sparse, kvLayers[static_cast<size_t>(slot)], rkv, dr, capacity)) {
     const int64_t chunk = chunkRows(mlaFloatsPerChunkRow(*p), rows);
-    attentionWorkspaceBytes =
-        std::max(attentionWorkspaceBytes,
-                 kc::sparseMlaWorkspaceBytes(static_cast<int32_t>(chunk), static_cast<int32_t>(H),
-                                             static_cast<int32_t>(rkv)));
+    // As runMla launches it: the indexer's top-k, or (causal) every position a sequence holds.
+    const int64_t topK = sparse ? width(d.inputs()->Get(1)) : capacity;
+    attentionWorkspaceBytes = std::max(
+        attentionWorkspaceBytes,
+        kc::sparseMlaWorkspaceBytes(static_cast<int32_t>(chunk), static_cast<int32_t>(H),
+                                    static_cast<int32_t>(rkv), static_cast<int32_t>(topK)));
   }
   return Status::ok();
 }
@@ -734,7 +737,8 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
       s.maxPages = maxPages;
       s.out = latentOut;
       s.workspace = r.attentionWorkspace;
-      if (kc::sparseMlaWorkspaceBytes(rowsNow, s.heads, s.latentDim) > attentionWorkspaceBytes)
+      if (kc::sparseMlaWorkspaceBytes(rowsNow, s.heads, s.latentDim, s.topK) >
+          attentionWorkspaceBytes)
         return Status::error("sparse MLA workspace larger than planned at load");
       applyTuning(s);
       LAUNCH_RETURN_IF_ERROR(kc::launchSparseMlaDecode(s, r.stream), "sparse MLA");

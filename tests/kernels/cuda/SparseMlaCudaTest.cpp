@@ -2,7 +2,8 @@
 // reading the paged FP8 latent cache sees (rows packed into scattered pages by
 // ref::packLatentToken): DeepSeek-V3.2's 512 + 64 and the tiny model's 64 + 32; 128 and 16 heads
 // (a TP=8 shard) and counts that fill a block's 64, 32 or 16 heads partly; positions split over
-// blocks and not; top-k not a multiple of the tile, -1 padding, a row with no position.
+// blocks and not; top-k not a multiple of the tile, -1 padding, a row with no position; causal
+// rows past 64K positions.
 // Labelled `gpu`; skipped without a GPU.
 #include "hybrid/kernels/cuda/SparseMla.h"
 #include "hybrid/kernels/ref/Mla.h"
@@ -119,7 +120,7 @@ TEST_P(SparseMlaDecodeCuda, MatchesReference) {
   DeviceBuffer<int32_t> dPositions(lastPositions);
   DeviceBuffer<uint8_t> dPool(pool);
   DeviceBuffer<uint8_t> dWorkspace{
-      std::vector<uint8_t>(cuda::sparseMlaWorkspaceBytes(rows, c.heads, c.latent), 0xA5)};
+      std::vector<uint8_t>(cuda::sparseMlaWorkspaceBytes(rows, c.heads, c.latent, c.topK), 0xA5)};
   cuda::SparseMlaDecodeParams p;
   p.rows = rows;
   p.heads = c.heads;
@@ -175,7 +176,11 @@ INSTANTIATE_TEST_SUITE_P(
         SparseMlaCase{"v32_causal_32_heads", 512, 64, 32, 8192, 64, {3000, 1, 700, 65}, true},
         SparseMlaCase{"v32_causal_64_heads", 512, 64, 64, 4096, 64, {4000, 129}, true},
         SparseMlaCase{"v32_causal_16_heads", 512, 64, 16, 2048, 64, {2000, 64}, true},
-        SparseMlaCase{"tiny_shape_causal", 64, 32, 4, 256, 16, {50, 1, 33}, true}),
+        SparseMlaCase{"tiny_shape_causal", 64, 32, 4, 256, 16, {50, 1, 33}, true},
+        // Longer than kSparseMlaMaxSplits blocks of 2048 positions hold (Kimi's dense layers at
+        // 128K context): more splits than the cost model's range, partials sized for them.
+        SparseMlaCase{"tiny_shape_causal_128k", 64, 32, 4, 131136, 64, {131100, 70000, 2}, true},
+        SparseMlaCase{"v32_causal_32_heads_100k", 512, 64, 32, 102400, 64, {100000}, true}),
     [](const testing::TestParamInfo<SparseMlaCase> &info) { return info.param.name; });
 
 TEST(SparseMlaDecodeCudaErrors, RejectsUnsupportedShapes) {

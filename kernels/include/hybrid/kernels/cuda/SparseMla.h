@@ -37,24 +37,35 @@ struct SparseMlaDecodeParams {
   const int32_t *blockTables = nullptr; // [sequences, maxPages]
   int32_t maxPages = 0;
   float *out = nullptr; // [rows, heads, latentDim]: o^ (zero for a row without positions)
-  void *workspace = nullptr; // sparseMlaWorkspaceBytes(rows, heads, latentDim): split partials
+  // sparseMlaWorkspaceBytes(rows, heads, latentDim, topK): split partials
+  void *workspace = nullptr;
   // Blocks the positions of a row are split over (flash-decoding; a tuned configuration,
-  // kernels/KernelTuning.h), 1..kSparseMlaMaxSplits, at least topK / kSparseMlaMaxPositionsPerBlock
-  // and at most the row's tiles (sparseMlaTileKeys); 0: the default, a cost model of waves.
+  // kernels/KernelTuning.h), 1..sparseMlaMaxSplits(topK), at least topK /
+  // kSparseMlaMaxPositionsPerBlock and at most the row's tiles (sparseMlaTileKeys); 0: the
+  // default, a cost model of waves.
   int32_t splits = 0;
 };
 
-// The most blocks a row's positions are split over, and the most positions one block holds.
-inline constexpr int32_t kSparseMlaMaxSplits = 32;
+// The most positions one block holds, and the most blocks a row's positions are split over:
+// the cost model chooses among up to kSparseMlaMaxSplits, and longer (causal) rows take as many
+// blocks as hold them, up to kSparseMlaMaxLongSplits (256K positions: Kimi's dense layers at
+// 128K context and beyond), so the partials of short rows stay as small as before.
 inline constexpr int32_t kSparseMlaMaxPositionsPerBlock = 2048;
+inline constexpr int32_t kSparseMlaMaxSplits = 32;
+inline constexpr int32_t kSparseMlaMaxLongSplits = 128;
+inline constexpr int32_t sparseMlaMaxSplits(int32_t topK) {
+  const int32_t needed = (topK + kSparseMlaMaxPositionsPerBlock - 1) / kSparseMlaMaxPositionsPerBlock;
+  return needed > kSparseMlaMaxSplits ? needed : kSparseMlaMaxSplits;
+}
 // Positions per tile of the launched kernel: 64 with more than 16 heads, else 32.
 inline constexpr int32_t sparseMlaTileKeys(int32_t heads) { return heads > 16 ? 64 : 32; }
 
 // The most positions a causal (index-free) launch may cover.
 int32_t sparseMlaMaxCausalPositions();
 
-// The scratch of a launch: partial results when the positions are split over blocks.
-size_t sparseMlaWorkspaceBytes(int32_t rows, int32_t heads, int32_t latentDim);
+// The scratch of a launch of `rows` rows of up to `topK` positions each: partial results when
+// the positions are split over blocks.
+size_t sparseMlaWorkspaceBytes(int32_t rows, int32_t heads, int32_t latentDim, int32_t topK);
 
 // Bytes of one cached row (ref::kvRowBytes with 128-element tiles).
 int64_t sparseMlaRowBytes(int32_t latentDim, int32_t ropeDim);
