@@ -133,6 +133,40 @@ TEST(E2eBench, RunGivesARowPerBatchAndContext) {
   EXPECT_EQ(std::string(png.end() - 8, png.end() - 4), "IEND");
 }
 
+TEST(E2eBench, SharedPromptRowsTakeOneContextOfPages) {
+  LoadOptions load;
+  load.maxSequences = 6;
+  load.maxContextTokens = 256;
+  load.kvCacheTokens = 800; // six distinct 200-token prompts need 1200 and more
+  bench::E2eOptions options;
+  options.batches = {6};
+  options.contexts = {200};
+  options.decodeSteps = 3;
+  {
+    auto model = Model::load(compiledDir("kimi_linear_tiny-batch4"), load);
+    ASSERT_TRUE(model) << model.status().message();
+    EXPECT_FALSE(bench::runE2e(**model, options, {})); // distinct prompts: out of pages
+    options.sharedPrompt = true; // without prefix caching there is nothing to restore
+    auto refused = bench::runE2e(**model, options, {});
+    ASSERT_FALSE(refused);
+    EXPECT_NE(refused.status().message().find("prefix caching"), std::string::npos)
+        << refused.status().message();
+  }
+  load.prefixCacheEntries = 1;
+  auto model = Model::load(compiledDir("kimi_linear_tiny-batch4"), load);
+  ASSERT_TRUE(model) << model.status().message();
+  auto rows = bench::runE2e(**model, options, {});
+  ASSERT_TRUE(rows) << rows.status().message();
+  ASSERT_EQ(rows->size(), 1u);
+  const bench::E2eRow &row = rows->front();
+  EXPECT_GT(row.ttftMs, 0.0);
+  EXPECT_GT(row.tpotUs, 0.0);
+  // The prefill rate is the first sequence's (the others restored its prefix).
+  EXPECT_NEAR(row.prefillTokensPerSecond, 200 / (row.ttftMs * 1e-3),
+              1e-6 * row.prefillTokensPerSecond);
+  EXPECT_TRUE(bench::runE2e(**model, options, {})); // the row's sequences and pages freed
+}
+
 TEST(E2eBench, BadInputIsAnErrorNamingIt) {
   auto model = load("kimi_linear_tiny");
   ASSERT_TRUE(model);

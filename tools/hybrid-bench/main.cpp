@@ -448,8 +448,14 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
     for (int64_t context : o.bench.contexts) {
       maxBatch = std::max(maxBatch, batch);
       maxContext = std::max(maxContext, context);
-      kvTokens = std::max(kvTokens, batch * (context + o.bench.decodeSteps + 2 + 64));
+      // Shared prompt: one context's pages (the kept prefix's, shared), and per sequence its
+      // last partial block, copied pages and decode rows.
+      const int64_t perSequence = o.bench.sharedPrompt ? o.bench.decodeSteps + 2 + 3 * 64
+                                                       : context + o.bench.decodeSteps + 2 + 64;
+      kvTokens = std::max(kvTokens, (o.bench.sharedPrompt ? context : 0) + batch * perSequence);
     }
+  if (o.bench.sharedPrompt)
+    o.load.prefixCacheEntries = std::max(o.load.prefixCacheEntries, 1);
   o.load.maxSequences = int32_t(maxBatch);
   o.load.maxContextTokens =
       maxContext + o.bench.decodeSteps + 2 + (o.bench.aroundProfiledStep ? 1 : 0);
@@ -512,6 +518,7 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
     std::ostringstream json;
     json << "{\"kernel\": \"e2e\", \"model\": \"" << o.model << "\", \"device\": \""
          << o.load.device << "\", \"batch\": " << r.batch << ", \"context\": " << r.context
+         << ", \"shared_prompt\": " << (o.bench.sharedPrompt ? "true" : "false")
          << ", \"ttft_ms\": " << r.ttftMs << ", \"prefill_tokens_per_s\": "
          << r.prefillTokensPerSecond << ", \"tpot_us\": " << r.tpotUs
          << ", \"decode_tokens_per_s\": " << r.decodeTokensPerSecond
@@ -971,6 +978,10 @@ int main(int argc, char **argv) {
       ->delimiter(',')->check(CLI::PositiveNumber);
   e2eCommand->add_option("--context", e2e.bench.contexts, "Prompt tokens per sequence")
       ->delimiter(',')->check(CLI::PositiveNumber);
+  e2eCommand->add_flag("--shared-prompt", e2e.bench.sharedPrompt,
+                       "One prompt for a row's sequences: the first prefills it, the others "
+                       "restore it from the prefix cache (long contexts at large batches in one "
+                       "prefill and one context of KV pages; TPOT may gain from shared pages in L2)");
   e2eCommand->add_option("--decode-steps", e2e.bench.decodeSteps, "Timed decode steps per row")
       ->check(CLI::PositiveNumber);
   e2eCommand->add_option("--bandwidth", e2e.bench.bandwidthTbPerSecond,
