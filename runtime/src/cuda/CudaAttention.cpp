@@ -54,8 +54,19 @@ int64_t mlaFloatsPerChunkRow(const fb::MlaParams &p) {
 int64_t chunkRows(int64_t floatsPerRow, int64_t rows) {
   return std::clamp<int64_t>(kChunkFloats / std::max<int64_t>(1, floatsPerRow), 1, rows);
 }
+// Rows of an MLA dispatch processed at once: per-row buffers within kChunkFloats, and on the
+// tensor-core kernel no more split partials than kSparseMlaMaxSplits splits a row give (rows of
+// a longer causal context take more splits, so fewer of them go in a launch: a 128K-position
+// prefill chunk's partials would otherwise double to 2.9 GB a stream).
+int64_t mlaChunkRows(const fb::MlaParams &p, int64_t rows, bool tensorCore, int64_t topK) {
+  const int64_t chunk = chunkRows(mlaFloatsPerChunkRow(p), rows);
+  if (!tensorCore)
+    return chunk;
+  const int64_t splits = kc::sparseMlaMaxSplits(static_cast<int32_t>(topK));
+  return std::max<int64_t>(1, chunk * kc::kSparseMlaMaxSplits / splits);
+}
 // Scratch of an MLA dispatch over `rows`: the step's kv_a projection, latents and rope keys,
-// then one chunk's buffers.
+// then one chunk's buffers (the largest chunk mlaChunkRows gives).
 int64_t mlaScratchFloats(const fb::MlaParams &p, int64_t rows) {
   const int64_t rkv = p.kv_lora_rank(), dr = p.qk_rope_head_dim(), H = p.num_heads();
   const int64_t chunk = chunkRows(mlaFloatsPerChunkRow(p), rows);
@@ -331,9 +342,9 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
   const int64_t capacity = int64_t(maxPages) * pageTokens;
   if (slot >= 0 && slot < static_cast<int32_t>(kvLayers.size()) &&
       onTensorCoreKernel(sparse, kvLayers[static_cast<size_t>(slot)], rkv, dr, capacity)) {
-    const int64_t chunk = chunkRows(mlaFloatsPerChunkRow(*p), rows);
     // As runMla launches it: the indexer's top-k, or (causal) every position a sequence holds.
-    const int64_t topK = sparse ? width(d.inputs()->Get(1)) : capacity;
+    const int64_t topK = sparse ? static_cast<int64_t>(width(d.inputs()->Get(1))) : capacity;
+    const int64_t chunk = mlaChunkRows(*p, rows, true, topK);
     attentionWorkspaceBytes = std::max(
         attentionWorkspaceBytes,
         kc::sparseMlaWorkspaceBytes(static_cast<int32_t>(chunk), static_cast<int32_t>(H),
@@ -648,7 +659,9 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
     next += pad(floats);
     return start;
   };
-  const int64_t chunk = chunkRows(mlaFloatsPerChunkRow(*p), std::max<int64_t>(1, T));
+  const bool tensorCore = onTensorCoreKernel(sparse, kv, rkv, dr, int64_t(maxPages) * pageTokens);
+  const int64_t chunk = mlaChunkRows(*p, std::max<int64_t>(1, T), tensorCore,
+                                     sparse ? topK : int64_t(maxPages) * pageTokens);
   const int64_t cacheRows = std::max(T, written);
   float *kvA = carve(cacheRows * (rkv + dr)), *latent = carve(cacheRows * rkv);
   float *rope = carve(cacheRows * dr);
@@ -715,7 +728,7 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
     LAUNCH_RETURN_IF_ERROR(kc::launchMlaAbsorbQueries(heads, rowsNow, static_cast<int32_t>(dr),
                                                       queries, absorbed, r.stream),
                            "MLA query absorption");
-    if (onTensorCoreKernel(sparse, kv, rkv, dr, int64_t(maxPages) * pageTokens)) {
+    if (tensorCore) {
       kc::SparseMlaDecodeParams s;
       s.rows = rowsNow;
       s.heads = static_cast<int32_t>(H);

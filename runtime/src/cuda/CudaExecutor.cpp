@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <optional>
 
 namespace hybrid::cudadev {
@@ -876,8 +877,22 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   // The plan's streams, then the expert stream of an all_to_all exchange (CudaMoeAllToAll.cpp).
   const size_t poolStreams = static_cast<size_t>(maxStreams) + (impl->needsExpertStream ? 1 : 0);
   bytes += perStream * poolStreams;
-  CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->pool, bytes),
-                       "device pools (" + std::to_string(bytes) + " bytes)");
+  // What the bytes are, so that an out-of-memory error says which part grew.
+  auto gb = [](size_t part) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.2f GB", double(part) / 1e9);
+    return std::string(text);
+  };
+  const std::string poolParts =
+      std::to_string(bytes) + " bytes: arenas " + gb(stateRegionOffset) + ", recurrent states " +
+      gb(streamsOffset - stateRegionOffset) + ", " + std::to_string(poolStreams) +
+      " streams x " + gb(perStream) + " (gemm operands " +
+      gb(std::max<size_t>(1, impl->xBf16Elements) * 2 * halves +
+         std::max<size_t>(1, impl->gemmOutputs) * 4 * halves) +
+      ", scratch " + gb(impl->scratchFloats * sizeof(float)) + ", KDA workspace " +
+      gb(impl->kdaWorkspaceBytes) + ", FP8 scratch " + gb(impl->fp8ScratchBytes) +
+      ", attention workspace " + gb(impl->attentionWorkspaceBytes) + ")";
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->pool, bytes), "device pools (" + poolParts + ")");
   CUDA_RETURN_IF_ERROR(cudaMemset(impl->pool, 0, bytes), "device pools");
   for (size_t offset : arenaOffsets)
     impl->arenas.push_back(impl->pool + offset);
