@@ -164,7 +164,17 @@ TEST(E2eBench, SharedPromptRowsTakeOneContextOfPages) {
   // The prefill rate is the first sequence's (the others restored its prefix).
   EXPECT_NEAR(row.prefillTokensPerSecond, 200 / (row.ttftMs * 1e-3),
               1e-6 * row.prefillTokensPerSecond);
-  EXPECT_TRUE(bench::runE2e(**model, options, {})); // the row's sequences and pages freed
+  EXPECT_FALSE(row.ttftReused);
+  // A second row of the context restores the kept prompt for every sequence and reports the
+  // first row's TTFT.
+  options.batches = {6, 2};
+  rows = bench::runE2e(**model, options, {});
+  ASSERT_TRUE(rows) << rows.status().message();
+  ASSERT_EQ(rows->size(), 2u);
+  EXPECT_FALSE((*rows)[0].ttftReused);
+  EXPECT_TRUE((*rows)[1].ttftReused);
+  EXPECT_EQ((*rows)[1].ttftMs, (*rows)[0].ttftMs);
+  EXPECT_GT((*rows)[1].tpotUs, 0.0);
 }
 
 TEST(E2eBench, BadInputIsAnErrorNamingIt) {

@@ -25,6 +25,7 @@
 #include <fstream>
 #include <iostream>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -452,10 +453,16 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
       // last partial block, copied pages and decode rows.
       const int64_t perSequence = o.bench.sharedPrompt ? o.bench.decodeSteps + 2 + 3 * 64
                                                        : context + o.bench.decodeSteps + 2 + 64;
-      kvTokens = std::max(kvTokens, (o.bench.sharedPrompt ? context : 0) + batch * perSequence);
+      kvTokens = std::max(kvTokens, batch * perSequence);
     }
-  if (o.bench.sharedPrompt)
-    o.load.prefixCacheEntries = std::max(o.load.prefixCacheEntries, 1);
+  if (o.bench.sharedPrompt) // and the kept prompts' pages
+    for (int64_t context : std::set<int64_t>(o.bench.contexts.begin(), o.bench.contexts.end()))
+      kvTokens += context + 64;
+  if (o.bench.sharedPrompt) { // each context's prompt kept for all its rows
+    const std::set<int64_t> distinct(o.bench.contexts.begin(), o.bench.contexts.end());
+    o.load.prefixCacheEntries =
+        std::max(o.load.prefixCacheEntries, static_cast<int32_t>(distinct.size()));
+  }
   o.load.maxSequences = int32_t(maxBatch);
   o.load.maxContextTokens =
       maxContext + o.bench.decodeSteps + 2 + (o.bench.aroundProfiledStep ? 1 : 0);
@@ -519,6 +526,7 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
     json << "{\"kernel\": \"e2e\", \"model\": \"" << o.model << "\", \"device\": \""
          << o.load.device << "\", \"batch\": " << r.batch << ", \"context\": " << r.context
          << ", \"shared_prompt\": " << (o.bench.sharedPrompt ? "true" : "false")
+         << ", \"ttft_reused\": " << (r.ttftReused ? "true" : "false")
          << ", \"ttft_ms\": " << r.ttftMs << ", \"prefill_tokens_per_s\": "
          << r.prefillTokensPerSecond << ", \"tpot_us\": " << r.tpotUs
          << ", \"decode_tokens_per_s\": " << r.decodeTokensPerSecond
@@ -530,6 +538,9 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
                            std::to_string(r.context),
                        r.tpotUs, json.str()});
   }
+  if (std::any_of(rows->begin(), rows->end(), [](const auto &r) { return r.ttftReused; }))
+    std::printf("(shared prompt: a row's TTFT after the first row of its context is that row's "
+                "prefill of the same prompt)\n");
   if (!o.plotPath.empty())
     if (hybrid::Status plotted = hybrid::bench::writeE2ePlot(*rows, o.plotPath); !plotted) {
       std::cerr << "error: e2e: --plot: " << plotted.message() << "\n";

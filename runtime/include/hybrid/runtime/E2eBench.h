@@ -37,14 +37,16 @@ struct E2eOptions {
   int32_t decodeSteps = 32;   // timed decode steps per row (after 2 untimed ones)
   double bandwidthTbPerSecond = 4.28; // the floor's bandwidth (H200 device copy, measured)
   uint64_t seed = 1;          // prompt token ids
-  // Every sequence of a row gets the same prompt: the first prefills it (the row's TTFT), the
-  // others restore its KV pages (shared until written) and recurrent states from the prefix
-  // cache and prefill only the tokens past its last 64-token block. A row of batch B at context C
-  // then costs one prefill of C tokens instead of B (128K rows in minutes), and its KV pages take
-  // one context's memory. The decode steps still read every sequence's C positions (the floor
-  // counts them per sequence), but rows reading the same pages at once may hit L2 where distinct
-  // prompts would not: TPOT can only be optimistic by that much. Needs a model loaded with
-  // LoadOptions::prefixCacheEntries >= 1.
+  // Every sequence of a row gets the same prompt, one per context: the first prefills it (the
+  // row's TTFT), the others restore its KV pages (shared until written) and recurrent states
+  // from the prefix cache and prefill only the tokens past its last 64-token block; a later row
+  // of the same context restores it for every sequence and reports the TTFT measured first
+  // (E2eRow::ttftReused). A row of batch B at context C then costs at most one prefill of C
+  // tokens instead of B (128K rows in minutes), and its KV pages take one context's memory. The
+  // decode steps still read every sequence's C positions (the floor counts them per sequence),
+  // but rows reading the same pages at once may hit L2 where distinct prompts would not: TPOT
+  // can only be optimistic by that much. Needs a model loaded with
+  // LoadOptions::prefixCacheEntries >= the distinct contexts (1 to prefill every row's own).
   bool sharedPrompt = false;
   // Called with true before and false after the first timed decode step of each row (a
   // profiler's collection range around one step); may be empty.
@@ -54,6 +56,7 @@ struct E2eOptions {
 struct E2eRow {
   int64_t batch = 0, context = 0;
   double ttftMs = 0;          // the first sequence's prefill of `context` tokens
+  bool ttftReused = false;    // shared prompt: ttftMs is an earlier row's of the same prompt
   double prefillTokensPerSecond = 0; // all `batch` prefills (shared prompt: the first one's)
   double tpotUs = 0;          // mean decode step of the batch
   double decodeTokensPerSecond = 0;
