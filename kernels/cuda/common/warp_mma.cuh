@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -98,6 +99,11 @@ __device__ inline int accColumn(int e) { return 2 * (threadIdx.x % 4) + (e & 1);
 
 __device__ inline uint32_t packBf16(float low, float high) {
   const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+  return *reinterpret_cast<const uint32_t *>(&pair);
+}
+
+__device__ inline uint32_t packF16(float low, float high) {
+  const __half2 pair = __floats2half2_rn(low, high);
   return *reinterpret_cast<const uint32_t *>(&pair);
 }
 

@@ -4,7 +4,9 @@
 // the tensor cores: an E4M3 code (times an MXFP8 power-of-two block scale) is exact in bf16, so
 // q . k is a bf16 mma of q (split into bf16 hi + lo halves, about 16 significant bits; lo is zero
 // for MXFP8-quantized queries and skipped) with the keys, in fp32; a per-key fp32 scale
-// multiplies the dot product. fp32 keys (the unquantized policy) take the CUDA-core kernel, one
+// multiplies the dot product. With MXFP8 queries the warpgroup kernel multiplies in f16 instead
+// (the codes widened by the hardware converter, the powers of two moved out of the operands
+// exactly; see its section). fp32 keys (the unquantized policy) take the CUDA-core kernel, one
 // thread per key.
 #include "hybrid/kernels/cuda/DsaIndexer.h"
 #include "../common/device_setup.cuh"
@@ -613,10 +615,12 @@ struct SelectState {
 };
 
 // The select's workspace (indexerSelectWorkspaceBytes, 16-byte aligned): per row the warpgroup
-// kernel's queries (bf16, swizzled, made once per row by the reset kernel), a state and a
-// histogram; per chunk its published counts; the write pass's ticket counter.
+// kernel's queries (f16, each head scaled by a power of two, swizzled; made once per row by the
+// reset kernel) and the heads' inverse scales, a state and a histogram; per chunk its published
+// counts; the write pass's ticket counter.
 struct SelectWorkspace {
-  unsigned char *queries; // rows x selectQueryBytes
+  unsigned char *queries; // rows x kSelectQueryBytes
+  float *headScales;      // rows x kMmaMaxHeads: 2^-shift of each head's queries
   SelectState *states;
   uint32_t *histograms;   // rows x kSelectBins
   uint64_t *chunkCounts;  // rows x chunks: 0 until published, then kPublished | above T, at T
@@ -632,11 +636,12 @@ __host__ __device__ inline int selectChunks(int32_t maxKeys) {
 
 // Byte offsets of the workspace's parts; the last is the total.
 struct SelectLayout {
-  size_t states, histograms, chunkCounts, writeTickets, total;
+  size_t headScales, states, histograms, chunkCounts, writeTickets, total;
 };
 __host__ __device__ inline SelectLayout selectLayout(int rows, int maxKeys) {
   SelectLayout l;
-  l.states = size_t(rows) * kSelectQueryBytes;
+  l.headScales = size_t(rows) * kSelectQueryBytes;
+  l.states = l.headScales + size_t(rows) * kMmaMaxHeads * sizeof(float);
   l.histograms = l.states + size_t(rows) * sizeof(SelectState);
   l.chunkCounts = l.histograms + size_t(rows) * kSelectBins * sizeof(uint32_t);
   l.writeTickets = l.chunkCounts + size_t(rows) * selectChunks(maxKeys) * sizeof(uint64_t);
@@ -647,7 +652,8 @@ __host__ __device__ inline SelectLayout selectLayout(int rows, int maxKeys) {
 inline SelectWorkspace selectWorkspace(void *base, int rows, int maxKeys) {
   auto *bytes = static_cast<unsigned char *>(base);
   const SelectLayout l = selectLayout(rows, maxKeys);
-  return SelectWorkspace{bytes, reinterpret_cast<SelectState *>(bytes + l.states),
+  return SelectWorkspace{bytes, reinterpret_cast<float *>(bytes + l.headScales),
+                         reinterpret_cast<SelectState *>(bytes + l.states),
                          reinterpret_cast<uint32_t *>(bytes + l.histograms),
                          reinterpret_cast<uint64_t *>(bytes + l.chunkCounts),
                          reinterpret_cast<uint32_t *>(bytes + l.writeTickets)};
@@ -757,20 +763,33 @@ __device__ void flushHistogramAndChoose(const uint32_t *local, SelectState &stat
 // ---- Scores on the warpgroup tensor cores (sm_90a wgmma; MXFP8 queries): keys widened in
 // registers.
 //
-// The keys are the A operand of m64n64k16 bf16 wgmmas, 64 keys a tile (16 a warp) straight from
-// registers: each thread widens its own codes (e4m3QuadToBf16: exact), so the widened keys never
-// go back through shared memory, and the 64 heads' queries (MXFP8 values: exact in bf16) are the
-// B operand, swizzled in shared memory once per block. A dot product does not care in which
-// order the dimensions are summed, so the k order is permuted: lane t of a lane quad holds bytes
-// [t D/4, (t+1) D/4) of its two keys (one contiguous run inside one MX block, so one scale) and
-// the queries are stored in the same permuted order. The accumulators are keys x heads: a thread
-// holds 16 heads of two keys, so the head sum is a sum in registers plus two shuffles. Versus the
-// FP8 mma.sync form: no per-block rescaling of every (key, head) product and a quarter of the
-// instructions per key. Key tiles stream through the same cp.async ring (issueKeyTile).
+// The keys are the A operand of m64n64k16 f16 wgmmas (fp32 accumulate), 64 keys a tile (16 a warp)
+// straight from registers: each thread widens its own codes to f16 by the hardware converter (one
+// instruction a code pair, exact: every E4M3 value is an f16), so the widened keys never go back
+// through shared memory, and the 64 heads' queries are the B operand, swizzled in shared memory
+// once per block. A dot product does not care in which order the dimensions are summed, so the k
+// order is permuted: lane t of a lane quad holds bytes [t D/4, (t+1) D/4) of its two keys (one
+// contiguous run inside one MX block, so one scale) and the queries are stored in the same
+// permuted order. The accumulators are keys x heads: a thread holds 16 heads of two keys, so the
+// head sum is a sum in registers plus two shuffles. Versus the FP8 mma.sync form: no per-block
+// rescaling of every (key, head) product and a quarter of the instructions per key. Key tiles
+// stream through the same cp.async ring (issueKeyTile).
+//
+// f16's range is small, so the powers of two move out of the operands, exactly: an MXFP8 key's
+// codes are multiplied (one packed f16 multiply a pair) by 2^(block scale - its reference), the
+// reference being the key's largest block scale less 7 (so 448 * 2^7 at most), and the
+// reference's power of two multiplies the key's score (the ReLU commutes with a positive scale).
+// Exact for every block within 2^22 of the key's largest; a block further below would have its
+// smallest codes rounded to f16's subnormals (Fp8PerKey keys are plain codes: no multiply). The
+// queries (MXFP8 values) are scaled per head by the power of two that puts the head's largest |q|
+// in [2^14, 2^15), the inverse going on the head's weight: exact unless a head's values span more
+// than 2^35 or lie below 2^-86. The scores are then those of the unscaled product, rounding
+// included. (bf16 needed no scaling but three bit moves a pair besides the multiply: 391 against
+// 301 warp instructions a tile, 2.5-5% slower at batch 8-64, docs/performance.md, 2026-11-30.)
 constexpr int kWarpgroupBlocksPerSm = 4;
 
 template <int D> __host__ __device__ constexpr uint32_t warpgroupQueryBytes() {
-  return uint32_t(kMmaMaxHeads) * D * 2; // 64 heads x D bf16, 128-byte swizzled
+  return uint32_t(kMmaMaxHeads) * D * 2; // 64 heads x D f16, 128-byte swizzled
 }
 static_assert(warpgroupQueryBytes<128>() == kSelectQueryBytes,
               "the reset kernel lays out a row's queries for the largest head dim");
@@ -847,8 +866,8 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
   const bool histogramming = position + 1 > p.topK;
   for (int b = tid; b < kSelectBins; b += kMmaThreads)
     histogram[b] = 0;
-  // This thread's 16 heads' weights, w * heads^-1/2 * D^-1/2 (the ReLU commutes with a positive
-  // scale).
+  // This thread's 16 heads' weights, w * heads^-1/2 * D^-1/2 times the inverse of the head's
+  // query scale (the ReLU commutes with a positive scale).
   const float weightScale = 1.0f / (sqrtf(float(heads)) * sqrtf(float(D)));
   float weights[16]; // heads 8j + 2t + c at 2j + c
 #pragma unroll
@@ -857,7 +876,9 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
     for (int c = 0; c < 2; ++c) {
       const int h = 8 * j + 2 * t + c;
       weights[2 * j + c] =
-          h < heads ? p.headWeights[size_t(row) * heads + h] * weightScale : 0.0f;
+          h < heads ? p.headWeights[size_t(row) * heads + h] * weightScale *
+                          select.headScales[size_t(row) * kMmaMaxHeads + h]
+                    : 0.0f;
     }
   const uint64_t queryDescriptor = wgmma::descriptor(mma::sharedAddress(queries));
   float *scores = p.scores + size_t(row) * p.maxKeys;
@@ -872,10 +893,11 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
     issue(tile + 2, page, pageSlot);
     lookUp(tile + 3, page, pageSlot);
   };
-  // This lane's run of each of its two keys (the codes of every k step) and their scales.
+  // This lane's run of each of its two keys (the codes of every k step), the factor of its block
+  // and the keys' scales.
   struct TileCodes {
     uint32_t words[2][kSteps];
-    uint32_t scaleCode[2];
+    uint32_t factor[2]; // MXFP8: 2^(block scale code - the key's reference) as an f16 pair
   };
   auto load = [&](int tile, TileCodes &c, float (&keyScale)[2]) {
     const unsigned char *codes = stages + (tile % kFp8Stages) * fp8StageBytes<D>();
@@ -891,37 +913,34 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
         c.words[r][4 * v + 2] = piece.z;
         c.words[r][4 * v + 3] = piece.w;
       }
-      c.scaleCode[r] = 127u; // Fp8PerKey: the scale goes on the dot product
-      keyScale[r] = 1.0f;
-      if constexpr (Type == IndexKeyType::Mxfp8)
-        c.scaleCode[r] = keyScales[key * (D / kMxBlock) + t * kRun / kMxBlock];
-      else
-        keyScale[r] = reinterpret_cast<const float *>(keyScales)[key];
-    }
-  };
-  // The k steps [first, last) widened into their A fragments. The E8M0 scale code decides the
-  // path without floats: 2^(code - 127) times 2^120 is a finite normal bf16 (quadConversionExact)
-  // for codes 1..134, whose bits are (code + 120) << 7.
-  auto widen = [&](const TileCodes &c, uint32_t (&a)[kSteps][4], int first, int last) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const uint32_t scaleCode = c.scaleCode[r];
-      if (scaleCode - 1u < 134u) {
-        const uint32_t factorBits = (scaleCode + 120u) << 7;
-        const uint32_t factorPair = factorBits | factorBits << 16;
-        const __nv_bfloat162 factor = *reinterpret_cast<const __nv_bfloat162 *>(&factorPair);
-#pragma unroll
-        for (int s = first; s < last; ++s) // fragment registers: row key0 then key0 + 8
-          e4m3QuadToBf16(c.words[r][s], factor, a[s][r], a[s][2 + r]);
+      if constexpr (Type == IndexKeyType::Mxfp8) {
+        // The key's reference: its largest block scale code (over the lane quad) less 7, at least
+        // 1 (a normal float); 0xFF (NaN) makes the key's scale NaN, as e8m0ToFloat would.
+        const uint32_t code = keyScales[key * (D / kMxBlock) + t * kRun / kMxBlock];
+        uint32_t top = max(code, __shfl_xor_sync(0xffffffffu, code, 1));
+        top = max(top, __shfl_xor_sync(0xffffffffu, top, 2));
+        const int reference = int(max(top, 8u)) - 7;
+        keyScale[r] =
+            top == 0xFFu ? __uint_as_float(0x7fc00000u) : __int_as_float(reference << 23);
+        c.factor[r] = f16PowerOfTwoPair(int(code) - reference);
       } else {
-        const float scale = e8m0ToFloat(uint8_t(scaleCode));
-#pragma unroll
-        for (int s = first; s < last; ++s) {
-          a[s][r] = e4m3PairToBf16(uint16_t(c.words[r][s]), scale);
-          a[s][2 + r] = e4m3PairToBf16(uint16_t(c.words[r][s] >> 16), scale);
-        }
+        keyScale[r] = reinterpret_cast<const float *>(keyScales)[key];
       }
     }
+  };
+  // The k steps [first, last) widened into their A fragments (fragment registers: row key0, then
+  // key0 + 8).
+  auto widen = [&](const TileCodes &c, uint32_t (&a)[kSteps][4], int first, int last) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int s = first; s < last; ++s) {
+        e4m3QuadToF16(c.words[r][s], a[s][r], a[s][2 + r]);
+        if constexpr (Type == IndexKeyType::Mxfp8) {
+          a[s][r] = f16PairProduct(a[s][r], c.factor[r]);
+          a[s][2 + r] = f16PairProduct(a[s][2 + r], c.factor[r]);
+        }
+      }
   };
   // The wgmmas of k steps [first, last), one commit group; the A registers they read stay
   // untouched until the wait.
@@ -929,8 +948,8 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
     wgmma::fence();
 #pragma unroll
     for (int s = first; s < last; ++s)
-      wgmma::mma64x64RegisterA(acc, a[s], queryDescriptor + (s / 4 * 64 * 128 + s % 4 * 32) / 16,
-                               /*accumulate=*/s > 0);
+      wgmma::mma64x64RegisterAF16(acc, a[s], queryDescriptor + (s / 4 * 64 * 128 + s % 4 * 32) / 16,
+                                  /*accumulate=*/s > 0);
     wgmma::commit();
     wgmma::fenceOperands(acc);
   };
@@ -1104,8 +1123,9 @@ __global__ void __launch_bounds__(kHistogramThreads)
 
 // Fresh states, zero histograms, unpublished counts and the ticket counter (the digit passes leave
 // the histograms zero again behind them, but a failed launch may not have); with `Queries`, also
-// each row's queries in bf16 at the warpgroup kernel's permuted, swizzled places, once per row
-// instead of once per block of the scores kernel.
+// each row's queries in f16 (each head scaled by a power of two, its inverse in headScales) at the
+// warpgroup kernel's permuted, swizzled places, once per row instead of once per block of the
+// scores kernel.
 template <int D, bool Queries>
 __global__ void selectResetKernel(IndexerParams p, SelectWorkspace w, int chunks) {
   const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -1127,11 +1147,24 @@ __global__ void selectResetKernel(IndexerParams p, SelectWorkspace w, int chunks
                                          p.q + (size_t(row) * p.heads + h) * D)[column / 4]
                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       unsigned char *queries = w.queries + size_t(row) * kSelectQueryBytes;
+      // The head's largest |q| scaled to [2^14, 2^15): f16 then holds every MXFP8 value of the
+      // head exactly unless they span more than 2^35 (or lie below 2^-86); the head's weight
+      // takes the inverse. The head's D / 4 lanes are one warp or half of one (whole warps take
+      // this branch: a row's items are a multiple of 32).
+      float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+      for (int offset = 1; offset < D / 4; offset *= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      const int exponent = int(__float_as_uint(amax) >> 23) - 127;
+      const int shift = amax == 0.0f ? 0 : min(14 - exponent, 100);
+      const float up = __uint_as_float(uint32_t(127 + shift) << 23);
       *reinterpret_cast<uint32_t *>(queries + wgmma::swizzledOffset(64, h, permutedColumn<D>(column))) =
-          mma::packBf16(v.x, v.y);
+          mma::packF16(v.x * up, v.y * up);
       *reinterpret_cast<uint32_t *>(queries +
                                     wgmma::swizzledOffset(64, h, permutedColumn<D>(column + 2))) =
-          mma::packBf16(v.z, v.w);
+          mma::packF16(v.z * up, v.w * up);
+      if (column == 0)
+        w.headScales[size_t(row) * kMmaMaxHeads + h] = __uint_as_float(uint32_t(127 - shift) << 23);
     }
   }
 }

@@ -1,4 +1,5 @@
-// FP8 decoding shared by the DSA kernels: E8M0 scales to fp32, E4M3 code pairs to bf16, exactly.
+// FP8 decoding shared by the DSA kernels: E8M0 scales to fp32, E4M3 code pairs to bf16 or f16,
+// exactly.
 #pragma once
 
 #include "../common/warp_mma.cuh"
@@ -51,6 +52,30 @@ __device__ inline void e4m3QuadToBf16(uint32_t codes, __nv_bfloat162 factor, uin
 // must be a finite bf16).
 __device__ inline bool quadConversionExact(float scale) {
   return scale > 0.0f && scale <= 128.0f && (__float_as_uint(scale) & 0x007FFFFFu) == 0;
+}
+
+// Four E4M3 codes (the low byte first) as two f16 pairs, low = codes 0, 1 and high = codes 2, 3, by
+// the hardware converter: one instruction a pair (the high half read in place), exact (every E4M3
+// value is an f16).
+__device__ inline void e4m3QuadToF16(uint32_t codes, uint32_t &low, uint32_t &high) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(low), "=r"(high)
+      : "r"(codes));
+}
+
+// 2^e (e <= 15) as an f16 pair: f16's subnormals below 2^-14, 0 below 2^-25.
+__device__ inline uint32_t f16PowerOfTwoPair(int e) {
+  const float value = __int_as_float((max(e, -126) + 127) << 23);
+  return mma::packF16(value, value);
+}
+
+// An f16 pair times an f16 pair (IEEE round to nearest; exact for a power-of-two factor whose
+// products are f16 values).
+__device__ inline uint32_t f16PairProduct(uint32_t pair, uint32_t factor) {
+  uint32_t product;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(product) : "r"(pair), "r"(factor));
+  return product;
 }
 
 } // namespace hybrid::kernels::cuda

@@ -70,8 +70,9 @@ inline constexpr int kIndexerTileKeys = 64;
 // memory of a cluster of 16 blocks (about 600K keys on H200). Queries the current device.
 bool indexerFusedSupported(IndexKeyType type, int32_t headDim, int32_t maxKeys);
 
-// The top-k's scratch: per row the queries as the warpgroup scores kernel reads them (16 KB), its
-// radix-select state and a digit histogram, per 2048 keys a chunk's counts, and one counter.
+// The top-k's scratch: per row the queries as the warpgroup scores kernel reads them (16 KB) and
+// their heads' scales, its radix-select state and a digit histogram, per 2048 keys a chunk's
+// counts, and one counter.
 size_t indexerSelectWorkspaceBytes(int32_t rows, int32_t maxKeys);
 
 // Bytes of one index-key page (PagedCacheLayout::indexPageBytes for the same format).
