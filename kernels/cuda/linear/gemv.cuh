@@ -3,7 +3,11 @@
 // activations read directly, so no rounding kernel before it and no split-sum kernel after it
 // (cuBLASLt at 1-8 rows reached about a third of HBM bandwidth on the H200, and each linear
 // layer cost three launches). Also batched: grid.y walks `batch` independent problems whose
-// pointers advance by fixed strides (MLA's per-head W_UV expansion).
+// pointers advance by fixed strides (MLA's per-head W_UV expansion). And grouped: one launch
+// runs up to kGemvMaxGroup independent problems of the same row count (a layer's projections
+// of one input: KDA's q/k/v/forget/gate/beta), the grid spanning their outputs one after the
+// other; each block computes exactly what it would in the problem's own launch, so the outputs
+// are bit-identical to one launch per problem, without each launch's latency.
 //
 // Numerics: each product is x * w in fp32 with x either exact (fp32, `roundInputToBf16` false)
 // or rounded to bf16 first (the cuBLASLt path's bf16 inputs); sums in fp32 in a fixed order (a
@@ -18,6 +22,7 @@
 namespace hybrid::kernels::cuda {
 
 inline constexpr int32_t kGemvMaxRows = 8;
+inline constexpr int32_t kGemvMaxGroup = 8;
 
 struct GemvParams {
   int32_t rows = 0; // 1..kGemvMaxRows
@@ -39,5 +44,11 @@ struct GemvParams {
 bool gemvSupports(const GemvParams &params);
 // 0 or a cudaError_t; cudaErrorInvalidValue when !gemvSupports(params).
 int launchGemv(const GemvParams &params, cudaStream_t stream);
+
+// `count` (1..kGemvMaxGroup) problems in one launch: each must pass gemvSupports, and all share
+// rows, roundInputToBf16 and batch. They run in no particular order, so no member may read what
+// another writes. 0 or a cudaError_t; cudaErrorInvalidValue when !gemvGroupSupports.
+bool gemvGroupSupports(const GemvParams *members, int32_t count);
+int launchGemvGroup(const GemvParams *members, int32_t count, cudaStream_t stream);
 
 } // namespace hybrid::kernels::cuda

@@ -133,33 +133,67 @@ int LinearContext::algorithmFor(const Key &key, Algorithm *&result) {
   return 0;
 }
 
+namespace {
+
+static_assert(kLinearMaxGroup == kGemvMaxGroup, "a full group is one launch");
+
+bool validLinear(const LinearParams &p) {
+  const int64_t xStride = p.xStride ? p.xStride : p.in;
+  const int64_t weightStride = p.weightStride ? p.weightStride : p.in;
+  const int64_t yStride = p.yStride ? p.yStride : p.out;
+  return p.rows > 0 && p.in > 0 && p.out > 0 && xStride >= p.in && weightStride >= p.in &&
+         yStride >= p.out && p.x && p.weight && p.y && p.xScratch &&
+         (!p.splitInput || p.splitOutput);
+}
+
+// The decode-size kernel's problem for p (valid), if p has decode rows and the kernel takes it:
+// the fp32 x (split inputs approximate it) or bf16(x), instead of rounding + cuBLASLt + summing.
+bool asGemv(const LinearParams &p, GemvParams &gemv) {
+  if (p.rows > kGemvMaxRows)
+    return false;
+  gemv.rows = int32_t(p.rows);
+  gemv.in = p.in;
+  gemv.out = p.out;
+  gemv.x = p.x;
+  gemv.xStride = p.xStride ? p.xStride : p.in;
+  gemv.weight = p.weight;
+  gemv.weightStride = p.weightStride ? p.weightStride : p.in;
+  gemv.y = p.y;
+  gemv.yStride = p.yStride ? p.yStride : p.out;
+  gemv.accumulate = p.accumulate;
+  gemv.roundInputToBf16 = !p.splitInput;
+  return gemvSupports(gemv);
+}
+
+} // namespace
+
+int LinearContext::runGroup(const LinearParams *members, int count, void *stream) {
+  if (!handle_ || !members || count < 1)
+    return cudaErrorInvalidValue;
+  for (int m = 0; m < count; ++m) // nothing launched unless every member is valid
+    if (!validLinear(members[m]))
+      return cudaErrorInvalidValue;
+  GemvParams gemvs[kGemvMaxGroup];
+  bool grouped = count <= kGemvMaxGroup;
+  for (int m = 0; m < count && grouped; ++m)
+    grouped = asGemv(members[m], gemvs[m]);
+  if (grouped && gemvGroupSupports(gemvs, count))
+    return launchGemvGroup(gemvs, count, static_cast<cudaStream_t>(stream));
+  for (int m = 0; m < count; ++m)
+    if (int code = run(members[m], stream))
+      return code;
+  return 0;
+}
+
 int LinearContext::run(const LinearParams &p, void *stream) {
   const int64_t xStride = p.xStride ? p.xStride : p.in;
   const int64_t weightStride = p.weightStride ? p.weightStride : p.in;
   const int64_t yStride = p.yStride ? p.yStride : p.out;
-  if (!handle_ || p.rows <= 0 || p.in <= 0 || p.out <= 0 || xStride < p.in ||
-      weightStride < p.in || yStride < p.out || !p.x || !p.weight || !p.y || !p.xScratch ||
-      (p.splitInput && !p.splitOutput))
+  if (!handle_ || !validLinear(p))
     return cudaErrorInvalidValue;
   auto cudaStream = static_cast<cudaStream_t>(stream);
-  // Decode row counts: one bandwidth-bound kernel on the fp32 x (split inputs approximate it) or
-  // on bf16(x), instead of rounding + cuBLASLt + summing.
-  if (p.rows <= kGemvMaxRows) {
-    GemvParams gemv;
-    gemv.rows = int32_t(p.rows);
-    gemv.in = p.in;
-    gemv.out = p.out;
-    gemv.x = p.x;
-    gemv.xStride = xStride;
-    gemv.weight = p.weight;
-    gemv.weightStride = weightStride;
-    gemv.y = p.y;
-    gemv.yStride = yStride;
-    gemv.accumulate = p.accumulate;
-    gemv.roundInputToBf16 = !p.splitInput;
-    if (gemvSupports(gemv))
-      return launchGemv(gemv, cudaStream);
-  }
+  if (GemvParams gemv; asGemv(p, gemv))
+    return launchGemv(gemv, cudaStream);
   const int64_t total = p.rows * p.in;
   const int threads = 256;
   const int blocks = int(std::min<int64_t>((total + threads - 1) / threads, 4096));

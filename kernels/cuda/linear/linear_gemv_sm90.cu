@@ -9,6 +9,10 @@
 // loads its first two chunks of weights (constants, nothing earlier writes them), and only then
 // waits for the earlier kernel's writes (griddepcontrol.wait) before reading x. In a decode step
 // of some 300 such layers this hides most of each launch's latency behind the previous kernel.
+//
+// A launch runs a group of problems (one, or a layer's projections of one input): grid.x is
+// the concatenation of the problems' blocks, and a block runs the same code on its problem as
+// a launch of that problem alone would.
 #include "gemv.cuh"
 #include "../common/dependent_launch.cuh"
 
@@ -41,15 +45,24 @@ __device__ __forceinline__ float dot8(const uint4 &packed, const float (&x)[8], 
   return sum;
 }
 
+int64_t blocksOf(const GemvParams &p) { return (p.out + kOutputsPerBlock - 1) / kOutputsPerBlock; }
+
+// The launch's problems; member m owns blocks [firstBlock[m], firstBlock[m + 1]) of grid.x.
+struct GemvGroup {
+  GemvParams members[kGemvMaxGroup];
+  int32_t firstBlock[kGemvMaxGroup + 1] = {};
+  int32_t count = 0;
+};
+
+// Block `block` (of blocksOf(p)) of problem p, batch entry `problem`.
 template <int MaxRows>
-__global__ void __launch_bounds__(kThreads) gemvKernel(GemvParams p) {
+__device__ __forceinline__ void gemvBlock(const GemvParams &p, int64_t block, int64_t problem) {
   __shared__ float partial[kWarps][MaxRows * kOutputsPerBlock];
-  const int64_t problem = blockIdx.y;
   const float *x = p.x + problem * p.xBatchStride;
   const auto *weight =
       static_cast<const __nv_bfloat16 *>(p.weight) + problem * p.weightBatchStride;
   float *y = p.y + problem * p.yBatchStride;
-  const int64_t firstOut = int64_t(blockIdx.x) * kOutputsPerBlock;
+  const int64_t firstOut = block * kOutputsPerBlock;
   const int outputs = int(min(int64_t(kOutputsPerBlock), p.out - firstOut));
   // Rows past the last output load the last one again (valid memory, products dropped).
   const __nv_bfloat16 *weightRows[kOutputsPerBlock];
@@ -124,6 +137,17 @@ __global__ void __launch_bounds__(kThreads) gemvKernel(GemvParams p) {
   }
 }
 
+template <int MaxRows>
+__global__ void __launch_bounds__(kThreads) gemvKernel(const __grid_constant__ GemvGroup group) {
+  int member = 0;
+#pragma unroll
+  for (int m = 1; m < kGemvMaxGroup; ++m)
+    if (m < group.count && int32_t(blockIdx.x) >= group.firstBlock[m])
+      member = m;
+  gemvBlock<MaxRows>(group.members[member], int64_t(blockIdx.x) - group.firstBlock[member],
+                     blockIdx.y);
+}
+
 bool aligned16(const void *pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 } // namespace
@@ -137,18 +161,40 @@ bool gemvSupports(const GemvParams &p) {
          (p.out + kOutputsPerBlock - 1) / kOutputsPerBlock <= 0x7fffffff;
 }
 
-int launchGemv(const GemvParams &p, cudaStream_t stream) {
-  if (!gemvSupports(p))
+bool gemvGroupSupports(const GemvParams *members, int32_t count) {
+  if (!members || count < 1 || count > kGemvMaxGroup)
+    return false;
+  int64_t blocks = 0;
+  for (int32_t m = 0; m < count; ++m) {
+    const GemvParams &p = members[m];
+    if (!gemvSupports(p) || p.rows != members[0].rows || p.batch != members[0].batch ||
+        p.roundInputToBf16 != members[0].roundInputToBf16)
+      return false;
+    blocks += blocksOf(p);
+  }
+  return blocks <= 0x7fffffff;
+}
+
+int launchGemvGroup(const GemvParams *members, int32_t count, cudaStream_t stream) {
+  if (!gemvGroupSupports(members, count))
     return cudaErrorInvalidValue;
-  DependentLaunch launch(
-      dim3(unsigned((p.out + kOutputsPerBlock - 1) / kOutputsPerBlock), unsigned(p.batch)),
-      dim3(kThreads), stream);
+  GemvGroup group;
+  group.count = count;
+  for (int32_t m = 0; m < count; ++m) {
+    group.members[m] = members[m];
+    group.firstBlock[m + 1] = group.firstBlock[m] + int32_t(blocksOf(members[m]));
+  }
+  const int32_t rows = members[0].rows;
+  DependentLaunch launch(dim3(unsigned(group.firstBlock[count]), unsigned(members[0].batch)),
+                         dim3(kThreads), stream);
   const cudaError_t status =
-      p.rows == 1   ? cudaLaunchKernelEx(&launch.config, gemvKernel<1>, p)
-      : p.rows == 2 ? cudaLaunchKernelEx(&launch.config, gemvKernel<2>, p)
-      : p.rows <= 4 ? cudaLaunchKernelEx(&launch.config, gemvKernel<4>, p)
-                    : cudaLaunchKernelEx(&launch.config, gemvKernel<8>, p);
+      rows == 1   ? cudaLaunchKernelEx(&launch.config, gemvKernel<1>, group)
+      : rows == 2 ? cudaLaunchKernelEx(&launch.config, gemvKernel<2>, group)
+      : rows <= 4 ? cudaLaunchKernelEx(&launch.config, gemvKernel<4>, group)
+                  : cudaLaunchKernelEx(&launch.config, gemvKernel<8>, group);
   return int(status != cudaSuccess ? status : cudaGetLastError());
 }
+
+int launchGemv(const GemvParams &p, cudaStream_t stream) { return launchGemvGroup(&p, 1, stream); }
 
 } // namespace hybrid::kernels::cuda

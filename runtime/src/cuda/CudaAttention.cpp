@@ -10,6 +10,7 @@
 #include "hybrid/kernels/ref/Quant.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace hybrid::cudadev {
 namespace {
@@ -687,9 +688,20 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
                                              cudaMemcpyDeviceToDevice, r.stream),
                            "gathered cache rows");
   }
-  if (!gathered)
-    HYBRID_RETURN_IF_ERROR(
-        gemm(r, x, dModel, roleOf(d, MlaKvA), kvA, rkv + dr, T, dModel, rkv + dr));
+  // In one chunk (a decode step) the projections of x (kv_a, the queries without a q LoRA, the
+  // output gate) run as one group: a launch each would cost more latency than its bytes.
+  const bool oneChunk = chunk >= T;
+  const int32_t queryRole = roleOf(d, p->q_lora_rank() > 0 ? MlaQBProj : MlaQProj);
+  const bool queriesWithKvA = !gathered && oneChunk && p->q_lora_rank() == 0;
+  const bool gateWithKvA = !gathered && oneChunk && roleOf(d, MlaGate) >= 0;
+  if (!gathered) {
+    std::vector<GemmCall> ofX = {{x, dModel, roleOf(d, MlaKvA), kvA, rkv + dr, dModel, rkv + dr}};
+    if (queriesWithKvA)
+      ofX.push_back({x, dModel, queryRole, queries, H * qkDim, dModel, H * qkDim});
+    if (gateWithKvA)
+      ofX.push_back({x, dModel, roleOf(d, MlaGate), gate, H * dv, dModel, H * dv});
+    HYBRID_RETURN_IF_ERROR(gemmGroup(r, ofX, T));
+  }
   const kc::MlaLatentRowsParams rows =
       mlaLatentRowsParams(*p, T, kvA, fp32Weights.at(roleOf(d, MlaKvANorm)), frequencies,
                           rowPositions, latent, rope);
@@ -708,9 +720,9 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
   for (int64_t first = 0; first < T; first += chunk) {
     const int64_t n = std::min(chunk, T - first);
     const int32_t rowsNow = static_cast<int32_t>(n);
-    HYBRID_RETURN_IF_ERROR(gemm(r, queryInput + first * qIn, qIn,
-                                roleOf(d, p->q_lora_rank() > 0 ? MlaQBProj : MlaQProj), queries,
-                                H * qkDim, n, qIn, H * qkDim));
+    if (!queriesWithKvA)
+      HYBRID_RETURN_IF_ERROR(gemm(r, queryInput + first * qIn, qIn, queryRole, queries,
+                                  H * qkDim, n, qIn, H * qkDim));
     if (frequencies) {
       kc::RopeParams ropeQ;
       ropeQ.rows = rowsNow;
@@ -778,8 +790,9 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
     LAUNCH_RETURN_IF_ERROR(kc::launchMlaExpandOutputs(heads, rowsNow, latentOut, headOut, r.stream),
                            "MLA output expansion");
     if (roleOf(d, MlaGate) >= 0) { // output gate: heads * sigmoid(g_proj x)
-      HYBRID_RETURN_IF_ERROR(gemm(r, x + first * dModel, dModel, roleOf(d, MlaGate), gate, H * dv,
-                                  n, dModel, H * dv));
+      if (!gateWithKvA)
+        HYBRID_RETURN_IF_ERROR(gemm(r, x + first * dModel, dModel, roleOf(d, MlaGate), gate,
+                                    H * dv, n, dModel, H * dv));
       LAUNCH_RETURN_IF_ERROR(kc::launchSigmoidGate(headOut, gate, n * H * dv, r.stream),
                              "MLA output gate");
     }

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <optional>
+#include <vector>
 
 namespace hybrid::cudadev {
 
@@ -124,6 +125,42 @@ Status CudaExecutor::Impl::gemm(StreamResources &r, const float *x, int64_t xStr
     return Status::error("GEMM of " + std::to_string(rows) + "x" + std::to_string(in) + "x" +
                          std::to_string(out) + " is larger than the scratch planned at load");
   LAUNCH_RETURN_IF_ERROR(r.linear.run(p, r.stream), ("GEMM with '" + w->name()->str() + "'").c_str());
+  return Status::ok();
+}
+
+Status CudaExecutor::Impl::gemmGroup(StreamResources &r, std::span<const GemmCall> calls,
+                                     int64_t rows) {
+  bool grouped = calls.size() <= static_cast<size_t>(kc::kLinearMaxGroup);
+  kc::LinearParams members[kc::kLinearMaxGroup];
+  for (size_t i = 0; i < calls.size() && grouped; ++i) {
+    const GemmCall &c = calls[i];
+    grouped = weightTypes[static_cast<size_t>(c.weightIndex)] == fb::DType::BF16 &&
+              static_cast<size_t>(rows * c.in) <= xBf16Elements &&
+              static_cast<size_t>(rows * c.out) <= gemmOutputs;
+    kc::LinearParams &p = members[i];
+    p.rows = rows;
+    p.in = c.in;
+    p.out = c.out;
+    p.x = c.x;
+    p.xStride = c.xStride;
+    p.weight = weight(c.weightIndex);
+    p.y = c.y;
+    p.yStride = c.yStride;
+    p.xScratch = r.xBf16;
+    p.splitInput = splitGemmInputs;
+    p.splitOutput = r.splitOutput;
+  }
+  if (grouped) {
+    LAUNCH_RETURN_IF_ERROR(
+        r.linear.runGroup(members, static_cast<int>(calls.size()), r.stream),
+        ("GEMM group with '" +
+         plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(calls[0].weightIndex))
+             ->name()->str() + "'").c_str());
+    return Status::ok();
+  }
+  for (const GemmCall &c : calls) // FP8 weights, or larger than the scratch (gemm says so)
+    HYBRID_RETURN_IF_ERROR(gemm(r, c.x, c.xStride, c.weightIndex, c.y, c.yStride, rows, c.in,
+                                c.out));
   return Status::ok();
 }
 
@@ -246,19 +283,23 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
     return start;
   };
   float *qkv = carve(T * 3 * P), *forget = carve(T * P), *beta = carve(T * H);
-  float *gate = carve(T * P), *o = carve(T * P), *lowRank = next;
-  HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(Q), qkv, 3 * P, T, dModel, P));
-  HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(Kp), qkv + P, 3 * P, T, dModel, P));
-  HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(V), qkv + 2 * P, 3 * P, T, dModel, P));
-  HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(FA), lowRank, rankF, T, dModel, rankF));
-  HYBRID_RETURN_IF_ERROR(gemm(r, lowRank, rankF, role(FB), forget, P, T, rankF, P));
-  HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(B), beta, H, T, dModel, H));
+  float *gate = carve(T * P), *o = carve(T * P), *lowRankF = carve(T * rankF);
+  float *lowRankG = next;
+  // The projections of x in one group, then the two low-rank ones' second halves in another.
+  std::vector<GemmCall> ofX = {{x, dModel, role(Q), qkv, 3 * P, dModel, P},
+                               {x, dModel, role(Kp), qkv + P, 3 * P, dModel, P},
+                               {x, dModel, role(V), qkv + 2 * P, 3 * P, dModel, P},
+                               {x, dModel, role(FA), lowRankF, rankF, dModel, rankF},
+                               {x, dModel, role(B), beta, H, dModel, H}};
+  std::vector<GemmCall> ofLowRank = {{lowRankF, rankF, role(FB), forget, P, rankF, P}};
   if (role(G) >= 0) {
-    HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(G), gate, P, T, dModel, P));
+    ofX.push_back({x, dModel, role(G), gate, P, dModel, P});
   } else {
-    HYBRID_RETURN_IF_ERROR(gemm(r, x, dModel, role(GA), lowRank, rankG, T, dModel, rankG));
-    HYBRID_RETURN_IF_ERROR(gemm(r, lowRank, rankG, role(GB), gate, P, T, rankG, P));
+    ofX.push_back({x, dModel, role(GA), lowRankG, rankG, dModel, rankG});
+    ofLowRank.push_back({lowRankG, rankG, role(GB), gate, P, rankG, P});
   }
+  HYBRID_RETURN_IF_ERROR(gemmGroup(r, ofX, T));
+  HYBRID_RETURN_IF_ERROR(gemmGroup(r, ofLowRank, T));
 
   // RecurrentStatePool (host) checks the layer and slot; the device regions have their layout.
   HYBRID_RETURN_IF_ERROR(host.states->stateOffset(p->state_slot(), host.stateSlot).status());
@@ -461,10 +502,10 @@ Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *a
   case fb::KernelId::Mlp: {
     const int64_t dModel = width(d.inputs()->Get(0)), inner = weightRows(role(0));
     float *gateUp = r.scratch, *hidden = gateUp + (rows * 2 * inner + 63) / 64 * 64;
-    HYBRID_RETURN_IF_ERROR(gemm(r, input(0), dModel, role(0), gateUp, 2 * inner, rows, dModel,
-                                inner));
-    HYBRID_RETURN_IF_ERROR(gemm(r, input(0), dModel, role(1), gateUp + inner, 2 * inner, rows,
-                                dModel, inner));
+    const GemmCall gateAndUp[2] = {{input(0), dModel, role(0), gateUp, 2 * inner, dModel, inner},
+                                   {input(0), dModel, role(1), gateUp + inner, 2 * inner, dModel,
+                                    inner}};
+    HYBRID_RETURN_IF_ERROR(gemmGroup(r, gateAndUp, rows));
     LAUNCH_RETURN_IF_ERROR(kc::launchGatedActivation(gateUp, gateUp + inner, rows, inner, 2 * inner,
                                                      hidden,
                                                      gatedActivationOf(*d.params_as_MlpParams()),
@@ -724,8 +765,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         const int64_t H = p->num_heads(), P = H * p->head_dim(), W = p->conv_kernel();
         const int64_t rankF = impl->weightRows(role(FA));
         const int64_t rankG = role(G) >= 0 ? 0 : impl->weightRows(role(GA));
-        floats = static_cast<size_t>(rows * (3 * P + P + H + P + P + std::max(rankF, rankG)) +
-                                     6 * 64); // each part 256-byte aligned
+        floats = static_cast<size_t>(rows * (3 * P + P + H + P + P + rankF + rankG) +
+                                     7 * 64); // each part 256-byte aligned
         xWidth = outWidth = std::max<size_t>({static_cast<size_t>(width(d->inputs()->Get(0))),
                                               static_cast<size_t>(P), static_cast<size_t>(rankF),
                                               static_cast<size_t>(rankG)});

@@ -28,6 +28,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <span>
 #include <tuple>
 
 namespace hybrid::cudadev {
@@ -350,6 +351,19 @@ struct CudaExecutor::Impl {
                 StreamResources &resources, const cpu::StepContext &host);
   Status gemm(StreamResources &resources, const float *x, int64_t xStride, int32_t weightIndex,
               float *y, int64_t yStride, int64_t rows, int64_t in, int64_t out);
+  // One GEMM of a group (gemm's arguments but the shared rows).
+  struct GemmCall {
+    const float *x;
+    int64_t xStride;
+    int32_t weightIndex;
+    float *y;
+    int64_t yStride, in, out;
+  };
+  // A layer's GEMMs that read nothing another one of them writes (its projections of one
+  // input): at decode rows of bf16 weights one launch for all (LinearContext::runGroup; the
+  // outputs bit-identical to gemm's), else gemm each in turn. A launch-level grouping inside
+  // the dispatch: each launch costs a few microseconds of latency in a decode step.
+  Status gemmGroup(StreamResources &resources, std::span<const GemmCall> calls, int64_t rows);
   // At load: a small weight's fp32 values on the device (fp32Weights), once; -1 is no weight.
   Status uploadSmallWeight(int32_t index, const HostWeights &hostWeights);
   // At load: an FP8 weight's scales in cuBLASLt's layout, and the scratch its GEMMs need.

@@ -8,6 +8,9 @@
 
 #include <cuda_runtime.h>
 
+#include <bit>
+#include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -108,6 +111,129 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearCuda,
                            name += s.split ? "_split" : "";
                            return name;
                          });
+
+// runGroup: a layer's projections in one launch. Members of one shared x writing interleaved
+// columns of one y (as KDA's q/k/v), one reading another x, odd widths, accumulation: the group
+// must equal the members' own runs bit for bit, and the reference up to summation order. At 9
+// rows, or with a member the decode kernel does not take (in % 8 != 0), it runs them one by one.
+struct GroupCase {
+  int64_t rows;
+  bool split;
+  int64_t otherIn; // the last member's in: 40 (the decode kernel) or 36 (not)
+};
+
+class LinearCudaGroup : public testing::TestWithParam<GroupCase> {};
+
+TEST_P(LinearCudaGroup, MatchesMembersRunAloneBitForBit) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  const GroupCase c = GetParam();
+  const int64_t rows = c.rows, in = 256, xStride = in + 8;
+  struct Member {
+    int64_t in, out, yOffset;
+    bool accumulate, otherX;
+  };
+  // y: [rows, yStride] holding the shared-x members side by side, then the other x's member.
+  const Member members[] = {{in, 96, 0, false, false},  {in, 130, 96, false, false},
+                            {in, 8, 226, true, false},  {in, 64, 234, false, false},
+                            {c.otherIn, 72, 298, true, true}};
+  const int count = int(std::size(members));
+  const int64_t yStride = 298 + 72 + 2;
+  std::mt19937 rng(int(rows * 17 + c.otherIn + c.split));
+  std::vector<float> x = random(size_t(rows * xStride), rng, 1.0f);
+  std::vector<float> otherX = random(size_t(rows * c.otherIn), rng, 1.0f);
+  std::vector<float> y = random(size_t(rows * yStride), rng, 1.0f);
+  std::vector<std::vector<float>> weights;
+  for (const Member &m : members)
+    weights.push_back(roundedToBf16(random(size_t(m.out * m.in), rng, 0.05f)));
+
+  // The reference: each member's product on the operands the kernels multiply.
+  std::vector<float> expected = y;
+  for (const Member &m : members) {
+    std::vector<float> xRows(size_t(rows * m.in));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < m.in; ++k)
+        xRows[r * m.in + k] = m.otherX ? otherX[r * m.in + k] : x[r * xStride + k];
+    std::vector<float> product(size_t(rows * m.out));
+    ref::linear(c.split ? xRows : roundedToBf16(xRows), weights[&m - members], product, rows,
+                m.in, m.out);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t n = 0; n < m.out; ++n) {
+        float &target = expected[r * yStride + m.yOffset + n];
+        target = product[r * m.out + n] + (m.accumulate ? target : 0.0f);
+      }
+  }
+
+  DeviceBuffer<float> dX(x), dOtherX(otherX), dY(y);
+  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> dWeights;
+  for (const std::vector<float> &w : weights)
+    dWeights.push_back(std::make_unique<DeviceBuffer<uint16_t>>(bf16Bits(w)));
+  DeviceBuffer<uint16_t> scratch(std::vector<uint16_t>(size_t(2 * rows * in)));
+  DeviceBuffer<float> splitOutput(std::vector<float>(size_t(2 * rows * 130)));
+  cuda::LinearContext context;
+  ASSERT_EQ(context.init(), 0);
+  std::vector<cuda::LinearParams> params(static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) {
+    const Member &m = members[i];
+    cuda::LinearParams &p = params[size_t(i)];
+    p.rows = rows;
+    p.in = m.in;
+    p.out = m.out;
+    p.x = m.otherX ? dOtherX.data : dX.data;
+    p.xStride = m.otherX ? m.in : xStride;
+    p.weight = dWeights[size_t(i)]->data;
+    p.y = dY.data + m.yOffset;
+    p.yStride = yStride;
+    p.accumulate = m.accumulate;
+    p.xScratch = scratch.data;
+    p.splitInput = c.split;
+    p.splitOutput = splitOutput.data;
+  }
+  for (const cuda::LinearParams &p : params) {
+    const int code = context.run(p, nullptr);
+    ASSERT_EQ(code, 0) << cuda::linearErrorText(code);
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> alone = dY.download();
+  ASSERT_EQ(cudaMemcpy(dY.data, y.data(), y.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  const int code = context.runGroup(params.data(), count, nullptr);
+  ASSERT_EQ(code, 0) << cuda::linearErrorText(code);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> grouped = dY.download();
+  for (size_t i = 0; i < grouped.size(); ++i)
+    ASSERT_EQ(std::bit_cast<uint32_t>(grouped[i]), std::bit_cast<uint32_t>(alone[i]))
+        << "element " << i << " (row " << i / size_t(yStride) << ")";
+  EXPECT_LT(relativeRms(grouped, expected), c.split ? 2e-5 : 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Groups, LinearCudaGroup,
+                         testing::Values(GroupCase{1, false, 40}, GroupCase{1, true, 40},
+                                         GroupCase{3, false, 40}, GroupCase{8, true, 40},
+                                         GroupCase{9, false, 40}, GroupCase{2, false, 36}),
+                         [](const testing::TestParamInfo<GroupCase> &info) {
+                           const GroupCase &c = info.param;
+                           return std::to_string(c.rows) + "rows" + (c.split ? "_split" : "") +
+                                  (c.otherIn % 8 ? "_in" + std::to_string(c.otherIn) : "");
+                         });
+
+TEST(LinearCudaErrors, RejectsBadGroups) {
+  cuda::LinearContext context;
+  cuda::LinearParams p;
+  float dummy = 0;
+  p.rows = 1;
+  p.in = 8;
+  p.out = 4;
+  p.x = p.y = &dummy;
+  p.weight = p.xScratch = &dummy;
+  EXPECT_EQ(context.runGroup(&p, 1, nullptr), int(cudaErrorInvalidValue)) << "not initialized";
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_EQ(context.init(), 0);
+  EXPECT_EQ(context.runGroup(&p, 0, nullptr), int(cudaErrorInvalidValue)) << "no members";
+  cuda::LinearParams pair[2] = {p, p};
+  pair[1].xStride = 3; // narrower than a row: nothing launched
+  EXPECT_EQ(context.runGroup(pair, 2, nullptr), int(cudaErrorInvalidValue));
+}
 
 TEST(LinearCudaErrors, RejectsBadShapesAndUninitializedContext) {
   cuda::LinearContext context;

@@ -18,6 +18,8 @@
 
 namespace hybrid::kernels::cuda {
 
+inline constexpr int kLinearMaxGroup = 8; // LinearContext::runGroup's members per launch
+
 struct LinearParams {
   int64_t rows = 0; // tokens
   int64_t in = 0;   // K
@@ -112,6 +114,10 @@ public:
   // Launches on `stream` (a cudaStream_t). Shapes must be positive, strides at least the row
   // widths; an invalid shape or a missing pointer returns cudaErrorInvalidValue (1).
   int run(const LinearParams &params, void *stream);
+  // `count` linear layers of the same rows that read nothing another one writes (a layer's
+  // projections of one input): in one launch when every one takes the decode-size kernel (up to
+  // kLinearMaxGroup of them; bit-identical to running each), else each by run in turn.
+  int runGroup(const LinearParams *members, int count, void *stream);
 
   // FP8 weights: quantizes x into params.scratch, then the block-scaled GEMM (any rows >= 1).
   // Besides the checks of run (cudaErrorInvalidValue), a problem cuBLASLt's FP8 kernels cannot
