@@ -1,10 +1,11 @@
-// MoE (see Moe.h): the router in one block per token (its choices made by one thread in the
-// reference's order where the order decides ties or sums), and the per-(token, expert) SwiGLU on
+// MoE (see Moe.h): the router in one block per token (its choices made by one warp, and by one
+// thread in the reference's order where the order decides ties or sums), and the per-(token, expert) SwiGLU on
 // CUDA cores: a warp per output row reading the expert's weight row once, the token's input in
 // shared memory.
 #include "hybrid/kernels/cuda/Moe.h"
 #include "../common/activation.cuh"
 #include "../common/block_reduce.cuh"
+#include "../common/dependent_launch.cuh"
 #include "../common/device_setup.cuh"
 #include "../common/fp8_quant.cuh"
 #include "moe_combine.cuh"
@@ -29,11 +30,9 @@ __device__ inline bool ranksBefore(float a, int ia, float b, int ib) {
   return a > b || (a == b && ia < ib);
 }
 
+// Launched as a programmatic dependent of the logits' GEMV: the bias loads while it drains.
 __global__ void __launch_bounds__(kThreads) routerKernel(MoeRouterParams p) {
   __shared__ float scores[kMoeMaxExperts], choice[kMoeMaxExperts];
-  __shared__ bool taken[kMoeMaxExperts];
-  __shared__ float bestValues[kWarps];
-  __shared__ int bestIndices[kWarps];
   __shared__ int chosen[kMoeMaxTopK];
   const int t = blockIdx.x, E = p.experts, tid = threadIdx.x;
   const float *logits = p.logits + size_t(t) * E;
@@ -46,6 +45,7 @@ __global__ void __launch_bounds__(kThreads) routerKernel(MoeRouterParams p) {
     const int e = tid + j * kThreads;
     bias[j] = p.correctionBias && e < E ? p.correctionBias[e] : 0.0f;
   }
+  asm volatile("griddepcontrol.wait;" ::: "memory"); // the logits are the GEMV's
   if (!p.softmax) {
     for (int e = tid; e < E; e += kThreads)
       scores[e] = 1.0f / (1.0f + expf(-logits[e]));
@@ -68,10 +68,8 @@ __global__ void __launch_bounds__(kThreads) routerKernel(MoeRouterParams p) {
 #pragma unroll
   for (int j = 0; j < kBiasPerThread; ++j) {
     const int e = tid + j * kThreads;
-    if (e < E) {
+    if (e < E)
       choice[e] = scores[e] + bias[j];
-      taken[e] = false;
-    }
   }
   __syncthreads();
   if (p.groups > 1 && tid == 0) {
@@ -104,13 +102,18 @@ __global__ void __launch_bounds__(kThreads) routerKernel(MoeRouterParams p) {
         choice[e] = -INFINITY;
   }
   __syncthreads();
-  // The top k, one block-wide argmax per pick.
-  const int lane = tid % 32, warp = tid / 32;
+  // The top k, one warp-wide argmax per pick (no block barrier between picks: a decode token's
+  // router is all latency). Lane l owns experts l + 32 i, bit i of its `taken` mask. The
+  // ranking is a strict total order, so the pick is the one a block-wide argmax makes.
+  if (tid >= 32)
+    return;
+  const int lane = tid;
+  uint32_t taken = 0;
   for (int k = 0; k < p.topK; ++k) {
     float best = -INFINITY;
     int index = -1;
-    for (int e = tid; e < E; e += kThreads)
-      if (!taken[e] && (index < 0 || ranksBefore(choice[e], e, best, index))) {
+    for (int e = lane, i = 0; e < E; e += 32, ++i)
+      if (!(taken >> i & 1u) && (index < 0 || ranksBefore(choice[e], e, best, index))) {
         best = choice[e];
         index = e;
       }
@@ -122,22 +125,12 @@ __global__ void __launch_bounds__(kThreads) routerKernel(MoeRouterParams p) {
         index = otherIndex;
       }
     }
-    if (lane == 0) {
-      bestValues[warp] = best;
-      bestIndices[warp] = index;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      int winner = -1;
-      for (int w = 0; w < kWarps; ++w)
-        if (bestIndices[w] >= 0 &&
-            (winner < 0 || ranksBefore(bestValues[w], bestIndices[w], choice[winner], winner)))
-          winner = bestIndices[w];
-      chosen[k] = winner;
-      taken[winner] = true;
-    }
-    __syncthreads();
+    if (index % 32 == lane)
+      taken |= 1u << (index / 32);
+    if (lane == 0)
+      chosen[k] = index;
   }
+  __syncwarp();
   if (tid == 0) { // weights in the choice order, summed in that order
     float sum = 0.0f;
     for (int k = 0; k < p.topK; ++k)
@@ -332,8 +325,10 @@ int launchMoeRouter(const MoeRouterParams &p, void *stream) {
       p.experts % p.groups != 0 || p.topKGroups <= 0 || p.topKGroups > p.groups || !p.logits ||
       !p.ids || !p.weights)
     return cudaErrorInvalidValue;
-  routerKernel<<<unsigned(p.tokens), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  return int(cudaGetLastError());
+  DependentLaunch launch(dim3(unsigned(p.tokens)), dim3(kThreads),
+                         static_cast<cudaStream_t>(stream));
+  const cudaError_t status = cudaLaunchKernelEx(&launch.config, routerKernel, p);
+  return int(status != cudaSuccess ? status : cudaGetLastError());
 }
 
 size_t moeExpertsWorkspaceBytes(int32_t tokens, int32_t topK, int32_t hidden,
