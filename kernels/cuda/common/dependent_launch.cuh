@@ -26,4 +26,16 @@ struct DependentLaunch {
   DependentLaunch &operator=(const DependentLaunch &) = delete;
 };
 
+// Device side. Before its first read of an earlier kernel's output (and its first write of
+// anything an earlier kernel may read), a dependent waits for the earlier kernels to finish;
+// whatever only reads constants (weights) may come before. A no-op when launched plainly.
+__device__ __forceinline__ void waitForEarlierKernels() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+// Lets the next kernel, if it is a dependent, start its own constant loads now; it still waits
+// for this kernel to finish before it reads what this one writes.
+__device__ __forceinline__ void letDependentsLaunch() {
+  asm volatile("griddepcontrol.launch_dependents;");
+}
+
 } // namespace hybrid::kernels::cuda

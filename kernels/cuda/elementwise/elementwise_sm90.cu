@@ -1,13 +1,17 @@
 // Embedding gather, residual add, silu(gate) * up, the sigmoid gate and the MXFP8 round trip on
 // CUDA (see Elementwise.h): grid-stride loops over the elements (warps over 32-value blocks).
+// The add and the gates, small kernels between GEMVs in a decode step, launch as programmatic
+// dependents: their launch overlaps the kernel before, and the next GEMV's weight loads them.
 #include "hybrid/kernels/cuda/Elementwise.h"
 #include "../common/activation.cuh"
+#include "../common/dependent_launch.cuh"
 #include "../common/fp8_quant.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace hybrid::kernels::cuda {
 namespace {
@@ -33,6 +37,8 @@ __global__ void embedKernel(const int64_t *ids, int64_t rows, const T *table, in
 }
 
 __global__ void addKernel(const float *a, const float *b, float *y, int64_t n) {
+  waitForEarlierKernels();
+  letDependentsLaunch();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     y[i] = a[i] + b[i];
@@ -40,6 +46,8 @@ __global__ void addKernel(const float *a, const float *b, float *y, int64_t n) {
 
 __global__ void siluMulKernel(const float *gate, const float *up, int64_t rows, int64_t width,
                               int64_t stride, float *out) {
+  waitForEarlierKernels();
+  letDependentsLaunch();
   const int64_t total = rows * width;
   for (int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; index < total;
        index += int64_t(gridDim.x) * blockDim.x) {
@@ -52,6 +60,8 @@ __global__ void siluMulKernel(const float *gate, const float *up, int64_t rows, 
 __global__ void gatedActivationKernel(const float *gate, const float *up, int64_t rows,
                                       int64_t width, int64_t stride, float *out,
                                       GatedActivation activation) {
+  waitForEarlierKernels();
+  letDependentsLaunch();
   const int64_t total = rows * width;
   for (int64_t index = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; index < total;
        index += int64_t(gridDim.x) * blockDim.x) {
@@ -62,6 +72,8 @@ __global__ void gatedActivationKernel(const float *gate, const float *up, int64_
 }
 
 __global__ void sigmoidGateKernel(float *x, const float *gate, int64_t n) {
+  waitForEarlierKernels();
+  letDependentsLaunch();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     x[i] *= 1.0f / (1.0f + expf(-gate[i]));
@@ -78,6 +90,16 @@ __global__ void mxfp8RoundTripKernel(float *x, int64_t blocks) {
 }
 
 int finish() { return static_cast<int>(cudaGetLastError()); }
+
+// `kernel` on blocksFor(n) blocks as a programmatic dependent.
+template <typename... Parameters, typename... Arguments>
+int launchDependent(void (*kernel)(Parameters...), int64_t n, void *stream,
+                    Arguments &&...arguments) {
+  DependentLaunch launch(dim3(blocksFor(n)), dim3(kThreads), static_cast<cudaStream_t>(stream));
+  const cudaError_t status =
+      cudaLaunchKernelEx(&launch.config, kernel, std::forward<Arguments>(arguments)...);
+  return status != cudaSuccess ? static_cast<int>(status) : finish();
+}
 
 } // namespace
 
@@ -98,17 +120,15 @@ int launchEmbed(const int64_t *ids, int64_t rows, const void *table, TableType t
 int launchAdd(const float *a, const float *b, float *y, int64_t n, void *stream) {
   if (n <= 0 || !a || !b || !y)
     return cudaErrorInvalidValue;
-  addKernel<<<blocksFor(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, b, y, n);
-  return finish();
+  return launchDependent(addKernel, n, stream, a, b, y, n);
 }
 
 int launchSiluMul(const float *gate, const float *up, int64_t rows, int64_t width,
                   int64_t inputStride, float *out, void *stream) {
   if (rows <= 0 || width <= 0 || inputStride < width || !gate || !up || !out)
     return cudaErrorInvalidValue;
-  siluMulKernel<<<blocksFor(rows * width), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      gate, up, rows, width, inputStride, out);
-  return finish();
+  return launchDependent(siluMulKernel, rows * width, stream, gate, up, rows, width, inputStride,
+                         out);
 }
 
 int launchGatedActivation(const float *gate, const float *up, int64_t rows, int64_t width,
@@ -119,18 +139,14 @@ int launchGatedActivation(const float *gate, const float *up, int64_t rows, int6
   if (rows <= 0 || width <= 0 || inputStride < width || !gate || !up || !out ||
       !gatedActivationValid(activation))
     return cudaErrorInvalidValue;
-  gatedActivationKernel<<<blocksFor(rows * width), kThreads, 0,
-                          static_cast<cudaStream_t>(stream)>>>(gate, up, rows, width, inputStride,
-                                                               out, activation);
-  return finish();
+  return launchDependent(gatedActivationKernel, rows * width, stream, gate, up, rows, width,
+                         inputStride, out, activation);
 }
 
 int launchSigmoidGate(float *x, const float *gate, int64_t n, void *stream) {
   if (n <= 0 || !x || !gate)
     return cudaErrorInvalidValue;
-  sigmoidGateKernel<<<blocksFor(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(x, gate,
-                                                                                      n);
-  return finish();
+  return launchDependent(sigmoidGateKernel, n, stream, x, gate, n);
 }
 
 int launchMxfp8RoundTrip(float *x, int64_t n, void *stream) {

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) routerKernel(MoeRouterParams p) {
     const int e = tid + j * kThreads;
     bias[j] = p.correctionBias && e < E ? p.correctionBias[e] : 0.0f;
   }
-  asm volatile("griddepcontrol.wait;" ::: "memory"); // the logits are the GEMV's
+  waitForEarlierKernels(); // the logits are the GEMV's
   if (!p.softmax) {
     for (int e = tid; e < E; e += kThreads)
       scores[e] = 1.0f / (1.0f + expf(-logits[e]));
@@ -205,6 +205,8 @@ __device__ inline void roundFp8Tiles(float *v, int width, Fp8ActivationScale rul
 template <typename T>
 __global__ void __launch_bounds__(kThreads) gateUpKernel(MoeExpertsParams p, float *h) {
   extern __shared__ float x[];
+  waitForEarlierKernels(); // the router's ids, x
+  letDependentsLaunch();
   const int slot = blockIdx.x, token = slot / p.topK;
   const int expert = p.ids[slot];
   if (!expertHeld(p, expert)) // the whole block: an invalid or absent expert adds nothing
@@ -238,6 +240,8 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const float *h,
                                                        float *y) {
   extern __shared__ float hs[];
+  waitForEarlierKernels();
+  letDependentsLaunch();
   const int slot = blockIdx.x, expert = p.ids[slot];
   if (!expertHeld(p, expert)) // the whole block; gateUpKernel wrote no h for it
     return;
@@ -264,6 +268,8 @@ __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const
 // Block (token, kThreads columns): its experts' weighted outputs added in ascending expert
 // order, from zero. Column blocks spread a decode token over many SMs.
 __global__ void __launch_bounds__(kThreads) combineKernel(MoeExpertsParams p, const float *y) {
+  waitForEarlierKernels();
+  letDependentsLaunch();
   combineToken(p, y, [&](int token, int slot) -> int64_t {
     const int32_t expert = p.ids[int64_t(token) * p.topK + slot];
     return expertHeld(p, expert) ? int64_t(token) * p.topK + slot : -1;
@@ -307,14 +313,26 @@ template <typename T> int launchPerToken(const MoeExpertsParams &p, cudaStream_t
     return int(setup.status);
   auto *h = static_cast<float *>(p.workspace);
   float *y = h + size_t(p.tokens) * p.topK * p.intermediate;
+  // Each a programmatic dependent of the kernel before: three launches of a decode step's
+  // latency-bound MoE layer overlap their predecessors' drain.
   const unsigned slots = unsigned(p.tokens * p.topK);
-  gateUpKernel<T><<<dim3(slots, unsigned((p.intermediate + kWarps - 1) / kWarps)), kThreads,
-                    size_t(p.hidden) * sizeof(float), stream>>>(p, h);
-  downKernel<T><<<dim3(slots, unsigned((p.hidden + kWarps - 1) / kWarps)), kThreads,
-                  size_t(p.intermediate) * sizeof(float), stream>>>(p, h, y);
-  combineKernel<<<dim3(unsigned(p.tokens), unsigned((p.hidden + kThreads - 1) / kThreads)),
-                  kThreads, 0, stream>>>(p, y);
-  return int(cudaGetLastError());
+  DependentLaunch gateUp(dim3(slots, unsigned((p.intermediate + kWarps - 1) / kWarps)),
+                         dim3(kThreads), stream);
+  gateUp.config.dynamicSmemBytes = size_t(p.hidden) * sizeof(float);
+  cudaError_t status = cudaLaunchKernelEx(&gateUp.config, gateUpKernel<T>, p, h);
+  if (status != cudaSuccess)
+    return int(status);
+  DependentLaunch down(dim3(slots, unsigned((p.hidden + kWarps - 1) / kWarps)), dim3(kThreads),
+                       stream);
+  down.config.dynamicSmemBytes = size_t(p.intermediate) * sizeof(float);
+  status = cudaLaunchKernelEx(&down.config, downKernel<T>, p, static_cast<const float *>(h), y);
+  if (status != cudaSuccess)
+    return int(status);
+  DependentLaunch combine(
+      dim3(unsigned(p.tokens), unsigned((p.hidden + kThreads - 1) / kThreads)), dim3(kThreads),
+      stream);
+  status = cudaLaunchKernelEx(&combine.config, combineKernel, p, static_cast<const float *>(y));
+  return int(status != cudaSuccess ? status : cudaGetLastError());
 }
 
 } // namespace

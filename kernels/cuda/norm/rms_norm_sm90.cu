@@ -3,9 +3,11 @@
 // kThreads * kCachedPerThread values are read once into registers, every load issued before the
 // first is used: a decode step's norms are one row each, where a loop of dependent loads (the
 // compiler cannot hoist x past the stores to a possibly aliasing sum) made each launch about 8 us
-// of memory latency.
+// of memory latency. RMSNorms launch as programmatic dependents (the weights load while the
+// kernel before drains; the next GEMV's blocks start loading their weights while this one runs).
 #include "hybrid/kernels/cuda/Norm.h"
 #include "../common/block_reduce.cuh"
+#include "../common/dependent_launch.cuh"
 
 #include <cuda_runtime.h>
 
@@ -21,17 +23,19 @@ __global__ void __launch_bounds__(kThreads) rmsNormCachedKernel(RmsNormParams p)
   const float *x = p.x + row * p.dim;
   float *y = p.y + row * p.dim;
   float values[kCachedPerThread], weights[kCachedPerThread];
-#pragma unroll
-  for (int j = 0; j < kCachedPerThread; ++j) {
-    const int64_t i = threadIdx.x + j * kThreads;
-    values[j] = i < p.dim ? x[i] : 0.0f;
-  }
-  // The weights load with the row, not after the reduction: one memory round trip fewer on a
-  // kernel that is all latency (a decode row, one block).
+  // The weights load before the row, not after the reduction, and while the kernel before
+  // drains: a kernel that is all latency (a decode row, one block).
 #pragma unroll
   for (int j = 0; j < kCachedPerThread; ++j) {
     const int64_t i = threadIdx.x + j * kThreads;
     weights[j] = p.weight && i < p.dim ? p.weight[i] : 1.0f;
+  }
+  waitForEarlierKernels();
+  letDependentsLaunch();
+#pragma unroll
+  for (int j = 0; j < kCachedPerThread; ++j) {
+    const int64_t i = threadIdx.x + j * kThreads;
+    values[j] = i < p.dim ? x[i] : 0.0f;
   }
   if (p.addend) {
     const float *addend = p.addend + row * p.dim;
@@ -74,6 +78,8 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormParams p) {
   const float *addend = p.addend ? p.addend + row * p.dim : nullptr;
   float *sum = p.addend ? p.sum + row * p.dim : nullptr;
   float *y = p.y + row * p.dim;
+  waitForEarlierKernels();
+  letDependentsLaunch();
   float squares = 0.0f;
   for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
     float value = x[i];
@@ -127,12 +133,13 @@ int launchRmsNorm(const RmsNormParams &params, void *stream) {
   if (params.rows <= 0 || params.dim <= 0 || !params.x || !params.y ||
       (params.addend && !params.sum) || params.rows > 0x7fffffff)
     return cudaErrorInvalidValue;
-  const auto s = static_cast<cudaStream_t>(stream);
-  if (params.dim <= int64_t(kThreads) * kCachedPerThread)
-    rmsNormCachedKernel<<<unsigned(params.rows), kThreads, 0, s>>>(params);
-  else
-    rmsNormKernel<<<unsigned(params.rows), kThreads, 0, s>>>(params);
-  return static_cast<int>(cudaGetLastError());
+  DependentLaunch launch(dim3(unsigned(params.rows)), dim3(kThreads),
+                         static_cast<cudaStream_t>(stream));
+  const cudaError_t status =
+      params.dim <= int64_t(kThreads) * kCachedPerThread
+          ? cudaLaunchKernelEx(&launch.config, rmsNormCachedKernel, params)
+          : cudaLaunchKernelEx(&launch.config, rmsNormKernel, params);
+  return static_cast<int>(status != cudaSuccess ? status : cudaGetLastError());
 }
 
 } // namespace hybrid::kernels::cuda
