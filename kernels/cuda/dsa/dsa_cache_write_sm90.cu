@@ -3,6 +3,7 @@
 #include "hybrid/kernels/cuda/DsaCacheWrite.h"
 #include "hybrid/kernels/cuda/SparseMla.h"
 #include "../common/fp8_quant.cuh"
+#include "../common/dependent_launch.cuh"
 
 #include <cuda_runtime.h>
 
@@ -28,6 +29,8 @@ __device__ inline int64_t slotOffset(const PagedTokens &w, int t, int64_t pageBy
 }
 
 __global__ void __launch_bounds__(kThreads) writeLatentRows(LatentWriteParams p, int64_t rowBytes) {
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
   const int t = blockIdx.x, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   unsigned char *row = static_cast<unsigned char *>(p.pages) +
                        slotOffset(p.where, t, int64_t(p.where.pageTokens) * rowBytes, rowBytes);
@@ -117,9 +120,11 @@ int launchWriteLatentRows(const LatentWriteParams &p, void *stream) {
       p.ropeDim % 2 != 0 ||
       !p.latent || (p.ropeDim > 0 && !p.rope) || !p.pages)
     return cudaErrorInvalidValue;
-  writeLatentRows<<<unsigned(p.where.tokens), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      p, latentRowBytes(p.type, p.latentDim, p.ropeDim));
-  return int(cudaGetLastError());
+  DependentLaunch launch(dim3(unsigned(p.where.tokens)), dim3(kThreads),
+                         static_cast<cudaStream_t>(stream));
+  const cudaError_t status = cudaLaunchKernelEx(&launch.config, writeLatentRows, p,
+                                                latentRowBytes(p.type, p.latentDim, p.ropeDim));
+  return int(status != cudaSuccess ? status : cudaGetLastError());
 }
 
 int launchWriteIndexKeys(const IndexKeyWriteParams &p, void *stream) {

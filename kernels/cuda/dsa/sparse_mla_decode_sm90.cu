@@ -10,6 +10,7 @@
 // merged by a second kernel.
 #include "hybrid/kernels/cuda/SparseMla.h"
 #include "../common/device_setup.cuh"
+#include "../common/dependent_launch.cuh"
 #include "../common/warp_mma.cuh"
 #include "../common/warpgroup_mma.cuh"
 #include "fp8_device.cuh"
@@ -174,6 +175,8 @@ __device__ inline void quadSum(float (&v)[2]) {
 template <int L, int R, int G>
 __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlocksPerSm)
     sparseMlaDecodeKernel(SparseMlaDecodeParams p, int tilesPerSplit, float *partials) {
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
   using S = Shape<L, R, G>;
   constexpr int kStride = S::kStride, kHeads = S::kHeads, kSlices = S::kSlices;
   constexpr int kThreads = S::kThreads, kTileKeys = S::kTileKeys, kPStride = S::kPStride;
@@ -492,6 +495,8 @@ struct WgmmaShape {
 
 __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
     sparseMlaWgmmaKernel(SparseMlaDecodeParams p, int tilesPerSplit, float *partials) {
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
   using S = WgmmaShape;
   constexpr int L = S::kLatent, kTileKeys = S::kTileKeys, kThreads = S::kThreads;
   extern __shared__ __align__(16) unsigned char rawShared[];
@@ -721,6 +726,8 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
 template <int L>
 __global__ void __launch_bounds__(kCombineThreads)
     sparseMlaCombineKernel(SparseMlaDecodeParams p, int splits, const float *partials) {
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
   // The splits' maxima and sums are read once, in parallel, and their factors exp(max - largest)
   // shared: each thread used to walk every split's header itself, one dependent load at a time
   // (9.5 us for 17 splits at batch 1). The sums run in split order as before: the same bits.
@@ -814,17 +821,22 @@ template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, c
   const int used = (tiles + tilesPerSplit - 1) / tilesPerSplit; // no empty split
   const dim3 grid(unsigned(p.rows), unsigned((p.heads + S::kHeads - 1) / S::kHeads), unsigned(used));
   auto *partials = static_cast<float *>(p.workspace);
+  // Both kernels launch as programmatic dependents (the launch overlaps the drain before).
+  DependentLaunch attention(grid, dim3(S::kThreads), stream);
+  attention.config.dynamicSmemBytes = S::sharedBytes(tilesPerSplit);
+  cudaError_t status;
   if constexpr (kOnWarpgroups<L, R, G>)
-    sparseMlaWgmmaKernel<<<grid, S::kThreads, S::sharedBytes(tilesPerSplit), stream>>>(
-        p, tilesPerSplit, partials);
+    status = cudaLaunchKernelEx(&attention.config, sparseMlaWgmmaKernel, p, tilesPerSplit, partials);
   else
-    sparseMlaDecodeKernel<L, R, G>
-        <<<grid, S::kThreads, S::sharedBytes(tilesPerSplit), stream>>>(p, tilesPerSplit, partials);
-  if (used > 1)
-    sparseMlaCombineKernel<L>
-        <<<dim3(unsigned(p.rows), unsigned(p.heads)), kCombineThreads, 0, stream>>>(p, used,
-                                                                                   partials);
-  return int(cudaGetLastError());
+    status = cudaLaunchKernelEx(&attention.config, sparseMlaDecodeKernel<L, R, G>, p,
+                                tilesPerSplit, partials);
+  if (status == cudaSuccess && used > 1) {
+    DependentLaunch combine(dim3(unsigned(p.rows), unsigned(p.heads)), dim3(kCombineThreads),
+                            stream);
+    status = cudaLaunchKernelEx(&combine.config, sparseMlaCombineKernel<L>, p, used,
+                                static_cast<const float *>(partials));
+  }
+  return int(status != cudaSuccess ? status : cudaGetLastError());
 }
 
 // 64 heads per block when there are that many (each row converted once for all of them), else

@@ -82,6 +82,8 @@ __device__ inline float decayOf(const KdaDecodeParams &p, int sequence, int head
 // in registers without spilling and four times more warps keep loads in flight.
 template <int kDim, int kSplit, typename State>
 __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodeParams p) {
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
   constexpr int kThreads = kDim * kSplit, kRows = kDim / kSplit;
   const int head = blockIdx.x, sequence = blockIdx.y;
   const int v = threadIdx.x % kDim, group = threadIdx.x / kDim;
@@ -142,8 +144,10 @@ template <int kDim> size_t splitWorkspaceBytes(int64_t pairs) {
 template <int kDim>
 __global__ void __launch_bounds__(kDim)
     kdaDecodePrologKernel(KdaDecodeParams p, float *prepared, unsigned *arrivals) {
-  // The state kernel may launch now: it only loads state until it waits on this grid.
+  // The state kernel may launch now: it only loads state until it waits on this grid. This
+  // one is itself a programmatic dependent of the projections' GEMV.
   asm volatile("griddepcontrol.launch_dependents;");
+  waitForEarlierKernels();
   const int head = blockIdx.x, sequence = blockIdx.y, i = threadIdx.x;
   const int channel = head * kDim + i;
   __shared__ float2 pairScratch[kDim / 32];
@@ -225,8 +229,10 @@ template <int kDim> int launchFused(const KdaDecodeParams &params, cudaStream_t 
   const dim3 grid(params.heads, params.batch);
   return withStateType(params.stateType, [&](auto tag) {
     using State = typename decltype(tag)::type;
-    kdaFusedDecodeKernel<kDim, kSplit, State><<<grid, kDim * kSplit, 0, stream>>>(params);
-    return static_cast<int>(cudaGetLastError());
+    DependentLaunch launch(grid, dim3(kDim * kSplit), stream);
+    const cudaError_t status =
+        cudaLaunchKernelEx(&launch.config, kdaFusedDecodeKernel<kDim, kSplit, State>, params);
+    return static_cast<int>(status != cudaSuccess ? status : cudaGetLastError());
   });
 }
 
@@ -236,8 +242,10 @@ template <int kDim> int launchSplit(const KdaDecodeParams &params, cudaStream_t 
   auto *prepared = static_cast<float *>(params.workspace);
   float *rawOut = prepared + pairs * kPreparedFloats<kDim>;
   auto *arrivals = reinterpret_cast<unsigned *>(rawOut + pairs * kDim);
-  kdaDecodePrologKernel<kDim><<<dim3(params.heads, params.batch), kDim, 0, stream>>>(
-      params, prepared, arrivals);
+  DependentLaunch prolog(dim3(params.heads, params.batch), dim3(kDim), stream);
+  if (const cudaError_t status = cudaLaunchKernelEx(&prolog.config, kdaDecodePrologKernel<kDim>,
+                                                    params, prepared, arrivals))
+    return static_cast<int>(status);
   DependentLaunch launch(dim3(kDim / kColumns, params.heads, params.batch), dim3(32 * kWarps),
                          stream);
   return withStateType(params.stateType, [&](auto tag) {

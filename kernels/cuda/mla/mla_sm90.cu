@@ -4,6 +4,7 @@
 // softmax. The FP8 sparse decode on tensor cores is sparse_mla_decode_sm90.cu.
 #include "hybrid/kernels/cuda/Mla.h"
 #include "../common/block_reduce.cuh"
+#include "../common/dependent_launch.cuh"
 #include "../common/fp8_quant.cuh"
 #include "../linear/gemv.cuh"
 
@@ -34,6 +35,8 @@ __device__ inline void ropePair(float *x, int i, int pairs, RopePairing pairing,
 
 // One block per row; threads over (head, pair); then warps over the row's 32-value blocks.
 __global__ void __launch_bounds__(kThreads) rope(RopeParams p) {
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
   const int r = blockIdx.x, pairs = p.dims / 2;
   float *row = p.x + int64_t(r) * p.rowStride;
   if (pairs > 0) {
@@ -53,6 +56,8 @@ __global__ void __launch_bounds__(kThreads) rope(RopeParams p) {
 }
 
 __global__ void __launch_bounds__(kThreads) latentRows(MlaLatentRowsParams p) {
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
   __shared__ float partial[kThreads / kWarpSize];
   const int r = blockIdx.x, wide = p.latentDim + p.ropeDim;
   const float *in = p.kvA + int64_t(r) * wide;
@@ -92,6 +97,8 @@ constexpr int kMaxNopeDim = 256;
 __global__ void __launch_bounds__(kThreads)
     absorbQueries(MlaHeadWeights w, int32_t rows, int32_t ropeDim, const float *queries,
                   float *absorbed) {
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
   __shared__ float nope[kRowsPerBlock][kMaxNopeDim];
   const int h = blockIdx.x, firstRow = blockIdx.y * kRowsPerBlock;
   const int count = min(kRowsPerBlock, rows - firstRow), qkDim = w.nopeDim + ropeDim;
@@ -141,6 +148,8 @@ constexpr int kAbsorbColumns = kWarpSize * 8;
 __global__ void __launch_bounds__(kAbsorbThreads)
     absorbQueriesBf16(MlaHeadWeights w, int32_t rows, int32_t ropeDim, const float *queries,
                       float *absorbed) {
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
   __shared__ float nope[kRowsPerBlock][kMaxNopeDim];
   __shared__ float partial[kAbsorbWarps][kAbsorbColumns];
   const int h = blockIdx.x, firstRow = blockIdx.y * kRowsPerBlock;
@@ -201,6 +210,8 @@ __global__ void __launch_bounds__(kAbsorbThreads)
 // Block (head, row block): a warp per output value, its lanes along the W_UV row.
 __global__ void __launch_bounds__(kThreads)
     expandOutputs(MlaHeadWeights w, int32_t rows, const float *latentOut, float *out) {
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
   __shared__ float latent[kRowsPerBlock][kMlaMaxLatentDim];
   const int h = blockIdx.x, firstRow = blockIdx.y * kRowsPerBlock;
   const int count = min(kRowsPerBlock, rows - firstRow);
@@ -249,6 +260,8 @@ __device__ inline float cachedValue(const unsigned char *row, LatentCacheType ty
 // Block (row, head group): the group's queries and a tile of gathered rows in shared memory;
 // a warp per (head, key) score; each thread accumulates latent columns of every head.
 __global__ void __launch_bounds__(kThreads) latentAttention(LatentAttentionParams p, int64_t rowBytes) {
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
   __shared__ float q[kHeadsPerBlock][kMaxWide];
   __shared__ float rows[kKeysPerTile][kMaxWide];
   __shared__ float weights[kHeadsPerBlock][kKeysPerTile];
@@ -358,6 +371,9 @@ bool validWeights(const MlaHeadWeights &w) {
          w.type != WeightType::Fp8Block;
 }
 
+// A launch's status, then any error it left.
+int launched(cudaError_t status) { return int(status != cudaSuccess ? status : cudaGetLastError()); }
+
 unsigned rowBlocks(int32_t rows) { return unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock); }
 
 } // namespace
@@ -370,8 +386,8 @@ int launchRope(const RopeParams &p, void *stream) {
     return cudaErrorInvalidValue;
   if (p.rows == 0 || (p.dims == 0 && p.mxfp8Width == 0))
     return 0;
-  rope<<<unsigned(p.rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  return int(cudaGetLastError());
+  DependentLaunch launch(dim3(unsigned(p.rows)), dim3(kThreads), static_cast<cudaStream_t>(stream));
+  return launched(cudaLaunchKernelEx(&launch.config, rope, p));
 }
 
 int launchMlaLatentRows(const MlaLatentRowsParams &p, void *stream) {
@@ -379,8 +395,8 @@ int launchMlaLatentRows(const MlaLatentRowsParams &p, void *stream) {
       !p.normWeight || !p.latent || (p.ropeDim > 0 && !p.rope) ||
       (p.inverseFrequencies && !p.positions))
     return cudaErrorInvalidValue;
-  latentRows<<<unsigned(p.rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  return int(cudaGetLastError());
+  DependentLaunch launch(dim3(unsigned(p.rows)), dim3(kThreads), static_cast<cudaStream_t>(stream));
+  return launched(cudaLaunchKernelEx(&launch.config, latentRows, p));
 }
 
 int launchMlaAbsorbQueries(const MlaHeadWeights &w, int32_t rows, int32_t ropeDim,
@@ -390,13 +406,15 @@ int launchMlaAbsorbQueries(const MlaHeadWeights &w, int32_t rows, int32_t ropeDi
   if (w.type == WeightType::BF16 && w.latentDim % 8 == 0 &&
       reinterpret_cast<uintptr_t>(w.kvB) % 16 == 0) {
     const unsigned slices = unsigned((w.latentDim + kAbsorbColumns - 1) / kAbsorbColumns);
-    absorbQueriesBf16<<<dim3(unsigned(w.heads), rowBlocks(rows), slices), kAbsorbThreads, 0,
-                        static_cast<cudaStream_t>(stream)>>>(w, rows, ropeDim, queries, absorbed);
-    return int(cudaGetLastError());
+    DependentLaunch launch(dim3(unsigned(w.heads), rowBlocks(rows), slices), dim3(kAbsorbThreads),
+                           static_cast<cudaStream_t>(stream));
+    return launched(
+        cudaLaunchKernelEx(&launch.config, absorbQueriesBf16, w, rows, ropeDim, queries, absorbed));
   }
-  absorbQueries<<<dim3(unsigned(w.heads), rowBlocks(rows)), kThreads, 0,
-                  static_cast<cudaStream_t>(stream)>>>(w, rows, ropeDim, queries, absorbed);
-  return int(cudaGetLastError());
+  DependentLaunch launch(dim3(unsigned(w.heads), rowBlocks(rows)), dim3(kThreads),
+                         static_cast<cudaStream_t>(stream));
+  return launched(
+      cudaLaunchKernelEx(&launch.config, absorbQueries, w, rows, ropeDim, queries, absorbed));
 }
 
 int launchMlaExpandOutputs(const MlaHeadWeights &w, int32_t rows, const float *latentOut,
@@ -422,9 +440,9 @@ int launchMlaExpandOutputs(const MlaHeadWeights &w, int32_t rows, const float *l
     if (gemvSupports(gemv))
       return launchGemv(gemv, static_cast<cudaStream_t>(stream));
   }
-  expandOutputs<<<dim3(unsigned(w.heads), rowBlocks(rows)), kThreads, 0,
-                  static_cast<cudaStream_t>(stream)>>>(w, rows, latentOut, out);
-  return int(cudaGetLastError());
+  DependentLaunch launch(dim3(unsigned(w.heads), rowBlocks(rows)), dim3(kThreads),
+                         static_cast<cudaStream_t>(stream));
+  return launched(cudaLaunchKernelEx(&launch.config, expandOutputs, w, rows, latentOut, out));
 }
 
 int launchLatentAttention(const LatentAttentionParams &p, void *stream) {
@@ -434,9 +452,9 @@ int launchLatentAttention(const LatentAttentionParams &p, void *stream) {
       p.pageTokens <= 0 || !p.blockTables || p.maxPages <= 0 || !p.out)
     return cudaErrorInvalidValue;
   const dim3 grid(unsigned(p.rows), unsigned((p.heads + kHeadsPerBlock - 1) / kHeadsPerBlock));
-  latentAttention<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      p, latentRowBytes(p.cacheType, p.latentDim, p.ropeDim));
-  return int(cudaGetLastError());
+  DependentLaunch launch(grid, dim3(kThreads), static_cast<cudaStream_t>(stream));
+  return launched(cudaLaunchKernelEx(&launch.config, latentAttention, p,
+                                     latentRowBytes(p.cacheType, p.latentDim, p.ropeDim)));
 }
 
 } // namespace hybrid::kernels::cuda
