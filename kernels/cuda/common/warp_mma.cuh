@@ -123,4 +123,14 @@ template <int kPending> __device__ inline void waitAsyncCopies() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// Named barriers (ids 1..15; 0 is __syncthreads) over `threads` threads, a multiple of 32: for
+// roles of a block that wait on each other (producer and consumer warps) without stopping the
+// whole block. Arrive signals without waiting.
+__device__ inline void namedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ inline void namedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 } // namespace hybrid::kernels::cuda::mma

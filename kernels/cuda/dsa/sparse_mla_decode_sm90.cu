@@ -1,13 +1,15 @@
 // Sparse MLA decode (see SparseMla.h). One block per (row, 16 G heads); warp w serves head group
 // w / (warps / G) and a slice of the tile's positions (scores) and of the latent dimensions (P V).
 // The block first resolves every selected position of its split to a cache row (index -> table
-// -> page, all at once). Per tile: the raw FP8 rows of the next tile are in flight (cp.async into
-// a staging area) while the block computes this one from its bf16 copy in shared memory (exact
-// dequantization by bit moves): scores on bf16 MMAs over the 576-wide keys, the online softmax
-// with the row maxima exchanged between a head group's warps, then P V with V the latent part of
-// the same rows read transposed. 64 heads per block (G = 4) convert each row once for 64 heads
-// (FlashMLA's grouping). Few rows split the positions over several blocks (flash-decoding),
-// merged by a second kernel.
+// -> page, all at once). Per tile of 64 positions the block computes from a bf16 copy of the rows
+// in shared memory (exact dequantization by bit moves): scores on bf16 MMAs over the 576-wide
+// keys, the online softmax with the row maxima exchanged between a head group's warps, then P V
+// with V the latent part of the same rows read transposed. With 16 heads, producer warps gather
+// and convert the next tiles into a second bf16 tile while the MMA warps compute this one; with
+// 32 heads the raw FP8 rows of the next tile are in flight (cp.async into a staging area) and
+// converted between tiles. 64 heads per block (G = 4) convert each row once for 64 heads
+// (FlashMLA's grouping) on warpgroup MMAs. Few rows split the positions over several blocks
+// (flash-decoding), merged by a second kernel.
 #include "hybrid/kernels/cuda/SparseMla.h"
 #include "../common/device_setup.cuh"
 #include "../common/dependent_launch.cuh"
@@ -33,16 +35,26 @@ constexpr int kCombineThreads = 128;
 static_assert(kCombineThreads >= kSparseMlaMaxLongSplits, "the combine reads a split's header a thread");
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
-// G head groups of 16 per block. 64 or 32 heads: 8 warps, tiles of 64 positions, one block per
-// SM (the queries and the tile fill shared memory). 16 heads: 4 warps and tiles of 32, small
-// enough for two blocks per SM, whose phases (gather, conversion, MMAs) then overlap.
+// G head groups of 16 per block; 8 MMA warps, tiles of 64 positions, one block per SM (the
+// queries and the tiles fill shared memory).
+// 16 heads (G = 1) specialize warps: 8 producer warps load the rows of tile t + 1 (and t + 2)
+// into registers and convert them into one of two bf16 tiles while the 8 MMA warps compute
+// tile t, handing the tiles over by named barriers. With 16 heads the MMAs per row are few, so
+// the gather and the conversion must not run in series with them (they did, 4.5 us per tile).
+// 32 and 64 heads gather by cp.async into a staging area and convert between tiles (their
+// accumulators leave no registers for producers at 512 threads).
 template <int L, int R, int G> struct Shape {
-  static constexpr int kWarps = G == 1 ? 4 : 8;
-  static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBlocksPerSm = G == 1 ? 2 : 1;
-  // Tiles in flight while one computes: two where shared memory allows (fewer heads compute
-  // less per tile, so the gather's latency shows unless more rows are on their way).
-  static constexpr int kStages = G == 4 ? 1 : 2;
+  static constexpr bool kSpecialized = G == 1;
+  static constexpr int kWarps = 8;             // MMA (consumer) warps
+  static constexpr int kThreads = 32 * kWarps; // MMA threads
+  static constexpr int kProducerWarps = kSpecialized ? kWarps : 0; // four threads a tile row
+  static constexpr int kBlockThreads = kThreads + 32 * kProducerWarps;
+  static constexpr int kBlocksPerSm = 1;
+  // Raw tiles in flight while one computes (cp.async; none with producers): two where shared
+  // memory allows.
+  static constexpr int kStages = kSpecialized ? 0 : G == 4 ? 1 : 2;
+  static constexpr int kRing = kStages > 0 ? kStages : 1; // staging slots (modulo)
+  static constexpr int kBuffers = kSpecialized ? 2 : 1; // bf16 tiles
   static constexpr int kTileKeys = 8 * kWarps; // positions per tile
   static constexpr int kMaxTiles = kMaxPositionsPerBlock / kTileKeys;
   static constexpr int kPStride = kTileKeys + 8; // bf16 per softmax-weight row (conflict-free)
@@ -71,13 +83,19 @@ template <int L, int R, int G> struct Shape {
   // the tiny model's 132-byte rows are not: 4-byte copies there).
   static constexpr bool kVector = kRowBytes % 16 == 0 && kRopeOffset % 16 == 0;
   static_assert(kRowBytes % 4 == 0 && kRopeOffset % 4 == 0, "4-byte aligned rows");
-  static constexpr size_t kStageOffset = size_t(kHeads + kTileKeys) * kStride * 2;
+  static constexpr size_t kTileBytes = size_t(kTileKeys) * kStride * 2;
+  static constexpr size_t kStageOffset = size_t(kHeads) * kStride * 2 + kBuffers * kTileBytes;
   static constexpr size_t kStageBytes = size_t(kTileKeys) * kRowBytes;
   static constexpr size_t kWeightsOffset = kStageOffset + kStages * kStageBytes;
+  static constexpr size_t kWeightsBytes = size_t(kHeads) * kPStride * 2;
   // The softmax weights share their space with the score parts (read before the weights are
-  // written, a barrier apart).
+  // written, a barrier apart), except with producers: there the next tile's parts may be
+  // written while a slower warp still reads this tile's weights (no barrier between them).
+  static constexpr size_t kScratchOffset = kSpecialized ? kWeightsOffset + kWeightsBytes
+                                                        : kWeightsOffset;
   static constexpr size_t kPartsOffset =
-      kWeightsOffset + std::max(size_t(kHeads) * kPStride * 2, kScratchBytes);
+      kSpecialized ? kScratchOffset + kScratchBytes
+                   : kWeightsOffset + std::max(kWeightsBytes, kScratchBytes);
   static constexpr size_t kRowsOffset = kPartsOffset + 2 * size_t(kSlices) * kHeads * 4;
   static size_t sharedBytes(int tilesPerSplit) {
     return kRowsOffset + size_t(tilesPerSplit) * kTileKeys * 4;
@@ -112,11 +130,17 @@ __device__ inline void resolveCacheRows(const SparseMlaDecodeParams &p, int row,
   }
 }
 
-// 16 E4M3 codes (the first at `codes`, `kVector`: 16-byte aligned) times their tile scale as 16
-// bf16 (exact): by bit moves for a power-of-two scale, else through f16 and fp32.
-template <bool kVector>
-__device__ inline void convertCodes16(const unsigned char *codes, float scale, uint4 (&packed)[2]) {
-  const uint4 raw = load16<kVector>(codes);
+// The same 16 bytes from global memory, read-only (the cache does not change during a launch).
+template <bool kVector> __device__ inline uint4 loadGlobal16(const unsigned char *p) {
+  if constexpr (kVector)
+    return __ldg(reinterpret_cast<const uint4 *>(p));
+  const auto *words = reinterpret_cast<const unsigned int *>(p);
+  return make_uint4(__ldg(words), __ldg(words + 1), __ldg(words + 2), __ldg(words + 3));
+}
+
+// 16 E4M3 codes times their tile scale as 16 bf16 (exact): by bit moves for a power-of-two
+// scale, else through f16 and fp32.
+__device__ inline void convertCodes16(const uint4 raw, float scale, uint4 (&packed)[2]) {
   if (quadConversionExact(scale)) {
     const __nv_bfloat162 factor = __float2bfloat162_rn(scale * 0x1p120f);
     e4m3QuadToBf16(raw.x, factor, packed[0].x, packed[0].y);
@@ -133,6 +157,11 @@ __device__ inline void convertCodes16(const unsigned char *codes, float scale, u
                            e4m3PairToBf16(uint16_t(raw.w), scale),
                            e4m3PairToBf16(uint16_t(raw.w >> 16), scale));
   }
+}
+// ... from shared memory (`codes`, `kVector`: 16-byte aligned).
+template <bool kVector>
+__device__ inline void convertCodes16(const unsigned char *codes, float scale, uint4 (&packed)[2]) {
+  convertCodes16(load16<kVector>(codes), scale, packed);
 }
 
 // Stages one cached row (kRowBytes bytes; `cacheRow` < 0: none) into `to`: this thread's pieces
@@ -172,8 +201,96 @@ __device__ inline void quadSum(float (&v)[2]) {
   }
 }
 
+// Named barriers of a block with producer warps.
+enum SparseMlaBarrier : int {
+  kMmaWarps = 1, // the MMA warps among themselves
+  kTileFull = 2, // + buffer: the bf16 tile is written (producers arrive, MMA warps wait)
+  kTileFree = 4, // + buffer: the bf16 tile is read (MMA warps arrive, producers wait)
+};
+
+// The producer warps of a 16-head block: thread `producer` serves row producer / 4 of every tile
+// and its pieces producer % 4, + 4, ... (as the cp.async staging does). Per tile: the raw pieces
+// into registers (16-byte read-only loads; the next tile's are issued before this one converts,
+// so two tiles are in flight), then, once the MMA warps have freed the tile's bf16 buffer (tile
+// t - 2's), converted (exact) and written, a dead position as zeros, and handed over.
+template <int L, int R>
+__device__ inline void produceTiles(const SparseMlaDecodeParams &p, const int32_t *cacheRows,
+                                    __nv_bfloat16 *kvTiles, int tiles, int producer) {
+  using S = Shape<L, R, 1>;
+  const auto *pool = static_cast<const unsigned char *>(p.latentPages);
+  const int ownRow = producer / 4, ownPiece = producer % 4;
+  static_assert(S::kCodePieces % 4 == 0 && S::kRopePieces % 4 == 0, "pieces in fours");
+  struct RawRow {
+    uint4 codes[S::kCodePieces / 4];
+    float scales[S::kScaleTiles];
+    uint4 rope[S::kRopePieces / 4];
+    bool live;
+  };
+  auto load = [&](int t, RawRow &raw) {
+    const int32_t cacheRow = cacheRows[t * S::kTileKeys + ownRow];
+    raw.live = cacheRow >= 0;
+    if (!raw.live)
+      return;
+    const unsigned char *from = pool + int64_t(cacheRow) * S::kRowBytes;
+#pragma unroll
+    for (int i = 0; i < S::kCodePieces / 4; ++i)
+      raw.codes[i] = loadGlobal16<S::kVector>(from + (ownPiece + 4 * i) * 16);
+    if constexpr (S::kVector && S::kScaleTiles == 4) {
+      const uint4 scales = loadGlobal16<true>(from + L);
+      raw.scales[0] = __uint_as_float(scales.x);
+      raw.scales[1] = __uint_as_float(scales.y);
+      raw.scales[2] = __uint_as_float(scales.z);
+      raw.scales[3] = __uint_as_float(scales.w);
+    } else {
+#pragma unroll
+      for (int i = 0; i < S::kScaleTiles; ++i)
+        raw.scales[i] = __ldg(reinterpret_cast<const float *>(from + L) + i);
+    }
+#pragma unroll
+    for (int i = 0; i < S::kRopePieces / 4; ++i)
+      raw.rope[i] = loadGlobal16<S::kVector>(from + S::kRopeOffset + (ownPiece + 4 * i) * 16);
+  };
+  auto handOver = [&](const RawRow &raw, int t) {
+    const int buffer = t % 2;
+    if (t >= 2)
+      mma::namedBarrierSync(kTileFree + buffer, S::kBlockThreads);
+    __nv_bfloat16 *to = kvTiles + (size_t(buffer) * S::kTileKeys + ownRow) * S::kStride;
+#pragma unroll
+    for (int i = 0; i < S::kCodePieces / 4; ++i) {
+      const int piece = ownPiece + 4 * i;
+      uint4 packed[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+      // Pieces 4i..4i+3 lie in one scale tile: a constant register index (not local memory).
+      static_assert(kScaleTile % (4 * 16) == 0, "a thread's piece group in one scale tile");
+      if (raw.live)
+        convertCodes16(raw.codes[i], raw.scales[4 * i * 16 / kScaleTile], packed);
+      auto *target = reinterpret_cast<uint4 *>(to + piece * 16);
+      target[0] = packed[0];
+      target[1] = packed[1];
+    }
+#pragma unroll
+    for (int i = 0; i < S::kRopePieces / 4; ++i)
+      *reinterpret_cast<uint4 *>(to + L + (ownPiece + 4 * i) * 8) =
+          raw.live ? raw.rope[i] : make_uint4(0, 0, 0, 0);
+    mma::namedBarrierArrive(kTileFull + buffer, S::kBlockThreads);
+  };
+  // Two register sets taken in turn (a copy between them would wait for the loads in flight).
+  RawRow even, odd;
+  if (tiles > 0)
+    load(0, even);
+  for (int t = 0; t < tiles; t += 2) {
+    if (t + 1 < tiles)
+      load(t + 1, odd);
+    handOver(even, t);
+    if (t + 1 < tiles) {
+      if (t + 2 < tiles)
+        load(t + 2, even);
+      handOver(odd, t + 1);
+    }
+  }
+}
+
 template <int L, int R, int G>
-__global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlocksPerSm)
+__global__ void __launch_bounds__(Shape<L, R, G>::kBlockThreads, Shape<L, R, G>::kBlocksPerSm)
     sparseMlaDecodeKernel(SparseMlaDecodeParams p, int tilesPerSplit, float *partials) {
   waitForEarlierKernels(); // launched as a programmatic dependent
   letDependentsLaunch();
@@ -182,10 +299,10 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
   constexpr int kThreads = S::kThreads, kTileKeys = S::kTileKeys, kPStride = S::kPStride;
   extern __shared__ __align__(16) unsigned char smem[];
   auto *qs = reinterpret_cast<__nv_bfloat16 *>(smem);            // [kHeads, kStride]
-  __nv_bfloat16 *kv = qs + kHeads * kStride;                      // [64 positions, kStride]
+  __nv_bfloat16 *kvTiles = qs + kHeads * kStride; // [kBuffers][tile positions, kStride]
   unsigned char *stages = smem + S::kStageOffset; // [kStages][tile, kRowBytes] raw rows
   auto *weights = reinterpret_cast<__nv_bfloat16 *>(smem + S::kWeightsOffset); // [kHeads, kPStride]
-  auto *scoreParts = reinterpret_cast<float *>(smem + S::kWeightsOffset); // [warps][n][e][lane]
+  auto *scoreParts = reinterpret_cast<float *>(smem + S::kScratchOffset); // [warps][n][e][lane]
   auto *maxParts = reinterpret_cast<float *>(smem + S::kPartsOffset); // [kSlices, kHeads]
   float *sumParts = maxParts + kSlices * kHeads;                       // [kSlices, kHeads]
   auto *cacheRows = reinterpret_cast<int32_t *>(smem + S::kRowsOffset); // [split positions]
@@ -198,19 +315,41 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
   const int splitEnd = rowSplitEnd(p, row, min(p.topK, splitBegin + tilesPerSplit * kTileKeys));
   const int tiles = max(0, (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys);
 
-  resolveCacheRows(p, row, splitBegin, splitEnd, tiles * kTileKeys, cacheRows, tid, kThreads);
-  // The heads' absorbed queries in bf16 (heads past p.heads are zero).
-  static_assert(S::kWide % 4 == 0, "queries in fours");
-  for (int i = tid; i < (tiles > 0 ? kHeads * S::kWide / 4 : 0); i += kThreads) {
-    const int h = i / (S::kWide / 4), d = 4 * (i % (S::kWide / 4));
-    const float4 v = headBase + h < p.heads
-                         ? *reinterpret_cast<const float4 *>(
-                               p.q + (size_t(row) * p.heads + headBase + h) * S::kWide + d)
-                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    *reinterpret_cast<uint2 *>(qs + h * kStride + d) =
-        make_uint2(mma::packBf16(v.x, v.y), mma::packBf16(v.z, v.w));
+  resolveCacheRows(p, row, splitBegin, splitEnd, tiles * kTileKeys, cacheRows, tid,
+                   S::kBlockThreads);
+  // The MMA warps' barrier: their own where producer warps run beside them.
+  auto mmaSync = [] {
+    if constexpr (S::kSpecialized)
+      mma::namedBarrierSync(kMmaWarps, kThreads);
+    else
+      __syncthreads();
+  };
+  if constexpr (S::kSpecialized) {
+    __syncthreads(); // the cache rows
+    if (warp >= S::kWarps) {
+      produceTiles<L, R>(p, cacheRows, kvTiles, tiles, tid - kThreads);
+      return;
+    }
   }
-  __syncthreads();
+  // The heads' absorbed queries in bf16 (heads past p.heads are zero), a fixed count of loads per
+  // thread unrolled so that they are in flight together (a block's fixed cost at small batches).
+  static_assert(S::kWide % 4 == 0, "queries in fours");
+  constexpr int kQueryVectors = kHeads * S::kWide / 4;
+  if (tiles > 0)
+#pragma unroll
+    for (int k = 0; k < (kQueryVectors + kThreads - 1) / kThreads; ++k) {
+      const int i = tid + k * kThreads;
+      if (kQueryVectors % kThreads != 0 && i >= kQueryVectors)
+        break;
+      const int h = i / (S::kWide / 4), d = 4 * (i % (S::kWide / 4));
+      const float4 v = headBase + h < p.heads
+                           ? *reinterpret_cast<const float4 *>(
+                                 p.q + (size_t(row) * p.heads + headBase + h) * S::kWide + d)
+                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      *reinterpret_cast<uint2 *>(qs + h * kStride + d) =
+          make_uint2(mma::packBf16(v.x, v.y), mma::packBf16(v.z, v.w));
+    }
+  mmaSync(); // the queries (and without producers the cache rows)
 
   const auto *pool = static_cast<const unsigned char *>(p.latentPages);
   // Staging and conversion: thread tid serves row tid / 4 of a tile and every fourth piece of it
@@ -219,17 +358,18 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
   const int ownRow = tid / 4, ownPiece = tid % 4;
   // The raw row of tile t into the staging area (a dead position copies nothing).
   auto issueTile = [&](int t) {
-    stageRow<S::kRowBytes, S::kVector>(
-        stages + t % S::kStages * S::kStageBytes + ownRow * S::kRowBytes, pool,
-        cacheRows[t * kTileKeys + ownRow], ownPiece);
+    if constexpr (S::kStages > 0)
+      stageRow<S::kRowBytes, S::kVector>(
+          stages + t % S::kRing * S::kStageBytes + ownRow * S::kRowBytes, pool,
+          cacheRows[t * kTileKeys + ownRow], ownPiece);
   };
   // The staged row of tile t as bf16 (exact); a dead position as zeros (its weights are zero,
   // and 0 * garbage could be NaN).
   static_assert(S::kCodePieces % 4 == 0 && S::kRopePieces % 4 == 0, "pieces in fours");
   auto convertTile = [&](int t) {
     const bool live = cacheRows[t * kTileKeys + ownRow] >= 0;
-    const unsigned char *from = stages + t % S::kStages * S::kStageBytes + ownRow * S::kRowBytes;
-    __nv_bfloat16 *to = kv + ownRow * kStride;
+    const unsigned char *from = stages + t % S::kRing * S::kStageBytes + ownRow * S::kRowBytes;
+    __nv_bfloat16 *to = kvTiles + ownRow * kStride;
 #pragma unroll
     for (int piece = ownPiece; piece < S::kCodePieces; piece += 4) {
       uint4 packed[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
@@ -253,26 +393,33 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
   float o[S::kValueTiles][4] = {};
   const float scoreScale = p.softmaxScale * kLog2e; // exp2 domain
 
-  if (tiles > 0) {
-    issueTile(0);
-    if constexpr (S::kStages == 2) {
-      if (tiles > 1)
-        issueTile(1);
-      else
-        mma::commitAsyncCopies(); // an empty group: the waits below count kStages - 1
+  if constexpr (!S::kSpecialized) {
+    if (tiles > 0) {
+      issueTile(0);
+      if constexpr (S::kStages == 2) {
+        if (tiles > 1)
+          issueTile(1);
+        else
+          mma::commitAsyncCopies(); // an empty group: the waits below count kStages - 1
+      }
+      mma::waitAsyncCopies<S::kStages - 1>();
+      __syncthreads();
+      convertTile(0);
+      __syncthreads();
     }
-    mma::waitAsyncCopies<S::kStages - 1>();
-    __syncthreads();
-    convertTile(0);
-    __syncthreads();
   }
   for (int t = 0; t < tiles; ++t) {
-    // The tile kStages ahead into the staging area tile t left (converted before the last
-    // barrier); in flight while this tile computes.
-    if (t + S::kStages < tiles)
-      issueTile(t + S::kStages);
-    else
-      mma::commitAsyncCopies();
+    const __nv_bfloat16 *kv = kvTiles + (S::kSpecialized ? t % 2 : 0) * kTileKeys * kStride;
+    if constexpr (S::kSpecialized) {
+      mma::namedBarrierSync(kTileFull + t % 2, S::kBlockThreads); // the producers wrote it
+    } else {
+      // The tile kStages ahead into the staging area tile t left (converted before the last
+      // barrier); in flight while this tile computes.
+      if (t + S::kStages < tiles)
+        issueTile(t + S::kStages);
+      else
+        mma::commitAsyncCopies();
+    }
     const int32_t *tileRows = cacheRows + t * kTileKeys;
 
     // Scores: this warp's 16 x 32 block (its head group, key block) over its part of the
@@ -318,7 +465,7 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           scoreParts[((warp * 4 + n) * 4 + e) * 32 + lane] = acc[n][e];
-      __syncthreads(); // (0) the parts
+      mmaSync(); // (0) the parts
       const int keyBlock = slice * S::kKeysPerWarp / 32;
       const int firstTile = slice * S::kKeysPerWarp % 32 / 8;
 #pragma unroll
@@ -353,7 +500,7 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
       maxParts[slice * kHeads + headRow + r0] = tileMax[0];
       maxParts[slice * kHeads + headRow + r0 + 8] = tileMax[1];
     }
-    __syncthreads(); // (1) the slices' maxima
+    mmaSync(); // (1) the slices' maxima
 
     float factor[2], newMax[2];
 #pragma unroll
@@ -390,7 +537,7 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           o[v][e] *= factor[e / 2];
-    __syncthreads(); // (2) the group's weights
+    mmaSync(); // (2) the group's weights
 
     // O += P V over this warp's latent dimensions.
 #pragma unroll
@@ -412,7 +559,10 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
         }
       }
     }
-    if (t + 1 < tiles) {
+    if constexpr (S::kSpecialized) {
+      if (t + 2 < tiles) // the producers refill this buffer with tile t + 2
+        mma::namedBarrierArrive(kTileFree + t % 2, S::kBlockThreads);
+    } else if (t + 1 < tiles) {
       mma::waitAsyncCopies<S::kStages - 1>(); // tile t + 1 staged
       __syncthreads(); // (3) this tile consumed, the next one staged
       convertTile(t + 1);
@@ -422,12 +572,12 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
 
   // Each thread summed only its own positions: the row sums over the quad and the slices.
   quadSum(runningSum);
-  __syncthreads(); // the last tile's maxima are read
+  mmaSync(); // the last tile's maxima are read
   if (lane % 4 == 0) {
     sumParts[slice * kHeads + headRow + r0] = runningSum[0];
     sumParts[slice * kHeads + headRow + r0 + 8] = runningSum[1];
   }
-  __syncthreads();
+  mmaSync();
   float denominator[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -479,6 +629,7 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kThreads, Shape<L, R, G>::kBlo
 struct WgmmaShape {
   static constexpr int kLatent = 512, kWide = 576;
   static constexpr int kThreads = 256, kHeads = 64, kTileKeys = 64;
+  static constexpr int kBlockThreads = kThreads; // no producer warps
   static constexpr int kBlocksPerSm = 1, kMaxTiles = kMaxPositionsPerBlock / kTileKeys;
   static constexpr int kRowBytes = 656, kRopeOffset = 528;
   static constexpr int kCodePieces = 32, kRopePieces = 8;
@@ -822,7 +973,7 @@ template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, c
   const dim3 grid(unsigned(p.rows), unsigned((p.heads + S::kHeads - 1) / S::kHeads), unsigned(used));
   auto *partials = static_cast<float *>(p.workspace);
   // Both kernels launch as programmatic dependents (the launch overlaps the drain before).
-  DependentLaunch attention(grid, dim3(S::kThreads), stream);
+  DependentLaunch attention(grid, dim3(S::kBlockThreads), stream);
   attention.config.dynamicSmemBytes = S::sharedBytes(tilesPerSplit);
   cudaError_t status;
   if constexpr (kOnWarpgroups<L, R, G>)

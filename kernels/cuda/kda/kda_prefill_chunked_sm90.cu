@@ -651,12 +651,6 @@ enum ChainBarrier : int {
   kHandedOver = 3, // + parity: stateT / newValuesT of that parity are written (state arrives)
   kHandedBack = 5, // + parity: ... and read (output arrives)
 };
-__device__ inline void namedBarrierSync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ inline void namedBarrierArrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 // Asynchronous copies of `rows` rows of `bytesPerRow` bytes (a multiple of 16) from global rows
 // `globalStride` elements apart into shared rows `sharedStride` elements apart, by the role's

@@ -57,8 +57,8 @@ inline constexpr int32_t sparseMlaMaxSplits(int32_t topK) {
   const int32_t needed = (topK + kSparseMlaMaxPositionsPerBlock - 1) / kSparseMlaMaxPositionsPerBlock;
   return needed > kSparseMlaMaxSplits ? needed : kSparseMlaMaxSplits;
 }
-// Positions per tile of the launched kernel: 64 with more than 16 heads, else 32.
-inline constexpr int32_t sparseMlaTileKeys(int32_t heads) { return heads > 16 ? 64 : 32; }
+// Positions per tile of the launched kernel (every head count).
+inline constexpr int32_t sparseMlaTileKeys(int32_t) { return 64; }
 
 // The most positions a causal (index-free) launch may cover.
 int32_t sparseMlaMaxCausalPositions();
