@@ -91,7 +91,7 @@ TEST(KernelTuning, SparseMlaSplitsFitTheKernelsBlocks) {
   EXPECT_EQ(validValues(kernel, shape, "splits"),
             (std::vector<int64_t>{0, 1, 2, 3, 4, 6, 8, 16, 32}));
   EXPECT_EQ(rejection(kernel, shape, {{"splits", 12}}), "splits 12 launch as splits 11 (3 tiles each)");
-  // 16 heads take tiles of 32: 4096 positions are 128 tiles, at most 64 (2048 positions) a block.
+  // 16 heads take tiles of 64 too: 4096 positions are 64 tiles, at most 32 (2048 positions) a block.
   p.heads = 16;
   p.topK = 4096;
   p.indices = nullptr; // causal
@@ -100,9 +100,9 @@ TEST(KernelTuning, SparseMlaSplitsFitTheKernelsBlocks) {
   EXPECT_EQ(rejection(kernel, narrow, {{"splits", 1}}),
             "splits 1 leave 4096 positions a block, at most 2048 fit");
   EXPECT_EQ(rejection(kernel, narrow, {{"splits", 2}}), "(admitted)");
-  p.topK = 100; // 4 tiles of 32
+  p.topK = 100; // 2 tiles of 64
   EXPECT_EQ(rejection(kernel, sparseMlaDecodeShape(p), {{"splits", 6}}),
-            "splits 6 > the row's 4 tiles of 32 positions");
+            "splits 6 > the row's 2 tiles of 64 positions");
 }
 
 kc::MoeExpertsParams moeStep(int32_t tokens, int32_t topK, int32_t hidden, int32_t intermediate,
