@@ -11,6 +11,7 @@
 // (FlashMLA's grouping) on warpgroup MMAs. Few rows split the positions over several blocks
 // (flash-decoding), merged by a second kernel.
 #include "hybrid/kernels/cuda/SparseMla.h"
+#include "../common/dependent_launch.cuh"
 #include "../common/device_setup.cuh"
 #include "../common/dependent_launch.cuh"
 #include "../common/warp_mma.cuh"
@@ -131,6 +132,9 @@ __device__ inline void resolveCacheRows(const SparseMlaDecodeParams &p, int row,
 }
 
 // The same 16 bytes from global memory, read-only (the cache does not change during a launch).
+// Kept in L1: rows are not 32-byte aligned, so neighbouring pieces share sectors (the build with
+// ld.global.nc.L1::no_allocate and an L2 prefetch of tile t + 2 ran 63.5 -> 65.7 us in ncu at
+// batch 64; the prefetch alone changed nothing).
 template <bool kVector> __device__ inline uint4 loadGlobal16(const unsigned char *p) {
   if constexpr (kVector)
     return __ldg(reinterpret_cast<const uint4 *>(p));
@@ -874,6 +878,9 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
 }
 
 // The splits' partials of one (row, head) merged: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
+// Block z of gridDim.z merges latent dimensions z * kCombineThreads + tid, then every
+// gridDim.z * kCombineThreads further. Launched as a dependent of the split kernel (it may start
+// while that one drains): it waits for the partials.
 template <int L>
 __global__ void __launch_bounds__(kCombineThreads)
     sparseMlaCombineKernel(SparseMlaDecodeParams p, int splits, const float *partials) {
@@ -907,12 +914,23 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   __syncthreads();
   const float denominator = sharedDenominator;
-  for (int d = tid; d < L; d += kCombineThreads) {
+  // kBatch splits' values loaded together, then summed in split order (the loads used to wait
+  // on the branch of each split, a few in flight per thread: 21 us for 32 splits at batch 1
+  // under ncu, the split kernel 11).
+  constexpr int kBatch = 16;
+  for (int d = int(blockIdx.z) * kCombineThreads + tid; d < L;
+       d += int(gridDim.z) * kCombineThreads) {
     float sum = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s)
-      if (maxima[s] != -INFINITY)
-        sum += factors[s] * first[s * (L + 2) + 2 + d];
+    for (int s0 = 0; s0 < splits; s0 += kBatch) {
+      float values[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        values[j] = s0 + j < splits ? first[(s0 + j) * (L + 2) + 2 + d] : 0.0f;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (s0 + j < splits && maxima[s0 + j] != -INFINITY)
+          sum += factors[s0 + j] * values[j];
+    }
     p.out[item * L + d] = denominator > 0.0f ? sum / denominator : 0.0f;
   }
 }
@@ -982,9 +1000,18 @@ template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, c
     status = cudaLaunchKernelEx(&attention.config, sparseMlaDecodeKernel<L, R, G>, p,
                                 tilesPerSplit, partials);
   if (status == cudaSuccess && used > 1) {
-    DependentLaunch combine(dim3(unsigned(p.rows), unsigned(p.heads)), dim3(kCombineThreads),
-                            stream);
-    status = cudaLaunchKernelEx(&combine.config, sparseMlaCombineKernel<L>, p, used,
+    // A dependent launch: its blocks take the SMs the split kernel leaves idle and wait there,
+    // instead of a launch after it (batch 1: two short kernels in series). A block per
+    // kCombineThreads latent dimensions while one wave of merge blocks holds them all, else a
+    // block per (row, head): with four times the blocks in two waves, 128 heads batch 8 ran 8%
+    // slower than with the old merge.
+    const int64_t pairs = int64_t(p.rows) * p.heads;
+    constexpr int kChunks = (L + kCombineThreads - 1) / kCombineThreads;
+    const int64_t wave = int64_t(setup.multiprocessors) * (2048 / kCombineThreads);
+    DependentLaunch merge(dim3(unsigned(p.rows), unsigned(p.heads),
+                               pairs * kChunks <= wave ? unsigned(kChunks) : 1u),
+                          dim3(kCombineThreads), stream);
+    status = cudaLaunchKernelEx(&merge.config, sparseMlaCombineKernel<L>, p, used,
                                 static_cast<const float *>(partials));
   }
   return int(status != cudaSuccess ? status : cudaGetLastError());
