@@ -81,7 +81,8 @@ IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int 
                       const std::vector<int32_t> &positions, const std::vector<int32_t> &sequences,
                       int maxKeys, int topK, bool fused = false, bool mxfp8Queries = false,
                       cuda::IndexerParams::ScoreKernel scoreKernel =
-                          cuda::IndexerParams::ScoreKernel::Auto) {
+                          cuda::IndexerParams::ScoreKernel::Auto,
+                      int blocksPerSm = 0, int tilesPerBlock = 0) {
   const int rows = int(positions.size());
   DeviceBuffer<float> dQ(q), dW(w), dScores{std::vector<float>(size_t(rows) * maxKeys, 0.0f)};
   DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
@@ -109,6 +110,8 @@ IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int 
   p.topK = topK;
   p.indices = dIndices.data;
   p.selectWorkspace = fused ? nullptr : dSelect.data;
+  p.blocksPerSm = blocksPerSm;
+  p.tilesPerBlock = tilesPerBlock;
   EXPECT_EQ(cuda::indexerPageBytes(type, p.pageTokens, dim), paged.layout.indexPageBytes());
   EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), 0);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -124,6 +127,9 @@ struct IndexerCase {
   bool mxfp8Queries = false; // queries rounded to MXFP8 as the policy leaves them
   // Which scores: with mxfp8Queries, Auto is the warpgroup form; Fp8 the E4M3 mma.sync form.
   cuda::IndexerParams::ScoreKernel scoreKernel = cuda::IndexerParams::ScoreKernel::Auto;
+  // The warpgroup form's occupancy (0 the default, 4: three-stage ring, 5: two-stage) and tiles
+  // a block scores (0 the default: at these small sizes mostly one, so the ring never wraps).
+  int blocksPerSm = 0, tilesPerBlock = 0;
 };
 
 class DsaIndexerCuda : public testing::TestWithParam<IndexerCase> {};
@@ -157,7 +163,7 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
 
   const IndexerRun run = runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences,
                                     maxKeys, c.topK, /*fused=*/false, c.mxfp8Queries,
-                                    c.scoreKernel);
+                                    c.scoreKernel, c.blocksPerSm, c.tilesPerBlock);
   const std::vector<float> &scores = run.scores;
   const std::vector<int32_t> &indices = run.indices;
   // The fused form computes the same scores (bf16 MMAs: the FP8 ones may differ in the last bits)
@@ -235,6 +241,18 @@ INSTANTIATE_TEST_SUITE_P(
         IndexerCase{"v32_mxfp8_warpgroup", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {1, 2100, 4133}, 3, true},
         IndexerCase{"v32_fp8_per_key_warpgroup", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2, true},
         IndexerCase{"tiny_mxfp8_warpgroup", IndexKeyType::Mxfp8, 20, 64, 64, 32, {1, 17, 100, 300}, 5, true},
+        // Both occupancies of the warpgroup form with blocks of several tiles (7: each ring wraps
+        // and the last block of a row is partial; 3 with 64-dim keys, 5-tile rows).
+        IndexerCase{"v32_mxfp8_warpgroup_4blocks_7tiles", IndexKeyType::Mxfp8, 64, 128, 64, 2048,
+                    {1, 2100, 4133}, 3, true, cuda::IndexerParams::ScoreKernel::Auto, 4, 7},
+        IndexerCase{"v32_mxfp8_warpgroup_5blocks_7tiles", IndexKeyType::Mxfp8, 64, 128, 64, 2048,
+                    {1, 2100, 4133}, 3, true, cuda::IndexerParams::ScoreKernel::Auto, 5, 7},
+        IndexerCase{"v32_mxfp8_warpgroup_5blocks", IndexKeyType::Mxfp8, 64, 128, 64, 2048,
+                    {1, 2100, 4133}, 3, true, cuda::IndexerParams::ScoreKernel::Auto, 5},
+        IndexerCase{"v32_fp8_per_key_warpgroup_5blocks_7tiles", IndexKeyType::Fp8PerKey, 64, 128,
+                    64, 512, {3000}, 2, true, cuda::IndexerParams::ScoreKernel::Auto, 5, 7},
+        IndexerCase{"tiny_mxfp8_warpgroup_5blocks_3tiles", IndexKeyType::Mxfp8, 20, 64, 64, 32,
+                    {1, 17, 100, 300}, 5, true, cuda::IndexerParams::ScoreKernel::Auto, 5, 3},
         IndexerCase{"v32_mxfp8_fp8mma", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {1, 2100, 4133}, 3, true,
                     cuda::IndexerParams::ScoreKernel::Fp8},
         IndexerCase{"v32_fp8_per_key_fp8mma", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2, true,
