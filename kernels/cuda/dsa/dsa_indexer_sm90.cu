@@ -1563,8 +1563,6 @@ template <IndexKeyType Type> int launchMmaScoresOf(const IndexerParams &p, cudaS
   if (scoresOnWarpgroups(p))
     return p.headDim == 128 ? launchWarpgroupScoresOf<Type, 128>(p, stream)
                             : launchWarpgroupScoresOf<Type, 64>(p, stream);
-  if (p.blocksPerSm != 0 && p.blocksPerSm != kBlocksPerSm)
-    return cudaErrorInvalidValue; // the other tensor-core kernels have one occupancy
   if (p.scoreKernel == Kind::Fp8 && mxfp8Tiles)
     return p.headDim == 128 ? launchFp8Scores<Type, 128>(p, stream)
                             : launchFp8Scores<Type, 64>(p, stream);
@@ -1608,7 +1606,9 @@ int launchIndexerTopK(const IndexerParams &p, void *stream) {
       !p.indices || (!fused && !p.selectWorkspace) ||
       (fused && !indexerFusedSupported(p.keyType, p.headDim, p.maxKeys)) ||
       (p.maxKeys + kScoreThreads - 1) / kScoreThreads > 65535 || p.tilesPerBlock < 0 ||
-      (p.blocksPerSm != 0 && p.blocksPerSm != 4 && p.blocksPerSm != 5))
+      // 5 blocks an SM: only the warpgroup scores (unfused) are built for it
+      (p.blocksPerSm != 0 && p.blocksPerSm != 4 &&
+       !(p.blocksPerSm == 5 && !fused && scoresOnWarpgroups(p))))
     return cudaErrorInvalidValue;
   const auto s = static_cast<cudaStream_t>(stream);
   if (fused)

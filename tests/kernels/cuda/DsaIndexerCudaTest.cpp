@@ -306,5 +306,40 @@ TEST(DsaIndexerCudaErrors, RejectsBadShapes) {
   EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), int(cudaErrorInvalidValue));
 }
 
+// Occupancies the kernels are not built for are refused before anything runs (the pointers are
+// never read: no device needed).
+TEST(DsaIndexerCudaErrors, RejectsOccupanciesNotBuilt) {
+  static float floats[1];
+  static int32_t ints[1];
+  static unsigned char bytes[1];
+  cuda::IndexerParams p;
+  p.rows = 1;
+  p.heads = 64;
+  p.headDim = 128;
+  p.q = p.headWeights = floats;
+  p.mxfp8Queries = true;
+  p.positions = p.sequences = p.blockTables = ints;
+  p.keyPages = bytes;
+  p.keyType = IndexKeyType::Mxfp8;
+  p.pageTokens = 64;
+  p.maxPages = 1;
+  p.scores = floats;
+  p.maxKeys = 64;
+  p.topK = 8;
+  p.indices = ints;
+  p.selectWorkspace = bytes;
+  for (int32_t blocks : {-1, 1, 3, 6}) {
+    p.blocksPerSm = blocks;
+    EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), int(cudaErrorInvalidValue)) << blocks;
+  }
+  // 5 is the warpgroup scores' alone: not the bf16 mma.sync form, nor fp32 keys.
+  p.blocksPerSm = 5;
+  p.scoreKernel = cuda::IndexerParams::ScoreKernel::Bf16;
+  EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), int(cudaErrorInvalidValue));
+  p.scoreKernel = cuda::IndexerParams::ScoreKernel::Auto;
+  p.keyType = IndexKeyType::F32;
+  EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), int(cudaErrorInvalidValue));
+}
+
 } // namespace
 } // namespace hybrid::kernels
