@@ -10,14 +10,9 @@
 // are bit-identical to one launch per problem, without each launch's latency.
 //
 // Numerics: each product is x * w in fp32 with x either exact (fp32, `roundInputToBf16` false)
-// or rounded to bf16 first (the cuBLASLt path's bf16 inputs); sums in fp32 in a fixed order
-// that depends on `in` alone, so the result does not depend on timing or grouping. An output
-// is summed by L = min(256, 2^ceil(log2(in / 8))) threads (lane j taking the 8-element chunks
-// j, j + L, j + 2L, ...): each lane sums its chunks' products in k order from 0, then a
-// butterfly over the lanes within a warp (xor offsets min(L, 32) / 2, ..., 2, 1), then, when L
-// > 32, the L / 32 warps' sums in warp order from 0. Wide inputs (in > 1024, L = 256) are one
-// set of 8 warps; narrow ones put 256 / L sets in a block, so no thread idles.
-// Internal to the kernels library.
+// or rounded to bf16 first (the cuBLASLt path's bf16 inputs); sums in fp32 in a fixed order (a
+// thread's chunks in k order, then a shuffle tree, then the warps in order), so the result
+// does not depend on timing. Internal to the kernels library.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,15 +1,9 @@
-// The decode-size linear layer (see gemv.cuh). A block of 8 warps is split into sets of
-// `lanes` threads (a power of two, 1..256), each set computing 4 outputs for every row: its
-// threads stride over the 16-byte chunks of the 4 weight rows (8 bf16 each), so each weight
-// byte is loaded once, coalesced, with L1 allocation off (the activations, reread by every set,
-// stay in L1), and every chunk is multiplied by all rows' activations. Wide inputs (in > 1024)
-// take one set of 256 threads: 4 outputs per block keep the activation reads at rows / 2 times
-// the weight bytes, within L1 bandwidth up to 8 rows, and give even a 2304-wide output 576
-// blocks to fill the GPU. Narrow inputs take sets of the chunk count rounded up to a power of
-// two (lanesLog2For), so every thread loads a chunk of 4 rows instead of most of them idling (a
-// KDA f_b/g_b row is 16 chunks: 16 sets of 16 lanes, 64 outputs per block, where the wide shape
-// kept 240 of 256 threads idle). Set s of a block takes its outputs firstOut + o * sets + s
-// (o = 0..3), so a warp's sets load adjacent weight rows.
+// The decode-size linear layer (see gemv.cuh). A block of 8 warps computes 4 outputs for every
+// row: its threads stride over the 16-byte chunks of the 4 weight rows (8 bf16 each), so each
+// weight byte is loaded once, coalesced, with L1 allocation off (the activations, reread by
+// every block, stay in L1), and every chunk is multiplied by all rows' activations. 4 outputs
+// per block keep the activation reads at rows / 2 times the weight bytes, within L1 bandwidth
+// up to 8 rows, and give even a 2304-wide output 576 blocks to fill the GPU.
 //
 // Launched as a programmatic dependent (PDL): a block starts while the kernel before it drains,
 // loads its first two chunks of weights (constants, nothing earlier writes them), and only then
@@ -18,7 +12,7 @@
 //
 // A launch runs a group of problems (one, or a layer's projections of one input): grid.x is
 // the concatenation of the problems' blocks, and a block runs the same code on its problem as
-// a launch of that problem alone would (each member with its own set width).
+// a launch of that problem alone would.
 #include "gemv.cuh"
 #include "../common/dependent_launch.cuh"
 
@@ -29,7 +23,7 @@
 namespace hybrid::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256, kWarps = kThreads / 32, kOutputsPerSet = 4;
+constexpr int kThreads = 256, kWarps = kThreads / 32, kOutputsPerBlock = 4;
 
 // 16 bytes of a stream read once: not kept in L1.
 __device__ __forceinline__ uint4 loadStreaming(const void *pointer) {
@@ -51,68 +45,46 @@ __device__ __forceinline__ float dot8(const uint4 &packed, const float (&x)[8], 
   return sum;
 }
 
-// log2 of the threads per output set: the 16-byte chunks of a weight row rounded up to a power
-// of two, at most the whole block. A function of `in` alone, so a problem's blocks are the same
-// in a group as in its own launch.
-int lanesLog2For(int64_t in) {
-  const int64_t chunks = in / 8;
-  int log2 = 0;
-  while (log2 < 8 && (int64_t(1) << log2) < chunks)
-    ++log2;
-  return log2;
-}
-
-int64_t outputsPerBlockOf(const GemvParams &p) {
-  return int64_t(kOutputsPerSet) * (kThreads >> lanesLog2For(p.in));
-}
-
-int64_t blocksOf(const GemvParams &p) {
-  return (p.out + outputsPerBlockOf(p) - 1) / outputsPerBlockOf(p);
-}
+int64_t blocksOf(const GemvParams &p) { return (p.out + kOutputsPerBlock - 1) / kOutputsPerBlock; }
 
 // The launch's problems; member m owns blocks [firstBlock[m], firstBlock[m + 1]) of grid.x.
 struct GemvGroup {
   GemvParams members[kGemvMaxGroup];
   int32_t firstBlock[kGemvMaxGroup + 1] = {};
-  int8_t lanesLog2[kGemvMaxGroup] = {};
   int32_t count = 0;
 };
 
-// Block `block` (of blocksOf(p)) of problem p, batch entry `problem`, in sets of 1 << lanesLog2
-// threads.
+// Block `block` (of blocksOf(p)) of problem p, batch entry `problem`.
 template <int MaxRows>
-__device__ __forceinline__ void gemvBlock(const GemvParams &p, int lanesLog2, int64_t block,
-                                          int64_t problem) {
-  __shared__ float partial[kWarps][MaxRows * kOutputsPerSet];
+__device__ __forceinline__ void gemvBlock(const GemvParams &p, int64_t block, int64_t problem) {
+  __shared__ float partial[kWarps][MaxRows * kOutputsPerBlock];
   const float *x = p.x + problem * p.xBatchStride;
   const auto *weight =
       static_cast<const __nv_bfloat16 *>(p.weight) + problem * p.weightBatchStride;
   float *y = p.y + problem * p.yBatchStride;
-  const int lanes = 1 << lanesLog2, sets = kThreads >> lanesLog2;
-  const int set = int(threadIdx.x) >> lanesLog2, lane = int(threadIdx.x) & (lanes - 1);
-  const int64_t firstOut = block * kOutputsPerSet * sets;
-  auto outputOf = [&](int o, int s) { return firstOut + o * sets + s; };
-  // Outputs past the last one load the last one again (valid memory, products dropped).
-  const __nv_bfloat16 *weightRows[kOutputsPerSet];
+  const int64_t firstOut = block * kOutputsPerBlock;
+  const int outputs = int(min(int64_t(kOutputsPerBlock), p.out - firstOut));
+  // Rows past the last output load the last one again (valid memory, products dropped).
+  const __nv_bfloat16 *weightRows[kOutputsPerBlock];
 #pragma unroll
-  for (int o = 0; o < kOutputsPerSet; ++o)
-    weightRows[o] = weight + min(outputOf(o, set), p.out - 1) * p.weightStride;
+  for (int o = 0; o < kOutputsPerBlock; ++o)
+    weightRows[o] = weight + (firstOut + min(o, outputs - 1)) * p.weightStride;
 
-  float sums[MaxRows][kOutputsPerSet] = {};
+  float sums[MaxRows][kOutputsPerBlock] = {};
   const int64_t chunks = p.in / 8;
   // Two chunks of weights in flight per thread, the first two loaded before the wait.
-  uint4 w[2][kOutputsPerSet];
-  auto load = [&](uint4(&target)[kOutputsPerSet], int64_t c) {
+  uint4 w[2][kOutputsPerBlock];
+  auto load = [&](uint4(&target)[kOutputsPerBlock], int64_t c) {
     if (c < chunks) {
 #pragma unroll
-      for (int o = 0; o < kOutputsPerSet; ++o)
+      for (int o = 0; o < kOutputsPerBlock; ++o)
         target[o] = loadStreaming(weightRows[o] + c * 8);
     }
   };
-  load(w[0], lane);
-  load(w[1], lane + lanes);
-  waitForEarlierKernels(); // x (and y) are the earlier kernels'
-  auto multiply = [&](const uint4(&weights)[kOutputsPerSet], int64_t c) {
+  load(w[0], threadIdx.x);
+  load(w[1], threadIdx.x + kThreads);
+  asm volatile("griddepcontrol.wait;" ::: "memory"); // x (and y) are the earlier kernels'
+  auto multiply = [&](const uint4(&weights)[kOutputsPerBlock], int64_t c) {
 #pragma unroll
     for (int r = 0; r < MaxRows; ++r) {
       if (r < p.rows) {
@@ -125,68 +97,43 @@ __device__ __forceinline__ void gemvBlock(const GemvParams &p, int lanesLog2, in
             values[i] = __bfloat162float(__float2bfloat16(values[i]));
         }
 #pragma unroll
-        for (int o = 0; o < kOutputsPerSet; ++o)
+        for (int o = 0; o < kOutputsPerBlock; ++o)
           sums[r][o] = dot8(weights[o], values, sums[r][o]);
       }
     }
   };
-  for (int64_t c = lane; c < chunks; c += 2 * lanes) {
+  for (int64_t c = threadIdx.x; c < chunks; c += 2 * kThreads) {
     multiply(w[0], c);
-    load(w[0], c + 2 * lanes);
-    if (c + lanes < chunks) {
-      multiply(w[1], c + lanes);
-      load(w[1], c + 3 * lanes);
+    load(w[0], c + 2 * kThreads);
+    if (c + kThreads < chunks) {
+      multiply(w[1], c + kThreads);
+      load(w[1], c + 3 * kThreads);
     }
   }
   // The next kernel's blocks may start their own weight loads while this one sums.
-  letDependentsLaunch();
+  asm volatile("griddepcontrol.launch_dependents;");
 
-  // The shuffle tree over a set's lanes within a warp (xor offsets min(lanes, 32) / 2 .. 1),
-  // then, for sets wider than a warp, the set's warps in order.
-  const int treeWidth = min(lanes, 32);
-  const int warp = int(threadIdx.x) / 32, warpLane = int(threadIdx.x) % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int r = 0; r < MaxRows; ++r)
 #pragma unroll
-    for (int o = 0; o < kOutputsPerSet; ++o) {
+    for (int o = 0; o < kOutputsPerBlock; ++o) {
       float v = sums[r][o];
 #pragma unroll
       for (int offset = 16; offset > 0; offset /= 2)
-        if (offset < treeWidth)
-          v += __shfl_xor_sync(0xffffffffu, v, offset);
-      sums[r][o] = v;
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+      if (lane == 0)
+        partial[warp][r * kOutputsPerBlock + o] = v;
     }
-  auto store = [&](int r, int64_t n, float total) {
-    float &target = y[r * p.yStride + n];
-    target = p.accumulate ? target + total : total;
-  };
-  if (lanes <= 32) { // the set's first lane holds its sums
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < MaxRows; ++r)
-#pragma unroll
-        for (int o = 0; o < kOutputsPerSet; ++o)
-          if (r < p.rows && outputOf(o, set) < p.out)
-            store(r, outputOf(o, set), sums[r][o]);
-    }
-    return;
-  }
-  if (warpLane == 0) {
-#pragma unroll
-    for (int r = 0; r < MaxRows; ++r)
-#pragma unroll
-      for (int o = 0; o < kOutputsPerSet; ++o)
-        partial[warp][r * kOutputsPerSet + o] = sums[r][o];
-  }
   __syncthreads();
-  // Thread t sums entry t % 32 (row, output) of set t / 32 over the set's warps.
-  const int warpsPerSet = lanes / 32, totalSet = int(threadIdx.x) / 32;
-  const int entry = int(threadIdx.x) % 32, r = entry / kOutputsPerSet, o = entry % kOutputsPerSet;
-  if (totalSet < sets && r < p.rows && r < MaxRows && outputOf(o, totalSet) < p.out) {
+  const int r = threadIdx.x / kOutputsPerBlock, o = threadIdx.x % kOutputsPerBlock;
+  if (r < p.rows && r < MaxRows && o < outputs) {
     float total = 0.0f;
-    for (int w = 0; w < warpsPerSet; ++w)
-      total += partial[totalSet * warpsPerSet + w][entry];
-    store(r, outputOf(o, totalSet), total);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w)
+      total += partial[w][threadIdx.x];
+    float &target = y[r * p.yStride + firstOut + o];
+    target = p.accumulate ? target + total : total;
   }
 }
 
@@ -197,8 +144,8 @@ __global__ void __launch_bounds__(kThreads) gemvKernel(const __grid_constant__ G
   for (int m = 1; m < kGemvMaxGroup; ++m)
     if (m < group.count && int32_t(blockIdx.x) >= group.firstBlock[m])
       member = m;
-  gemvBlock<MaxRows>(group.members[member], group.lanesLog2[member],
-                     int64_t(blockIdx.x) - group.firstBlock[member], blockIdx.y);
+  gemvBlock<MaxRows>(group.members[member], int64_t(blockIdx.x) - group.firstBlock[member],
+                     blockIdx.y);
 }
 
 bool aligned16(const void *pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
@@ -211,7 +158,7 @@ bool gemvSupports(const GemvParams &p) {
          p.weightStride >= p.in && p.weightStride % 8 == 0 && p.yStride >= p.out &&
          aligned16(p.x) && aligned16(p.weight) && p.batch >= 1 && p.batch <= 65535 &&
          p.xBatchStride % 4 == 0 && p.weightBatchStride % 8 == 0 &&
-         blocksOf(p) <= 0x7fffffff;
+         (p.out + kOutputsPerBlock - 1) / kOutputsPerBlock <= 0x7fffffff;
 }
 
 bool gemvGroupSupports(const GemvParams *members, int32_t count) {
@@ -236,7 +183,6 @@ int launchGemvGroup(const GemvParams *members, int32_t count, cudaStream_t strea
   for (int32_t m = 0; m < count; ++m) {
     group.members[m] = members[m];
     group.firstBlock[m + 1] = group.firstBlock[m] + int32_t(blocksOf(members[m]));
-    group.lanesLog2[m] = int8_t(lanesLog2For(members[m].in));
   }
   const int32_t rows = members[0].rows;
   DependentLaunch launch(dim3(unsigned(group.firstBlock[count]), unsigned(members[0].batch)),
