@@ -44,17 +44,9 @@ TunableKernel makeIndexerScores() {
   kernel.revision = HYBRID_TUNING_REVISION_DSA_INDEXER;
   kernel.parameters = {{.name = "tiles_per_block",
                         .values = {0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512},
-                        .defaultValue = 0},
-                       {.name = "blocks_per_sm", .values = {0, 4, 5}, .defaultValue = 0}};
+                        .defaultValue = 0}};
   kernel.constraint = [](const TuningConfig &config,
                          const ShapeBucket &shape) -> std::optional<std::string> {
-    // The warpgroup scores run at 4 or 5 blocks an SM; the other forms have one occupancy.
-    if (const int64_t blocksPerSm = config.at("blocks_per_sm"); blocksPerSm != 0) {
-      if (shape.at("score_form") != 3)
-        return "only the warpgroup scores (score_form 3) take blocks_per_sm";
-      if (blocksPerSm == kc::kIndexerWarpgroupBlocksPerSm)
-        return "blocks_per_sm " + std::to_string(blocksPerSm) + " is the default's occupancy";
-    }
     const int64_t perBlock = config.at("tiles_per_block");
     if (perBlock == 0)
       return std::nullopt;
@@ -279,8 +271,6 @@ std::vector<std::string> shapeDimensions(const TunableKernel &kernel) {
 void applyConfig(const TuningConfig &config, kc::IndexerParams &params) {
   if (auto found = config.find("tiles_per_block"); found != config.end())
     params.tilesPerBlock = static_cast<int32_t>(found->second);
-  if (auto found = config.find("blocks_per_sm"); found != config.end())
-    params.blocksPerSm = static_cast<int32_t>(found->second);
 }
 
 void applyConfig(const TuningConfig &config, kc::SparseMlaDecodeParams &params) {

@@ -49,45 +49,29 @@ kc::IndexerParams deepSeekIndexer(int32_t rows, int32_t maxKeys) {
 
 TEST(KernelTuning, IndexerTilesPerBlockFitTheRowAndTheGrid) {
   const TunableKernel &kernel = indexerScoresKernel();
-  EXPECT_EQ(kernel.defaults(), (TuningConfig{{"tiles_per_block", 0}, {"blocks_per_sm", 0}}));
+  EXPECT_EQ(kernel.defaults(), (TuningConfig{{"tiles_per_block", 0}}));
   const ShapeBucket shape = indexerScoresShape(deepSeekIndexer(3, 500));
   EXPECT_EQ(shape, (ShapeBucket{{"rows", 4}, {"heads", 64}, {"head_dim", 128}, {"max_keys", 512},
                                 {"key_type", 1}, {"score_form", 3}}));
-  // 512 keys are 8 tiles of 64: more tiles a block than that is the same launch as 8. Each at the
-  // default occupancy and at the warpgroup kernel's other one (blocks_per_sm naming the default's
-  // is the default's launch).
-  const int64_t other = kc::kIndexerWarpgroupBlocksPerSm == 4 ? 5 : 4;
-  EXPECT_EQ(validValues(kernel, shape, "tiles_per_block"),
-            (std::vector<int64_t>{0, 0, 1, 1, 2, 2, 4, 4, 8, 8}));
-  EXPECT_EQ(validValues(kernel, shape, "blocks_per_sm"),
-            (std::vector<int64_t>{0, other, 0, other, 0, other, 0, other, 0, other}));
-  EXPECT_EQ(rejection(kernel, shape, {{"tiles_per_block", 16}, {"blocks_per_sm", 0}}),
+  // 512 keys are 8 tiles of 64: more tiles a block than that is the same launch as 8.
+  EXPECT_EQ(validValues(kernel, shape, "tiles_per_block"), (std::vector<int64_t>{0, 1, 2, 4, 8}));
+  EXPECT_EQ(rejection(kernel, shape, {{"tiles_per_block", 16}}),
             "tiles_per_block 16 > the row's 8 tiles");
-  EXPECT_EQ(rejection(kernel, shape,
-                      {{"tiles_per_block", 2}, {"blocks_per_sm", kc::kIndexerWarpgroupBlocksPerSm}}),
-            "blocks_per_sm " + std::to_string(kc::kIndexerWarpgroupBlocksPerSm) +
-                " is the default's occupancy");
   // 2^23 keys in tiles of two would need 65536 blocks a row.
   const ShapeBucket huge = indexerScoresShape(deepSeekIndexer(1, 1 << 23));
-  EXPECT_EQ(rejection(kernel, huge, {{"tiles_per_block", 2}, {"blocks_per_sm", 0}}),
+  EXPECT_EQ(rejection(kernel, huge, {{"tiles_per_block", 2}}),
             "tiles_per_block 2 needs 65536 blocks a row, the grid holds 65535");
-  EXPECT_EQ(rejection(kernel, huge, {{"tiles_per_block", 4}, {"blocks_per_sm", 0}}), "(admitted)");
-  EXPECT_EQ(rejection(kernel, huge, {{"tiles_per_block", 4}, {"blocks_per_sm", other}}),
-            "(admitted)");
+  EXPECT_EQ(rejection(kernel, huge, {{"tiles_per_block", 4}}), "(admitted)");
   // fp32 keys run on CUDA cores: only the default.
   kc::IndexerParams f32 = deepSeekIndexer(8, 8192);
   f32.keyType = kc::IndexKeyType::F32;
   const ShapeBucket cudaCores = indexerScoresShape(f32);
   EXPECT_EQ(cudaCores.at("score_form"), 0);
   EXPECT_EQ(validValues(kernel, cudaCores, "tiles_per_block"), (std::vector<int64_t>{0}));
-  // Which tensor-core kernel runs is part of the bucket: pages of 32 tokens take the bf16 form,
-  // which has one occupancy.
+  // Which tensor-core kernel runs is part of the bucket: pages of 32 tokens take the bf16 form.
   kc::IndexerParams pages32 = deepSeekIndexer(8, 8192);
   pages32.pageTokens = 32;
-  const ShapeBucket bf16 = indexerScoresShape(pages32);
-  EXPECT_EQ(bf16.at("score_form"), 1);
-  EXPECT_EQ(rejection(kernel, bf16, {{"tiles_per_block", 0}, {"blocks_per_sm", 5}}),
-            "only the warpgroup scores (score_form 3) take blocks_per_sm");
+  EXPECT_EQ(indexerScoresShape(pages32).at("score_form"), 1);
 }
 
 TEST(KernelTuning, SparseMlaSplitsFitTheKernelsBlocks) {
@@ -223,10 +207,6 @@ TEST(KernelTuning, ConfigurationsSetTheLaunchParams) {
   tiles["tiles_per_block"] = 32;
   applyConfig(tiles, indexer);
   EXPECT_EQ(indexer.tilesPerBlock, 32);
-  EXPECT_EQ(indexer.blocksPerSm, 0);
-  tiles["blocks_per_sm"] = 5;
-  applyConfig(tiles, indexer);
-  EXPECT_EQ(indexer.blocksPerSm, 5);
   kc::SparseMlaDecodeParams mla;
   applyConfig({}, mla);
   EXPECT_EQ(mla.splits, 0);

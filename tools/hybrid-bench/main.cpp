@@ -275,7 +275,6 @@ struct IndexerOptions {
   std::string keys = "mxfp8";
   std::string form = "unfused"; // what the runtime runs; fused (where the shape allows)
   std::string scores = "auto"; // the unfused form's tensor-core scores: auto, warpgroup, bf16, fp8
-  int32_t blocksPerSm = 0;     // the warpgroup scores' occupancy: 0 (the default), 4 or 5
 };
 
 int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
@@ -289,7 +288,7 @@ int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
                                               : o.scores == "bf16"      ? kc::IndexerParams::ScoreKernel::Bf16
                                               : o.scores == "warpgroup" ? kc::IndexerParams::ScoreKernel::Warpgroup
                                                                         : kc::IndexerParams::ScoreKernel::Auto,
-                                              o.blocksPerSm, o.iterations, error);
+                                              o.iterations, error);
   if (!error.empty()) {
     std::cerr << "error: dsa-indexer: " << error << "\n";
     return 1;
@@ -417,7 +416,6 @@ struct IndexerOptions {
   std::string keys = "mxfp8";
   std::string form = "unfused";
   std::string scores = "auto";
-  int32_t blocksPerSm = 0;
 };
 int runDsaIndexer(const IndexerOptions &, const RecordOptions &) { return noCuda("dsa-indexer"); }
 struct MoeOptions {
@@ -844,10 +842,6 @@ int main(int argc, char **argv) {
                          "registers, warpgroup MMAs on the MXFP8 queries), bf16 (mma.sync on "
                          "widened keys) or fp8 (E4M3 mma.sync on the MXFP8 queries)")
       ->check(CLI::IsMember({"auto", "bf16", "fp8", "warpgroup"}));
-  dsaIndexer->add_option("--blocks-per-sm", indexer.blocksPerSm,
-                         "warpgroup scores: resident blocks an SM, 4 (three-stage copy ring) or 5 "
-                         "(two-stage ring); 0 the kernel's default")
-      ->check(CLI::IsMember({0, 4, 5}));
   dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(dsaIndexer, record);

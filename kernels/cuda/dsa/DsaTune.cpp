@@ -108,9 +108,8 @@ measureIndexerScores(const cache::ShapeBucket &shape, const std::vector<cache::T
                             download(p.indices, size_t(batch) * topK));
     return Output{.scores = std::move(scores), .indices = std::move(indices)};
   };
-  // Tiles per block and blocks per SM only regroup the keys over blocks: each key's score is
-  // computed the same way, so scores and the selection must match the defaults' (up to 1e-6 of
-  // the largest score).
+  // Tiles per block only regroups the keys over blocks: each key's score is computed the same
+  // way, so scores and the selection must match the defaults' (up to 1e-6 of the largest score).
   auto compare = [](const Output &candidate, const Output &reference) -> std::string {
     float largest = 0, worst = 0;
     for (size_t i = 0; i < reference.scores.size(); ++i) {

@@ -786,32 +786,17 @@ __device__ void flushHistogramAndChoose(const uint32_t *local, SelectState &stat
 // than 2^35 or lie below 2^-86. The scores are then those of the unscaled product, rounding
 // included. (bf16 needed no scaling but three bit moves a pair besides the multiply: 391 against
 // 301 warp instructions a tile, 2.5-5% slower at batch 8-64, docs/performance.md, 2026-11-30.)
-//
-// Occupancy (IndexerParams::blocksPerSm): 4 blocks an SM with a three-stage copy ring (two tiles
-// in flight while one is scored; 54,272 bytes of shared memory, <= 128 registers), or 5 with a
-// two-stage ring (one tile in flight; 44,800 bytes, <= 96 registers): 5 warps a scheduler, not
-// 4, for the latency-bound tile loop (its warps mostly wait on fixed latencies and the tile
-// barrier, docs/performance.md, 2026-11-30). The 5-block form is "lean": nothing it can read
-// again lives in registers through the tile's MMAs (the heads' weights stay in shared memory,
-// each key's score scale is read from its stage when the score is written, the next page entry
-// is loaded after the tile rather than before it). With only some of these moved ptxas spilled
-// 4 to 20 bytes: 96 registers is its limit, small changes tip it (check with ptxas -v).
-template <int BlocksPerSm> __host__ __device__ constexpr int warpgroupStages() {
-  static_assert(BlocksPerSm == 4 || BlocksPerSm == 5, "the warpgroup kernel's two occupancies");
-  return BlocksPerSm == 5 ? 2 : 3;
-}
+constexpr int kWarpgroupBlocksPerSm = 4;
 
 template <int D> __host__ __device__ constexpr uint32_t warpgroupQueryBytes() {
   return uint32_t(kMmaMaxHeads) * D * 2; // 64 heads x D f16, 128-byte swizzled
 }
 static_assert(warpgroupQueryBytes<128>() == kSelectQueryBytes,
               "the reset kernel lays out a row's queries for the largest head dim");
-template <int D, int Stages> size_t warpgroupSharedBytes() {
-  return 1024 + warpgroupQueryBytes<D>() + Stages * fp8StageBytes<D>() + // + alignment slack
-         kSelectBins * sizeof(uint32_t) + kMmaMaxHeads * sizeof(float); // histogram, weights
+template <int D> size_t warpgroupSharedBytes() {
+  return 1024 + warpgroupQueryBytes<D>() + kFp8Stages * fp8StageBytes<D>() + // + alignment slack
+         kSelectBins * sizeof(uint32_t);                                       // the histogram
 }
-static_assert(kIndexerWarpgroupBlocksPerSm == 4 || kIndexerWarpgroupBlocksPerSm == 5,
-              "the default occupancy is one the kernel is built for");
 
 // The permuted k position of dimension `column`: lane quad member t holds dimensions
 // [t D/4, (t+1) D/4), four per k step of 16, in the A fragment's columns 2t, 2t + 1, 2t + 8,
@@ -821,21 +806,18 @@ template <int D> __device__ __forceinline__ int permutedColumn(int column) {
   return 16 * step + 2 * t + (j < 2 ? j : j + 6);
 }
 
-template <IndexKeyType Type, int D, int BlocksPerSm>
-__global__ void __launch_bounds__(kMmaThreads, BlocksPerSm)
+template <IndexKeyType Type, int D>
+__global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
     indexerScoresWarpgroupKernel(IndexerParams p, int64_t pageBytes, int tilesPerBlock,
                                  SelectWorkspace select) {
   static_assert(Type != IndexKeyType::F32, "fp32 keys take the CUDA-core kernel");
   constexpr int kRow = fp8RowBytes<D>(), kSteps = D / 16, kRun = D / 4; // kRun bytes a lane
-  constexpr int kStages = warpgroupStages<BlocksPerSm>();
-  constexpr bool kLean = BlocksPerSm == 5; // 96 registers a thread (see above)
   extern __shared__ __align__(16) unsigned char rawShared[];
   // The swizzled queries need 1024-byte aligned chunks.
   unsigned char *smem = rawShared + ((1024 - mma::sharedAddress(rawShared) % 1024) % 1024);
   unsigned char *queries = smem;                                 // [64 heads][D] bf16, swizzled
-  unsigned char *stages = smem + warpgroupQueryBytes<D>();       // [kStages][codes, scales]
-  auto *histogram = reinterpret_cast<uint32_t *>(stages + kStages * fp8StageBytes<D>());
-  auto *sharedWeights = reinterpret_cast<float *>(histogram + kSelectBins); // [64] when lean
+  unsigned char *stages = smem + warpgroupQueryBytes<D>();       // [3][codes, scales]
+  auto *histogram = reinterpret_cast<uint32_t *>(stages + kFp8Stages * fp8StageBytes<D>());
   __shared__ uint32_t warpTotals[kMmaThreads / 32];
   __shared__ bool last;
   const int row = blockIdx.x, heads = p.heads, tid = threadIdx.x;
@@ -870,15 +852,14 @@ __global__ void __launch_bounds__(kMmaThreads, BlocksPerSm)
   const KeyTileCopier<Type, D> copier(tid);
   auto issue = [&](int tile, int page, int pageSlot) {
     copier.issue(pool, page, pageSlot, pageBytes, p.pageTokens, live(tile),
-                 stages + (tile % kStages) * fp8StageBytes<D>());
+                 stages + (tile % kFp8Stages) * fp8StageBytes<D>());
   };
   int page, pageSlot;
-#pragma unroll
-  for (int tile = 0; tile < kStages - 1; ++tile) { // the ring's first tiles in flight
-    lookUp(tile, page, pageSlot);
-    issue(tile, page, pageSlot);
-  }
-  lookUp(kStages - 1, page, pageSlot); // the next tile issued
+  lookUp(0, page, pageSlot);
+  issue(0, page, pageSlot);
+  lookUp(1, page, pageSlot);
+  issue(1, page, pageSlot);
+  lookUp(2, page, pageSlot); // the next tile issued
 
   // The first digit's histogram of the top-k (kFirstDigitShift), when the row has more keys than
   // it selects.
@@ -886,67 +867,40 @@ __global__ void __launch_bounds__(kMmaThreads, BlocksPerSm)
   for (int b = tid; b < kSelectBins; b += kMmaThreads)
     histogram[b] = 0;
   // This thread's 16 heads' weights, w * heads^-1/2 * D^-1/2 times the inverse of the head's
-  // query scale (the ReLU commutes with a positive scale); lean: all 64 in shared memory.
+  // query scale (the ReLU commutes with a positive scale).
   const float weightScale = 1.0f / (sqrtf(float(heads)) * sqrtf(float(D)));
-  auto weightOf = [&](int h) {
-    return h < heads ? p.headWeights[size_t(row) * heads + h] * weightScale *
-                           select.headScales[size_t(row) * kMmaMaxHeads + h]
-                     : 0.0f;
-  };
-  float weights[kLean ? 1 : 16]; // heads 8j + 2t + c at 2j + c
-  if constexpr (kLean) {
-    if (tid < kMmaMaxHeads) // visible at the first tile's barrier
-      sharedWeights[tid] = weightOf(tid);
-  } else {
+  float weights[16]; // heads 8j + 2t + c at 2j + c
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int c = 0; c < 2; ++c)
-        weights[2 * j + c] = weightOf(8 * j + 2 * t + c);
-  }
+    for (int c = 0; c < 2; ++c) {
+      const int h = 8 * j + 2 * t + c;
+      weights[2 * j + c] =
+          h < heads ? p.headWeights[size_t(row) * heads + h] * weightScale *
+                          select.headScales[size_t(row) * kMmaMaxHeads + h]
+                    : 0.0f;
+    }
   const uint64_t queryDescriptor = wgmma::descriptor(mma::sharedAddress(queries));
+  float *scores = p.scores + size_t(row) * p.maxKeys;
 
   // The tile's keys landed for every thread (and the queries, the first time round: made visible
-  // to the wgmmas' async proxy); the stage refilled next (the previous tile's) was consumed.
+  // to the wgmmas' async proxy); the stage refilled next was consumed.
   auto arrive = [&](int tile) {
-    mma::waitAsyncCopies<kStages - 2>();
+    mma::waitAsyncCopies<1>();
     if (tile == 0)
       wgmma::sharedWritesToAsyncProxy();
     __syncthreads();
-    issue(tile + kStages - 1, page, pageSlot);
-    if constexpr (!kLean)
-      lookUp(tile + kStages, page, pageSlot);
-  };
-  // An MXFP8 key's reference: its largest block scale code less 7, at least 1 (a normal float).
-  auto reference = [](uint32_t top) { return int(max(top, 8u)) - 7; };
-  // The scale of a key's score: MXFP8 2^reference (0xFF, NaN, makes it NaN, as e8m0ToFloat
-  // would), Fp8PerKey the stored scale; `keyScales` the tile's scales in its stage.
-  auto keyScaleOf = [&](const unsigned char *keyScales, int key, uint32_t top) {
-    if constexpr (Type == IndexKeyType::Mxfp8)
-      return top == 0xFFu ? __uint_as_float(0x7fc00000u) : __int_as_float(reference(top) << 23);
-    else
-      return reinterpret_cast<const float *>(keyScales)[key];
-  };
-  // The largest of a key's block scale codes, read at once (lean finish).
-  auto topScaleCode = [&](const unsigned char *keyScales, int key) {
-    constexpr int kBlocks = D / kMxBlock; // 4 or 2 codes a key
-    const uint32_t codes = kBlocks == 4
-                               ? *reinterpret_cast<const uint32_t *>(keyScales + key * kBlocks)
-                               : *reinterpret_cast<const uint16_t *>(keyScales + key * kBlocks);
-    uint32_t top = 0;
-#pragma unroll
-    for (int b = 0; b < kBlocks; ++b)
-      top = max(top, codes >> (8 * b) & 0xFFu);
-    return top;
+    issue(tile + 2, page, pageSlot);
+    lookUp(tile + 3, page, pageSlot);
   };
   // This lane's run of each of its two keys (the codes of every k step), the factor of its block
-  // and (unless lean) the keys' scales.
+  // and the keys' scales.
   struct TileCodes {
     uint32_t words[2][kSteps];
     uint32_t factor[2]; // MXFP8: 2^(block scale code - the key's reference) as an f16 pair
   };
   auto load = [&](int tile, TileCodes &c, float (&keyScale)[2]) {
-    const unsigned char *codes = stages + (tile % kStages) * fp8StageBytes<D>();
+    const unsigned char *codes = stages + (tile % kFp8Stages) * fp8StageBytes<D>();
     const unsigned char *keyScales = codes + kTileKeys * kRow;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -960,15 +914,17 @@ __global__ void __launch_bounds__(kMmaThreads, BlocksPerSm)
         c.words[r][4 * v + 3] = piece.w;
       }
       if constexpr (Type == IndexKeyType::Mxfp8) {
-        // The key's largest block scale code over the lane quad, for its reference.
+        // The key's reference: its largest block scale code (over the lane quad) less 7, at least
+        // 1 (a normal float); 0xFF (NaN) makes the key's scale NaN, as e8m0ToFloat would.
         const uint32_t code = keyScales[key * (D / kMxBlock) + t * kRun / kMxBlock];
         uint32_t top = max(code, __shfl_xor_sync(0xffffffffu, code, 1));
         top = max(top, __shfl_xor_sync(0xffffffffu, top, 2));
-        if constexpr (!kLean)
-          keyScale[r] = keyScaleOf(keyScales, key, top);
-        c.factor[r] = f16PowerOfTwoPair(int(code) - reference(top));
-      } else if constexpr (!kLean) {
-        keyScale[r] = keyScaleOf(keyScales, key, 0);
+        const int reference = int(max(top, 8u)) - 7;
+        keyScale[r] =
+            top == 0xFFu ? __uint_as_float(0x7fc00000u) : __int_as_float(reference << 23);
+        c.factor[r] = f16PowerOfTwoPair(int(code) - reference);
+      } else {
+        keyScale[r] = reinterpret_cast<const float *>(keyScales)[key];
       }
     }
   };
@@ -1003,21 +959,12 @@ __global__ void __launch_bounds__(kMmaThreads, BlocksPerSm)
     // Four independent partial sums a key, so the FMAs do not wait on each other.
     float partial[2][4] = {};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float w[2];
-      if constexpr (kLean) {
-        const float2 pair = *reinterpret_cast<const float2 *>(sharedWeights + 8 * j + 2 * t);
-        w[0] = pair.x;
-        w[1] = pair.y;
-      } else {
-        w[0] = weights[2 * j];
-        w[1] = weights[2 * j + 1];
-      }
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        partial[e / 2][(j % 2) * 2 + (e & 1)] = fmaf(w[e & 1], fmaxf(0.0f, acc[4 * j + e]),
-                                                     partial[e / 2][(j % 2) * 2 + (e & 1)]);
-    }
+        partial[e / 2][(j % 2) * 2 + (e & 1)] =
+            fmaf(weights[2 * j + (e & 1)], fmaxf(0.0f, acc[4 * j + e]),
+                 partial[e / 2][(j % 2) * 2 + (e & 1)]);
     float sums[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -1028,18 +975,8 @@ __global__ void __launch_bounds__(kMmaThreads, BlocksPerSm)
     if (t < 2) { // lane t = r of the quad writes key key0 + 8 r
       const int s = firstKey + tile * kTileKeys + key0 + 8 * t;
       if (s <= position) {
-        float scale;
-        if constexpr (kLean) { // the tile's stage is refilled only after the next tile's barrier
-          const unsigned char *keyScales =
-              stages + (tile % kStages) * fp8StageBytes<D>() + kTileKeys * kRow;
-          const int key = key0 + 8 * t;
-          scale = keyScaleOf(keyScales, key,
-                             Type == IndexKeyType::Mxfp8 ? topScaleCode(keyScales, key) : 0u);
-        } else {
-          scale = t == 0 ? keyScale[0] : keyScale[1];
-        }
-        const float score = (t == 0 ? sums[0] : sums[1]) * scale;
-        p.scores[size_t(row) * p.maxKeys + s] = score; // row: live anyway, a pointer is two
+        const float score = t == 0 ? sums[0] * keyScale[0] : sums[1] * keyScale[1];
+        scores[s] = score;
         if (histogramming)
           atomicAdd(&histogram[orderKey(score) >> kFirstDigitShift], 1u);
       }
@@ -1063,8 +1000,6 @@ __global__ void __launch_bounds__(kMmaThreads, BlocksPerSm)
     multiply(a, acc, kSteps / 2, kSteps);
     wgmma::wait<0>();
     finish(tile, acc, keyScale);
-    if constexpr (kLean) // the next issue's page entry, loaded across the barrier rather than
-      lookUp(tile + kStages, page, pageSlot); // held through the MMAs
   }
   mma::waitAsyncCopies<0>(); // nothing in flight when the block ends
   if (histogramming) {
@@ -1476,28 +1411,25 @@ template <int D> int launchFp32Scores(const IndexerParams &p, cudaStream_t strea
   return int(cudaGetLastError());
 }
 
-// As many key tiles per block as keep about one wave of blocks on the GPU (blocksPerSm resident
-// blocks on each SM): each block stages its row's queries once, so fewer, longer blocks when
-// there are many rows. (Two waves until the tuner's winners on the H200 showed one wave's tile
-// counts at 7 of 9 indexer buckets.)
-int tilesPerBlock(const IndexerParams &p, int multiprocessors, int blocksPerSm) {
+// As many key tiles per block as keep about one wave of blocks on the GPU: each block stages its
+// row's queries once, so fewer, longer blocks when there are many rows. (Two waves until the
+// tuner's winners on the H200 showed one wave's tile counts at 7 of 9 indexer buckets.)
+int tilesPerBlock(const IndexerParams &p, int multiprocessors) {
   const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
-  const int wantedBlocks = std::max(1, blocksPerSm * multiprocessors / p.rows);
+  const int wantedBlocks = std::max(1, kBlocksPerSm * multiprocessors / p.rows);
   return std::max(1, (tiles + wantedBlocks - 1) / wantedBlocks);
 }
 
 // One of the tensor-core score kernels (`kernel`, with `shared` bytes of shared memory) over
 // rows x tile groups.
-// `blocksPerSm`: the kernel's resident blocks an SM, which the default tiles per block count.
 template <typename Kernel, typename... Extra>
-int launchScoreTiles(Kernel kernel, size_t shared, int blocksPerSm, const IndexerParams &p,
-                     int64_t pageBytes, const DeviceSetup &setup, cudaStream_t stream,
-                     Extra... extra) {
+int launchScoreTiles(Kernel kernel, size_t shared, const IndexerParams &p, int64_t pageBytes,
+                     const DeviceSetup &setup, cudaStream_t stream, Extra... extra) {
   if (setup.status != cudaSuccess)
     return int(setup.status);
   const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
   const int perBlock = p.tilesPerBlock > 0 ? std::min<int>(p.tilesPerBlock, tiles)
-                                           : tilesPerBlock(p, setup.multiprocessors, blocksPerSm);
+                                           : tilesPerBlock(p, setup.multiprocessors);
   if ((tiles + perBlock - 1) / perBlock > 65535)
     return cudaErrorInvalidValue; // a configured tilesPerBlock too small for the grid
   const dim3 grid(unsigned(p.rows), unsigned((tiles + perBlock - 1) / perBlock));
@@ -1512,7 +1444,7 @@ int launchMmaScores(const IndexerParams &p, cudaStream_t stream) {
     return cudaFuncSetAttribute(indexerScoresMmaKernel<Type, D>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
   });
-  return launchScoreTiles(indexerScoresMmaKernel<Type, D>, shared, kBlocksPerSm, p,
+  return launchScoreTiles(indexerScoresMmaKernel<Type, D>, shared, p,
                           indexerPageBytes(Type, p.pageTokens, D), setup, stream);
 }
 
@@ -1523,31 +1455,20 @@ int launchFp8Scores(const IndexerParams &p, cudaStream_t stream) {
     return cudaFuncSetAttribute(indexerScoresFp8Kernel<Type, D>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
   });
-  return launchScoreTiles(indexerScoresFp8Kernel<Type, D>, shared, kBlocksPerSm, p,
+  return launchScoreTiles(indexerScoresFp8Kernel<Type, D>, shared, p,
                           indexerPageBytes(Type, p.pageTokens, D), setup, stream);
 }
 
-template <IndexKeyType Type, int D, int BlocksPerSm>
-int launchWarpgroupScores(const IndexerParams &p, cudaStream_t stream) {
-  const auto kernel = indexerScoresWarpgroupKernel<Type, D, BlocksPerSm>;
-  const size_t shared = warpgroupSharedBytes<D, warpgroupStages<BlocksPerSm>()>();
-  const DeviceSetup setup = deviceSetup([kernel, shared] {
-    cudaError_t status =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
-    if (status == cudaSuccess) // BlocksPerSm blocks' shared memory needs the largest carveout
-      status = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    int(cudaSharedmemCarveoutMaxShared));
-    return status;
-  });
-  return launchScoreTiles(kernel, shared, BlocksPerSm, p, indexerPageBytes(Type, p.pageTokens, D),
-                          setup, stream, selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys));
-}
-
 template <IndexKeyType Type, int D>
-int launchWarpgroupScoresOf(const IndexerParams &p, cudaStream_t stream) {
-  const int blocksPerSm = p.blocksPerSm > 0 ? p.blocksPerSm : kIndexerWarpgroupBlocksPerSm;
-  return blocksPerSm == 5 ? launchWarpgroupScores<Type, D, 5>(p, stream)
-                          : launchWarpgroupScores<Type, D, 4>(p, stream);
+int launchWarpgroupScores(const IndexerParams &p, cudaStream_t stream) {
+  const size_t shared = warpgroupSharedBytes<D>();
+  const DeviceSetup setup = deviceSetup([shared] {
+    return cudaFuncSetAttribute(indexerScoresWarpgroupKernel<Type, D>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  });
+  return launchScoreTiles(indexerScoresWarpgroupKernel<Type, D>, shared, p,
+                          indexerPageBytes(Type, p.pageTokens, D), setup, stream,
+                          selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys));
 }
 
 // Whether the scores take the warpgroup kernel, which also prepares the top-k's first digit.
@@ -1561,8 +1482,8 @@ template <IndexKeyType Type> int launchMmaScoresOf(const IndexerParams &p, cudaS
   using Kind = IndexerParams::ScoreKernel;
   const bool mxfp8Tiles = p.mxfp8Queries && p.pageTokens % kTileKeys == 0;
   if (scoresOnWarpgroups(p))
-    return p.headDim == 128 ? launchWarpgroupScoresOf<Type, 128>(p, stream)
-                            : launchWarpgroupScoresOf<Type, 64>(p, stream);
+    return p.headDim == 128 ? launchWarpgroupScores<Type, 128>(p, stream)
+                            : launchWarpgroupScores<Type, 64>(p, stream);
   if (p.scoreKernel == Kind::Fp8 && mxfp8Tiles)
     return p.headDim == 128 ? launchFp8Scores<Type, 128>(p, stream)
                             : launchFp8Scores<Type, 64>(p, stream);
@@ -1605,10 +1526,7 @@ int launchIndexerTopK(const IndexerParams &p, void *stream) {
       p.maxKeys <= 0 || p.topK <= 0 || p.topK > p.maxKeys || p.topK > kIndexerMaxTopK ||
       !p.indices || (!fused && !p.selectWorkspace) ||
       (fused && !indexerFusedSupported(p.keyType, p.headDim, p.maxKeys)) ||
-      (p.maxKeys + kScoreThreads - 1) / kScoreThreads > 65535 || p.tilesPerBlock < 0 ||
-      // 5 blocks an SM: only the warpgroup scores (unfused) are built for it
-      (p.blocksPerSm != 0 && p.blocksPerSm != 4 &&
-       !(p.blocksPerSm == 5 && !fused && scoresOnWarpgroups(p))))
+      (p.maxKeys + kScoreThreads - 1) / kScoreThreads > 65535 || p.tilesPerBlock < 0)
     return cudaErrorInvalidValue;
   const auto s = static_cast<cudaStream_t>(stream);
   if (fused)

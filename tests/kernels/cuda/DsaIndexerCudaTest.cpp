@@ -81,8 +81,7 @@ IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int 
                       const std::vector<int32_t> &positions, const std::vector<int32_t> &sequences,
                       int maxKeys, int topK, bool fused = false, bool mxfp8Queries = false,
                       cuda::IndexerParams::ScoreKernel scoreKernel =
-                          cuda::IndexerParams::ScoreKernel::Auto,
-                      int blocksPerSm = 0, int tilesPerBlock = 0) {
+                          cuda::IndexerParams::ScoreKernel::Auto) {
   const int rows = int(positions.size());
   DeviceBuffer<float> dQ(q), dW(w), dScores{std::vector<float>(size_t(rows) * maxKeys, 0.0f)};
   DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
@@ -110,8 +109,6 @@ IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int 
   p.topK = topK;
   p.indices = dIndices.data;
   p.selectWorkspace = fused ? nullptr : dSelect.data;
-  p.blocksPerSm = blocksPerSm;
-  p.tilesPerBlock = tilesPerBlock;
   EXPECT_EQ(cuda::indexerPageBytes(type, p.pageTokens, dim), paged.layout.indexPageBytes());
   EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), 0);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -127,9 +124,6 @@ struct IndexerCase {
   bool mxfp8Queries = false; // queries rounded to MXFP8 as the policy leaves them
   // Which scores: with mxfp8Queries, Auto is the warpgroup form; Fp8 the E4M3 mma.sync form.
   cuda::IndexerParams::ScoreKernel scoreKernel = cuda::IndexerParams::ScoreKernel::Auto;
-  // The warpgroup form's occupancy (0 the default, 4: three-stage ring, 5: two-stage) and tiles
-  // a block scores (0 the default: at these small sizes mostly one, so the ring never wraps).
-  int blocksPerSm = 0, tilesPerBlock = 0;
 };
 
 class DsaIndexerCuda : public testing::TestWithParam<IndexerCase> {};
@@ -163,7 +157,7 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
 
   const IndexerRun run = runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences,
                                     maxKeys, c.topK, /*fused=*/false, c.mxfp8Queries,
-                                    c.scoreKernel, c.blocksPerSm, c.tilesPerBlock);
+                                    c.scoreKernel);
   const std::vector<float> &scores = run.scores;
   const std::vector<int32_t> &indices = run.indices;
   // The fused form computes the same scores (bf16 MMAs: the FP8 ones may differ in the last bits)
@@ -241,18 +235,6 @@ INSTANTIATE_TEST_SUITE_P(
         IndexerCase{"v32_mxfp8_warpgroup", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {1, 2100, 4133}, 3, true},
         IndexerCase{"v32_fp8_per_key_warpgroup", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2, true},
         IndexerCase{"tiny_mxfp8_warpgroup", IndexKeyType::Mxfp8, 20, 64, 64, 32, {1, 17, 100, 300}, 5, true},
-        // Both occupancies of the warpgroup form with blocks of several tiles (7: each ring wraps
-        // and the last block of a row is partial; 3 with 64-dim keys, 5-tile rows).
-        IndexerCase{"v32_mxfp8_warpgroup_4blocks_7tiles", IndexKeyType::Mxfp8, 64, 128, 64, 2048,
-                    {1, 2100, 4133}, 3, true, cuda::IndexerParams::ScoreKernel::Auto, 4, 7},
-        IndexerCase{"v32_mxfp8_warpgroup_5blocks_7tiles", IndexKeyType::Mxfp8, 64, 128, 64, 2048,
-                    {1, 2100, 4133}, 3, true, cuda::IndexerParams::ScoreKernel::Auto, 5, 7},
-        IndexerCase{"v32_mxfp8_warpgroup_5blocks", IndexKeyType::Mxfp8, 64, 128, 64, 2048,
-                    {1, 2100, 4133}, 3, true, cuda::IndexerParams::ScoreKernel::Auto, 5},
-        IndexerCase{"v32_fp8_per_key_warpgroup_5blocks_7tiles", IndexKeyType::Fp8PerKey, 64, 128,
-                    64, 512, {3000}, 2, true, cuda::IndexerParams::ScoreKernel::Auto, 5, 7},
-        IndexerCase{"tiny_mxfp8_warpgroup_5blocks_3tiles", IndexKeyType::Mxfp8, 20, 64, 64, 32,
-                    {1, 17, 100, 300}, 5, true, cuda::IndexerParams::ScoreKernel::Auto, 5, 3},
         IndexerCase{"v32_mxfp8_fp8mma", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {1, 2100, 4133}, 3, true,
                     cuda::IndexerParams::ScoreKernel::Fp8},
         IndexerCase{"v32_fp8_per_key_fp8mma", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2, true,
@@ -303,41 +285,6 @@ TEST(DsaIndexerCudaTies, LowestPositionsWin) {
 
 TEST(DsaIndexerCudaErrors, RejectsBadShapes) {
   cuda::IndexerParams p; // nothing set
-  EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), int(cudaErrorInvalidValue));
-}
-
-// Occupancies the kernels are not built for are refused before anything runs (the pointers are
-// never read: no device needed).
-TEST(DsaIndexerCudaErrors, RejectsOccupanciesNotBuilt) {
-  static float floats[1];
-  static int32_t ints[1];
-  static unsigned char bytes[1];
-  cuda::IndexerParams p;
-  p.rows = 1;
-  p.heads = 64;
-  p.headDim = 128;
-  p.q = p.headWeights = floats;
-  p.mxfp8Queries = true;
-  p.positions = p.sequences = p.blockTables = ints;
-  p.keyPages = bytes;
-  p.keyType = IndexKeyType::Mxfp8;
-  p.pageTokens = 64;
-  p.maxPages = 1;
-  p.scores = floats;
-  p.maxKeys = 64;
-  p.topK = 8;
-  p.indices = ints;
-  p.selectWorkspace = bytes;
-  for (int32_t blocks : {-1, 1, 3, 6}) {
-    p.blocksPerSm = blocks;
-    EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), int(cudaErrorInvalidValue)) << blocks;
-  }
-  // 5 is the warpgroup scores' alone: not the bf16 mma.sync form, nor fp32 keys.
-  p.blocksPerSm = 5;
-  p.scoreKernel = cuda::IndexerParams::ScoreKernel::Bf16;
-  EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), int(cudaErrorInvalidValue));
-  p.scoreKernel = cuda::IndexerParams::ScoreKernel::Auto;
-  p.keyType = IndexKeyType::F32;
   EXPECT_EQ(cuda::launchIndexerTopK(p, nullptr), int(cudaErrorInvalidValue));
 }
 

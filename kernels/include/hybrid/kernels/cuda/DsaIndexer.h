@@ -61,16 +61,10 @@ struct IndexerParams {
   // The unfused tensor-core scores' 64-key tiles per block (a tuned configuration, kernels/
   // KernelTuning.h); 0: the default, about one wave of blocks on the GPU.
   int32_t tilesPerBlock = 0;
-  // The warpgroup scores' resident blocks an SM (a tuned configuration): 4 (a three-stage copy
-  // ring) or 5 (a two-stage ring, fewer registers); 0: kIndexerWarpgroupBlocksPerSm. The default
-  // tiles per block count a wave at this occupancy. The other score kernels take 0 or 4.
-  int32_t blocksPerSm = 0;
 };
 
 // Keys per tile of the tensor-core score kernels (IndexerParams::tilesPerBlock counts these).
 inline constexpr int kIndexerTileKeys = 64;
-// The warpgroup scores kernel's default occupancy (IndexerParams::blocksPerSm 0): 4 or 5.
-inline constexpr int kIndexerWarpgroupBlocksPerSm = 4;
 
 // Whether the fused form takes these keys: FP8 keys, and maxKeys whose scores fit the shared
 // memory of a cluster of 16 blocks (about 600K keys on H200). Queries the current device.
