@@ -585,7 +585,7 @@ Status CudaExecutor::Impl::runDsaIndexer(const fb::Program &program, unsigned ch
   const size_t scoreBytes = alignUp(static_cast<size_t>(chunk * maxKeys) * sizeof(float));
   if (scoreBytes + kc::indexerSelectWorkspaceBytes(static_cast<int32_t>(chunk),
                                                    static_cast<int32_t>(maxKeys)) >
-      attentionWorkspaceBytes)
+      r.sizes.attentionWorkspaceBytes)
     return Status::error("indexer workspace larger than planned at load");
   for (int64_t first = 0; first < T; first += chunk) {
     kc::IndexerParams s;
@@ -652,7 +652,8 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
     return Status::error("input " + std::to_string(ownInputs) + " (gathered cache rows) holds " +
                          std::to_string(valueOf(program, d.inputs()->Get(ownInputs)).row_elements()) +
                          " values per row, the attention makes " + std::to_string(rkv + dr));
-  if (static_cast<size_t>(mlaScratchFloats(*p, std::max<int64_t>({1, T, written}))) > scratchFloats)
+  if (static_cast<size_t>(mlaScratchFloats(*p, std::max<int64_t>({1, T, written}))) >
+      r.sizes.scratchFloats)
     return Status::error("MLA scratch larger than planned at load");
   float *next = r.scratch;
   auto carve = [&](int64_t floats) {
@@ -763,7 +764,7 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
       s.out = latentOut;
       s.workspace = r.attentionWorkspace;
       if (kc::sparseMlaWorkspaceBytes(rowsNow, s.heads, s.latentDim, s.topK) >
-          attentionWorkspaceBytes)
+          r.sizes.attentionWorkspaceBytes)
         return Status::error("sparse MLA workspace larger than planned at load");
       applyTuning(s);
       LAUNCH_RETURN_IF_ERROR(kc::launchSparseMlaDecode(s, r.stream), "sparse MLA");

@@ -196,7 +196,7 @@ Status CudaExecutor::Impl::runAllGatherRows(const fb::Program &program, unsigned
   const int64_t slots = input.rows() == fb::ValueRows::ContextChunks ? 2
                         : p->tail_rows() > 0                          ? 2 * int64_t(p->tail_rows())
                                                                       : s.longest;
-  if (static_cast<size_t>(gatherScratchFloats(s.size, slots, width)) > scratchFloats)
+  if (static_cast<size_t>(gatherScratchFloats(s.size, slots, width)) > r.sizes.scratchFloats)
     return Status::error("row gather scratch larger than planned at load");
   if (input.rows() == fb::ValueRows::ContextChunks) {
     // Each rank's two chunk rows (chunks rank and 2 cp - 1 - rank), into chunk order.
@@ -350,7 +350,7 @@ Status CudaExecutor::Impl::runKdaContext(const fb::Program &program, unsigned ch
   HYBRID_RETURN_IF_ERROR(host.states->stateOffset(p->state_slot(), host.stateSlot).status());
   size_t floats = 0, workspaceBytes = 0;
   kdaContextScratch(d, T, floats, workspaceBytes);
-  if (workspaceBytes > kdaWorkspaceBytes)
+  if (workspaceBytes > r.sizes.kdaWorkspaceBytes)
     return Status::error("KDA context workspace larger than planned at load");
 
   // The projections of this rank's rows (runKda's), then the chunks' conv histories.
@@ -358,7 +358,7 @@ Status CudaExecutor::Impl::runKdaContext(const fb::Program &program, unsigned ch
   // The two chunks' histories packed, as the kernels' [sequences, 3, n, P].
   float *histories = projected.next, *afterHistory = histories + pad(2 * 3 * n * P);
   float *chunkStates = afterHistory + pad(3 * n * P);
-  if (static_cast<size_t>(chunkStates + 2 * pad(transition) - r.scratch) > scratchFloats)
+  if (static_cast<size_t>(chunkStates + 2 * pad(transition) - r.scratch) > r.sizes.scratchFloats)
     return Status::error("KDA context scratch larger than planned at load");
   kc::KdaLayerCall call = layerCall(d, host.stateSlot);
   const float *convBefore = call.convState; // the slot's history before the step
@@ -487,7 +487,7 @@ Status CudaExecutor::Impl::runMlaCacheRows(const fb::Program &program, unsigned 
                          " values per row, the cache rows are " + std::to_string(rkv + dr));
   if (T == 0)
     return Status::ok();
-  if (static_cast<size_t>(pad(T * (rkv + dr)) + pad(T * rkv) + pad(T * dr)) > scratchFloats)
+  if (static_cast<size_t>(pad(T * (rkv + dr)) + pad(T * rkv) + pad(T * dr)) > r.sizes.scratchFloats)
     return Status::error("MLA cache-row scratch larger than planned at load");
   float *kvA = r.scratch, *latent = kvA + pad(T * (rkv + dr)), *rope = latent + pad(T * rkv);
   const int64_t dModel = in.row_elements();

@@ -113,15 +113,15 @@ Status CudaExecutor::Impl::gemm(StreamResources &r, const float *x, int64_t xStr
     q.yStride = yStride;
     q.activationScale = fp8ActivationScale;
     q.scratch = r.fp8Scratch;
-    if (kc::linearFp8ScratchBytes(rows, in, out) > fp8ScratchBytes)
+    if (kc::linearFp8ScratchBytes(rows, in, out) > r.sizes.fp8ScratchBytes)
       return Status::error("FP8 GEMM of " + std::to_string(rows) + "x" + std::to_string(in) +
                            "x" + std::to_string(out) + " is larger than the scratch planned at load");
     LAUNCH_RETURN_IF_ERROR(r.linear.runFp8(q, r.stream),
                            ("FP8 GEMM with '" + w->name()->str() + "'").c_str());
     return Status::ok();
   }
-  if (static_cast<size_t>(rows * in) > xBf16Elements ||
-      static_cast<size_t>(rows * out) > gemmOutputs)
+  if (static_cast<size_t>(rows * in) > r.sizes.xBf16Elements ||
+      static_cast<size_t>(rows * out) > r.sizes.gemmOutputs)
     return Status::error("GEMM of " + std::to_string(rows) + "x" + std::to_string(in) + "x" +
                          std::to_string(out) + " is larger than the scratch planned at load");
   LAUNCH_RETURN_IF_ERROR(r.linear.run(p, r.stream), ("GEMM with '" + w->name()->str() + "'").c_str());
@@ -135,8 +135,8 @@ Status CudaExecutor::Impl::gemmGroup(StreamResources &r, std::span<const GemmCal
   for (size_t i = 0; i < calls.size() && grouped; ++i) {
     const GemmCall &c = calls[i];
     grouped = weightTypes[static_cast<size_t>(c.weightIndex)] == fb::DType::BF16 &&
-              static_cast<size_t>(rows * c.in) <= xBf16Elements &&
-              static_cast<size_t>(rows * c.out) <= gemmOutputs;
+              static_cast<size_t>(rows * c.in) <= r.sizes.xBf16Elements &&
+              static_cast<size_t>(rows * c.out) <= r.sizes.gemmOutputs;
     kc::LinearParams &p = members[i];
     p.rows = rows;
     p.in = c.in;
@@ -330,7 +330,7 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
     step.stateIndices = rowSlots;
     step.workspace = r.kdaWorkspace;
     applyTuning(step); // the fused or split path tuned for this batch, if any
-    if (kc::kdaDecodeWorkspaceBytes(step) > kdaWorkspaceBytes)
+    if (kc::kdaDecodeWorkspaceBytes(step) > r.sizes.kdaWorkspaceBytes)
       return Status::error("KDA decode workspace larger than planned at load");
     LAUNCH_RETURN_IF_ERROR(kc::launchKdaFusedDecode(step, r.stream), "KDA decode step");
   } else {
@@ -358,7 +358,7 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
       prefill.tokens = static_cast<int32_t>(segments[i].rows);
       prefill.workspace = r.kdaWorkspace;
       prefill.path = kdaPrefillPath;
-      if (kc::kdaPrefillWorkspaceBytes(prefill) > kdaWorkspaceBytes)
+      if (kc::kdaPrefillWorkspaceBytes(prefill) > r.sizes.kdaWorkspaceBytes)
         return Status::error("KDA prefill workspace larger than planned at load");
       LAUNCH_RETURN_IF_ERROR(kc::launchKdaPrefill(prefill, r.stream), "KDA prefill");
       first += segments[i].rows;
@@ -688,6 +688,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       dir + ": context parallelism"));
   lap(timings.kvPoolsSeconds);
   std::string report;
+  std::map<int32_t, ScratchSizes> streamNeeds; // by the plan's stream index
+  ScratchSizes streamZeroNeeds, expertStreamNeeds;
   for (const fb::Program *program : impl->programs) {
     const int64_t rows = std::max<int64_t>(1, program->max_tokens());
     std::vector<const fb::Dispatch *> &kvWriters = impl->kvWriters.emplace_back();
@@ -728,6 +730,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         continue;
       }
       ++gpu[kernelName(d->kernel())];
+      impl->resetPreparedSizes(); // this dispatch's needs, folded into its stream's below
       if (d->weights())
         for (int32_t index : *d->weights())
           if (index >= 0 && impl->fp8GemmWeight(index))
@@ -861,6 +864,16 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       impl->scratchFloats = std::max(impl->scratchFloats, floats);
       impl->xBf16Elements = std::max(impl->xBf16Elements, static_cast<size_t>(rows) * xWidth);
       impl->gemmOutputs = std::max(impl->gemmOutputs, static_cast<size_t>(rows) * outWidth);
+      const ScratchSizes needs = impl->preparedSizes();
+      streamNeeds[std::max(0, d->stream())].include(needs);
+      // A rollback replays KDA prefills on stream 0 (replayKdaLog); an expert exchange runs
+      // its chunks' experts on the expert stream (CudaMoeAllToAll.cpp).
+      if (d->kernel() == fb::KernelId::KdaChunkPrefill ||
+          d->kernel() == fb::KernelId::KdaContextSummary ||
+          d->kernel() == fb::KernelId::KdaRecurrentDecode)
+        streamZeroNeeds.include(needs);
+      if (d->kernel() == fb::KernelId::MoeExperts && d->params_as_MoeParams()->all_to_all())
+        expertStreamNeeds.include(needs);
     }
     std::vector<StepRun> &runs = impl->runs.emplace_back();
     for (size_t i = 0; i < program->steps()->size(); ++i) {
@@ -908,32 +921,50 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   const size_t cuSeqlensOffset = bytes; // a pair per segment: at most one segment per row
   bytes += alignUp(2 * static_cast<size_t>(maxRows) * sizeof(int32_t));
   const size_t halves = impl->splitGemmInputs ? 2 : 1;
-  const size_t perStream = alignUp(std::max<size_t>(1, impl->xBf16Elements) * 2 * halves) +
-                           alignUp(std::max<size_t>(1, impl->gemmOutputs) * 4 * halves) +
-                           alignUp(std::max<size_t>(1, impl->scratchFloats) * sizeof(float)) +
-                           alignUp(std::max<size_t>(1, impl->kdaWorkspaceBytes)) +
-                           alignUp(std::max<size_t>(1, impl->fp8ScratchBytes)) +
-                           alignUp(std::max<size_t>(1, impl->attentionWorkspaceBytes));
-  const size_t streamsOffset = bytes;
-  // The plan's streams, then the expert stream of an all_to_all exchange (CudaMoeAllToAll.cpp).
+  // Each stream's region holds what its own dispatches need (streamOf: the plan's index modulo
+  // the streams), then the expert stream of an all_to_all exchange (CudaMoeAllToAll.cpp).
   const size_t poolStreams = static_cast<size_t>(maxStreams) + (impl->needsExpertStream ? 1 : 0);
-  bytes += perStream * poolStreams;
+  std::vector<ScratchSizes> streamSizes(poolStreams);
+  for (const auto &[stream, needs] : streamNeeds)
+    streamSizes[static_cast<size_t>(stream % maxStreams)].include(needs);
+  streamSizes[0].include(streamZeroNeeds);
+  if (impl->needsExpertStream)
+    streamSizes.back().include(expertStreamNeeds);
+  auto regionBytes = [halves](const ScratchSizes &z) {
+    return alignUp(std::max<size_t>(1, z.xBf16Elements) * 2 * halves) +
+           alignUp(std::max<size_t>(1, z.gemmOutputs) * 4 * halves) +
+           alignUp(std::max<size_t>(1, z.scratchFloats) * sizeof(float)) +
+           alignUp(std::max<size_t>(1, z.kdaWorkspaceBytes)) +
+           alignUp(std::max<size_t>(1, z.fp8ScratchBytes)) +
+           alignUp(std::max<size_t>(1, z.attentionWorkspaceBytes));
+  };
+  const size_t streamsOffset = bytes;
+  std::vector<size_t> streamOffsets;
+  for (const ScratchSizes &z : streamSizes) {
+    streamOffsets.push_back(bytes);
+    bytes += regionBytes(z);
+  }
   // What the bytes are, so that an out-of-memory error says which part grew.
   auto gb = [](size_t part) {
     char text[32];
     std::snprintf(text, sizeof text, "%.2f GB", double(part) / 1e9);
     return std::string(text);
   };
-  const std::string poolParts =
-      std::to_string(bytes) + " bytes: arenas " + gb(stateRegionOffset) + ", recurrent states " +
-      gb(streamsOffset - stateRegionOffset) + ", " + std::to_string(poolStreams) +
-      " streams x " + gb(perStream) + " (gemm operands " +
-      gb(std::max<size_t>(1, impl->xBf16Elements) * 2 * halves +
-         std::max<size_t>(1, impl->gemmOutputs) * 4 * halves) +
-      ", scratch " + gb(impl->scratchFloats * sizeof(float)) + ", KDA workspace " +
-      gb(impl->kdaWorkspaceBytes) + ", FP8 scratch " + gb(impl->fp8ScratchBytes) +
-      ", attention workspace " + gb(impl->attentionWorkspaceBytes) + ")";
+  std::string poolParts = std::to_string(bytes) + " bytes: arenas " + gb(stateRegionOffset) +
+                          ", recurrent states " + gb(streamsOffset - stateRegionOffset);
+  for (size_t s = 0; s < poolStreams; ++s) {
+    const ScratchSizes &z = streamSizes[s];
+    poolParts += ", " + std::string(s == static_cast<size_t>(maxStreams) ? "expert stream "
+                                                                          : "stream ") +
+                 (s == static_cast<size_t>(maxStreams) ? "" : std::to_string(s) + " ") +
+                 gb(regionBytes(z)) + " (gemm operands " +
+                 gb(z.xBf16Elements * 2 * halves + z.gemmOutputs * 4 * halves) + ", scratch " +
+                 gb(z.scratchFloats * sizeof(float)) + ", KDA workspace " +
+                 gb(z.kdaWorkspaceBytes) + ", FP8 scratch " + gb(z.fp8ScratchBytes) +
+                 ", attention workspace " + gb(z.attentionWorkspaceBytes) + ")";
+  }
   CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->pool, bytes), "device pools (" + poolParts + ")");
+  report += "cuda device pools: " + poolParts + "\n";
   CUDA_RETURN_IF_ERROR(cudaMemset(impl->pool, 0, bytes), "device pools");
   for (size_t offset : arenaOffsets)
     impl->arenas.push_back(impl->pool + offset);
@@ -953,17 +984,19 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       impl->streams.push_back(std::move(resources));
     CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking), "streams");
     LAUNCH_RETURN_IF_ERROR(r.linear.init(), "cuBLASLt");
-    unsigned char *base = impl->pool + streamsOffset + perStream * s;
+    const ScratchSizes &z = streamSizes[s];
+    r.sizes = z;
+    unsigned char *base = impl->pool + streamOffsets[s];
     r.xBf16 = base;
-    base += alignUp(std::max<size_t>(1, impl->xBf16Elements) * 2 * halves);
+    base += alignUp(std::max<size_t>(1, z.xBf16Elements) * 2 * halves);
     r.splitOutput = reinterpret_cast<float *>(base);
-    base += alignUp(std::max<size_t>(1, impl->gemmOutputs) * 4 * halves);
+    base += alignUp(std::max<size_t>(1, z.gemmOutputs) * 4 * halves);
     r.scratch = reinterpret_cast<float *>(base);
-    base += alignUp(std::max<size_t>(1, impl->scratchFloats) * sizeof(float));
+    base += alignUp(std::max<size_t>(1, z.scratchFloats) * sizeof(float));
     r.kdaWorkspace = base;
-    base += alignUp(std::max<size_t>(1, impl->kdaWorkspaceBytes));
+    base += alignUp(std::max<size_t>(1, z.kdaWorkspaceBytes));
     r.fp8Scratch = base;
-    base += alignUp(std::max<size_t>(1, impl->fp8ScratchBytes));
+    base += alignUp(std::max<size_t>(1, z.fp8ScratchBytes));
     r.attentionWorkspace = base;
   }
   impl->events.resize(static_cast<size_t>(maxEvents));
@@ -1193,7 +1226,7 @@ Status CudaExecutor::replayKdaLog(int32_t slot, int64_t tokens, int64_t firstRow
     prefill.tokens = static_cast<int32_t>(tokens);
     prefill.workspace = r.kdaWorkspace;
     prefill.path = impl.kdaPrefillPath;
-    if (kc::kdaPrefillWorkspaceBytes(prefill) > impl.kdaWorkspaceBytes)
+    if (kc::kdaPrefillWorkspaceBytes(prefill) > r.sizes.kdaWorkspaceBytes)
       return Status::error("KDA replay workspace larger than planned at load");
     LAUNCH_RETURN_IF_ERROR(kc::launchKdaPrefill(prefill, r.stream), "KDA replay");
   }

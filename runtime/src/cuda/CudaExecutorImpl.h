@@ -96,8 +96,25 @@ inline Status uploadFloats(const std::vector<float> &values, float *&device,
 
 // Per stream: its own cuBLASLt workspace and scratch, so steps on different streams never share
 // a buffer.
+// The sizes of a stream's buffers: the largest any dispatch it runs asks for (CudaExecutor::load
+// sizes each stream for its own dispatches: a side stream of small MLPs does not carry the
+// attention's or KDA's gigabytes).
+struct ScratchSizes {
+  size_t xBf16Elements = 0, gemmOutputs = 0, scratchFloats = 0, kdaWorkspaceBytes = 0,
+         fp8ScratchBytes = 0, attentionWorkspaceBytes = 0;
+  void include(const ScratchSizes &other) {
+    xBf16Elements = std::max(xBf16Elements, other.xBf16Elements);
+    gemmOutputs = std::max(gemmOutputs, other.gemmOutputs);
+    scratchFloats = std::max(scratchFloats, other.scratchFloats);
+    kdaWorkspaceBytes = std::max(kdaWorkspaceBytes, other.kdaWorkspaceBytes);
+    fp8ScratchBytes = std::max(fp8ScratchBytes, other.fp8ScratchBytes);
+    attentionWorkspaceBytes = std::max(attentionWorkspaceBytes, other.attentionWorkspaceBytes);
+  }
+};
+
 struct StreamResources {
   cudaStream_t stream = nullptr;
+  ScratchSizes sizes; // of the buffers below
   kc::LinearContext linear;
   void *xBf16 = nullptr; // GEMM inputs in bf16 (both halves when split)
   float *splitOutput = nullptr; // the two halves' products of a split GEMM
@@ -186,7 +203,18 @@ struct CudaExecutor::Impl {
   std::vector<std::unique_ptr<StreamResources>> streams;
   std::vector<cudaEvent_t> events;
   std::set<const fb::Dispatch *> onCpu;
+  // While load prepares a dispatch: the scratch sizes it needs (the prepare functions raise
+  // them; load reset them before each dispatch and folds them into its stream's sizes). At run
+  // time a dispatch checks its stream's StreamResources::sizes instead.
   size_t scratchFloats = 0, xBf16Elements = 0, kdaWorkspaceBytes = 0, gemmOutputs = 0;
+  ScratchSizes preparedSizes() const {
+    return {xBf16Elements,    gemmOutputs,     scratchFloats,
+            kdaWorkspaceBytes, fp8ScratchBytes, attentionWorkspaceBytes};
+  }
+  void resetPreparedSizes() {
+    scratchFloats = xBf16Elements = kdaWorkspaceBytes = gemmOutputs = 0;
+    fp8ScratchBytes = attentionWorkspaceBytes = 0;
+  }
   bool splitGemmInputs = true;
   kc::KdaPrefillPath kdaPrefillPath = kc::KdaPrefillPath::Auto;
   int64_t *pinnedTokens = nullptr; // token ids staged for an asynchronous upload

@@ -184,7 +184,7 @@ Status CudaExecutor::Impl::runRouter(const fb::Program &program, unsigned char *
   const fb::MoeParams *p = d.params_as_MoeParams();
   const fb::Value &in = valueOf(program, d.inputs()->Get(0));
   const int64_t T = host.rows, E = p->num_experts(), hidden = in.row_elements();
-  if (static_cast<size_t>(pad(T * E)) > scratchFloats)
+  if (static_cast<size_t>(pad(T * E)) > r.sizes.scratchFloats)
     return Status::error("router scratch larger than planned at load");
   float *logits = r.scratch;
   HYBRID_RETURN_IF_ERROR(gemm(r, reinterpret_cast<const float *>(arena + in.arena_offset()), hidden,
@@ -301,7 +301,7 @@ Status CudaExecutor::Impl::runMoeExperts(const fb::Program &program, unsigned ch
   m.out = reinterpret_cast<float *>(arena + valueOf(program, d.outputs()->Get(0)).arena_offset());
   m.workspace = r.scratch;
   const MoeForm form = moeForm(m, host, m.perTokenMaxPairs);
-  return launchMoeForm(d, m, form, scratchFloats * sizeof(float), r);
+  return launchMoeForm(d, m, form, r.sizes.scratchFloats * sizeof(float), r);
 }
 
 // The host-grouped form: the chosen experts come to the host, each expert runs once on its
@@ -360,7 +360,7 @@ Status CudaExecutor::Impl::runHostGroupedExperts(const fb::Dispatch &d,
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(out, 0, static_cast<size_t>(T * hidden) * sizeof(float),
                                        r.stream),
                        "MoE output");
-  if (static_cast<size_t>(2 * pad(most * hidden) + 2 * pad(most * inner)) > scratchFloats)
+  if (static_cast<size_t>(2 * pad(most * hidden) + 2 * pad(most * inner)) > r.sizes.scratchFloats)
     return Status::error("MoE scratch larger than planned at load");
   float *gathered = r.scratch, *gate = gathered + pad(most * hidden), *up = gate + pad(most * inner);
   float *result = up + pad(most * inner);
