@@ -449,15 +449,12 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
     for (int64_t context : o.bench.contexts) {
       maxBatch = std::max(maxBatch, batch);
       maxContext = std::max(maxContext, context);
-      // Shared prompt: one context's pages (the kept prefix's, shared), and per sequence its
-      // last partial block, copied pages and decode rows.
+      // Shared prompt: per sequence its last partial block, copied pages and decode rows (the
+      // model adds a full context of pages per kept prefix, LoadOptions::prefixCacheEntries).
       const int64_t perSequence = o.bench.sharedPrompt ? o.bench.decodeSteps + 2 + 3 * 64
                                                        : context + o.bench.decodeSteps + 2 + 64;
-      kvTokens = std::max(kvTokens, batch * perSequence);
+      kvTokens = std::max(kvTokens, batch * perSequence); // kept prompts: pages of their own
     }
-  if (o.bench.sharedPrompt) // and the kept prompts' pages
-    for (int64_t context : std::set<int64_t>(o.bench.contexts.begin(), o.bench.contexts.end()))
-      kvTokens += context + 64;
   if (o.bench.sharedPrompt) { // each context's prompt kept for all its rows
     const std::set<int64_t> distinct(o.bench.contexts.begin(), o.bench.contexts.end());
     o.load.prefixCacheEntries =
