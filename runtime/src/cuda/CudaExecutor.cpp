@@ -485,7 +485,7 @@ Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *a
   case fb::KernelId::LmHead: {
     const int64_t in = width(d.inputs()->Get(0)), out = width(d.outputs()->Get(0));
     if (d.inputs()->size() == 1)
-      return gemm(r, input(0), in, role(0), output(0), out, rows, in, out);
+      return gemmInRowChunks(r, input(0), in, role(0), output(0), out, rows, in, out);
     // W [a | b] over rows [a | b] gathered into scratch: one GEMM whatever the weight's dtype
     // (FP8 block scales could not be split at an arbitrary column).
     const int64_t inB = width(d.inputs()->Get(1)), joined = in + inB;
@@ -497,7 +497,7 @@ Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *a
                                            inB * sizeof(float), inB * sizeof(float), rows,
                                            cudaMemcpyDeviceToDevice, r.stream),
                          "two-input linear gather");
-    return gemm(r, r.scratch, joined, role(0), output(0), out, rows, joined, out);
+    return gemmInRowChunks(r, r.scratch, joined, role(0), output(0), out, rows, joined, out);
   }
   case fb::KernelId::Mlp: {
     const int64_t dModel = width(d.inputs()->Get(0)), inner = weightRows(role(0));
@@ -741,6 +741,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         impl->gpuStateLayers.insert(d->params_as_KdaParams()->state_slot());
       auto role = [&](int index) { return d->weights()->Get(index); };
       size_t floats = 0, xWidth = 0, outWidth = 0;
+      int64_t gemmRows = rows; // the rows of the dispatch's largest GEMM
       switch (d->kernel()) {
       case fb::KernelId::RmsNorm:
       case fb::KernelId::AddRmsNorm:
@@ -750,6 +751,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       case fb::KernelId::LmHead:
         xWidth = width(d->inputs()->Get(0));
         outWidth = width(d->outputs()->Get(0));
+        gemmRows = Impl::gemmChunkRows(rows, static_cast<int64_t>(outWidth));
         if (d->inputs()->size() == 2) { // gathered into scratch first
           xWidth += width(d->inputs()->Get(1));
           floats = static_cast<size_t>(rows) * xWidth;
@@ -862,8 +864,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         break;
       }
       impl->scratchFloats = std::max(impl->scratchFloats, floats);
-      impl->xBf16Elements = std::max(impl->xBf16Elements, static_cast<size_t>(rows) * xWidth);
-      impl->gemmOutputs = std::max(impl->gemmOutputs, static_cast<size_t>(rows) * outWidth);
+      impl->xBf16Elements = std::max(impl->xBf16Elements, static_cast<size_t>(gemmRows) * xWidth);
+      impl->gemmOutputs = std::max(impl->gemmOutputs, static_cast<size_t>(gemmRows) * outWidth);
       const ScratchSizes needs = impl->preparedSizes();
       streamNeeds[std::max(0, d->stream())].include(needs);
       // A rollback replays KDA prefills on stream 0 (replayKdaLog); an expert exchange runs

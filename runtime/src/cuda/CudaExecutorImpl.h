@@ -377,6 +377,24 @@ struct CudaExecutor::Impl {
                   const cpu::StepContext &host);
   Status runKda(const fb::Program &program, unsigned char *arena, const fb::Dispatch &dispatch,
                 StreamResources &resources, const cpu::StepContext &host);
+  // A linear dispatch's GEMM in chunks of gemmChunkRows rows: its bf16 operands and split
+  // products stay within kGemmChunkOutputFloats per half however many rows a prefill has (the
+  // LM head's 8192 x 163,840 outputs took 10.7 GB of stream scratch in one GEMM).
+  static constexpr int64_t kGemmChunkOutputFloats = int64_t(64) << 20;
+  static int64_t gemmChunkRows(int64_t rows, int64_t out) {
+    return std::clamp<int64_t>(kGemmChunkOutputFloats / std::max<int64_t>(1, out), 1,
+                               std::max<int64_t>(1, rows));
+  }
+  Status gemmInRowChunks(StreamResources &resources, const float *x, int64_t xStride,
+                         int32_t weightIndex, float *y, int64_t yStride, int64_t rows,
+                         int64_t in, int64_t out) {
+    const int64_t chunk = gemmChunkRows(rows, out);
+    for (int64_t first = 0; first < rows; first += chunk)
+      HYBRID_RETURN_IF_ERROR(gemm(resources, x + first * xStride, xStride, weightIndex,
+                                  y + first * yStride, yStride, std::min(chunk, rows - first),
+                                  in, out));
+    return Status::ok();
+  }
   Status gemm(StreamResources &resources, const float *x, int64_t xStride, int32_t weightIndex,
               float *y, int64_t yStride, int64_t rows, int64_t in, int64_t out);
   // One GEMM of a group (gemm's arguments but the shared rows).
