@@ -95,16 +95,46 @@ int LinearContext::completeAlgorithm(Algorithm &algorithm, int operandType, cons
                                        &alignments[2], sizeof(uint32_t));
   cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                        &alignments[2], sizeof(uint32_t));
+  // Batch-invariant: the heuristic asked about the reference row count, its pick checked for
+  // this one.
+  cublasLtMatrixLayout_t referenceX = nullptr, referenceY = nullptr;
+  const bool reference = batchInvariantRows_ > 0 && batchInvariantRows_ != rows;
+  if (reference) {
+    if (int code = cublasCode(
+            cublasLtMatrixLayoutCreate(&referenceX, type, in, batchInvariantRows_, in))) {
+      cublasLtMatmulPreferenceDestroy(preference);
+      return code;
+    }
+    if (int code = cublasCode(cublasLtMatrixLayoutCreate(&referenceY, CUDA_R_32F, out,
+                                                          batchInvariantRows_, yStride))) {
+      cublasLtMatrixLayoutDestroy(referenceX);
+      cublasLtMatmulPreferenceDestroy(preference);
+      return code;
+    }
+  }
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      static_cast<cublasLtHandle_t>(handle_), algorithm.operation, algorithm.weight, algorithm.x,
-      algorithm.y, algorithm.y, preference, 1, &heuristic, &found);
+  cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      static_cast<cublasLtHandle_t>(handle_), algorithm.operation, algorithm.weight,
+      reference ? referenceX : algorithm.x, reference ? referenceY : algorithm.y,
+      reference ? referenceY : algorithm.y, preference, 1, &heuristic, &found);
   cublasLtMatmulPreferenceDestroy(preference);
+  if (reference) {
+    cublasLtMatrixLayoutDestroy(referenceY);
+    cublasLtMatrixLayoutDestroy(referenceX);
+  }
   if (status != CUBLAS_STATUS_SUCCESS)
     return cublasCode(status);
   if (found == 0)
     return kCublasBase + int(CUBLAS_STATUS_NOT_SUPPORTED);
+  if (reference) {
+    cublasLtMatmulHeuristicResult_t checked{};
+    status = cublasLtMatmulAlgoCheck(static_cast<cublasLtHandle_t>(handle_), algorithm.operation,
+                                     algorithm.weight, algorithm.x, algorithm.y, algorithm.y,
+                                     &heuristic.algo, &checked);
+    if (status != CUBLAS_STATUS_SUCCESS || checked.workspaceSize > workspaceBytes_)
+      return kCublasBase + int(CUBLAS_STATUS_NOT_SUPPORTED);
+  }
   algorithm.algorithm = heuristic.algo;
   return 0;
 }

@@ -9,9 +9,12 @@
 #include <cuda_runtime.h>
 
 #include <bit>
+#include <cstdio>
 #include <iterator>
 #include <memory>
+#include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace hybrid::kernels {
@@ -215,6 +218,70 @@ INSTANTIATE_TEST_SUITE_P(Groups, LinearCudaGroup,
                            return std::to_string(c.rows) + "rows" + (c.split ? "_split" : "") +
                                   (c.otherIn % 8 ? "_in" + std::to_string(c.otherIn) : "");
                          });
+
+// Batch invariance (LinearContext::setBatchInvariantRows): the first rows of a call give the
+// same bits whether 32, 40 or 160 rows share it, as a decode step of B rows and a verification
+// pass of B x (k + 1) rows must (issue 9); bf16 and split inputs, Kimi-Linear's projection
+// shapes. The heuristic's own pick per row count is what the default does; whether it differs
+// is printed, not asserted (it may or may not on a given cuBLASLt).
+TEST(LinearCudaBatchInvariance, RowsGiveTheSameBitsWhateverTheRowsOfTheCall) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  constexpr int64_t kMostRows = 160;
+  for (const auto [in, out] : {std::pair<int64_t, int64_t>{2304, 4096}, {4096, 2304}})
+    for (const bool split : {false, true}) {
+      std::mt19937 rng(int(in + out + split));
+      const std::vector<float> x = random(size_t(kMostRows * in), rng, 1.0f);
+      const std::vector<float> weight = roundedToBf16(random(size_t(out * in), rng, 0.05f));
+      DeviceBuffer<float> dX(x);
+      DeviceBuffer<uint16_t> dW(bf16Bits(weight));
+      DeviceBuffer<uint16_t> scratch(std::vector<uint16_t>(size_t(2 * kMostRows * in)));
+      DeviceBuffer<float> splitOutput(std::vector<float>(size_t(2 * kMostRows * out)));
+      auto firstRows = [&](cuda::LinearContext &context, int64_t rows, int64_t kept) {
+        DeviceBuffer<float> dY(std::vector<float>(size_t(rows * out), 0.0f));
+        cuda::LinearParams p;
+        p.rows = rows;
+        p.in = in;
+        p.out = out;
+        p.x = dX.data;
+        p.weight = dW.data;
+        p.y = dY.data;
+        p.xScratch = scratch.data;
+        p.splitInput = split;
+        p.splitOutput = splitOutput.data;
+        const int code = context.run(p, nullptr);
+        EXPECT_EQ(code, 0) << cuda::linearErrorText(code);
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        std::vector<float> y = dY.download();
+        y.resize(size_t(kept * out));
+        return y;
+      };
+      const std::string what = std::to_string(in) + " -> " + std::to_string(out) +
+                               (split ? ", split input" : ", bf16 input");
+      cuda::LinearContext invariant, heuristic;
+      ASSERT_EQ(invariant.init(), 0);
+      ASSERT_EQ(heuristic.init(), 0);
+      invariant.setBatchInvariantRows(256);
+      const std::vector<float> at32 = firstRows(invariant, 32, 32);
+      for (const int64_t rows : {int64_t(40), kMostRows}) {
+        const std::vector<float> more = firstRows(invariant, rows, 32);
+        size_t differing = 0;
+        for (size_t i = 0; i < at32.size(); ++i)
+          differing += std::bit_cast<uint32_t>(at32[i]) != std::bit_cast<uint32_t>(more[i]);
+        EXPECT_EQ(differing, 0u) << what << ": the first 32 rows of a " << rows << "-row call";
+        const std::vector<float> plain32 = firstRows(heuristic, 32, 32);
+        const std::vector<float> plainMore = firstRows(heuristic, rows, 32);
+        size_t plainDiffering = 0;
+        for (size_t i = 0; i < plain32.size(); ++i)
+          plainDiffering +=
+              std::bit_cast<uint32_t>(plain32[i]) != std::bit_cast<uint32_t>(plainMore[i]);
+        std::printf("%s, 32 vs %lld rows: %zu of %zu outputs differ with the heuristic's pick per "
+                    "row count, %zu with one algorithm\n",
+                    what.c_str(), static_cast<long long>(rows), plainDiffering, plain32.size(),
+                    differing);
+      }
+    }
+}
 
 TEST(LinearCudaErrors, RejectsBadGroups) {
   cuda::LinearContext context;
