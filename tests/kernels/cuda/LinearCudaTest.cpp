@@ -256,6 +256,12 @@ TEST(LinearCudaBatchInvariance, RowsGiveTheSameBitsWhateverTheRowsOfTheCall) {
         y.resize(size_t(kept * out));
         return y;
       };
+      auto differingBits = [](const std::vector<float> &a, const std::vector<float> &b) {
+        size_t count = 0;
+        for (size_t i = 0; i < a.size(); ++i)
+          count += std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i]);
+        return count;
+      };
       const std::string what = std::to_string(in) + " -> " + std::to_string(out) +
                                (split ? ", split input" : ", bf16 input");
       cuda::LinearContext invariant, heuristic;
@@ -264,17 +270,10 @@ TEST(LinearCudaBatchInvariance, RowsGiveTheSameBitsWhateverTheRowsOfTheCall) {
       invariant.setBatchInvariantRows(256);
       const std::vector<float> at32 = firstRows(invariant, 32, 32);
       for (const int64_t rows : {int64_t(40), kMostRows}) {
-        const std::vector<float> more = firstRows(invariant, rows, 32);
-        size_t differing = 0;
-        for (size_t i = 0; i < at32.size(); ++i)
-          differing += std::bit_cast<uint32_t>(at32[i]) != std::bit_cast<uint32_t>(more[i]);
+        const size_t differing = differingBits(at32, firstRows(invariant, rows, 32));
         EXPECT_EQ(differing, 0u) << what << ": the first 32 rows of a " << rows << "-row call";
         const std::vector<float> plain32 = firstRows(heuristic, 32, 32);
-        const std::vector<float> plainMore = firstRows(heuristic, rows, 32);
-        size_t plainDiffering = 0;
-        for (size_t i = 0; i < plain32.size(); ++i)
-          plainDiffering +=
-              std::bit_cast<uint32_t>(plain32[i]) != std::bit_cast<uint32_t>(plainMore[i]);
+        const size_t plainDiffering = differingBits(plain32, firstRows(heuristic, rows, 32));
         std::printf("%s, 32 vs %lld rows: %zu of %zu outputs differ with the heuristic's pick per "
                     "row count, %zu with one algorithm\n",
                     what.c_str(), static_cast<long long>(rows), plainDiffering, plain32.size(),
