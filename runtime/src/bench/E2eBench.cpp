@@ -154,7 +154,6 @@ StatusOr<std::vector<E2eRow>> runE2e(Model &model, const E2eOptions &options,
                                " tokens: " + logits.status().message());
         return Status::ok();
       };
-      const auto prefillStart = std::chrono::steady_clock::now();
       if (options.sharedPrompt) {
         // The same prompt for every row of this context, so a later row finds it kept.
         std::mt19937_64 promptRng(options.seed + static_cast<uint64_t>(context));
@@ -196,6 +195,7 @@ StatusOr<std::vector<E2eRow>> runE2e(Model &model, const E2eOptions &options,
           HYBRID_RETURN_IF_ERROR(prefill(sequence, whole.subspan(kept)));
         }
       } else {
+        const auto prefillStart = std::chrono::steady_clock::now();
         for (int64_t i = 0; i < batch; ++i) {
           for (int64_t &id : prompt)
             id = token(rng);

@@ -298,10 +298,11 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
   case fb::KernelId::DsaIndexer: {
     const int64_t maxKeys = int64_t(maxPages) * pageTokens;
     const int64_t chunk = chunkRows(maxKeys, rows);
-    attentionWorkspaceBytes = std::max(
-        attentionWorkspaceBytes, alignUp(static_cast<size_t>(chunk * maxKeys) * sizeof(float)) +
-                                     kc::indexerSelectWorkspaceBytes(static_cast<int32_t>(chunk),
-                                                                  static_cast<int32_t>(maxKeys)));
+    prepared.attentionWorkspaceBytes =
+        std::max(prepared.attentionWorkspaceBytes,
+                 alignUp(static_cast<size_t>(chunk * maxKeys) * sizeof(float)) +
+                     kc::indexerSelectWorkspaceBytes(static_cast<int32_t>(chunk),
+                                                     static_cast<int32_t>(maxKeys)));
     return Status::ok();
   }
   default:
@@ -346,8 +347,8 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
     // As runMla launches it: the indexer's top-k, or (causal) every position a sequence holds.
     const int64_t topK = sparse ? static_cast<int64_t>(width(d.inputs()->Get(1))) : capacity;
     const int64_t chunk = mlaChunkRows(*p, rows, true, topK);
-    attentionWorkspaceBytes = std::max(
-        attentionWorkspaceBytes,
+    prepared.attentionWorkspaceBytes = std::max(
+        prepared.attentionWorkspaceBytes,
         kc::sparseMlaWorkspaceBytes(static_cast<int32_t>(chunk), static_cast<int32_t>(H),
                                     static_cast<int32_t>(rkv), static_cast<int32_t>(topK)));
   }
@@ -661,9 +662,10 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
     next += pad(floats);
     return start;
   };
-  const bool tensorCore = onTensorCoreKernel(sparse, kv, rkv, dr, int64_t(maxPages) * pageTokens);
-  const int64_t chunk = mlaChunkRows(*p, std::max<int64_t>(1, T), tensorCore,
-                                     sparse ? topK : int64_t(maxPages) * pageTokens);
+  // The positions a row may attend: the indexer's top-k, or (causal) a sequence's capacity.
+  const int64_t capacity = int64_t(maxPages) * pageTokens, positions = sparse ? topK : capacity;
+  const bool tensorCore = onTensorCoreKernel(sparse, kv, rkv, dr, capacity);
+  const int64_t chunk = mlaChunkRows(*p, std::max<int64_t>(1, T), tensorCore, positions);
   const int64_t cacheRows = std::max(T, written);
   float *kvA = carve(cacheRows * (rkv + dr)), *latent = carve(cacheRows * rkv);
   float *rope = carve(cacheRows * dr);
@@ -749,13 +751,11 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
       s.ropeDim = static_cast<int32_t>(dr);
       s.softmaxScale = p->softmax_scale();
       s.q = absorbed;
-      if (sparse) {
+      s.topK = static_cast<int32_t>(positions); // causal: the grid sized for a full sequence
+      if (sparse)
         s.indices = indices + first * topK;
-        s.topK = static_cast<int32_t>(topK);
-      } else { // causal: every position up to the row's, the grid sized for a full sequence
+      else // causal: every position up to the row's
         s.positions = rowPositions + first;
-        s.topK = maxPages * static_cast<int32_t>(pageTokens);
-      }
       s.sequences = rowSequences + first;
       s.latentPages = kv.latentPages;
       s.pageTokens = static_cast<int32_t>(pageTokens);

@@ -7,8 +7,10 @@
 #include "hybrid/kernels/ref/Quant.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
+#include <numeric>
 #include <optional>
 #include <vector>
 
@@ -178,7 +180,8 @@ Status CudaExecutor::Impl::prepareFp8Weight(int32_t index, int64_t rows,
                                             const HostWeights &hostWeights) {
   const fb::Weight *w = plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index));
   const int64_t out = w->shape()->Get(0), in = w->shape()->Get(1);
-  fp8ScratchBytes = std::max(fp8ScratchBytes, kc::linearFp8MaxScratchBytes(rows, in, out));
+  prepared.fp8ScratchBytes =
+      std::max(prepared.fp8ScratchBytes, kc::linearFp8MaxScratchBytes(rows, in, out));
   if (fp8WeightScales.count(index))
     return Status::ok();
   const int64_t blockRows = (out + kc::kFp8BlockSize - 1) / kc::kFp8BlockSize;
@@ -730,7 +733,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         continue;
       }
       ++gpu[kernelName(d->kernel())];
-      impl->resetPreparedSizes(); // this dispatch's needs, folded into its stream's below
+      impl->prepared = {}; // this dispatch's needs, folded into its stream's below
       if (d->weights())
         for (int32_t index : *d->weights())
           if (index >= 0 && impl->fp8GemmWeight(index))
@@ -803,11 +806,11 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
         // up at run time): its workspace, which is at least the Auto choice's.
         if (d->kernel() == fb::KernelId::KdaRecurrentDecode)
           step.path = kc::KdaDecodePath::Split;
-        impl->kdaWorkspaceBytes = std::max({impl->kdaWorkspaceBytes,
-                                            kc::kdaPrefillWorkspaceBytes(prefill),
-                                            kc::kdaDecodeWorkspaceBytes(step)});
+        impl->prepared.kdaWorkspaceBytes =
+            std::max({impl->prepared.kdaWorkspaceBytes, kc::kdaPrefillWorkspaceBytes(prefill),
+                      kc::kdaDecodeWorkspaceBytes(step)});
         if (d->kernel() == fb::KernelId::KdaContextSummary || d->inputs()->size() == 3)
-          impl->kdaContextScratch(*d, rows, floats, impl->kdaWorkspaceBytes);
+          impl->kdaContextScratch(*d, rows, floats, impl->prepared.kdaWorkspaceBytes);
         break;
       }
       case fb::KernelId::AllGatherRows: { // this rank's rows out, every context rank's in
@@ -863,10 +866,10 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
           kvWriters.push_back(d);
         break;
       }
-      impl->scratchFloats = std::max(impl->scratchFloats, floats);
-      impl->xBf16Elements = std::max(impl->xBf16Elements, static_cast<size_t>(gemmRows) * xWidth);
-      impl->gemmOutputs = std::max(impl->gemmOutputs, static_cast<size_t>(gemmRows) * outWidth);
-      const ScratchSizes needs = impl->preparedSizes();
+      ScratchSizes &needs = impl->prepared;
+      needs.scratchFloats = std::max(needs.scratchFloats, floats);
+      needs.xBf16Elements = std::max(needs.xBf16Elements, static_cast<size_t>(gemmRows) * xWidth);
+      needs.gemmOutputs = std::max(needs.gemmOutputs, static_cast<size_t>(gemmRows) * outWidth);
       streamNeeds[std::max(0, d->stream())].include(needs);
       // A rollback replays KDA prefills on stream 0 (replayKdaLog); an expert exchange runs
       // its chunks' experts on the expert stream (CudaMoeAllToAll.cpp).
@@ -932,13 +935,19 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   streamSizes[0].include(streamZeroNeeds);
   if (impl->needsExpertStream)
     streamSizes.back().include(expertStreamNeeds);
-  auto regionBytes = [halves](const ScratchSizes &z) {
-    return alignUp(std::max<size_t>(1, z.xBf16Elements) * 2 * halves) +
-           alignUp(std::max<size_t>(1, z.gemmOutputs) * 4 * halves) +
-           alignUp(std::max<size_t>(1, z.scratchFloats) * sizeof(float)) +
-           alignUp(std::max<size_t>(1, z.kdaWorkspaceBytes)) +
-           alignUp(std::max<size_t>(1, z.fp8ScratchBytes)) +
-           alignUp(std::max<size_t>(1, z.attentionWorkspaceBytes));
+  // A stream region's parts in order, each 256-byte aligned: bf16 GEMM operands, split
+  // products, scratch, KDA workspace, FP8 scratch, attention workspace (sized and carved alike).
+  auto regionParts = [halves](const ScratchSizes &z) {
+    return std::array<size_t, 6>{alignUp(std::max<size_t>(1, z.xBf16Elements) * 2 * halves),
+                                 alignUp(std::max<size_t>(1, z.gemmOutputs) * 4 * halves),
+                                 alignUp(std::max<size_t>(1, z.scratchFloats) * sizeof(float)),
+                                 alignUp(std::max<size_t>(1, z.kdaWorkspaceBytes)),
+                                 alignUp(std::max<size_t>(1, z.fp8ScratchBytes)),
+                                 alignUp(std::max<size_t>(1, z.attentionWorkspaceBytes))};
+  };
+  auto regionBytes = [&](const ScratchSizes &z) {
+    const std::array<size_t, 6> parts = regionParts(z);
+    return std::accumulate(parts.begin(), parts.end(), size_t{0});
   };
   const size_t streamsOffset = bytes;
   std::vector<size_t> streamOffsets;
@@ -955,15 +964,13 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   std::string poolParts = std::to_string(bytes) + " bytes: arenas " + gb(stateRegionOffset) +
                           ", recurrent states " + gb(streamsOffset - stateRegionOffset);
   for (size_t s = 0; s < poolStreams; ++s) {
-    const ScratchSizes &z = streamSizes[s];
-    poolParts += ", " + std::string(s == static_cast<size_t>(maxStreams) ? "expert stream "
-                                                                          : "stream ") +
+    const std::array<size_t, 6> parts = regionParts(streamSizes[s]);
+    poolParts += ", " +
+                 std::string(s == static_cast<size_t>(maxStreams) ? "expert stream " : "stream ") +
                  (s == static_cast<size_t>(maxStreams) ? "" : std::to_string(s) + " ") +
-                 gb(regionBytes(z)) + " (gemm operands " +
-                 gb(z.xBf16Elements * 2 * halves + z.gemmOutputs * 4 * halves) + ", scratch " +
-                 gb(z.scratchFloats * sizeof(float)) + ", KDA workspace " +
-                 gb(z.kdaWorkspaceBytes) + ", FP8 scratch " + gb(z.fp8ScratchBytes) +
-                 ", attention workspace " + gb(z.attentionWorkspaceBytes) + ")";
+                 gb(regionBytes(streamSizes[s])) + " (gemm operands " + gb(parts[0] + parts[1]) +
+                 ", scratch " + gb(parts[2]) + ", KDA workspace " + gb(parts[3]) +
+                 ", FP8 scratch " + gb(parts[4]) + ", attention workspace " + gb(parts[5]) + ")";
   }
   CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->pool, bytes), "device pools (" + poolParts + ")");
   report += "cuda device pools: " + poolParts + "\n";
@@ -986,20 +993,18 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       impl->streams.push_back(std::move(resources));
     CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking), "streams");
     LAUNCH_RETURN_IF_ERROR(r.linear.init(), "cuBLASLt");
-    const ScratchSizes &z = streamSizes[s];
-    r.sizes = z;
-    unsigned char *base = impl->pool + streamOffsets[s];
-    r.xBf16 = base;
-    base += alignUp(std::max<size_t>(1, z.xBf16Elements) * 2 * halves);
-    r.splitOutput = reinterpret_cast<float *>(base);
-    base += alignUp(std::max<size_t>(1, z.gemmOutputs) * 4 * halves);
-    r.scratch = reinterpret_cast<float *>(base);
-    base += alignUp(std::max<size_t>(1, z.scratchFloats) * sizeof(float));
-    r.kdaWorkspace = base;
-    base += alignUp(std::max<size_t>(1, z.kdaWorkspaceBytes));
-    r.fp8Scratch = base;
-    base += alignUp(std::max<size_t>(1, z.fp8ScratchBytes));
-    r.attentionWorkspace = base;
+    r.sizes = streamSizes[s];
+    const std::array<size_t, 6> parts = regionParts(r.sizes);
+    unsigned char *part[6];
+    part[0] = impl->pool + streamOffsets[s];
+    for (size_t i = 1; i < parts.size(); ++i)
+      part[i] = part[i - 1] + parts[i - 1];
+    r.xBf16 = part[0];
+    r.splitOutput = reinterpret_cast<float *>(part[1]);
+    r.scratch = reinterpret_cast<float *>(part[2]);
+    r.kdaWorkspace = part[3];
+    r.fp8Scratch = part[4];
+    r.attentionWorkspace = part[5];
   }
   impl->events.resize(static_cast<size_t>(maxEvents));
   impl->joinEvents.resize(static_cast<size_t>(maxStreams));

@@ -167,7 +167,6 @@ struct CudaExecutor::Impl {
   // and how their GEMMs quantize activations (the plan's fp8_activation_scale).
   std::map<int32_t, float *> fp8WeightScales;
   kc::Fp8ActivationScale fp8ActivationScale = kc::Fp8ActivationScale::DeepSeekLinear;
-  size_t fp8ScratchBytes = 0;
   std::map<const fb::Dispatch *, float *> kdaConvTaps; // [3, P, W]: q, k, v taps together
   unsigned char *pool = nullptr;                   // the one allocation of everything else
   std::vector<unsigned char *> arenas;             // per program
@@ -204,17 +203,9 @@ struct CudaExecutor::Impl {
   std::vector<cudaEvent_t> events;
   std::set<const fb::Dispatch *> onCpu;
   // While load prepares a dispatch: the scratch sizes it needs (the prepare functions raise
-  // them; load reset them before each dispatch and folds them into its stream's sizes). At run
+  // them; load resets them before each dispatch and folds them into its stream's sizes). At run
   // time a dispatch checks its stream's StreamResources::sizes instead.
-  size_t scratchFloats = 0, xBf16Elements = 0, kdaWorkspaceBytes = 0, gemmOutputs = 0;
-  ScratchSizes preparedSizes() const {
-    return {xBf16Elements,    gemmOutputs,     scratchFloats,
-            kdaWorkspaceBytes, fp8ScratchBytes, attentionWorkspaceBytes};
-  }
-  void resetPreparedSizes() {
-    scratchFloats = xBf16Elements = kdaWorkspaceBytes = gemmOutputs = 0;
-    fp8ScratchBytes = attentionWorkspaceBytes = 0;
-  }
+  ScratchSizes prepared;
   bool splitGemmInputs = true;
   kc::KdaPrefillPath kdaPrefillPath = kc::KdaPrefillPath::Auto;
   int64_t *pinnedTokens = nullptr; // token ids staged for an asynchronous upload
@@ -475,7 +466,6 @@ struct CudaExecutor::Impl {
   }
   std::map<const fb::Dispatch *, float *> ropeFrequencies; // per dispatch that rotates
   std::map<int32_t, void *> kvBWeights; // FP8 kv_b_proj weights, dequantized to fp32 at load
-  size_t attentionWorkspaceBytes = 0;
   // Kernel configurations tuned for this GPU, looked up per launch shape (CudaTuning.cpp).
   std::unique_ptr<kernels::tuning::TuningTable> tuning;
   // LoadOptions::tuningCache opened for this GPU.

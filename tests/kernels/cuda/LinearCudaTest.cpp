@@ -282,15 +282,21 @@ TEST(LinearCudaBatchInvariance, RowsGiveTheSameBitsWhateverTheRowsOfTheCall) {
     }
 }
 
-TEST(LinearCudaErrors, RejectsBadGroups) {
-  cuda::LinearContext context;
+// One row of `in` x 4 over a dummy buffer: a problem the checks judge before touching memory.
+cuda::LinearParams oneRowParams(int64_t in, float &dummy) {
   cuda::LinearParams p;
-  float dummy = 0;
   p.rows = 1;
-  p.in = 8;
+  p.in = in;
   p.out = 4;
   p.x = p.y = &dummy;
   p.weight = p.xScratch = &dummy;
+  return p;
+}
+
+TEST(LinearCudaErrors, RejectsBadGroups) {
+  cuda::LinearContext context;
+  float dummy = 0;
+  cuda::LinearParams p = oneRowParams(8, dummy);
   EXPECT_EQ(context.runGroup(&p, 1, nullptr), int(cudaErrorInvalidValue)) << "not initialized";
   if (!gpuPresent())
     GTEST_SKIP() << "no CUDA device";
@@ -303,13 +309,8 @@ TEST(LinearCudaErrors, RejectsBadGroups) {
 
 TEST(LinearCudaErrors, RejectsBadShapesAndUninitializedContext) {
   cuda::LinearContext context;
-  cuda::LinearParams p;
   float dummy = 0;
-  p.rows = 1;
-  p.in = 4;
-  p.out = 4;
-  p.x = p.y = &dummy;
-  p.weight = p.xScratch = &dummy;
+  cuda::LinearParams p = oneRowParams(4, dummy);
   EXPECT_EQ(context.run(p, nullptr), int(cudaErrorInvalidValue)) << "not initialized";
   if (!gpuPresent())
     GTEST_SKIP() << "no CUDA device";
