@@ -949,6 +949,9 @@ int main(int argc, char **argv) {
                    "cuda: KDA prefill kernel of the verification passes: auto, chunked (bf16 "
                    "operands: near-ties may flip against fp32 decode steps) or recurrent")
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
+  spec->add_flag("--batch-invariant", specOptions.load.batchInvariant,
+                 "cuda: batch-invariant kernels (LoadOptions::batchInvariant): verification "
+                 "passes give a row the bits its decode step would");
   bool specNoGraphs = false, specNoPrefillGraphs = false;
   spec->add_flag("--no-cuda-graphs", specNoGraphs,
                  "cuda: launch every kernel of every call (decode steps and verification passes)");
@@ -997,6 +1000,8 @@ int main(int argc, char **argv) {
       ->check(CLI::PositiveNumber);
   e2eCommand->add_option("--kda-prefill", e2e.load.kdaPrefill, "cuda: auto, chunked or recurrent")
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
+  e2eCommand->add_flag("--batch-invariant", e2e.load.batchInvariant,
+                       "cuda: batch-invariant kernels (LoadOptions::batchInvariant)");
   e2eCommand->add_flag("--no-cuda-graphs", e2eNoGraphs,
                        "cuda: launch every kernel each step (decode and short prefill calls)");
   e2eCommand->add_flag("--skip-collectives", e2e.skipCollectives,

@@ -115,6 +115,10 @@ int main(int argc, char **argv) {
                  "(bf16 tensor cores) or recurrent (fp32)")
       ->default_val("auto")
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
+  app.add_flag("--batch-invariant", load.batchInvariant,
+               "cuda: a row's results do not depend on the rows sharing its call (a sequence's "
+               "tokens the same at any batch, with or without speculation); slower at small "
+               "batches");
   app.add_flag("--kda-bf16-state", load.kdaBf16State,
                "cuda: keep the KDA recurrent states in bf16 (half the memory and traffic)");
   app.add_option("--tuning-cache", load.tuningCache,

@@ -49,6 +49,9 @@ int main(int argc, char **argv) {
                  "greedy requests only, sampled ones decode without drafts")
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
+  app.add_flag("--batch-invariant", load.batchInvariant,
+               "cuda: a request's tokens do not depend on the requests batched with it, nor on "
+               "--speculate (LoadOptions::batchInvariant); slower at small batches");
   std::string draftSource = "prompt-lookup";
   app.add_option("--draft", draftSource,
                  "Where --speculate's drafts come from: prompt-lookup or mtp (the model's "

@@ -981,7 +981,11 @@ template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, c
   const int tiles = (p.topK + S::kTileKeys - 1) / S::kTileKeys;
   static_assert(S::kTileKeys == sparseMlaTileKeys(S::kHeads),
                 "the header's tile size is the launched kernel's");
-  const int splits = p.splits > 0 ? p.splits : splitCount<S>(p, setup.multiprocessors);
+  SparseMlaDecodeParams oneRow = p;
+  oneRow.rows = 1;
+  const int splits = p.splits > 0
+                         ? p.splits
+                         : splitCount<S>(p.rowInvariantSplits ? oneRow : p, setup.multiprocessors);
   if (splits == 0)
     return cudaErrorInvalidValue; // top-k past sparseMlaMaxCausalPositions()
   const int tilesPerSplit = (tiles + splits - 1) / splits;

@@ -25,6 +25,14 @@ inline int alignmentOf(const void *pointer) {
   return alignment;
 }
 
+// The alignment an algorithm is chosen for: with batch invariance at most 16 bytes, so that a
+// row's algorithm does not depend on where the call's buffers happen to start (a decode step's
+// and a verification pass's arenas place a value at different offsets).
+inline int keyAlignment(const void *pointer, bool batchInvariant) {
+  const int alignment = alignmentOf(pointer);
+  return batchInvariant && alignment > 16 ? 16 : alignment;
+}
+
 struct LinearContext::Algorithm {
   cublasLtMatmulDesc_t operation = nullptr;
   cublasLtMatrixLayout_t weight = nullptr, x = nullptr, y = nullptr;

@@ -178,8 +178,8 @@ bool validLinear(const LinearParams &p) {
 
 // The decode-size kernel's problem for p (valid), if p has decode rows and the kernel takes it:
 // the fp32 x (split inputs approximate it) or bf16(x), instead of rounding + cuBLASLt + summing.
-bool asGemv(const LinearParams &p, GemvParams &gemv) {
-  if (p.rows > kGemvMaxRows)
+bool asGemv(const LinearParams &p, bool decodeKernel, GemvParams &gemv) {
+  if (!decodeKernel || p.rows > kGemvMaxRows)
     return false;
   gemv.rows = int32_t(p.rows);
   gemv.in = p.in;
@@ -206,7 +206,7 @@ int LinearContext::runGroup(const LinearParams *members, int count, void *stream
   GemvParams gemvs[kGemvMaxGroup];
   bool grouped = count <= kGemvMaxGroup;
   for (int m = 0; m < count && grouped; ++m)
-    grouped = asGemv(members[m], gemvs[m]);
+    grouped = asGemv(members[m], decodeKernel_, gemvs[m]);
   if (grouped && gemvGroupSupports(gemvs, count))
     return launchGemvGroup(gemvs, count, static_cast<cudaStream_t>(stream));
   for (int m = 0; m < count; ++m)
@@ -221,8 +221,22 @@ int LinearContext::run(const LinearParams &p, void *stream) {
   const int64_t yStride = p.yStride ? p.yStride : p.out;
   if (!handle_ || !validLinear(p))
     return cudaErrorInvalidValue;
+  if (batchInvariantRows_ > 0 && p.rows > batchInvariantRows_) {
+    // Calls of at most the reference rows: the algorithm picked for them (its split-K
+    // workspace included) is then valid for every call, and a row's sums never see its call's
+    // size.
+    for (int64_t first = 0; first < p.rows; first += batchInvariantRows_) {
+      LinearParams part = p;
+      part.rows = std::min(batchInvariantRows_, p.rows - first);
+      part.x = p.x + first * xStride;
+      part.y = p.y + first * yStride;
+      if (int code = run(part, stream))
+        return code;
+    }
+    return 0;
+  }
   auto cudaStream = static_cast<cudaStream_t>(stream);
-  if (GemvParams gemv; asGemv(p, gemv))
+  if (GemvParams gemv; asGemv(p, decodeKernel_, gemv))
     return launchGemv(gemv, cudaStream);
   const int64_t total = p.rows * p.in;
   const int threads = 256;
@@ -237,8 +251,9 @@ int LinearContext::run(const LinearParams &p, void *stream) {
   const int64_t gemmYStride = p.splitInput ? p.out : yStride;
   Algorithm *algorithm = nullptr;
   if (int code = algorithmFor(Key{gemmRows, p.in, p.out, weightStride, gemmYStride,
-                                  alignmentOf(p.weight), alignmentOf(p.xScratch),
-                                  alignmentOf(gemmY)},
+                                  keyAlignment(p.weight, batchInvariantRows_ > 0),
+                                  keyAlignment(p.xScratch, batchInvariantRows_ > 0),
+                                  keyAlignment(gemmY, batchInvariantRows_ > 0)},
                               algorithm))
     return code;
   const float alpha = 1.0f, beta = p.accumulate && !p.splitInput ? 1.0f : 0.0f;

@@ -224,6 +224,22 @@ int LinearContext::fp8AlgorithmFor(const Key &key, const void *weightScale, cons
 }
 
 int LinearContext::runFp8(const LinearFp8Params &p, void *stream) {
+  if (batchInvariantRows_ > 0 && p.rows > batchInvariantRows_) { // as run: reference-size calls
+    if (!handle_)
+      return cudaErrorInvalidValue;
+    if (int code = checkFp8Problem(p, true)) // nothing launched for a bad problem
+      return code;
+    const int64_t xStride = p.xStride ? p.xStride : p.in, yStride = p.yStride ? p.yStride : p.out;
+    for (int64_t first = 0; first < p.rows; first += batchInvariantRows_) {
+      LinearFp8Params part = p;
+      part.rows = std::min(batchInvariantRows_, p.rows - first);
+      part.x = p.x + first * xStride;
+      part.y = p.y + first * yStride;
+      if (int code = fp8Gemm(part, true, stream))
+        return code;
+    }
+    return 0;
+  }
   return fp8Gemm(p, true, stream);
 }
 
@@ -249,7 +265,9 @@ int LinearContext::fp8Gemm(const LinearFp8Params &p, bool quantize, void *stream
   // Looked up before any launch, so an unsupported shape leaves scratch and y untouched.
   Algorithm *algorithm = nullptr;
   if (int code = fp8AlgorithmFor(Key{paddedRows, p.in, p.out, weightStride, dStride,
-                                     alignmentOf(p.weight), alignmentOf(p.scratch), alignmentOf(d)},
+                                     keyAlignment(p.weight, batchInvariantRows_ > 0),
+                                     keyAlignment(p.scratch, batchInvariantRows_ > 0),
+                                     keyAlignment(d, batchInvariantRows_ > 0)},
                                  p.weightScale, xScale, algorithm))
     return code;
   // The scale tensors are per call (the cached descriptor keeps the last ones otherwise).

@@ -766,7 +766,10 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
       if (kc::sparseMlaWorkspaceBytes(rowsNow, s.heads, s.latentDim, s.topK) >
           r.sizes.attentionWorkspaceBytes)
         return Status::error("sparse MLA workspace larger than planned at load");
-      applyTuning(s);
+      if (batchInvariant)
+        s.rowInvariantSplits = true;
+      else
+        applyTuning(s);
       LAUNCH_RETURN_IF_ERROR(kc::launchSparseMlaDecode(s, r.stream), "sparse MLA");
     } else {
       kc::LatentAttentionParams a;

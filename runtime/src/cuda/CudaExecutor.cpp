@@ -332,7 +332,10 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
     step.convStateStride = static_cast<int64_t>(slotConvFloats);
     step.stateIndices = rowSlots;
     step.workspace = r.kdaWorkspace;
-    applyTuning(step); // the fused or split path tuned for this batch, if any
+    if (batchInvariant) // the path the verification passes' recurrent kernel sums like
+      step.path = kc::KdaDecodePath::Fused;
+    else
+      applyTuning(step); // the fused or split path tuned for this batch, if any
     if (kc::kdaDecodeWorkspaceBytes(step) > r.sizes.kdaWorkspaceBytes)
       return Status::error("KDA decode workspace larger than planned at load");
     LAUNCH_RETURN_IF_ERROR(kc::launchKdaFusedDecode(step, r.stream), "KDA decode step");
@@ -613,6 +616,7 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
   auto impl = std::make_unique<Impl>();
   impl->plan = &plan;
   impl->splitGemmInputs = !options.bf16GemmInputs;
+  impl->batchInvariant = options.batchInvariant;
   impl->communicator = options.communicator;
   // Collectives staged through the host synchronize the device mid-step: ranks sharing a GPU as
   // threads would do so while another rank's decode graph is being captured. Their decode steps
@@ -993,6 +997,10 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       impl->streams.push_back(std::move(resources));
     CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking), "streams");
     LAUNCH_RETURN_IF_ERROR(r.linear.init(), "cuBLASLt");
+    if (impl->batchInvariant) {
+      r.linear.setBatchInvariantRows(Impl::kBatchInvariantReferenceRows);
+      r.linear.setDecodeKernel(false);
+    }
     r.sizes = streamSizes[s];
     const std::array<size_t, 6> parts = regionParts(r.sizes);
     unsigned char *part[6];

@@ -207,6 +207,10 @@ struct CudaExecutor::Impl {
   // time a dispatch checks its stream's StreamResources::sizes instead.
   ScratchSizes prepared;
   bool splitGemmInputs = true;
+  // LoadOptions::batchInvariant: a row's arithmetic never depends on the rows sharing its call.
+  bool batchInvariant = false;
+  // The row count whose cuBLASLt algorithm every call of a shape then takes.
+  static constexpr int64_t kBatchInvariantReferenceRows = 64;
   kc::KdaPrefillPath kdaPrefillPath = kc::KdaPrefillPath::Auto;
   int64_t *pinnedTokens = nullptr; // token ids staged for an asynchronous upload
   // Decode steps that choose on the GPU: each row's sampling parameters (staged, then on the

@@ -248,6 +248,10 @@ CudaExecutor::Impl::MoeForm CudaExecutor::Impl::moeForm(const kc::MoeExpertsPara
   kc::MoeExpertsParams step = m;
   step.tokens = static_cast<int32_t>(formRows(host));
   if (kc::moeGroupedSupports(step)) {
+    if (batchInvariant) { // one form whatever the pairs: a token's sums never depend on them
+      perTokenMaxPairs = 0;
+      return MoeForm::TensorCores;
+    }
     applyTuning(step);
     perTokenMaxPairs = step.perTokenMaxPairs;
     return kc::moeLaunchesGrouped(step) ? MoeForm::TensorCores : MoeForm::PerToken;

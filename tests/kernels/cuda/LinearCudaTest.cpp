@@ -282,6 +282,56 @@ TEST(LinearCudaBatchInvariance, RowsGiveTheSameBitsWhateverTheRowsOfTheCall) {
     }
 }
 
+// With the decode-size kernel off as well (LoadOptions::batchInvariant), calls of 1, 5 and 8
+// rows (a batch-1 decode step, a 5-row verification pass) give their rows the bits a 160-row call
+// gives them: a sequence's tokens then come out the same whatever batch it decodes in.
+TEST(LinearCudaBatchInvariance, DecodeRowsOnTheSameAlgorithmGiveTheSameBits) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  constexpr int64_t kMostRows = 160, in = 2304, out = 4096;
+  for (const int64_t reference : {int64_t(64), int64_t(256)})
+    for (const bool split : {false, true}) {
+      std::mt19937 rng(int(reference + split));
+      const std::vector<float> x = random(size_t(kMostRows * in), rng, 1.0f);
+      const std::vector<float> weight = roundedToBf16(random(size_t(out * in), rng, 0.05f));
+      DeviceBuffer<float> dX(x);
+      DeviceBuffer<uint16_t> dW(bf16Bits(weight));
+      DeviceBuffer<uint16_t> scratch(std::vector<uint16_t>(size_t(2 * kMostRows * in)));
+      DeviceBuffer<float> splitOutput(std::vector<float>(size_t(2 * kMostRows * out)));
+      cuda::LinearContext context;
+      ASSERT_EQ(context.init(), 0);
+      context.setBatchInvariantRows(reference);
+      context.setDecodeKernel(false);
+      auto rowsOf = [&](int64_t rows) {
+        DeviceBuffer<float> dY(std::vector<float>(size_t(rows * out), 0.0f));
+        cuda::LinearParams p;
+        p.rows = rows;
+        p.in = in;
+        p.out = out;
+        p.x = dX.data;
+        p.weight = dW.data;
+        p.y = dY.data;
+        p.xScratch = scratch.data;
+        p.splitInput = split;
+        p.splitOutput = splitOutput.data;
+        const int code = context.run(p, nullptr);
+        EXPECT_EQ(code, 0) << cuda::linearErrorText(code);
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        return dY.download();
+      };
+      const std::vector<float> all = rowsOf(kMostRows);
+      for (const int64_t rows : {int64_t(1), int64_t(5), int64_t(8)}) {
+        const std::vector<float> few = rowsOf(rows);
+        size_t differing = 0;
+        for (size_t i = 0; i < few.size(); ++i)
+          differing += std::bit_cast<uint32_t>(few[i]) != std::bit_cast<uint32_t>(all[i]);
+        EXPECT_EQ(differing, 0u) << rows << " rows vs the first rows of " << kMostRows
+                                 << " (reference " << reference << " rows"
+                                 << (split ? ", split input)" : ", bf16 input)");
+      }
+    }
+}
+
 // One row of `in` x 4 over a dummy buffer: a problem the checks judge before touching memory.
 cuda::LinearParams oneRowParams(int64_t in, float &dummy) {
   cuda::LinearParams p;

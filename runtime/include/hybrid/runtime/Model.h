@@ -48,6 +48,16 @@ struct LoadOptions {
   // or "auto" (chunked where compiled, recurrent elsewhere). Comparisons with the fp32 oracle at
   // tight tolerances take "recurrent".
   std::string kdaPrefill = "auto";
+  // cuda device: a row's results do not depend on the rows that share its call, so that a
+  // sequence's greedy tokens are the same in a batch of 1 or 32, and in a decode step or a
+  // speculative verification pass (issue 9; docs/runtime.md): every linear layer on cuBLASLt with
+  // one algorithm per shape (no decode-size GEMV), bf16 MoE experts always in the grouped
+  // tensor-core form, MLA split counts from a row's positions alone, the fused KDA decode kernel;
+  // tuned configurations that change arithmetic are not used. Slower at small batches. Not yet
+  // covered: FP8 experts (per token up to 64 pairs, grouped on the host beyond) and the KDA
+  // prefill's chunked kernel (calls of more than 16 tokens a sequence; verification passes are
+  // shorter). The cpu device is batch-invariant already.
+  bool batchInvariant = false;
   // cuda device: replay the decode program's GPU steps as CUDA graphs, one per state slot and run
   // of consecutive GPU steps (the steps on the cpu reference split a program into such runs),
   // captured on a slot's first decode step. Off: every kernel is launched each step.

@@ -111,14 +111,19 @@ public:
   LinearContext &operator=(const LinearContext &) = delete;
 
   int init(size_t workspaceBytes = size_t(32) << 20);
-  // Batch invariance (issue 9, an experiment): with referenceRows > 0, every cuBLASLt GEMM of a
-  // shape takes the algorithm cuBLASLt's heuristic picks for referenceRows rows, whatever its own
-  // row count (validated for it by cublasLtMatmulAlgoCheck; a shape it does not fit returns
-  // 1000 + CUBLAS_STATUS_NOT_SUPPORTED), so that a row's sums need not depend on how many rows
-  // share the call. 0 (the default): the heuristic's pick for each row count. Set it before the
-  // first run: algorithms already chosen are kept. The decode-size kernel (rows <= 8) is not
-  // affected.
+  // Batch invariance (issue 9, LoadOptions::batchInvariant): with referenceRows > 0, every
+  // cuBLASLt GEMM of a shape takes the algorithm cuBLASLt's heuristic picks for referenceRows rows,
+  // whatever its own row count (validated for it by cublasLtMatmulAlgoCheck; a shape it does not
+  // fit returns 1000 + CUBLAS_STATUS_NOT_SUPPORTED), so that a row's sums need not depend on how
+  // many rows share the call. 0 (the default): the heuristic's pick for each row count. Set it
+  // before the first run: algorithms already chosen are kept. Larger calls run as calls of at
+  // most referenceRows rows (the pick's split-K workspace then fits every call; a prefill reads
+  // its weights once per such part). The decode-size kernel (rows <= 8) sums in its own order:
+  // setDecodeKernel(false) sends those rows to cuBLASLt too. runFp8Prequantized is not split.
   void setBatchInvariantRows(int64_t referenceRows) { batchInvariantRows_ = referenceRows; }
+  // false: calls of decode row counts run on cuBLASLt like larger ones (slower at 1-8 rows, but a
+  // row's bits then never depend on the call's row count).
+  void setDecodeKernel(bool enabled) { decodeKernel_ = enabled; }
   // Launches on `stream` (a cudaStream_t). Shapes must be positive, strides at least the row
   // widths; an invalid shape or a missing pointer returns cudaErrorInvalidValue (1).
   int run(const LinearParams &params, void *stream);
@@ -159,6 +164,7 @@ private:
   void *workspace_ = nullptr;
   size_t workspaceBytes_ = 0;
   int64_t batchInvariantRows_ = 0;
+  bool decodeKernel_ = true;
   std::map<Key, Algorithm *> algorithms_;
   std::map<Key, Algorithm *> fp8Algorithms_;
 };

@@ -44,6 +44,10 @@ struct SparseMlaDecodeParams {
   // kSparseMlaMaxPositionsPerBlock and at most the row's tiles (sparseMlaTileKeys); 0: the
   // default, a cost model of waves.
   int32_t splits = 0;
+  // With splits = 0: the count the cost model chooses for one row, whatever `rows` is, so that a
+  // row's sums (split order, positions per split) do not depend on the rows sharing its call
+  // (LoadOptions::batchInvariant: a decode step of 32 rows and a verification pass of 160).
+  bool rowInvariantSplits = false;
 };
 
 // The most positions one block holds, and the most blocks a row's positions are split over:
