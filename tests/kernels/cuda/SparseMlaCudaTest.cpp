@@ -3,7 +3,7 @@
 // ref::packLatentToken): DeepSeek-V3.2's 512 + 64 and the tiny model's 64 + 32; 128 and 16 heads
 // (a TP=8 shard) and counts that fill a block's 64, 32 or 16 heads partly; positions split over
 // blocks and not; top-k not a multiple of the tile, -1 padding, a row with no position; causal
-// rows past 64K positions.
+// rows past 64K positions; scales that are not powers of two (8 heads).
 // Labelled `gpu`; skipped without a GPU.
 #include "hybrid/kernels/cuda/SparseMla.h"
 #include "hybrid/kernels/ref/Mla.h"
@@ -23,6 +23,9 @@ struct SparseMlaCase {
   int latent, rope, heads, topK, pageTokens;
   std::vector<int> lengths; // one decode row per sequence
   bool causal = false;      // no indices: each row attends to all its positions (topK: capacity)
+  // Every third row's scales times 3 (not powers of two, as no packer writes them): the kernels'
+  // general conversion next to the bit moves.
+  bool oddScales = false;
 };
 
 class SparseMlaDecodeCuda : public testing::TestWithParam<SparseMlaCase> {};
@@ -64,6 +67,12 @@ TEST_P(SparseMlaDecodeCuda, MatchesReference) {
       const auto values = random(size_t(c.latent), rng, 1.0f);
       const auto ropeValues = random(size_t(c.rope), rng, 1.0f);
       ASSERT_TRUE(ref::packLatentToken(layout, page, s % c.pageTokens, values, ropeValues));
+      if (c.oddScales && s % 3 == 0) {
+        auto *scales = reinterpret_cast<float *>(
+            page.data() + layout.latentRowOffset(s % c.pageTokens) + c.latent);
+        for (int tile = 0; tile < (c.latent + 127) / 128; ++tile)
+          scales[tile] *= 3.0f;
+      }
       ASSERT_TRUE(ref::unpackLatentToken(
           layout, page, s % c.pageTokens,
           std::span<float>(latent).subspan(size_t(s) * c.latent, size_t(c.latent)),
@@ -169,6 +178,7 @@ INSTANTIATE_TEST_SUITE_P(
         SparseMlaCase{"v32_32_heads", 512, 64, 32, 300, 64, {400, 250}},
         // Enough blocks that the positions are not split (one block per row and 16 heads).
         SparseMlaCase{"v32_16_heads_unsplit", 512, 64, 16, 256, 64, std::vector<int>(270, 300)},
+        SparseMlaCase{"v32_8_heads_odd_scales", 512, 64, 8, 500, 64, {900, 450}, false, true},
         SparseMlaCase{"tiny_model", 64, 32, 4, 32, 16, {50, 1, 33, 7}},
         SparseMlaCase{"tiny_shape_48_heads", 64, 32, 48, 100, 16, {150, 33}},
         SparseMlaCase{"tiny_shape_20_heads", 64, 32, 20, 40, 16, {70, 2}},
