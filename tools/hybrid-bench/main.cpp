@@ -364,13 +364,14 @@ int runDsaSparseMla(const SparseMlaOptions &o, const RecordOptions &record) {
 // The routed experts of a decode step: each token's top-k experts' weights read once.
 struct MoeOptions {
   std::vector<int32_t> tokens = {1, 8, 64};
-  int32_t experts = 256, topK = 8, hidden = 2304, intermediate = 1024, iterations = 20;
+  int32_t experts = 256, topK = 8, hidden = 2304, intermediate = 1024, layers = 1,
+          iterations = 20;
 };
 
 int runMoe(const MoeOptions &o, const RecordOptions &record) {
   std::string error;
   const auto results = kc::benchMoeDecode(o.tokens, o.experts, o.topK, o.hidden, o.intermediate,
-                                          o.iterations, error);
+                                          o.layers, o.iterations, error);
   if (!error.empty()) {
     std::cerr << "error: moe: " << error << "\n";
     return 1;
@@ -385,13 +386,15 @@ int runMoe(const MoeOptions &o, const RecordOptions &record) {
     std::ostringstream json;
     json << "{\"kernel\": \"moe-experts\", \"tokens\": " << r.tokens << ", \"experts\": "
          << r.experts << ", \"top_k\": " << r.topK << ", \"hidden\": " << r.hidden
-         << ", \"intermediate\": " << r.intermediate << ", \"us\": " << r.microseconds
+         << ", \"intermediate\": " << r.intermediate << ", \"layers\": " << r.layers
+         << ", \"us\": " << r.microseconds
          << ", \"weight_bytes\": " << r.weightBytes << ", \"floor_us\": " << r.floorMicroseconds
          << ", \"target\": \"" << kc::moeTargetVerdict(r) << "\"}";
     rows.push_back({"moe-experts tokens=" + std::to_string(r.tokens) + " experts=" +
                         std::to_string(r.experts) + " top_k=" + std::to_string(r.topK) +
                         " hidden=" + std::to_string(r.hidden) +
-                        " intermediate=" + std::to_string(r.intermediate),
+                        " intermediate=" + std::to_string(r.intermediate) +
+                        (r.layers > 1 ? " layers=" + std::to_string(r.layers) : ""),
                     r.microseconds, json.str()});
   }
   return finishRecord(record, kc::benchDeviceName(), std::move(rows));
@@ -420,7 +423,8 @@ struct IndexerOptions {
 int runDsaIndexer(const IndexerOptions &, const RecordOptions &) { return noCuda("dsa-indexer"); }
 struct MoeOptions {
   std::vector<int32_t> tokens = {1, 8, 64};
-  int32_t experts = 256, topK = 8, hidden = 2304, intermediate = 1024, iterations = 20;
+  int32_t experts = 256, topK = 8, hidden = 2304, intermediate = 1024, layers = 1,
+          iterations = 20;
 };
 int runMoe(const MoeOptions &, const RecordOptions &) { return noCuda("moe"); }
 struct SparseMlaOptions {
@@ -869,6 +873,10 @@ int main(int argc, char **argv) {
   moeCommand->add_option("--hidden", moe.hidden, "Hidden size (even)")->check(CLI::Range(2, 16384));
   moeCommand->add_option("--intermediate", moe.intermediate, "Expert intermediate size (even)")
       ->check(CLI::Range(2, 16384));
+  moeCommand->add_option("--layers", moe.layers,
+                         "MoE layers per timed graph, each choosing its own experts (times per "
+                         "layer; more than one keeps a layer's experts from being L2 hits)")
+      ->check(CLI::Range(1, 64));
   moeCommand->add_option("--iterations", moe.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(moeCommand, record);

@@ -20,8 +20,8 @@ constexpr double kTargetTbPerSecond = 3.5;
 
 std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCounts,
                                            int32_t experts, int32_t topK, int32_t hidden,
-                                           int32_t intermediate, int32_t iterations,
-                                           std::string &error) {
+                                           int32_t intermediate, int32_t layers,
+                                           int32_t iterations, std::string &error) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     error = "no CUDA device";
@@ -69,57 +69,68 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
            *dDown = held.keep(pointerArray(down));
   std::vector<MoeBenchResult> results;
   for (int32_t tokens : tokenCounts) {
-    std::vector<int32_t> ids;
-    std::vector<float> routing;
-    std::set<int32_t> distinct;
-    for (int32_t t = 0; t < tokens; ++t) {
-      std::vector<int32_t> order(static_cast<size_t>(experts));
-      std::iota(order.begin(), order.end(), 0);
-      std::shuffle(order.begin(), order.end(), rng);
-      for (int32_t k = 0; k < topK; ++k) {
-        ids.push_back(order[size_t(k)]);
-        routing.push_back(1.0f / float(topK));
-        distinct.insert(order[size_t(k)]);
-      }
-    }
+    // Each layer its own random choice, input and output: a graph of several layers reads what
+    // a decode step's successive MoE layers read (other experts each layer), not the same
+    // experts again from L2.
     DeviceAllocations step; // this token count's buffers
-    int32_t *dIds = step.keep(deviceCopy(ids));
-    float *dRouting = step.keep(deviceCopy(routing));
-    float *x = step.keep(deviceRandom(size_t(tokens) * hidden, 1.0f, 0.0f, rng, error));
-    auto *out = step.allocate<float>(size_t(tokens) * hidden);
-    auto *workspace =
-        step.allocate<unsigned char>(moeExpertsWorkspaceBytes(tokens, topK, hidden, intermediate));
-    const bool ready = dIds && dRouting && x && dGate && dUp && dDown && out && workspace;
-    MoeExpertsParams p;
-    p.tokens = tokens;
-    p.hidden = hidden;
-    p.intermediate = intermediate;
-    p.experts = experts;
-    p.topK = topK;
-    p.x = x;
-    p.ids = dIds;
-    p.weights = dRouting;
-    p.gate = reinterpret_cast<const void *const *>(dGate);
-    p.up = reinterpret_cast<const void *const *>(dUp);
-    p.down = reinterpret_cast<const void *const *>(dDown);
-    p.type = WeightType::BF16;
-    p.out = out;
-    p.workspace = workspace;
+    std::vector<MoeExpertsParams> launches;
+    double distinctExperts = 0;
+    bool ready = dGate && dUp && dDown;
+    for (int32_t layer = 0; layer < layers && ready; ++layer) {
+      std::vector<int32_t> ids;
+      std::vector<float> routing;
+      std::set<int32_t> distinct;
+      for (int32_t t = 0; t < tokens; ++t) {
+        std::vector<int32_t> order(static_cast<size_t>(experts));
+        std::iota(order.begin(), order.end(), 0);
+        std::shuffle(order.begin(), order.end(), rng);
+        for (int32_t k = 0; k < topK; ++k) {
+          ids.push_back(order[size_t(k)]);
+          routing.push_back(1.0f / float(topK));
+          distinct.insert(order[size_t(k)]);
+        }
+      }
+      distinctExperts += double(distinct.size()) / layers;
+      MoeExpertsParams p;
+      p.tokens = tokens;
+      p.hidden = hidden;
+      p.intermediate = intermediate;
+      p.experts = experts;
+      p.topK = topK;
+      p.ids = step.keep(deviceCopy(ids));
+      p.weights = step.keep(deviceCopy(routing));
+      p.x = step.keep(deviceRandom(size_t(tokens) * hidden, 1.0f, 0.0f, rng, error));
+      p.gate = reinterpret_cast<const void *const *>(dGate);
+      p.up = reinterpret_cast<const void *const *>(dUp);
+      p.down = reinterpret_cast<const void *const *>(dDown);
+      p.type = WeightType::BF16;
+      p.out = step.allocate<float>(size_t(tokens) * hidden);
+      p.workspace = step.allocate<unsigned char>(
+          moeExpertsWorkspaceBytes(tokens, topK, hidden, intermediate));
+      ready = p.ids && p.weights && p.x && p.out && p.workspace;
+      launches.push_back(p);
+    }
     MoeBenchResult r;
     r.tokens = tokens;
     r.experts = experts;
     r.topK = topK;
     r.hidden = hidden;
     r.intermediate = intermediate;
-    r.microseconds =
-        ready ? graphMicroseconds(iterations,
-                                  [&](cudaStream_t s) { return launchMoeExpertsPerToken(p, s); })
-              : -1;
+    r.layers = layers;
+    r.microseconds = ready ? graphMicroseconds(iterations,
+                                               [&](cudaStream_t s) {
+                                                 for (const MoeExpertsParams &p : launches)
+                                                   if (int status = launchMoeExpertsPerToken(p, s))
+                                                     return status;
+                                                 return 0;
+                                               }) /
+                                 layers
+                           : -1;
     if (r.microseconds < 0) {
       error = "the MoE launch failed for " + std::to_string(tokens) + " tokens";
       break;
     }
-    r.weightBytes = double(distinct.size()) * 3.0 * double(matrix) * 2.0;
+    r.weightBytes = distinctExperts * 3.0 * double(matrix) * 2.0;
     r.floorMicroseconds = r.weightBytes / (kH200CopyTbPerSecond * 1e12) * 1e6;
     r.terabytesPerSecond = r.weightBytes / (r.microseconds * 1e-6) / 1e12;
     results.push_back(r);

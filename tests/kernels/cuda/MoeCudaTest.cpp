@@ -170,6 +170,58 @@ TEST(MoeExpertsCuda, PerTokenMatchesReference) {
     }
 }
 
+// The per-token form's outputs are the same bits run to run and whatever else the step holds:
+// a token alone (8 pairs) gives the bits it gets among 12 tokens (96 pairs), whatever the
+// workspace held before. Guards any kernel choice by the step's size (a decode-only form would
+// have to sum as the other does).
+TEST(MoeExpertsCuda, PerTokenIsDeterministicAndBatchInvariant) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(7);
+  const int tokens = 12, hidden = 768, inner = 256, experts = 16, topK = 8;
+  const std::vector<float> x = random(size_t(tokens) * hidden, rng, 1.0f);
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  for (int t = 0; t < tokens; ++t) {
+    std::vector<int32_t> order(static_cast<size_t>(experts));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int k = 0; k < topK; ++k) {
+      ids.push_back(order[size_t(k)]);
+      weights.push_back(0.05f + 0.1f * float(k));
+    }
+  }
+  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> matrices;
+  std::vector<uint64_t> pointers[3];
+  for (int m = 0; m < 3 * experts; ++m) {
+    matrices.push_back(std::make_unique<DeviceBuffer<uint16_t>>(
+        bf16Bits(random(size_t(hidden) * inner, rng, 0.05f))));
+    pointers[m % 3].push_back(reinterpret_cast<uint64_t>(matrices.back()->data));
+  }
+  DeviceBuffer<uint64_t> gate(pointers[0]), up(pointers[1]), down(pointers[2]);
+  DeviceBuffer<float> dX(x), dWeights(weights);
+  DeviceBuffer<int32_t> dIds(ids);
+  auto run = [&](int first, int count) {
+    DeviceBuffer<uint8_t> workspace{std::vector<uint8_t>(
+        cuda::moeExpertsWorkspaceBytes(count, topK, hidden, inner), uint8_t(0xA5))};
+    DeviceBuffer<float> out{std::vector<float>(size_t(count) * hidden, -3.0f)};
+    cuda::MoeExpertsParams p = expertsParams(
+        count, hidden, inner, experts, topK, dX.data + size_t(first) * hidden,
+        dIds.data + size_t(first) * topK, dWeights.data + size_t(first) * topK, gate.data, up.data,
+        down.data, workspace.data);
+    p.out = out.data;
+    EXPECT_EQ(cuda::launchMoeExpertsPerToken(p, nullptr), 0);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return out.download();
+  };
+  const std::vector<float> all = run(0, tokens);
+  EXPECT_EQ(run(0, tokens), all);
+  for (int t = 0; t < tokens; ++t)
+    EXPECT_EQ(run(t, 1), std::vector<float>(all.begin() + size_t(t) * hidden,
+                                            all.begin() + size_t(t + 1) * hidden))
+        << "token " << t;
+}
+
 // FP8 experts (DeepSeek-V3.2's): E4M3 codes with 128 x 128 block scales in the FP8 GEMM's padded
 // layout, each projection's input rounded to E4M3 per 128 values first, against ref::moeExperts
 // on the dequantized weights with the same activation rule.
