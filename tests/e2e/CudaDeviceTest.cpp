@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -718,6 +719,123 @@ TEST_P(CudaDeviceTest, BatchedPrefillAndVerificationMatchSingleSequencesAndTheCp
 // forwards to 2e-6.
 TEST(CudaDenseFp8Cache, BatchedPrefillAndVerificationMatchSingleSequencesAndTheCpu) {
   checkBatchedPrefillAndVerification("kimi_linear_tiny-fp8kv", /*decodeAgainstCpu=*/false);
+}
+
+// Floats of a and b whose bits differ (a size mismatch counts as every float of the longer).
+size_t differingBits(std::span<const float> a, std::span<const float> b) {
+  if (a.size() != b.size())
+    return std::max(a.size(), b.size());
+  size_t count = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    count += std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i]);
+  return count;
+}
+
+// LoadOptions::batchInvariant (issue 9): a row's logits have the same bits in a decode step of
+// three sequences, in a decode step alone, and in one verification pass over the three
+// sequences' drafts (the tokens the decode steps chose, so all accepted); after the pass
+// (rollback, KDA replay) states and KV rows are the decode steps' too, so the next steps agree
+// bit for bit. What keeps greedy tokens the same with and without speculation at any batch.
+void checkBatchInvariantVerification(const std::string &planDir) {
+  LoadOptions options;
+  options.device = "cuda";
+  options.batchInvariant = true;
+  options.maxSequences = 8;
+  auto model = Model::load(planDir, options);
+  if (noGpu(model))
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(model.isOk()) << model.status().message();
+  const int64_t vocab = (*model)->vocabSize();
+  const auto rowOf = [vocab](const std::vector<float> &logits, size_t row) {
+    return std::span<const float>(logits).subspan(row * size_t(vocab), size_t(vocab));
+  };
+  std::mt19937_64 random(31);
+  std::vector<std::vector<int64_t>> prompts;
+  for (size_t length : {size_t(70), size_t(9), size_t(23)}) { // one prompt over two pages
+    std::vector<int64_t> prompt(length);
+    for (int64_t &token : prompt)
+      token = std::uniform_int_distribution<int64_t>(0, vocab - 1)(random);
+    prompts.push_back(std::move(prompt));
+  }
+  std::vector<std::unique_ptr<Sequence>> decoded, verified;
+  std::unique_ptr<Sequence> alone; // the first prompt, decoding by itself
+  std::vector<int64_t> next;
+  for (const std::vector<int64_t> &prompt : prompts)
+    for (auto *group : {&decoded, &verified}) {
+      auto sequence = (*model)->newSequence();
+      ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
+      auto logits = (*sequence)->prefill(prompt);
+      ASSERT_TRUE(logits.isOk()) << logits.status().message();
+      if (group == &decoded)
+        next.push_back(argmax(*logits, vocab));
+      group->push_back(std::move(*sequence));
+    }
+  {
+    auto sequence = (*model)->newSequence();
+    ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
+    ASSERT_TRUE((*sequence)->prefill(prompts[0]).isOk());
+    alone = std::move(*sequence);
+  }
+  constexpr int kSteps = 4;
+  const size_t count = prompts.size();
+  std::vector<std::vector<int64_t>> fed(count);
+  std::vector<std::vector<std::vector<float>>> stepLogits(count);
+  for (int step = 0; step < kSteps; ++step) {
+    std::vector<Sequence *> group;
+    for (const auto &sequence : decoded)
+      group.push_back(sequence.get());
+    auto logits = (*model)->decodeBatch(group, next);
+    ASSERT_TRUE(logits.isOk()) << logits.status().message();
+    auto single = alone->decode(next[0]);
+    ASSERT_TRUE(single.isOk()) << single.status().message();
+    EXPECT_EQ(differingBits(rowOf(*logits, 0), *single), 0u)
+        << "step " << step << ": sequence 0 in a batch of " << count << " and alone";
+    for (size_t i = 0; i < count; ++i) {
+      fed[i].push_back(next[i]);
+      const std::span<const float> row = rowOf(*logits, i);
+      stepLogits[i].emplace_back(row.begin(), row.end());
+      next[i] = argmax(stepLogits[i].back(), vocab);
+    }
+  }
+  std::vector<DraftCheck> checks;
+  for (size_t i = 0; i < count; ++i)
+    checks.push_back({.sequence = verified[i].get(),
+                      .token = fed[i][0],
+                      .draft = std::span<const int64_t>(fed[i]).subspan(1)});
+  auto pass = (*model)->verifyDrafts(checks);
+  ASSERT_TRUE(pass.isOk()) << pass.status().message();
+  for (size_t i = 0; i < count; ++i) {
+    SCOPED_TRACE(testing::Message() << "sequence " << i);
+    const DraftVerification &result = (*pass)[i];
+    EXPECT_EQ(result.accepted, kSteps - 1);
+    ASSERT_EQ(result.tokens.size(), size_t(kSteps));
+    EXPECT_EQ(result.tokens.back(), next[i]);
+    for (int step = 0; step < kSteps; ++step)
+      EXPECT_EQ(differingBits(rowOf(result.logits, size_t(step)), stepLogits[i][size_t(step)]), 0u)
+          << "pass row " << step << " against decode step " << step;
+    EXPECT_EQ(verified[i]->length(), decoded[i]->length());
+    auto state = verified[i]->recurrentState(), expected = decoded[i]->recurrentState();
+    ASSERT_TRUE(state.isOk() && expected.isOk());
+    EXPECT_EQ(differingBits(*state, *expected), 0u) << "recurrent state after the pass";
+  }
+  for (auto *group : {&decoded, &verified}) { // the pass's KV rows are the decode steps' rows
+    std::vector<Sequence *> members;
+    for (const auto &sequence : *group)
+      members.push_back(sequence.get());
+    auto logits = (*model)->decodeBatch(members, next);
+    ASSERT_TRUE(logits.isOk()) << logits.status().message();
+    stepLogits.push_back({*logits});
+  }
+  EXPECT_EQ(differingBits(stepLogits[count][0], stepLogits[count + 1][0]), 0u)
+      << "the decode step after the pass";
+}
+
+TEST_P(CudaDeviceTest, BatchInvariantVerificationGivesTheDecodeStepsBits) {
+  checkBatchInvariantVerification(cudaPlan(GetParam(), "-batch4"));
+}
+
+TEST(CudaDenseFp8Cache, BatchInvariantVerificationGivesTheDecodeStepsBits) {
+  checkBatchInvariantVerification(cudaPlan("kimi_linear_tiny-fp8kv"));
 }
 
 // The Kimi models' MLA layers and every DeepSeek layer keep their KV rows in the device pools:

@@ -418,10 +418,10 @@ int launchMlaAbsorbQueries(const MlaHeadWeights &w, int32_t rows, int32_t ropeDi
 }
 
 int launchMlaExpandOutputs(const MlaHeadWeights &w, int32_t rows, const float *latentOut,
-                           float *out, void *stream) {
+                           float *out, void *stream, bool rowInvariant) {
   if (!validWeights(w) || rows <= 0 || !latentOut || !out)
     return cudaErrorInvalidValue;
-  if (w.type == WeightType::BF16 && rows <= kGemvMaxRows) {
+  if (w.type == WeightType::BF16 && rows <= kGemvMaxRows && !rowInvariant) {
     // Decode: head h is the linear layer W_UV_h over latentOut[:, h], one batched launch.
     GemvParams gemv;
     gemv.rows = rows;

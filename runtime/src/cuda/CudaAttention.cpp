@@ -791,8 +791,9 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
       a.out = latentOut;
       LAUNCH_RETURN_IF_ERROR(kc::launchLatentAttention(a, r.stream), "MLA latent attention");
     }
-    LAUNCH_RETURN_IF_ERROR(kc::launchMlaExpandOutputs(heads, rowsNow, latentOut, headOut, r.stream),
-                           "MLA output expansion");
+    LAUNCH_RETURN_IF_ERROR(
+        kc::launchMlaExpandOutputs(heads, rowsNow, latentOut, headOut, r.stream, batchInvariant),
+        "MLA output expansion");
     if (roleOf(d, MlaGate) >= 0) { // output gate: heads * sigmoid(g_proj x)
       if (!gateWithKvA)
         HYBRID_RETURN_IF_ERROR(gemm(r, x + first * dModel, dModel, roleOf(d, MlaGate), gate,

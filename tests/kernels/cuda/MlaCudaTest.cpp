@@ -3,6 +3,7 @@
 // step, absorption / expansion through kv_b_proj in bf16 and fp32, and the CUDA-core latent
 // attention over scattered pages in both row formats, sparse and dense causal. Labelled `gpu`;
 // skipped without a GPU.
+#include "CudaTestSupport.h"
 #include "hybrid/kernels/cuda/DsaCacheWrite.h"
 #include "hybrid/kernels/cuda/Elementwise.h"
 #include "hybrid/kernels/cuda/Mla.h"
@@ -11,9 +12,9 @@
 #include "hybrid/kernels/ref/Norm.h"
 #include "hybrid/kernels/ref/PagedCacheLayout.h"
 #include "hybrid/kernels/ref/Quant.h"
-#include "CudaTestSupport.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -209,6 +210,50 @@ TEST(MlaCuda, AbsorptionAndExpansionMatchTheReference) {
       EXPECT_LT(relativeRms(dAbsorbed.download(), absorbed), 1e-6) << "heads " << s.heads;
       EXPECT_LT(relativeRms(dExpanded.download(), expanded), 1e-6) << "heads " << s.heads;
     }
+}
+
+// Batch invariance (LoadOptions::batchInvariant): with rowInvariant, the expansion of a row has
+// the same bits in calls of 1, 5 and 12 rows (without it, decode rows take the GEMV and 12 rows
+// the other kernel), and so has the absorption, which has one form for every row count.
+TEST(MlaCuda, RowInvariantAbsorptionAndExpansionGiveTheSameBitsAtAnyRows) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(9);
+  constexpr int heads = 32, nope = 128, rope = 64, value = 128, latent = 512, most = 12;
+  const std::vector<float> kvB =
+      roundedToBf16(random(size_t(heads) * (nope + value) * latent, rng, 0.05f));
+  const std::vector<float> queries = random(size_t(most) * heads * (nope + rope), rng, 1.0f);
+  const std::vector<float> latentOut = random(size_t(most) * heads * latent, rng, 1.0f);
+  DeviceBuffer<uint16_t> dKvB(bf16Bits(kvB));
+  DeviceBuffer<float> dQueries(queries), dLatentOut(latentOut);
+  cuda::MlaHeadWeights w;
+  w.heads = heads;
+  w.nopeDim = nope;
+  w.valueDim = value;
+  w.latentDim = latent;
+  w.kvB = dKvB.data;
+  auto run = [&](int rows) {
+    DeviceBuffer<float> absorbed{std::vector<float>(size_t(rows) * heads * (latent + rope))};
+    DeviceBuffer<float> expanded{std::vector<float>(size_t(rows) * heads * value)};
+    EXPECT_EQ(cuda::launchMlaAbsorbQueries(w, rows, rope, dQueries.data, absorbed.data, nullptr),
+              0);
+    EXPECT_EQ(cuda::launchMlaExpandOutputs(w, rows, dLatentOut.data, expanded.data, nullptr,
+                                           /*rowInvariant=*/true),
+              0);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return std::pair(absorbed.download(), expanded.download());
+  };
+  const auto [allAbsorbed, allExpanded] = run(most);
+  for (int rows : {1, 5}) {
+    const auto [absorbed, expanded] = run(rows);
+    EXPECT_TRUE(std::equal(
+        absorbed.begin(), absorbed.end(), allAbsorbed.begin(),
+        [](float a, float b) { return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b); }))
+        << "absorption, " << rows << " rows vs " << most;
+    EXPECT_TRUE(std::equal(
+        expanded.begin(), expanded.end(), allExpanded.begin(),
+        [](float a, float b) { return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b); }))
+        << "expansion, " << rows << " rows vs " << most;
+  }
 }
 
 struct AttentionCase {

@@ -72,8 +72,10 @@ inline constexpr int kMlaMaxLatentDim = 512;
 int launchMlaAbsorbQueries(const MlaHeadWeights &weights, int32_t rows, int32_t ropeDim,
                            const float *queries, float *absorbed, void *stream);
 // out[r, h * valueDim + v] = W_UV_h[v] . latentOut[r, h] from latentOut [rows, heads, latentDim].
+// Decode rows (<= 8, bf16) take the GEMV, which sums in another order than the kernel of larger
+// calls; rowInvariant: that kernel for every row count (LoadOptions::batchInvariant).
 int launchMlaExpandOutputs(const MlaHeadWeights &weights, int32_t rows, const float *latentOut,
-                           float *out, void *stream);
+                           float *out, void *stream, bool rowInvariant = false);
 
 // Attention of absorbed queries over a paged latent cache (pages of pageTokens rows of
 // latentRowBytes(cacheType, latentDim, ropeDim) bytes): row r attends to the positions
