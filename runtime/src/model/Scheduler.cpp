@@ -119,7 +119,8 @@ Scheduler::Drafting Scheduler::drafting(const Active &active) {
     // Where a pass accepting every draft would not pay either (a large batch: a decode row
     // costs a fraction of a pass), a probe cannot change the answer; it waits for the batch to
     // shrink. At batch 32 on the H200 such probes, one per step, cost 35% of the decode rate.
-    if ((1.0 + double(options_.draftTokens)) / verifyPassSeconds_ < 1 / decodeRowSeconds_)
+    if (timedPasses_ >= SchedulerOptions::kTimedPassesBeforeGivingUp &&
+        (1.0 + double(options_.draftTokens)) / verifyPassSeconds_ < 1 / decodeRowSeconds_)
       return Drafting::Declines;
   }
   // One bad pass (or a slow one) must not decide for the rest of the request.
@@ -351,6 +352,7 @@ void Scheduler::verifyGroup(const std::vector<size_t> &group, const std::vector<
         proposing += work[index].proposeSeconds;
       verifyPassSeconds_ =
           blend(verifyPassSeconds_, (now() - start + proposing) / double(call.size()));
+      ++timedPasses_;
     }
     for (size_t i = 0; i < call.size(); ++i) {
       Active &active = *running_[call[i]];

@@ -75,9 +75,12 @@ struct SchedulerOptions {
   // next, up to kReprobeAfterMax, and a step where drafting pays resets it. At most one request
   // per step probes (the initial probe included), so probing costs at most one pass per step
   // and, for a request whose drafting never pays, one pass per kReprobeAfterMax of its steps;
-  // none while even a pass that accepted all draftTokens would not pay (a large batch).
+  // none while even a pass that accepted all draftTokens would not pay (a large batch), once
+  // kTimedPassesBeforeGivingUp passes are timed: the cuda device runs a pass shape's first call
+  // eagerly and captures its graph on the second, so the first pass can cost several replays.
   bool draftOnlyWhenItPays = false;
-  static constexpr int64_t kReprobeAfter = 8, kReprobeAfterMax = 256;
+  static constexpr int64_t kReprobeAfter = 8, kReprobeAfterMax = 256,
+                           kTimedPassesBeforeGivingUp = 3;
   // The clock draftOnlyWhenItPays times proposals, passes and decode steps with, in seconds
   // (empty: std::chrono::steady_clock). Tests pass a fake one to make its choices deterministic.
   std::function<double()> clock = {};
@@ -172,6 +175,7 @@ private:
   uint64_t nextId_ = 1;
   // draftOnlyWhenItPays's measurements (0: none yet) and this step's probe.
   double verifyPassSeconds_ = 0, decodeRowSeconds_ = 0;
+  int64_t timedPasses_ = 0; // verification calls whose time verifyPassSeconds_ has blended
   bool probedThisStep_ = false;
   // Whether a speculating request drafts this step: it verifies (drafting pays, or the initial
   // probe), it probes again after its back-off, or it declines; at most one probe per step.
