@@ -9,6 +9,11 @@
 // other; each block computes exactly what it would in the problem's own launch, so the outputs
 // are bit-identical to one launch per problem, without each launch's latency.
 //
+// Narrow inputs (in <= kGemvNarrowMaxIn, KDA's low-rank f_b / g_b at k = 128) take a form where
+// a warp owns its outputs, instead of a block whose 256 threads would hold at most 32 chunks
+// (at k = 128, 240 of them idle): the same chunk per lane and the same shuffle tree, so the
+// same bits as the block form. A launch takes it only when every member is narrow.
+//
 // Numerics: each product is x * w in fp32 with x either exact (fp32, `roundInputToBf16` false)
 // or rounded to bf16 first (the cuBLASLt path's bf16 inputs); sums in fp32 in a fixed order (a
 // thread's chunks in k order, then a shuffle tree, then the warps in order), so the result
@@ -23,6 +28,7 @@ namespace hybrid::kernels::cuda {
 
 inline constexpr int32_t kGemvMaxRows = 8;
 inline constexpr int32_t kGemvMaxGroup = 8;
+inline constexpr int64_t kGemvNarrowMaxIn = 8 * 32; // one 16-byte chunk a lane
 
 struct GemvParams {
   int32_t rows = 0; // 1..kGemvMaxRows

@@ -13,6 +13,10 @@
 // A launch runs a group of problems (one, or a layer's projections of one input): grid.x is
 // the concatenation of the problems' blocks, and a block runs the same code on its problem as
 // a launch of that problem alone would.
+//
+// The narrow form (in <= 256: at most one chunk a thread) gives each warp 4 outputs: lane l holds
+// chunk l, as thread l of the block form does (whose other warps add zeros), and the warp's
+// shuffle tree is the block form's warp 0 tree, so the sums are the same.
 #include "gemv.cuh"
 #include "../common/dependent_launch.cuh"
 
@@ -24,6 +28,8 @@ namespace hybrid::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32, kOutputsPerBlock = 4;
+constexpr int kNarrowOutputsPerWarp = 4, kNarrowOutputsPerBlock = kWarps * kNarrowOutputsPerWarp;
+static_assert(kGemvNarrowMaxIn / 8 <= 32, "a narrow row is at most one chunk a lane");
 
 // 16 bytes of a stream read once: not kept in L1.
 __device__ __forceinline__ uint4 loadStreaming(const void *pointer) {
@@ -46,6 +52,9 @@ __device__ __forceinline__ float dot8(const uint4 &packed, const float (&x)[8], 
 }
 
 int64_t blocksOf(const GemvParams &p) { return (p.out + kOutputsPerBlock - 1) / kOutputsPerBlock; }
+int64_t narrowBlocksOf(const GemvParams &p) {
+  return (p.out + kNarrowOutputsPerBlock - 1) / kNarrowOutputsPerBlock;
+}
 
 // The launch's problems; member m owns blocks [firstBlock[m], firstBlock[m + 1]) of grid.x.
 struct GemvGroup {
@@ -137,15 +146,89 @@ __device__ __forceinline__ void gemvBlock(const GemvParams &p, int64_t block, in
   }
 }
 
-template <int MaxRows>
-__global__ void __launch_bounds__(kThreads) gemvKernel(const __grid_constant__ GemvGroup group) {
+// The member owning this block of grid.x.
+__device__ __forceinline__ int memberOf(const GemvGroup &group) {
   int member = 0;
 #pragma unroll
   for (int m = 1; m < kGemvMaxGroup; ++m)
     if (m < group.count && int32_t(blockIdx.x) >= group.firstBlock[m])
       member = m;
+  return member;
+}
+
+template <int MaxRows>
+__global__ void __launch_bounds__(kThreads) gemvKernel(const __grid_constant__ GemvGroup group) {
+  const int member = memberOf(group);
   gemvBlock<MaxRows>(group.members[member], int64_t(blockIdx.x) - group.firstBlock[member],
                      blockIdx.y);
+}
+
+// The narrow form: warp `warp` of block `block` (of narrowBlocksOf(p)) computes outputs
+// [first, first + 4) of problem p, batch entry `problem`, for every row.
+template <int MaxRows>
+__device__ __forceinline__ void gemvNarrowWarp(const GemvParams &p, int64_t block,
+                                               int64_t problem) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t firstOut = (block * kWarps + warp) * kNarrowOutputsPerWarp;
+  if (firstOut >= p.out)
+    return; // no block barriers in this form
+  const float *x = p.x + problem * p.xBatchStride;
+  const auto *weight =
+      static_cast<const __nv_bfloat16 *>(p.weight) + problem * p.weightBatchStride;
+  float *y = p.y + problem * p.yBatchStride;
+  const int outputs = int(min(int64_t(kNarrowOutputsPerWarp), p.out - firstOut));
+  const bool holdsChunk = lane < p.in / 8;
+  uint4 w[kNarrowOutputsPerWarp];
+  if (holdsChunk) {
+#pragma unroll
+    for (int o = 0; o < kNarrowOutputsPerWarp; ++o) // past the last output: the last one again
+      w[o] = loadStreaming(weight + (firstOut + min(o, outputs - 1)) * p.weightStride + lane * 8);
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  float sums[MaxRows][kNarrowOutputsPerWarp] = {};
+  if (holdsChunk) {
+#pragma unroll
+    for (int r = 0; r < MaxRows; ++r) {
+      if (r < p.rows) {
+        const float4 *row = reinterpret_cast<const float4 *>(x + r * p.xStride + lane * 8);
+        const float4 low = __ldg(row), high = __ldg(row + 1);
+        float values[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+        if (p.roundInputToBf16) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            values[i] = __bfloat162float(__float2bfloat16(values[i]));
+        }
+#pragma unroll
+        for (int o = 0; o < kNarrowOutputsPerWarp; ++o)
+          sums[r][o] = dot8(w[o], values, sums[r][o]);
+      }
+    }
+  }
+  asm volatile("griddepcontrol.launch_dependents;");
+#pragma unroll
+  for (int r = 0; r < MaxRows; ++r)
+#pragma unroll
+    for (int o = 0; o < kNarrowOutputsPerWarp; ++o) {
+      float v = sums[r][o];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2)
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+      // Lane r * 4 + o stores it; 0.0f + v as the block form's sum over its warps (the
+      // others' totals are zeros) turns a -0 into +0.
+      if (lane == r * kNarrowOutputsPerWarp + o && r < p.rows && o < outputs) {
+        const float total = 0.0f + v;
+        float &target = y[r * p.yStride + firstOut + o];
+        target = p.accumulate ? target + total : total;
+      }
+    }
+}
+
+template <int MaxRows>
+__global__ void __launch_bounds__(kThreads)
+    gemvNarrowKernel(const __grid_constant__ GemvGroup group) {
+  const int member = memberOf(group);
+  gemvNarrowWarp<MaxRows>(group.members[member], int64_t(blockIdx.x) - group.firstBlock[member],
+                          blockIdx.y);
 }
 
 bool aligned16(const void *pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
@@ -178,17 +261,26 @@ bool gemvGroupSupports(const GemvParams *members, int32_t count) {
 int launchGemvGroup(const GemvParams *members, int32_t count, cudaStream_t stream) {
   if (!gemvGroupSupports(members, count))
     return cudaErrorInvalidValue;
+  // The narrow form when every member is narrow; other shapes keep the block form.
+  bool narrow = true;
+  for (int32_t m = 0; m < count; ++m)
+    narrow = narrow && members[m].in <= kGemvNarrowMaxIn;
   GemvGroup group;
   group.count = count;
   for (int32_t m = 0; m < count; ++m) {
     group.members[m] = members[m];
-    group.firstBlock[m + 1] = group.firstBlock[m] + int32_t(blocksOf(members[m]));
+    group.firstBlock[m + 1] =
+        group.firstBlock[m] + int32_t(narrow ? narrowBlocksOf(members[m]) : blocksOf(members[m]));
   }
   const int32_t rows = members[0].rows;
   DependentLaunch launch(dim3(unsigned(group.firstBlock[count]), unsigned(members[0].batch)),
                          dim3(kThreads), stream);
   const cudaError_t status =
-      rows == 1   ? cudaLaunchKernelEx(&launch.config, gemvKernel<1>, group)
+      narrow ? (rows == 1   ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<1>, group)
+                : rows == 2 ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<2>, group)
+                : rows <= 4 ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<4>, group)
+                            : cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<8>, group))
+      : rows == 1 ? cudaLaunchKernelEx(&launch.config, gemvKernel<1>, group)
       : rows == 2 ? cudaLaunchKernelEx(&launch.config, gemvKernel<2>, group)
       : rows <= 4 ? cudaLaunchKernelEx(&launch.config, gemvKernel<4>, group)
                   : cudaLaunchKernelEx(&launch.config, gemvKernel<8>, group);

@@ -332,6 +332,85 @@ TEST(LinearCudaBatchInvariance, DecodeRowsOnTheSameAlgorithmGiveTheSameBits) {
     }
 }
 
+// The narrow form (in <= 256, KDA's f_b / g_b at k = 128) against the block form: the same
+// problem with x padded by zero columns to in = 264 (past the narrow limit) and the weight by
+// random ones must give the same bits (each extra chunk adds +0 to the sums), and both the
+// reference up to summation order.
+struct NarrowCase {
+  int64_t rows, in, out;
+  bool accumulate, split;
+};
+
+class LinearCudaNarrow : public testing::TestWithParam<NarrowCase> {};
+
+TEST_P(LinearCudaNarrow, EqualsTheBlockFormBitForBit) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  const NarrowCase c = GetParam();
+  const int64_t wide = 264;
+  std::mt19937 rng(int(c.rows * 31 + c.in + c.out));
+  std::vector<float> x = random(size_t(c.rows * c.in), rng, 1.0f);
+  std::vector<float> y = random(size_t(c.rows * c.out), rng, 1.0f);
+  std::vector<float> weight = roundedToBf16(random(size_t(c.out * c.in), rng, 0.05f));
+  std::vector<float> xWide(size_t(c.rows * wide), 0.0f);
+  std::vector<float> weightWide = roundedToBf16(random(size_t(c.out * wide), rng, 0.05f));
+  for (int64_t r = 0; r < c.rows; ++r)
+    std::copy_n(x.begin() + r * c.in, c.in, xWide.begin() + r * wide);
+  for (int64_t n = 0; n < c.out; ++n)
+    std::copy_n(weight.begin() + n * c.in, c.in, weightWide.begin() + n * wide);
+
+  std::vector<float> expected(size_t(c.rows * c.out));
+  ref::linear(c.split ? x : roundedToBf16(x), weight, expected, c.rows, c.in, c.out);
+  if (c.accumulate)
+    for (size_t i = 0; i < expected.size(); ++i)
+      expected[i] += y[i];
+
+  DeviceBuffer<float> dX(x), dXWide(xWide), dNarrowY(y), dWideY(y);
+  DeviceBuffer<uint16_t> dWeight(bf16Bits(weight)), dWeightWide(bf16Bits(weightWide));
+  DeviceBuffer<uint16_t> scratch(std::vector<uint16_t>(size_t(2 * c.rows * wide)));
+  DeviceBuffer<float> splitOutput(std::vector<float>(size_t(2 * c.rows * c.out)));
+  cuda::LinearContext context;
+  ASSERT_EQ(context.init(), 0);
+  auto params = [&](const DeviceBuffer<float> &in, int64_t width,
+                    const DeviceBuffer<uint16_t> &w, DeviceBuffer<float> &out) {
+    cuda::LinearParams p;
+    p.rows = c.rows;
+    p.in = width;
+    p.out = c.out;
+    p.x = in.data;
+    p.weight = w.data;
+    p.y = out.data;
+    p.accumulate = c.accumulate;
+    p.xScratch = scratch.data;
+    p.splitInput = c.split;
+    p.splitOutput = splitOutput.data;
+    return p;
+  };
+  const cuda::LinearParams narrow = params(dX, c.in, dWeight, dNarrowY);
+  const cuda::LinearParams blockForm = params(dXWide, wide, dWeightWide, dWideY);
+  ASSERT_EQ(context.run(narrow, nullptr), 0);
+  ASSERT_EQ(context.run(blockForm, nullptr), 0);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> narrowY = dNarrowY.download(), wideY = dWideY.download();
+  for (size_t i = 0; i < narrowY.size(); ++i)
+    ASSERT_EQ(std::bit_cast<uint32_t>(narrowY[i]), std::bit_cast<uint32_t>(wideY[i]))
+        << "element " << i;
+  EXPECT_LT(relativeRms(narrowY, expected), c.split ? 2e-5 : 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LinearCudaNarrow,
+                         testing::Values(NarrowCase{1, 128, 4096, false, false},
+                                         NarrowCase{1, 128, 4099, true, true},
+                                         NarrowCase{3, 256, 77, false, false},
+                                         NarrowCase{8, 128, 1000, true, false},
+                                         NarrowCase{5, 40, 33, false, true}),
+                         [](const testing::TestParamInfo<NarrowCase> &info) {
+                           const NarrowCase &c = info.param;
+                           return std::to_string(c.rows) + "x" + std::to_string(c.in) + "x" +
+                                  std::to_string(c.out) + (c.accumulate ? "_accumulate" : "") +
+                                  (c.split ? "_split" : "");
+                         });
+
 // One row of `in` x 4 over a dummy buffer: a problem the checks judge before touching memory.
 cuda::LinearParams oneRowParams(int64_t in, float &dummy) {
   cuda::LinearParams p;
