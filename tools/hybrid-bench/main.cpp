@@ -725,6 +725,16 @@ int runSpec(SpecOptions o, const RecordOptions &record) {
                 100.0 * acceptance, perPass, static_cast<long long>(r.declinedDrafts),
                 r.rollbackBytesPerSequence / 1024.0, r.stateSnapshotBytes / 1024.0,
                 r.replayLogBytes / 1024.0, r.kvTailBytes / 1024.0);
+    if (r.verify.calls > 0) {
+      const double perCall = 1e3 / double(r.verify.calls);
+      std::printf("  verification calls: %.2f ms each (%.1f sequences): snapshots %.2f, pass %.2f "
+                  "(launches, device, logits to the host), choosing %.2f, rollbacks %.2f\n",
+                  perCall * (r.verify.snapshotSeconds + r.verify.passSeconds +
+                             r.verify.chooseSeconds + r.verify.rollbackSeconds),
+                  double(r.verify.sequences) / double(r.verify.calls),
+                  perCall * r.verify.snapshotSeconds, perCall * r.verify.passSeconds,
+                  perCall * r.verify.chooseSeconds, perCall * r.verify.rollbackSeconds);
+    }
     // This batch's prefill and verification calls (plain and speculative runs together).
     const long long prefillCaptures = graphsAfter.prefillCaptures - graphsBefore.prefillCaptures;
     const long long prefillReplays = graphsAfter.prefillReplays - graphsBefore.prefillReplays;

@@ -223,6 +223,7 @@ struct Model::Impl {
   PrefixCache prefixCache{0, 1};
   WeightGeneration generation; // a synthetic archive's, at load
   LoadTimings timings;
+  VerifyTimings verifyTimings;
   // Hidden-state records (Sequence::mainRecord, chainRecord) [rows, hidden] on the cpu device;
   // the cuda device keeps its own on the GPU.
   std::map<int32_t, std::vector<float>> hostRecords;
@@ -635,6 +636,7 @@ Model::Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 const WeightGeneration &Model::weightGeneration() const { return impl_->generation; }
 const LoadTimings &Model::loadTimings() const { return impl_->timings; }
+const VerifyTimings &Model::verifyTimings() const { return impl_->verifyTimings; }
 Model::~Model() = default;
 
 const fb::Plan &Model::plan() const { return impl_->plan.plan(); }
@@ -966,6 +968,15 @@ StatusOr<std::vector<DraftVerification>> Model::verifyDrafts(std::span<const Dra
     rows.push_back(1 + static_cast<int64_t>(checks[i].draft.size()));
   }
   HYBRID_RETURN_IF_ERROR(checkSegments("verifyDrafts", sequences, rows));
+  VerifyTimings &timings = impl.verifyTimings;
+  ++timings.calls;
+  timings.sequences += static_cast<int64_t>(checks.size());
+  auto phaseStart = std::chrono::steady_clock::now();
+  auto lap = [&phaseStart](double &phase) {
+    const auto now = std::chrono::steady_clock::now();
+    phase += std::chrono::duration<double>(now - phaseStart).count();
+    phaseStart = now;
+  };
   // One snapshot per sequence before the pass and one KDA log per sequence. The GPU's KDA
   // states are copied on the device; the host pool's (the cpu device's, or layers on the cpu
   // reference) on the host.
@@ -986,6 +997,7 @@ StatusOr<std::vector<DraftVerification>> Model::verifyDrafts(std::span<const Dra
                               impl.states.snapshot(sequence->stateSlot_));
       before.push_back(std::move(snapshot));
     }
+  lap(timings.snapshotSeconds);
   std::vector<cpu::KdaReplayLog> logs(checks.size());
   std::vector<cpu::BatchRow> batch;
   std::vector<int64_t> fed;
@@ -1004,6 +1016,7 @@ StatusOr<std::vector<DraftVerification>> Model::verifyDrafts(std::span<const Dra
   Sequence &first = *sequences[0];
   HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, first, first.kvSequence_, first.stateSlot_, fed,
                                   /*decodeStep=*/false, logits.data(), nullptr, &logs[0], batch));
+  lap(timings.passSeconds);
 
   auto argmax = [](std::span<const float> row) {
     return static_cast<int64_t>(std::max_element(row.begin(), row.end()) - row.begin());
@@ -1025,6 +1038,7 @@ StatusOr<std::vector<DraftVerification>> Model::verifyDrafts(std::span<const Dra
     const auto begin = logits.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(offset) * vocab);
     result.logits.assign(begin, begin + static_cast<std::ptrdiff_t>(
                                             static_cast<size_t>(result.accepted + 1) * vocab));
+    lap(timings.chooseSeconds);
 
     const int64_t start = sequence.length_;
     sequence.length_ += rows[i];
@@ -1046,6 +1060,7 @@ StatusOr<std::vector<DraftVerification>> Model::verifyDrafts(std::span<const Dra
       sequence.length_ = start + keep;
     }
     offset += rows[i];
+    lap(timings.rollbackSeconds);
   }
   return results;
 }

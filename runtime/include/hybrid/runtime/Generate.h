@@ -90,6 +90,7 @@ struct SpeculationReport {
   int64_t declinedDrafts = 0; // decode steps that did not draft: speculation did not pay
   uint64_t stateSnapshotBytes = 0, replayLogBytes = 0, kvTailBytes = 0; // per sequence
   uint64_t rollbackBytesPerSequence = 0; // their sum
+  VerifyTimings verify; // the speculative run's verification calls (Model::verifyTimings)
 };
 StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
                                                  const std::vector<std::vector<int64_t>> &prompts,

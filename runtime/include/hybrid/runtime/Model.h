@@ -172,6 +172,16 @@ struct HiddenStates {
   std::vector<std::vector<float>> layers;
 };
 
+// Where Model::verifyDrafts (and Sequence::verifyDraft) spent their wall-clock time so far
+// (Model::verifyTimings; steady_clock seconds, summed over calls): the state snapshots, the pass
+// (the prefill program's launches, the device's work and the logits' copy to the host), choosing
+// the accepted tokens from the logits, and the rollbacks (KV truncation, state restore, KDA
+// replay; on the cuda device only their launches: the device's share lands in the next pass).
+struct VerifyTimings {
+  int64_t calls = 0, sequences = 0;
+  double snapshotSeconds = 0, passSeconds = 0, chooseSeconds = 0, rollbackSeconds = 0;
+};
+
 // What Sequence::verifyDraft decided.
 struct DraftVerification {
   int64_t accepted = 0;        // leading draft tokens greedy decoding would also have chosen
@@ -373,6 +383,7 @@ public:
   // not be empty (a token alone is a decode step: decodeBatch); the rows (1 + draft per check)
   // must fit maxPrefillTokens.
   StatusOr<std::vector<DraftVerification>> verifyDrafts(std::span<const DraftCheck> checks);
+  const VerifyTimings &verifyTimings() const;
   // Rows one prefill program call takes (its max_tokens): the total of a prefillBatch or
   // verifyDrafts call.
   int64_t maxPrefillTokens() const;
