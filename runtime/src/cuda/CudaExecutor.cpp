@@ -1434,8 +1434,11 @@ Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const i
   Impl &impl = *impl_;
   const fb::Program &program = *host.program;
   const int64_t rows = host.rows;
-  if (static_cast<int64_t>(choices.size()) != rows || impl.indexOf(program) != Impl::kDecode)
-    return Status::error("cuda device: a choosing run is a decode step with one choice per row (" +
+  const size_t programIndex = impl.indexOf(program);
+  if (static_cast<int64_t>(choices.size()) != rows || host.contextShard ||
+      (programIndex != Impl::kDecode && programIndex != Impl::kPrefill))
+    return Status::error("cuda device: a choosing run is a decode step or a prefill (not context "
+                         "parallel) with one choice per row (" +
                          std::to_string(choices.size()) + " choices for " + std::to_string(rows) +
                          " rows of program '" + program.name()->str() + "')");
   HYBRID_RETURN_IF_ERROR(runProgram(host, tokens, nullptr));

@@ -58,8 +58,9 @@ public:
   // block-table row.
   Status run(const cpu::StepContext &host, std::span<const int64_t> tokens, float *logits,
              HiddenStates *hidden, std::span<const int64_t> logitRows = {});
-  // A decode step whose rows choose their tokens on the GPU (kernels/cuda/Sampling.h, the
-  // reference's definition): `chosen` [rows] receives them and no logits leave the device.
+  // A decode step (or a prefill: a verification pass) whose rows choose their tokens on the GPU
+  // (kernels/cuda/Sampling.h, the reference's definition): `chosen` [rows] receives them and no
+  // logits leave the device.
   Status runChoosing(const cpu::StepContext &host, std::span<const int64_t> tokens,
                      std::span<const TokenChoice> choices, int64_t *chosen);
   // A fresh sequence in `slot`: its recurrent and conv states are zeroed on the device.

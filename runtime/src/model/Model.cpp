@@ -955,7 +955,8 @@ StatusOr<std::vector<float>> Model::prefillBatch(std::span<const PrefillSegment>
   return logits;
 }
 
-StatusOr<std::vector<DraftVerification>> Model::verifyDrafts(std::span<const DraftCheck> checks) {
+StatusOr<std::vector<DraftVerification>> Model::verifyDrafts(std::span<const DraftCheck> checks,
+                                                             bool keepLogits) {
   Impl &impl = *impl_;
   const auto vocab = static_cast<size_t>(vocabSize());
   std::vector<Sequence *> sequences;
@@ -1012,10 +1013,23 @@ StatusOr<std::vector<DraftVerification>> Model::verifyDrafts(std::span<const Dra
   }
   if (checks.size() == 1) // one sequence: the plain prefill path, logging into its log
     batch.clear();
-  std::vector<float> logits(fed.size() * vocab);
+  // Each row's greedy token: chosen on the device (only ids come back), or from the logits.
+  bool chosenOnDevice = false;
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  chosenOnDevice = !keepLogits && impl.cuda != nullptr;
+#endif
+  std::vector<float> logits(chosenOnDevice ? 0 : fed.size() * vocab);
+  std::vector<int64_t> chosen(fed.size());
+  const std::vector<TokenChoice> greedy(chosenOnDevice ? fed.size() : 0);
+  RunExtras extras;
+  if (chosenOnDevice) {
+    extras.choices = greedy;
+    extras.chosenOut = chosen.data();
+  }
   Sequence &first = *sequences[0];
   HYBRID_RETURN_IF_ERROR(impl.run(impl.prefill, first, first.kvSequence_, first.stateSlot_, fed,
-                                  /*decodeStep=*/false, logits.data(), nullptr, &logs[0], batch));
+                                  /*decodeStep=*/false, chosenOnDevice ? nullptr : logits.data(),
+                                  nullptr, &logs[0], batch, extras));
   lap(timings.passSeconds);
 
   auto argmax = [](std::span<const float> row) {
@@ -1027,17 +1041,22 @@ StatusOr<std::vector<DraftVerification>> Model::verifyDrafts(std::span<const Dra
     Sequence &sequence = *sequences[i];
     const std::span<const int64_t> draft = checks[i].draft;
     DraftVerification &result = results[i];
-    auto row = [&](int64_t r) {
-      return std::span<const float>(logits).subspan(static_cast<size_t>(offset + r) * vocab, vocab);
+    auto tokenOf = [&](int64_t r) {
+      const auto at = static_cast<size_t>(offset + r);
+      return chosenOnDevice ? chosen[at]
+                            : argmax(std::span<const float>(logits).subspan(at * vocab, vocab));
     };
     while (result.accepted < static_cast<int64_t>(draft.size()) &&
-           argmax(row(result.accepted)) == draft[static_cast<size_t>(result.accepted)])
+           tokenOf(result.accepted) == draft[static_cast<size_t>(result.accepted)])
       ++result.accepted;
     result.tokens.assign(draft.begin(), draft.begin() + result.accepted);
-    result.tokens.push_back(argmax(row(result.accepted)));
-    const auto begin = logits.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(offset) * vocab);
-    result.logits.assign(begin, begin + static_cast<std::ptrdiff_t>(
-                                            static_cast<size_t>(result.accepted + 1) * vocab));
+    result.tokens.push_back(tokenOf(result.accepted));
+    if (keepLogits) {
+      const auto begin =
+          logits.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(offset) * vocab);
+      result.logits.assign(begin, begin + static_cast<std::ptrdiff_t>(
+                                              static_cast<size_t>(result.accepted + 1) * vocab));
+    }
     lap(timings.chooseSeconds);
 
     const int64_t start = sequence.length_;

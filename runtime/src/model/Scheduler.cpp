@@ -344,7 +344,9 @@ void Scheduler::verifyGroup(const std::vector<size_t> &group, const std::vector<
       stats_.batchedVerifySequences += static_cast<int64_t>(call.size());
     }
     const double start = now();
-    StatusOr<std::vector<DraftVerification>> verified = model_.verifyDrafts(checks);
+    // Tokens only: a step's outcome needs its chosen ids, never a verification's logits.
+    StatusOr<std::vector<DraftVerification>> verified =
+        model_.verifyDrafts(checks, /*keepLogits=*/false);
     // What drafting pays is judged per sequence: its share of the pass, plus drafting it.
     if (verified) {
       double proposing = 0;
