@@ -331,9 +331,10 @@ TEST(DraftOnlyWhenItPays, ReprobingKeepsTheTokensOfABatch) {
 
 // A batch where a decode row costs a third of a tick or less (3-4 rows per call) and a pass of one
 // draft 2 ticks: even a pass accepting its whole draft (2 tokens per 2 ticks) loses to the batched
-// rows, so once three passes are timed (the first probe and two re-probes: a GPU's first pass of a
-// shape runs eagerly, its second captures a graph) no request probes again, however long it
-// declines (re-probing every 8+ steps cost 35% of the decode rate at batch 32 on the H200).
+// rows, so once three passes are timed (a GPU's first pass of a shape runs eagerly, its second
+// captures a graph) no request probes again, however long it declines (re-probing every 8+ steps
+// cost 35% of the decode rate at batch 32 on the H200). Every request probes in the first step
+// (without batchPrefillCalls, a pass each): four timed passes, then none.
 TEST(DraftOnlyWhenItPays, NoReprobeWhereEvenAFullyAcceptedPassWouldNotPay) {
   auto model = loadOrDie(compiledDir("kimi_linear_tiny-batch4"));
   ASSERT_TRUE(model);
@@ -344,8 +345,9 @@ TEST(DraftOnlyWhenItPays, NoReprobeWhereEvenAFullyAcceptedPassWouldNotPay) {
   Scheduler scheduler(*model, options);
   runBatchAgainstGreedy(scheduler, *model, prompts, newTokens, 0); // every draft accepted
   const SchedulerStats stats = scheduler.stats();
-  EXPECT_EQ(stats.verifySteps, SchedulerOptions::kTimedPassesBeforeGivingUp);
-  EXPECT_EQ(stats.acceptedTokens, SchedulerOptions::kTimedPassesBeforeGivingUp);
+  EXPECT_GE(static_cast<int64_t>(prompts.size()), SchedulerOptions::kTimedPassesBeforeGivingUp);
+  EXPECT_EQ(stats.verifySteps, static_cast<int64_t>(prompts.size())); // the first probes only
+  EXPECT_EQ(stats.acceptedTokens, static_cast<int64_t>(prompts.size()));
   EXPECT_EQ(stats.verifySteps + stats.acceptedTokens + stats.declinedDrafts,
             static_cast<int64_t>(prompts.size()) * (newTokens - 1));
 }

@@ -106,11 +106,8 @@ double Scheduler::now() const {
 Scheduler::Drafting Scheduler::drafting(const Active &active) {
   if (!options_.draftOnlyWhenItPays)
     return Drafting::Verifies;
-  if (verifyPassSeconds_ <= 0) { // nothing timed yet: one request per step finds out
-    const bool probe = !probedThisStep_;
-    probedThisStep_ = true;
-    return probe ? Drafting::Verifies : Drafting::Declines;
-  }
+  if (verifyPassSeconds_ <= 0) // nothing timed yet: the requests find out together, in one pass
+    return Drafting::Verifies;
   if (decodeRowSeconds_ > 0) { // else a plain step first, to compare with
     const double expected =
         1 + (active.acceptedPerPass >= 0 ? active.acceptedPerPass : double(active.draftLength));
@@ -118,16 +115,14 @@ Scheduler::Drafting Scheduler::drafting(const Active &active) {
       return Drafting::Verifies;
     // Where a pass accepting every draft would not pay either (a large batch: a decode row
     // costs a fraction of a pass), a probe cannot change the answer; it waits for the batch to
-    // shrink. At batch 32 on the H200 such probes, one per step, cost 35% of the decode rate.
+    // shrink. At batch 32 on the H200 probes of one request a step cost 35% of the decode rate.
     if (timedPasses_ >= SchedulerOptions::kTimedPassesBeforeGivingUp &&
         (1.0 + double(options_.draftTokens)) / verifyPassSeconds_ < 1 / decodeRowSeconds_)
       return Drafting::Declines;
   }
   // One bad pass (or a slow one) must not decide for the rest of the request.
-  if (active.declinedSteps >= active.reprobeAfter && !probedThisStep_) {
-    probedThisStep_ = true;
+  if (active.declinedSteps >= active.reprobeAfter)
     return Drafting::Reprobes;
-  }
   return Drafting::Declines;
 }
 
@@ -439,7 +434,6 @@ void Scheduler::decodeGroup(const std::vector<size_t> &group, std::vector<Outcom
 }
 
 std::vector<TokenEvent> Scheduler::step() {
-  probedThisStep_ = false;
   reserveStepPages();
   while (!waiting_.empty() && admit(*waiting_.front())) {
     running_.push_back(std::move(waiting_.front()));
