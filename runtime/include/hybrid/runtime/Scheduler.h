@@ -170,7 +170,9 @@ private:
   void verifyGroup(const std::vector<size_t> &group, const std::vector<OwnStep> &work,
                    std::vector<Outcome> &outcomes);
   void verifyAlone(Active &active, Outcome &outcome);
-  void decodeGroup(const std::vector<size_t> &group, std::vector<Outcome> &outcomes);
+  // `verifying`: the requests that verify this step instead (for the decode row's cost).
+  void decodeGroup(const std::vector<size_t> &group, std::vector<Outcome> &outcomes,
+                   size_t verifying);
 
   Model &model_;
   SchedulerOptions options_;
