@@ -694,6 +694,9 @@ Model::Usage Model::usage() const {
 }
 
 int64_t Model::maxContextTokens() const { return impl_->options.maxContextTokens; }
+bool Model::batchInvariant() const {
+  return impl_->options.device != "cuda" || impl_->options.batchInvariant;
+}
 
 int64_t Model::pagesFor(int64_t tokens) const {
   if (impl_->kvCache.numLayers() == 0)

@@ -394,6 +394,10 @@ public:
   // The plan has a multi-token-prediction program (`mtp`: DeepSeek-V3's MTP layer), the draft
   // source of hybrid-run --draft mtp. On the cuda device it runs on the GPU.
   bool hasMtp() const;
+  // Whether a row's results never depend on the rows sharing its call (a decode step alone or in
+  // a batch, a verification pass of one sequence or many): the cpu device's always, the cuda
+  // device's with LoadOptions::batchInvariant.
+  bool batchInvariant() const;
 
   // The KV cache's pages (a scheduler admits and preempts by them) and the sequences in use.
   struct Usage {
