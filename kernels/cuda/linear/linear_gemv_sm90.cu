@@ -41,6 +41,17 @@ __device__ __forceinline__ uint4 loadStreaming(const void *pointer) {
 }
 
 // sum + x[0..7] . w, the 8 bf16 of `packed` (element 2i in the low half of word i), in k order.
+// Eight consecutive inputs from `at` (16-byte aligned) as the dot products read them: fp32, or
+// rounded to bf16 when the GEMM's inputs are.
+__device__ __forceinline__ void inputChunk(const float *at, bool roundToBf16, float (&values)[8]) {
+  const float4 *row = reinterpret_cast<const float4 *>(at);
+  const float4 low = __ldg(row), high = __ldg(row + 1);
+  const float loaded[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    values[i] = roundToBf16 ? __bfloat162float(__float2bfloat16(loaded[i])) : loaded[i];
+}
+
 __device__ __forceinline__ float dot8(const uint4 &packed, const float (&x)[8], float sum) {
   const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
 #pragma unroll
@@ -97,14 +108,8 @@ __device__ __forceinline__ void gemvBlock(const GemvParams &p, int64_t block, in
 #pragma unroll
     for (int r = 0; r < MaxRows; ++r) {
       if (r < p.rows) {
-        const float4 *row = reinterpret_cast<const float4 *>(x + r * p.xStride + c * 8);
-        const float4 low = __ldg(row), high = __ldg(row + 1);
-        float values[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
-        if (p.roundInputToBf16) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            values[i] = __bfloat162float(__float2bfloat16(values[i]));
-        }
+        float values[8];
+        inputChunk(x + r * p.xStride + c * 8, p.roundInputToBf16, values);
 #pragma unroll
         for (int o = 0; o < kOutputsPerBlock; ++o)
           sums[r][o] = dot8(weights[o], values, sums[r][o]);
@@ -190,14 +195,8 @@ __device__ __forceinline__ void gemvNarrowWarp(const GemvParams &p, int64_t bloc
 #pragma unroll
     for (int r = 0; r < MaxRows; ++r) {
       if (r < p.rows) {
-        const float4 *row = reinterpret_cast<const float4 *>(x + r * p.xStride + lane * 8);
-        const float4 low = __ldg(row), high = __ldg(row + 1);
-        float values[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
-        if (p.roundInputToBf16) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            values[i] = __bfloat162float(__float2bfloat16(values[i]));
-        }
+        float values[8];
+        inputChunk(x + r * p.xStride + lane * 8, p.roundInputToBf16, values);
 #pragma unroll
         for (int o = 0; o < kNarrowOutputsPerWarp; ++o)
           sums[r][o] = dot8(w[o], values, sums[r][o]);
