@@ -139,6 +139,47 @@ TEST_P(BatchedPrefillTest, LastRowsAreEachSegmentsLastRow) {
   }
 }
 
+// Three prompts of the golden checkpoint with a token and a draft each: one accepted in part
+// (1), one rejected at once (0), one accepted whole (3); `groups` sequences prefilled per prompt.
+struct VerificationCases {
+  std::vector<std::vector<std::unique_ptr<Sequence>>> groups;
+  std::vector<std::vector<int64_t>> drafts;
+  std::vector<int64_t> tokens, expectedAccepted;
+  std::vector<DraftCheck> checksOf(size_t group) const {
+    std::vector<DraftCheck> checks;
+    for (size_t i = 0; i < tokens.size(); ++i)
+      checks.push_back(
+          {.sequence = groups[group][i].get(), .token = tokens[i], .draft = drafts[i]});
+    return checks;
+  }
+};
+VerificationCases verificationCases(Model &model, const std::string &checkpoint, size_t groups) {
+  VerificationCases cases;
+  cases.groups.resize(groups);
+  const std::vector<int64_t> golden = goldenPrompt(checkpoint);
+  const std::vector<std::vector<int64_t>> prompts = {
+      golden, {golden.begin(), golden.begin() + 11}, {golden.rbegin(), golden.rend() - 5}};
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    GenerationOptions greedyOptions;
+    greedyOptions.maxNewTokens = 5;
+    const std::vector<int64_t> greedy =
+        generateGreedy(model, prompts[i], greedyOptions).value().generated;
+    const int64_t wrong = (greedy[2] + 1) % model.vocabSize();
+    const std::vector<std::vector<int64_t>> drafts = {
+        {greedy[1], wrong, greedy[3]}, {wrong, greedy[2]}, {greedy[1], greedy[2], greedy[3]}};
+    cases.drafts.push_back(drafts[i]);
+    cases.expectedAccepted.push_back(i == 0 ? 1 : i == 1 ? 0 : 3);
+    cases.tokens.push_back(greedy[0]);
+    for (auto &group : cases.groups) {
+      auto sequence = model.newSequence();
+      EXPECT_TRUE(sequence.isOk()) << sequence.status().message();
+      EXPECT_TRUE((*sequence)->prefill(prompts[i]).isOk());
+      group.push_back(std::move(*sequence));
+    }
+  }
+  return cases;
+}
+
 // Three sequences verify their drafts in one pass: one accepted in part, one rejected at once, one
 // accepted whole; each result, state (1e-6) and the decode steps after it equal the sequence's
 // own verifyDraft.
@@ -147,42 +188,17 @@ TEST_P(BatchedPrefillTest, BatchedVerificationEqualsOneAtATime) {
   options.maxSequences = 8;
   auto model = loadOrDie(compiledDir(GetParam()), options);
   ASSERT_TRUE(model);
-  const std::vector<int64_t> golden = goldenPrompt(GetParam());
-  const std::vector<std::vector<int64_t>> prompts = {
-      golden, {golden.begin(), golden.begin() + 11}, {golden.rbegin(), golden.rend() - 5}};
-  std::vector<std::unique_ptr<Sequence>> batched, alone;
-  std::vector<std::vector<int64_t>> drafts;
-  std::vector<int64_t> tokens, expectedAccepted;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    GenerationOptions greedyOptions;
-    greedyOptions.maxNewTokens = 5;
-    const std::vector<int64_t> greedy =
-        generateGreedy(*model, prompts[i], greedyOptions).value().generated;
-    const int64_t wrong = (greedy[2] + 1) % model->vocabSize();
-    const std::vector<std::vector<int64_t>> cases = {
-        {greedy[1], wrong, greedy[3]}, {wrong, greedy[2]}, {greedy[1], greedy[2], greedy[3]}};
-    drafts.push_back(cases[i]);
-    expectedAccepted.push_back(i == 0 ? 1 : i == 1 ? 0 : 3);
-    tokens.push_back(greedy[0]);
-    for (auto *group : {&batched, &alone}) {
-      auto sequence = model->newSequence();
-      ASSERT_TRUE(sequence.isOk());
-      ASSERT_TRUE((*sequence)->prefill(prompts[i]).isOk());
-      group->push_back(std::move(*sequence));
-    }
-  }
-  std::vector<DraftCheck> checks;
-  for (size_t i = 0; i < batched.size(); ++i)
-    checks.push_back({.sequence = batched[i].get(), .token = tokens[i], .draft = drafts[i]});
-  auto verified = model->verifyDrafts(checks);
+  VerificationCases cases = verificationCases(*model, GetParam(), 2);
+  auto &batched = cases.groups[0], &alone = cases.groups[1];
+  auto verified = model->verifyDrafts(cases.checksOf(0));
   ASSERT_TRUE(verified.isOk()) << verified.status().message();
-  ASSERT_EQ(verified->size(), checks.size());
+  ASSERT_EQ(verified->size(), batched.size());
   for (size_t i = 0; i < batched.size(); ++i) {
     SCOPED_TRACE(testing::Message() << "sequence " << i);
-    auto single = alone[i]->verifyDraft(tokens[i], drafts[i]);
+    auto single = alone[i]->verifyDraft(cases.tokens[i], cases.drafts[i]);
     ASSERT_TRUE(single.isOk()) << single.status().message();
     const DraftVerification &result = (*verified)[i];
-    EXPECT_EQ(result.accepted, expectedAccepted[i]);
+    EXPECT_EQ(result.accepted, cases.expectedAccepted[i]);
     EXPECT_EQ(result.accepted, single->accepted);
     EXPECT_EQ(result.tokens, single->tokens);
     EXPECT_EQ(result.logits, single->logits);
@@ -190,6 +206,33 @@ TEST_P(BatchedPrefillTest, BatchedVerificationEqualsOneAtATime) {
     EXPECT_LE(relativeStateDiff(*batched[i], *alone[i]), 1e-6);
     expectSameContinuations(*batched[i], *alone[i], result.tokens.back(), 3);
   }
+}
+
+// verifyDrafts without logits (the Scheduler's: the cuda device chooses on the GPU) keeps the
+// same tokens and leaves the same states; its results carry no logits. The cpu device is
+// batch-invariant (Model::batchInvariant).
+TEST_P(BatchedPrefillTest, VerificationWithoutLogitsKeepsTheTokens) {
+  LoadOptions options;
+  options.maxSequences = 8;
+  auto model = loadOrDie(compiledDir(GetParam()), options);
+  ASSERT_TRUE(model);
+  EXPECT_TRUE(model->batchInvariant());
+  VerificationCases cases = verificationCases(*model, GetParam(), 2);
+  auto withLogits = model->verifyDrafts(cases.checksOf(0));
+  auto tokensOnly = model->verifyDrafts(cases.checksOf(1), /*keepLogits=*/false);
+  ASSERT_TRUE(withLogits.isOk() && tokensOnly.isOk());
+  for (size_t i = 0; i < cases.tokens.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "sequence " << i);
+    EXPECT_EQ((*tokensOnly)[i].accepted, cases.expectedAccepted[i]);
+    EXPECT_EQ((*tokensOnly)[i].tokens, (*withLogits)[i].tokens);
+    EXPECT_TRUE((*tokensOnly)[i].logits.empty());
+    EXPECT_FALSE((*withLogits)[i].logits.empty());
+    EXPECT_LE(relativeStateDiff(*cases.groups[1][i], *cases.groups[0][i]), 0.0);
+  }
+  const VerifyTimings &timings = model->verifyTimings();
+  EXPECT_EQ(timings.calls, 2);
+  EXPECT_EQ(timings.sequences, 6);
+  EXPECT_GT(timings.passSeconds, 0.0);
 }
 
 // What a batched call cannot run is refused before anything runs, naming the sequence or limit.
