@@ -352,5 +352,37 @@ TEST(DraftOnlyWhenItPays, NoReprobeWhereEvenAFullyAcceptedPassWouldNotPay) {
             static_cast<int64_t>(prompts.size()) * (newTokens - 1));
 }
 
+// SchedulerOptions::batchInvariantModel: on a model whose kernels are not batch-invariant a
+// request speculates only while it is the one request decoding. Three requests decoding together
+// never draft (their tokens are plain decoding's), a request alone does; on a batch-invariant
+// model (the cpu device's own answer) the three draft too. Every draft is accepted (replay).
+TEST(SpeculationWithoutBatchInvariance, OnlyARequestDecodingAloneSpeculates) {
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny-batch4"));
+  ASSERT_TRUE(model);
+  EXPECT_TRUE(model->batchInvariant()); // the cpu device
+  const auto prompts = randomPrompts(model->vocabSize(), 3, 24);
+  const int64_t newTokens = 16;
+  for (const bool invariant : {false, true})
+    for (const size_t requests : {size_t(3), size_t(1)}) {
+      SCOPED_TRACE(testing::Message() << (invariant ? "batch-invariant" : "not batch-invariant")
+                                      << ", " << requests << " requests");
+      SchedulerOptions options = payingOptions();
+      options.draftOnlyWhenItPays = false; // every step that may draft does
+      options.batchInvariantModel = invariant;
+      Scheduler scheduler(*model, options);
+      runBatchAgainstGreedy(scheduler, *model,
+                            {prompts.begin(), prompts.begin() + std::ptrdiff_t(requests)},
+                            newTokens, 0);
+      const SchedulerStats stats = scheduler.stats();
+      if (!invariant && requests > 1) {
+        EXPECT_EQ(stats.verifySteps, 0);
+        EXPECT_EQ(stats.declinedDrafts, static_cast<int64_t>(requests) * (newTokens - 1));
+      } else {
+        EXPECT_GT(stats.verifySteps, 0);
+        EXPECT_EQ(stats.acceptedTokens, stats.draftedTokens);
+      }
+    }
+}
+
 } // namespace
 } // namespace hybrid

@@ -29,7 +29,8 @@ struct Scheduler::Active {
 };
 
 Scheduler::Scheduler(Model &model, SchedulerOptions options)
-    : model_(model), options_(options) {
+    : model_(model), options_(options),
+      batchInvariant_(options.batchInvariantModel.value_or(model.batchInvariant())) {
   options_.prefillChunkTokens = std::max<int64_t>(1, options_.prefillChunkTokens);
   if (options_.draftTokens > 0)
     drafts_ = makeDraftSource(model_, options_.draftSource, options_.replay);
@@ -104,13 +105,15 @@ double Scheduler::now() const {
 }
 
 Scheduler::Drafting Scheduler::drafting(const Active &active) {
+  if (!batchInvariant_ && decodingRequests_ > 1)
+    return Drafting::Declines; // a pass would change the request's tokens (batchInvariantModel)
   if (!options_.draftOnlyWhenItPays)
     return Drafting::Verifies;
   // Requests due to probe probe together (one batched pass) on a batch-invariant model; without
   // batch invariance a batched pass's rows differ from decode steps' in the last bits, which on
   // nearly flat logits turns greedy tokens (and the acceptance of drafts) elsewhere, so one
   // request a step probes there.
-  const bool together = model_.batchInvariant();
+  const bool together = batchInvariant_;
   if (verifyPassSeconds_ <= 0) { // nothing timed yet: the probe finds out
     const bool probe = together || !probedThisStep_;
     probedThisStep_ = true;
@@ -457,6 +460,10 @@ std::vector<TokenEvent> Scheduler::step() {
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }
+  decodingRequests_ = 0;
+  for (const std::unique_ptr<Active> &active : running_)
+    decodingRequests_ +=
+        active->fed > 0 && active->fed + 1 >= static_cast<int64_t>(active->context.size());
 
   // Every request's own step first (prefill chunks, speculative steps), then the plain decode
   // steps together; their results are applied in admission order.

@@ -27,6 +27,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -85,6 +86,16 @@ struct SchedulerOptions {
   bool draftOnlyWhenItPays = false;
   static constexpr int64_t kReprobeAfter = 8, kReprobeAfterMax = 256,
                            kTimedPassesBeforeGivingUp = 3;
+  // On a model that is not batch-invariant (Model::batchInvariant: the cuda device without
+  // --batch-invariant) a verification pass gives a row other last bits than the batched decode
+  // step it replaces (other kernels for other row counts), and greedy tokens can follow; so there
+  // a request speculates only while it is the one request decoding, where pass and decode step
+  // take the same decode-size kernels (greedy tokens identical on the golden checkpoints and
+  // Kimi-Linear-48B shapes; issue 9), and a larger batch decodes plainly: its tokens are those
+  // of decoding without speculation. (A batched pass would pay only on batch-invariant kernels
+  // anyway: on the H200 it kept 35% of replayed drafts and ran 0.52x.) Empty: what the model
+  // says; tests set it to stand in for such a device on the cpu one.
+  std::optional<bool> batchInvariantModel = {};
   // The clock draftOnlyWhenItPays times proposals, passes and decode steps with, in seconds
   // (empty: std::chrono::steady_clock). Tests pass a fake one to make its choices deterministic.
   std::function<double()> clock = {};
@@ -183,6 +194,8 @@ private:
   double verifyPassSeconds_ = 0, decodeRowSeconds_ = 0;
   int64_t timedPasses_ = 0; // verification calls whose time verifyPassSeconds_ has blended
   bool probedThisStep_ = false;
+  bool batchInvariant_ = true;  // the model's (or batchInvariantModel's) answer
+  size_t decodingRequests_ = 0; // running requests past their prompts at this step's start
   // Whether a speculating request drafts this step: it verifies (drafting pays, or the initial
   // probe), it probes again after its back-off, or it declines.
   enum class Drafting { Verifies, Reprobes, Declines };
