@@ -109,16 +109,10 @@ Scheduler::Drafting Scheduler::drafting(const Active &active) {
     return Drafting::Declines; // a pass would change the request's tokens (batchInvariantModel)
   if (!options_.draftOnlyWhenItPays)
     return Drafting::Verifies;
-  // Requests due to probe probe together (one batched pass) on a batch-invariant model; without
-  // batch invariance a batched pass's rows differ from decode steps' in the last bits, which on
-  // nearly flat logits turns greedy tokens (and the acceptance of drafts) elsewhere, so one
-  // request a step probes there.
-  const bool together = batchInvariant_;
-  if (verifyPassSeconds_ <= 0) { // nothing timed yet: the probe finds out
-    const bool probe = together || !probedThisStep_;
-    probedThisStep_ = true;
-    return probe ? Drafting::Verifies : Drafting::Declines;
-  }
+  // The requests due to probe probe together, in one batched pass (past the check above, that
+  // is one request where the model is not batch-invariant).
+  if (verifyPassSeconds_ <= 0) // nothing timed yet: the probe finds out
+    return Drafting::Verifies;
   if (decodeRowSeconds_ > 0) { // else a plain step first, to compare with
     const double expected =
         1 + (active.acceptedPerPass >= 0 ? active.acceptedPerPass : double(active.draftLength));
@@ -132,10 +126,8 @@ Scheduler::Drafting Scheduler::drafting(const Active &active) {
       return Drafting::Declines;
   }
   // One bad pass (or a slow one) must not decide for the rest of the request.
-  if (active.declinedSteps >= active.reprobeAfter && (together || !probedThisStep_)) {
-    probedThisStep_ = true;
+  if (active.declinedSteps >= active.reprobeAfter)
     return Drafting::Reprobes;
-  }
   return Drafting::Declines;
 }
 
@@ -454,7 +446,6 @@ void Scheduler::decodeGroup(const std::vector<size_t> &group, std::vector<Outcom
 }
 
 std::vector<TokenEvent> Scheduler::step() {
-  probedThisStep_ = false;
   reserveStepPages();
   while (!waiting_.empty() && admit(*waiting_.front())) {
     running_.push_back(std::move(waiting_.front()));

@@ -73,13 +73,12 @@ struct SchedulerOptions {
   // Acceptance varies along a text and a pass's cost with the batch, so a request that declined
   // kReprobeAfter steps probes again (one pass, which updates its mean and the pass's cost like
   // any other); each probe after which drafting still does not pay doubles the steps it waits
-  // next, up to kReprobeAfterMax, and a step where drafting pays resets it. On a batch-invariant
-  // model (Model::batchInvariant) the requests due to probe in a step probe together, in one
-  // verification call: a batched pass costs far less a sequence than one alone
-  // (Kimi-Linear-48B on the H200: 1.3 ms a sequence in a pass of 32 against 7.3 ms alone, where
-  // a decode row costs 0.5 ms); elsewhere one request a step probes (a batched pass would change
-  // the last bits of every row it holds). So probing costs at most one call per step and, for a
-  // request whose drafting never pays, one pass per kReprobeAfterMax of its steps;
+  // next, up to kReprobeAfterMax, and a step where drafting pays resets it. The requests due to
+  // probe in a step probe together, in one verification call: a batched pass costs far less a
+  // sequence than one alone (Kimi-Linear-48B on the H200: 1.3 ms a sequence in a pass of 32
+  // against 7.3 ms alone, where a decode row costs 0.5 ms). So probing costs at most one call
+  // per step and, for a request whose drafting never pays, one pass per kReprobeAfterMax of its
+  // steps;
   // none while even a pass that accepted all draftTokens would not pay (a large batch), once
   // kTimedPassesBeforeGivingUp passes are timed: the cuda device runs a pass shape's first call
   // eagerly and captures its graph on the second, so the first pass can cost several replays.
@@ -192,8 +191,7 @@ private:
   uint64_t nextId_ = 1;
   // draftOnlyWhenItPays's measurements (0: none yet).
   double verifyPassSeconds_ = 0, decodeRowSeconds_ = 0;
-  int64_t timedPasses_ = 0; // verification calls whose time verifyPassSeconds_ has blended
-  bool probedThisStep_ = false;
+  int64_t timedPasses_ = 0;     // verification calls whose time verifyPassSeconds_ has blended
   bool batchInvariant_ = true;  // the model's (or batchInvariantModel's) answer
   size_t decodingRequests_ = 0; // running requests past their prompts at this step's start
   // Whether a speculating request drafts this step: it verifies (drafting pays, or the initial
