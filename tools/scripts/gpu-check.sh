@@ -10,9 +10,9 @@
 #     shared libraries the GPU machine lacks; prints the size to carry.
 #   gpu-check.sh run [OUT] [--quick]   (there: the run command, with OUT carried)
 #     unpacks (python's tarfile: no xz tool there), then the kernel tests, the e2e cuda tests,
-#     the cold start (hybrid-run k48, its load phases), hybrid-bench e2e (batch 1 and 8 at 1K and
-#     8K), hybrid-bench spec with replay drafts (batch 1, 32, 128; batch 1 again without prefill
-#     graphs) and hybrid-bench tune twice (the second must reuse every entry); --quick: the tests
+#     the cold start (hybrid-run k48), hybrid-bench e2e (batch 1 and 8 at 1K and 8K), spec with
+#     replay drafts (batch 1, 32, 128; 32 and 128 on batch-invariant kernels; batch 1 without
+#     prefill graphs) and tune twice (the second must reuse every entry); --quick: the tests
 #     and the cold start only. Logs and JSON records go to $OUT when set (the device machine's),
 #     else OUT/logs; one summary line per step, exit 1 when a step fails.
 # OUT defaults to build-gpu-check in the repository (ignored by git: /build*/).
@@ -118,6 +118,11 @@ if ((!quick)); then
   step "spec bench (k48, replay)" spec-bench.log 300 "$out/hybrid-bench" spec --model "$out/k48" \
     --device cuda --synthetic-weights --batch 1,32,128 --prompt-tokens 512 --max-tokens 64 \
     --draft 4 --draft-source replay --replay-acceptance 1.0 --json "$logs/spec-k48-replay.json"
+  # Batch-invariant kernels: identical outputs and batched passes that pay at batch 32 and 128.
+  step "spec bench (batch-invariant)" spec-bench-invariant.log 300 "$out/hybrid-bench" spec \
+    --model "$out/k48" --device cuda --synthetic-weights --batch 32,128 --prompt-tokens 512 \
+    --max-tokens 64 --draft 4 --draft-source replay --replay-acceptance 1.0 --batch-invariant \
+    --json "$logs/spec-k48-replay-invariant.json"
   # The same at batch 1 with the verification passes launched kernel by kernel: what the
   # prefill graphs gain.
   step "spec bench (no prefill graphs)" spec-bench-eager.log 200 "$out/hybrid-bench" spec \
@@ -139,7 +144,7 @@ printf '%s\n' "${summary[@]}"
 grep -hE '^\[  (PASSED|FAILED) ' "$logs/kernel-tests.log" "$logs/e2e-tests.log"
 grep -hE '^(load|cold start)' "$logs/cold-start.log"
 ((quick)) || grep -hE '^(e2e |spec batch|  decode|[0-9]+ tuned)' "$logs"/e2e-bench.log \
-  "$logs"/spec-bench.log "$logs"/tune-1.log "$logs"/tune-2.log
+  "$logs"/spec-bench.log "$logs"/spec-bench-invariant.log "$logs"/tune-1.log "$logs"/tune-2.log
 if [[ $failures -gt 0 ]]; then
   echo "GPU CHECK FAILED ($failures)"
   exit 1
