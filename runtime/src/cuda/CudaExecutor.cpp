@@ -901,6 +901,15 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
     report += "cuda " + program->name()->str() + ": GPU: " + list(gpu) +
               "; cpu reference: " + list(cpuKernels) + "\n";
   }
+  if (impl->batchInvariant) {
+    std::string layers;
+    for (int32_t layer : impl->batchVariantLayers)
+      layers += (layers.empty() ? "" : ", ") + std::to_string(layer);
+    report += layers.empty() ? "cuda batch invariance: every layer\n"
+                             : "cuda batch invariance: not the MoE experts of layers " + layers +
+                                   " (FP8 or not multiples of 64: their form follows the step's "
+                                   "(token, expert) pairs)\n";
+  }
 
   lap(timings.kernelSetupSeconds);
 

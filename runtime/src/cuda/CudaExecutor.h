@@ -111,6 +111,8 @@ public:
   CudaGraphCounts graphCounts() const;
   // Which kernels run where, one line per program.
   const std::string &placementReport() const { return report_; }
+  // LoadOptions::batchInvariant held for every layer on the GPU (the report says which not).
+  bool batchInvariant() const;
   // The tuned kernel configurations looked up so far (LoadOptions::tuningCache), one line per
   // kernel and shape bucket: the configuration, or why the defaults run.
   std::string tuningReport() const;

@@ -211,6 +211,9 @@ struct CudaExecutor::Impl {
   bool batchInvariant = false;
   // The row count whose cuBLASLt algorithm every call of a shape then takes.
   static constexpr int64_t kBatchInvariantReferenceRows = 64;
+  // With batchInvariant: the layers whose GPU kernels still depend on the rows of a call (MoE
+  // experts the grouped tensor-core form does not take: FP8, or widths not multiples of 64).
+  std::set<int32_t> batchVariantLayers;
   kc::KdaPrefillPath kdaPrefillPath = kc::KdaPrefillPath::Auto;
   int64_t *pinnedTokens = nullptr; // token ids staged for an asynchronous upload
   // Decode steps that choose on the GPU: each row's sampling parameters (staged, then on the

@@ -139,6 +139,8 @@ Status CudaExecutor::Impl::prepareMoe(const fb::Dispatch &d, const fb::Program &
   // never needs more than this.
   const bool tensorCores = expertWeightType(d) == fb::DType::BF16 &&
                            kc::moeGroupedShape(kc::WeightType::BF16, hidden, inner);
+  if (batchInvariant && !tensorCores) // their form is chosen by the step's pairs (moeForm)
+    batchVariantLayers.insert(d.layer());
   const int64_t pairs =
       decodeProgram ? rows * K
                     : std::min<int64_t>(rows * K, tensorCores ? kc::kMoeTunedMaxPairs

@@ -59,6 +59,10 @@ Status CudaExecutor::restoreSlot(int32_t slot, size_t index) {
   return Status::ok();
 }
 
+bool CudaExecutor::batchInvariant() const {
+  return impl_->batchInvariant && impl_->batchVariantLayers.empty();
+}
+
 bool CudaExecutor::holdsEveryRecurrentState() const {
   return impl_->gpuStateLayers.size() == impl_->layerStateBytes.size();
 }

@@ -695,7 +695,11 @@ Model::Usage Model::usage() const {
 
 int64_t Model::maxContextTokens() const { return impl_->options.maxContextTokens; }
 bool Model::batchInvariant() const {
-  return impl_->options.device != "cuda" || impl_->options.batchInvariant;
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (impl_->cuda)
+    return impl_->cuda->batchInvariant();
+#endif
+  return true; // the cpu device: every row's arithmetic is its own
 }
 
 int64_t Model::pagesFor(int64_t tokens) const {

@@ -396,7 +396,8 @@ public:
   bool hasMtp() const;
   // Whether a row's results never depend on the rows sharing its call (a decode step alone or in
   // a batch, a verification pass of one sequence or many): the cpu device's always, the cuda
-  // device's with LoadOptions::batchInvariant.
+  // device's with LoadOptions::batchInvariant where every layer's kernels take it (not FP8 MoE
+  // experts: placementReport says which layers).
   bool batchInvariant() const;
 
   // The KV cache's pages (a scheduler admits and preempts by them) and the sequences in use.
