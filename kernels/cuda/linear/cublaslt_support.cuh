@@ -4,6 +4,7 @@
 
 #include "hybrid/kernels/cuda/Linear.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cublasLt.h>
 
@@ -31,6 +32,21 @@ inline int alignmentOf(const void *pointer) {
 inline int keyAlignment(const void *pointer, bool batchInvariant) {
   const int alignment = alignmentOf(pointer);
   return batchInvariant && alignment > 16 ? 16 : alignment;
+}
+
+// Batch invariance's calls of at most `partRows` rows: `part` on each consecutive slice of p's
+// rows (x and y advanced by their row strides), stopping at the first error code.
+template <typename Params, typename Part>
+int inRowParts(const Params &p, int64_t partRows, int64_t xStride, int64_t yStride, Part part) {
+  for (int64_t first = 0; first < p.rows; first += partRows) {
+    Params slice = p;
+    slice.rows = std::min(partRows, p.rows - first);
+    slice.x = p.x + first * xStride;
+    slice.y = p.y + first * yStride;
+    if (int code = part(slice))
+      return code;
+  }
+  return 0;
 }
 
 struct LinearContext::Algorithm {

@@ -221,20 +221,12 @@ int LinearContext::run(const LinearParams &p, void *stream) {
   const int64_t yStride = p.yStride ? p.yStride : p.out;
   if (!handle_ || !validLinear(p))
     return cudaErrorInvalidValue;
-  if (batchInvariantRows_ > 0 && p.rows > batchInvariantRows_) {
+  if (batchInvariantRows_ > 0 && p.rows > batchInvariantRows_)
     // Calls of at most the reference rows: the algorithm picked for them (its split-K
     // workspace included) is then valid for every call, and a row's sums never see its call's
     // size.
-    for (int64_t first = 0; first < p.rows; first += batchInvariantRows_) {
-      LinearParams part = p;
-      part.rows = std::min(batchInvariantRows_, p.rows - first);
-      part.x = p.x + first * xStride;
-      part.y = p.y + first * yStride;
-      if (int code = run(part, stream))
-        return code;
-    }
-    return 0;
-  }
+    return inRowParts(p, batchInvariantRows_, xStride, yStride,
+                      [&](const LinearParams &part) { return run(part, stream); });
   auto cudaStream = static_cast<cudaStream_t>(stream);
   if (GemvParams gemv; asGemv(p, decodeKernel_, gemv))
     return launchGemv(gemv, cudaStream);

@@ -229,16 +229,9 @@ int LinearContext::runFp8(const LinearFp8Params &p, void *stream) {
       return cudaErrorInvalidValue;
     if (int code = checkFp8Problem(p, true)) // nothing launched for a bad problem
       return code;
-    const int64_t xStride = p.xStride ? p.xStride : p.in, yStride = p.yStride ? p.yStride : p.out;
-    for (int64_t first = 0; first < p.rows; first += batchInvariantRows_) {
-      LinearFp8Params part = p;
-      part.rows = std::min(batchInvariantRows_, p.rows - first);
-      part.x = p.x + first * xStride;
-      part.y = p.y + first * yStride;
-      if (int code = fp8Gemm(part, true, stream))
-        return code;
-    }
-    return 0;
+    return inRowParts(p, batchInvariantRows_, p.xStride ? p.xStride : p.in,
+                      p.yStride ? p.yStride : p.out,
+                      [&](const LinearFp8Params &part) { return fp8Gemm(part, true, stream); });
   }
   return fp8Gemm(p, true, stream);
 }

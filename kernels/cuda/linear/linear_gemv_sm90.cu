@@ -40,7 +40,6 @@ __device__ __forceinline__ uint4 loadStreaming(const void *pointer) {
   return v;
 }
 
-// sum + x[0..7] . w, the 8 bf16 of `packed` (element 2i in the low half of word i), in k order.
 // Eight consecutive inputs from `at` (16-byte aligned) as the dot products read them: fp32, or
 // rounded to bf16 when the GEMM's inputs are.
 __device__ __forceinline__ void inputChunk(const float *at, bool roundToBf16, float (&values)[8]) {
@@ -52,6 +51,7 @@ __device__ __forceinline__ void inputChunk(const float *at, bool roundToBf16, fl
     values[i] = roundToBf16 ? __bfloat162float(__float2bfloat16(loaded[i])) : loaded[i];
 }
 
+// sum + x[0..7] . w, the 8 bf16 of `packed` (element 2i in the low half of word i), in k order.
 __device__ __forceinline__ float dot8(const uint4 &packed, const float (&x)[8], float sum) {
   const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
 #pragma unroll
