@@ -1,22 +1,24 @@
 // MoE (see Moe.h): the router in one block per token (its choices made by one warp, and by one
-// thread in the reference's order where the order decides ties or sums), and the per-(token, expert) SwiGLU on
-// CUDA cores: a warp per output row reading the expert's weight row once, the token's input in
-// shared memory.
-#include "hybrid/kernels/cuda/Moe.h"
+// thread in the reference's order where the order decides ties or sums), and the per-(token,
+// expert) SwiGLU on CUDA cores: a warp per output row reading the expert's weight row once. bf16
+// experts stream their rows through shared memory by bulk copies (the streamed form below); the
+// others read them with loads, the token's input in shared memory.
 #include "../common/activation.cuh"
 #include "../common/block_reduce.cuh"
 #include "../common/dependent_launch.cuh"
 #include "../common/device_setup.cuh"
 #include "../common/fp8_quant.cuh"
+#include "../common/warp_mma.cuh" // cp.async
+#include "hybrid/kernels/cuda/Moe.h"
 #include "moe_combine.cuh"
 
+#include <algorithm>
+#include <cmath>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cmath>
+#include <type_traits>
 
 namespace hybrid::kernels::cuda {
 namespace {
@@ -295,6 +297,349 @@ __global__ void scatterAddRowsKernel(const float *in, int64_t width, const int32
   }
 }
 
+// The streamed form (bf16 experts, steps of up to kStreamedMaxPairs pairs): a block per SM,
+// each of its 8 warps with its own ring of shared-memory buffers that it fills with whole weight
+// rows by cp.async, and the token's vector in registers. gate/up and down are one dependent
+// launch each, sized so that a down block fits on an SM beside a gate/up block: down's blocks
+// start while gate/up streams and copy their first rows before they wait for h, so the stream
+// does not drain at the boundary; the combine runs in down's blocks (a block owns a range of
+// output columns for every pair), one launch less. Every dot product is rowDot's (lane l adds
+// pairs l, l + 32, ... with fmaf from zero, then warpSum) and the combine is combinedColumn, so
+// the outputs are the scalar kernels' bits. Measured on the H200 (docs/performance.md, session
+// 14): bulk copies by the TMA engine, one per row, were 2x slower than the scalar kernels; with
+// cp.async the warps' fmaf chains, not the bytes, bound the time, hence two rows a unit.
+constexpr int kStreamWarps = 8, kStreamThreads = kStreamWarps * 32;
+// Units in flight a warp: a gate/up unit is two rows of `hidden` bf16, a down unit two rows of
+// `intermediate`; the rings of both launches fit an SM together (228 KB, 1 KB reserved each).
+constexpr int kGateUpDepth = 2, kDownDepth = 2;
+constexpr size_t kGateUpRingBytes = 148 * 1024, kDownRingBytes = 64 * 1024;
+
+// Shared bytes of the two launches' rings (down's followed by its pairs' expert orders).
+__host__ __device__ inline size_t gateUpRingBytes(int hidden) {
+  return size_t(kStreamWarps) * kGateUpDepth * 4 * hidden;
+}
+__host__ __device__ inline size_t downRingBytes(int intermediate) {
+  return size_t(kStreamWarps) * kDownDepth * 4 * intermediate;
+}
+
+// A warp's ring: unit j of the warp's sequence lands in buffer j % kDepth. Every lane copies
+// 16-byte chunks lane, lane + 32, ... of a unit and commits one group per unit (an empty one
+// past the warp's last unit), so waiting for all but the newest kDepth - 1 groups and a warp
+// barrier make unit j readable by the whole warp.
+template <int kDepth> struct WarpRing {
+  unsigned char *buffers;
+  unsigned unitBytes;
+
+  __device__ WarpRing(unsigned char *shared, unsigned unitBytes)
+      : buffers(shared + size_t(threadIdx.x / 32) * kDepth * unitBytes), unitBytes(unitBytes) {}
+  __device__ unsigned char *buffer(int j) const { return buffers + size_t(j % kDepth) * unitBytes; }
+  // `bytes` of `source` to offset `at` of unit j's buffer (this lane's chunks).
+  __device__ void copy(int j, unsigned at, const unsigned char *source, unsigned bytes) const {
+    unsigned char *destination = buffer(j) + at;
+    for (unsigned chunk = threadIdx.x % 32; chunk < bytes / 16; chunk += 32)
+      mma::copyAsync16(destination + 16 * chunk, source + 16 * chunk);
+  }
+  __device__ void wait() const {
+    mma::waitAsyncCopies<kDepth - 1>();
+    __syncwarp();
+  }
+};
+
+// The expert of the pair a warp works on and its matrices, looked up again only when the pair
+// changes: the id and pointer loads are dependent round trips that would otherwise delay every
+// row's copy (a warp's units run through few pairs).
+struct PairLookup {
+  int slot = -1;
+  bool held = false;
+  const unsigned char *first = nullptr, *second = nullptr; // gate and up, or down
+
+  // `early`: before the launch's wait, the ids read from L2 (written two launches back).
+  __device__ void at(const MoeExpertsParams &p, int pair, bool down, bool early) {
+    if (pair == slot)
+      return;
+    slot = pair;
+    const int expert = early ? __ldcg(p.ids + pair) : p.ids[pair];
+    held = expertHeld(p, expert);
+    if (held) {
+      first = static_cast<const unsigned char *>(down ? p.down[expert] : p.gate[expert]);
+      second = down ? nullptr : static_cast<const unsigned char *>(p.up[expert]);
+    }
+  }
+};
+
+// Lane `lane`'s pairs of a vector of 64 kPairs floats (pairs lane, lane + 32, ...) in
+// registers: a warp's rows all dot the same token's vector, which then costs no load per row.
+template <int kPairs> struct LanePairs {
+  float2 values[kPairs];
+
+  __device__ void load(const float *vector, int lane) {
+    const auto *pairs = reinterpret_cast<const float2 *>(vector);
+#pragma unroll
+    for (int k = 0; k < kPairs; ++k)
+      values[k] = pairs[lane + 32 * k];
+  }
+  // rowDot's sums over bf16 rows in shared memory (before the warp sums), two rows at once so
+  // that their fmaf chains overlap.
+  __device__ float2 dot2(const __nv_bfloat162 *first, const __nv_bfloat162 *second,
+                         int lane) const {
+    float a = 0.0f, b = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kPairs; ++k) {
+      const float2 wa = __bfloat1622float2(first[lane + 32 * k]),
+                   wb = __bfloat1622float2(second[lane + 32 * k]);
+      a = fmaf(wa.x, values[k].x, a);
+      b = fmaf(wb.x, values[k].x, b);
+      a = fmaf(wa.y, values[k].y, a);
+      b = fmaf(wb.y, values[k].y, b);
+    }
+    return {a, b};
+  }
+  __device__ float dot(const __nv_bfloat162 *row, int lane) const {
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kPairs; ++k) {
+      const float2 w = __bfloat1622float2(row[lane + 32 * k]);
+      sum = fmaf(w.x, values[k].x, sum);
+      sum = fmaf(w.y, values[k].y, sum);
+    }
+    return sum;
+  }
+};
+
+// A warp's place in its run of units, (pair, row) advanced one unit at a time: no division
+// per unit (64-bit divisions were most of a unit's instructions).
+struct UnitCursor {
+  int pair, row;
+  int rows; // rows a pair
+  __device__ UnitCursor(int64_t unit, int rows)
+      : pair(int(unit / rows)), row(int(unit % rows)), rows(rows) {}
+  __device__ void next() {
+    if (++row == rows) {
+      row = 0;
+      ++pair;
+    }
+  }
+};
+
+// The units [first, last) of a block split into kStreamWarps contiguous runs: a warp's units
+// then share their token (gate/up) or pair (down) and its vector in registers.
+struct WarpRun {
+  int64_t first, last;
+  __device__ WarpRun(int64_t blockFirst, int64_t blockLast) {
+    const int64_t n = blockLast - blockFirst, warp = threadIdx.x / 32;
+    first = blockFirst + n * warp / kStreamWarps;
+    last = blockFirst + n * (warp + 1) / kStreamWarps;
+  }
+  __device__ int count() const { return int(last - first); }
+};
+
+// Block: a contiguous share of the (pair, intermediate row) units, a contiguous run of it a
+// warp: a unit is gate and up row `row` of the pair's expert, h = act(gate x, up x).
+template <int kPairs>
+__global__ void __launch_bounds__(kStreamThreads)
+    gateUpStreamedKernel(MoeExpertsParams p, float *h) {
+  extern __shared__ __align__(128) unsigned char shared[];
+  const int lane = threadIdx.x % 32;
+  const unsigned rowBytes = unsigned(p.hidden) * 2u;
+  const WarpRing<kGateUpDepth> ring(shared, 2u * rowBytes);
+  waitForEarlierKernels(); // the router's ids, x
+  letDependentsLaunch();
+  const int64_t units = int64_t(p.tokens) * p.topK * p.intermediate;
+  const WarpRun run(units * blockIdx.x / gridDim.x, units * (blockIdx.x + 1) / gridDim.x);
+  const int count = run.count();
+  UnitCursor next(run.first, p.intermediate); // the unit copied next
+  PairLookup issued;
+  auto issue = [&](int j) {
+    if (j < count) {
+      issued.at(p, next.pair, false, false);
+      if (issued.held) {
+        const size_t offset = size_t(next.row) * rowBytes;
+        ring.copy(j, 0, issued.first + offset, rowBytes);
+        ring.copy(j, rowBytes, issued.second + offset, rowBytes);
+      }
+      next.next();
+    }
+    mma::commitAsyncCopies();
+  };
+  for (int j = 0; j < kGateUpDepth; ++j)
+    issue(j);
+  LanePairs<kPairs> x;
+  int token = -1;
+  PairLookup pair;
+  UnitCursor at(run.first, p.intermediate);
+  for (int j = 0; j < count; ++j, at.next()) {
+    pair.at(p, at.pair, false, false);
+    if (at.pair / p.topK != token) {
+      token = at.pair / p.topK;
+      x.load(p.x + size_t(token) * p.hidden, lane);
+    }
+    ring.wait();
+    if (pair.held) {
+      const auto *gate = reinterpret_cast<const __nv_bfloat162 *>(ring.buffer(j));
+      const float2 gu = x.dot2(gate, gate + p.hidden / 2, lane);
+      const float g = warpSum(gu.x), u = warpSum(gu.y);
+      if (lane == 0)
+        h[size_t(at.pair) * p.intermediate + at.row] = gatedActivationValue(p.activation, g, u);
+    }
+    __syncwarp(); // the buffer is read before it is refilled
+    issue(j + kGateUpDepth);
+  }
+}
+
+// Block: output columns [first, last) of every pair (units pair-major, a contiguous run of them
+// a warp: row `column` of the pair's down matrix dotted with its h), then those columns of
+// every token combined. The first rows are copied before the wait: they are weights, and the
+// ids they need were written before gate/up (which only lets this launch start once its own
+// wait for them has passed), read from L2.
+template <int kPairs>
+__global__ void __launch_bounds__(kStreamThreads)
+    downStreamedKernel(MoeExpertsParams p, const float *h, float *y) {
+  extern __shared__ __align__(128) unsigned char shared[];
+  const int lane = threadIdx.x % 32;
+  const unsigned rowBytes = unsigned(p.intermediate) * 2u;
+  const WarpRing<kDownDepth> ring(shared, 2 * rowBytes);
+  int *order = reinterpret_cast<int *>(shared + downRingBytes(p.intermediate));
+  const int slots = p.tokens * p.topK;
+  const int first = int(int64_t(p.hidden) * blockIdx.x / gridDim.x),
+            last = int(int64_t(p.hidden) * (blockIdx.x + 1) / gridDim.x), columns = last - first;
+  // A unit: columns first + 2 row and the next one (when in the block) of a pair, two rows
+  // whose sums' fmaf chains overlap.
+  const int columnPairs = (columns + 1) / 2;
+  const WarpRun run(0, int64_t(slots) * columnPairs);
+  const int count = run.count();
+  UnitCursor next(run.first, columnPairs); // the unit copied next
+  PairLookup issued;
+  auto issue = [&](int j, bool early) {
+    if (j < count) {
+      issued.at(p, next.pair, true, early);
+      const int column = 2 * next.row;
+      if (issued.held)
+        ring.copy(j, 0, issued.first + size_t(first + column) * rowBytes,
+                  (column + 1 < columns ? 2 : 1) * rowBytes);
+      next.next();
+    }
+    mma::commitAsyncCopies();
+  };
+  for (int j = 0; j < kDownDepth; ++j)
+    issue(j, true);
+  waitForEarlierKernels(); // h
+  letDependentsLaunch();
+  for (int t = threadIdx.x; t < p.tokens; t += kStreamThreads)
+    sortSlotsByExpert(p.ids + int64_t(t) * p.topK, p.topK, order + t * p.topK);
+  LanePairs<kPairs> v;
+  int loaded = -1;
+  PairLookup pair;
+  UnitCursor at(run.first, columnPairs);
+  for (int j = 0; j < count; ++j, at.next()) {
+    pair.at(p, at.pair, true, false);
+    ring.wait();
+    if (pair.held) {
+      if (at.pair != loaded) {
+        loaded = at.pair;
+        v.load(h + size_t(at.pair) * p.intermediate, lane);
+      }
+      const auto *rows = reinterpret_cast<const __nv_bfloat162 *>(ring.buffer(j));
+      const int column = 2 * at.row;
+      if (column + 1 < columns) {
+        const float2 sums = v.dot2(rows, rows + p.intermediate / 2, lane);
+        const float a = warpSum(sums.x), b = warpSum(sums.y);
+        if (lane == 0) {
+          y[size_t(at.pair) * p.hidden + first + column] = a;
+          y[size_t(at.pair) * p.hidden + first + column + 1] = b;
+        }
+      } else {
+        const float a = warpSum(v.dot(rows, lane));
+        if (lane == 0)
+          y[size_t(at.pair) * p.hidden + first + column] = a;
+      }
+    }
+    __syncwarp();
+    issue(j + kDownDepth, false);
+  }
+  __syncthreads(); // y's columns of the block and the orders
+  for (int i = threadIdx.x; i < p.tokens * columns; i += kStreamThreads) {
+    const int token = i / columns, column = first + i % columns;
+    const int32_t *ids = p.ids + int64_t(token) * p.topK;
+    p.out[int64_t(token) * p.hidden + column] = combinedColumn(
+        order + token * p.topK, p.topK, p.weights + int64_t(token) * p.topK, column, [&](int slot) {
+          return expertHeld(p, ids[slot]) ? y + (int64_t(token) * p.topK + slot) * p.hidden
+                                          : static_cast<const float *>(nullptr);
+        });
+  }
+}
+
+// LanePairs' sizes: a width of exactly 64 kPairs floats, kPairs a multiple of 4 up to 48.
+constexpr int kStreamMaxPairs = 48;
+int lanePairs(int width) {
+  return width % 256 == 0 && width / 64 <= kStreamMaxPairs ? width / 64 : 0;
+}
+
+// The pairs up to which a step streams: its 8 warps an SM are too few to hide the fmaf chains
+// of more (H200, Kimi-Linear-48B's experts, 8 layers a graph: 35.9 / 61.0 / 111.5 / 209.1 us at
+// 1 / 2 / 4 / 8 tokens' top 8, the scalar kernels 38.6 / 63.1 / 112.7 / 197.7). Both forms
+// give the same bits, so the choice keeps a token's outputs whatever the step holds.
+constexpr int64_t kStreamedMaxPairs = 16;
+
+// Whether the streamed form takes these experts: bf16 rows that fit the rings, widths of whole
+// LanePairs (every matrix 16-byte aligned, as the weight archive's pages are), small steps.
+bool streamedShape(const MoeExpertsParams &p) {
+  return p.type == WeightType::BF16 && lanePairs(p.hidden) > 0 && lanePairs(p.intermediate) > 0 &&
+         gateUpRingBytes(p.hidden) <= kGateUpRingBytes &&
+         downRingBytes(p.intermediate) <= kDownRingBytes &&
+         int64_t(p.tokens) * p.topK <= kStreamedMaxPairs;
+}
+
+// One launch of a streamed kernel at the SM's largest shared-memory split (set once per device
+// and kernel), so a down block finds room beside a gate/up block without the SM being
+// reconfigured.
+template <auto kernel, typename... Args>
+cudaError_t launchStreamedKernel(size_t maxShared, unsigned blocks, size_t sharedBytes,
+                                 cudaStream_t stream, const MoeExpertsParams &p, Args... args) {
+  const DeviceSetup setup = deviceSetup([maxShared] {
+    cudaError_t status =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(maxShared));
+    return status != cudaSuccess
+               ? status
+               : cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      int(cudaSharedmemCarveoutMaxShared));
+  });
+  if (setup.status != cudaSuccess)
+    return setup.status;
+  DependentLaunch launch(dim3(std::min<unsigned>(blocks, unsigned(setup.multiprocessors))),
+                         dim3(kStreamThreads), stream);
+  launch.config.dynamicSmemBytes = sharedBytes;
+  return cudaLaunchKernelEx(&launch.config, kernel, p, args...);
+}
+
+// kernel<kPairs> for the width's LanePairs (4, 8, ..., kStreamMaxPairs).
+template <int kPairs = 4, typename Launch> cudaError_t withLanePairs(int pairs, Launch launch) {
+  if constexpr (kPairs > kStreamMaxPairs)
+    return cudaErrorInvalidValue;
+  else
+    return pairs == kPairs ? launch(std::integral_constant<int, kPairs>{})
+                           : withLanePairs<kPairs + 4>(pairs, launch);
+}
+
+int launchStreamed(const MoeExpertsParams &p, cudaStream_t stream) {
+  auto *h = static_cast<float *>(p.workspace);
+  float *y = h + size_t(p.tokens) * p.topK * p.intermediate;
+  const int64_t slots = int64_t(p.tokens) * p.topK;
+  const unsigned gateUpBlocks = unsigned(std::min<int64_t>(slots * p.intermediate, 1 << 20));
+  cudaError_t status = withLanePairs(lanePairs(p.hidden), [&](auto pairs) {
+    return launchStreamedKernel<gateUpStreamedKernel<decltype(pairs)::value>>(
+        kGateUpRingBytes, gateUpBlocks, gateUpRingBytes(p.hidden), stream, p, h);
+  });
+  if (status != cudaSuccess)
+    return int(status);
+  status = withLanePairs(lanePairs(p.intermediate), [&](auto pairs) {
+    return launchStreamedKernel<downStreamedKernel<decltype(pairs)::value>>(
+        kDownRingBytes + kStreamedMaxPairs * sizeof(int), unsigned(p.hidden),
+        downRingBytes(p.intermediate) + size_t(slots) * sizeof(int), stream, p,
+        static_cast<const float *>(h), y);
+  });
+  return int(status != cudaSuccess ? status : cudaGetLastError());
+}
+
 unsigned gridFor(int64_t n) {
   return unsigned(std::min<int64_t>(std::max<int64_t>(1, (n + kThreads - 1) / kThreads), 8192));
 }
@@ -369,6 +714,8 @@ int launchMoeExpertsPerToken(const MoeExpertsParams &p, void *stream) {
       return cudaErrorInvalidValue;
     return launchPerToken<uint8_t>(p, s);
   }
+  if (streamedShape(p))
+    return launchStreamed(p, s);
   return p.type == WeightType::BF16 ? launchPerToken<__nv_bfloat16>(p, s)
                                     : launchPerToken<float>(p, s);
 }

@@ -3,14 +3,15 @@
 // plus the grouped forms (tensor cores; the host-grouped form's gather / scatter-add), and every
 // form skipping the experts an expert-parallel rank does not hold. Labelled `gpu`; skipped
 // without a GPU.
+#include "CudaTestSupport.h"
+#include "MoeCudaTestSupport.h"
 #include "hybrid/kernels/cuda/Moe.h"
 #include "hybrid/kernels/ref/Moe.h"
 #include "hybrid/kernels/ref/Quant.h"
-#include "CudaTestSupport.h"
-#include "MoeCudaTestSupport.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -220,6 +221,80 @@ TEST(MoeExpertsCuda, PerTokenIsDeterministicAndBatchInvariant) {
     EXPECT_EQ(run(t, 1), std::vector<float>(all.begin() + size_t(t) * hidden,
                                             all.begin() + size_t(t + 1) * hidden))
         << "token " << t;
+}
+
+// Steps of up to 16 pairs stream bf16 experts' rows through shared memory where the scalar
+// kernels read them with loads: the same values as fp32 weights take the scalar kernels, and
+// every output must be the same bits (each dot product and the combine sum in one order).
+// Kimi-Linear's widths and others the streamed form takes (8 to 16 pairs), a step above its
+// pairs and widths it does not take (not multiples of 256: bf16 on the scalar kernels), invalid
+// and absent experts. PerTokenIsDeterministicAndBatchInvariant compares the two forms too.
+TEST(MoeExpertsCuda, StreamedBf16GivesTheScalarFormsBits) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(11);
+  struct Shape {
+    int tokens, hidden, intermediate, experts, topK;
+  };
+  for (Shape s : {Shape{1, 2304, 1024, 32, 8}, Shape{2, 2304, 1024, 32, 8},
+                  Shape{2, 768, 256, 16, 8}, Shape{2, 1536, 512, 16, 6}, Shape{3, 768, 256, 16, 8},
+                  Shape{2, 264, 72, 8, 4}, Shape{2, 262, 72, 8, 4}}) {
+    SCOPED_TRACE("tokens " + std::to_string(s.tokens) + " hidden " + std::to_string(s.hidden));
+    const std::vector<float> x = random(size_t(s.tokens) * s.hidden, rng, 1.0f);
+    std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> b16;
+    std::vector<std::unique_ptr<DeviceBuffer<float>>> f32;
+    std::vector<uint64_t> bf16Pointers[3], f32Pointers[3];
+    for (int e = 0; e < s.experts; ++e)
+      for (int m = 0; m < 3; ++m) {
+        if (e == 1) { // absent: an expert-parallel rank's expert held elsewhere
+          bf16Pointers[m].push_back(0);
+          f32Pointers[m].push_back(0);
+          continue;
+        }
+        const std::vector<float> w =
+            roundedToBf16(random(size_t(s.hidden) * s.intermediate, rng, 0.05f));
+        b16.push_back(std::make_unique<DeviceBuffer<uint16_t>>(bf16Bits(w)));
+        f32.push_back(std::make_unique<DeviceBuffer<float>>(w));
+        bf16Pointers[m].push_back(reinterpret_cast<uint64_t>(b16.back()->data));
+        f32Pointers[m].push_back(reinterpret_cast<uint64_t>(f32.back()->data));
+      }
+    std::vector<int32_t> ids;
+    std::vector<float> weights;
+    for (int t = 0; t < s.tokens; ++t) {
+      std::vector<int32_t> order(static_cast<size_t>(s.experts));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int k = 0; k < s.topK; ++k) {
+        ids.push_back(t == 0 && k == 1 ? -1 : order[size_t(k)]); // an invalid id adds nothing
+        weights.push_back(0.05f + 0.1f * float(k));
+      }
+    }
+    DeviceBuffer<float> dX(x), dWeights(weights);
+    DeviceBuffer<int32_t> dIds(ids);
+    auto run = [&](const std::vector<uint64_t>(&pointers)[3], cuda::WeightType type) {
+      DeviceBuffer<uint64_t> gate(pointers[0]), up(pointers[1]), down(pointers[2]);
+      DeviceBuffer<uint8_t> workspace{std::vector<uint8_t>(
+          cuda::moeExpertsWorkspaceBytes(s.tokens, s.topK, s.hidden, s.intermediate),
+          uint8_t(0xA5))};
+      DeviceBuffer<float> out{std::vector<float>(size_t(s.tokens) * s.hidden, -3.0f)};
+      cuda::MoeExpertsParams p =
+          expertsParams(s.tokens, s.hidden, s.intermediate, s.experts, s.topK, dX.data, dIds.data,
+                        dWeights.data, gate.data, up.data, down.data, workspace.data);
+      p.type = type;
+      p.out = out.data;
+      EXPECT_EQ(cuda::launchMoeExpertsPerToken(p, nullptr), 0);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      return out.download();
+    };
+    const std::vector<float> scalar = run(f32Pointers, cuda::WeightType::F32);
+    const std::vector<float> streamed = run(bf16Pointers, cuda::WeightType::BF16);
+    ASSERT_EQ(streamed.size(), scalar.size());
+    size_t differing = 0;
+    for (size_t i = 0; i < scalar.size(); ++i)
+      differing += std::memcmp(&streamed[i], &scalar[i], sizeof(float)) != 0;
+    EXPECT_EQ(differing, 0u) << "of " << scalar.size() << " outputs";
+    EXPECT_TRUE(std::any_of(scalar.begin(), scalar.end(), [](float v) { return v != 0.0f; }));
+  }
 }
 
 // FP8 experts (DeepSeek-V3.2's): E4M3 codes with 128 x 128 block scales in the FP8 GEMM's padded
