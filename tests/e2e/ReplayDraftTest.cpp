@@ -65,6 +65,11 @@ TEST(ReplayDrafts, FullAcceptanceYieldsWholeDraftsWithIdenticalOutputs) {
     if (batch > 1) { // the scheduler verified several requests' drafts per pass
       EXPECT_LT(report->verifyCalls, report->verifySteps);
     }
+    // The model's verification timings over the speculative run alone (the plain one makes no
+    // verification calls).
+    EXPECT_EQ(report->verify.calls, report->verifyCalls) << "batch " << batch;
+    EXPECT_EQ(report->verify.sequences, report->verifySteps) << "batch " << batch;
+    EXPECT_GT(report->verify.passSeconds, 0.0) << "batch " << batch;
   }
 }
 

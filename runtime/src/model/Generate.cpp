@@ -316,13 +316,7 @@ StatusOr<SpeculationReport> benchmarkSpeculation(Model &model,
   report.draftedTokens = drafted.stats.draftedTokens;
   report.acceptedTokens = drafted.stats.acceptedTokens;
   report.declinedDrafts = drafted.stats.declinedDrafts;
-  const VerifyTimings &verifyAfter = model.verifyTimings();
-  report.verify = {.calls = verifyAfter.calls - verifyBefore.calls,
-                   .sequences = verifyAfter.sequences - verifyBefore.sequences,
-                   .snapshotSeconds = verifyAfter.snapshotSeconds - verifyBefore.snapshotSeconds,
-                   .passSeconds = verifyAfter.passSeconds - verifyBefore.passSeconds,
-                   .chooseSeconds = verifyAfter.chooseSeconds - verifyBefore.chooseSeconds,
-                   .rollbackSeconds = verifyAfter.rollbackSeconds - verifyBefore.rollbackSeconds};
+  report.verify = model.verifyTimings() - verifyBefore;
 
   // Per sequence: the pre-verification snapshot (fp32; on the device for the GPU's KDA layers),
   // the logged inputs of draftTokens + 1 rows per KDA layer, and the KV pages the draft rows can

@@ -180,6 +180,16 @@ struct HiddenStates {
 struct VerifyTimings {
   int64_t calls = 0, sequences = 0;
   double snapshotSeconds = 0, passSeconds = 0, chooseSeconds = 0, rollbackSeconds = 0;
+
+  // What was spent between an earlier reading and this one, every field.
+  VerifyTimings operator-(const VerifyTimings &earlier) const {
+    return {.calls = calls - earlier.calls,
+            .sequences = sequences - earlier.sequences,
+            .snapshotSeconds = snapshotSeconds - earlier.snapshotSeconds,
+            .passSeconds = passSeconds - earlier.passSeconds,
+            .chooseSeconds = chooseSeconds - earlier.chooseSeconds,
+            .rollbackSeconds = rollbackSeconds - earlier.rollbackSeconds};
+  }
 };
 
 // What Sequence::verifyDraft decided.
