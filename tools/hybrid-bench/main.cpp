@@ -1,16 +1,18 @@
 // hybrid-bench: kernel benchmarks on the GPU and the serving benchmark, a table on stdout and
 // JSON for the record.
+#include "Tune.h"
 #include "hybrid/runtime/BenchRecord.h"
 #include "hybrid/runtime/Communicator.h"
 #include "hybrid/runtime/E2eBench.h"
-#include "hybrid_bench_commit.h" // HYBRID_BENCH_COMMIT, written at build time
 #include "hybrid/runtime/Generate.h"
 #include "hybrid/runtime/LoadGenerator.h"
 #include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Server.h"
-#include "Tune.h"
+#include "hybrid/runtime/Timeline.h"
+#include "hybrid_bench_commit.h" // HYBRID_BENCH_COMMIT, written at build time
 #ifdef HYBRID_BENCH_KDA
 #include "hybrid/kernels/cuda/BenchDevice.h"
+#include "hybrid/kernels/cuda/DeviceTimeline.h"
 #include "hybrid/kernels/cuda/DsaBench.h" // and SparseMla.h
 #include "hybrid/kernels/cuda/KdaBench.h"
 #include "hybrid/kernels/cuda/MoeBench.h"
@@ -442,12 +444,40 @@ int runDsaSparseMla(const SparseMlaOptions &, const RecordOptions &) {
 // against the bytes a step must move.
 struct E2eCommandOptions {
   std::string model, plotPath;
+  std::string timelinePath; // --timeline: one decode step a row as a Chrome trace
   hybrid::LoadOptions load;
   hybrid::bench::E2eOptions bench;
   bool skipCollectives = false; // timing only: the sharded steps without their communication
 };
 
+// --timeline: each row's step summarized (rank 0) and all of them as one Chrome trace at
+// `path` (a sharded launch's other ranks at path.rank<r>).
+int writeTimelines(const std::vector<hybrid::bench::LabelledTimeline> &timelines,
+                   const std::string &path, int rank) {
+  const std::string file = rank == 0 ? path : path + ".rank" + std::to_string(rank);
+  std::ofstream out(file, std::ios::binary);
+  out << hybrid::bench::chromeTraceJson(timelines);
+  out.close();
+  if (!out) {
+    std::cerr << "error: e2e: --timeline: cannot write " << file << "\n";
+    return 1;
+  }
+  if (rank != 0)
+    return 0;
+  for (const auto &t : timelines)
+    std::printf("timeline %s: %s", t.label.c_str(),
+                hybrid::bench::formatTimelineSummary(hybrid::bench::summarizeTimeline(t.activities))
+                    .c_str());
+  std::printf("timeline: %zu rows written to %s (chrome://tracing, ui.perfetto.dev)\n",
+              timelines.size(), file.c_str());
+  return 0;
+}
+
 int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
+  if (!o.timelinePath.empty() && o.load.device != "cuda") {
+    std::cerr << "error: e2e: --timeline records a GPU's work: it needs --device cuda\n";
+    return 1;
+  }
   int64_t maxBatch = 1, maxContext = 1, kvTokens = 0;
   for (int64_t batch : o.bench.batches)
     for (int64_t context : o.bench.contexts) {
@@ -465,8 +495,8 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
         std::max(o.load.prefixCacheEntries, static_cast<int32_t>(distinct.size()));
   }
   o.load.maxSequences = int32_t(maxBatch);
-  o.load.maxContextTokens =
-      maxContext + o.bench.decodeSteps + 2 + (o.bench.aroundProfiledStep ? 1 : 0);
+  o.load.maxContextTokens = maxContext + o.bench.decodeSteps + 2 +
+                            (o.bench.aroundProfiledStep || !o.timelinePath.empty() ? 1 : 0);
   o.load.kvCacheTokens = kvTokens; // the largest row's, not every batch at the longest context
   // A sharded model launched one process per rank (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
   // MASTER_PORT): every rank runs the same rows, rank 0 reports.
@@ -505,6 +535,29 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
   // Which dispatches run where: a step left on the cpu reference explains a slow row at once.
   if (const std::string placement = (*model)->placementReport(); !placement.empty())
     std::fprintf(stderr, "%s%s", placement.c_str(), placement.back() == '\n' ? "" : "\n");
+  // --timeline: the device's activities during each row's extra step (DeviceTimeline.h).
+  std::vector<hybrid::bench::LabelledTimeline> timelines;
+  std::string timelineError;
+  if (!o.timelinePath.empty()) {
+#ifdef HYBRID_BENCH_KDA
+    auto profiler = o.bench.aroundProfiledStep;
+    o.bench.aroundProfiledStep = [&, profiler](bool start, int64_t batch, int64_t context) {
+      if (profiler)
+        profiler(start, batch, context);
+      if (start) {
+        if (timelineError.empty())
+          timelineError = kc::startDeviceTimeline();
+        return;
+      }
+      timelines.push_back(
+          {"batch " + std::to_string(batch) + " context " + std::to_string(context), {}});
+      if (timelineError.empty())
+        timelineError = kc::stopDeviceTimeline(timelines.back().activities);
+    };
+#else
+    return noCuda("e2e --timeline");
+#endif
+  }
   auto rows = hybrid::bench::runE2e(**model, o.bench, [reports](const std::string &line) {
     if (reports)
       std::fprintf(stderr, "e2e: %s\n", line.c_str());
@@ -513,6 +566,14 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
     std::cerr << "error: e2e: " << rows.status().message() << "\n";
     return 1;
   }
+  if (!timelineError.empty()) {
+    std::cerr << "error: e2e: --timeline: " << timelineError << "\n";
+    return 1;
+  }
+  if (!timelines.empty() || !o.timelinePath.empty())
+    if (int status =
+            writeTimelines(timelines, o.timelinePath, reports ? 0 : (*processRank)->rank()))
+      return status;
   if (!reports)
     return 0;
   std::printf("%-5s %6s %8s %10s %12s %10s %12s %10s %7s %9s\n", "", "batch", "context",
@@ -1030,6 +1091,10 @@ int main(int argc, char **argv) {
                        "cuda: one extra, untimed decode step per row inside a profiler range "
                        "(for ncu --profile-from-start off)");
   e2eCommand->add_option("--plot", e2e.plotPath, "Write TPOT against context as a PNG");
+  e2eCommand->add_option("--timeline", e2e.timelinePath,
+                         "cuda: one extra, untimed decode step per row recorded by CUPTI (every "
+                         "kernel, copy and stream); prints where each step's time goes and writes "
+                         "them as a Chrome trace (JSON)");
   addRecordOptions(e2eCommand, record);
   TuneCommandOptions tuneOptions;
   CLI::App *tune = app.add_subcommand(
@@ -1045,7 +1110,7 @@ int main(int argc, char **argv) {
     e2e.load.cudaGraphs = !e2eNoGraphs;
     if (e2eProfileStep) {
 #ifdef HYBRID_BENCH_KDA
-      e2e.bench.aroundProfiledStep = [](bool start) {
+      e2e.bench.aroundProfiledStep = [](bool start, int64_t, int64_t) {
         hybrid::kernels::cuda::benchProfilerRange(start);
       };
 #else

@@ -63,7 +63,7 @@ if [[ $half == pack ]]; then
   tar -cf - -C "$staging" "${binaries[@]}" | xz -T2 -6 > "$out/bins.tar.xz" || exit 1
   tar -cf - -C "$build/tests/e2e" "${plans[@]}" | xz -T2 -9 > "$out/e2e.tar.xz" || exit 1
   # The libraries of Debian packages the GPU machine does not have.
-  for library in libcpp-httplib.so libxxhash.so; do
+  for library in libcpp-httplib.so libxxhash.so libcupti.so; do
     path=$(ldd "$build/bin/hybrid-bench" | awk -v l="$library" 'index($1, l) == 1 { print $3 }')
     [[ -n $path ]] && cp -L "$path" "$out/lib/"
   done

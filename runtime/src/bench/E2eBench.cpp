@@ -234,9 +234,9 @@ StatusOr<std::vector<E2eRow>> runE2e(Model &model, const E2eOptions &options,
         if (Status s = step(); !s)
           return s;
       if (options.aroundProfiledStep) { // untimed: the profiler slows it
-        options.aroundProfiledStep(true);
+        options.aroundProfiledStep(true, batch, context);
         Status s = step();
-        options.aroundProfiledStep(false);
+        options.aroundProfiledStep(false, batch, context);
         if (!s)
           return s;
       }

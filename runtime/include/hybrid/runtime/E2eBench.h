@@ -48,9 +48,10 @@ struct E2eOptions {
   // can only be optimistic by that much. Needs a model loaded with
   // LoadOptions::prefixCacheEntries >= the distinct contexts (1 to prefill every row's own).
   bool sharedPrompt = false;
-  // Called with true before and false after the first timed decode step of each row (a
-  // profiler's collection range around one step); may be empty.
-  std::function<void(bool)> aroundProfiledStep;
+  // Called with true before and false after one extra, untimed decode step of each row (a
+  // profiler's collection range around one step), with the row's batch and context; may be
+  // empty.
+  std::function<void(bool start, int64_t batch, int64_t context)> aroundProfiledStep;
 };
 
 struct E2eRow {

@@ -1,0 +1,105 @@
+// Reading device timelines (Timeline.h): busy and exposed times per stream and name with
+// overlapping (dependent) launches, the communication's hidden share, short names, the Chrome
+// trace.
+#include "hybrid/runtime/Timeline.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+namespace hybrid::bench {
+namespace {
+
+DeviceActivity kernel(const std::string &name, uint32_t stream, uint64_t startUs, uint64_t endUs) {
+  return {DeviceActivity::Kind::Kernel, name, stream, startUs * 1000, endUs * 1000};
+}
+
+const TimelineSummary::Name &named(const TimelineSummary &s, const std::string &name) {
+  for (const auto &n : s.names)
+    if (n.name == name)
+      return n;
+  static const TimelineSummary::Name none;
+  ADD_FAILURE() << "no name " << name;
+  return none;
+}
+
+TEST(Timeline, ShortNamesDropNamespacesReturnTypesAndArguments) {
+  EXPECT_EQ(shortActivityName("void hybrid::kernels::cuda::(anonymous namespace)::"
+                              "gateUpStreamedKernel<36>(hybrid::kernels::cuda::MoeExpertsParams, "
+                              "float*)"),
+            "gateUpStreamedKernel<36>");
+  EXPECT_EQ(shortActivityName("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<"
+                              "4096ul>)"),
+            "ncclDevKernel_AllReduce_Sum_f32_RING_LL");
+  EXPECT_EQ(shortActivityName("void cutlass::Kernel2<cutlass::gemm::Foo<int, (cute::X)1> >(int)"),
+            "Kernel2<cutlass::gemm::Foo<int, (cute::X)1> >");
+  EXPECT_EQ(shortActivityName("memset"), "memset");
+  // Copies keep their names in summaries.
+  const std::vector<DeviceActivity> copy = {
+      {DeviceActivity::Kind::Copy, "copy device to host", 1, 0, 1000}};
+  EXPECT_EQ(summarizeTimeline(copy).names.at(0).name, "copy device to host");
+}
+
+// Stream 1: a (0-10), then b launched early as a dependent (5-14: it waits from 5 to 10), then a
+// gap, then a again (20-25). Stream 2: c (2-4). Exposed: a 10 + 5, b 4 (10-14), c 2; busy: stream
+// 1 19 us, stream 2 2 us; span 25 us.
+TEST(Timeline, ExposedTimeCountsFromTheStreamsPreviousEnd) {
+  const std::vector<DeviceActivity> activities = {
+      kernel("void ns::a(int)", 1, 0, 10), kernel("void ns::b<2>(float*)", 1, 5, 14),
+      kernel("void ns::a(int)", 1, 20, 25), kernel("c", 2, 2, 4)};
+  const TimelineSummary s = summarizeTimeline(activities);
+  EXPECT_DOUBLE_EQ(s.spanUs, 25.0);
+  ASSERT_EQ(s.streams.size(), 2u);
+  EXPECT_EQ(s.streams[0].id, 1u); // busiest first
+  EXPECT_EQ(s.streams[0].activities, 3);
+  EXPECT_DOUBLE_EQ(s.streams[0].busyUs, 19.0);
+  EXPECT_DOUBLE_EQ(s.streams[1].busyUs, 2.0);
+  EXPECT_EQ(named(s, "a").count, 2);
+  EXPECT_DOUBLE_EQ(named(s, "a").exposedUs, 15.0);
+  EXPECT_DOUBLE_EQ(named(s, "a").totalUs, 15.0);
+  EXPECT_DOUBLE_EQ(named(s, "b<2>").exposedUs, 4.0);
+  EXPECT_DOUBLE_EQ(named(s, "b<2>").totalUs, 9.0);
+  EXPECT_DOUBLE_EQ(named(s, "c").exposedUs, 2.0);
+  EXPECT_EQ(s.names.front().name, "a"); // most exposed first
+  EXPECT_DOUBLE_EQ(s.communicationUs, 0.0);
+  const std::string text = formatTimelineSummary(s);
+  EXPECT_NE(text.find("span 25.0 us, 2 streams"), std::string::npos) << text;
+  EXPECT_EQ(text.find("communication"), std::string::npos) << text;
+}
+
+// NCCL on stream 3 (0-10 and 30-40); compute on stream 1 (5-35, two kernels touching): hidden
+// 5-10 and 30-35, 10 of the 20 us.
+TEST(Timeline, CommunicationHiddenBehindOtherStreams) {
+  const std::vector<DeviceActivity> activities = {kernel("ncclDevKernel_AllReduce(x)", 3, 0, 10),
+                                                  kernel("ncclDevKernel_AllReduce(x)", 3, 30, 40),
+                                                  kernel("gemv", 1, 5, 20),
+                                                  kernel("norm", 1, 20, 35)};
+  const TimelineSummary s = summarizeTimeline(activities);
+  EXPECT_DOUBLE_EQ(s.communicationUs, 20.0);
+  EXPECT_DOUBLE_EQ(s.communicationHiddenUs, 10.0);
+  EXPECT_NE(formatTimelineSummary(s).find("communication 20.0 us, 10.0 us of it hidden"),
+            std::string::npos);
+  EXPECT_DOUBLE_EQ(summarizeTimeline({}).spanUs, 0.0);
+}
+
+TEST(Timeline, ChromeTraceHasAProcessPerLabelAndAThreadPerStream) {
+  const std::vector<LabelledTimeline> timelines = {
+      {"batch 1", {kernel("void ns::a(int)", 7, 100, 110), kernel("b", 9, 105, 106)}},
+      {"batch 8", {{DeviceActivity::Kind::Copy, "copy device to host", 4, 2000, 3500}}}};
+  const nlohmann::json trace = nlohmann::json::parse(chromeTraceJson(timelines));
+  const auto &events = trace.at("traceEvents");
+  ASSERT_EQ(events.size(), 5u);
+  EXPECT_EQ(events[0].at("ph"), "M");
+  EXPECT_EQ(events[0].at("args").at("name"), "batch 1");
+  EXPECT_EQ(events[1].at("name"), "a");
+  EXPECT_EQ(events[1].at("tid"), 7);
+  EXPECT_DOUBLE_EQ(events[1].at("ts").get<double>(), 0.0);
+  EXPECT_DOUBLE_EQ(events[1].at("dur").get<double>(), 10.0);
+  EXPECT_EQ(events[1].at("args").at("name"), "void ns::a(int)");
+  EXPECT_DOUBLE_EQ(events[2].at("ts").get<double>(), 5.0);
+  EXPECT_EQ(events[3].at("pid"), 1);
+  EXPECT_EQ(events[4].at("cat"), "copy");
+  EXPECT_DOUBLE_EQ(events[4].at("dur").get<double>(), 1.5);
+}
+
+} // namespace
+} // namespace hybrid::bench
