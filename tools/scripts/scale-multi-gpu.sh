@@ -8,7 +8,7 @@
 #     OUT/k48-tpN-epN, OUT/k48-cpN: each rank's archive names its slices, generated at load); the same
 #     layouts of a synthetic kimi-linear-tiny (OUT/tiny-cuda, OUT/tiny-tpN, ...); OUT.tar.xz.
 #   scale-multi-gpu.sh run [OUT] [--world-sizes 2,4] [--batch 1,8,64] [--context 1024]
-#                          [--decode-steps 16] [--comm-share]  (there, on N GPUs)
+#                          [--decode-steps 16] [--comm-share] [--timeline]  (there, on N GPUs)
 #     unpacks OUT.tar.xz when OUT is absent; first the synthetic tiny model's sharded plans as N
 #     processes against its one-GPU run (hybrid-run: logits within 2e-3, the same greedy ids: the
 #     ranks' generated slices are the unsharded weights); then hybrid-bench e2e at k48 shapes on
@@ -19,6 +19,9 @@
 #     --comm-share: each sharded layout runs again with hybrid-bench e2e --skip-collectives
 #     (timing only) and the share of TTFT and TPOT spent communicating is printed per row:
 #     1 - (time without collectives) / (time with them).
+#     --timeline: each sharded layout records one extra decode step a row on every rank
+#     (hybrid-bench e2e --timeline: CUPTI, rank 0's trace in logs/timeline-k48-LAYOUT.json) and
+#     prints per row how much of the communication (NCCL's kernels) other streams' work hid.
 # OUT defaults to build-scale in the repository. Binaries: HYBRID_SYNTH, HYBRID_COMPILE,
 # HYBRID_RUN, HYBRID_BENCH (default build/bin/...). Exits 1 when a check or a run fails.
 set -uo pipefail
@@ -26,12 +29,12 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 
 half=${1:-}
 [[ $half == compile || $half == run ]] || {
-  sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 shift
 out=$root/build-scale
-world_sizes=2 batches=1,8,64 contexts=1024 decode_steps=16 comm_share=0
+world_sizes=2 batches=1,8,64 contexts=1024 decode_steps=16 comm_share=0 timeline=0
 while [[ $# -gt 0 ]]; do
   case $1 in
   --world-sizes) world_sizes=$2; shift 2 ;;
@@ -39,6 +42,7 @@ while [[ $# -gt 0 ]]; do
   --context) contexts=$2; shift 2 ;;
   --decode-steps) decode_steps=$2; shift 2 ;;
   --comm-share) comm_share=1; shift ;;
+  --timeline) timeline=1; shift ;;
   -*) echo "scale-multi-gpu.sh: unknown option '$1'" >&2; exit 2 ;;
   *) out=$1; shift ;;
   esac
@@ -179,6 +183,19 @@ record_share() {
   done < <(grep '^e2e ' "$skipped")
 }
 
+# --timeline: per row of a layout, the communication of its traced step and the part other work
+# hid (the summary's "communication" line after each "timeline batch B context C" header).
+overlaps=()
+record_overlap() {
+  local layout=$1 log=$2 line found=0
+  while IFS= read -r line; do
+    overlaps+=("$(printf '%-10s %s' "$layout" "$line")")
+    found=1
+  done < <(awk '/^timeline batch/ { row = $2 " " $3 " " $4 " " $5 }
+                /^communication/ { print row " " $0 }' "$log")
+  ((found)) || overlaps+=("$(printf '%-10s no communication traced: %s' "$layout" "$log")")
+}
+
 # The synthetic tiny model: each sharded plan on N GPUs against the one-GPU run.
 checks=()
 prompt=3,1,4,1,5,9,2,6,5,3,5,8,9,7,9,3
@@ -220,10 +237,13 @@ for n in "${sizes[@]}"; do
   fi
   while read -r suffix shard; do
     log=$logs/k48-$suffix.log
+    traced=()
+    ((timeline)) && traced=(--timeline "$logs/timeline-k48-$suffix.json")
     with_memory_peak "$logs/k48-$suffix.memory" \
       "$root/tools/scripts/launch-local.sh" -n "$n" --log-dir "$logs/k48-$suffix" -- \
-      "$bench" e2e --model "$out/k48-$suffix" "${common[@]}" > "$log" 2>&1
+      "$bench" e2e --model "$out/k48-$suffix" "${common[@]}" "${traced[@]}" > "$log" 2>&1
     record "$shard" "$n" "$log" $?
+    ((timeline)) && record_overlap "$shard" "$log"
     if ((comm_share)); then
       "$root/tools/scripts/launch-local.sh" -n "$n" --log-dir "$logs/k48-$suffix-nocomm" -- \
         "$bench" e2e --model "$out/k48-$suffix" "${common[@]}" --skip-collectives \
@@ -239,6 +259,7 @@ printf '%-10s %4s %6s %8s %10s %10s %12s %9s %9s\n' layout GPUs batch context "T
 printf '%s\n' "${rows[@]}"
 printf '%s\n' "${notes[@]}"
 ((${#shares[@]})) && printf '%s\n' "${shares[@]}"
+((${#overlaps[@]})) && printf '%s\n' "${overlaps[@]}"
 if [[ $failures -gt 0 ]]; then
   echo "SCALING RUN FAILED ($failures)"
   exit 1
