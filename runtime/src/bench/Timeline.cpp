@@ -73,32 +73,35 @@ std::string shortActivityName(const std::string &full) {
       break;
     name.replace(at, anonymous.size(), "anonymous");
   }
-  // The arguments: from the '(' that opens them at template depth 0.
-  std::string head = name;
-  int depth = 0;
-  for (size_t i = 0; i < name.size(); ++i) {
-    const char c = name[i];
-    if (c == '<')
-      ++depth;
-    else if (c == '>')
-      --depth;
-    else if (c == '(' && depth == 0 && i > 0) {
-      head = name.substr(0, i);
-      break;
+  // Calls `at(i)` for each position of `text` outside template arguments, until it says stop.
+  auto outsideTemplates = [](const std::string &text, auto at) {
+    int depth = 0;
+    for (size_t i = 0; i < text.size(); ++i) {
+      if (text[i] == '<')
+        ++depth;
+      else if (text[i] == '>')
+        --depth;
+      else if (depth == 0 && !at(i))
+        return;
     }
-  }
-  // A leading return type ("void "): the last space outside template arguments.
-  depth = 0;
+  };
+  // The arguments: from the '(' that opens them.
+  std::string head = name;
+  outsideTemplates(name, [&](size_t i) {
+    if (name[i] != '(' || i == 0)
+      return true;
+    head = name.substr(0, i);
+    return false;
+  });
+  // Namespaces and a leading return type ("void "): up to the last "::" or space.
   size_t begin = 0;
-  for (size_t i = 0; i < head.size(); ++i) {
-    const char c = head[i];
-    if (c == '<')
-      ++depth;
-    else if (c == '>')
-      --depth;
-    else if (depth == 0 && (c == ' ' || (c == ':' && i + 1 < head.size() && head[i + 1] == ':')))
-      begin = c == ' ' ? i + 1 : i + 2;
-  }
+  outsideTemplates(head, [&](size_t i) {
+    if (head[i] == ' ')
+      begin = i + 1;
+    else if (head[i] == ':' && i + 1 < head.size() && head[i + 1] == ':')
+      begin = i + 2;
+    return true;
+  });
   const std::string shortName = head.substr(begin);
   return shortName.empty() ? full : shortName;
 }
