@@ -155,11 +155,13 @@ __global__ void __launch_bounds__(kThreads) routerKernel(MoeRouterParams p) {
   }
   __syncwarp();
   if (tid == 0) { // weights in the choice order, summed in that order
+    // A slot no rank took (NaN logits tie with everything) stays -1, an id the experts skip.
+    auto scoreOf = [&](int k) { return chosen[k] >= 0 ? scores[chosen[k]] : 0.0f; };
     float sum = 0.0f;
     for (int k = 0; k < p.topK; ++k)
-      sum += scores[chosen[k]];
+      sum += scoreOf(k);
     for (int k = 0; k < p.topK; ++k) {
-      float weight = scores[chosen[k]];
+      float weight = scoreOf(k);
       if (p.renormalize)
         weight /= sum + 1e-20f;
       weight *= p.routedScalingFactor;
