@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# A/B of two builds' decode steps on one GPU, in two halves (the GPU machine has no MLIR and takes
+# at most 64 MiB of carried files, the tree included):
+#   gpu-ab.sh pack OUT --base BUILD --candidate BUILD   (here)
+#     the two stripped hybrid-bench binaries (xz), the libraries the GPU machine lacks and the
+#     synthetic Kimi-Linear-48B plan (the candidate's hybrid-synth / hybrid-compile, as
+#     gpu-check.sh packs it: FP8 dense KV, decode batch 128); prints the size to carry.
+#   gpu-ab.sh run OUT [--rounds 2] [--batch 1] [--context 1024] [--decode-steps 32]
+#     (there, with OUT carried) hybrid-bench e2e with --timeline, base and candidate alternated
+#     for each round: per run the TPOT and the most exposed kernels of the traced step. Logs and
+#     traces go to $OUT when set (the device machine's), else OUT/logs.
+# Kernel switches or environment variables of a candidate go in the environment of the run half.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+half=${1:-}
+[[ $half == pack || $half == run ]] || {
+  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+}
+shift
+out="" base="" candidate="" rounds=2 batch=1 context=1024 steps=32
+while [[ $# -gt 0 ]]; do
+  case $1 in
+  --base) base=$2; shift 2 ;;
+  --candidate) candidate=$2; shift 2 ;;
+  --rounds) rounds=$2; shift 2 ;;
+  --batch) batch=$2; shift 2 ;;
+  --context) context=$2; shift 2 ;;
+  --decode-steps) steps=$2; shift 2 ;;
+  -*) echo "gpu-ab.sh: unknown option '$1'" >&2; exit 2 ;;
+  *) out=$1; shift ;;
+  esac
+done
+[[ -n $out ]] || { echo "gpu-ab.sh: no OUT folder" >&2; exit 2; }
+out=$(realpath -m "$out")
+
+if [[ $half == pack ]]; then
+  [[ -n $base && -n $candidate ]] || { echo "gpu-ab.sh pack: --base and --candidate are required" >&2; exit 2; }
+  for build in "$base" "$candidate"; do
+    [[ -x $build/bin/hybrid-bench ]] || { echo "gpu-ab.sh: no $build/bin/hybrid-bench" >&2; exit 2; }
+  done
+  for tool in hybrid-synth hybrid-compile; do
+    [[ -x $candidate/bin/$tool ]] || { echo "gpu-ab.sh: no $candidate/bin/$tool" >&2; exit 2; }
+  done
+  rm -rf "$out" && mkdir -p "$out/lib" || exit 1
+  staging=$(mktemp -d) && trap 'rm -rf "$staging"' EXIT
+  strip -o "$staging/hybrid-bench-base" "$base/bin/hybrid-bench" || exit 1
+  strip -o "$staging/hybrid-bench-candidate" "$candidate/bin/hybrid-bench" || exit 1
+  tar -cf - -C "$staging" hybrid-bench-base hybrid-bench-candidate | xz -T2 -6 > "$out/bins.tar.xz" ||
+    exit 1
+  for library in libcpp-httplib.so libxxhash.so libcupti.so; do
+    for build in "$base" "$candidate"; do
+      path=$(ldd "$build/bin/hybrid-bench" | awk -v l="$library" 'index($1, l) == 1 { print $3 }')
+      [[ -n $path ]] && cp -L "$path" "$out/lib/"
+    done
+  done
+  "$candidate/bin/hybrid-synth" --preset kimi-linear-48b --config-only --force \
+    --out "$staging/k48" > /dev/null || exit 1
+  echo '{"dense_attention_kv_cache":"fp8_tiles"}' > "$staging/dense-fp8.json"
+  "$candidate/bin/hybrid-compile" "$staging/k48" --synthetic-weights --no-cache -o "$out/k48" \
+    --device=cuda --arch=sm_90a --decode-batch=128 --prefill-tokens 8192 \
+    --quantization="$staging/dense-fp8.json" > /dev/null || exit 1
+  find "$out" -name '*.source' -delete
+  size=$(du -sb "$out" | cut -f1)
+  echo "packed $out: $((size / 1048576)) MiB (+ the tree; the limit is 64 MiB)"
+  echo "on the GPU machine: tools/scripts/gpu-ab.sh run $(realpath --relative-to="$root" "$out")"
+  exit 0
+fi
+
+[[ -f $out/bins.tar.xz && -d $out/k48 ]] || { echo "gpu-ab.sh: nothing packed at $out (run the pack half)" >&2; exit 2; }
+logs=${OUT:-$out/logs}
+mkdir -p "$logs"
+python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+  "$out/bins.tar.xz" "$out" || exit 1
+export LD_LIBRARY_PATH=$out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+failures=0
+for ((round = 1; round <= rounds; ++round)); do
+  for side in base candidate; do
+    log=$logs/$side-$round.log
+    timeout 300 "$out/hybrid-bench-$side" e2e --model "$out/k48" --device cuda --synthetic-weights \
+      --batch "$batch" --context "$context" --decode-steps "$steps" \
+      --timeline "$logs/timeline-$side-$round.json" > "$log" 2>&1
+    code=$?
+    if [[ $code -ne 0 ]]; then
+      failures=$((failures + 1))
+      echo "round $round $side: FAILED (exit $code), $log"
+      tail -n 5 "$log"
+      continue
+    fi
+    echo "round $round $side: $(grep '^e2e ' "$log" | awk '{printf "batch %s context %s TPOT %s us; ", $2, $3, $6}')"
+    # The traced step's most exposed kernels (the summary's table rows after its header).
+    awk '/^  name / { table = 1; shown = 0; next } /^timeline/ { table = 0 }
+         table && shown < 8 { print "   " $0; ++shown }' "$log"
+  done
+done
+if [[ $failures -gt 0 ]]; then
+  echo "A/B FAILED ($failures)"
+  exit 1
+fi
+echo "A/B DONE"
