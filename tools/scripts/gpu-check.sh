@@ -10,7 +10,8 @@
 #     shared libraries the GPU machine lacks; prints the size to carry.
 #   gpu-check.sh run [OUT] [--quick]   (there: the run command, with OUT carried)
 #     unpacks (python's tarfile: no xz tool there), then the kernel tests, the e2e cuda tests,
-#     the cold start (hybrid-run k48), hybrid-bench e2e (batch 1 and 8 at 1K and 8K), spec with
+#     the cold start (hybrid-run k48), hybrid-bench e2e (batch 1 and 8 at 1K and 8K, each row's
+#     traced step in timeline-k48.json and the log's summaries), spec with
 #     replay drafts (batch 1, 32, 128; 32 and 128 on batch-invariant kernels; batch 1 without
 #     prefill graphs) and tune twice (the second must reuse every entry); --quick: the tests
 #     and the cold start only. Logs and JSON records go to $OUT when set (the device machine's),
@@ -20,7 +21,7 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 half=${1:-}
 [[ $half == pack || $half == run ]] || {
-  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 shift
@@ -114,7 +115,7 @@ step "cold start (k48)" cold-start.log 120 "$out/hybrid-run" "$out/k48" --device
 if ((!quick)); then
   step "e2e bench (k48)" e2e-bench.log 300 "$out/hybrid-bench" e2e --model "$out/k48" \
     --device cuda --synthetic-weights --batch 1,8 --context 1024,8192 --decode-steps 16 \
-    --json "$logs/e2e-k48.json"
+    --json "$logs/e2e-k48.json" --timeline "$logs/timeline-k48.json"
   step "spec bench (k48, replay)" spec-bench.log 300 "$out/hybrid-bench" spec --model "$out/k48" \
     --device cuda --synthetic-weights --batch 1,32,128 --prompt-tokens 512 --max-tokens 64 \
     --draft 4 --draft-source replay --replay-acceptance 1.0 --json "$logs/spec-k48-replay.json"
