@@ -48,12 +48,15 @@ if [[ $half == pack ]]; then
   strip -o "$staging/hybrid-bench-candidate" "$candidate/bin/hybrid-bench" || exit 1
   tar -cf - -C "$staging" hybrid-bench-base hybrid-bench-candidate | xz -T2 -6 > "$out/bins.tar.xz" ||
     exit 1
-  for library in libcpp-httplib.so libxxhash.so libcupti.so; do
+  for library in libcpp-httplib.so libxxhash.so; do
     for build in "$base" "$candidate"; do
       path=$(ldd "$build/bin/hybrid-bench" | awk -v l="$library" 'index($1, l) == 1 { print $3 }')
       [[ -n $path ]] && cp -L "$path" "$out/lib/"
     done
   done
+  # CUPTI for --timeline (opened at run time, so not in ldd's list).
+  cupti=$(ldconfig -p | awk '$1 == "libcupti.so.13" { print $NF; exit }')
+  [[ -n $cupti ]] && cp -L "$cupti" "$out/lib/"
   "$candidate/bin/hybrid-synth" --preset kimi-linear-48b --config-only --force \
     --out "$staging/k48" > /dev/null || exit 1
   echo '{"dense_attention_kv_cache":"fp8_tiles"}' > "$staging/dense-fp8.json"

@@ -1,5 +1,7 @@
 // DeviceTimeline.h over CUPTI's activity API: CUPTI hands over filled record buffers (from its
-// own threads, or at the flush), which are decoded into DeviceActivity under a lock.
+// own threads, or at the flush), which are decoded into DeviceActivity under a lock. libcupti is
+// opened at the first start (dlopen), not linked: the binaries run where it is missing, and only
+// --timeline then says so.
 #include "hybrid/kernels/cuda/DeviceTimeline.h"
 
 #ifdef HYBRID_CUPTI
@@ -7,8 +9,10 @@
 #include <cuda_runtime.h>
 #include <cupti.h>
 #include <cxxabi.h>
+#include <dlfcn.h>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #endif
 
 namespace hybrid::kernels::cuda {
@@ -17,7 +21,7 @@ namespace hybrid::kernels::cuda {
 
 bool deviceTimelineBuilt() { return false; }
 std::string startDeviceTimeline() {
-  return "this build has no CUPTI (the CUDA toolkit's libcupti was not found at configure time)";
+  return "this build has no CUPTI (the CUDA toolkit's cupti.h was not found at configure time)";
 }
 std::string stopDeviceTimeline(std::vector<DeviceActivity> &) { return startDeviceTimeline(); }
 
@@ -33,9 +37,50 @@ std::mutex recordsMutex;
 std::vector<DeviceActivity> records; // decoded since the start
 bool callbacksRegistered = false;
 
+// The CUPTI entry points used here, from the library opened at run time.
+struct Cupti {
+  decltype(&cuptiActivityRegisterCallbacks) registerCallbacks = nullptr;
+  decltype(&cuptiActivityEnable) enable = nullptr;
+  decltype(&cuptiActivityDisable) disable = nullptr;
+  decltype(&cuptiActivityFlushAll) flushAll = nullptr;
+  decltype(&cuptiActivityGetNextRecord) nextRecord = nullptr;
+  decltype(&cuptiGetResultString) resultString = nullptr;
+};
+Cupti cupti;
+
+// "" once the entry points are resolved, else why not.
+std::string openCupti() {
+  if (cupti.nextRecord)
+    return "";
+  void *library = nullptr;
+  for (const char *name : {"libcupti.so.13", "libcupti.so", "/usr/local/cuda/lib64/libcupti.so.13",
+                           "/usr/local/cuda/extras/CUPTI/lib64/libcupti.so.13"})
+    if ((library = dlopen(name, RTLD_NOW | RTLD_LOCAL)))
+      break;
+  if (!library)
+    return "cannot open libcupti.so.13 (the CUDA toolkit's CUPTI): put its folder on "
+           "LD_LIBRARY_PATH";
+  Cupti found;
+  bool complete = true;
+  auto resolve = [&](auto &entry, const char *symbol) {
+    entry = reinterpret_cast<std::remove_reference_t<decltype(entry)>>(dlsym(library, symbol));
+    complete = complete && entry;
+  };
+  resolve(found.registerCallbacks, "cuptiActivityRegisterCallbacks");
+  resolve(found.enable, "cuptiActivityEnable");
+  resolve(found.disable, "cuptiActivityDisable");
+  resolve(found.flushAll, "cuptiActivityFlushAll");
+  resolve(found.nextRecord, "cuptiActivityGetNextRecord");
+  resolve(found.resultString, "cuptiGetResultString");
+  if (!complete)
+    return "libcupti lacks an activity API entry point";
+  cupti = found;
+  return "";
+}
+
 std::string cuptiError(const char *call, CUptiResult result) {
   const char *text = nullptr;
-  cuptiGetResultString(result, &text);
+  cupti.resultString(result, &text);
   return std::string(call) + ": " + (text ? text : "CUPTI error " + std::to_string(result));
 }
 
@@ -70,7 +115,7 @@ void CUPTIAPI bufferRequested(uint8_t **buffer, size_t *size, size_t *maxRecords
 void CUPTIAPI bufferCompleted(CUcontext, uint32_t, uint8_t *buffer, size_t, size_t validBytes) {
   std::vector<DeviceActivity> decoded;
   CUpti_Activity *record = nullptr;
-  while (cuptiActivityGetNextRecord(buffer, validBytes, &record) == CUPTI_SUCCESS) {
+  while (cupti.nextRecord(buffer, validBytes, &record) == CUPTI_SUCCESS) {
     DeviceActivity a;
     if (record->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL ||
         record->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
@@ -100,8 +145,10 @@ void CUPTIAPI bufferCompleted(CUcontext, uint32_t, uint8_t *buffer, size_t, size
 bool deviceTimelineBuilt() { return true; }
 
 std::string startDeviceTimeline() {
+  if (std::string error = openCupti(); !error.empty())
+    return error;
   if (!callbacksRegistered) {
-    if (CUptiResult r = cuptiActivityRegisterCallbacks(bufferRequested, bufferCompleted);
+    if (CUptiResult r = cupti.registerCallbacks(bufferRequested, bufferCompleted);
         r != CUPTI_SUCCESS)
       return cuptiError("cuptiActivityRegisterCallbacks", r);
     callbacksRegistered = true;
@@ -111,18 +158,20 @@ std::string startDeviceTimeline() {
     records.clear();
   }
   for (CUpti_ActivityKind kind : kKinds)
-    if (CUptiResult r = cuptiActivityEnable(kind); r != CUPTI_SUCCESS)
+    if (CUptiResult r = cupti.enable(kind); r != CUPTI_SUCCESS)
       return cuptiError("cuptiActivityEnable", r);
   return "";
 }
 
 std::string stopDeviceTimeline(std::vector<DeviceActivity> &activities) {
+  if (std::string error = openCupti(); !error.empty())
+    return error;
   const cudaError_t synced = cudaDeviceSynchronize();
   std::string error;
-  if (CUptiResult r = cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED); r != CUPTI_SUCCESS)
+  if (CUptiResult r = cupti.flushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED); r != CUPTI_SUCCESS)
     error = cuptiError("cuptiActivityFlushAll", r);
   for (CUpti_ActivityKind kind : kKinds)
-    if (CUptiResult r = cuptiActivityDisable(kind); r != CUPTI_SUCCESS && error.empty())
+    if (CUptiResult r = cupti.disable(kind); r != CUPTI_SUCCESS && error.empty())
       error = cuptiError("cuptiActivityDisable", r);
   if (synced != cudaSuccess && error.empty())
     error = std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(synced);
