@@ -63,6 +63,8 @@ TEST(Timeline, ExposedTimeCountsFromTheStreamsPreviousEnd) {
   EXPECT_DOUBLE_EQ(s.communicationUs, 0.0);
   const std::string text = formatTimelineSummary(s);
   EXPECT_NE(text.find("span 25.0 us, 2 streams"), std::string::npos) << text;
+  // a: 2 launches, 15 us exposed, 7.50 a launch, 15 total.
+  EXPECT_NE(text.find("       2        15.0        7.50        15.0"), std::string::npos) << text;
   EXPECT_EQ(text.find("communication"), std::string::npos) << text;
 }
 

@@ -19,12 +19,12 @@
 #endif
 
 #include <CLI/CLI.hpp>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <random>
 #include <set>
@@ -52,6 +52,13 @@ struct RecordOptions {
   std::string jsonPath, comparePath, commit = HYBRID_BENCH_COMMIT, command;
   double threshold = 0.05;
 };
+
+// The kernel benchmarks' --timeline (withKernelTimeline).
+void addKernelTimelineOption(CLI::App *app, std::string &path) {
+  app->add_option("--timeline", path,
+                  "Record the device's work over the run (CUPTI): per kernel launches, exposed and "
+                  "total time, and a Chrome trace (JSON) at this path");
+}
 
 void addRecordOptions(CLI::App *app, RecordOptions &record) {
   app->add_option("--json", record.jsonPath, "Write the results as a benchmark record (JSON)");
@@ -473,6 +480,32 @@ int writeTimelines(const std::vector<hybrid::bench::LabelledTimeline> &timelines
   return 0;
 }
 
+// --timeline on a kernel benchmark: the device's work over the whole run (warm-ups, captures
+// and every timed replay) summarized per kernel and written as a Chrome trace: how a benchmark's
+// launches split its time in a graph, where a profiler replaying one kernel at a time cannot
+// show the overlaps. Divide a kernel's exposed time by its launches for one call's share.
+int withKernelTimeline(const std::string &path, const std::string &label,
+                       const std::function<int()> &run) {
+  if (path.empty())
+    return run();
+#ifdef HYBRID_BENCH_KDA
+  if (std::string error = kc::startDeviceTimeline(); !error.empty()) {
+    std::cerr << "error: --timeline: " << error << "\n";
+    return 1;
+  }
+  const int status = run();
+  std::vector<hybrid::bench::LabelledTimeline> timelines{{label, {}}};
+  if (std::string error = kc::stopDeviceTimeline(timelines[0].activities); !error.empty()) {
+    std::cerr << "error: --timeline: " << error << "\n";
+    return 1;
+  }
+  return writeTimelines(timelines, path, 0) | status;
+#else
+  (void)label;
+  return noCuda("--timeline");
+#endif
+}
+
 int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
   if (!o.timelinePath.empty() && o.load.device != "cuda") {
     std::cerr << "error: e2e: --timeline records a GPU's work: it needs --device cuda\n";
@@ -862,6 +895,8 @@ int main(int argc, char **argv) {
   for (int i = 0; i < argc; ++i)
     record.command += (i ? " " : "") + std::string(i ? argv[i] : "hybrid-bench");
   addRecordOptions(kda, record);
+  std::string kernelTimeline; // --timeline of whichever kernel benchmark runs
+  addKernelTimelineOption(kda, kernelTimeline);
 
   CLI::App *kdaDecode = app.add_subcommand("kda-decode", "fused KDA decode step");
   kdaDecode->add_option("--batch", o.batches, "Batch sizes")->delimiter(',');
@@ -870,6 +905,7 @@ int main(int argc, char **argv) {
   kdaDecode->add_option("--iterations", o.decodeIterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(kdaDecode, record);
+  addKernelTimelineOption(kdaDecode, kernelTimeline);
   kdaDecode->add_option("--path", o.decodePath, "Kernels: auto (by batch), fused or split")
       ->check(CLI::IsMember({"auto", "fused", "split"}));
   kdaDecode->add_option("--state", o.state, "Recurrent state storage: f32 or bf16")
@@ -884,6 +920,7 @@ int main(int argc, char **argv) {
   kdaPrefill->add_option("--iterations", o.prefillIterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(kdaPrefill, record);
+  addKernelTimelineOption(kdaPrefill, kernelTimeline);
   kdaPrefill->add_option("--path", o.prefillPath,
                          "Kernels: auto (chunked at head dim 128), recurrent or chunked")
       ->check(CLI::IsMember({"auto", "recurrent", "chunked"}));
@@ -917,6 +954,7 @@ int main(int argc, char **argv) {
   dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(dsaIndexer, record);
+  addKernelTimelineOption(dsaIndexer, kernelTimeline);
   SparseMlaOptions sparseMla;
   CLI::App *dsaSparseMla = app.add_subcommand(
       "dsa-sparse-mla", "Sparse MLA decode over the top-k rows of the paged FP8 latent cache");
@@ -934,6 +972,7 @@ int main(int argc, char **argv) {
   dsaSparseMla->add_flag("--prefill", sparseMla.prefill,
                          "The rows are tokens of one sequence (prefill), not one row per sequence");
   addRecordOptions(dsaSparseMla, record);
+  addKernelTimelineOption(dsaSparseMla, kernelTimeline);
   MoeOptions moe;
   CLI::App *moeCommand = app.add_subcommand(
       "moe", "MoE routed experts of a decode step (each token's top-k experts, bf16)");
@@ -951,6 +990,7 @@ int main(int argc, char **argv) {
   moeCommand->add_option("--iterations", moe.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(moeCommand, record);
+  addKernelTimelineOption(moeCommand, kernelTimeline);
   IndexerOptions dsaAllIndexer;
   SparseMlaOptions dsaAllSparseMla;
   CLI::App *dsaAll = app.add_subcommand(
@@ -1131,12 +1171,14 @@ int main(int argc, char **argv) {
   }
   if (serve->parsed())
     return runServe(load, modelDir, modelOptions, serveScheduler, o.jsonPath);
+  const std::string benchmark = app.get_subcommands().front()->get_name();
   if (kda->parsed())
-    return runKda(o, record);
+    return withKernelTimeline(kernelTimeline, benchmark, [&] { return runKda(o, record); });
   if (dsaIndexer->parsed())
-    return runDsaIndexer(indexer, record);
+    return withKernelTimeline(kernelTimeline, benchmark,
+                              [&] { return runDsaIndexer(indexer, record); });
   if (moeCommand->parsed())
-    return runMoe(moe, record);
+    return withKernelTimeline(kernelTimeline, benchmark, [&] { return runMoe(moe, record); });
   if (dsaAll->parsed()) {
     dsaAllIndexer.form = "unfused"; // the form the runtime runs
     dsaAllSparseMla.batches = dsaAllIndexer.batches;
@@ -1145,8 +1187,9 @@ int main(int argc, char **argv) {
     return runDsaSparseMla(dsaAllSparseMla, RecordOptions{}) | indexerStatus;
   }
   if (dsaSparseMla->parsed())
-    return runDsaSparseMla(sparseMla, record);
+    return withKernelTimeline(kernelTimeline, benchmark,
+                              [&] { return runDsaSparseMla(sparseMla, record); });
   if (kdaPrefill->parsed())
-    return runKdaPrefill(o, record);
-  return runKdaDecode(o, record);
+    return withKernelTimeline(kernelTimeline, benchmark, [&] { return runKdaPrefill(o, record); });
+  return withKernelTimeline(kernelTimeline, benchmark, [&] { return runKdaDecode(o, record); });
 }

@@ -145,6 +145,9 @@ void CUPTIAPI bufferCompleted(CUcontext, uint32_t, uint8_t *buffer, size_t, size
 bool deviceTimelineBuilt() { return true; }
 
 std::string startDeviceTimeline() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
+    return "no CUDA device";
   if (std::string error = openCupti(); !error.empty())
     return error;
   if (!callbacksRegistered) {

@@ -166,15 +166,16 @@ std::string formatTimelineSummary(const TimelineSummary &summary, int topNames) 
                   summary.spanUs > 0 ? 100.0 * s.busyUs / summary.spanUs : 0.0);
     out += line;
   }
-  std::snprintf(line, sizeof line, "  %-48s %6s %11s %11s\n", "name", "count", "exposed us",
-                "total us");
+  std::snprintf(line, sizeof line, "  %-48s %6s %11s %11s %11s\n", "name", "count", "exposed us",
+                "a launch", "total us");
   out += line;
   int shown = 0;
   for (const auto &n : summary.names) {
     if (shown++ == topNames)
       break;
-    std::snprintf(line, sizeof line, "  %-48.48s %6lld %11.1f %11.1f\n", n.name.c_str(),
-                  static_cast<long long>(n.count), n.exposedUs, n.totalUs);
+    std::snprintf(line, sizeof line, "  %-48.48s %6lld %11.1f %11.2f %11.1f\n", n.name.c_str(),
+                  static_cast<long long>(n.count), n.exposedUs,
+                  n.count > 0 ? n.exposedUs / double(n.count) : 0.0, n.totalUs);
     out += line;
   }
   if (summary.communicationUs > 0) {

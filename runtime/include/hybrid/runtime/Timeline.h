@@ -40,7 +40,8 @@ struct TimelineSummary {
 
 TimelineSummary summarizeTimeline(std::span<const DeviceActivity> activities);
 
-// A line per stream and per name (the `topNames` most exposed), and the communication's share.
+// A line per stream and per name (the `topNames` most exposed: launches, exposed time, exposed
+// time a launch, total time), and the communication's share.
 std::string formatTimelineSummary(const TimelineSummary &summary, int topNames = 25);
 
 // The short name summaries group by: "ns::kernel<36>(args)" -> "kernel<36>", "void f()" -> "f".
