@@ -103,5 +103,60 @@ TEST(Timeline, ChromeTraceHasAProcessPerLabelAndAThreadPerStream) {
   EXPECT_DOUBLE_EQ(events[4].at("dur").get<double>(), 1.5);
 }
 
+// A trace read back gives the timelines written (times relative to each label's first start),
+// and bad traces are errors naming the file and the event.
+TEST(Timeline, ChromeTraceReadsBack) {
+  const std::vector<LabelledTimeline> written = {
+      {"batch 1", {kernel("void ns::a(int)", 7, 100, 110), kernel("b", 9, 105, 106)}},
+      {"batch 8", {{DeviceActivity::Kind::Copy, "copy device to host", 4, 2000, 3500}}}};
+  auto read = readChromeTrace(chromeTraceJson(written), "t.json");
+  ASSERT_TRUE(read.isOk()) << read.status().message();
+  ASSERT_EQ(read->size(), 2u);
+  EXPECT_EQ((*read)[0].label, "batch 1");
+  ASSERT_EQ((*read)[0].activities.size(), 2u);
+  const DeviceActivity &a = (*read)[0].activities[0];
+  EXPECT_EQ(a.name, "void ns::a(int)"); // the full name, kept in args
+  EXPECT_EQ(a.kind, DeviceActivity::Kind::Kernel);
+  EXPECT_EQ(a.stream, 7u);
+  EXPECT_EQ(a.startNs, 0u);
+  EXPECT_EQ(a.endNs, 10000u);
+  EXPECT_EQ((*read)[0].activities[1].startNs, 5000u);
+  EXPECT_EQ((*read)[1].activities[0].kind, DeviceActivity::Kind::Copy);
+  EXPECT_EQ((*read)[1].activities[0].endNs, 1500u);
+  EXPECT_DOUBLE_EQ(summarizeTimeline((*read)[0].activities).spanUs, 10.0);
+
+  auto error = [](const std::string &text) {
+    auto r = readChromeTrace(text, "bad.json");
+    return r.isOk() ? std::string("ok") : r.status().message();
+  };
+  EXPECT_NE(error("[1, 2").find("bad.json: not a JSON trace"), std::string::npos);
+  EXPECT_EQ(error("{}"), "bad.json: no traceEvents array");
+  EXPECT_NE(error(R"({"traceEvents": [{"ph": "X", "pid": 0, "tid": 1, "ts": 0}]})")
+                .find("bad.json: traceEvents[0]: a complete event needs"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"traceEvents": [{"ph": "X", "pid": 0, "tid": 1, "ts": -5, "dur": 1,
+                                       "name": "k"}]})")
+                .find("traceEvents[0]: ts or dur out of range"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"traceEvents": [7]})").find("traceEvents[0]: not an event"),
+            std::string::npos);
+}
+
+TEST(Timeline, ComparedSummariesListTheLargestChangesFirst) {
+  const std::vector<DeviceActivity> base = {kernel("router", 1, 0, 8), kernel("gemv", 1, 8, 20)};
+  const std::vector<DeviceActivity> candidate = {kernel("router", 1, 0, 5),
+                                                 kernel("gemv", 1, 5, 18)};
+  const std::string text =
+      compareTimelineSummaries(summarizeTimeline(base), summarizeTimeline(candidate));
+  EXPECT_NE(text.find("span 20.0 -> 18.0 us (-2.0)"), std::string::npos) << text;
+  const size_t router = text.find("router"), gemv = text.find("gemv");
+  ASSERT_NE(router, std::string::npos);
+  ASSERT_NE(gemv, std::string::npos);
+  EXPECT_LT(router, gemv) << text; // -3.0 before +1.0
+  EXPECT_NE(text.find("8.0 (1)"), std::string::npos) << text;
+  EXPECT_NE(text.find("-3.0"), std::string::npos) << text;
+  EXPECT_NE(text.find("+1.0"), std::string::npos) << text;
+}
+
 } // namespace
 } // namespace hybrid::bench

@@ -506,6 +506,54 @@ int withKernelTimeline(const std::string &path, const std::string &label,
 #endif
 }
 
+// `hybrid-bench timeline FILE [--against BASE]`: a stored trace's rows summarized, or each row
+// against the base trace's row of the same label. No device needed.
+int runTimelineCommand(const std::string &path, const std::string &basePath, int top) {
+  auto read = [](const std::string &file)
+      -> hybrid::StatusOr<std::vector<hybrid::bench::LabelledTimeline>> {
+    std::ifstream in(file, std::ios::binary);
+    if (!in)
+      return hybrid::Status::error(file + ": cannot open");
+    std::stringstream text;
+    text << in.rdbuf();
+    return hybrid::bench::readChromeTrace(text.str(), file);
+  };
+  auto timelines = read(path);
+  if (!timelines) {
+    std::cerr << "error: timeline: " << timelines.status().message() << "\n";
+    return 1;
+  }
+  if (basePath.empty()) {
+    for (const auto &t : *timelines)
+      std::printf(
+          "timeline %s: %s", t.label.c_str(),
+          hybrid::bench::formatTimelineSummary(hybrid::bench::summarizeTimeline(t.activities), top)
+              .c_str());
+    return 0;
+  }
+  auto base = read(basePath);
+  if (!base) {
+    std::cerr << "error: timeline: --against: " << base.status().message() << "\n";
+    return 1;
+  }
+  int compared = 0;
+  for (const auto &t : *timelines)
+    for (const auto &b : *base)
+      if (b.label == t.label) {
+        std::printf("timeline %s, against %s: %s", t.label.c_str(), basePath.c_str(),
+                    hybrid::bench::compareTimelineSummaries(
+                        hybrid::bench::summarizeTimeline(b.activities),
+                        hybrid::bench::summarizeTimeline(t.activities), top)
+                        .c_str());
+        ++compared;
+      }
+  if (compared == 0) {
+    std::cerr << "error: timeline: no row of " << path << " has a label in " << basePath << "\n";
+    return 1;
+  }
+  return 0;
+}
+
 int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
   if (!o.timelinePath.empty() && o.load.device != "cuda") {
     std::cerr << "error: e2e: --timeline records a GPU's work: it needs --device cuda\n";
@@ -1136,6 +1184,16 @@ int main(int argc, char **argv) {
                          "kernel, copy and stream); prints where each step's time goes and writes "
                          "them as a Chrome trace (JSON)");
   addRecordOptions(e2eCommand, record);
+  std::string timelinePath, timelineBase;
+  int timelineTop = 25;
+  CLI::App *timelineCommand = app.add_subcommand(
+      "timeline", "Summarize a trace written by --timeline, or compare it with another's rows");
+  timelineCommand->add_option("trace", timelinePath, "The trace (JSON)")->required();
+  timelineCommand->add_option("--against", timelineBase,
+                              "A base trace: each row's exposed times against its row of the "
+                              "same label there");
+  timelineCommand->add_option("--top", timelineTop, "Names shown per row")
+      ->check(CLI::PositiveNumber);
   TuneCommandOptions tuneOptions;
   CLI::App *tune = app.add_subcommand(
       "tune", "Search the tunable kernels' configurations per shape bucket on this GPU and store "
@@ -1145,6 +1203,8 @@ int main(int argc, char **argv) {
 
   if (tune->parsed())
     return runTune(tuneOptions);
+  if (timelineCommand->parsed())
+    return runTimelineCommand(timelinePath, timelineBase, timelineTop);
 
   if (e2eCommand->parsed()) {
     e2e.load.cudaGraphs = !e2eNoGraphs;

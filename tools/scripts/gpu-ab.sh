@@ -7,8 +7,9 @@
 #     gpu-check.sh packs it: FP8 dense KV, decode batch 128); prints the size to carry.
 #   gpu-ab.sh run OUT [--rounds 2] [--batch 1] [--context 1024] [--decode-steps 32]
 #     (there, with OUT carried) hybrid-bench e2e with --timeline, base and candidate alternated
-#     for each round: per run the TPOT and the most exposed kernels of the traced step. Logs and
-#     traces go to $OUT when set (the device machine's), else OUT/logs.
+#     for each round: per run the TPOT and the most exposed kernels of the traced step, then the
+#     candidate's kernels against the base's (hybrid-bench timeline --against). Logs and traces
+#     go to $OUT when set (the device machine's), else OUT/logs.
 # Kernel switches or environment variables of a candidate go in the environment of the run half.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -95,6 +96,11 @@ for ((round = 1; round <= rounds; ++round)); do
     awk '/^  name / { table = 1; shown = 0; next } /^timeline/ { table = 0 }
          table && shown < 8 { print "   " $0; ++shown }' "$log"
   done
+  # The candidate's traced steps against the base's, kernel by kernel (the largest changes).
+  if [[ -f $logs/timeline-base-$round.json && -f $logs/timeline-candidate-$round.json ]]; then
+    "$out/hybrid-bench-candidate" timeline "$logs/timeline-candidate-$round.json" \
+      --against "$logs/timeline-base-$round.json" --top 10 | sed 's/^/   /'
+  fi
 done
 if [[ $failures -gt 0 ]]; then
   echo "A/B FAILED ($failures)"

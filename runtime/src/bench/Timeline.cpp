@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <limits>
 #include <map>
@@ -215,6 +216,118 @@ std::string chromeTraceJson(std::span<const LabelledTimeline> timelines) {
   return nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ns"}}.dump(
              -1, ' ', false, nlohmann::json::error_handler_t::replace) +
          "\n";
+}
+
+StatusOr<std::vector<LabelledTimeline>> readChromeTrace(const std::string &text,
+                                                        const std::string &source) {
+  try {
+    const nlohmann::json trace = nlohmann::json::parse(text);
+    if (!trace.is_object() || !trace.contains("traceEvents") || !trace["traceEvents"].is_array())
+      return Status::error(source + ": no traceEvents array");
+    std::map<int64_t, LabelledTimeline> byProcess;
+    const auto &events = trace["traceEvents"];
+    for (size_t i = 0; i < events.size(); ++i) {
+      const nlohmann::json &e = events[i];
+      const std::string where = source + ": traceEvents[" + std::to_string(i) + "]";
+      if (!e.is_object() || !e.contains("ph") || !e["ph"].is_string() || !e.contains("pid") ||
+          !e["pid"].is_number_integer())
+        return Status::error(where + ": not an event with ph and an integer pid");
+      LabelledTimeline &t = byProcess[e["pid"].get<int64_t>()];
+      const std::string phase = e["ph"].get<std::string>();
+      if (phase == "M") {
+        if (e.value("name", "") == "process_name" && e.contains("args") && e["args"].is_object() &&
+            e["args"].contains("name") && e["args"]["name"].is_string())
+          t.label = e["args"]["name"].get<std::string>();
+        continue;
+      }
+      if (phase != "X")
+        continue;
+      if (!e.contains("ts") || !e["ts"].is_number() || !e.contains("dur") ||
+          !e["dur"].is_number() || !e.contains("tid") || !e["tid"].is_number_unsigned() ||
+          !e.contains("name") || !e["name"].is_string())
+        return Status::error(where + ": a complete event needs name, tid, ts and dur");
+      const double ts = e["ts"].get<double>(), dur = e["dur"].get<double>();
+      if (!(ts >= 0) || !(dur >= 0) || ts > 1e12 || dur > 1e12)
+        return Status::error(where + ": ts or dur out of range");
+      DeviceActivity a;
+      const std::string category = e.value("cat", "kernel");
+      a.kind = category == "copy"     ? DeviceActivity::Kind::Copy
+               : category == "memset" ? DeviceActivity::Kind::Memset
+                                      : DeviceActivity::Kind::Kernel;
+      a.name = e.contains("args") && e["args"].is_object() && e["args"].contains("name") &&
+                       e["args"]["name"].is_string()
+                   ? e["args"]["name"].get<std::string>()
+                   : e["name"].get<std::string>();
+      a.stream = e["tid"].get<uint32_t>();
+      a.startNs = static_cast<uint64_t>(ts * 1e3 + 0.5);
+      a.endNs = a.startNs + static_cast<uint64_t>(dur * 1e3 + 0.5);
+      t.activities.push_back(std::move(a));
+    }
+    std::vector<LabelledTimeline> out;
+    for (auto &[pid, t] : byProcess) {
+      if (t.label.empty())
+        t.label = "process " + std::to_string(pid);
+      out.push_back(std::move(t));
+    }
+    return out;
+  } catch (const nlohmann::json::exception &e) {
+    return Status::error(source + ": not a JSON trace: " + e.what());
+  }
+}
+
+std::string compareTimelineSummaries(const TimelineSummary &base, const TimelineSummary &candidate,
+                                     int topNames) {
+  std::string out;
+  char line[512];
+  auto busiest = [](const TimelineSummary &s) {
+    return s.streams.empty() ? 0.0 : s.streams[0].busyUs;
+  };
+  std::snprintf(line, sizeof line,
+                "span %.1f -> %.1f us (%+.1f), busiest stream busy %.1f -> %.1f us (%+.1f)\n",
+                base.spanUs, candidate.spanUs, candidate.spanUs - base.spanUs, busiest(base),
+                busiest(candidate), busiest(candidate) - busiest(base));
+  out += line;
+  struct Row {
+    std::string name;
+    int64_t baseCount = 0, candidateCount = 0;
+    double baseUs = 0, candidateUs = 0;
+  };
+  std::map<std::string, Row> rows;
+  for (const auto &n : base.names) {
+    Row &r = rows[n.name];
+    r.baseCount = n.count;
+    r.baseUs = n.exposedUs;
+  }
+  for (const auto &n : candidate.names) {
+    Row &r = rows[n.name];
+    r.candidateCount = n.count;
+    r.candidateUs = n.exposedUs;
+  }
+  std::vector<Row> sorted;
+  for (auto &[name, r] : rows) {
+    r.name = name;
+    sorted.push_back(r);
+  }
+  std::sort(sorted.begin(), sorted.end(), [](const Row &a, const Row &b) {
+    return std::fabs(a.candidateUs - a.baseUs) > std::fabs(b.candidateUs - b.baseUs);
+  });
+  std::snprintf(line, sizeof line, "  %-48s %13s %13s %10s\n", "name (exposed us, launches)",
+                "base", "candidate", "change");
+  out += line;
+  int shown = 0;
+  for (const Row &r : sorted) {
+    if (shown++ == topNames)
+      break;
+    char baseText[32], candidateText[32];
+    std::snprintf(baseText, sizeof baseText, "%.1f (%lld)", r.baseUs,
+                  static_cast<long long>(r.baseCount));
+    std::snprintf(candidateText, sizeof candidateText, "%.1f (%lld)", r.candidateUs,
+                  static_cast<long long>(r.candidateCount));
+    std::snprintf(line, sizeof line, "  %-48.48s %13s %13s %+10.1f\n", r.name.c_str(), baseText,
+                  candidateText, r.candidateUs - r.baseUs);
+    out += line;
+  }
+  return out;
 }
 
 } // namespace hybrid::bench

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "hybrid/kernels/cuda/DeviceTimeline.h"
+#include "hybrid/runtime/Status.h"
 
 #include <cstdint>
 #include <span>
@@ -54,5 +55,14 @@ struct LabelledTimeline {
   std::vector<DeviceActivity> activities;
 };
 std::string chromeTraceJson(std::span<const LabelledTimeline> timelines);
+// The timelines of a trace chromeTraceJson wrote (times relative to each label's first start);
+// `source` names the trace in errors.
+StatusOr<std::vector<LabelledTimeline>> readChromeTrace(const std::string &text,
+                                                        const std::string &source);
+
+// Two summaries side by side (`hybrid-bench timeline --against`): the spans, then per name the
+// exposed time in each and the difference, the `topNames` largest differences first.
+std::string compareTimelineSummaries(const TimelineSummary &base, const TimelineSummary &candidate,
+                                     int topNames = 25);
 
 } // namespace hybrid::bench
