@@ -17,12 +17,12 @@
 // The narrow form (in <= 256: at most one chunk a thread) gives each warp 4 outputs: lane l holds
 // chunk l, as thread l of the block form does (whose other warps add zeros), and the warp's
 // shuffle tree is the block form's warp 0 tree, so the sums are the same.
-#include "gemv.cuh"
+#include "../common/block_reduce.cuh"
 #include "../common/dependent_launch.cuh"
-
-#include <cuda_bf16.h>
+#include "gemv.cuh"
 
 #include <algorithm>
+#include <cuda_bf16.h>
 
 namespace hybrid::kernels::cuda {
 namespace {
@@ -60,6 +60,24 @@ __device__ __forceinline__ float dot8(const uint4 &packed, const float (&x)[8], 
     sum = fmaf(x[2 * i + 1], __uint_as_float(words[i] & 0xffff0000u), sum);
   }
   return sum;
+}
+
+// Every row's chunk c of x times each output's weight chunk, into sums[row][output]: the one
+// multiply of both forms, so the narrow form's sums are the block form's bits.
+template <int MaxRows, int kOutputs>
+__device__ __forceinline__ void multiplyChunk(const GemvParams &p, const float *x, int64_t c,
+                                              const uint4 (&weights)[kOutputs],
+                                              float (&sums)[MaxRows][kOutputs]) {
+#pragma unroll
+  for (int r = 0; r < MaxRows; ++r) {
+    if (r < p.rows) {
+      float values[8];
+      inputChunk(x + r * p.xStride + c * 8, p.roundInputToBf16, values);
+#pragma unroll
+      for (int o = 0; o < kOutputs; ++o)
+        sums[r][o] = dot8(weights[o], values, sums[r][o]);
+    }
+  }
 }
 
 int64_t blocksOf(const GemvParams &p) { return (p.out + kOutputsPerBlock - 1) / kOutputsPerBlock; }
@@ -104,23 +122,11 @@ __device__ __forceinline__ void gemvBlock(const GemvParams &p, int64_t block, in
   load(w[0], threadIdx.x);
   load(w[1], threadIdx.x + kThreads);
   asm volatile("griddepcontrol.wait;" ::: "memory"); // x (and y) are the earlier kernels'
-  auto multiply = [&](const uint4(&weights)[kOutputsPerBlock], int64_t c) {
-#pragma unroll
-    for (int r = 0; r < MaxRows; ++r) {
-      if (r < p.rows) {
-        float values[8];
-        inputChunk(x + r * p.xStride + c * 8, p.roundInputToBf16, values);
-#pragma unroll
-        for (int o = 0; o < kOutputsPerBlock; ++o)
-          sums[r][o] = dot8(weights[o], values, sums[r][o]);
-      }
-    }
-  };
   for (int64_t c = threadIdx.x; c < chunks; c += 2 * kThreads) {
-    multiply(w[0], c);
+    multiplyChunk(p, x, c, w[0], sums);
     load(w[0], c + 2 * kThreads);
     if (c + kThreads < chunks) {
-      multiply(w[1], c + kThreads);
+      multiplyChunk(p, x, c + kThreads, w[1], sums);
       load(w[1], c + 3 * kThreads);
     }
   }
@@ -132,10 +138,7 @@ __device__ __forceinline__ void gemvBlock(const GemvParams &p, int64_t block, in
   for (int r = 0; r < MaxRows; ++r)
 #pragma unroll
     for (int o = 0; o < kOutputsPerBlock; ++o) {
-      float v = sums[r][o];
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2)
-        v += __shfl_xor_sync(0xffffffffu, v, offset);
+      const float v = reduce::warpSum(sums[r][o]);
       if (lane == 0)
         partial[warp][r * kOutputsPerBlock + o] = v;
     }
@@ -191,27 +194,14 @@ __device__ __forceinline__ void gemvNarrowWarp(const GemvParams &p, int64_t bloc
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");
   float sums[MaxRows][kNarrowOutputsPerWarp] = {};
-  if (holdsChunk) {
-#pragma unroll
-    for (int r = 0; r < MaxRows; ++r) {
-      if (r < p.rows) {
-        float values[8];
-        inputChunk(x + r * p.xStride + lane * 8, p.roundInputToBf16, values);
-#pragma unroll
-        for (int o = 0; o < kNarrowOutputsPerWarp; ++o)
-          sums[r][o] = dot8(w[o], values, sums[r][o]);
-      }
-    }
-  }
+  if (holdsChunk)
+    multiplyChunk(p, x, lane, w, sums);
   asm volatile("griddepcontrol.launch_dependents;");
 #pragma unroll
   for (int r = 0; r < MaxRows; ++r)
 #pragma unroll
     for (int o = 0; o < kNarrowOutputsPerWarp; ++o) {
-      float v = sums[r][o];
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2)
-        v += __shfl_xor_sync(0xffffffffu, v, offset);
+      const float v = reduce::warpSum(sums[r][o]);
       // Lane r * 4 + o stores it; 0.0f + v as the block form's sum over its warps (the
       // others' totals are zeros) turns a -0 into +0.
       if (lane == r * kNarrowOutputsPerWarp + o && r < p.rows && o < outputs) {
