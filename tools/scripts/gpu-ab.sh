@@ -13,6 +13,7 @@
 # Kernel switches or environment variables of a candidate go in the environment of the run half.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
+source "$root/tools/scripts/gpu-pack.sh"
 half=${1:-}
 [[ $half == pack || $half == run ]] || {
   sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
@@ -49,22 +50,8 @@ if [[ $half == pack ]]; then
   strip -o "$staging/hybrid-bench-candidate" "$candidate/bin/hybrid-bench" || exit 1
   tar -cf - -C "$staging" hybrid-bench-base hybrid-bench-candidate | xz -T2 -6 > "$out/bins.tar.xz" ||
     exit 1
-  for library in libcpp-httplib.so libxxhash.so; do
-    for build in "$base" "$candidate"; do
-      path=$(ldd "$build/bin/hybrid-bench" | awk -v l="$library" 'index($1, l) == 1 { print $3 }')
-      [[ -n $path ]] && cp -L "$path" "$out/lib/"
-    done
-  done
-  # CUPTI for --timeline (opened at run time, so not in ldd's list).
-  cupti=$(ldconfig -p | awk '$1 == "libcupti.so.13" { print $NF; exit }')
-  [[ -n $cupti ]] && cp -L "$cupti" "$out/lib/"
-  "$candidate/bin/hybrid-synth" --preset kimi-linear-48b --config-only --force \
-    --out "$staging/k48" > /dev/null || exit 1
-  echo '{"dense_attention_kv_cache":"fp8_tiles"}' > "$staging/dense-fp8.json"
-  "$candidate/bin/hybrid-compile" "$staging/k48" --synthetic-weights --no-cache -o "$out/k48" \
-    --device=cuda --arch=sm_90a --decode-batch=128 --prefill-tokens 8192 \
-    --quantization="$staging/dense-fp8.json" > /dev/null || exit 1
-  find "$out" -name '*.source' -delete
+  pack_libraries "$out/lib" "$base/bin/hybrid-bench" "$candidate/bin/hybrid-bench"
+  compile_k48 "$candidate" "$staging" "$out/k48" || exit 1
   size=$(du -sb "$out" | cut -f1)
   echo "packed $out: $((size / 1048576)) MiB (+ the tree; the limit is 64 MiB)"
   echo "on the GPU machine: tools/scripts/gpu-ab.sh run $(realpath --relative-to="$root" "$out")"
@@ -74,8 +61,7 @@ fi
 [[ -f $out/bins.tar.xz && -d $out/k48 ]] || { echo "gpu-ab.sh: nothing packed at $out (run the pack half)" >&2; exit 2; }
 logs=${OUT:-$out/logs}
 mkdir -p "$logs"
-python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
-  "$out/bins.tar.xz" "$out" || exit 1
+unpack "$out/bins.tar.xz" "$out" || exit 1
 export LD_LIBRARY_PATH=$out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 failures=0
 for ((round = 1; round <= rounds; ++round)); do

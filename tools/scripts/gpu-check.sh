@@ -19,6 +19,7 @@
 # OUT defaults to build-gpu-check in the repository (ignored by git: /build*/).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
+source "$root/tools/scripts/gpu-pack.sh"
 half=${1:-}
 [[ $half == pack || $half == run ]] || {
   sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
@@ -63,21 +64,8 @@ if [[ $half == pack ]]; then
   done
   tar -cf - -C "$staging" "${binaries[@]}" | xz -T2 -6 > "$out/bins.tar.xz" || exit 1
   tar -cf - -C "$build/tests/e2e" "${plans[@]}" | xz -T2 -9 > "$out/e2e.tar.xz" || exit 1
-  # The libraries of Debian packages the GPU machine does not have.
-  for library in libcpp-httplib.so libxxhash.so; do
-    path=$(ldd "$build/bin/hybrid-bench" | awk -v l="$library" 'index($1, l) == 1 { print $3 }')
-    [[ -n $path ]] && cp -L "$path" "$out/lib/"
-  done
-  # CUPTI for --timeline (opened at run time, so not in ldd's list).
-  cupti=$(ldconfig -p | awk '$1 == "libcupti.so.13" { print $NF; exit }')
-  [[ -n $cupti ]] && cp -L "$cupti" "$out/lib/"
-  "$build/bin/hybrid-synth" --preset kimi-linear-48b --config-only --force --out "$staging/k48" \
-    > /dev/null || exit 1
-  echo '{"dense_attention_kv_cache":"fp8_tiles"}' > "$staging/dense-fp8.json"
-  "$build/bin/hybrid-compile" "$staging/k48" --synthetic-weights --no-cache -o "$out/k48" \
-    --device=cuda --arch=sm_90a --decode-batch=128 --prefill-tokens 8192 \
-    --quantization="$staging/dense-fp8.json" > /dev/null || exit 1
-  find "$out" -name '*.source' -delete
+  pack_libraries "$out/lib" "$build/bin/hybrid-bench"
+  compile_k48 "$build" "$staging" "$out/k48" || exit 1
   tree=$(cd "$root" && git ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
   size=$(du -sb "$out" | cut -f1)
   echo "packed $out: $((size / 1048576)) MiB (+ the tree's $((tree / 1048576)) MiB; the limit is 64 MiB)"
@@ -88,13 +76,7 @@ fi
 [[ -f $out/bins.tar.xz && -d $out/k48 ]] || { echo "gpu-check.sh: nothing packed at $out (run the pack half)" >&2; exit 2; }
 logs=${OUT:-$out/logs}
 mkdir -p "$logs"
-python3 - "$out" <<'EOF' || exit 1
-import os, sys, tarfile
-out = sys.argv[1]
-tarfile.open(os.path.join(out, 'bins.tar.xz')).extractall(out)
-os.makedirs(os.path.join(out, 'e2e'), exist_ok=True)
-tarfile.open(os.path.join(out, 'e2e.tar.xz')).extractall(os.path.join(out, 'e2e'))
-EOF
+unpack "$out/bins.tar.xz" "$out" && unpack "$out/e2e.tar.xz" "$out/e2e" || exit 1
 export LD_LIBRARY_PATH=$out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export HYBRID_E2E_DIR=$out/e2e HYBRID_TEST_DATA_DIR=$root/tests/data
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$logs/gpu.txt" 2>&1
