@@ -112,17 +112,7 @@ TEST(MoeExpertsCuda, PerTokenMatchesReference) {
           std::vector<float> w = random(size_t(s.hidden) * s.intermediate, rng, 0.05f);
           matrices.push_back(bf16 ? roundedToBf16(w) : w);
         }
-      std::vector<int32_t> ids;
-      std::vector<float> weights;
-      for (int t = 0; t < s.tokens; ++t) {
-        std::vector<int32_t> experts(size_t(s.experts));
-        std::iota(experts.begin(), experts.end(), 0);
-        std::shuffle(experts.begin(), experts.end(), rng);
-        for (int k = 0; k < s.topK; ++k) {
-          ids.push_back(experts[size_t(k)]);
-          weights.push_back(0.1f + 0.2f * float(k));
-        }
-      }
+      const auto [ids, weights] = randomRouting(s.tokens, s.experts, s.topK, 0.1f, 0.2f, rng);
       std::vector<ref::SwiGluWeights> experts;
       for (int e = 0; e < s.experts; ++e)
         experts.push_back({matrices[size_t(3 * e)], matrices[size_t(3 * e + 1)],
@@ -181,17 +171,7 @@ TEST(MoeExpertsCuda, PerTokenIsDeterministicAndBatchInvariant) {
   std::mt19937 rng(7);
   const int tokens = 12, hidden = 768, inner = 256, experts = 16, topK = 8;
   const std::vector<float> x = random(size_t(tokens) * hidden, rng, 1.0f);
-  std::vector<int32_t> ids;
-  std::vector<float> weights;
-  for (int t = 0; t < tokens; ++t) {
-    std::vector<int32_t> order(static_cast<size_t>(experts));
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    for (int k = 0; k < topK; ++k) {
-      ids.push_back(order[size_t(k)]);
-      weights.push_back(0.05f + 0.1f * float(k));
-    }
-  }
+  const auto [ids, weights] = randomRouting(tokens, experts, topK, 0.05f, 0.1f, rng);
   std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> matrices;
   std::vector<uint64_t> pointers[3];
   for (int m = 0; m < 3 * experts; ++m) {
@@ -258,17 +238,8 @@ TEST(MoeExpertsCuda, StreamedBf16GivesTheScalarFormsBits) {
         bf16Pointers[m].push_back(reinterpret_cast<uint64_t>(b16.back()->data));
         f32Pointers[m].push_back(reinterpret_cast<uint64_t>(f32.back()->data));
       }
-    std::vector<int32_t> ids;
-    std::vector<float> weights;
-    for (int t = 0; t < s.tokens; ++t) {
-      std::vector<int32_t> order(static_cast<size_t>(s.experts));
-      std::iota(order.begin(), order.end(), 0);
-      std::shuffle(order.begin(), order.end(), rng);
-      for (int k = 0; k < s.topK; ++k) {
-        ids.push_back(t == 0 && k == 1 ? -1 : order[size_t(k)]); // an invalid id adds nothing
-        weights.push_back(0.05f + 0.1f * float(k));
-      }
-    }
+    auto [ids, weights] = randomRouting(s.tokens, s.experts, s.topK, 0.05f, 0.1f, rng);
+    ids[1] = -1; // token 0's second: an invalid id adds nothing
     DeviceBuffer<float> dX(x), dWeights(weights);
     DeviceBuffer<int32_t> dIds(ids);
     auto run = [&](const std::vector<uint64_t>(&pointers)[3], cuda::WeightType type) {
@@ -601,17 +572,7 @@ TEST(MoeExpertsCuda, AbsentExpertsAddNothing) {
           matrix.push_back(reinterpret_cast<uint64_t>(b16.back()->data));
         }
       }
-    std::vector<int32_t> ids;
-    std::vector<float> weights;
-    for (int t = 0; t < tokens; ++t) {
-      std::vector<int32_t> pool(static_cast<size_t>(experts), 0);
-      std::iota(pool.begin(), pool.end(), 0);
-      std::shuffle(pool.begin(), pool.end(), rng);
-      for (int k = 0; k < topK; ++k) {
-        ids.push_back(pool[size_t(k)]);
-        weights.push_back(0.1f + 0.2f * float(k));
-      }
-    }
+    const auto [ids, weights] = randomRouting(tokens, experts, topK, 0.1f, 0.2f, rng);
     // Runs the form with the experts `held` says present (the others' pointers null) on `chosen`.
     auto run = [&](const std::function<bool(int)> &held, const std::vector<int32_t> &chosen) {
       std::vector<uint64_t> pointers[6];

@@ -3,7 +3,11 @@
 
 #include "hybrid/kernels/cuda/Moe.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <numeric>
+#include <random>
+#include <vector>
 
 namespace hybrid::kernels {
 
@@ -27,6 +31,27 @@ inline cuda::MoeExpertsParams expertsParams(int tokens, int hidden, int inner, i
   p.down = reinterpret_cast<const void *const *>(down);
   p.workspace = workspace;
   return p;
+}
+
+// A step's routing: each token's topK distinct experts in a random order (a shuffle of all the
+// experts per token), the k-th of them weighted first + step * k.
+struct RandomRouting {
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+};
+inline RandomRouting randomRouting(int tokens, int experts, int topK, float first, float step,
+                                   std::mt19937 &rng) {
+  RandomRouting r;
+  std::vector<int32_t> order(static_cast<size_t>(experts));
+  for (int t = 0; t < tokens; ++t) {
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int k = 0; k < topK; ++k) {
+      r.ids.push_back(order[size_t(k)]);
+      r.weights.push_back(first + step * float(k));
+    }
+  }
+  return r;
 }
 
 } // namespace hybrid::kernels

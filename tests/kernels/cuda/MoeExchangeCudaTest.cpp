@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <memory>
-#include <numeric>
 #include <string>
 #include <vector>
 
@@ -84,15 +83,11 @@ TEST(MoeExchangeCuda, SimulatedRanksMatchTheirOwnRowsWithEveryExpert) {
         Rank &rank = ranks[size_t(r)];
         rank.tokens = rows[size_t(r)];
         rank.x = random(size_t(rank.tokens) * hidden, rng, 1.0f);
-        for (int t = 0; t < rank.tokens; ++t) {
-          std::vector<int32_t> pool(static_cast<size_t>(experts));
-          std::iota(pool.begin(), pool.end(), 0);
-          std::shuffle(pool.begin(), pool.end(), rng);
-          for (int k = 0; k < topK; ++k) {
-            rank.ids.push_back(r == 0 && t == 1 && k == 2 ? -1 : pool[size_t(k)]); // no choice
-            rank.weights.push_back(0.1f + 0.2f * float(k));
-          }
-        }
+        RandomRouting routing = randomRouting(rank.tokens, experts, topK, 0.1f, 0.2f, rng);
+        if (r == 0 && rank.tokens > 1)
+          routing.ids[size_t(topK) + 2] = -1; // token 1's third: no choice
+        rank.ids = std::move(routing.ids);
+        rank.weights = std::move(routing.weights);
         const size_t pairs = std::max<size_t>(1, rank.ids.size());
         rank.dX = std::make_unique<DeviceBuffer<float>>(rank.tokens ? rank.x
                                                                     : std::vector<float>(1, 0.0f));
