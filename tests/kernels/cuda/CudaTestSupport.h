@@ -3,12 +3,14 @@
 
 #include "hybrid/kernels/ref/Quant.h"
 
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
-
-#include <algorithm>
-#include <cmath>
 #include <random>
+#include <span>
 #include <vector>
 
 namespace hybrid::kernels {
@@ -53,6 +55,17 @@ inline double relativeRms(const std::vector<float> &a, const std::vector<float> 
     ref += double(b[i]) * b[i];
   }
   return std::sqrt(diff / std::max(ref, 1e-30));
+}
+
+// Floats of a and b whose bits differ (a size mismatch counts as every float of the longer):
+// what a bit-identity check expects to be 0.
+inline size_t differingBits(std::span<const float> a, std::span<const float> b) {
+  if (a.size() != b.size())
+    return std::max(a.size(), b.size());
+  size_t count = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    count += std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i]);
+  return count;
 }
 
 // bf16 bit patterns of `values` (round to nearest even), and back.

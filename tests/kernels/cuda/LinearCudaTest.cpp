@@ -254,13 +254,6 @@ struct BatchInvarianceProblem {
   }
 };
 
-size_t differingBits(const std::vector<float> &a, const std::vector<float> &b) {
-  size_t count = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
-    count += std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i]);
-  return count + std::max(a.size(), b.size()) - std::min(a.size(), b.size());
-}
-
 // Batch invariance (LinearContext::setBatchInvariantRows): the first rows of a call give the
 // same bits whether 32, 40 or 160 rows share it, as a decode step of B rows and a verification
 // pass of B x (k + 1) rows must (issue 9); bf16 and split inputs, Kimi-Linear's projection
