@@ -148,11 +148,26 @@ constexpr int kAbsorbColumns = kWarpSize * 8;
 __global__ void __launch_bounds__(kAbsorbThreads)
     absorbQueriesBf16(MlaHeadWeights w, int32_t rows, int32_t ropeDim, const float *queries,
                       float *absorbed) {
-  waitForEarlierKernels(); // launched as a programmatic dependent
-  letDependentsLaunch();
   __shared__ float nope[kRowsPerBlock][kMaxNopeDim];
   __shared__ float partial[kAbsorbWarps][kAbsorbColumns];
   const int h = blockIdx.x, firstRow = blockIdx.y * kRowsPerBlock;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int column = blockIdx.z * kAbsorbColumns + lane * 8;
+  const auto *uk = static_cast<const __nv_bfloat16 *>(w.kvB) +
+                   int64_t(h) * (w.nopeDim + w.valueDim) * w.latentDim + column;
+  // The first nope dims' W_UK chunks load before the wait: weights, which nothing before this
+  // launch writes, in flight while the queries' kernel drains.
+  constexpr int kEarly = 4;
+  uint4 early[kEarly];
+#pragma unroll
+  for (int i = 0; i < kEarly; ++i) {
+    const int n = warp + i * kAbsorbWarps;
+    early[i] = column < w.latentDim && n < w.nopeDim
+                   ? *reinterpret_cast<const uint4 *>(uk + int64_t(n) * w.latentDim)
+                   : uint4{0, 0, 0, 0};
+  }
+  waitForEarlierKernels(); // launched as a programmatic dependent: the queries
+  letDependentsLaunch();
   const int count = min(kRowsPerBlock, rows - firstRow), qkDim = w.nopeDim + ropeDim;
   const int wide = w.latentDim + ropeDim;
   for (int item = threadIdx.x; item < kRowsPerBlock * w.nopeDim; item += kAbsorbThreads) {
@@ -160,26 +175,28 @@ __global__ void __launch_bounds__(kAbsorbThreads)
     nope[rb][n] = rb < count ? queries[(int64_t(firstRow + rb) * w.heads + h) * qkDim + n] : 0.0f;
   }
   __syncthreads();
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int column = blockIdx.z * kAbsorbColumns + lane * 8;
   float sums[kRowsPerBlock][8] = {};
-  if (column < w.latentDim) {
-    const auto *uk = static_cast<const __nv_bfloat16 *>(w.kvB) +
-                     int64_t(h) * (w.nopeDim + w.valueDim) * w.latentDim + column;
-#pragma unroll 4
-    for (int n = warp; n < w.nopeDim; n += kAbsorbWarps) {
-      const uint4 packed = *reinterpret_cast<const uint4 *>(uk + int64_t(n) * w.latentDim);
-      const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+  // Nope dim n's chunk into the sums (in n order: the early ones first).
+  auto accumulate = [&](int n, const uint4 &packed) {
+    const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
 #pragma unroll
-      for (int rb = 0; rb < kRowsPerBlock; ++rb) {
-        const float q = nope[rb][n];
+    for (int rb = 0; rb < kRowsPerBlock; ++rb) {
+      const float q = nope[rb][n];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          sums[rb][2 * i] = fmaf(q, __uint_as_float(words[i] << 16), sums[rb][2 * i]);
-          sums[rb][2 * i + 1] = fmaf(q, __uint_as_float(words[i] & 0xffff0000u), sums[rb][2 * i + 1]);
-        }
+      for (int i = 0; i < 4; ++i) {
+        sums[rb][2 * i] = fmaf(q, __uint_as_float(words[i] << 16), sums[rb][2 * i]);
+        sums[rb][2 * i + 1] = fmaf(q, __uint_as_float(words[i] & 0xffff0000u), sums[rb][2 * i + 1]);
       }
     }
+  };
+  if (column < w.latentDim) {
+#pragma unroll
+    for (int i = 0; i < kEarly; ++i)
+      if (warp + i * kAbsorbWarps < w.nopeDim)
+        accumulate(warp + i * kAbsorbWarps, early[i]);
+#pragma unroll 4
+    for (int n = warp + kEarly * kAbsorbWarps; n < w.nopeDim; n += kAbsorbWarps)
+      accumulate(n, *reinterpret_cast<const uint4 *>(uk + int64_t(n) * w.latentDim));
   }
 #pragma unroll
   for (int rb = 0; rb < kRowsPerBlock; ++rb) { // unrolled: sums stays in registers
