@@ -1,11 +1,12 @@
 // Token choice on the GPU (see Sampling.h and ref::sampleToken, the definition it follows).
 // One block of 1024 threads per row; every pass over the row reads it from global memory (a
-// 163,840-word row is 640 KB, L2-resident across the passes).
+// 163,840-word row is 640 KB, L2-resident across the passes). With a workspace the argmax,
+// all a greedy row needs, first runs over parts of the row in many blocks.
+#include "../common/dependent_launch.cuh"
 #include "hybrid/kernels/cuda/Sampling.h"
 
-#include <cuda_runtime.h>
-
 #include <cmath>
+#include <cuda_runtime.h>
 
 namespace hybrid::kernels::cuda {
 namespace {
@@ -36,6 +37,75 @@ __device__ inline double blockSumDouble(double value, double *scratch) {
   return total;
 }
 
+// The argmax in parts: part j of a row is the ids [j kPartIds, (j + 1) kPartIds), one block
+// of kPartThreads each, its best (largest, lowest id among ties, NaN skipped; id -1 when the
+// part has none) written for the row's block to reduce.
+constexpr int kPartThreads = 256, kPartIds = kPartThreads * 16;
+struct ArgmaxPart {
+  float value;
+  int32_t pad;
+  int64_t id;
+};
+
+__host__ __device__ inline int64_t argmaxParts(int64_t vocab) {
+  return (vocab + kPartIds - 1) / kPartIds;
+}
+
+// Whether (v, id) goes before (best, bestId) in the argmax: larger, then the lower id.
+__device__ inline bool argmaxBefore(float v, int64_t id, float best, int64_t bestId) {
+  return id >= 0 && (bestId < 0 || v > best || (v == best && id < bestId));
+}
+
+__device__ inline void warpArgmax(float &best, int64_t &bestId) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float v = __shfl_xor_sync(0xffffffffu, best, offset);
+    const int64_t id = __shfl_xor_sync(0xffffffffu, bestId, offset);
+    if (argmaxBefore(v, id, best, bestId)) {
+      best = v;
+      bestId = id;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kPartThreads) argmaxPartsKernel(SampleRowsParams p) {
+  __shared__ float bestValues[kPartThreads / 32];
+  __shared__ int64_t bestIds[kPartThreads / 32];
+  const int part = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
+  const int64_t V = p.vocab, first = int64_t(part) * kPartIds;
+  const float *logits = p.logits + int64_t(row) * (p.logitsStride ? p.logitsStride : V);
+  letDependentsLaunch(); // the rows' blocks may take their SMs now; they wait for every part
+  // Every load issued before the first compare: 16 a thread, strided so a warp's are coalesced.
+  float values[kPartIds / kPartThreads];
+#pragma unroll
+  for (int j = 0; j < kPartIds / kPartThreads; ++j) {
+    const int64_t i = first + tid + j * kPartThreads;
+    values[j] = i < V ? __ldcg(logits + i) : NAN;
+  }
+  float best = -INFINITY;
+  int64_t bestId = -1;
+#pragma unroll
+  for (int j = 0; j < kPartIds / kPartThreads; ++j) // ids ascending: a tie keeps the first
+    if (!isnan(values[j]) && (bestId < 0 || values[j] > best)) {
+      best = values[j];
+      bestId = first + tid + j * kPartThreads;
+    }
+  warpArgmax(best, bestId);
+  if (tid % 32 == 0) {
+    bestValues[tid / 32] = best;
+    bestIds[tid / 32] = bestId;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    for (int w = 1; w < kPartThreads / 32; ++w)
+      if (argmaxBefore(bestValues[w], bestIds[w], best, bestId)) {
+        best = bestValues[w];
+        bestId = bestIds[w];
+      }
+    static_cast<ArgmaxPart *>(p.workspace)[int64_t(row) * argmaxParts(V) + part] = {best, 0,
+                                                                                    bestId};
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) sampleRowsKernel(SampleRowsParams p) {
   __shared__ float bestValues[kWarps];
   __shared__ int64_t bestIds[kWarps];
@@ -48,24 +118,31 @@ __global__ void __launch_bounds__(kThreads) sampleRowsKernel(SampleRowsParams p)
   const float *logits = p.logits + int64_t(row) * (p.logitsStride ? p.logitsStride : V);
   const SamplingRow s = p.samplingRows[row];
 
-  // 1. The argmax (largest, lowest id among ties; NaN skipped).
+  // 1. The argmax (largest, lowest id among ties; NaN skipped): over the parts' bests when
+  // argmaxPartsKernel ran first, else over the row.
   float best = -INFINITY;
   int64_t bestId = -1;
-  for (int64_t i = tid; i < V; i += kThreads) {
-    const float v = logits[i];
-    if (!isnan(v) && (bestId < 0 || v > best)) {
-      best = v;
-      bestId = i;
+  if (p.workspace) {
+    waitForEarlierKernels(); // the parts
+    const int64_t parts = argmaxParts(V);
+    const auto *bests = static_cast<const ArgmaxPart *>(p.workspace) + int64_t(row) * parts;
+    for (int64_t j = tid; j < parts; j += kThreads) {
+      const ArgmaxPart part = bests[j];
+      if (argmaxBefore(part.value, part.id, best, bestId)) {
+        best = part.value;
+        bestId = part.id;
+      }
+    }
+  } else {
+    for (int64_t i = tid; i < V; i += kThreads) {
+      const float v = logits[i];
+      if (!isnan(v) && (bestId < 0 || v > best)) {
+        best = v;
+        bestId = i;
+      }
     }
   }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float v = __shfl_xor_sync(0xffffffffu, best, offset);
-    const int64_t id = __shfl_xor_sync(0xffffffffu, bestId, offset);
-    if (id >= 0 && (bestId < 0 || v > best || (v == best && id < bestId))) {
-      best = v;
-      bestId = id;
-    }
-  }
+  warpArgmax(best, bestId);
   if (lane == 0) {
     bestValues[warp] = best;
     bestIds[warp] = bestId;
@@ -210,8 +287,25 @@ int launchSampleRows(const SampleRowsParams &p, void *stream) {
   if (p.rows <= 0 || p.rows > 0x7fffffff || p.vocab <= 0 || !p.logits || !p.samplingRows ||
       !p.tokens || (p.logitsStride != 0 && p.logitsStride < p.vocab))
     return cudaErrorInvalidValue;
-  sampleRowsKernel<<<unsigned(p.rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  return int(cudaGetLastError());
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (!p.workspace || p.rows > 65535) { // (the parts' grid takes rows as its y)
+    sampleRowsKernel<<<unsigned(p.rows), kThreads, 0, s>>>(p);
+    return int(cudaGetLastError());
+  }
+  if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0 || argmaxParts(p.vocab) > 0x7fffffff)
+    return cudaErrorInvalidValue;
+  argmaxPartsKernel<<<dim3(unsigned(argmaxParts(p.vocab)), unsigned(p.rows)), kPartThreads, 0, s>>>(
+      p);
+  if (const cudaError_t status = cudaGetLastError())
+    return int(status);
+  // The row's block starts while the parts drain (it waits for them before reading).
+  DependentLaunch launch(dim3(unsigned(p.rows)), dim3(kThreads), s);
+  const cudaError_t status = cudaLaunchKernelEx(&launch.config, sampleRowsKernel, p);
+  return int(status != cudaSuccess ? status : cudaGetLastError());
+}
+
+size_t sampleRowsWorkspaceBytes(int64_t rows, int64_t vocab) {
+  return rows > 0 && vocab > 0 ? size_t(rows) * size_t(argmaxParts(vocab)) * sizeof(ArgmaxPart) : 0;
 }
 
 } // namespace hybrid::kernels::cuda

@@ -1465,6 +1465,15 @@ Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const i
   sample.logits = reinterpret_cast<const float *>(impl.logitsOf(program));
   sample.samplingRows = impl.deviceChoices;
   sample.tokens = impl.deviceChosen;
+  if (const size_t bytes = kc::sampleRowsWorkspaceBytes(rows, sample.vocab);
+      bytes > impl.sampleWorkspaceBytes) {
+    cudaFree(impl.sampleWorkspace);
+    impl.sampleWorkspace = nullptr;
+    impl.sampleWorkspaceBytes = 0;
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&impl.sampleWorkspace, bytes), "token choice workspace");
+    impl.sampleWorkspaceBytes = bytes;
+  }
+  sample.workspace = impl.sampleWorkspace;
   LAUNCH_RETURN_IF_ERROR(kc::launchSampleRows(sample, stream), "token choice");
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(impl.pinnedChosen, impl.deviceChosen,
                                        static_cast<size_t>(rows) * sizeof(int64_t),

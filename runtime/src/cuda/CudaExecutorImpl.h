@@ -220,6 +220,9 @@ struct CudaExecutor::Impl {
   // device) and the chosen ids (on the device, then staged for the host).
   kc::SamplingRow *pinnedChoices = nullptr, *deviceChoices = nullptr;
   int64_t *deviceChosen = nullptr, *pinnedChosen = nullptr;
+  // The token choice's argmax parts (kc::sampleRowsWorkspaceBytes), sized at the first choice.
+  void *sampleWorkspace = nullptr;
+  size_t sampleWorkspaceBytes = 0;
   int32_t *pinnedSlots = nullptr;  // and each decode row's state slot
   int32_t *rowSlots = nullptr;     // the device copy the KDA decode kernels index states with
   // A prefill step's cu_seqlens, {0, rows} per segment (pairs: one KDA launch per segment).
@@ -296,6 +299,7 @@ struct CudaExecutor::Impl {
     cudaFreeHost(pinnedChosen);
     cudaFree(deviceChoices);
     cudaFree(deviceChosen);
+    cudaFree(sampleWorkspace);
     cudaFreeHost(pinnedSlots);
     cudaFreeHost(pinnedCuSeqlens);
     for (LoggedKda &entry : kdaLog)

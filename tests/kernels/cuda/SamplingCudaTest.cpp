@@ -52,31 +52,48 @@ TEST_P(SamplingCuda, ChoosesTheReferenceToken) {
   std::memcpy(rowBytes.data(), parameters.data(), rowBytes.size());
   DeviceBuffer<float> dLogits(logits);
   DeviceBuffer<uint8_t> dRows(rowBytes);
-  DeviceBuffer<int64_t> dTokens{std::vector<int64_t>(rows, -7)};
-  cuda::SampleRowsParams p;
-  p.rows = rows;
-  p.vocab = c.vocab;
-  p.logits = dLogits.data;
-  p.samplingRows = reinterpret_cast<const cuda::SamplingRow *>(dRows.data);
-  p.tokens = dTokens.data;
-  ASSERT_EQ(cuda::launchSampleRows(p, nullptr), 0);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(dTokens.download(), expected);
+  // Without a workspace (one block a row) and with one (the argmax over parts first).
+  for (const bool parts : {false, true}) {
+    SCOPED_TRACE(parts ? "argmax in parts" : "one block a row");
+    DeviceBuffer<int64_t> dTokens{std::vector<int64_t>(rows, -7)};
+    DeviceBuffer<uint8_t> dWorkspace{
+        std::vector<uint8_t>(parts ? cuda::sampleRowsWorkspaceBytes(rows, c.vocab) : 0, 0xAB)};
+    cuda::SampleRowsParams p;
+    p.rows = rows;
+    p.vocab = c.vocab;
+    p.logits = dLogits.data;
+    p.samplingRows = reinterpret_cast<const cuda::SamplingRow *>(dRows.data);
+    p.tokens = dTokens.data;
+    p.workspace = parts ? dWorkspace.data : nullptr;
+    ASSERT_EQ(cuda::launchSampleRows(p, nullptr), 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(dTokens.download(), expected);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Rows, SamplingCuda,
     testing::Values(Case{"greedy", 1000, 0.0f, 0, 1.0f}, Case{"greedy_kimi", 163840, 0.0f, 0, 1.0f},
+                    Case{"greedy_partial_part", 2 * 4096 + 77, 0.0f, 0, 1.0f},
                     Case{"temperature", 1000, 0.7f, 0, 1.0f},
                     Case{"temperature_kimi", 163840, 1.0f, 0, 1.0f},
                     Case{"top_k", 1000, 1.0f, 20, 1.0f}, Case{"top_k_wide", 1000, 1.3f, 700, 1.0f},
-                    Case{"top_k_kimi", 163840, 0.8f, 50, 1.0f},
-                    Case{"top_p", 1000, 1.0f, 0, 0.5f}, Case{"top_p_kimi", 163840, 0.9f, 0, 0.95f},
+                    Case{"top_k_kimi", 163840, 0.8f, 50, 1.0f}, Case{"top_p", 1000, 1.0f, 0, 0.5f},
+                    Case{"top_p_kimi", 163840, 0.9f, 0, 0.95f},
                     Case{"top_k_and_p", 163840, 0.6f, 40, 0.8f}),
     [](const testing::TestParamInfo<Case> &info) { return info.param.name; });
 
 TEST(SamplingCudaErrors, RejectsBadShapes) {
   cuda::SampleRowsParams p; // nothing set
+  EXPECT_EQ(cuda::launchSampleRows(p, nullptr), int(cudaErrorInvalidValue));
+  // A workspace off its 16-byte alignment is refused before anything runs (the pointers are
+  // never read).
+  p.rows = 1;
+  p.vocab = 10;
+  p.logits = reinterpret_cast<const float *>(uintptr_t(256));
+  p.samplingRows = reinterpret_cast<const cuda::SamplingRow *>(uintptr_t(256));
+  p.tokens = reinterpret_cast<int64_t *>(uintptr_t(256));
+  p.workspace = reinterpret_cast<void *>(uintptr_t(260));
   EXPECT_EQ(cuda::launchSampleRows(p, nullptr), int(cudaErrorInvalidValue));
 }
 

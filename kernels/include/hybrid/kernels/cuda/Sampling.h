@@ -6,6 +6,7 @@
 // reference does. CUDA-free header.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace hybrid::kernels::cuda {
@@ -25,7 +26,15 @@ struct SampleRowsParams {
   int64_t logitsStride = 0;                // 0: vocab
   const SamplingRow *samplingRows = nullptr; // device [rows]
   int64_t *tokens = nullptr;               // device [rows]
+  // Optional, sampleRowsWorkspaceBytes(rows, vocab) bytes (16-byte aligned): the argmax then
+  // runs over many blocks a row (each a part of the row, its best written here) before the
+  // row's block, instead of one block reading the whole row (19 us at batch 1 and Kimi's
+  // vocabulary on the H200: one SM's worth of load latency). The same ids either way.
+  void *workspace = nullptr;
 };
+
+// Bytes of SampleRowsParams::workspace for these rows.
+size_t sampleRowsWorkspaceBytes(int64_t rows, int64_t vocab);
 
 // 0 or a cudaError_t (cudaErrorInvalidValue for a bad shape or a missing pointer).
 int launchSampleRows(const SampleRowsParams &params, void *stream);
