@@ -116,6 +116,22 @@ __device__ inline int rowSplitEnd(const SparseMlaDecodeParams &p, int row, int s
   return p.indices ? splitEnd : min(splitEnd, p.positions[row] + 1);
 }
 
+// A block's split [begin, end) of a row's positions. Causal rows spread their own positions over
+// every split: the grid is sized for a sequence's capacity (a decode graph replays at every
+// length), and splits of the capacity's size left a short row's positions to its first few
+// blocks (1K positions at an 8K capacity: 4 blocks of 4 tiles instead of 16 of 1, 30 instead
+// of 11 us a Kimi-Linear layer on the H200). tilesPerSplit bounds a split (shared memory).
+__device__ inline void splitRange(const SparseMlaDecodeParams &p, int row, int split, int splits,
+                                  int tilesPerSplit, int tileKeys, int &begin, int &end) {
+  int perSplit = tilesPerSplit;
+  if (!p.indices) {
+    const int rowTiles = (min(p.topK, p.positions[row] + 1) + tileKeys - 1) / tileKeys;
+    perSplit = min(tilesPerSplit, max(1, (rowTiles + splits - 1) / splits));
+  }
+  begin = split * perSplit * tileKeys;
+  end = rowSplitEnd(p, row, min(p.topK, begin + perSplit * tileKeys));
+}
+
 // A split's positions resolved to cache rows (page * pageTokens + offset; -1: none), `count`
 // entries (the split's tiles; past splitEnd -1). Causal rows: the positions themselves.
 __device__ inline void resolveCacheRows(const SparseMlaDecodeParams &p, int row, int splitBegin,
@@ -315,8 +331,8 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kBlockThreads, Shape<L, R, G>:
   const int warp = tid / 32, lane = tid % 32;
   const int group = warp / kSlices, slice = warp % kSlices;
   const int splits = int(gridDim.z), split = int(blockIdx.z);
-  const int splitBegin = split * tilesPerSplit * kTileKeys;
-  const int splitEnd = rowSplitEnd(p, row, min(p.topK, splitBegin + tilesPerSplit * kTileKeys));
+  int splitBegin, splitEnd;
+  splitRange(p, row, split, splits, tilesPerSplit, kTileKeys, splitBegin, splitEnd);
   const int tiles = max(0, (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys);
 
   resolveCacheRows(p, row, splitBegin, splitEnd, tiles * kTileKeys, cacheRows, tid,
@@ -670,8 +686,8 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
   const int r0 = 16 * (warp % 4) + lane / 4;    // this thread's rows r0 and r0 + 8
   const int q = lane % 4;
   const int splits = int(gridDim.z), split = int(blockIdx.z);
-  const int splitBegin = split * tilesPerSplit * kTileKeys;
-  const int splitEnd = rowSplitEnd(p, row, min(p.topK, splitBegin + tilesPerSplit * kTileKeys));
+  int splitBegin, splitEnd;
+  splitRange(p, row, split, splits, tilesPerSplit, kTileKeys, splitBegin, splitEnd);
   const int tiles = max(0, (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys);
 
   resolveCacheRows(p, row, splitBegin, splitEnd, tiles * kTileKeys, cacheRows, tid, kThreads);
