@@ -941,7 +941,9 @@ __global__ void __launch_bounds__(kCombineThreads)
       float values[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j)
-        values[j] = s0 + j < splits ? first[(s0 + j) * (L + 2) + 2 + d] : 0.0f;
+        values[j] = s0 + j < splits && maxima[s0 + j] != -INFINITY // an empty split: not read
+                        ? first[(s0 + j) * (L + 2) + 2 + d]
+                        : 0.0f;
 #pragma unroll
       for (int j = 0; j < kBatch; ++j)
         if (s0 + j < splits && maxima[s0 + j] != -INFINITY)
@@ -956,15 +958,15 @@ __global__ void __launch_bounds__(kCombineThreads)
 // partials written: about two tiles' time with 64 heads, one with fewer), and of those the fewest.
 // Batch 1 takes many, batch 64 with 128 heads and prefill none. Without the fixed cost, 128 rows
 // of 128 heads took 32 splits of one tile each and ran 13x slower than unsplit.
-template <typename S> int splitCount(const SparseMlaDecodeParams &p, int sms) {
+template <typename S> int splitCount(const SparseMlaDecodeParams &p, int sms, int maxSplits) {
   const int tiles = (p.topK + S::kTileKeys - 1) / S::kTileKeys;
   const int64_t blocks = int64_t(p.rows) * ((p.heads + S::kHeads - 1) / S::kHeads);
   const int64_t slots = int64_t(sms) * S::kBlocksPerSm;
   constexpr int64_t kBlockOverheadTiles = S::kHeads == 64 ? 2 : 1;
   int best = 0;
   int64_t bestTime = 0;
-  for (int splits = (tiles + S::kMaxTiles - 1) / S::kMaxTiles;
-       splits <= std::min(tiles, sparseMlaMaxSplits(p.topK)); ++splits) {
+  for (int splits = (tiles + S::kMaxTiles - 1) / S::kMaxTiles; splits <= std::min(tiles, maxSplits);
+       ++splits) {
     const int64_t perSplit = (tiles + splits - 1) / splits;
     const int64_t used = (tiles + perSplit - 1) / perSplit;
     const int64_t time = (blocks * used + slots - 1) / slots * (perSplit + kBlockOverheadTiles);
@@ -973,7 +975,7 @@ template <typename S> int splitCount(const SparseMlaDecodeParams &p, int sms) {
       bestTime = time;
     }
   }
-  return best; // 0: more positions than sparseMlaMaxSplits(topK) blocks hold
+  return best; // 0: more positions than maxSplits blocks hold
 }
 
 // DeepSeek-V3.2's rows with 64 heads per block run on warpgroup MMAs (same tiles, splits and
@@ -999,13 +1001,16 @@ template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, c
                 "the header's tile size is the launched kernel's");
   SparseMlaDecodeParams oneRow = p;
   oneRow.rows = 1;
-  const int splits = p.splits > 0
-                         ? p.splits
-                         : splitCount<S>(p.rowInvariantSplits ? oneRow : p, setup.multiprocessors);
+  // Row-invariant splits must fit any rows' partials: the cap of many rows.
+  const int maxSplits =
+      sparseMlaMaxSplitsForRows(p.topK, p.rowInvariantSplits ? kSparseMlaFewRows + 1 : p.rows);
+  const int splits = p.splits > 0 ? p.splits
+                                  : splitCount<S>(p.rowInvariantSplits ? oneRow : p,
+                                                  setup.multiprocessors, maxSplits);
   if (splits == 0)
     return cudaErrorInvalidValue; // top-k past sparseMlaMaxCausalPositions()
   const int tilesPerSplit = (tiles + splits - 1) / splits;
-  if (splits > sparseMlaMaxSplits(p.topK) || tilesPerSplit > S::kMaxTiles)
+  if (splits > maxSplits || tilesPerSplit > S::kMaxTiles)
     return cudaErrorInvalidValue; // a configured split count outside the kernel's range
   const int used = (tiles + tilesPerSplit - 1) / tilesPerSplit; // no empty split
   const dim3 grid(unsigned(p.rows), unsigned((p.heads + S::kHeads - 1) / S::kHeads), unsigned(used));
@@ -1061,9 +1066,13 @@ int64_t latentRowBytes(LatentCacheType type, int32_t latentDim, int32_t ropeDim)
 }
 
 size_t sparseMlaWorkspaceBytes(int32_t rows, int32_t heads, int32_t latentDim, int32_t topK) {
+  // Every row count up to `rows` fits: a few rows split further than many.
+  const int64_t fewRows = std::min<int64_t>(rows, kSparseMlaFewRows);
+  const int64_t partials =
+      std::max<int64_t>(fewRows * sparseMlaMaxSplitsForRows(topK, int32_t(fewRows)),
+                        int64_t(rows) * sparseMlaMaxSplits(topK));
   return rows > 0 && heads > 0 && latentDim > 0 && topK > 0
-             ? size_t(rows) * heads * sparseMlaMaxSplits(topK) * (size_t(latentDim) + 2) *
-                   sizeof(float)
+             ? size_t(partials) * heads * (size_t(latentDim) + 2) * sizeof(float)
              : 0;
 }
 

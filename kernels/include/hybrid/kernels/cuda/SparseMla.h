@@ -40,7 +40,7 @@ struct SparseMlaDecodeParams {
   // sparseMlaWorkspaceBytes(rows, heads, latentDim, topK): split partials
   void *workspace = nullptr;
   // Blocks the positions of a row are split over (flash-decoding; a tuned configuration,
-  // kernels/KernelTuning.h), 1..sparseMlaMaxSplits(topK), at least topK /
+  // kernels/KernelTuning.h), 1..sparseMlaMaxSplitsForRows(topK, rows), at least topK /
   // kSparseMlaMaxPositionsPerBlock and at most the row's tiles (sparseMlaTileKeys); 0: the
   // default, a cost model of waves.
   int32_t splits = 0;
@@ -60,6 +60,15 @@ inline constexpr int32_t kSparseMlaMaxLongSplits = 128;
 inline constexpr int32_t sparseMlaMaxSplits(int32_t topK) {
   const int32_t needed = (topK + kSparseMlaMaxPositionsPerBlock - 1) / kSparseMlaMaxPositionsPerBlock;
   return needed > kSparseMlaMaxSplits ? needed : kSparseMlaMaxSplits;
+}
+// A launch of at most kSparseMlaFewRows rows (a small decode step) may split a row over up to
+// kSparseMlaMaxLongSplits blocks: one row of a dense layer at 8K positions took 26 blocks of 5
+// tiles under the 32 cap, on 26 of the H200's 132 SMs. The workspace holds either.
+inline constexpr int32_t kSparseMlaFewRows = 4;
+inline constexpr int32_t sparseMlaMaxSplitsForRows(int32_t topK, int32_t rows) {
+  return rows <= kSparseMlaFewRows && sparseMlaMaxSplits(topK) < kSparseMlaMaxLongSplits
+             ? kSparseMlaMaxLongSplits
+             : sparseMlaMaxSplits(topK);
 }
 // Positions per tile of the launched kernel (every head count).
 inline constexpr int32_t sparseMlaTileKeys(int32_t) { return 64; }
