@@ -9,14 +9,15 @@
 #     (there, with OUT carried) hybrid-bench e2e with --timeline, base and candidate alternated
 #     for each round: per run the TPOT and the most exposed kernels of the traced step, then the
 #     candidate's kernels against the base's (hybrid-bench timeline --against). Logs and traces
-#     go to $OUT when set (the device machine's), else OUT/logs.
+#     go to $OUT when set (the device machine's; bundled into $OUT/ab-logs.tar.gz, since a call
+#     brings back at most 8 files; KEEP names files of $OUT to leave out), else OUT/logs.
 # Kernel switches or environment variables of a candidate go in the environment of the run half.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 source "$root/tools/scripts/gpu-pack.sh"
 half=${1:-}
 [[ $half == pack || $half == run ]] || {
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 shift
@@ -88,6 +89,7 @@ for ((round = 1; round <= rounds; ++round)); do
       --against "$logs/timeline-base-$round.json" --top 10 | sed 's/^/   /'
   fi
 done
+bundle_logs "$logs" ab-logs # every log and trace comes back (tar -xzf ab-logs.tar.gz)
 if [[ $failures -gt 0 ]]; then
   echo "A/B FAILED ($failures)"
   exit 1

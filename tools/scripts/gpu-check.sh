@@ -14,7 +14,8 @@
 #     traced step in timeline-k48.json and the log's summaries), spec with
 #     replay drafts (batch 1, 32, 128; 32 and 128 on batch-invariant kernels; batch 1 without
 #     prefill graphs) and tune twice (the second must reuse every entry); --quick: the tests
-#     and the cold start only. Logs and JSON records go to $OUT when set (the device machine's),
+#     and the cold start only. Logs and JSON records go to $OUT when set (the device machine's;
+#     bundled into $OUT/check-logs.tar.gz at the end, KEEP naming files of $OUT to leave out),
 #     else OUT/logs; one summary line per step, exit 1 when a step fails.
 # OUT defaults to build-gpu-check in the repository (ignored by git: /build*/).
 set -uo pipefail
@@ -22,7 +23,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 source "$root/tools/scripts/gpu-pack.sh"
 half=${1:-}
 [[ $half == pack || $half == run ]] || {
-  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 shift
@@ -131,6 +132,7 @@ grep -hE '^\[  (PASSED|FAILED) ' "$logs/kernel-tests.log" "$logs/e2e-tests.log"
 grep -hE '^(load|cold start)' "$logs/cold-start.log"
 ((quick)) || grep -hE '^(e2e |spec batch|  decode|[0-9]+ tuned)' "$logs"/e2e-bench.log \
   "$logs"/spec-bench.log "$logs"/spec-bench-invariant.log "$logs"/tune-1.log "$logs"/tune-2.log
+bundle_logs "$logs" check-logs # every log and record comes back (tar -xzf check-logs.tar.gz)
 if [[ $failures -gt 0 ]]; then
   echo "GPU CHECK FAILED ($failures)"
   exit 1

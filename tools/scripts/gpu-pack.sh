@@ -36,3 +36,24 @@ unpack() {
   mkdir -p "$2" &&
     python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$1" "$2"
 }
+
+# bundle_logs DIR NAME: on the GPU machine (OUT set), the files a run wrote to DIR moved into
+# one DIR/NAME.tar.gz (python's tarfile), since a device call brings back at most 8 files; here
+# `tar -xzf` opens it. Files other steps of the same call put in $OUT beside them stay as they are
+# when listed in KEEP (space-separated names).
+bundle_logs() {
+  local dir=$1 name=$2
+  [[ -n ${OUT:-} && $dir == "$OUT" ]] || return 0
+  python3 - "$dir" "$name" "${KEEP:-}" <<'PY'
+import os, sys, tarfile
+folder, name, keep = sys.argv[1], sys.argv[2], set(sys.argv[3].split())
+files = sorted(f for f in os.listdir(folder)
+               if os.path.isfile(os.path.join(folder, f)) and f not in keep and not f.endswith(".tar.gz"))
+with tarfile.open(os.path.join(folder, name + ".tar.gz"), "w:gz") as bundle:
+    for f in files:
+        bundle.add(os.path.join(folder, f), arcname=f)
+for f in files:
+    os.remove(os.path.join(folder, f))
+print(f"{len(files)} files in {name}.tar.gz")
+PY
+}
