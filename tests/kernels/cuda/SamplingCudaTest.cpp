@@ -83,6 +83,14 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{"top_k_and_p", 163840, 0.6f, 40, 0.8f}),
     [](const testing::TestParamInfo<Case> &info) { return info.param.name; });
 
+// Host arithmetic, no GPU needed: a part's best (16 bytes) for every 4096 ids of each row.
+TEST(SamplingWorkspace, HoldsAPartEvery4096Ids) {
+  EXPECT_EQ(cuda::sampleRowsWorkspaceBytes(1, 163840), size_t(40 * 16));
+  EXPECT_EQ(cuda::sampleRowsWorkspaceBytes(3, 4097), size_t(3 * 2 * 16));
+  EXPECT_EQ(cuda::sampleRowsWorkspaceBytes(0, 1000), size_t(0));
+  EXPECT_EQ(cuda::sampleRowsWorkspaceBytes(2, 0), size_t(0));
+}
+
 TEST(SamplingCudaErrors, RejectsBadShapes) {
   cuda::SampleRowsParams p; // nothing set
   EXPECT_EQ(cuda::launchSampleRows(p, nullptr), int(cudaErrorInvalidValue));

@@ -193,6 +193,28 @@ INSTANTIATE_TEST_SUITE_P(
         SparseMlaCase{"v32_causal_32_heads_100k", 512, 64, 32, 102400, 64, {100000}, true}),
     [](const testing::TestParamInfo<SparseMlaCase> &info) { return info.param.name; });
 
+// Host arithmetic, no GPU needed: a workspace sized for `rows` holds the partials of any launch
+// of fewer rows at the most splits those may take (a few rows split further than many), so a
+// device that sizes it once for its largest step never runs out.
+TEST(SparseMlaDecodeWorkspace, HoldsEveryLaunchOfAtMostItsRows) {
+  const int32_t heads = 32, latent = 512;
+  for (const int32_t topK : {64, 2048, 8227, 70000, 262144})
+    for (int32_t rows = 1; rows <= 40; ++rows) {
+      const size_t bytes = cuda::sparseMlaWorkspaceBytes(rows, heads, latent, topK);
+      for (int32_t fewer = 1; fewer <= rows; ++fewer) {
+        const size_t partials = size_t(fewer) * heads *
+                                size_t(cuda::sparseMlaMaxSplitsForRows(topK, fewer)) *
+                                (size_t(latent) + 2) * sizeof(float);
+        EXPECT_GE(bytes, partials)
+            << "topK " << topK << ", sized for " << rows << ", " << fewer << " rows";
+      }
+    }
+  EXPECT_EQ(cuda::sparseMlaMaxSplitsForRows(8227, cuda::kSparseMlaFewRows),
+            cuda::kSparseMlaMaxLongSplits);
+  EXPECT_EQ(cuda::sparseMlaMaxSplitsForRows(8227, cuda::kSparseMlaFewRows + 1),
+            cuda::kSparseMlaMaxSplits);
+}
+
 TEST(SparseMlaDecodeCudaErrors, RejectsUnsupportedShapes) {
   cuda::SparseMlaDecodeParams p; // nothing set
   EXPECT_EQ(cuda::launchSparseMlaDecode(p, nullptr), int(cudaErrorInvalidValue));
