@@ -69,7 +69,7 @@ TunableKernel makeSparseMlaDecode() {
   kernel.name = std::string(kSparseMlaDecode);
   kernel.revision = HYBRID_TUNING_REVISION_SPARSE_MLA;
   kernel.parameters = {{.name = "splits",
-                        .values = {0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32},
+                        .values = {0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128},
                         .defaultValue = 0}};
   kernel.constraint = [](const TuningConfig &config,
                          const ShapeBucket &shape) -> std::optional<std::string> {
@@ -82,6 +82,12 @@ TunableKernel makeSparseMlaDecode() {
     if (splits > tiles)
       return "splits " + std::to_string(splits) + " > the row's " + std::to_string(tiles) +
              " tiles of " + std::to_string(tileKeys) + " positions";
+    const int32_t rows = static_cast<int32_t>(shape.at("rows"));
+    const int64_t allowed =
+        kc::sparseMlaMaxSplitsForRows(static_cast<int32_t>(shape.at("top_k")), rows);
+    if (splits > allowed)
+      return "splits " + std::to_string(splits) + " > the " + std::to_string(allowed) +
+             " a launch of " + std::to_string(rows) + " rows takes";
     const int64_t perSplit = ceilDiv(tiles, splits);
     if (perSplit > maxTiles)
       return "splits " + std::to_string(splits) + " leave " + std::to_string(perSplit * tileKeys) +

@@ -103,6 +103,16 @@ TEST(KernelTuning, SparseMlaSplitsFitTheKernelsBlocks) {
   p.topK = 100; // 2 tiles of 64
   EXPECT_EQ(rejection(kernel, sparseMlaDecodeShape(p), {{"splits", 6}}),
             "splits 6 > the row's 2 tiles of 64 positions");
+  // A decode step of at most 4 rows may split a row over up to 128 blocks (Kimi's dense layers
+  // at 8K positions, batch 1); 5-8 rows up to 32.
+  p.rows = 1;
+  p.heads = 32;
+  p.topK = 8192; // 128 tiles
+  EXPECT_EQ(validValues(kernel, sparseMlaDecodeShape(p), "splits"),
+            (std::vector<int64_t>{0, 4, 6, 8, 12, 16, 32, 64, 128}));
+  p.rows = 8;
+  EXPECT_EQ(rejection(kernel, sparseMlaDecodeShape(p), {{"splits", 64}}),
+            "splits 64 > the 32 a launch of 8 rows takes");
 }
 
 kc::MoeExpertsParams moeStep(int32_t tokens, int32_t topK, int32_t hidden, int32_t intermediate,
@@ -385,7 +395,7 @@ TEST_F(TunerTest, StoresTheFastestMatchingCandidateAndReusesIt) {
   EXPECT_DOUBLE_EQ(tuned.result.microseconds, 100.0 / 3);
   EXPECT_DOUBLE_EQ(tuned.result.defaultMicroseconds, 100.0);
   EXPECT_EQ(tuned.result.candidates, 9); // the defaults and the 8 other admitted splits
-  EXPECT_EQ(tuned.rejected, 2);
+  EXPECT_EQ(tuned.rejected, 6); // 12 and 24 launch as others; 48 to 128 exceed the 32 tiles
   EXPECT_EQ(tuned.mismatched, 1);
   EXPECT_DOUBLE_EQ(tuned.result.tuningSeconds, 9.0);
   EXPECT_EQ(first.tuned, 1);
