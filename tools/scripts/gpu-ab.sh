@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # A/B of two builds' decode steps on one GPU, in two halves (the GPU machine has no MLIR and takes
 # at most 64 MiB of carried files, the tree included):
-#   gpu-ab.sh pack OUT --base BUILD --candidate BUILD   (here)
-#     the two stripped hybrid-bench binaries (xz), the libraries the GPU machine lacks and the
-#     synthetic Kimi-Linear-48B plan (the candidate's hybrid-synth / hybrid-compile, as
-#     gpu-check.sh packs it: FP8 dense KV, decode batch 128); prints the size to carry.
+#   gpu-ab.sh pack OUT --base BUILD --candidate BUILD [--model PRESET[:LAYERS]]   (here)
+#     the two stripped hybrid-bench binaries (xz), the libraries the GPU machine lacks and a
+#     synthetic plan (the candidate's hybrid-synth / hybrid-compile): by default Kimi-Linear-48B
+#     as gpu-check.sh packs it (FP8 dense KV, decode batch 128), or another preset, e.g.
+#     deepseek-v32-671b:6 (its FP8 weights, 6 layers); prints the size to carry.
 #   gpu-ab.sh run OUT [--rounds 2] [--batch 1] [--context 1024] [--decode-steps 32]
 #     (there, with OUT carried) hybrid-bench e2e with --timeline, base and candidate alternated
 #     for each round: per run the TPOT and the most exposed kernels of the traced step, then the
@@ -17,15 +18,16 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 source "$root/tools/scripts/gpu-pack.sh"
 half=${1:-}
 [[ $half == pack || $half == run ]] || {
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 shift
-out="" base="" candidate="" rounds=2 batch=1 context=1024 steps=32
+out="" base="" candidate="" rounds=2 batch=1 context=1024 steps=32 model=kimi-linear-48b
 while [[ $# -gt 0 ]]; do
   case $1 in
   --base) base=$2; shift 2 ;;
   --candidate) candidate=$2; shift 2 ;;
+  --model) model=$2; shift 2 ;;
   --rounds) rounds=$2; shift 2 ;;
   --batch) batch=$2; shift 2 ;;
   --context) context=$2; shift 2 ;;
@@ -52,14 +54,14 @@ if [[ $half == pack ]]; then
   tar -cf - -C "$staging" hybrid-bench-base hybrid-bench-candidate | xz -T2 -6 > "$out/bins.tar.xz" ||
     exit 1
   pack_libraries "$out/lib" "$base/bin/hybrid-bench" "$candidate/bin/hybrid-bench"
-  compile_k48 "$candidate" "$staging" "$out/k48" || exit 1
+  compile_model "$candidate" "$staging" "$out/model" "$model" || exit 1
   size=$(du -sb "$out" | cut -f1)
   echo "packed $out: $((size / 1048576)) MiB (+ the tree; the limit is 64 MiB)"
   echo "on the GPU machine: tools/scripts/gpu-ab.sh run $(realpath --relative-to="$root" "$out")"
   exit 0
 fi
 
-[[ -f $out/bins.tar.xz && -d $out/k48 ]] || { echo "gpu-ab.sh: nothing packed at $out (run the pack half)" >&2; exit 2; }
+[[ -f $out/bins.tar.xz && -d $out/model ]] || { echo "gpu-ab.sh: nothing packed at $out (run the pack half)" >&2; exit 2; }
 logs=${OUT:-$out/logs}
 mkdir -p "$logs"
 unpack "$out/bins.tar.xz" "$out" || exit 1
@@ -68,7 +70,7 @@ failures=0
 for ((round = 1; round <= rounds; ++round)); do
   for side in base candidate; do
     log=$logs/$side-$round.log
-    timeout 300 "$out/hybrid-bench-$side" e2e --model "$out/k48" --device cuda --synthetic-weights \
+    timeout 300 "$out/hybrid-bench-$side" e2e --model "$out/model" --device cuda --synthetic-weights \
       --batch "$batch" --context "$context" --decode-steps "$steps" \
       --timeline "$logs/timeline-$side-$round.json" > "$log" 2>&1
     code=$?

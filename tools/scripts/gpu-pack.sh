@@ -31,6 +31,25 @@ compile_k48() {
   find "$out" -name '*.source' -delete
 }
 
+# compile_model BUILD STAGING OUT PRESET[:LAYERS]: kimi-linear-48b (whole) is compile_k48's plan;
+# another hybrid-synth preset (DeepSeek-V3.2 with its FP8 weights, as its checkpoint), optionally
+# cut to LAYERS layers, compiled the same way without the dense-attention FP8 policy.
+compile_model() {
+  local build=$1 staging=$2 out=$3 preset=${4%%:*} layers="" synth=()
+  [[ $4 == *:* ]] && layers=${4#*:}
+  if [[ $preset == kimi-linear-48b && -z $layers ]]; then
+    compile_k48 "$build" "$staging" "$out"
+    return
+  fi
+  [[ -n $layers ]] && synth+=(--layers "$layers")
+  [[ $preset == deepseek-v32* ]] && synth+=(--fp8)
+  "$build/bin/hybrid-synth" --preset "$preset" "${synth[@]}" --config-only --force \
+    --out "$staging/model" > /dev/null || return 1
+  "$build/bin/hybrid-compile" "$staging/model" --synthetic-weights --no-cache -o "$out" \
+    --device=cuda --arch=sm_90a --decode-batch=128 --prefill-tokens 8192 > /dev/null || return 1
+  find "$out" -name '*.source' -delete
+}
+
 # unpack TAR_XZ DIR: the GPU machine has no xz tool; python's tarfile reads it.
 unpack() {
   mkdir -p "$2" &&
