@@ -76,7 +76,10 @@ def FuseSuperKernels : Pass<"hybrid-fuse-super-kernels", "mlir::ModuleOp"> {
     Folds each RMSNorm into the step producing its input when that step is a residual add
     (`add_rms_norm`) or an AttnRes mix (`attn_res_rms_norm`): one kernel writes both the sum, which
     the residual chain keeps reading, and its normalised form, while the sum is still in registers
-    or cache. The other fusions of the kernel library are already single kernels when lowered:
+    or cache. Then an `add` whose sum only an `add_rms_norm` reads (an MoE layer's routed +
+    shared experts before the residual add) folds into it as a third input: sum = a + (b + c),
+    the two adds' order and bits, one launch less. The other fusions of the kernel library are
+    already single kernels when lowered:
     the KDA prolog (short conv, SiLU, L2 norm, gate, beta) and the gated RMSNorm with its output
     gate live inside `kda_*`; the indexer's scoring, head weighting and top-k inside `dsa_indexer`
     (an unfused form would materialize a tokens x context score matrix); router logits and grouped

@@ -98,8 +98,9 @@ inline constexpr KernelSignature kKernelSignatures[] = {
     {fb::KernelId::RouterTopK, "router_topk", 1, 1, 2, fb::KernelParams::MoeParams, 2, 1u << 1,
      false, {"router", "correction_bias"},
      "router logits + scores + grouped top-k + renormalize", 1u << 0},
-    {fb::KernelId::AddRmsNorm, "add_rms_norm", 2, 2, 2, fb::KernelParams::RmsNormParams, 1, 0,
-     false, {"weight"}, "residual add + RMSNorm of the sum", 0},
+    {fb::KernelId::AddRmsNorm, "add_rms_norm", 2, 3, 2, fb::KernelParams::RmsNormParams, 1, 0,
+     false, {"weight"}, "residual add (of a sum of two, with a third input) + RMSNorm of the sum",
+     0},
     {fb::KernelId::AttnResRmsNorm, "attn_res_rms_norm", 1, -1, 2, fb::KernelParams::AttnResParams,
      3, 0, false, {"norm", "proj", "output_norm"}, "AttnRes mix + RMSNorm of the mix", 0},
     // No input: this rank holds no part of the sum and adds zeros (a replicated head's copy).

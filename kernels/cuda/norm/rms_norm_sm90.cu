@@ -46,6 +46,14 @@ __global__ void __launch_bounds__(kThreads) rmsNormCachedKernel(RmsNormParams p)
       const int64_t i = threadIdx.x + j * kThreads;
       added[j] = i < p.dim ? addend[i] : 0.0f;
     }
+    if (p.secondAddend) { // x + (addend + secondAddend): the folded add's sum first
+      const float *second = p.secondAddend + row * p.dim;
+#pragma unroll
+      for (int j = 0; j < kCachedPerThread; ++j) {
+        const int64_t i = threadIdx.x + j * kThreads;
+        added[j] += i < p.dim ? second[i] : 0.0f;
+      }
+    }
 #pragma unroll
     for (int j = 0; j < kCachedPerThread; ++j) {
       const int64_t i = threadIdx.x + j * kThreads;
@@ -84,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) rmsNormKernel(RmsNormParams p) {
   for (int64_t i = threadIdx.x; i < p.dim; i += kThreads) {
     float value = x[i];
     if (addend) {
-      value += addend[i];
+      value += p.secondAddend ? addend[i] + p.secondAddend[row * p.dim + i] : addend[i];
       sum[i] = value;
     }
     squares += value * value;
@@ -131,7 +139,8 @@ int launchLayerNorm(const LayerNormParams &params, void *stream) {
 
 int launchRmsNorm(const RmsNormParams &params, void *stream) {
   if (params.rows <= 0 || params.dim <= 0 || !params.x || !params.y ||
-      (params.addend && !params.sum) || params.rows > 0x7fffffff)
+      (params.addend && !params.sum) || (params.secondAddend && !params.addend) ||
+      params.rows > 0x7fffffff)
     return cudaErrorInvalidValue;
   DependentLaunch launch(dim3(unsigned(params.rows)), dim3(kThreads),
                          static_cast<cudaStream_t>(stream));

@@ -1154,8 +1154,14 @@ Status runDispatch(const StepContext &context, const fb::Dispatch &d) {
     HYBRID_ASSIGN_OR_RETURN(std::span<float> b, single(1));
     HYBRID_ASSIGN_OR_RETURN(std::span<float> sum, floatValue(c, d.outputs()->Get(0)));
     HYBRID_ASSIGN_OR_RETURN(std::span<float> normed, floatValue(c, d.outputs()->Get(1)));
-    for (size_t i = 0; i < sum.size(); ++i)
-      sum[i] = a[i] + b[i];
+    if (d.inputs()->size() == 3) { // a + (b + c): the folded add's sum first, as it was
+      HYBRID_ASSIGN_OR_RETURN(std::span<float> third, single(2));
+      for (size_t i = 0; i < sum.size(); ++i)
+        sum[i] = a[i] + (b[i] + third[i]);
+    } else {
+      for (size_t i = 0; i < sum.size(); ++i)
+        sum[i] = a[i] + b[i];
+    }
     ref::rmsNorm(sum, w[0], normed, c.rows, rowElements(c, d.outputs()->Get(0)),
                  d.params_as_RmsNormParams()->epsilon());
     break;

@@ -476,6 +476,7 @@ Status CudaExecutor::Impl::runOnGpu(const fb::Program &program, unsigned char *a
     p.epsilon = d.params_as_RmsNormParams()->epsilon();
     p.x = input(0);
     p.addend = add ? input(1) : nullptr;
+    p.secondAddend = add && d.inputs()->size() == 3 ? input(2) : nullptr;
     p.sum = add ? output(0) : nullptr;
     p.weight = normWeight();
     p.y = add ? output(1) : output(0);

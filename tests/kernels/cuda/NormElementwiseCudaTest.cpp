@@ -74,6 +74,46 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormCuda,
                            return name;
                          });
 
+// A folded add (the plan's three-input add_rms_norm): sum = x + (addend + secondAddend), the
+// bits of the two adds it replaces (the add first, then the residual add), in both kernels
+// (rows up to 4096 values cached, longer ones looped).
+TEST(RmsNormCuda, SecondAddendGivesTheTwoAddsBits) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  for (const int64_t dim : {int64_t(2304), int64_t(7), int64_t(7168)}) {
+    SCOPED_TRACE("dim " + std::to_string(dim));
+    const int64_t rows = 3;
+    const size_t n = size_t(rows * dim);
+    std::mt19937 rng{uint32_t(dim)};
+    const std::vector<float> x = random(n, rng, 2.0f), a = random(n, rng, 1.0f),
+                             b = random(n, rng, 1.0f),
+                             weight = random(size_t(dim), rng, 0.1f, 1.0f);
+    std::vector<float> added(n);
+    for (size_t i = 0; i < n; ++i)
+      added[i] = a[i] + b[i];
+    DeviceBuffer<float> dX(x), dA(a), dB(b), dAdded(added), dWeight(weight);
+    DeviceBuffer<float> twoSum{std::vector<float>(n)}, twoY{std::vector<float>(n)};
+    DeviceBuffer<float> oneSum{std::vector<float>(n)}, oneY{std::vector<float>(n)};
+    cuda::RmsNormParams p;
+    p.rows = rows;
+    p.dim = dim;
+    p.x = dX.data;
+    p.weight = dWeight.data;
+    p.addend = dAdded.data; // the two launches: the add's sum, then the residual add
+    p.sum = twoSum.data;
+    p.y = twoY.data;
+    ASSERT_EQ(cuda::launchRmsNorm(p, nullptr), 0);
+    p.addend = dA.data; // folded
+    p.secondAddend = dB.data;
+    p.sum = oneSum.data;
+    p.y = oneY.data;
+    ASSERT_EQ(cuda::launchRmsNorm(p, nullptr), 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(differingBits(oneSum.download(), twoSum.download()), 0u);
+    EXPECT_EQ(differingBits(oneY.download(), twoY.download()), 0u);
+  }
+}
+
 TEST(RmsNormCudaErrors, RejectsBadShapes) {
   cuda::RmsNormParams p;
   float dummy = 0;
@@ -83,6 +123,10 @@ TEST(RmsNormCudaErrors, RejectsBadShapes) {
   EXPECT_EQ(cuda::launchRmsNorm(p, nullptr), int(cudaErrorInvalidValue));
   p.rows = 1;
   p.addend = &dummy; // an add needs somewhere to put the sum
+  EXPECT_EQ(cuda::launchRmsNorm(p, nullptr), int(cudaErrorInvalidValue));
+  p.addend = nullptr; // a second addend only with a first
+  p.secondAddend = &dummy;
+  p.sum = &dummy;
   EXPECT_EQ(cuda::launchRmsNorm(p, nullptr), int(cudaErrorInvalidValue));
 }
 

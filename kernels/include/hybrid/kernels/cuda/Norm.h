@@ -13,6 +13,9 @@ struct RmsNormParams {
   float epsilon = 1e-6f;
   const float *x = nullptr;      // [rows, dim]
   const float *addend = nullptr; // [rows, dim] or null (plain RMSNorm)
+  // [rows, dim] or null; with an addend, sum = x + (addend + secondAddend): an add folded in
+  // (the plan's three-input AddRmsNorm), its sum first.
+  const float *secondAddend = nullptr;
   float *sum = nullptr;          // [rows, dim]: x + addend, written when addend is set; may be x
   const float *weight = nullptr; // [dim] or null (no scale)
   float *y = nullptr;            // [rows, dim]; may alias x or sum
