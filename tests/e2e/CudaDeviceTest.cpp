@@ -5,18 +5,17 @@
 // the GPU, KV pages shared and copied in the device pools) against full prefills; FP8
 // projections and the MTP program (greedy outputs with MTP drafts, its logits) against the cpu
 // oracle. Labelled `gpu`; skipped where there is no GPU.
+#include "../support/DifferingBits.h"
 #include "hybrid/runtime/Draft.h"
-#include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Generate.h"
+#include "hybrid/runtime/Model.h"
 #include "hybrid/runtime/Sampling.h"
 #include "hybrid/runtime/Scheduler.h"
 
-#include <gtest/gtest.h>
-
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdlib>
+#include <gtest/gtest.h>
 #include <map>
 #include <memory>
 #include <optional>
@@ -720,16 +719,6 @@ TEST_P(CudaDeviceTest, BatchedPrefillAndVerificationMatchSingleSequencesAndTheCp
 // forwards to 2e-6.
 TEST(CudaDenseFp8Cache, BatchedPrefillAndVerificationMatchSingleSequencesAndTheCpu) {
   checkBatchedPrefillAndVerification("kimi_linear_tiny-fp8kv", /*decodeAgainstCpu=*/false);
-}
-
-// Floats of a and b whose bits differ (a size mismatch counts as every float of the longer).
-size_t differingBits(std::span<const float> a, std::span<const float> b) {
-  if (a.size() != b.size())
-    return std::max(a.size(), b.size());
-  size_t count = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    count += std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i]);
-  return count;
 }
 
 // LoadOptions::batchInvariant (issue 9): a row's logits have the same bits in a decode step of

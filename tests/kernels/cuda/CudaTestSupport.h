@@ -1,10 +1,11 @@
-// Shared by the CUDA kernel tests: device buffers, random inputs, the relative RMS error.
+// Shared by the CUDA kernel tests: device buffers, random inputs, the relative RMS error (and
+// differingBits, from tests/support).
 #pragma once
 
+#include "../../support/DifferingBits.h" // differingBits
 #include "hybrid/kernels/ref/Quant.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -55,17 +56,6 @@ inline double relativeRms(const std::vector<float> &a, const std::vector<float> 
     ref += double(b[i]) * b[i];
   }
   return std::sqrt(diff / std::max(ref, 1e-30));
-}
-
-// Floats of a and b whose bits differ (a size mismatch counts as every float of the longer):
-// what a bit-identity check expects to be 0.
-inline size_t differingBits(std::span<const float> a, std::span<const float> b) {
-  if (a.size() != b.size())
-    return std::max(a.size(), b.size());
-  size_t count = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    count += std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i]);
-  return count;
 }
 
 // bf16 bit patterns of `values` (round to nearest even), and back.
