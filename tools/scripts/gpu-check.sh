@@ -23,7 +23,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 source "$root/tools/scripts/gpu-pack.sh"
 half=${1:-}
 [[ $half == pack || $half == run ]] || {
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  print_usage
   exit 2
 }
 shift

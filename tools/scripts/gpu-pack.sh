@@ -1,6 +1,12 @@
 # Sourced by gpu-check.sh and gpu-ab.sh: what both pack for the GPU machine, so the two carry the
 # same libraries and benchmark the same plan.
 
+# print_usage: the calling script's leading comment block (after the shebang), unmarked: its
+# usage lives in one place, with no line range to keep in step with it.
+print_usage() {
+  awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"
+}
+
 # pack_libraries LIB_DIR BINARY...: the Debian packages' libraries the GPU machine lacks (as the
 # binaries link them), and CUPTI for --timeline (opened at run time, so not in ldd's list).
 pack_libraries() {
