@@ -19,7 +19,7 @@ set -uo pipefail
 
 local_ranks=""
 nnodes=1 node_rank=0 master_addr=127.0.0.1 master_port="" log_dir=""
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case $1 in
   -n) local_ranks=$2; shift 2 ;;
