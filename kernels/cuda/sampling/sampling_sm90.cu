@@ -67,6 +67,26 @@ __device__ inline void warpArgmax(float &best, int64_t &bestId) {
   }
 }
 
+// The block's argmax from each thread's (best, bestId), in every thread: the warps' bests
+// through shared memory (kBlockWarps of each), then taken in warp order.
+template <int kBlockWarps>
+__device__ inline void blockArgmax(float &best, int64_t &bestId, float *bestValues,
+                                   int64_t *bestIds) {
+  warpArgmax(best, bestId);
+  if (threadIdx.x % 32 == 0) {
+    bestValues[threadIdx.x / 32] = best;
+    bestIds[threadIdx.x / 32] = bestId;
+  }
+  __syncthreads();
+  best = -INFINITY;
+  bestId = -1;
+  for (int w = 0; w < kBlockWarps; ++w)
+    if (argmaxBefore(bestValues[w], bestIds[w], best, bestId)) {
+      best = bestValues[w];
+      bestId = bestIds[w];
+    }
+}
+
 __global__ void __launch_bounds__(kPartThreads) argmaxPartsKernel(SampleRowsParams p) {
   __shared__ float bestValues[kPartThreads / 32];
   __shared__ int64_t bestIds[kPartThreads / 32];
@@ -89,21 +109,10 @@ __global__ void __launch_bounds__(kPartThreads) argmaxPartsKernel(SampleRowsPara
       best = values[j];
       bestId = first + tid + j * kPartThreads;
     }
-  warpArgmax(best, bestId);
-  if (tid % 32 == 0) {
-    bestValues[tid / 32] = best;
-    bestIds[tid / 32] = bestId;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    for (int w = 1; w < kPartThreads / 32; ++w)
-      if (argmaxBefore(bestValues[w], bestIds[w], best, bestId)) {
-        best = bestValues[w];
-        bestId = bestIds[w];
-      }
+  blockArgmax<kPartThreads / 32>(best, bestId, bestValues, bestIds);
+  if (tid == 0)
     static_cast<ArgmaxPart *>(p.workspace)[int64_t(row) * argmaxParts(V) + part] = {best, 0,
                                                                                     bestId};
-  }
 }
 
 __global__ void __launch_bounds__(kThreads) sampleRowsKernel(SampleRowsParams p) {
@@ -142,20 +151,7 @@ __global__ void __launch_bounds__(kThreads) sampleRowsKernel(SampleRowsParams p)
       }
     }
   }
-  warpArgmax(best, bestId);
-  if (lane == 0) {
-    bestValues[warp] = best;
-    bestIds[warp] = bestId;
-  }
-  __syncthreads();
-  best = -INFINITY;
-  bestId = -1;
-  for (int w = 0; w < kWarps; ++w)
-    if (bestIds[w] >= 0 && (bestId < 0 || bestValues[w] > best ||
-                            (bestValues[w] == best && bestIds[w] < bestId))) {
-      best = bestValues[w];
-      bestId = bestIds[w];
-    }
+  blockArgmax<kWarps>(best, bestId, bestValues, bestIds);
   if (bestId < 0 || s.temperature <= 0.0f || s.topK == 1 || isinf(best)) {
     if (tid == 0)
       p.tokens[row] = bestId < 0 ? 0 : bestId;
@@ -289,7 +285,9 @@ int launchSampleRows(const SampleRowsParams &p, void *stream) {
     return cudaErrorInvalidValue;
   const auto s = static_cast<cudaStream_t>(stream);
   if (!p.workspace || p.rows > 65535) { // (the parts' grid takes rows as its y)
-    sampleRowsKernel<<<unsigned(p.rows), kThreads, 0, s>>>(p);
+    SampleRowsParams whole = p;
+    whole.workspace = nullptr; // the row's block reads the row, no parts
+    sampleRowsKernel<<<unsigned(p.rows), kThreads, 0, s>>>(whole);
     return int(cudaGetLastError());
   }
   if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0 || argmaxParts(p.vocab) > 0x7fffffff)
