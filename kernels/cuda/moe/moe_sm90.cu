@@ -1,9 +1,8 @@
-// MoE (see Moe.h): the router in one block per token (its choices by rank, each expert counting
-// those ranked before it, and by one thread in the reference's order where the order decides
-// sums), and the per-(token, expert) SwiGLU on CUDA cores: a warp per output row reading the
-// expert's weight row once. Small bf16 steps stream the rows through shared memory by cp.async
-// (the streamed form below); the others read them with loads, the token's input in shared
-// memory.
+// MoE (see Moe.h): the router in one block per token (its choices by rank among each warp's
+// sorted first k, and by one thread in the reference's order where the order decides sums), and the
+// per-(token, expert) SwiGLU on CUDA cores: a warp per output row reading the expert's weight row
+// once. Small bf16 steps stream the rows through shared memory by cp.async (the streamed form
+// below); the others read them with loads, the token's input in shared memory.
 #include "../common/activation.cuh"
 #include "../common/block_reduce.cuh"
 #include "../common/dependent_launch.cuh"
