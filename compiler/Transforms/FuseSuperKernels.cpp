@@ -84,7 +84,7 @@ void foldAddsIntoNorms(plan::ProgramOp program) {
       plan::DispatchOp add = writerOf.lookup(value);
       if (!add || add.getKernel() != plan::KernelId::add || add.getOutputs().size() != 1 ||
           add.getInputs().size() != 2 || readers.lookup(value) != 1 || named.contains(value) ||
-          add->getBlock() != norm->getBlock() || !add->isBeforeInBlock(norm))
+          !add->isBeforeInBlock(norm))
         continue;
       const SmallVector<int32_t> inputs = {norm.getInputs()[1 - position], add.getInputs()[0],
                                            add.getInputs()[1]};

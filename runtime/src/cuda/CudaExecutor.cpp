@@ -1054,6 +1054,16 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
                        "token choice buffers");
   CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->deviceChosen, choiceRows * sizeof(int64_t)),
                        "token choice buffers");
+  // The argmax parts of the widest logits a choosing run (decode or prefill) may read.
+  int64_t logitsWidth = 0;
+  for (const size_t index : {Impl::kPrefill, Impl::kDecode}) {
+    const fb::Program &program = *impl->programs[index];
+    logitsWidth = std::max(logitsWidth, valueOf(program, program.logits()).row_elements());
+  }
+  impl->sampleWorkspaceBytes =
+      kc::sampleRowsWorkspaceBytes(static_cast<int64_t>(choiceRows), logitsWidth);
+  CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->sampleWorkspace, impl->sampleWorkspaceBytes),
+                       "token choice buffers");
   lap(timings.streamsSeconds);
   auto executor = std::unique_ptr<CudaExecutor>(new CudaExecutor(std::move(impl)));
   executor->report_ = std::move(report);
@@ -1466,14 +1476,8 @@ Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const i
   sample.logits = reinterpret_cast<const float *>(impl.logitsOf(program));
   sample.samplingRows = impl.deviceChoices;
   sample.tokens = impl.deviceChosen;
-  if (const size_t bytes = kc::sampleRowsWorkspaceBytes(rows, sample.vocab);
-      bytes > impl.sampleWorkspaceBytes) {
-    cudaFree(impl.sampleWorkspace);
-    impl.sampleWorkspace = nullptr;
-    impl.sampleWorkspaceBytes = 0;
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&impl.sampleWorkspace, bytes), "token choice workspace");
-    impl.sampleWorkspaceBytes = bytes;
-  }
+  if (kc::sampleRowsWorkspaceBytes(rows, sample.vocab) > impl.sampleWorkspaceBytes)
+    return Status::error("token choice workspace larger than planned at load");
   sample.workspace = impl.sampleWorkspace;
   LAUNCH_RETURN_IF_ERROR(kc::launchSampleRows(sample, stream), "token choice");
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(impl.pinnedChosen, impl.deviceChosen,

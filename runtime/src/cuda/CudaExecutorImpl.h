@@ -220,7 +220,7 @@ struct CudaExecutor::Impl {
   // device) and the chosen ids (on the device, then staged for the host).
   kc::SamplingRow *pinnedChoices = nullptr, *deviceChoices = nullptr;
   int64_t *deviceChosen = nullptr, *pinnedChosen = nullptr;
-  // The token choice's argmax parts (kc::sampleRowsWorkspaceBytes), sized at the first choice.
+  // The token choice's argmax parts (kc::sampleRowsWorkspaceBytes), sized at load.
   void *sampleWorkspace = nullptr;
   size_t sampleWorkspaceBytes = 0;
   int32_t *pinnedSlots = nullptr;  // and each decode row's state slot
