@@ -23,38 +23,30 @@ pack_libraries() {
   return 0
 }
 
-# compile_k48 BUILD STAGING OUT: the synthetic Kimi-Linear-48B plan the GPU checks benchmark
+# compile_model BUILD STAGING OUT PRESET[:LAYERS]: a synthetic plan for the GPU checks at OUT
 # (hybrid-synth --config-only, hybrid-compile --synthetic-weights for sm_90a: decode batch 128,
-# prefill 8192 tokens, the dense-attention KV cache in FP8 tiles) at OUT, its sources dropped.
-compile_k48() {
-  local build=$1 staging=$2 out=$3
-  "$build/bin/hybrid-synth" --preset kimi-linear-48b --config-only --force --out "$staging/k48" \
-    > /dev/null || return 1
-  echo '{"dense_attention_kv_cache":"fp8_tiles"}' > "$staging/dense-fp8.json"
-  "$build/bin/hybrid-compile" "$staging/k48" --synthetic-weights --no-cache -o "$out" \
-    --device=cuda --arch=sm_90a --decode-batch=128 --prefill-tokens 8192 \
-    --quantization="$staging/dense-fp8.json" > /dev/null || return 1
-  find "$out" -name '*.source' -delete
-}
-
-# compile_model BUILD STAGING OUT PRESET[:LAYERS]: kimi-linear-48b (whole) is compile_k48's plan;
-# another hybrid-synth preset (DeepSeek-V3.2 with its FP8 weights, as its checkpoint), optionally
-# cut to LAYERS layers, compiled the same way without the dense-attention FP8 policy.
+# prefill 8192 tokens), its sources dropped. DeepSeek-V3.2 presets take their FP8 weights, as the
+# checkpoint; LAYERS cuts the model; the whole Kimi-Linear-48B keeps its dense-attention KV cache
+# in FP8 tiles (the plan every benchmark record of it measured).
 compile_model() {
-  local build=$1 staging=$2 out=$3 preset=${4%%:*} layers="" synth=()
+  local build=$1 staging=$2 out=$3 preset=${4%%:*} layers="" synth=() compile=()
   [[ $4 == *:* ]] && layers=${4#*:}
-  if [[ $preset == kimi-linear-48b && -z $layers ]]; then
-    compile_k48 "$build" "$staging" "$out"
-    return
-  fi
   [[ -n $layers ]] && synth+=(--layers "$layers")
   [[ $preset == deepseek-v32* ]] && synth+=(--fp8)
+  if [[ $preset == kimi-linear-48b && -z $layers ]]; then
+    echo '{"dense_attention_kv_cache":"fp8_tiles"}' > "$staging/dense-fp8.json"
+    compile+=(--quantization="$staging/dense-fp8.json")
+  fi
   "$build/bin/hybrid-synth" --preset "$preset" "${synth[@]}" --config-only --force \
     --out "$staging/model" > /dev/null || return 1
   "$build/bin/hybrid-compile" "$staging/model" --synthetic-weights --no-cache -o "$out" \
-    --device=cuda --arch=sm_90a --decode-batch=128 --prefill-tokens 8192 > /dev/null || return 1
+    --device=cuda --arch=sm_90a --decode-batch=128 --prefill-tokens 8192 "${compile[@]}" \
+    > /dev/null || return 1
   find "$out" -name '*.source' -delete
 }
+
+# compile_k48 BUILD STAGING OUT: the synthetic Kimi-Linear-48B plan gpu-check.sh benchmarks.
+compile_k48() { compile_model "$1" "$2" "$3" kimi-linear-48b; }
 
 # unpack TAR_XZ DIR: the GPU machine has no xz tool; python's tarfile reads it.
 unpack() {
