@@ -17,10 +17,7 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 source "$root/tools/scripts/gpu-pack.sh"
 half=${1:-}
-[[ $half == pack || $half == run ]] || {
-  print_usage
-  exit 2
-}
+require_half "$half"
 shift
 out="" base="" candidate="" rounds=2 batch=1 context=1024 steps=32 model=kimi-linear-48b
 while [[ $# -gt 0 ]]; do

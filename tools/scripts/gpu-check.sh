@@ -22,10 +22,7 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 source "$root/tools/scripts/gpu-pack.sh"
 half=${1:-}
-[[ $half == pack || $half == run ]] || {
-  print_usage
-  exit 2
-}
+require_half "$half"
 shift
 out=$root/build-gpu-check
 quick=0

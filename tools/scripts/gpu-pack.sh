@@ -7,6 +7,14 @@ print_usage() {
   awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"
 }
 
+# require_half HALF: the scripts' two halves are `pack` (here) and `run` (on the GPU machine);
+# anything else prints the usage and exits 2.
+require_half() {
+  [[ $1 == pack || $1 == run ]] && return 0
+  print_usage
+  exit 2
+}
+
 # pack_libraries LIB_DIR BINARY...: the Debian packages' libraries the GPU machine lacks (as the
 # binaries link them), and CUPTI for --timeline (opened at run time, so not in ldd's list).
 pack_libraries() {
