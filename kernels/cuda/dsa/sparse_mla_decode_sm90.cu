@@ -312,8 +312,6 @@ __device__ inline void produceTiles(const SparseMlaDecodeParams &p, const int32_
 template <int L, int R, int G>
 __global__ void __launch_bounds__(Shape<L, R, G>::kBlockThreads, Shape<L, R, G>::kBlocksPerSm)
     sparseMlaDecodeKernel(SparseMlaDecodeParams p, int tilesPerSplit, float *partials) {
-  waitForEarlierKernels(); // launched as a programmatic dependent
-  letDependentsLaunch();
   using S = Shape<L, R, G>;
   constexpr int kStride = S::kStride, kHeads = S::kHeads, kSlices = S::kSlices;
   constexpr int kThreads = S::kThreads, kTileKeys = S::kTileKeys, kPStride = S::kPStride;
@@ -335,8 +333,17 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kBlockThreads, Shape<L, R, G>:
   splitRange(p, row, split, splits, tilesPerSplit, kTileKeys, splitBegin, splitEnd);
   const int tiles = max(0, (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys);
 
-  resolveCacheRows(p, row, splitBegin, splitEnd, tiles * kTileKeys, cacheRows, tid,
-                   S::kBlockThreads);
+  // Launched as a programmatic dependent. A causal row's cache rows come from the step's
+  // positions and block tables, uploaded before its first kernel, so they resolve before the
+  // wait, under the kernel before; top-k indices are the indexer's, resolved after it.
+  if (!p.indices)
+    resolveCacheRows(p, row, splitBegin, splitEnd, tiles * kTileKeys, cacheRows, tid,
+                     S::kBlockThreads);
+  waitForEarlierKernels(); // the queries (and the step's own latent row)
+  letDependentsLaunch();
+  if (p.indices)
+    resolveCacheRows(p, row, splitBegin, splitEnd, tiles * kTileKeys, cacheRows, tid,
+                     S::kBlockThreads);
   // The MMA warps' barrier: their own where producer warps run beside them.
   auto mmaSync = [] {
     if constexpr (S::kSpecialized)
@@ -344,11 +351,35 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kBlockThreads, Shape<L, R, G>:
     else
       __syncthreads();
   };
+  const auto *pool = static_cast<const unsigned char *>(p.latentPages);
+  // Staging and conversion: thread tid serves row tid / 4 of a tile and every fourth piece of it
+  // from tid % 4 (no divisions, one row address per tile).
+  static_assert(kThreads == 4 * kTileKeys, "four threads per row");
+  const int ownRow = tid / 4, ownPiece = tid % 4;
+  // The raw row of tile t into the staging area (a dead position copies nothing).
+  auto issueTile = [&](int t) {
+    if constexpr (S::kStages > 0)
+      stageRow<S::kRowBytes, S::kVector>(stages + t % S::kRing * S::kStageBytes +
+                                             ownRow * S::kRowBytes,
+                                         pool, cacheRows[t * kTileKeys + ownRow], ownPiece);
+  };
+  __syncthreads(); // the cache rows
   if constexpr (S::kSpecialized) {
-    __syncthreads(); // the cache rows
     if (warp >= S::kWarps) {
       produceTiles<L, R>(p, cacheRows, kvTiles, tiles, tid - kThreads);
       return;
+    }
+  } else {
+    // Without producers the first tiles' copies go out before the queries load, so that both
+    // are in flight together (they were a round trip apart: a block's fixed cost at batch 1).
+    if (tiles > 0) {
+      issueTile(0);
+      if constexpr (S::kStages == 2) {
+        if (tiles > 1)
+          issueTile(1);
+        else
+          mma::commitAsyncCopies(); // an empty group: the waits below count kStages - 1
+      }
     }
   }
   // The heads' absorbed queries in bf16 (heads past p.heads are zero), a fixed count of loads per
@@ -369,20 +400,8 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kBlockThreads, Shape<L, R, G>:
       *reinterpret_cast<uint2 *>(qs + h * kStride + d) =
           make_uint2(mma::packBf16(v.x, v.y), mma::packBf16(v.z, v.w));
     }
-  mmaSync(); // the queries (and without producers the cache rows)
+  mmaSync(); // the queries
 
-  const auto *pool = static_cast<const unsigned char *>(p.latentPages);
-  // Staging and conversion: thread tid serves row tid / 4 of a tile and every fourth piece of it
-  // from tid % 4 (no divisions, one row address per tile).
-  static_assert(kThreads == 4 * kTileKeys, "four threads per row");
-  const int ownRow = tid / 4, ownPiece = tid % 4;
-  // The raw row of tile t into the staging area (a dead position copies nothing).
-  auto issueTile = [&](int t) {
-    if constexpr (S::kStages > 0)
-      stageRow<S::kRowBytes, S::kVector>(
-          stages + t % S::kRing * S::kStageBytes + ownRow * S::kRowBytes, pool,
-          cacheRows[t * kTileKeys + ownRow], ownPiece);
-  };
   // The staged row of tile t as bf16 (exact); a dead position as zeros (its weights are zero,
   // and 0 * garbage could be NaN).
   static_assert(S::kCodePieces % 4 == 0 && S::kRopePieces % 4 == 0, "pieces in fours");
@@ -415,13 +434,6 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kBlockThreads, Shape<L, R, G>:
 
   if constexpr (!S::kSpecialized) {
     if (tiles > 0) {
-      issueTile(0);
-      if constexpr (S::kStages == 2) {
-        if (tiles > 1)
-          issueTile(1);
-        else
-          mma::commitAsyncCopies(); // an empty group: the waits below count kStages - 1
-      }
       mma::waitAsyncCopies<S::kStages - 1>();
       __syncthreads();
       convertTile(0);
@@ -905,15 +917,36 @@ __global__ void __launch_bounds__(kCombineThreads)
   // The splits' maxima and sums are read once, in parallel, and their factors exp(max - largest)
   // shared: each thread used to walk every split's header itself, one dependent load at a time
   // (9.5 us for 17 splits at batch 1). The sums run in split order as before: the same bits.
+  // Only the splits that saw a position are merged, listed once in split order: a short causal
+  // row under a long capacity leaves most of its splits empty (a 1K row at an 8K capacity: 16
+  // of 128), and every loop below used to walk them all. Skipping an empty split adds nothing,
+  // as its test did: the same sums in the same order, the same bits.
   __shared__ float factors[kSparseMlaMaxLongSplits], maxima[kSparseMlaMaxLongSplits],
       sums[kSparseMlaMaxLongSplits];
+  __shared__ int live[kSparseMlaMaxLongSplits], warpLive[kCombineThreads / 32];
   __shared__ float sharedDenominator, sharedLargest;
   const size_t item = size_t(blockIdx.x) * p.heads + blockIdx.y; // (row, head)
   const float *first = partials + item * splits * (size_t(L) + 2);
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  float maximum = -INFINITY, headerSum = 0.0f;
   if (tid < splits) {
-    maxima[tid] = first[tid * (L + 2)];
-    sums[tid] = first[tid * (L + 2) + 1];
+    maximum = first[tid * (L + 2)];
+    headerSum = first[tid * (L + 2) + 1];
+  }
+  const bool isLive = tid < splits && maximum != -INFINITY;
+  const unsigned liveLanes = __ballot_sync(0xffffffffu, isLive);
+  if (lane == 0)
+    warpLive[warp] = __popc(liveLanes);
+  __syncthreads();
+  int at = __popc(liveLanes & ((1u << lane) - 1u)), count = 0;
+  for (int w = 0; w < kCombineThreads / 32; ++w) {
+    at += w < warp ? warpLive[w] : 0;
+    count += warpLive[w];
+  }
+  if (isLive) {
+    live[at] = tid;
+    maxima[at] = maximum;
+    sums[at] = headerSum;
   }
   __syncthreads();
   // The largest maximum by warp 0 (fmaxf: any order gives it), the factors one a thread, then
@@ -921,7 +954,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   // serial exp a split stood in front of every value (9.6 us a merge of 65 splits, batch 1).
   if (tid < 32) {
     float largest = -INFINITY;
-    for (int s = tid; s < splits; s += 32)
+    for (int s = tid; s < count; s += 32)
       largest = fmaxf(largest, maxima[s]);
     for (int offset = 16; offset > 0; offset /= 2)
       largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
@@ -929,14 +962,13 @@ __global__ void __launch_bounds__(kCombineThreads)
       sharedLargest = largest;
   }
   __syncthreads();
-  if (tid < splits)
-    factors[tid] = maxima[tid] != -INFINITY ? expf(maxima[tid] - sharedLargest) : 0.0f;
+  if (tid < count)
+    factors[tid] = expf(maxima[tid] - sharedLargest);
   __syncthreads();
   if (tid == 0) {
     float denominator = 0.0f;
-    for (int s = 0; s < splits; ++s)
-      if (maxima[s] != -INFINITY)
-        denominator += factors[s] * sums[s];
+    for (int s = 0; s < count; ++s)
+      denominator += factors[s] * sums[s];
     sharedDenominator = denominator;
   }
   __syncthreads();
@@ -948,16 +980,14 @@ __global__ void __launch_bounds__(kCombineThreads)
   for (int d = int(blockIdx.z) * kCombineThreads + tid; d < L;
        d += int(gridDim.z) * kCombineThreads) {
     float sum = 0.0f;
-    for (int s0 = 0; s0 < splits; s0 += kBatch) {
+    for (int s0 = 0; s0 < count; s0 += kBatch) {
       float values[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j)
-        values[j] = s0 + j < splits && maxima[s0 + j] != -INFINITY // an empty split: not read
-                        ? first[(s0 + j) * (L + 2) + 2 + d]
-                        : 0.0f;
+        values[j] = s0 + j < count ? first[live[s0 + j] * (L + 2) + 2 + d] : 0.0f;
 #pragma unroll
       for (int j = 0; j < kBatch; ++j)
-        if (s0 + j < splits && maxima[s0 + j] != -INFINITY)
+        if (s0 + j < count)
           sum += factors[s0 + j] * values[j];
     }
     p.out[item * L + d] = denominator > 0.0f ? sum / denominator : 0.0f;
