@@ -7,8 +7,9 @@
 //    kernel runs 4 blocks per head of 32 columns each and issues its state loads before waiting
 //    on the prolog (programmatic dependent launch), and its last block per head does the norm.
 //    Smaller, independent blocks keep more loads in flight; it wins only with many waves of work.
-#include "hybrid/kernels/cuda/KdaDecode.h"
 #include "../common/dependent_launch.cuh"
+#include "../linear/gemv_arithmetic.cuh"
+#include "hybrid/kernels/cuda/KdaDecode.h"
 #include "kda_device_math.cuh"
 
 #include <cuda_runtime.h>
@@ -78,40 +79,118 @@ __device__ inline float decayOf(const KdaDecodeParams &p, int sequence, int head
   return forgetDecay(f, __expf(p.weights.aLog[head]), p.weights);
 }
 
+// The fused kernel's low-rank gates (KdaDecodeParams::forgetLowRank, gateLowRank): the head's
+// kDim forget channels, then its kDim gate channels, over groups of 16 lanes, output j to group
+// j % kGroups. Lane `sub` of a group multiplies chunk `sub` of the row's input as lane `sub` of
+// the decode GEMV's narrow form does. That form's warp tree sees +0 in its lanes past
+// rank / 8 <= 16, so its first step (offset 16) adds +0 and the rest stay within 16 lanes: the
+// group's tree below makes the same sums in the same order, the GEMV's bits.
+template <int kDim, int kThreads> struct LowRankGates {
+  static constexpr int kGroups = kThreads / 16, kPerGroup = 2 * kDim / kGroups;
+  static_assert(kPerGroup * kGroups == 2 * kDim && kPerGroup % 2 == 0,
+                "a group's outputs: as many forget as gate channels");
+  static_assert(kKdaDecodeMaxLowRank / 8 <= 16, "a chunk a lane of 16");
+  uint4 weights[kPerGroup];
+
+  static __device__ const KdaLowRankGate &of(const KdaDecodeParams &p, int i) {
+    return i < kPerGroup / 2 ? p.forgetLowRank : p.gateLowRank;
+  }
+  static __device__ bool lanesChunk(const KdaLowRankGate &gate) {
+    return gate.weight && int(threadIdx.x % 16) < gate.rank / 8;
+  }
+  // The head's weight chunks: constants, loaded before the launch's wait.
+  __device__ void load(const KdaDecodeParams &p, int head) {
+    const int sub = threadIdx.x % 16, group = threadIdx.x / 16;
+#pragma unroll
+    for (int i = 0; i < kPerGroup; ++i) {
+      const KdaLowRankGate &gate = of(p, i);
+      const int channel = head * kDim + (group + i * kGroups) % kDim;
+      weights[i] =
+          lanesChunk(gate)
+              ? gemv_arithmetic::loadStreaming(static_cast<const __nv_bfloat16 *>(gate.weight) +
+                                               channel * gate.weightStride + sub * 8)
+              : make_uint4(0, 0, 0, 0);
+    }
+  }
+  // The gates of row `sequence` into out[2 * kDim] (shared; read them after a block barrier).
+  // Every thread calls it (the shuffles), after the wait.
+  __device__ void compute(const KdaDecodeParams &p, int sequence, float *out) const {
+    const int sub = threadIdx.x % 16, group = threadIdx.x / 16;
+    float inputs[2][8] = {};
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+      const KdaLowRankGate &gate = which == 0 ? p.forgetLowRank : p.gateLowRank;
+      if (lanesChunk(gate))
+        gemv_arithmetic::inputChunk(gate.in + sequence * gate.inStride + sub * 8,
+                                    p.lowRankRoundInputToBf16, inputs[which]);
+    }
+#pragma unroll
+    for (int i = 0; i < kPerGroup; ++i) {
+      const KdaLowRankGate &gate = of(p, i);
+      if (!gate.weight)
+        continue; // the same for every thread: the shuffles stay whole-warp
+      float sum = lanesChunk(gate)
+                      ? gemv_arithmetic::dot8(weights[i], inputs[i < kPerGroup / 2 ? 0 : 1], 0.0f)
+                      : 0.0f;
+      sum += 0.0f; // the GEMV tree's offset-16 step: its lanes 16-31 hold +0 (a -0 becomes +0)
+      for (int offset = 8; offset > 0; offset /= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      if (sub == 0)
+        out[group + i * kGroups] = 0.0f + sum; // as the narrow form's store
+    }
+  }
+};
+
 // kSplit threads share a value column, each holding kDim / kSplit of its rows: the state stays
 // in registers without spilling and four times more warps keep loads in flight.
 template <int kDim, int kSplit, typename State>
 __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodeParams p) {
-  waitForEarlierKernels(); // launched as a programmatic dependent
-  letDependentsLaunch();
   constexpr int kThreads = kDim * kSplit, kRows = kDim / kSplit;
   const int head = blockIdx.x, sequence = blockIdx.y;
+  const bool forgetLowRank = p.forgetLowRank.weight, gateLowRank = p.gateLowRank.weight;
+  LowRankGates<kDim, kThreads> lowRank;
+  if (forgetLowRank || gateLowRank)
+    lowRank.load(p, head);
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
   const int v = threadIdx.x % kDim, group = threadIdx.x / kDim;
   const int channels = p.heads * kDim, channel = head * kDim + v;
-  __shared__ float query[kDim], key[kDim], decay[kDim], update[kDim];
+  __shared__ float query[kDim], key[kDim], decay[kDim], update[kDim], lowRankGates[2 * kDim];
   __shared__ float partial[kSplit][kDim], scratch[kThreads / 32];
   __shared__ float2 pairScratch[kThreads / 32];
 
   // Loads that do not depend on the conv go out before its stores (which may alias them).
   const float beta = sigmoid(p.betaLogits[size_t(sequence) * p.heads + head]);
-  float channelDecay = 0.0f, gateLogit = 0.0f, normWeight = 0.0f;
+  float forgetLogit = 0.0f, dtBias = 0.0f, aLog = 0.0f, gateLogit = 0.0f, normWeight = 0.0f;
   float qkv[3] = {0.0f, 0.0f, 0.0f};
   if (group == 0) {
-    channelDecay = decayOf(p, sequence, head, channel);
-    gateLogit = p.outputGate[size_t(sequence) * channels + channel];
+    if (!forgetLowRank)
+      forgetLogit = p.forget[size_t(sequence) * channels + channel];
+    dtBias = p.weights.dtBias[channel];
+    aLog = p.weights.aLog[head];
+    if (!gateLowRank)
+      gateLogit = p.outputGate[size_t(sequence) * channels + channel];
     normWeight = p.weights.normWeight[v];
     // Short causal conv + SiLU of q, k, v for channel v, shifting the conv state.
     convolveAndShift(p, sequence, channel, qkv);
   }
+  if (forgetLowRank || gateLowRank)
+    lowRank.compute(p, sequence, lowRankGates);
 
-  // L2 norm of q and k over the head (eps on the sum of squares), q scaled by K^-1/2.
+  // L2 norm of q and k over the head (eps on the sum of squares), q scaled by K^-1/2. The block
+  // sum's barriers also publish the low-rank gates.
   const float2 squares =
       blockSum<kThreads>(make_float2(qkv[0] * qkv[0], qkv[1] * qkv[1]), pairScratch);
   const float qNorm = rsqrtf(squares.x + 1e-6f), kNorm = rsqrtf(squares.y + 1e-6f);
   if (group == 0) {
+    if (forgetLowRank)
+      forgetLogit = lowRankGates[v];
+    if (gateLowRank)
+      gateLogit = lowRankGates[kDim + v];
     query[v] = qkv[0] * qNorm * rsqrtf(float(kDim));
     key[v] = qkv[1] * kNorm;
-    decay[v] = channelDecay; // the forget gate of key channel v, as a decay factor
+    // the forget gate of key channel v, as a decay factor
+    decay[v] = forgetDecay(forgetLogit + dtBias, __expf(aLog), p.weights);
   }
   __syncthreads();
 
@@ -261,6 +340,16 @@ bool useSplit(const KdaDecodeParams &params) {
   return kdaDecodeUsesSplit(params.path, params.batch, params.heads, params.headDim);
 }
 
+bool aligned16(const void *pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+
+// Unset, or within KdaLowRankGate's limits (the GEMV's narrow form's, at most 16 chunks).
+bool validLowRank(const KdaLowRankGate &gate) {
+  return !gate.weight ||
+         (gate.in && gate.rank >= 8 && gate.rank <= kKdaDecodeMaxLowRank && gate.rank % 8 == 0 &&
+          gate.inStride >= gate.rank && gate.inStride % 4 == 0 && aligned16(gate.in) &&
+          gate.weightStride >= gate.rank && gate.weightStride % 8 == 0 && aligned16(gate.weight));
+}
+
 } // namespace
 
 size_t kdaDecodeWorkspaceBytes(const KdaDecodeParams &params) {
@@ -283,6 +372,10 @@ int launchKdaFusedDecode(const KdaDecodeParams &params, void *stream) {
       static_cast<int32_t>(params.path) > static_cast<int32_t>(KdaDecodePath::Split))
     return cudaErrorInvalidValue;
   if (params.headDim != 64 && params.headDim != 128)
+    return cudaErrorInvalidValue;
+  const bool lowRank = params.forgetLowRank.weight || params.gateLowRank.weight;
+  if (!validLowRank(params.forgetLowRank) || !validLowRank(params.gateLowRank) ||
+      (lowRank && useSplit(params)))
     return cudaErrorInvalidValue;
   auto cudaStream = static_cast<cudaStream_t>(stream);
   if (useSplit(params)) {

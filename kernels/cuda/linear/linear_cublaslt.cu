@@ -197,6 +197,11 @@ bool asGemv(const LinearParams &p, bool decodeKernel, GemvParams &gemv) {
 
 } // namespace
 
+bool LinearContext::runsDecodeKernel(const LinearParams &params) const {
+  GemvParams gemv;
+  return validLinear(params) && asGemv(params, decodeKernel_, gemv);
+}
+
 int LinearContext::runGroup(const LinearParams *members, int count, void *stream) {
   if (!handle_ || !members || count < 1)
     return cudaErrorInvalidValue;

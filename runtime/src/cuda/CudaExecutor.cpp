@@ -130,6 +130,31 @@ Status CudaExecutor::Impl::gemm(StreamResources &r, const float *x, int64_t xStr
   return Status::ok();
 }
 
+kc::LinearParams CudaExecutor::Impl::linearParams(StreamResources &r, const GemmCall &c,
+                                                  int64_t rows) const {
+  kc::LinearParams p;
+  p.rows = rows;
+  p.in = c.in;
+  p.out = c.out;
+  p.x = c.x;
+  p.xStride = c.xStride;
+  p.weight = weight(c.weightIndex);
+  p.y = c.y;
+  p.yStride = c.yStride;
+  p.xScratch = r.xBf16;
+  p.splitInput = splitGemmInputs;
+  p.splitOutput = r.splitOutput;
+  return p;
+}
+
+bool CudaExecutor::Impl::runsOnDecodeGemv(StreamResources &r, const GemmCall &c,
+                                          int64_t rows) const {
+  return weightTypes[static_cast<size_t>(c.weightIndex)] == fb::DType::BF16 &&
+         static_cast<size_t>(rows * c.in) <= r.sizes.xBf16Elements &&
+         static_cast<size_t>(rows * c.out) <= r.sizes.gemmOutputs &&
+         r.linear.runsDecodeKernel(linearParams(r, c, rows));
+}
+
 Status CudaExecutor::Impl::gemmGroup(StreamResources &r, std::span<const GemmCall> calls,
                                      int64_t rows) {
   bool grouped = calls.size() <= static_cast<size_t>(kc::kLinearMaxGroup);
@@ -139,19 +164,10 @@ Status CudaExecutor::Impl::gemmGroup(StreamResources &r, std::span<const GemmCal
     grouped = weightTypes[static_cast<size_t>(c.weightIndex)] == fb::DType::BF16 &&
               static_cast<size_t>(rows * c.in) <= r.sizes.xBf16Elements &&
               static_cast<size_t>(rows * c.out) <= r.sizes.gemmOutputs;
-    kc::LinearParams &p = members[i];
-    p.rows = rows;
-    p.in = c.in;
-    p.out = c.out;
-    p.x = c.x;
-    p.xStride = c.xStride;
-    p.weight = weight(c.weightIndex);
-    p.y = c.y;
-    p.yStride = c.yStride;
-    p.xScratch = r.xBf16;
-    p.splitInput = splitGemmInputs;
-    p.splitOutput = r.splitOutput;
+    members[i] = linearParams(r, c, rows);
   }
+  if (calls.empty())
+    return Status::ok();
   if (grouped) {
     LAUNCH_RETURN_IF_ERROR(
         r.linear.runGroup(members, static_cast<int>(calls.size()), r.stream),
@@ -302,7 +318,9 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
     ofLowRank.push_back({lowRankG, rankG, role(GB), gate, P, rankG, P});
   }
   HYBRID_RETURN_IF_ERROR(gemmGroup(r, ofX, T));
-  HYBRID_RETURN_IF_ERROR(gemmGroup(r, ofLowRank, T));
+  const bool decode = d.kernel() == fb::KernelId::KdaRecurrentDecode;
+  if (!decode) // a decode step's run below, where the fused kernel takes none of them
+    HYBRID_RETURN_IF_ERROR(gemmGroup(r, ofLowRank, T));
 
   // RecurrentStatePool (host) checks the layer and slot; the device regions have their layout.
   HYBRID_RETURN_IF_ERROR(host.states->stateOffset(p->state_slot(), host.stateSlot).status());
@@ -317,7 +335,7 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
   call.out = o;
   if (host.kdaLog && d.kernel() == fb::KernelId::KdaChunkPrefill)
     HYBRID_RETURN_IF_ERROR(logKdaInputs(d, call, T, r));
-  if (d.kernel() == fb::KernelId::KdaRecurrentDecode) {
+  if (decode) {
     if (T != 1 && static_cast<int64_t>(host.batch.size()) != T)
       return Status::error("the decode kernel runs one token per sequence, this step has " +
                            std::to_string(T) + " tokens of one sequence");
@@ -336,6 +354,20 @@ Status CudaExecutor::Impl::runKda(const fb::Program &program, unsigned char *are
       step.path = kc::KdaDecodePath::Fused;
     else
       applyTuning(step); // the fused or split path tuned for this batch, if any
+    // The fused kernel computes a low-rank gate's second half itself where the decode GEMV
+    // would (its sums, so the same bits as the launch it saves: one a gate, a layer).
+    const bool fused = !kc::kdaDecodeUsesSplit(step.path, step.batch, step.heads, step.headDim);
+    std::vector<GemmCall> unfused;
+    for (const GemmCall &c : ofLowRank) {
+      if (fused && c.in <= kc::kKdaDecodeMaxLowRank && c.in % 8 == 0 && runsOnDecodeGemv(r, c, T)) {
+        kc::KdaLowRankGate &gate = c.y == forget ? step.forgetLowRank : step.gateLowRank;
+        gate = {c.x, c.xStride, weight(c.weightIndex), c.in, static_cast<int32_t>(c.in)};
+      } else {
+        unfused.push_back(c);
+      }
+    }
+    step.lowRankRoundInputToBf16 = !splitGemmInputs; // the GEMV's bf16(x) (LinearContext)
+    HYBRID_RETURN_IF_ERROR(gemmGroup(r, unfused, T));
     if (kc::kdaDecodeWorkspaceBytes(step) > r.sizes.kdaWorkspaceBytes)
       return Status::error("KDA decode workspace larger than planned at load");
     LAUNCH_RETURN_IF_ERROR(kc::launchKdaFusedDecode(step, r.stream), "KDA decode step");

@@ -412,6 +412,12 @@ struct CudaExecutor::Impl {
   // outputs bit-identical to gemm's), else gemm each in turn. A launch-level grouping inside
   // the dispatch: each launch costs a few microseconds of latency in a decode step.
   Status gemmGroup(StreamResources &resources, std::span<const GemmCall> calls, int64_t rows);
+  // A call of `rows` as gemmGroup hands it to the linear context.
+  kc::LinearParams linearParams(StreamResources &resources, const GemmCall &call,
+                                int64_t rows) const;
+  // Whether gemmGroup and gemm run the call on the decode GEMV (bf16 weight, decode rows, its
+  // shapes): then a kernel that reproduces that kernel's sums may compute it instead.
+  bool runsOnDecodeGemv(StreamResources &resources, const GemmCall &call, int64_t rows) const;
   // At load: a small weight's fp32 values on the device (fp32Weights), once; -1 is no weight.
   Status uploadSmallWeight(int32_t index, const HostWeights &hostWeights);
   // At load: an FP8 weight's scales in cuBLASLt's layout, and the scratch its GEMMs need.

@@ -1,15 +1,17 @@
 // The fused KDA decode kernel against the cpu reference (kernels/ref), several steps with the
 // recurrent and conv state carried across calls. Labelled `gpu`; skipped where no GPU is present.
+#include "CudaTestSupport.h"
 #include "hybrid/kernels/cuda/KdaDecode.h"
+#include "hybrid/kernels/cuda/Linear.h"
 #include "hybrid/kernels/ref/Kda.h"
 #include "hybrid/kernels/ref/Norm.h"
-#include "CudaTestSupport.h"
-
-#include <cuda_runtime.h>
-#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -253,6 +255,136 @@ TEST(KdaDecodeCudaPool, IndexedSlotsEqualDenseStates) {
       EXPECT_EQ(gotConv, wantConv) << "conv state of slot " << slot;
     }
   }
+}
+
+struct LowRankCase {
+  int batch, heads, headDim, rank;
+  bool roundInputToBf16, forgetLowRank, gateLowRank;
+};
+
+// The gates' low-rank second halves computed in the fused kernel (forgetLowRank, gateLowRank)
+// give exactly what the decode GEMV launch (LinearContext::runGroup, as the runtime runs it)
+// feeding the kernel gives: outputs, states and conv states, bit for bit, over carried steps.
+// The inputs the kernel computes itself are NaN in its run: reading them would show.
+TEST(KdaDecodeCudaLowRank, GatesComputedInTheKernelGiveTheGemvLaunchBits) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  cuda::LinearContext linear;
+  ASSERT_EQ(linear.init(), 0);
+  for (const LowRankCase &c :
+       {LowRankCase{1, 32, 128, 128, true, true, true},
+        LowRankCase{3, 4, 128, 128, false, true, true},
+        LowRankCase{8, 5, 128, 64, true, true, false}, LowRankCase{2, 6, 64, 64, true, false, true},
+        LowRankCase{5, 3, 64, 128, false, true, true},
+        LowRankCase{4, 2, 128, 8, true, true, true}}) {
+    const auto [B, H, D, rank, roundInput, forgetLowRank, gateLowRank] = c;
+    SCOPED_TRACE("batch " + std::to_string(B) + ", heads " + std::to_string(H) + ", dim " +
+                 std::to_string(D) + ", rank " + std::to_string(rank) +
+                 (roundInput ? ", bf16 inputs" : ", fp32 inputs") +
+                 (forgetLowRank ? ", forget" : "") + (gateLowRank ? ", gate" : ""));
+    const int P = H * D, W = 4;
+    const int64_t inStride = rank + 8; // rows apart, as in the runtime's scratch
+    std::mt19937 rng(B * 17 + H * 5 + D + rank);
+    const DeviceBuffer<float> weights[4] = {
+        DeviceBuffer<float>(random(size_t(3) * P * W, rng, 0.5f)),
+        DeviceBuffer<float>(random(H, rng, 0.3f, 0.5f)), DeviceBuffer<float>(random(P, rng, 0.5f)),
+        DeviceBuffer<float>(random(D, rng, 0.1f, 1.0f))};
+    const DeviceBuffer<uint16_t> forgetUp(bf16Bits(random(size_t(P) * rank, rng, 0.2f)));
+    const DeviceBuffer<uint16_t> gateUp(bf16Bits(random(size_t(P) * rank, rng, 0.2f)));
+    const std::vector<float> state = random(size_t(B) * H * D * D, rng, 0.05f);
+    const std::vector<float> convState = random(size_t(B) * 3 * (W - 1) * P, rng, 1.0f);
+    DeviceBuffer<float> statesOf[2] = {DeviceBuffer<float>(state), DeviceBuffer<float>(state)};
+    DeviceBuffer<float> convOf[2] = {DeviceBuffer<float>(convState),
+                                     DeviceBuffer<float>(convState)};
+    for (int step = 0; step < 2; ++step) {
+      const DeviceBuffer<float> lowRankIn[2] = {
+          DeviceBuffer<float>(random(size_t(B) * inStride, rng, 1.0f)),
+          DeviceBuffer<float>(random(size_t(B) * inStride, rng, 1.0f))};
+      const std::vector<float> fullForget = random(size_t(B) * P, rng, 1.0f);
+      const std::vector<float> fullGate = random(size_t(B) * P, rng, 1.0f);
+      const std::vector<float> qkv = random(size_t(B) * 3 * P, rng, 1.0f);
+      const std::vector<float> betaLogits = random(size_t(B) * H, rng, 1.0f);
+      std::vector<float> outs[2];
+      for (int inKernel = 0; inKernel < 2; ++inKernel) {
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        std::vector<float> forget = fullForget, gate = fullGate;
+        if (inKernel && forgetLowRank)
+          forget.assign(forget.size(), nan);
+        if (inKernel && gateLowRank)
+          gate.assign(gate.size(), nan);
+        const DeviceBuffer<float> inputs[4] = {
+            DeviceBuffer<float>(qkv), DeviceBuffer<float>(forget), DeviceBuffer<float>(betaLogits),
+            DeviceBuffer<float>(gate)};
+        DeviceBuffer<float> dOut(std::vector<float>(size_t(B) * P));
+        DeviceBuffer<uint16_t> xScratch(std::vector<uint16_t>(size_t(2 * B) * rank));
+        DeviceBuffer<float> splitOutput(std::vector<float>(size_t(2 * B) * P));
+        cuda::KdaDecodeParams params = decodeParams(B, H, D, W, weights, inputs);
+        params.state = statesOf[inKernel].data;
+        params.convState = convOf[inKernel].data;
+        params.out = dOut.data;
+        params.path = cuda::KdaDecodePath::Fused;
+        // The low-rank projections: in the kernel, or by the GEMV into the gate inputs.
+        cuda::LinearParams launches[2];
+        int count = 0;
+        for (int which = 0; which < 2; ++which) {
+          if (!(which == 0 ? forgetLowRank : gateLowRank))
+            continue;
+          const void *up = which == 0 ? static_cast<const void *>(forgetUp.data) : gateUp.data;
+          if (inKernel) {
+            cuda::KdaLowRankGate &g = which == 0 ? params.forgetLowRank : params.gateLowRank;
+            g = {lowRankIn[which].data, inStride, up, rank, rank};
+          } else {
+            cuda::LinearParams &l = launches[count++];
+            l.rows = B;
+            l.in = rank;
+            l.out = P;
+            l.x = lowRankIn[which].data;
+            l.xStride = inStride;
+            l.weight = up;
+            l.y = const_cast<float *>(which == 0 ? inputs[1].data : inputs[3].data);
+            l.xScratch = xScratch.data;
+            l.splitInput = !roundInput;
+            l.splitOutput = splitOutput.data;
+            ASSERT_TRUE(linear.runsDecodeKernel(l));
+          }
+        }
+        params.lowRankRoundInputToBf16 = roundInput;
+        if (count > 0)
+          ASSERT_EQ(linear.runGroup(launches, count, nullptr), 0);
+        ASSERT_EQ(cuda::launchKdaFusedDecode(params, nullptr), 0);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        outs[inKernel] = dOut.download();
+      }
+      EXPECT_EQ(differingBits(outs[1], outs[0]), 0u) << "outputs, step " << step;
+      EXPECT_EQ(differingBits(statesOf[1].download(), statesOf[0].download()), 0u)
+          << "states, step " << step;
+      EXPECT_EQ(differingBits(convOf[1].download(), convOf[0].download()), 0u)
+          << "conv states, step " << step;
+    }
+  }
+}
+
+// A low-rank gate the fused kernel cannot take is refused before anything runs: on the split
+// path (checked before its workspace), a rank past kKdaDecodeMaxLowRank or not a multiple of 8,
+// a missing input.
+TEST(KdaDecodeCudaErrors, LowRankGateOutsideItsLimits) {
+  alignas(16) static const float in[256] = {};
+  alignas(16) static const uint16_t weight[256] = {};
+  cuda::KdaDecodeParams params;
+  params.batch = 1;
+  params.heads = 1;
+  params.headDim = 128;
+  params.path = cuda::KdaDecodePath::Split;
+  params.forgetLowRank = {in, 128, weight, 128, 128};
+  EXPECT_EQ(cuda::launchKdaFusedDecode(params, nullptr), int(cudaErrorInvalidValue));
+  params.path = cuda::KdaDecodePath::Fused;
+  for (int32_t rank : {cuda::kKdaDecodeMaxLowRank + 8, 12, 0}) {
+    params.gateLowRank = {in, 256, weight, 256, rank};
+    EXPECT_EQ(cuda::launchKdaFusedDecode(params, nullptr), int(cudaErrorInvalidValue))
+        << "rank " << rank;
+  }
+  params.gateLowRank = {nullptr, 128, weight, 128, 128};
+  EXPECT_EQ(cuda::launchKdaFusedDecode(params, nullptr), int(cudaErrorInvalidValue));
 }
 
 TEST(KdaDecodeCudaErrors, UnsupportedHeadDim) {

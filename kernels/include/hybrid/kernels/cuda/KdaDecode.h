@@ -48,6 +48,19 @@ struct KdaLayerCall {
   float *out = nullptr;              // [rows, heads * headDim]: gated-normed attention output
 };
 
+// A low-rank gate's second half (Kimi's f_b_proj, g_b_proj) for the fused path to compute from
+// the first half's output instead of reading the gate: channel c is weight row c (bf16) dotted
+// with the row's `in`, summed as the decode GEMV's narrow form sums it (kernels/cuda/linear/
+// gemv.cuh; bf16(in) with roundInputToBf16), so the gate has that launch's bits without it.
+struct KdaLowRankGate {
+  const float *in = nullptr; // [batch, rank], row stride inStride; 16-byte aligned rows
+  int64_t inStride = 0;
+  const void *weight = nullptr; // bf16 [heads * headDim, rank], row stride weightStride; aligned
+  int64_t weightStride = 0;
+  int32_t rank = 0; // a multiple of 8, at most kKdaDecodeMaxLowRank
+};
+inline constexpr int32_t kKdaDecodeMaxLowRank = 128;
+
 // One decode step: batch sequences, one token (row) each; headDim 128 (Kimi-Linear) or 64.
 struct KdaDecodeParams : KdaLayerCall {
   int32_t batch = 0;
@@ -62,6 +75,10 @@ struct KdaDecodeParams : KdaLayerCall {
   // that is 0. Not shared between launches that may run concurrently.
   void *workspace = nullptr;
   KdaDecodePath path = KdaDecodePath::Auto;
+  // Optional, the fused path only: with a weight set, `forget` (`outputGate`) is computed in the
+  // kernel from this low-rank input instead of read (one GEMV launch less a layer).
+  KdaLowRankGate forgetLowRank, gateLowRank;
+  bool lowRankRoundInputToBf16 = false; // the GEMV's roundInputToBf16 for both
 };
 
 // With KdaDecodePath::Auto, a step runs as one fused kernel unless headDim is 128 and there are at
@@ -82,8 +99,9 @@ constexpr int32_t kKdaMaxConvKernel = 4;
 size_t kdaDecodeWorkspaceBytes(const KdaDecodeParams &params);
 
 // Launches on `stream` (a cudaStream_t, null for the default stream). Returns 0 or the CUDA error
-// code (cudaError_t); an unsupported headDim or convKernel, a path outside the enum, or a missing
-// workspace, returns cudaErrorInvalidValue (1).
+// code (cudaError_t); an unsupported headDim or convKernel, a path outside the enum, a missing
+// workspace, or a low-rank gate on the split path or outside KdaLowRankGate's limits, returns
+// cudaErrorInvalidValue (1).
 int launchKdaFusedDecode(const KdaDecodeParams &params, void *stream);
 
 } // namespace hybrid::kernels::cuda

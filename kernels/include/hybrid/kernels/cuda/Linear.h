@@ -131,6 +131,10 @@ public:
   // projections of one input): in one launch when every one takes the decode-size kernel (up to
   // kLinearMaxGroup of them; bit-identical to running each), else each by run in turn.
   int runGroup(const LinearParams *members, int count, void *stream);
+  // Whether run and runGroup compute `params` with the decode-size kernel (its rows, shapes and
+  // alignments), whose sums a kernel that computes some of those outputs itself reproduces
+  // (KdaDecodeParams' low-rank gates; bf16(x) unless splitInput).
+  bool runsDecodeKernel(const LinearParams &params) const;
 
   // FP8 weights: quantizes x into params.scratch, then the block-scaled GEMM (any rows >= 1).
   // Besides the checks of run (cudaErrorInvalidValue), a problem cuBLASLt's FP8 kernels cannot
