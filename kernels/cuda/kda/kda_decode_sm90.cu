@@ -91,6 +91,7 @@ template <int kDim, int kThreads> struct LowRankGates {
                 "a group's outputs: as many forget as gate channels");
   static_assert(kKdaDecodeMaxLowRank / 8 <= 16, "a chunk a lane of 16");
   uint4 weights[kPerGroup];
+  float inputs[2][8] = {}; // the forget and gate inputs' chunks of the lane
 
   static __device__ const KdaLowRankGate &of(const KdaDecodeParams &p, int i) {
     return i < kPerGroup / 2 ? p.forgetLowRank : p.gateLowRank;
@@ -112,11 +113,10 @@ template <int kDim, int kThreads> struct LowRankGates {
               : make_uint4(0, 0, 0, 0);
     }
   }
-  // The gates of row `sequence` into out[2 * kDim] (shared; read them after a block barrier).
-  // Every thread calls it (the shuffles), after the wait.
-  __device__ void compute(const KdaDecodeParams &p, int sequence, float *out) const {
-    const int sub = threadIdx.x % 16, group = threadIdx.x / 16;
-    float inputs[2][8] = {};
+  // Row `sequence`'s input chunks, after the wait and before the conv's stores (which the
+  // compiler must assume alias them: loaded after those, they were another L2 round trip).
+  __device__ void loadInputs(const KdaDecodeParams &p, int sequence) {
+    const int sub = threadIdx.x % 16;
 #pragma unroll
     for (int which = 0; which < 2; ++which) {
       const KdaLowRankGate &gate = which == 0 ? p.forgetLowRank : p.gateLowRank;
@@ -124,6 +124,11 @@ template <int kDim, int kThreads> struct LowRankGates {
         gemv_arithmetic::inputChunk(gate.in + sequence * gate.inStride + sub * 8,
                                     p.lowRankRoundInputToBf16, inputs[which]);
     }
+  }
+  // The gates into out[2 * kDim] (shared; read them after a block barrier). Every thread calls
+  // it (the shuffles).
+  __device__ void compute(const KdaDecodeParams &p, float *out) const {
+    const int sub = threadIdx.x % 16, group = threadIdx.x / 16;
 #pragma unroll
     for (int i = 0; i < kPerGroup; ++i) {
       const KdaLowRankGate &gate = of(p, i);
@@ -160,6 +165,8 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
   __shared__ float2 pairScratch[kThreads / 32];
 
   // Loads that do not depend on the conv go out before its stores (which may alias them).
+  if (forgetLowRank || gateLowRank)
+    lowRank.loadInputs(p, sequence);
   const float beta = sigmoid(p.betaLogits[size_t(sequence) * p.heads + head]);
   float forgetLogit = 0.0f, dtBias = 0.0f, aLog = 0.0f, gateLogit = 0.0f, normWeight = 0.0f;
   float qkv[3] = {0.0f, 0.0f, 0.0f};
@@ -175,7 +182,7 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
     convolveAndShift(p, sequence, channel, qkv);
   }
   if (forgetLowRank || gateLowRank)
-    lowRank.compute(p, sequence, lowRankGates);
+    lowRank.compute(p, lowRankGates);
 
   // L2 norm of q and k over the head (eps on the sum of squares), q scaled by K^-1/2. The block
   // sum's barriers also publish the low-rank gates.
