@@ -17,7 +17,11 @@
 // Numerics: each product is x * w in fp32 with x either exact (fp32, `roundInputToBf16` false)
 // or rounded to bf16 first (the cuBLASLt path's bf16 inputs); sums in fp32 in a fixed order (a
 // thread's chunks in k order, then a shuffle tree, then the warps in order), so the result
-// does not depend on timing. Internal to the kernels library.
+// does not depend on timing. Wide inputs (in > kGemvNarrowMaxIn, a multiple of 32) of calls of
+// kGemvTensorCoreMinRows or more rows run on tensor cores instead: fp32 x as three bf16 terms
+// (or bf16(x)), products exact, fp32 MMA accumulation in a fixed order, then the warps in
+// order. Within either form a row's result does not depend on the call's rows. Internal to the
+// kernels library.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,6 +33,12 @@ namespace hybrid::kernels::cuda {
 inline constexpr int32_t kGemvMaxRows = 8;
 inline constexpr int32_t kGemvMaxGroup = 8;
 inline constexpr int64_t kGemvNarrowMaxIn = 8 * 32; // one 16-byte chunk a lane
+// Calls of at least this many rows run their wide layers on tensor cores. Fewer rows stay on the
+// scalar form: at 1 row the tensor-core form ran 1.6x slower (2 blocks an SM at 128 registers,
+// 16 outputs a block: latency-bound), and below 6 rows a batch-1 decode step and its
+// verification passes of up to 4 drafts (5 rows) keep the same sums, so speculation's outputs
+// stay the plain decode's (docs/performance.md, 2026-12-01).
+inline constexpr int32_t kGemvTensorCoreMinRows = 6;
 
 struct GemvParams {
   int32_t rows = 0; // 1..kGemvMaxRows

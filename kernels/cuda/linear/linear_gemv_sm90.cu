@@ -17,8 +17,21 @@
 // The narrow form (in <= 256: at most one chunk a thread) gives each warp 4 outputs: lane l holds
 // chunk l, as thread l of the block form does (whose other warps add zeros), and the warp's
 // shuffle tree is the block form's warp 0 tree, so the sums are the same.
+//
+// The tensor-core form (calls of kGemvTensorCoreMinRows to 8 rows; in > 256 and a multiple of
+// 32: every wide layer of the models) gives a block 16 outputs and multiplies with mma.sync
+// m16n8k16 (bf16, fp32 accumulation), the rows as the MMA's 8 columns: the scalar block form
+// spends ~2 fp32 instructions a weight per row (the bf16 widening and the fma), so 8 rows ran
+// 4.3x longer than 1 row for the same bytes (H200, Kimi-Linear-48B's decode step).
+// Its 8 warps take every 8th 32-wide k chunk; lane (g, t) loads 16 bytes (k 8t..8t+7) of
+// weight rows g and g + 8 and of x's row g, and uses them as the fragments of two MMAs whose
+// logical k 2t, 2t + 1, 2t + 8, 2t + 9 stand for 8t..8t+3 and 8t+4..8t+7: A and B permute k
+// alike, so each product meets its partner. fp32 x enters as three bf16 terms (hi, mid, lo: x
+// to 2^-24), or as bf16(x) alone with roundInputToBf16. A column's sums never see another column,
+// and the blocking does not depend on `rows`: a row's bits are the same at 6, 7 or 8 rows.
 #include "../common/block_reduce.cuh"
 #include "../common/dependent_launch.cuh"
+#include "../common/warp_mma.cuh"
 #include "gemv.cuh"
 #include "gemv_arithmetic.cuh"
 
@@ -51,7 +64,17 @@ __device__ __forceinline__ void multiplyChunk(const GemvParams &p, const float *
   }
 }
 
-int64_t blocksOf(const GemvParams &p) { return (p.out + kOutputsPerBlock - 1) / kOutputsPerBlock; }
+// The tensor-core form: 16 outputs a block, k in chunks of 32, two stages of 4 chunks' weights
+// in flight a warp (8 KB: one stage computes while the other loads).
+constexpr int kMmaOutputs = 16, kMmaChunk = 32, kMmaStage = 4;
+__host__ __device__ inline bool onTensorCores(const GemvParams &p) {
+  return p.rows >= kGemvTensorCoreMinRows && p.in > kGemvNarrowMaxIn && p.in % kMmaChunk == 0;
+}
+
+int64_t blocksOf(const GemvParams &p) {
+  const int outputs = onTensorCores(p) ? kMmaOutputs : kOutputsPerBlock;
+  return (p.out + outputs - 1) / outputs;
+}
 int64_t narrowBlocksOf(const GemvParams &p) {
   return (p.out + kNarrowOutputsPerBlock - 1) / kNarrowOutputsPerBlock;
 }
@@ -125,6 +148,100 @@ __device__ __forceinline__ void gemvBlock(const GemvParams &p, int64_t block, in
   }
 }
 
+// fp32 values as the B fragments of up to three bf16 terms: hi = bf16(v), mid = bf16(v - hi),
+// lo = bf16(v - hi - mid) (each difference exact), whose sum is v to within 2^-24 relative: the
+// products with bf16 weights are then the fp32 ones but for that last bit.
+__device__ __forceinline__ void splitTerms(const float (&values)[8], uint32_t (&terms)[3][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float a = values[2 * i], b = values[2 * i + 1];
+#pragma unroll
+    for (int term = 0; term < 3; ++term) {
+      const __nv_bfloat162 rounded = __floats2bfloat162_rn(a, b);
+      terms[term][i] = *reinterpret_cast<const uint32_t *>(&rounded);
+      const float2 back = __bfloat1622float2(rounded);
+      a -= back.x;
+      b -= back.y;
+    }
+  }
+}
+
+// Block `block` (of blocksOf(p)) of problem p on tensor cores (onTensorCores(p)).
+__device__ __forceinline__ void gemvMmaBlock(const GemvParams &p, int64_t block, int64_t problem) {
+  __shared__ float partial[kWarps][kMmaOutputs * 8]; // [warp][output * 8 + row]
+  const float *x = p.x + problem * p.xBatchStride;
+  const auto *weight = static_cast<const __nv_bfloat16 *>(p.weight) + problem * p.weightBatchStride;
+  float *y = p.y + problem * p.yBatchStride;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t firstOut = block * kMmaOutputs;
+  const int outputs = int(min(int64_t(kMmaOutputs), p.out - firstOut));
+  // Rows past the last output load the last one again (valid memory, products dropped).
+  const __nv_bfloat16 *rowLow = weight + (firstOut + min(g, outputs - 1)) * p.weightStride + 8 * t;
+  const __nv_bfloat16 *rowHigh =
+      weight + (firstOut + min(g + 8, outputs - 1)) * p.weightStride + 8 * t;
+  const bool holdsRow = g < p.rows; // x's row g is B's column g; past `rows` zeros
+  const float *xRow = x + g * p.xStride + 8 * t;
+  const int terms = p.roundInputToBf16 ? 1 : 3;
+  // This warp's chunks: warp, warp + kWarps, ... (the block's warps read 512 adjacent bytes of
+  // each weight row at a time).
+  const int chunks = int(p.in / kMmaChunk), mine = (chunks - warp + kWarps - 1) / kWarps;
+  auto chunkAt = [&](int i) { return int64_t(warp + kWarps * i) * kMmaChunk; };
+  uint4 low[2][kMmaStage], high[2][kMmaStage];
+  auto load = [&](uint4(&l)[kMmaStage], uint4(&h)[kMmaStage], int first) {
+#pragma unroll
+    for (int j = 0; j < kMmaStage; ++j)
+      if (first + j < mine) {
+        l[j] = loadStreaming(rowLow + chunkAt(first + j));
+        h[j] = loadStreaming(rowHigh + chunkAt(first + j));
+      }
+  };
+  // One accumulator a term: three chains of MMAs, not one three times as long.
+  float acc[3][4] = {};
+  auto compute = [&](const uint4(&l)[kMmaStage], const uint4(&h)[kMmaStage], int first) {
+#pragma unroll
+    for (int j = 0; j < kMmaStage; ++j) {
+      if (first + j >= mine)
+        break;
+      uint32_t b[3][4] = {};
+      if (holdsRow) {
+        float values[8];
+        inputChunk(xRow + chunkAt(first + j), false, values);
+        splitTerms(values, b);
+      }
+#pragma unroll
+      for (int term = 0; term < 3; ++term)
+        if (term < terms) {
+          mma::mma16816(acc[term], {l[j].x, h[j].x, l[j].y, h[j].y}, {b[term][0], b[term][1]});
+          mma::mma16816(acc[term], {l[j].z, h[j].z, l[j].w, h[j].w}, {b[term][2], b[term][3]});
+        }
+    }
+  };
+  load(low[0], high[0], 0); // weights are constants: before the wait
+  load(low[1], high[1], kMmaStage);
+  asm volatile("griddepcontrol.wait;" ::: "memory"); // x (and y) are the earlier kernels'
+  for (int first = 0; first < mine; first += 2 * kMmaStage) {
+    compute(low[0], high[0], first);
+    load(low[0], high[0], first + 2 * kMmaStage);
+    compute(low[1], high[1], first + kMmaStage);
+    load(low[1], high[1], first + 3 * kMmaStage);
+  }
+  // The next kernel's blocks may start their own weight loads while this one sums.
+  asm volatile("griddepcontrol.launch_dependents;");
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    partial[warp][mma::accRow(e) * 8 + mma::accColumn(e)] = (acc[0][e] + acc[1][e]) + acc[2][e];
+  __syncthreads();
+  const int output = threadIdx.x / 8, row = threadIdx.x % 8;
+  if (threadIdx.x < kMmaOutputs * 8 && output < outputs && row < p.rows) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w)
+      total += partial[w][threadIdx.x];
+    float &target = y[row * p.yStride + firstOut + output];
+    target = p.accumulate ? target + total : total;
+  }
+}
+
 // The member owning this block of grid.x.
 __device__ __forceinline__ int memberOf(const GemvGroup &group) {
   int member = 0;
@@ -138,8 +255,15 @@ __device__ __forceinline__ int memberOf(const GemvGroup &group) {
 template <int MaxRows>
 __global__ void __launch_bounds__(kThreads) gemvKernel(const __grid_constant__ GemvGroup group) {
   const int member = memberOf(group);
-  gemvBlock<MaxRows>(group.members[member], int64_t(blockIdx.x) - group.firstBlock[member],
-                     blockIdx.y);
+  const GemvParams &p = group.members[member];
+  const int64_t block = int64_t(blockIdx.x) - group.firstBlock[member];
+  if constexpr (MaxRows >= kGemvTensorCoreMinRows) { // the other sizes keep their registers
+    if (onTensorCores(p)) {
+      gemvMmaBlock(p, block, blockIdx.y);
+      return;
+    }
+  }
+  gemvBlock<MaxRows>(p, block, blockIdx.y);
 }
 
 // The narrow form: warp `warp` of block `block` (of narrowBlocksOf(p)) computes outputs
@@ -236,14 +360,16 @@ int launchGemvGroup(const GemvParams *members, int32_t count, cudaStream_t strea
   DependentLaunch launch(dim3(unsigned(group.firstBlock[count]), unsigned(members[0].batch)),
                          dim3(kThreads), stream);
   const cudaError_t status =
-      narrow ? (rows == 1   ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<1>, group)
-                : rows == 2 ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<2>, group)
-                : rows <= 4 ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<4>, group)
-                            : cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<8>, group))
+      narrow      ? (rows == 1   ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<1>, group)
+                     : rows == 2 ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<2>, group)
+                     : rows <= 4 ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<4>, group)
+                                 : cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<8>, group))
       : rows == 1 ? cudaLaunchKernelEx(&launch.config, gemvKernel<1>, group)
       : rows == 2 ? cudaLaunchKernelEx(&launch.config, gemvKernel<2>, group)
       : rows <= 4 ? cudaLaunchKernelEx(&launch.config, gemvKernel<4>, group)
-                  : cudaLaunchKernelEx(&launch.config, gemvKernel<8>, group);
+      : rows < kGemvTensorCoreMinRows
+          ? cudaLaunchKernelEx(&launch.config, gemvKernel<kGemvTensorCoreMinRows - 1>, group)
+          : cudaLaunchKernelEx(&launch.config, gemvKernel<8>, group);
   return int(status != cudaSuccess ? status : cudaGetLastError());
 }
 

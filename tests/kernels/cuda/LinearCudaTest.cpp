@@ -122,7 +122,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearCuda,
 struct GroupCase {
   int64_t rows;
   bool split;
-  int64_t otherIn; // the last member's in: 40 (the decode kernel) or 36 (not)
+  int64_t otherIn; // the last member's in: 40 (the decode kernel), 36 (not), or wide
 };
 
 class LinearCudaGroup : public testing::TestWithParam<GroupCase> {};
@@ -209,15 +209,17 @@ TEST_P(LinearCudaGroup, MatchesMembersRunAloneBitForBit) {
   EXPECT_LT(relativeRms(grouped, expected), c.split ? 2e-5 : 1e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(Groups, LinearCudaGroup,
-                         testing::Values(GroupCase{1, false, 40}, GroupCase{1, true, 40},
-                                         GroupCase{3, false, 40}, GroupCase{8, true, 40},
-                                         GroupCase{9, false, 40}, GroupCase{2, false, 36}),
-                         [](const testing::TestParamInfo<GroupCase> &info) {
-                           const GroupCase &c = info.param;
-                           return std::to_string(c.rows) + "rows" + (c.split ? "_split" : "") +
-                                  (c.otherIn % 8 ? "_in" + std::to_string(c.otherIn) : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Groups, LinearCudaGroup,
+    testing::Values(GroupCase{1, false, 40}, GroupCase{1, true, 40}, GroupCase{3, false, 40},
+                    GroupCase{8, true, 40}, GroupCase{9, false, 40}, GroupCase{2, false, 36},
+                    // a wide member on tensor cores beside narrow ones
+                    GroupCase{8, true, 2304}, GroupCase{6, false, 512}),
+    [](const testing::TestParamInfo<GroupCase> &info) {
+      const GroupCase &c = info.param;
+      return std::to_string(c.rows) + "rows" + (c.split ? "_split" : "") +
+             (c.otherIn % 8 || c.otherIn > 256 ? "_in" + std::to_string(c.otherIn) : "");
+    });
 
 // A random problem of up to `mostRows` rows on the device for the batch-invariance tests: the
 // first `kept` rows of a `rows`-row call (split or bf16 inputs), and how many floats two such
@@ -253,6 +255,27 @@ struct BatchInvarianceProblem {
     return values;
   }
 };
+
+// The decode kernel's two forms keep a row's bits within their row counts: calls of 1 to 5 rows
+// (the scalar form: a batch-1 decode step and its 5-row verification passes) give their first
+// row the same bits, and so do calls of kGemvTensorCoreMinRows (6) to 8 rows (tensor cores),
+// with bf16 and split inputs; the two forms agree to fp32 summation order.
+TEST(LinearCudaDecodeKernel, RowsGiveTheSameBitsWithinEachForm) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  for (const bool split : {false, true}) {
+    std::mt19937 rng(int(split) + 5);
+    BatchInvarianceProblem problem(8, 2304, 1040, split, rng);
+    cuda::LinearContext context;
+    ASSERT_EQ(context.init(), 0);
+    const std::vector<float> scalar = problem.firstRows(context, 1, 1);
+    const std::vector<float> tensor = problem.firstRows(context, 8, 1);
+    for (int64_t rows = 2; rows <= 8; ++rows)
+      EXPECT_EQ(differingBits(problem.firstRows(context, rows, 1), rows < 6 ? scalar : tensor), 0u)
+          << rows << " rows" << (split ? ", split input" : ", bf16 input");
+    EXPECT_LT(relativeRms(tensor, scalar), 1e-6) << (split ? "split input" : "bf16 input");
+  }
+}
 
 // Batch invariance (LinearContext::setBatchInvariantRows): the first rows of a call give the
 // same bits whether 32, 40 or 160 rows share it, as a decode step of B rows and a verification
