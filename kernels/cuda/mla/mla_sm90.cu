@@ -224,7 +224,12 @@ __global__ void __launch_bounds__(kAbsorbThreads)
   }
 }
 
-// Block (head, row block): a warp per output value, its lanes along the W_UV row.
+// Block (head, row block, slice of kExpandValues values): a warp per output value, its lanes
+// along the W_UV row. One block per head held 8 warps an SM with a value's 16 dependent loads
+// after another (DeepSeek-V3.2's fp32 W_UV at batch 1: 113 us a layer); the slices spread a
+// head's values over the GPU, each summed as before.
+constexpr int kExpandValues = 2 * (kThreads / kWarpSize);
+
 __global__ void __launch_bounds__(kThreads)
     expandOutputs(MlaHeadWeights w, int32_t rows, const float *latentOut, float *out) {
   waitForEarlierKernels(); // launched as a programmatic dependent
@@ -238,9 +243,11 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  for (int v = warp; v < w.valueDim; v += kThreads / kWarpSize) {
+  const int lastValue = min(w.valueDim, int(blockIdx.z + 1) * kExpandValues);
+  for (int v = int(blockIdx.z) * kExpandValues + warp; v < lastValue; v += kThreads / kWarpSize) {
     const int64_t uv = (int64_t(h) * (w.nopeDim + w.valueDim) + w.nopeDim + v) * w.latentDim;
     float sums[kRowsPerBlock] = {};
+#pragma unroll 8 // loads in flight together; each row's sum still runs in l order
     for (int l = lane; l < w.latentDim; l += kWarpSize) {
       const float weight = weightAt(w, uv + l);
 #pragma unroll
@@ -457,8 +464,9 @@ int launchMlaExpandOutputs(const MlaHeadWeights &w, int32_t rows, const float *l
     if (gemvSupports(gemv))
       return launchGemv(gemv, static_cast<cudaStream_t>(stream));
   }
-  DependentLaunch launch(dim3(unsigned(w.heads), rowBlocks(rows)), dim3(kThreads),
-                         static_cast<cudaStream_t>(stream));
+  DependentLaunch launch(dim3(unsigned(w.heads), rowBlocks(rows),
+                              unsigned((w.valueDim + kExpandValues - 1) / kExpandValues)),
+                         dim3(kThreads), static_cast<cudaStream_t>(stream));
   return launched(cudaLaunchKernelEx(&launch.config, expandOutputs, w, rows, latentOut, out));
 }
 
