@@ -92,8 +92,10 @@ constexpr int kRowsPerBlock = 8;
 constexpr int kColumnsPerThread = kMlaMaxLatentDim / kThreads;
 constexpr int kMaxNopeDim = 256;
 
-// Block (head, row block): each thread owns latent columns c = threadIdx.x + k * kThreads for
-// kRowsPerBlock rows, summing over the nope dims in order (as the reference).
+// Block (head, row block, kThreads-column slice): each thread owns latent column c for
+// kRowsPerBlock rows, summing over the nope dims in order (as the reference). One block a head
+// (every column of it) held 4 warps an SM behind a column's dependent loads (DeepSeek-V3.2's
+// fp32 W_UK at batch 1: 60 us a layer); the slices spread a head over the GPU.
 __global__ void __launch_bounds__(kThreads)
     absorbQueries(MlaHeadWeights w, int32_t rows, int32_t ropeDim, const float *queries,
                   float *absorbed) {
@@ -108,33 +110,30 @@ __global__ void __launch_bounds__(kThreads)
     nope[rb][n] = queries[(int64_t(firstRow + rb) * w.heads + h) * qkDim + n];
   }
   __syncthreads();
-  float sums[kRowsPerBlock][kColumnsPerThread] = {};
+  const int c = int(blockIdx.z) * kThreads + threadIdx.x;
+  float sums[kRowsPerBlock] = {};
   const int64_t uk = int64_t(h) * (w.nopeDim + w.valueDim) * w.latentDim;
-  for (int n = 0; n < w.nopeDim; ++n)
-#pragma unroll
-    for (int k = 0; k < kColumnsPerThread; ++k) {
-      const int c = threadIdx.x + k * kThreads;
-      if (c >= w.latentDim)
-        continue;
+  if (c < w.latentDim) {
+#pragma unroll 8 // loads in flight together; each row's sum still runs in n order
+    for (int n = 0; n < w.nopeDim; ++n) {
       const float weight = weightAt(w, uk + int64_t(n) * w.latentDim + c);
 #pragma unroll
       for (int rb = 0; rb < kRowsPerBlock; ++rb)
-        sums[rb][k] += nope[rb][n] * weight;
+        sums[rb] += nope[rb][n] * weight;
     }
+  }
 #pragma unroll
   for (int rb = 0; rb < kRowsPerBlock; ++rb) {
     if (rb >= count)
       break;
     float *target = absorbed + (int64_t(firstRow + rb) * w.heads + h) * wide;
-#pragma unroll
-    for (int k = 0; k < kColumnsPerThread; ++k) {
-      const int c = threadIdx.x + k * kThreads;
-      if (c < w.latentDim)
-        target[c] = sums[rb][k];
+    if (c < w.latentDim)
+      target[c] = sums[rb];
+    if (blockIdx.z == 0) {
+      const float *query = queries + (int64_t(firstRow + rb) * w.heads + h) * qkDim + w.nopeDim;
+      for (int i = threadIdx.x; i < ropeDim; i += kThreads)
+        target[w.latentDim + i] = query[i];
     }
-    const float *query = queries + (int64_t(firstRow + rb) * w.heads + h) * qkDim + w.nopeDim;
-    for (int i = threadIdx.x; i < ropeDim; i += kThreads)
-      target[w.latentDim + i] = query[i];
   }
 }
 
@@ -435,8 +434,9 @@ int launchMlaAbsorbQueries(const MlaHeadWeights &w, int32_t rows, int32_t ropeDi
     return launched(
         cudaLaunchKernelEx(&launch.config, absorbQueriesBf16, w, rows, ropeDim, queries, absorbed));
   }
-  DependentLaunch launch(dim3(unsigned(w.heads), rowBlocks(rows)), dim3(kThreads),
-                         static_cast<cudaStream_t>(stream));
+  DependentLaunch launch(dim3(unsigned(w.heads), rowBlocks(rows),
+                              unsigned((w.latentDim + kThreads - 1) / kThreads)),
+                         dim3(kThreads), static_cast<cudaStream_t>(stream));
   return launched(
       cudaLaunchKernelEx(&launch.config, absorbQueries, w, rows, ropeDim, queries, absorbed));
 }
