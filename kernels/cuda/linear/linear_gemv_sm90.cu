@@ -71,6 +71,18 @@ __host__ __device__ inline bool onTensorCores(const GemvParams &p) {
   return p.rows >= kGemvTensorCoreMinRows && p.in > kGemvNarrowMaxIn && p.in % kMmaChunk == 0;
 }
 
+// An output's partial sums of the block's warps added in warp order, stored to (or, with
+// `accumulate`, added to) `target`.
+template <int kColumns>
+__device__ __forceinline__ void storeWarpsTotal(const float (&partial)[kWarps][kColumns],
+                                                int column, bool accumulate, float &target) {
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w)
+    total += partial[w][column];
+  target = accumulate ? target + total : total;
+}
+
 int64_t blocksOf(const GemvParams &p) {
   const int outputs = onTensorCores(p) ? kMmaOutputs : kOutputsPerBlock;
   return (p.out + outputs - 1) / outputs;
@@ -138,14 +150,8 @@ __device__ __forceinline__ void gemvBlock(const GemvParams &p, int64_t block, in
     }
   __syncthreads();
   const int r = threadIdx.x / kOutputsPerBlock, o = threadIdx.x % kOutputsPerBlock;
-  if (r < p.rows && r < MaxRows && o < outputs) {
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w)
-      total += partial[w][threadIdx.x];
-    float &target = y[r * p.yStride + firstOut + o];
-    target = p.accumulate ? target + total : total;
-  }
+  if (r < p.rows && r < MaxRows && o < outputs)
+    storeWarpsTotal(partial, threadIdx.x, p.accumulate, y[r * p.yStride + firstOut + o]);
 }
 
 // fp32 values as the B fragments of up to three bf16 terms: hi = bf16(v), mid = bf16(v - hi),
@@ -232,14 +238,8 @@ __device__ __forceinline__ void gemvMmaBlock(const GemvParams &p, int64_t block,
     partial[warp][mma::accRow(e) * 8 + mma::accColumn(e)] = (acc[0][e] + acc[1][e]) + acc[2][e];
   __syncthreads();
   const int output = threadIdx.x / 8, row = threadIdx.x % 8;
-  if (threadIdx.x < kMmaOutputs * 8 && output < outputs && row < p.rows) {
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w)
-      total += partial[w][threadIdx.x];
-    float &target = y[row * p.yStride + firstOut + output];
-    target = p.accumulate ? target + total : total;
-  }
+  if (threadIdx.x < kMmaOutputs * 8 && output < outputs && row < p.rows)
+    storeWarpsTotal(partial, threadIdx.x, p.accumulate, y[row * p.yStride + firstOut + output]);
 }
 
 // The member owning this block of grid.x.
