@@ -15,8 +15,12 @@ namespace hybrid::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kCachedPerThread = 16; // rows of up to 4096 values
+// Rows of up to 4096 values (Kimi-Linear's) or 8192 (DeepSeek-V3.2's 7168: in the loop kernel
+// below they were 28 dependent L2 round trips, 22 us a decode norm on the H200). Both sizes
+// sum as the loop kernel does, so a row's bits do not depend on which one runs.
+constexpr int kCachedPerThread = 16, kLongCachedPerThread = 32;
 
+template <int kCachedPerThread>
 __global__ void __launch_bounds__(kThreads) rmsNormCachedKernel(RmsNormParams p) {
   __shared__ float warpSums[kThreads / 32];
   const int64_t row = blockIdx.x;
@@ -146,7 +150,9 @@ int launchRmsNorm(const RmsNormParams &params, void *stream) {
                          static_cast<cudaStream_t>(stream));
   const cudaError_t status =
       params.dim <= int64_t(kThreads) * kCachedPerThread
-          ? cudaLaunchKernelEx(&launch.config, rmsNormCachedKernel, params)
+          ? cudaLaunchKernelEx(&launch.config, rmsNormCachedKernel<kCachedPerThread>, params)
+      : params.dim <= int64_t(kThreads) * kLongCachedPerThread
+          ? cudaLaunchKernelEx(&launch.config, rmsNormCachedKernel<kLongCachedPerThread>, params)
           : cudaLaunchKernelEx(&launch.config, rmsNormKernel, params);
   return static_cast<int>(status != cudaSuccess ? status : cudaGetLastError());
 }

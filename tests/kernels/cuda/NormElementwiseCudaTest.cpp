@@ -55,32 +55,32 @@ TEST_P(RmsNormCuda, MatchesReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormCuda,
-                         testing::Values(NormCase{3, 2304, false, true, false},
-                                         NormCase{1, 7, true, true, false},
-                                         NormCase{5, 1000, true, false, false},
-                                         NormCase{2, 7168, false, true, true},
-                                         NormCase{4, 300, true, true, true},
-                                         NormCase{2, 4096, true, true, true}),
-                         [](const testing::TestParamInfo<NormCase> &info) {
-                           const NormCase &c = info.param;
-                           std::string name = "rows";
-                           name += std::to_string(c.rows);
-                           name += "_dim";
-                           name += std::to_string(c.dim);
-                           name += c.add ? "_add" : "";
-                           name += c.weighted ? "_weighted" : "";
-                           name += c.inPlace ? "_in_place" : "";
-                           return name;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, RmsNormCuda,
+    testing::Values(NormCase{3, 2304, false, true, false}, NormCase{1, 7, true, true, false},
+                    NormCase{5, 1000, true, false, false}, NormCase{2, 7168, false, true, true},
+                    NormCase{4, 300, true, true, true}, NormCase{2, 4096, true, true, true},
+                    // both cached sizes and the loop kernel, with adds
+                    NormCase{2, 7168, true, true, false}, NormCase{1, 9000, true, true, false}),
+    [](const testing::TestParamInfo<NormCase> &info) {
+      const NormCase &c = info.param;
+      std::string name = "rows";
+      name += std::to_string(c.rows);
+      name += "_dim";
+      name += std::to_string(c.dim);
+      name += c.add ? "_add" : "";
+      name += c.weighted ? "_weighted" : "";
+      name += c.inPlace ? "_in_place" : "";
+      return name;
+    });
 
 // A folded add (the plan's three-input add_rms_norm): sum = x + (addend + secondAddend), the
-// bits of the two adds it replaces (the add first, then the residual add), in both kernels
-// (rows up to 4096 values cached, longer ones looped).
+// bits of the two adds it replaces (the add first, then the residual add), in every kernel
+// (rows up to 4096 and up to 8192 values cached, longer ones looped).
 TEST(RmsNormCuda, SecondAddendGivesTheTwoAddsBits) {
   if (!gpuPresent())
     GTEST_SKIP() << "no CUDA device";
-  for (const int64_t dim : {int64_t(2304), int64_t(7), int64_t(7168)}) {
+  for (const int64_t dim : {int64_t(2304), int64_t(7), int64_t(7168), int64_t(9000)}) {
     SCOPED_TRACE("dim " + std::to_string(dim));
     const int64_t rows = 3;
     const size_t n = size_t(rows * dim);
