@@ -36,7 +36,7 @@ double maxAbsDiff(const std::vector<float> &a, const std::vector<float> &b) {
 TEST(MlaCuda, RopeMatchesTheReferenceInBothPairings) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(5);
-  const int rows = 5, heads = 3, headDim = 48, offset = 16, dims = 32;
+  const int rows = 5, heads = 19, headDim = 48, offset = 16, dims = 32; // 3 groups of heads
   const std::vector<float> frequencies = ref::ropeInverseFrequencies(dims, 10000.0);
   const std::vector<int32_t> positions = {0, 1, 17, 4095, 131071};
   for (auto [pairing, layout] : {std::pair{cuda::RopePairing::Interleaved, ref::RopeLayout::Interleaved},
@@ -72,7 +72,7 @@ TEST(MlaCuda, RopeMatchesTheReferenceInBothPairings) {
 TEST(MlaCuda, RopeThenMxfp8InOneLaunch) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(11);
-  const int rows = 3, heads = 4, headDim = 64, dims = 32;
+  const int rows = 3, heads = 20, headDim = 64, dims = 32; // heads in groups, the last short
   const std::vector<float> frequencies = ref::ropeInverseFrequencies(dims, 10000.0);
   const std::vector<int32_t> positions = {0, 7, 9000};
   const std::vector<float> x = random(size_t(rows) * heads * headDim, rng, 2.0f);
