@@ -15,6 +15,7 @@
 #include "hybrid/kernels/cuda/DeviceTimeline.h"
 #include "hybrid/kernels/cuda/DsaBench.h" // and SparseMla.h
 #include "hybrid/kernels/cuda/KdaBench.h"
+#include "hybrid/kernels/cuda/LinearBench.h"
 #include "hybrid/kernels/cuda/MoeBench.h"
 #endif
 
@@ -409,6 +410,70 @@ int runMoe(const MoeOptions &o, const RecordOptions &record) {
   return finishRecord(record, kc::benchDeviceName(), std::move(rows));
 }
 
+// The decode GEMVs at 1-8 rows on each form of the kernel (scalar, tensor cores).
+struct GemvOptions {
+  std::vector<int32_t> rows = {1, 2, 4, 5, 6, 8};
+  // Kimi-Linear-48B's: KDA's projections of x, o_proj, the router's logits, the shared expert's
+  // gate + up and down, the LM head.
+  std::vector<std::string> shapes = {"2304x12576", "4096x2304", "2304x256",
+                                     "2304x2048",  "1024x2304", "2304x163840"};
+  int32_t layers = 0, iterations = 20;
+};
+
+// "INxOUT" items; false with a message naming the bad one.
+bool parseGemvShapes(const std::vector<std::string> &items, std::vector<kc::GemvBenchShape> &out) {
+  for (const std::string &item : items) {
+    const size_t x = item.find('x');
+    kc::GemvBenchShape shape;
+    try {
+      size_t used = 0, usedOut = 0;
+      shape.in = x == std::string::npos ? 0 : std::stoll(item.substr(0, x), &used);
+      shape.out = x == std::string::npos ? 0 : std::stoll(item.substr(x + 1), &usedOut);
+      if (used != x || usedOut != item.size() - x - 1)
+        shape.in = 0;
+    } catch (const std::exception &) {
+      shape.in = 0;
+    }
+    if (shape.in <= 0 || shape.out <= 0) {
+      std::cerr << "error: gemv: --shapes: '" << item << "' is not INxOUT (positive sizes)\n";
+      return false;
+    }
+    out.push_back(shape);
+  }
+  return true;
+}
+
+int runGemv(const GemvOptions &o, const RecordOptions &record) {
+  std::vector<kc::GemvBenchShape> shapes;
+  if (!parseGemvShapes(o.shapes, shapes))
+    return 1;
+  std::string error;
+  const auto results = kc::benchGemvDecode(o.rows, shapes, o.layers, o.iterations, error);
+  if (!error.empty()) {
+    std::cerr << "error: gemv: " << error << "\n";
+    return 1;
+  }
+  std::printf("%-6s %4s %6s %7s %-13s %7s %10s %8s %7s\n", "kernel", "rows", "in", "out", "form",
+              "layers", "us", "TB/s", "copy");
+  std::vector<hybrid::bench::BenchRow> rows;
+  for (const auto &r : results) {
+    std::printf("%-6s %4d %6lld %7lld %-13s %7d %10.2f %8.2f %6.0f%%%s\n", "gemv", r.rows,
+                static_cast<long long>(r.in), static_cast<long long>(r.out), r.form.c_str(),
+                r.layers, r.microseconds, r.terabytesPerSecond, 100.0 * r.copyShare,
+                r.automatic ? "  (default)" : "");
+    std::ostringstream json;
+    json << "{\"kernel\": \"gemv\", \"rows\": " << r.rows << ", \"in\": " << r.in
+         << ", \"out\": " << r.out << ", \"form\": \"" << r.form
+         << "\", \"default\": " << (r.automatic ? "true" : "false") << ", \"layers\": " << r.layers
+         << ", \"us\": " << r.microseconds << ", \"weight_bytes\": " << r.weightBytes
+         << ", \"tb_per_s\": " << r.terabytesPerSecond << "}";
+    rows.push_back({"gemv rows=" + std::to_string(r.rows) + " in=" + std::to_string(r.in) +
+                        " out=" + std::to_string(r.out) + " form=" + r.form,
+                    r.microseconds, json.str()});
+  }
+  return finishRecord(record, kc::benchDeviceName(), std::move(rows));
+}
+
 #else
 int noCuda(const char *subcommand) {
   std::cerr << "error: " << subcommand
@@ -436,6 +501,13 @@ struct MoeOptions {
           iterations = 20;
 };
 int runMoe(const MoeOptions &, const RecordOptions &) { return noCuda("moe"); }
+struct GemvOptions {
+  std::vector<int32_t> rows = {1, 2, 4, 5, 6, 8};
+  std::vector<std::string> shapes = {"2304x12576", "4096x2304", "2304x256",
+                                     "2304x2048",  "1024x2304", "2304x163840"};
+  int32_t layers = 0, iterations = 20;
+};
+int runGemv(const GemvOptions &, const RecordOptions &) { return noCuda("gemv"); }
 struct SparseMlaOptions {
   std::vector<int32_t> batches = {1, 8, 64};
   std::vector<int32_t> heads = {128, 16};
@@ -1039,6 +1111,24 @@ int main(int argc, char **argv) {
       ->check(CLI::PositiveNumber);
   addRecordOptions(moeCommand, record);
   addKernelTimelineOption(moeCommand, kernelTimeline);
+  GemvOptions gemv;
+  CLI::App *gemvCommand = app.add_subcommand(
+      "gemv", "The decode-size linear layer at 1-8 rows on each of its forms (scalar, tensor "
+              "cores), bf16 weights, fp32 activations");
+  gemvCommand->add_option("--rows", gemv.rows, "Rows (tokens) of a call, 1-8")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 8));
+  gemvCommand->add_option("--shapes", gemv.shapes, "Layers as INxOUT (default: Kimi-Linear-48B's)")
+      ->delimiter(',');
+  gemvCommand
+      ->add_option("--layers", gemv.layers,
+                   "Distinct weight matrices per timed graph (0: enough for 256 MB, so "
+                   "none is read from L2)")
+      ->check(CLI::Range(0, 512));
+  gemvCommand->add_option("--iterations", gemv.iterations, "Calls per timing")
+      ->check(CLI::PositiveNumber);
+  addRecordOptions(gemvCommand, record);
+  addKernelTimelineOption(gemvCommand, kernelTimeline);
   IndexerOptions dsaAllIndexer;
   SparseMlaOptions dsaAllSparseMla;
   CLI::App *dsaAll = app.add_subcommand(
@@ -1239,6 +1329,8 @@ int main(int argc, char **argv) {
                               [&] { return runDsaIndexer(indexer, record); });
   if (moeCommand->parsed())
     return withKernelTimeline(kernelTimeline, benchmark, [&] { return runMoe(moe, record); });
+  if (gemvCommand->parsed())
+    return withKernelTimeline(kernelTimeline, benchmark, [&] { return runGemv(gemv, record); });
   if (dsaAll->parsed()) {
     dsaAllIndexer.form = "unfused"; // the form the runtime runs
     dsaAllSparseMla.batches = dsaAllIndexer.batches;

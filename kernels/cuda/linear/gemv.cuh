@@ -40,6 +40,10 @@ inline constexpr int64_t kGemvNarrowMaxIn = 8 * 32; // one 16-byte chunk a lane
 // stay the plain decode's (docs/performance.md, 2026-12-01).
 inline constexpr int32_t kGemvTensorCoreMinRows = 6;
 
+// Which form multiplies a wide layer: Auto follows kGemvTensorCoreMinRows; the others force one
+// (the benchmark compares them at every row count; TensorCores still needs in > 256, % 32).
+enum class GemvForm : int32_t { Auto, Scalar, TensorCores };
+
 struct GemvParams {
   int32_t rows = 0; // 1..kGemvMaxRows
   int64_t in = 0;   // a multiple of 8
@@ -54,6 +58,7 @@ struct GemvParams {
   bool roundInputToBf16 = false; // multiply bf16(x) instead of x
   int32_t batch = 1;             // problems; pointers of problem b advance by b * these
   int64_t xBatchStride = 0, weightBatchStride = 0, yBatchStride = 0;
+  GemvForm form = GemvForm::Auto;
 };
 
 // Whether the kernel takes these shapes, strides and alignments (else use the general path).

@@ -68,7 +68,9 @@ __device__ __forceinline__ void multiplyChunk(const GemvParams &p, const float *
 // in flight a warp (8 KB: one stage computes while the other loads).
 constexpr int kMmaOutputs = 16, kMmaChunk = 32, kMmaStage = 4;
 __host__ __device__ inline bool onTensorCores(const GemvParams &p) {
-  return p.rows >= kGemvTensorCoreMinRows && p.in > kGemvNarrowMaxIn && p.in % kMmaChunk == 0;
+  return p.in > kGemvNarrowMaxIn && p.in % kMmaChunk == 0 &&
+         (p.form == GemvForm::Auto ? p.rows >= kGemvTensorCoreMinRows
+                                   : p.form == GemvForm::TensorCores);
 }
 
 // An output's partial sums of the block's warps added in warp order, stored to (or, with
@@ -320,12 +322,13 @@ bool aligned16(const void *pointer) { return reinterpret_cast<uintptr_t>(pointer
 } // namespace
 
 bool gemvSupports(const GemvParams &p) {
-  return p.rows >= 1 && p.rows <= kGemvMaxRows && p.in > 0 && p.in % 8 == 0 && p.out > 0 &&
-         p.x && p.weight && p.y && p.xStride >= p.in && p.xStride % 4 == 0 &&
-         p.weightStride >= p.in && p.weightStride % 8 == 0 && p.yStride >= p.out &&
-         aligned16(p.x) && aligned16(p.weight) && p.batch >= 1 && p.batch <= 65535 &&
-         p.xBatchStride % 4 == 0 && p.weightBatchStride % 8 == 0 &&
-         (p.out + kOutputsPerBlock - 1) / kOutputsPerBlock <= 0x7fffffff;
+  return p.rows >= 1 && p.rows <= kGemvMaxRows && p.in > 0 && p.in % 8 == 0 && p.out > 0 && p.x &&
+         p.weight && p.y && p.xStride >= p.in && p.xStride % 4 == 0 && p.weightStride >= p.in &&
+         p.weightStride % 8 == 0 && p.yStride >= p.out && aligned16(p.x) && aligned16(p.weight) &&
+         p.batch >= 1 && p.batch <= 65535 && p.xBatchStride % 4 == 0 &&
+         p.weightBatchStride % 8 == 0 &&
+         (p.out + kOutputsPerBlock - 1) / kOutputsPerBlock <= 0x7fffffff &&
+         p.form >= GemvForm::Auto && p.form <= GemvForm::TensorCores;
 }
 
 bool gemvGroupSupports(const GemvParams *members, int32_t count) {
@@ -357,16 +360,22 @@ int launchGemvGroup(const GemvParams *members, int32_t count, cudaStream_t strea
         group.firstBlock[m] + int32_t(narrow ? narrowBlocksOf(members[m]) : blocksOf(members[m]));
   }
   const int32_t rows = members[0].rows;
+  // The tensor-core form is compiled into the 8-row instance only (the others keep their
+  // registers), which also runs fewer rows.
+  bool tensorCores = false;
+  for (int32_t m = 0; m < count; ++m)
+    tensorCores = tensorCores || onTensorCores(members[m]);
   DependentLaunch launch(dim3(unsigned(group.firstBlock[count]), unsigned(members[0].batch)),
                          dim3(kThreads), stream);
   const cudaError_t status =
-      narrow      ? (rows == 1   ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<1>, group)
-                     : rows == 2 ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<2>, group)
-                     : rows <= 4 ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<4>, group)
-                                 : cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<8>, group))
-      : rows == 1 ? cudaLaunchKernelEx(&launch.config, gemvKernel<1>, group)
-      : rows == 2 ? cudaLaunchKernelEx(&launch.config, gemvKernel<2>, group)
-      : rows <= 4 ? cudaLaunchKernelEx(&launch.config, gemvKernel<4>, group)
+      narrow        ? (rows == 1   ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<1>, group)
+                       : rows == 2 ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<2>, group)
+                       : rows <= 4 ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<4>, group)
+                                   : cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<8>, group))
+      : tensorCores ? cudaLaunchKernelEx(&launch.config, gemvKernel<8>, group)
+      : rows == 1   ? cudaLaunchKernelEx(&launch.config, gemvKernel<1>, group)
+      : rows == 2   ? cudaLaunchKernelEx(&launch.config, gemvKernel<2>, group)
+      : rows <= 4   ? cudaLaunchKernelEx(&launch.config, gemvKernel<4>, group)
       : rows < kGemvTensorCoreMinRows
           ? cudaLaunchKernelEx(&launch.config, gemvKernel<kGemvTensorCoreMinRows - 1>, group)
           : cudaLaunchKernelEx(&launch.config, gemvKernel<8>, group);

@@ -1,0 +1,117 @@
+#include "hybrid/kernels/cuda/LinearBench.h"
+
+#include "../common/bench_support.h"
+#include "gemv.cuh"
+#include "hybrid/kernels/cuda/KdaBench.h" // kH200CopyTbPerSecond
+
+#include <algorithm>
+#include <cuda_runtime.h>
+#include <random>
+
+namespace hybrid::kernels::cuda {
+using namespace bench;
+
+namespace {
+constexpr double kMatricesBytes = 256e6; // per timed graph: well past the 50 MB L2
+constexpr int32_t kMostLayers = 512;
+} // namespace
+
+std::vector<GemvBenchResult> benchGemvDecode(const std::vector<int32_t> &rowCounts,
+                                             const std::vector<GemvBenchShape> &shapes,
+                                             int32_t layers, int32_t iterations,
+                                             std::string &error) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    error = "no CUDA device";
+    return {};
+  }
+  for (int32_t rows : rowCounts)
+    if (rows < 1 || rows > kGemvMaxRows) {
+      error = "rows " + std::to_string(rows) + " outside the decode kernel's 1-" +
+              std::to_string(kGemvMaxRows);
+      return {};
+    }
+  std::mt19937 rng(29);
+  std::vector<GemvBenchResult> results;
+  for (const GemvBenchShape &shape : shapes) {
+    if (shape.in <= 0 || shape.in % 8 != 0 || shape.out <= 0) {
+      error = "shape " + std::to_string(shape.in) + "x" + std::to_string(shape.out) +
+              ": in must be a positive multiple of 8, out positive";
+      return {};
+    }
+    const size_t matrix = size_t(shape.in) * size_t(shape.out);
+    const int32_t count =
+        layers > 0
+            ? layers
+            : int32_t(std::clamp<double>(kMatricesBytes / (2.0 * double(matrix)), 2, kMostLayers));
+    DeviceAllocations held; // this shape's buffers
+    // One random matrix copied into every layer's (distinct addresses: no L2 reuse).
+    void *source = held.keep(deviceRandomBf16(matrix, 0.02f, 0.0f, rng, error));
+    if (!source)
+      return {};
+    std::vector<const void *> weights;
+    for (int32_t l = 0; l < count; ++l) {
+      auto *device = held.allocate<uint16_t>(matrix);
+      if (!device ||
+          cudaMemcpy(device, source, matrix * 2, cudaMemcpyDeviceToDevice) != cudaSuccess) {
+        error = "cannot allocate " + std::to_string(count) + " matrices of " +
+                std::to_string(shape.in) + "x" + std::to_string(shape.out);
+        return {};
+      }
+      weights.push_back(device);
+    }
+    const float *x =
+        held.keep(deviceRandom(size_t(kGemvMaxRows) * shape.in, 1.0f, 0.0f, rng, error));
+    float *y = held.allocate<float>(size_t(kGemvMaxRows) * shape.out);
+    if (!x || !y) {
+      error = error.empty() ? "cannot allocate the activations" : error;
+      return {};
+    }
+    const bool wide = shape.in > kGemvNarrowMaxIn && shape.in % 32 == 0;
+    for (int32_t rows : rowCounts)
+      for (GemvForm form : {GemvForm::Scalar, GemvForm::TensorCores}) {
+        if (form == GemvForm::TensorCores && !wide)
+          continue;
+        auto paramsOf = [&](const void *weight) {
+          GemvParams p;
+          p.rows = rows;
+          p.in = shape.in;
+          p.out = shape.out;
+          p.x = x;
+          p.xStride = shape.in;
+          p.weight = weight;
+          p.weightStride = shape.in;
+          p.y = y;
+          p.yStride = shape.out;
+          p.form = form;
+          return p;
+        };
+        const double microseconds = graphMicroseconds(iterations, [&](cudaStream_t s) {
+          for (const void *weight : weights)
+            if (int status = launchGemv(paramsOf(weight), s))
+              return status;
+          return 0;
+        });
+        if (microseconds < 0) {
+          error = "the GEMV launch failed for " + std::to_string(rows) + " rows of " +
+                  std::to_string(shape.in) + "x" + std::to_string(shape.out);
+          return {};
+        }
+        GemvBenchResult r;
+        r.rows = rows;
+        r.in = shape.in;
+        r.out = shape.out;
+        r.form = form == GemvForm::Scalar ? "scalar" : "tensor-cores";
+        r.automatic = (form == GemvForm::TensorCores) == (wide && rows >= kGemvTensorCoreMinRows);
+        r.layers = count;
+        r.microseconds = microseconds / count;
+        r.weightBytes = 2.0 * double(matrix);
+        r.terabytesPerSecond = r.weightBytes / (r.microseconds * 1e-6) / 1e12;
+        r.copyShare = r.terabytesPerSecond / kH200CopyTbPerSecond;
+        results.push_back(r);
+      }
+  }
+  return results;
+}
+
+} // namespace hybrid::kernels::cuda
