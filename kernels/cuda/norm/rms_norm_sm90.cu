@@ -17,8 +17,11 @@ namespace {
 constexpr int kThreads = 256;
 // Rows of up to 4096 values (Kimi-Linear's) or 8192 (DeepSeek-V3.2's 7168: in the loop kernel
 // below they were 28 dependent L2 round trips, 22 us a decode norm on the H200). Both sizes
-// sum as the loop kernel does, so a row's bits do not depend on which one runs.
+// sum as the loop kernel does, so a row's bits do not depend on which one runs. The long form
+// takes ~140 registers, one block an SM: it is for decode's few rows (a latency), while a
+// prefill's many rows stream through the loop kernel's eight blocks an SM.
 constexpr int kCachedPerThread = 16, kLongCachedPerThread = 32;
+constexpr int64_t kLongCachedMostRows = 64;
 
 template <int kCachedPerThread>
 __global__ void __launch_bounds__(kThreads) rmsNormCachedKernel(RmsNormParams p) {
@@ -151,7 +154,7 @@ int launchRmsNorm(const RmsNormParams &params, void *stream) {
   const cudaError_t status =
       params.dim <= int64_t(kThreads) * kCachedPerThread
           ? cudaLaunchKernelEx(&launch.config, rmsNormCachedKernel<kCachedPerThread>, params)
-      : params.dim <= int64_t(kThreads) * kLongCachedPerThread
+      : params.dim <= int64_t(kThreads) * kLongCachedPerThread && params.rows <= kLongCachedMostRows
           ? cudaLaunchKernelEx(&launch.config, rmsNormCachedKernel<kLongCachedPerThread>, params)
           : cudaLaunchKernelEx(&launch.config, rmsNormKernel, params);
   return static_cast<int>(status != cudaSuccess ? status : cudaGetLastError());

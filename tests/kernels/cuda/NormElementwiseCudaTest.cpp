@@ -114,6 +114,41 @@ TEST(RmsNormCuda, SecondAddendGivesTheTwoAddsBits) {
   }
 }
 
+// DeepSeek-V3.2's 7168-wide rows: a decode's few rows run the register-cached form, a prefill's
+// many the loop kernel; a row gets the same bits from either (sums and outputs).
+TEST(RmsNormCuda, LongRowsGiveTheSameBitsCachedOrLooped) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  const int64_t dim = 7168, many = 100, few = 3;
+  std::mt19937 rng(71);
+  const size_t n = size_t(many * dim);
+  const std::vector<float> x = random(n, rng, 2.0f), addend = random(n, rng, 1.0f),
+                           weight = random(size_t(dim), rng, 0.1f, 1.0f);
+  DeviceBuffer<float> dX(x), dAddend(addend), dWeight(weight);
+  std::vector<float> sums[2], outputs[2];
+  for (const int64_t rows : {many, few}) {
+    DeviceBuffer<float> dSum{std::vector<float>(n)}, dY{std::vector<float>(n)};
+    cuda::RmsNormParams p;
+    p.rows = rows;
+    p.dim = dim;
+    p.epsilon = 1e-6f;
+    p.x = dX.data;
+    p.addend = dAddend.data;
+    p.sum = dSum.data;
+    p.weight = dWeight.data;
+    p.y = dY.data;
+    ASSERT_EQ(cuda::launchRmsNorm(p, nullptr), 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<float> sum = dSum.download(), y = dY.download();
+    sum.resize(size_t(few * dim));
+    y.resize(size_t(few * dim));
+    sums[rows == few] = sum;
+    outputs[rows == few] = y;
+  }
+  EXPECT_EQ(differingBits(sums[1], sums[0]), 0u);
+  EXPECT_EQ(differingBits(outputs[1], outputs[0]), 0u);
+}
+
 TEST(RmsNormCudaErrors, RejectsBadShapes) {
   cuda::RmsNormParams p;
   float dummy = 0;
