@@ -147,12 +147,16 @@ kc::LinearParams CudaExecutor::Impl::linearParams(StreamResources &r, const Gemm
   return p;
 }
 
-bool CudaExecutor::Impl::runsOnDecodeGemv(StreamResources &r, const GemmCall &c,
-                                          int64_t rows) const {
+bool CudaExecutor::Impl::groupable(const StreamResources &r, const GemmCall &c,
+                                   int64_t rows) const {
   return weightTypes[static_cast<size_t>(c.weightIndex)] == fb::DType::BF16 &&
          static_cast<size_t>(rows * c.in) <= r.sizes.xBf16Elements &&
-         static_cast<size_t>(rows * c.out) <= r.sizes.gemmOutputs &&
-         r.linear.runsDecodeKernel(linearParams(r, c, rows));
+         static_cast<size_t>(rows * c.out) <= r.sizes.gemmOutputs;
+}
+
+bool CudaExecutor::Impl::runsOnDecodeGemv(StreamResources &r, const GemmCall &c,
+                                          int64_t rows) const {
+  return groupable(r, c, rows) && r.linear.runsDecodeKernel(linearParams(r, c, rows));
 }
 
 Status CudaExecutor::Impl::gemmGroup(StreamResources &r, std::span<const GemmCall> calls,
@@ -161,9 +165,7 @@ Status CudaExecutor::Impl::gemmGroup(StreamResources &r, std::span<const GemmCal
   kc::LinearParams members[kc::kLinearMaxGroup];
   for (size_t i = 0; i < calls.size() && grouped; ++i) {
     const GemmCall &c = calls[i];
-    grouped = weightTypes[static_cast<size_t>(c.weightIndex)] == fb::DType::BF16 &&
-              static_cast<size_t>(rows * c.in) <= r.sizes.xBf16Elements &&
-              static_cast<size_t>(rows * c.out) <= r.sizes.gemmOutputs;
+    grouped = groupable(r, c, rows);
     members[i] = linearParams(r, c, rows);
   }
   if (calls.empty())

@@ -412,6 +412,8 @@ struct CudaExecutor::Impl {
   // outputs bit-identical to gemm's), else gemm each in turn. A launch-level grouping inside
   // the dispatch: each launch costs a few microseconds of latency in a decode step.
   Status gemmGroup(StreamResources &resources, std::span<const GemmCall> calls, int64_t rows);
+  // A bf16 call within the scratch planned at load: gemmGroup may launch it with others.
+  bool groupable(const StreamResources &resources, const GemmCall &call, int64_t rows) const;
   // A call of `rows` as gemmGroup hands it to the linear context.
   kc::LinearParams linearParams(StreamResources &resources, const GemmCall &call,
                                 int64_t rows) const;
