@@ -67,12 +67,9 @@ std::vector<GemvBenchResult> benchGemvDecode(const std::vector<int32_t> &rowCoun
       error = error.empty() ? "cannot allocate the activations" : error;
       return {};
     }
-    const bool wide = shape.in > kGemvNarrowMaxIn && shape.in % 32 == 0;
     for (int32_t rows : rowCounts)
       for (GemvForm form : {GemvForm::Scalar, GemvForm::TensorCores}) {
-        if (form == GemvForm::TensorCores && !wide)
-          continue;
-        auto paramsOf = [&](const void *weight) {
+        auto paramsOf = [&](const void *weight, GemvForm asked) {
           GemvParams p;
           p.rows = rows;
           p.in = shape.in;
@@ -83,12 +80,18 @@ std::vector<GemvBenchResult> benchGemvDecode(const std::vector<int32_t> &rowCoun
           p.weightStride = shape.in;
           p.y = y;
           p.yStride = shape.out;
-          p.form = form;
+          p.form = asked;
           return p;
         };
+        // The kernel's own rule: which forms the shape takes, which one a call picks itself.
+        const bool tensorCores = gemvOnTensorCores(paramsOf(weights[0], form));
+        if (form == GemvForm::TensorCores && !tensorCores)
+          continue;
+        const bool automatic =
+            gemvOnTensorCores(paramsOf(weights[0], GemvForm::Auto)) == tensorCores;
         const double microseconds = graphMicroseconds(iterations, [&](cudaStream_t s) {
           for (const void *weight : weights)
-            if (int status = launchGemv(paramsOf(weight), s))
+            if (int status = launchGemv(paramsOf(weight, form), s))
               return status;
           return 0;
         });
@@ -102,7 +105,7 @@ std::vector<GemvBenchResult> benchGemvDecode(const std::vector<int32_t> &rowCoun
         r.in = shape.in;
         r.out = shape.out;
         r.form = form == GemvForm::Scalar ? "scalar" : "tensor-cores";
-        r.automatic = (form == GemvForm::TensorCores) == (wide && rows >= kGemvTensorCoreMinRows);
+        r.automatic = automatic;
         r.layers = count;
         r.microseconds = microseconds / count;
         r.weightBytes = 2.0 * double(matrix);

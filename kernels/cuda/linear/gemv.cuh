@@ -63,6 +63,8 @@ struct GemvParams {
 
 // Whether the kernel takes these shapes, strides and alignments (else use the general path).
 bool gemvSupports(const GemvParams &params);
+// Whether a launch of these params multiplies on tensor cores (its form, rows and width).
+bool gemvOnTensorCores(const GemvParams &params);
 // 0 or a cudaError_t; cudaErrorInvalidValue when !gemvSupports(params).
 int launchGemv(const GemvParams &params, cudaStream_t stream);
 

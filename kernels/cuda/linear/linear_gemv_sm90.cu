@@ -331,6 +331,8 @@ bool gemvSupports(const GemvParams &p) {
          p.form >= GemvForm::Auto && p.form <= GemvForm::TensorCores;
 }
 
+bool gemvOnTensorCores(const GemvParams &p) { return onTensorCores(p); }
+
 bool gemvGroupSupports(const GemvParams *members, int32_t count) {
   if (!members || count < 1 || count > kGemvMaxGroup)
     return false;
