@@ -73,10 +73,15 @@ __device__ inline void convolveAndShift(const KdaDecodeParams &p, int sequence, 
   }
 }
 
+// A key channel's forget gate as a decay factor exp(g), from its logit, dt bias and A_log.
+__device__ inline float channelDecay(float forgetLogit, float dtBias, float aLog,
+                                     const KdaLayerWeights &w) {
+  return forgetDecay(forgetLogit + dtBias, __expf(aLog), w);
+}
 // The forget gate of key channel `channel` as a decay factor exp(g).
 __device__ inline float decayOf(const KdaDecodeParams &p, int sequence, int head, int channel) {
-  const float f = p.forget[size_t(sequence) * p.heads * p.headDim + channel] + p.weights.dtBias[channel];
-  return forgetDecay(f, __expf(p.weights.aLog[head]), p.weights);
+  return channelDecay(p.forget[size_t(sequence) * p.heads * p.headDim + channel],
+                      p.weights.dtBias[channel], p.weights.aLog[head], p.weights);
 }
 
 // The fused kernel's low-rank gates (KdaDecodeParams::forgetLowRank, gateLowRank): the head's
@@ -197,7 +202,7 @@ __global__ void __launch_bounds__(kDim *kSplit) kdaFusedDecodeKernel(KdaDecodePa
     query[v] = qkv[0] * qNorm * rsqrtf(float(kDim));
     key[v] = qkv[1] * kNorm;
     // the forget gate of key channel v, as a decay factor
-    decay[v] = forgetDecay(forgetLogit + dtBias, __expf(aLog), p.weights);
+    decay[v] = channelDecay(forgetLogit, dtBias, aLog, p.weights);
   }
   __syncthreads();
 
