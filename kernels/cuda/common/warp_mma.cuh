@@ -93,6 +93,14 @@ __device__ inline void mmaE4m3(float (&d)[4], const uint32_t (&a)[4], const uint
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
 }
 
+// d += a * b, the fragments as mmaE4m3's.
+__device__ inline void mmaE4m3Add(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, "
+               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // The (row, column) of accumulator element e (0..3) of this lane within its 16x8 tile.
 __device__ inline int accRow(int e) { return (threadIdx.x % 32) / 4 + (e >= 2 ? 8 : 0); }
 __device__ inline int accColumn(int e) { return 2 * (threadIdx.x % 4) + (e & 1); }

@@ -6,6 +6,7 @@
 // rows a small kernel adds to (or copies into) y.
 #include "../common/fp8_quant.cuh"
 #include "cublaslt_support.cuh"
+#include "fp8_gemv.cuh"
 #include "hybrid/kernels/cuda/Linear.h"
 
 #include <algorithm>
@@ -245,6 +246,15 @@ int LinearContext::fp8Gemm(const LinearFp8Params &p, bool quantize, void *stream
     return cudaErrorInvalidValue;
   if (int code = checkFp8Problem(p, quantize))
     return code;
+  // Decode rows: the quantizer, then the decode kernel on tensor cores (fp8_gemv.cuh), not
+  // cuBLASLt's 16-row GEMM, its split-K reduction and the copy-out.
+  if (decodeKernel_ && fp8GemvSupports(p)) {
+    if (quantize)
+      if (int code = quantizeFp8Activations(p.x, p.xStride, p.rows, p.in, p.activationScale,
+                                            p.scratch, stream))
+        return code;
+    return launchFp8Gemv(p, static_cast<cudaStream_t>(stream));
+  }
   const int64_t weightStride = p.weightStride ? p.weightStride : p.in;
   const int64_t yStride = p.yStride ? p.yStride : p.out;
   const int64_t paddedRows = linearFp8PaddedRows(p.rows);

@@ -387,7 +387,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearFp8ExactCuda,
                                          GemmShape{4, 512, 384, 0, 0, 8, true},
                                          GemmShape{3, 96, 96, 0, 0, 0, false},
                                          GemmShape{4, 384, 256, 0, 0, 0, false},
-                                         GemmShape{17, 256, 132, 0, 16, 4, true}),
+                                         GemmShape{17, 256, 132, 0, 16, 4, true},
+                                         // the decode kernel (<= 8 rows, in % 128 == 0): a
+                                         // partial last block of 16 outputs, strides, adding
+                                         GemmShape{8, 1024, 264, 0, 16, 4, true}),
                          gemmName);
 
 // ---- (b) the fused path on realistic data
@@ -478,8 +481,41 @@ INSTANTIATE_TEST_SUITE_P(
                     GemmShape{40, 96, 192, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
                     GemmShape{40, 96, 256, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
                     GemmShape{40, 256, 64, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
-                    GemmShape{40, 128, 256, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0}),
+                    GemmShape{40, 128, 256, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
+                    // The decode kernel at DeepSeek-V3.2's widths: q_a, kv_a, q_b.
+                    GemmShape{5, 7168, 1536, 0, 0, 0, true},
+                    GemmShape{8, 7168, 576, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
+                    GemmShape{2, 1536, 3072, 4, 16, 0, false}),
     gemmName);
+
+// The decode kernel (rows <= 8): a row's outputs have the same bits whatever rows share the
+// call, as a decode step and a speculation pass of the same token must.
+TEST(LinearFp8Cuda, DecodeRowsGiveTheSameBitsWhateverTheRowsOfTheCall) {
+  if (!gpuPresent())
+    GTEST_SKIP() << "no CUDA device";
+  const int64_t in = 1536, out = 528;
+  std::mt19937 rng(41);
+  const std::vector<float> x = tiledActivations(8, in, in, rng, -2.0f, 2.0f);
+  Fp8Weight w = makeWeight(out, in, in);
+  for (uint8_t &code : w.codes)
+    code = ref::floatToE4M3(std::normal_distribution<float>(0.0f, 1.0f)(rng));
+  for (float &scale : w.scales)
+    scale = std::exp2(std::uniform_real_distribution<float>(-8.0f, -4.0f)(rng));
+  std::vector<float> firstRow[2];
+  for (const int64_t rows : {int64_t(8), int64_t(1)}) {
+    const GemmShape s{rows, in, out, 0, 0, 0, false};
+    Buffers b(x, w, std::vector<float>(size_t(8 * out)),
+              std::vector<uint8_t>(cuda::linearFp8ScratchBytes(rows, in, out)));
+    cuda::LinearContext context;
+    ASSERT_EQ(context.init(), 0);
+    const int code = context.runFp8(paramsFor(s, b), nullptr);
+    ASSERT_EQ(code, 0) << gemmFailure(s, code);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    firstRow[rows == 1] = b.y.download();
+    firstRow[rows == 1].resize(size_t(out));
+  }
+  EXPECT_EQ(differingBits(firstRow[1], firstRow[0]), 0u);
+}
 
 // ---- (c) rejected problems
 
