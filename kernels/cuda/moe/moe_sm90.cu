@@ -221,13 +221,13 @@ template <> __device__ inline float2 pairAt<uint8_t>(const uint8_t *row, int i) 
 
 // row . v over `width` values (even), lanes over value pairs. For FP8 rows `scales` holds the
 // row's block scales, one per 128 columns: each weight is its code times its block's scale.
-// kUnroll puts that many of a lane's loads in flight together; the sum still runs in i order.
-template <typename T, int kUnroll = 1>
+// kUnroll > 0 puts that many of a lane's loads in flight together (0: the compiler's choice,
+// which `#pragma unroll 1` would forbid); the sum runs in i order either way.
+template <typename T, int kUnroll = 0>
 __device__ inline float rowDot(const T *row, const float *v, int width, int lane,
                                const float *scales = nullptr) {
   float sum = 0.0f;
-#pragma unroll kUnroll
-  for (int i = lane; i < width / 2; i += 32) {
+  auto add = [&](int i) {
     float2 w = pairAt(row, i);
     if constexpr (sizeof(T) == 1) {
       const float scale = scales[2 * i / 128];
@@ -236,6 +236,14 @@ __device__ inline float rowDot(const T *row, const float *v, int width, int lane
     }
     sum = fmaf(w.x, v[2 * i], sum);
     sum = fmaf(w.y, v[2 * i + 1], sum);
+  };
+  if constexpr (kUnroll > 0) {
+#pragma unroll kUnroll
+    for (int i = lane; i < width / 2; i += 32)
+      add(i);
+  } else {
+    for (int i = lane; i < width / 2; i += 32)
+      add(i);
   }
   return warpSum(sum);
 }
@@ -293,7 +301,7 @@ __global__ void __launch_bounds__(kThreads) gateUpKernel(MoeExpertsParams p, flo
   // FP8 rows of DeepSeek-V3.2's width (7168: 112 two-byte loads a lane) ran at ~1 TB/s with one
   // load in flight: unrolled by 8, 241 -> 163 us a layer at batch 1 (H200). bf16 rows and the
   // short down rows measured slower unrolled, so they keep the plain loop.
-  constexpr int kUnroll = sizeof(T) == 1 ? 8 : 1;
+  constexpr int kUnroll = sizeof(T) == 1 ? 8 : 0;
   const float g = rowDot<T, kUnroll>(gate, x, p.hidden, lane, gateScales);
   const float u = rowDot<T, kUnroll>(up, x, p.hidden, lane, upScales);
   if (lane == 0)
