@@ -9,6 +9,7 @@
 #include "../common/device_setup.cuh"
 #include "../common/fp8_quant.cuh"
 #include "../common/warp_mma.cuh" // cp.async
+#include "../linear/gemv_arithmetic.cuh"
 #include "hybrid/kernels/cuda/Moe.h"
 #include "moe_combine.cuh"
 
@@ -248,9 +249,21 @@ __device__ inline float rowDot(const T *row, const float *v, int width, int lane
   return warpSum(sum);
 }
 
-// The FP8 GEMM's activation rounding of v[0, width) in shared memory, in place: per 128 values
-// (a warp each) the tile scale by `rule`, then each value to the E4M3 code of v / scale and back
-// times scale, as ref::quantizeFp8Tiles then dequantizeFp8Tiles.
+// The FP8 GEMM's activation rounding: a 128-value tile's scale by `rule` from its largest
+// magnitude, then each value to the E4M3 code of value / scale and back times scale, as
+// ref::quantizeFp8Tiles then dequantizeFp8Tiles.
+__device__ inline float fp8TileScaleOf(float amax, Fp8ActivationScale rule) {
+  return quant::fp8TileScale(amax, rule == Fp8ActivationScale::DeepSeekLinear
+                                       ? quant::Fp8Rule::DeepSeekLinear
+                                       : quant::Fp8Rule::DeepSeekUe8m0);
+}
+__device__ inline float fp8TileRounded(float value, float scale) {
+  const __half_raw code =
+      __nv_cvt_fp8_to_halfraw(quant::floatToE4M3(__fdiv_rn(value, scale)), __NV_E4M3);
+  return __half2float(__half(code)) * scale;
+}
+
+// v[0, width) in shared memory rounded in place, a warp a tile.
 __device__ inline void roundFp8Tiles(float *v, int width, Fp8ActivationScale rule) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int first = warp * 128; first < width; first += kWarps * 128) {
@@ -259,15 +272,114 @@ __device__ inline void roundFp8Tiles(float *v, int width, Fp8ActivationScale rul
       amax = fmaxf(amax, fabsf(v[first + i]));
     for (int offset = 16; offset > 0; offset /= 2)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = quant::fp8TileScale(amax, rule == Fp8ActivationScale::DeepSeekLinear
-                                                       ? quant::Fp8Rule::DeepSeekLinear
-                                                       : quant::Fp8Rule::DeepSeekUe8m0);
-    for (int i = lane; i < 128 && first + i < width; i += 32) {
-      const __half_raw code = __nv_cvt_fp8_to_halfraw(quant::floatToE4M3(__fdiv_rn(v[first + i], scale)),
-                                                      __NV_E4M3);
-      v[first + i] = __half2float(__half(code)) * scale;
+    const float scale = fp8TileScaleOf(amax, rule);
+    for (int i = lane; i < 128 && first + i < width; i += 32)
+      v[first + i] = fp8TileRounded(v[first + i], scale);
+  }
+}
+
+// FP8 rows of whole 16-byte chunks (DeepSeek-V3.2's 7168 and 2048): lane l loads chunks l,
+// l + 32, ... whole (16 codes under one block scale), where a load a 2-byte pair ran the FP8
+// experts at 1.2-1.4 TB/s (H200, batch 1). The vector sits in shared memory chunk-interleaved,
+// value 16 c + 4 q + r at float4 (4 (c / 32) + q) 32 + c % 32, element r: a warp's float4 reads
+// of quarter q of its 32 chunks are 512 adjacent bytes, free of bank conflicts (in natural order
+// lanes 64 bytes apart would share banks four ways).
+constexpr int kFp8Chunk = 16;
+__device__ inline int interleavedIndex(int n) {
+  const int c = n / kFp8Chunk, q = n % kFp8Chunk / 4, r = n % 4;
+  return ((c / 32 * 4 + q) * 32 + c % 32) * 4 + r;
+}
+
+// source[0, width) (global) rounded as roundFp8Tiles rounds, each value to its interleaved place
+// in v (shared), a warp a tile.
+__device__ inline void loadRoundedInterleaved(const float *source, float *v, int width,
+                                              Fp8ActivationScale rule) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int first = warp * 128; first < width; first += kWarps * 128) {
+    float values[4];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int n = first + lane + 32 * i;
+      values[i] = n < width ? source[n] : 0.0f;
+      amax = fmaxf(amax, fabsf(values[i]));
+    }
+    for (int offset = 16; offset > 0; offset /= 2)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const float scale = fp8TileScaleOf(amax, rule);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int n = first + lane + 32 * i;
+      if (n < width)
+        v[interleavedIndex(n)] = fp8TileRounded(values[i], scale);
     }
   }
+}
+
+__device__ inline float2 fp8PairToFloat2(uint32_t pair) {
+  const __half2_raw halves =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
+  return __half22float2(*reinterpret_cast<const __half2 *>(&halves));
+}
+
+// row . v for an FP8 row of width / 16 chunks and an interleaved v: each weight its code times
+// its block's scale (as rowDot), a lane's chunks in order, each chunk's values in order, with
+// fmaf from zero, then warpSum. Rows 16-byte aligned (the archive's pages, and width % 16 == 0).
+__device__ inline float fp8ChunkRowDot(const uint8_t *row, const float *v, int width, int lane,
+                                       const float *scales) {
+  const auto *quarters = reinterpret_cast<const float4 *>(v);
+  float sum = 0.0f;
+#pragma unroll 4
+  for (int c = lane; c < width / kFp8Chunk; c += 32) {
+    const uint4 codes = gemv_arithmetic::loadStreaming(row + size_t(c) * kFp8Chunk);
+    const float scale = scales[c * kFp8Chunk / 128];
+    const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 x = quarters[(c / 32 * 4 + q) * 32 + lane];
+      const float2 low = fp8PairToFloat2(words[q] & 0xffffu),
+                   high = fp8PairToFloat2(words[q] >> 16);
+      sum = fmaf(low.x * scale, x.x, sum);
+      sum = fmaf(low.y * scale, x.y, sum);
+      sum = fmaf(high.x * scale, x.z, sum);
+      sum = fmaf(high.y * scale, x.w, sum);
+    }
+  }
+  return warpSum(sum);
+}
+
+// A block's copy of the vector its rows multiply (x for gate/up, h for down) in shared memory:
+// as it is for bf16 and fp32 rows; for FP8 rows rounded per 128-value tile as the FP8 GEMM
+// rounds its activations, interleaved for fp8ChunkRowDot when the width is whole chunks.
+// Returns whether interleaved (the same for every block of a launch).
+template <typename T>
+__device__ inline bool loadVector(const float *source, float *v, int width,
+                                  Fp8ActivationScale rule) {
+  if constexpr (sizeof(T) == 1) {
+    if (width % kFp8Chunk == 0) {
+      loadRoundedInterleaved(source, v, width, rule);
+      __syncthreads();
+      return true;
+    }
+  }
+  for (int i = threadIdx.x; i < width; i += kThreads)
+    v[i] = source[i];
+  __syncthreads();
+  if constexpr (sizeof(T) == 1) {
+    roundFp8Tiles(v, width, rule);
+    __syncthreads();
+  }
+  return false;
+}
+
+// row . v as loadVector left v: fp8ChunkRowDot when interleaved, else rowDot.
+template <typename T, int kUnroll = 0>
+__device__ inline float vectorDot(const T *row, const float *v, bool interleaved, int width,
+                                  int lane, const float *scales) {
+  if constexpr (sizeof(T) == 1)
+    if (interleaved)
+      return fp8ChunkRowDot(row, v, width, lane, scales);
+  return rowDot<T, kUnroll>(row, v, width, lane, scales);
 }
 
 // Block (token-slot, 8 rows of the intermediate): h = silu(gate x) * up x.
@@ -280,13 +392,8 @@ __global__ void __launch_bounds__(kThreads) gateUpKernel(MoeExpertsParams p, flo
   const int expert = p.ids[slot];
   if (!expertHeld(p, expert)) // the whole block: an invalid or absent expert adds nothing
     return;
-  for (int i = threadIdx.x; i < p.hidden; i += kThreads)
-    x[i] = p.x[size_t(token) * p.hidden + i];
-  __syncthreads();
-  if constexpr (sizeof(T) == 1) {
-    roundFp8Tiles(x, p.hidden, p.activationScale);
-    __syncthreads();
-  }
+  const bool interleaved =
+      loadVector<T>(p.x + size_t(token) * p.hidden, x, p.hidden, p.activationScale);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = int(blockIdx.y) * kWarps + warp;
   if (row >= p.intermediate)
@@ -298,12 +405,11 @@ __global__ void __launch_bounds__(kThreads) gateUpKernel(MoeExpertsParams p, flo
     gateScales = p.gateScales[expert] + size_t(row / 128) * p.gateScaleStride;
     upScales = p.upScales[expert] + size_t(row / 128) * p.gateScaleStride;
   }
-  // FP8 rows of DeepSeek-V3.2's width (7168: 112 two-byte loads a lane) ran at ~1 TB/s with one
-  // load in flight: unrolled by 8, 241 -> 163 us a layer at batch 1 (H200). bf16 rows and the
-  // short down rows measured slower unrolled, so they keep the plain loop.
+  // FP8 rows not of whole chunks: 2-byte loads, unrolled by 8 to keep several in flight (7168
+  // wide: 241 -> 163 us a layer at batch 1, H200); bf16 rows measured slower unrolled.
   constexpr int kUnroll = sizeof(T) == 1 ? 8 : 0;
-  const float g = rowDot<T, kUnroll>(gate, x, p.hidden, lane, gateScales);
-  const float u = rowDot<T, kUnroll>(up, x, p.hidden, lane, upScales);
+  const float g = vectorDot<T, kUnroll>(gate, x, interleaved, p.hidden, lane, gateScales);
+  const float u = vectorDot<T, kUnroll>(up, x, interleaved, p.hidden, lane, upScales);
   if (lane == 0)
     h[size_t(slot) * p.intermediate + row] = gatedActivationValue(p.activation, g, u);
 }
@@ -318,13 +424,8 @@ __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const
   const int slot = blockIdx.x, expert = p.ids[slot];
   if (!expertHeld(p, expert)) // the whole block; gateUpKernel wrote no h for it
     return;
-  for (int i = threadIdx.x; i < p.intermediate; i += kThreads)
-    hs[i] = h[size_t(slot) * p.intermediate + i];
-  __syncthreads();
-  if constexpr (sizeof(T) == 1) {
-    roundFp8Tiles(hs, p.intermediate, p.activationScale);
-    __syncthreads();
-  }
+  const bool interleaved =
+      loadVector<T>(h + size_t(slot) * p.intermediate, hs, p.intermediate, p.activationScale);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = int(blockIdx.y) * kWarps + warp;
   if (row >= p.hidden)
@@ -333,7 +434,7 @@ __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const
   const float *scales = nullptr;
   if constexpr (sizeof(T) == 1)
     scales = p.downScales[expert] + size_t(row / 128) * p.downScaleStride;
-  const float v = rowDot(down, hs, p.intermediate, lane, scales);
+  const float v = vectorDot(down, hs, interleaved, p.intermediate, lane, scales);
   if (lane == 0)
     y[size_t(slot) * p.hidden + row] = v;
 }
@@ -715,7 +816,16 @@ unsigned gridFor(int64_t n) {
   return unsigned(std::min<int64_t>(std::max<int64_t>(1, (n + kThreads - 1) / kThreads), 8192));
 }
 
+// The floats of a block's vector in shared memory (loadVector): for FP8 rows of whole chunks,
+// whole interleaved groups of 32 chunks (a width of 384 places values up to 479).
+template <typename T> size_t vectorFloats(int width) {
+  constexpr int kGroup = 32 * kFp8Chunk; // kMoeMaxHidden is whole groups
+  return sizeof(T) == 1 && width % kFp8Chunk == 0 ? size_t((width + kGroup - 1) / kGroup) * kGroup
+                                                  : size_t(width);
+}
+
 template <typename T> int launchPerToken(const MoeExpertsParams &p, cudaStream_t stream) {
+  static_assert(kMoeMaxHidden % (32 * kFp8Chunk) == 0, "vectorFloats stays within the limit");
   const DeviceSetup setup = deviceSetup([] {
     const int limit = kMoeMaxHidden * int(sizeof(float));
     cudaError_t status = cudaFuncSetAttribute(gateUpKernel<T>,
@@ -734,13 +844,13 @@ template <typename T> int launchPerToken(const MoeExpertsParams &p, cudaStream_t
   const unsigned slots = unsigned(p.tokens * p.topK);
   DependentLaunch gateUp(dim3(slots, unsigned((p.intermediate + kWarps - 1) / kWarps)),
                          dim3(kThreads), stream);
-  gateUp.config.dynamicSmemBytes = size_t(p.hidden) * sizeof(float);
+  gateUp.config.dynamicSmemBytes = vectorFloats<T>(p.hidden) * sizeof(float);
   cudaError_t status = cudaLaunchKernelEx(&gateUp.config, gateUpKernel<T>, p, h);
   if (status != cudaSuccess)
     return int(status);
   DependentLaunch down(dim3(slots, unsigned((p.hidden + kWarps - 1) / kWarps)), dim3(kThreads),
                        stream);
-  down.config.dynamicSmemBytes = size_t(p.intermediate) * sizeof(float);
+  down.config.dynamicSmemBytes = vectorFloats<T>(p.intermediate) * sizeof(float);
   status = cudaLaunchKernelEx(&down.config, downKernel<T>, p, static_cast<const float *>(h), y);
   if (status != cudaSuccess)
     return int(status);

@@ -299,61 +299,71 @@ TEST(MoeExpertsCuda, Fp8ExpertsMatchReference) {
   if (!gpuPresent())
     GTEST_SKIP() << "no CUDA device";
   std::mt19937 rng(5);
-  const int tokens = 3, hidden = 384, inner = 192, experts = 6, topK = 2;
-  const std::vector<float> x = random(size_t(tokens) * hidden, rng, 1.0f);
-  using Matrix = Fp8Matrix;
-  auto makeMatrix = [&](int rows, int cols) { return randomFp8Matrix(rows, cols, rng); };
-  std::vector<Matrix> matrices;
-  for (int e = 0; e < experts; ++e) {
-    matrices.push_back(makeMatrix(inner, hidden)); // gate
-    matrices.push_back(makeMatrix(inner, hidden)); // up
-    matrices.push_back(makeMatrix(hidden, inner)); // down
-  }
-  const std::vector<int32_t> ids = {4, 1, 0, 5, 2, 4};
-  const std::vector<float> weights = {0.7f, 0.3f, 0.5f, 0.5f, 0.9f, 0.1f};
-  for (auto rule : {cuda::Fp8ActivationScale::DeepSeekUe8m0, cuda::Fp8ActivationScale::DeepSeekLinear}) {
-    const ref::Fp8ScaleRule refRule = rule == cuda::Fp8ActivationScale::DeepSeekUe8m0
-                                          ? ref::Fp8ScaleRule::DeepSeekUe8m0
-                                          : ref::Fp8ScaleRule::DeepSeekLinear;
-    std::vector<ref::SwiGluWeights> reference;
-    for (int e = 0; e < experts; ++e)
-      reference.push_back({matrices[size_t(3 * e)].values, matrices[size_t(3 * e + 1)].values,
-                           matrices[size_t(3 * e + 2)].values, hidden, inner, refRule});
-    std::vector<float> expected(size_t(tokens) * hidden);
-    ref::moeExperts(x, tokens, hidden, ids, weights, topK, reference, {}, expected);
-
-    std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> codes;
-    std::vector<std::unique_ptr<DeviceBuffer<float>>> scales;
-    std::vector<uint64_t> pointers[3], scalePointers[3];
-    for (size_t m = 0; m < matrices.size(); ++m) {
-      codes.push_back(std::make_unique<DeviceBuffer<uint8_t>>(matrices[m].codes));
-      scales.push_back(std::make_unique<DeviceBuffer<float>>(matrices[m].padded));
-      pointers[m % 3].push_back(reinterpret_cast<uint64_t>(codes.back()->data));
-      scalePointers[m % 3].push_back(reinterpret_cast<uint64_t>(scales.back()->data));
+  // Widths of whole 16-byte chunks (the kernels' chunked form: fewer chunks than lanes, several
+  // chunks a lane with a partial last tile) and not (2-byte pairs).
+  struct Shape {
+    int hidden, inner;
+  };
+  for (Shape shape : {Shape{384, 192}, Shape{1040, 528}, Shape{392, 200}}) {
+    SCOPED_TRACE("hidden " + std::to_string(shape.hidden) + " inner " +
+                 std::to_string(shape.inner));
+    const int tokens = 3, hidden = shape.hidden, inner = shape.inner, experts = 6, topK = 2;
+    const std::vector<float> x = random(size_t(tokens) * hidden, rng, 1.0f);
+    using Matrix = Fp8Matrix;
+    auto makeMatrix = [&](int rows, int cols) { return randomFp8Matrix(rows, cols, rng); };
+    std::vector<Matrix> matrices;
+    for (int e = 0; e < experts; ++e) {
+      matrices.push_back(makeMatrix(inner, hidden)); // gate
+      matrices.push_back(makeMatrix(inner, hidden)); // up
+      matrices.push_back(makeMatrix(hidden, inner)); // down
     }
-    DeviceBuffer<uint64_t> gate(pointers[0]), up(pointers[1]), down(pointers[2]);
-    DeviceBuffer<uint64_t> gateScales(scalePointers[0]), upScales(scalePointers[1]),
-        downScales(scalePointers[2]);
-    DeviceBuffer<float> dX(x), dWeights(weights), dOut{std::vector<float>(expected.size())};
-    DeviceBuffer<int32_t> dIds(ids);
-    DeviceBuffer<uint8_t> dWorkspace{
-        std::vector<uint8_t>(cuda::moeExpertsWorkspaceBytes(tokens, topK, hidden, inner))};
-    cuda::MoeExpertsParams p =
-        expertsParams(tokens, hidden, inner, experts, topK, dX.data, dIds.data, dWeights.data,
-                      gate.data, up.data, down.data, dWorkspace.data);
-    p.type = cuda::WeightType::Fp8Block;
-    p.gateScales = reinterpret_cast<const float *const *>(gateScales.data);
-    p.upScales = reinterpret_cast<const float *const *>(upScales.data);
-    p.downScales = reinterpret_cast<const float *const *>(downScales.data);
-    p.gateScaleStride = int32_t(cuda::linearFp8WeightScaleStride(hidden));
-    p.downScaleStride = int32_t(cuda::linearFp8WeightScaleStride(inner));
-    p.activationScale = rule;
-    p.out = dOut.data;
-    ASSERT_EQ(cuda::launchMoeExpertsPerToken(p, nullptr), 0);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    // The same rounded activations and weights; fp32 sums in another order (a rounding of the
-    // hidden activation may land one E4M3 step apart where the gate's sum is on a boundary).
-    EXPECT_LT(relativeRms(dOut.download(), expected), 1e-4);
+    const std::vector<int32_t> ids = {4, 1, 0, 5, 2, 4};
+    const std::vector<float> weights = {0.7f, 0.3f, 0.5f, 0.5f, 0.9f, 0.1f};
+    for (auto rule :
+         {cuda::Fp8ActivationScale::DeepSeekUe8m0, cuda::Fp8ActivationScale::DeepSeekLinear}) {
+      const ref::Fp8ScaleRule refRule = rule == cuda::Fp8ActivationScale::DeepSeekUe8m0
+                                            ? ref::Fp8ScaleRule::DeepSeekUe8m0
+                                            : ref::Fp8ScaleRule::DeepSeekLinear;
+      std::vector<ref::SwiGluWeights> reference;
+      for (int e = 0; e < experts; ++e)
+        reference.push_back({matrices[size_t(3 * e)].values, matrices[size_t(3 * e + 1)].values,
+                             matrices[size_t(3 * e + 2)].values, hidden, inner, refRule});
+      std::vector<float> expected(size_t(tokens) * hidden);
+      ref::moeExperts(x, tokens, hidden, ids, weights, topK, reference, {}, expected);
+
+      std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> codes;
+      std::vector<std::unique_ptr<DeviceBuffer<float>>> scales;
+      std::vector<uint64_t> pointers[3], scalePointers[3];
+      for (size_t m = 0; m < matrices.size(); ++m) {
+        codes.push_back(std::make_unique<DeviceBuffer<uint8_t>>(matrices[m].codes));
+        scales.push_back(std::make_unique<DeviceBuffer<float>>(matrices[m].padded));
+        pointers[m % 3].push_back(reinterpret_cast<uint64_t>(codes.back()->data));
+        scalePointers[m % 3].push_back(reinterpret_cast<uint64_t>(scales.back()->data));
+      }
+      DeviceBuffer<uint64_t> gate(pointers[0]), up(pointers[1]), down(pointers[2]);
+      DeviceBuffer<uint64_t> gateScales(scalePointers[0]), upScales(scalePointers[1]),
+          downScales(scalePointers[2]);
+      DeviceBuffer<float> dX(x), dWeights(weights), dOut{std::vector<float>(expected.size())};
+      DeviceBuffer<int32_t> dIds(ids);
+      DeviceBuffer<uint8_t> dWorkspace{
+          std::vector<uint8_t>(cuda::moeExpertsWorkspaceBytes(tokens, topK, hidden, inner))};
+      cuda::MoeExpertsParams p =
+          expertsParams(tokens, hidden, inner, experts, topK, dX.data, dIds.data, dWeights.data,
+                        gate.data, up.data, down.data, dWorkspace.data);
+      p.type = cuda::WeightType::Fp8Block;
+      p.gateScales = reinterpret_cast<const float *const *>(gateScales.data);
+      p.upScales = reinterpret_cast<const float *const *>(upScales.data);
+      p.downScales = reinterpret_cast<const float *const *>(downScales.data);
+      p.gateScaleStride = int32_t(cuda::linearFp8WeightScaleStride(hidden));
+      p.downScaleStride = int32_t(cuda::linearFp8WeightScaleStride(inner));
+      p.activationScale = rule;
+      p.out = dOut.data;
+      ASSERT_EQ(cuda::launchMoeExpertsPerToken(p, nullptr), 0);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      // The same rounded activations and weights; fp32 sums in another order (a rounding of the
+      // hidden activation may land one E4M3 step apart where the gate's sum is on a boundary).
+      EXPECT_LT(relativeRms(dOut.download(), expected), 1e-4);
+    }
   }
 }
 
