@@ -13,6 +13,7 @@
 #include "../common/warp_mma.cuh"
 #include "fp8_gemv.cuh"
 #include "gemv.cuh" // kGemvMaxRows
+#include "gemv_arithmetic.cuh" // loadStreaming: weights read once, not kept in L1
 
 #include <cstdint>
 
@@ -21,15 +22,6 @@ namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32, kOutputs = 16;
 constexpr int kTile = int(kFp8BlockSize), kChunk = 64;
-
-// 16 bytes of weights, read once: not kept in L1.
-__device__ __forceinline__ uint4 loadStreaming(const uint8_t *pointer) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(pointer));
-  return v;
-}
 
 __global__ void __launch_bounds__(kThreads)
     fp8GemvKernel(LinearFp8Params p, int64_t paddedRows, int64_t scaleOffset, int64_t scaleStride) {
@@ -57,10 +49,10 @@ __global__ void __launch_bounds__(kThreads)
   auto load = [&](uint4(&target)[4], int i) {
     if (i < mine) {
       const int64_t k = int64_t(tileAt(i)) * kTile;
-      target[0] = loadStreaming(rowLow + k);
-      target[1] = loadStreaming(rowHigh + k);
-      target[2] = loadStreaming(rowLow + k + kChunk);
-      target[3] = loadStreaming(rowHigh + k + kChunk);
+      target[0] = gemv_arithmetic::loadStreaming(rowLow + k);
+      target[1] = gemv_arithmetic::loadStreaming(rowHigh + k);
+      target[2] = gemv_arithmetic::loadStreaming(rowLow + k + kChunk);
+      target[3] = gemv_arithmetic::loadStreaming(rowHigh + k + kChunk);
     }
   };
   float total[4] = {};

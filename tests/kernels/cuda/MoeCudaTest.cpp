@@ -350,12 +350,7 @@ TEST(MoeExpertsCuda, Fp8ExpertsMatchReference) {
       cuda::MoeExpertsParams p =
           expertsParams(tokens, hidden, inner, experts, topK, dX.data, dIds.data, dWeights.data,
                         gate.data, up.data, down.data, dWorkspace.data);
-      p.type = cuda::WeightType::Fp8Block;
-      p.gateScales = reinterpret_cast<const float *const *>(gateScales.data);
-      p.upScales = reinterpret_cast<const float *const *>(upScales.data);
-      p.downScales = reinterpret_cast<const float *const *>(downScales.data);
-      p.gateScaleStride = int32_t(cuda::linearFp8WeightScaleStride(hidden));
-      p.downScaleStride = int32_t(cuda::linearFp8WeightScaleStride(inner));
+      setFp8Experts(p, gateScales.data, upScales.data, downScales.data);
       p.activationScale = rule;
       p.out = dOut.data;
       ASSERT_EQ(cuda::launchMoeExpertsPerToken(p, nullptr), 0);
@@ -602,14 +597,8 @@ TEST(MoeExpertsCuda, AbsentExpertsAddNothing) {
           expertsParams(tokens, hidden, inner, experts, topK, dX.data, dIds.data, dWeights.data,
                         gate.data, up.data, down.data, dWorkspace.data);
       p.out = dOut.data;
-      if (fp8) {
-        p.type = cuda::WeightType::Fp8Block;
-        p.gateScales = reinterpret_cast<const float *const *>(gateScales.data);
-        p.upScales = reinterpret_cast<const float *const *>(upScales.data);
-        p.downScales = reinterpret_cast<const float *const *>(downScales.data);
-        p.gateScaleStride = int32_t(cuda::linearFp8WeightScaleStride(hidden));
-        p.downScaleStride = int32_t(cuda::linearFp8WeightScaleStride(inner));
-      }
+      if (fp8)
+        setFp8Experts(p, gateScales.data, upScales.data, downScales.data);
       EXPECT_EQ(form == Form::Grouped ? cuda::launchMoeExpertsGrouped(p, true, nullptr)
                                       : cuda::launchMoeExpertsPerToken(p, nullptr),
                 0);

@@ -1,6 +1,7 @@
 // Shared by the MoE kernel tests (MoeCudaTest, MoeExchangeCudaTest).
 #pragma once
 
+#include "hybrid/kernels/cuda/Linear.h" // linearFp8WeightScaleStride
 #include "hybrid/kernels/cuda/Moe.h"
 
 #include <algorithm>
@@ -31,6 +32,18 @@ inline cuda::MoeExpertsParams expertsParams(int tokens, int hidden, int inner, i
   p.down = reinterpret_cast<const void *const *>(down);
   p.workspace = workspace;
   return p;
+}
+
+// FP8 experts (E4M3 codes with block scales in the FP8 GEMM's layout): the type and the three
+// matrices' scale pointer arrays (device buffers of pointers), strides from p's widths.
+inline void setFp8Experts(cuda::MoeExpertsParams &p, const uint64_t *gateScales,
+                          const uint64_t *upScales, const uint64_t *downScales) {
+  p.type = cuda::WeightType::Fp8Block;
+  p.gateScales = reinterpret_cast<const float *const *>(gateScales);
+  p.upScales = reinterpret_cast<const float *const *>(upScales);
+  p.downScales = reinterpret_cast<const float *const *>(downScales);
+  p.gateScaleStride = int32_t(cuda::linearFp8WeightScaleStride(p.hidden));
+  p.downScaleStride = int32_t(cuda::linearFp8WeightScaleStride(p.intermediate));
 }
 
 // A step's routing: each token's topK distinct experts in a random order (a shuffle of all the
