@@ -376,12 +376,13 @@ struct MoeOptions {
   std::vector<int32_t> tokens = {1, 8, 64};
   int32_t experts = 256, topK = 8, hidden = 2304, intermediate = 1024, layers = 1,
           iterations = 20;
+  bool fp8 = false;
 };
 
 int runMoe(const MoeOptions &o, const RecordOptions &record) {
   std::string error;
   const auto results = kc::benchMoeDecode(o.tokens, o.experts, o.topK, o.hidden, o.intermediate,
-                                          o.layers, o.iterations, error);
+                                          o.fp8, o.layers, o.iterations, error);
   if (!error.empty()) {
     std::cerr << "error: moe: " << error << "\n";
     return 1;
@@ -394,17 +395,19 @@ int runMoe(const MoeOptions &o, const RecordOptions &record) {
                 r.experts, r.topK, r.hidden, r.intermediate, r.microseconds, r.floorMicroseconds,
                 r.terabytesPerSecond, kc::moeTargetVerdict(r).c_str());
     std::ostringstream json;
-    json << "{\"kernel\": \"moe-experts\", \"tokens\": " << r.tokens << ", \"experts\": "
-         << r.experts << ", \"top_k\": " << r.topK << ", \"hidden\": " << r.hidden
-         << ", \"intermediate\": " << r.intermediate << ", \"layers\": " << r.layers
-         << ", \"us\": " << r.microseconds
-         << ", \"weight_bytes\": " << r.weightBytes << ", \"floor_us\": " << r.floorMicroseconds
-         << ", \"target\": \"" << kc::moeTargetVerdict(r) << "\"}";
-    rows.push_back({"moe-experts tokens=" + std::to_string(r.tokens) + " experts=" +
-                        std::to_string(r.experts) + " top_k=" + std::to_string(r.topK) +
-                        " hidden=" + std::to_string(r.hidden) +
+    json << "{\"kernel\": \"moe-experts\", \"tokens\": " << r.tokens
+         << ", \"experts\": " << r.experts << ", \"top_k\": " << r.topK
+         << ", \"hidden\": " << r.hidden << ", \"intermediate\": " << r.intermediate
+         << ", \"layers\": " << r.layers << ", \"weights\": \"" << (r.fp8 ? "fp8" : "bf16") << "\""
+         << ", \"us\": " << r.microseconds << ", \"weight_bytes\": " << r.weightBytes
+         << ", \"floor_us\": " << r.floorMicroseconds << ", \"target\": \""
+         << kc::moeTargetVerdict(r) << "\"}";
+    rows.push_back({"moe-experts tokens=" + std::to_string(r.tokens) +
+                        " experts=" + std::to_string(r.experts) +
+                        " top_k=" + std::to_string(r.topK) + " hidden=" + std::to_string(r.hidden) +
                         " intermediate=" + std::to_string(r.intermediate) +
-                        (r.layers > 1 ? " layers=" + std::to_string(r.layers) : ""),
+                        (r.layers > 1 ? " layers=" + std::to_string(r.layers) : "") +
+                        (r.fp8 ? " fp8" : ""),
                     r.microseconds, json.str()});
   }
   return finishRecord(record, kc::benchDeviceName(), std::move(rows));
@@ -499,6 +502,7 @@ struct MoeOptions {
   std::vector<int32_t> tokens = {1, 8, 64};
   int32_t experts = 256, topK = 8, hidden = 2304, intermediate = 1024, layers = 1,
           iterations = 20;
+  bool fp8 = false;
 };
 int runMoe(const MoeOptions &, const RecordOptions &) { return noCuda("moe"); }
 struct GemvOptions {
@@ -1095,7 +1099,7 @@ int main(int argc, char **argv) {
   addKernelTimelineOption(dsaSparseMla, kernelTimeline);
   MoeOptions moe;
   CLI::App *moeCommand = app.add_subcommand(
-      "moe", "MoE routed experts of a decode step (each token's top-k experts, bf16)");
+      "moe", "MoE routed experts of a decode step (each token's top-k experts, bf16 or FP8)");
   moeCommand->add_option("--tokens", moe.tokens, "Tokens in the step")
       ->delimiter(',')->check(CLI::PositiveNumber);
   moeCommand->add_option("--experts", moe.experts, "Routed experts")->check(CLI::Range(1, 1024));
@@ -1107,6 +1111,9 @@ int main(int argc, char **argv) {
                          "MoE layers per timed graph, each choosing its own experts (times per "
                          "layer; more than one keeps a layer's experts from being L2 hits)")
       ->check(CLI::Range(1, 64));
+  moeCommand->add_flag("--fp8", moe.fp8,
+                       "FP8 experts as DeepSeek-V3.2's (E4M3, 128 x 128 block scales); e.g. "
+                       "--hidden 7168 --intermediate 2048");
   moeCommand->add_option("--iterations", moe.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(moeCommand, record);

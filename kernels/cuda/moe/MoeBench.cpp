@@ -1,11 +1,12 @@
 #include "hybrid/kernels/cuda/MoeBench.h"
-#include "hybrid/kernels/cuda/KdaBench.h" // kH200CopyTbPerSecond
-#include "hybrid/kernels/cuda/Moe.h"
-#include "../common/bench_support.h"
 
-#include <cuda_runtime.h>
+#include "../common/bench_support.h"
+#include "hybrid/kernels/cuda/KdaBench.h" // kH200CopyTbPerSecond
+#include "hybrid/kernels/cuda/Linear.h"   // linearFp8WeightScaleStride
+#include "hybrid/kernels/cuda/Moe.h"
 
 #include <algorithm>
+#include <cuda_runtime.h>
 #include <numeric>
 #include <random>
 #include <set>
@@ -18,10 +19,24 @@ constexpr int kDistinctMatrices = 4; // random sources copied into every expert'
 constexpr double kTargetTbPerSecond = 3.5;
 } // namespace
 
-std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCounts,
-                                           int32_t experts, int32_t topK, int32_t hidden,
-                                           int32_t intermediate, int32_t layers,
-                                           int32_t iterations, std::string &error) {
+namespace {
+// n random E4M3 codes on the device: any finite code (0x7f and 0xff are NaN), either sign.
+void *deviceRandomFp8(size_t n, std::mt19937 &rng, std::string &error) {
+  std::vector<uint8_t> host(n);
+  std::uniform_int_distribution<int> magnitude(0, 0x7e), sign(0, 1);
+  for (uint8_t &code : host)
+    code = uint8_t(magnitude(rng) | sign(rng) << 7);
+  void *device = deviceCopy(host);
+  if (!device)
+    error = "cannot allocate or fill " + std::to_string(n) + " FP8 codes on the device";
+  return device;
+}
+} // namespace
+
+std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCounts, int32_t experts,
+                                           int32_t topK, int32_t hidden, int32_t intermediate,
+                                           bool fp8, int32_t layers, int32_t iterations,
+                                           std::string &error) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     error = "no CUDA device";
@@ -34,19 +49,21 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
   }
   std::mt19937 rng(13);
   const size_t matrix = size_t(hidden) * intermediate; // every projection has this many weights
+  const size_t matrixBytes = matrix * (fp8 ? 1 : 2);
   // Every expert's three matrices apart in device memory (so nothing is read twice from L2),
   // filled from a few random sources.
   DeviceAllocations held; // the experts' buffers, freed on every way out
   std::vector<void *> sources, weights;
   for (int i = 0; i < kDistinctMatrices; ++i) {
-    void *source = held.keep(deviceRandomBf16(matrix, 0.02f, 0.0f, rng, error));
+    void *source = held.keep(fp8 ? deviceRandomFp8(matrix, rng, error)
+                                 : deviceRandomBf16(matrix, 0.02f, 0.0f, rng, error));
     if (!source)
       return {};
     sources.push_back(source);
   }
   for (int i = 0; i < 3 * experts; ++i) {
-    auto *device = held.allocate<uint16_t>(matrix);
-    if (!device || cudaMemcpy(device, sources[size_t(i % kDistinctMatrices)], matrix * 2,
+    auto *device = held.allocate<uint8_t>(matrixBytes);
+    if (!device || cudaMemcpy(device, sources[size_t(i % kDistinctMatrices)], matrixBytes,
                               cudaMemcpyDeviceToDevice) != cudaSuccess) {
       error = "cannot allocate " + std::to_string(3 * experts) + " expert matrices";
       return {};
@@ -67,6 +84,29 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
   };
   uint64_t *dGate = held.keep(pointerArray(gate)), *dUp = held.keep(pointerArray(up)),
            *dDown = held.keep(pointerArray(down));
+  // FP8: every expert's gate and up share one block-scale table, the downs another (small,
+  // read from L2 after the first expert; their bytes are counted all the same).
+  const int64_t gateUpScaleFloats = (intermediate + 127) / 128 * linearFp8WeightScaleStride(hidden);
+  const int64_t downScaleFloats = (hidden + 127) / 128 * linearFp8WeightScaleStride(intermediate);
+  uint64_t *dGateUpScales = nullptr, *dDownScales = nullptr;
+  if (fp8) {
+    std::uniform_real_distribution<float> scale(0.5e-3f, 2e-3f);
+    std::vector<float> gateUpScales(static_cast<size_t>(gateUpScaleFloats)),
+        downScales(static_cast<size_t>(downScaleFloats));
+    for (float &v : gateUpScales)
+      v = scale(rng);
+    for (float &v : downScales)
+      v = scale(rng);
+    const float *gateUpTable = held.keep(deviceCopy(gateUpScales));
+    const float *downTable = held.keep(deviceCopy(downScales));
+    dGateUpScales =
+        held.keep(pointerArray(std::vector<const void *>(size_t(experts), gateUpTable)));
+    dDownScales = held.keep(pointerArray(std::vector<const void *>(size_t(experts), downTable)));
+    if (!gateUpTable || !downTable || !dGateUpScales || !dDownScales) {
+      error = "cannot allocate the experts' FP8 block scales";
+      return {};
+    }
+  }
   std::vector<MoeBenchResult> results;
   for (int32_t tokens : tokenCounts) {
     // Each layer its own random choice, input and output: a graph of several layers reads what
@@ -104,6 +144,15 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
       p.up = reinterpret_cast<const void *const *>(dUp);
       p.down = reinterpret_cast<const void *const *>(dDown);
       p.type = WeightType::BF16;
+      if (fp8) {
+        p.type = WeightType::Fp8Block;
+        p.gateScales = reinterpret_cast<const float *const *>(dGateUpScales);
+        p.upScales = reinterpret_cast<const float *const *>(dGateUpScales);
+        p.downScales = reinterpret_cast<const float *const *>(dDownScales);
+        p.gateScaleStride = int32_t(linearFp8WeightScaleStride(hidden));
+        p.downScaleStride = int32_t(linearFp8WeightScaleStride(intermediate));
+        p.activationScale = Fp8ActivationScale::DeepSeekLinear;
+      }
       p.out = step.allocate<float>(size_t(tokens) * hidden);
       p.workspace = step.allocate<unsigned char>(
           moeExpertsWorkspaceBytes(tokens, topK, hidden, intermediate));
@@ -117,6 +166,7 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
     r.hidden = hidden;
     r.intermediate = intermediate;
     r.layers = layers;
+    r.fp8 = fp8;
     r.microseconds = ready ? graphMicroseconds(iterations,
                                                [&](cudaStream_t s) {
                                                  for (const MoeExpertsParams &p : launches)
@@ -130,7 +180,9 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
       error = "the MoE launch failed for " + std::to_string(tokens) + " tokens";
       break;
     }
-    r.weightBytes = distinctExperts * 3.0 * double(matrix) * 2.0;
+    r.weightBytes =
+        distinctExperts * (3.0 * double(matrixBytes) +
+                           (fp8 ? double(2 * gateUpScaleFloats + downScaleFloats) * 4.0 : 0.0));
     r.floorMicroseconds = r.weightBytes / (kH200CopyTbPerSecond * 1e12) * 1e6;
     r.terabytesPerSecond = r.weightBytes / (r.microseconds * 1e-6) / 1e12;
     results.push_back(r);
@@ -139,6 +191,8 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
 }
 
 std::string moeTargetVerdict(const MoeBenchResult &r) {
+  if (r.fp8)
+    return "-- (the target is bf16's)";
   return floorShareVerdict(r.terabytesPerSecond / kTargetTbPerSecond, 1.0, "3.5 TB/s");
 }
 
