@@ -421,7 +421,14 @@ struct GemvOptions {
   std::vector<std::string> shapes = {"2304x12576", "4096x2304", "2304x256",
                                      "2304x2048",  "1024x2304", "2304x163840"};
   int32_t layers = 0, iterations = 20;
+  bool fp8 = false;
 };
+
+// DeepSeek-V3.2's FP8 projections at decode (--fp8 without --shapes): q_a, q_b, kv_a, o_proj,
+// the indexer's wq_b, the shared expert's gate + up and down, the dense MLP's gate + up and down.
+const std::vector<std::string> kDeepSeekFp8Shapes = {"7168x1536",  "1536x24576", "7168x576",
+                                                     "16384x7168", "1536x8192",  "7168x4096",
+                                                     "2048x7168",  "7168x36864", "18432x7168"};
 
 // "INxOUT" items; false with a message naming the bad one.
 bool parseGemvShapes(const std::vector<std::string> &items, std::vector<kc::GemvBenchShape> &out) {
@@ -448,10 +455,12 @@ bool parseGemvShapes(const std::vector<std::string> &items, std::vector<kc::Gemv
 
 int runGemv(const GemvOptions &o, const RecordOptions &record) {
   std::vector<kc::GemvBenchShape> shapes;
-  if (!parseGemvShapes(o.shapes, shapes))
+  const bool kimiShapes = o.shapes == GemvOptions{}.shapes; // --shapes not given
+  if (!parseGemvShapes(o.fp8 && kimiShapes ? kDeepSeekFp8Shapes : o.shapes, shapes))
     return 1;
   std::string error;
-  const auto results = kc::benchGemvDecode(o.rows, shapes, o.layers, o.iterations, error);
+  const auto results = o.fp8 ? kc::benchFp8GemvDecode(o.rows, shapes, o.layers, o.iterations, error)
+                             : kc::benchGemvDecode(o.rows, shapes, o.layers, o.iterations, error);
   if (!error.empty()) {
     std::cerr << "error: gemv: " << error << "\n";
     return 1;
@@ -510,6 +519,7 @@ struct GemvOptions {
   std::vector<std::string> shapes = {"2304x12576", "4096x2304", "2304x256",
                                      "2304x2048",  "1024x2304", "2304x163840"};
   int32_t layers = 0, iterations = 20;
+  bool fp8 = false;
 };
 int runGemv(const GemvOptions &, const RecordOptions &) { return noCuda("gemv"); }
 struct SparseMlaOptions {
@@ -1132,6 +1142,9 @@ int main(int argc, char **argv) {
                    "Distinct weight matrices per timed graph (0: enough for 256 MB, so "
                    "none is read from L2)")
       ->check(CLI::Range(0, 512));
+  gemvCommand->add_flag("--fp8", gemv.fp8,
+                        "FP8 block-scaled layers as the runtime runs them, quantizer included: "
+                        "the decode kernel and cuBLASLt (default shapes: DeepSeek-V3.2's)");
   gemvCommand->add_option("--iterations", gemv.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(gemvCommand, record);

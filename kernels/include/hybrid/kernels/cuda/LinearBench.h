@@ -18,11 +18,11 @@ struct GemvBenchShape {
 struct GemvBenchResult {
   int32_t rows = 0;
   int64_t in = 0, out = 0;
-  std::string form;              // "scalar" or "tensor-cores"
+  std::string form;              // "scalar", "tensor-cores", "fp8-gemv" or "fp8-cublaslt"
   bool automatic = false;        // the form a call of these rows takes by default
   int32_t layers = 0;            // distinct weight matrices a timed graph runs through
   double microseconds = 0;       // one call
-  double weightBytes = 0;        // one call's bf16 weights
+  double weightBytes = 0;        // one call's weights (bf16, or FP8 codes and scales)
   double terabytesPerSecond = 0; // weightBytes / microseconds
   double copyShare = 0;          // of the H200's measured copy bandwidth
 };
@@ -34,5 +34,15 @@ std::vector<GemvBenchResult> benchGemvDecode(const std::vector<int32_t> &rows,
                                              const std::vector<GemvBenchShape> &shapes,
                                              int32_t layers, int32_t iterations,
                                              std::string &error);
+
+// FP8 block-scaled layers (DeepSeek-V3.2's projections: E4M3 weights with 128 x 128 block scales)
+// at each row count as the runtime runs them, the activations' quantizer included: form
+// "fp8-gemv" (the decode kernel, LinearContext's default at 1-8 rows) and "fp8-cublaslt" (its
+// padded GEMM, split-K and copy-out: setDecodeKernel(false)). Weight bytes are the codes and
+// scales; in must be a multiple of 128 for the decode kernel (others get only cuBLASLt's rows).
+std::vector<GemvBenchResult> benchFp8GemvDecode(const std::vector<int32_t> &rows,
+                                                const std::vector<GemvBenchShape> &shapes,
+                                                int32_t layers, int32_t iterations,
+                                                std::string &error);
 
 } // namespace hybrid::kernels::cuda
