@@ -86,6 +86,22 @@ inline void *deviceRandomBf16(size_t n, float scale, float offset, std::mt19937 
   return device;
 }
 
+// n random finite E4M3 codes (0x7f and 0xff are NaN), either sign, on the device.
+inline uint8_t *deviceRandomFp8(size_t n, std::mt19937 &rng, std::string &error) {
+  std::vector<uint8_t> host(n);
+  std::uniform_int_distribution<int> magnitude(0, 0x7e), sign(0, 1);
+  for (uint8_t &code : host)
+    code = uint8_t(magnitude(rng) | sign(rng) << 7);
+  uint8_t *device = nullptr;
+  if (cudaMalloc(&device, n) != cudaSuccess ||
+      cudaMemcpy(device, host.data(), n, cudaMemcpyHostToDevice) != cudaSuccess) {
+    error = "cannot allocate or fill " + std::to_string(n) + " FP8 codes on the device";
+    cudaFree(device);
+    return nullptr;
+  }
+  return device;
+}
+
 // Median over `repeats` timings of `iterations` calls of `body`, in microseconds per call.
 template <typename Body>
 double medianMicroseconds(cudaStream_t stream, int iterations, Body &&body) {

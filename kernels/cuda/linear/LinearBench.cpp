@@ -15,23 +15,47 @@ using namespace bench;
 namespace {
 constexpr double kMatricesBytes = 256e6; // per timed graph: well past the 50 MB L2
 constexpr int32_t kMostLayers = 512;
+
+// A device, and row counts the decode kernels take; else false with `error` set.
+bool decodeRowsRunnable(const std::vector<int32_t> &rowCounts, std::string &error) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    error = "no CUDA device";
+    return false;
+  }
+  for (int32_t rows : rowCounts)
+    if (rows < 1 || rows > kGemvMaxRows) {
+      error = "rows " + std::to_string(rows) + " outside the decode kernel's 1-" +
+              std::to_string(kGemvMaxRows);
+      return false;
+    }
+  return true;
+}
+
+// A row of results: `microseconds` for a graph of `layers` calls, `weightBytes` a call.
+GemvBenchResult resultOf(int32_t rows, const GemvBenchShape &shape, const char *form,
+                         bool automatic, int32_t layers, double microseconds, double weightBytes) {
+  GemvBenchResult r;
+  r.rows = rows;
+  r.in = shape.in;
+  r.out = shape.out;
+  r.form = form;
+  r.automatic = automatic;
+  r.layers = layers;
+  r.microseconds = microseconds / layers;
+  r.weightBytes = weightBytes;
+  r.terabytesPerSecond = r.weightBytes / (r.microseconds * 1e-6) / 1e12;
+  r.copyShare = r.terabytesPerSecond / kH200CopyTbPerSecond;
+  return r;
+}
 } // namespace
 
 std::vector<GemvBenchResult> benchGemvDecode(const std::vector<int32_t> &rowCounts,
                                              const std::vector<GemvBenchShape> &shapes,
                                              int32_t layers, int32_t iterations,
                                              std::string &error) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    error = "no CUDA device";
+  if (!decodeRowsRunnable(rowCounts, error))
     return {};
-  }
-  for (int32_t rows : rowCounts)
-    if (rows < 1 || rows > kGemvMaxRows) {
-      error = "rows " + std::to_string(rows) + " outside the decode kernel's 1-" +
-              std::to_string(kGemvMaxRows);
-      return {};
-    }
   std::mt19937 rng(29);
   std::vector<GemvBenchResult> results;
   for (const GemvBenchShape &shape : shapes) {
@@ -101,18 +125,9 @@ std::vector<GemvBenchResult> benchGemvDecode(const std::vector<int32_t> &rowCoun
                   std::to_string(shape.in) + "x" + std::to_string(shape.out);
           return {};
         }
-        GemvBenchResult r;
-        r.rows = rows;
-        r.in = shape.in;
-        r.out = shape.out;
-        r.form = form == GemvForm::Scalar ? "scalar" : "tensor-cores";
-        r.automatic = automatic;
-        r.layers = count;
-        r.microseconds = microseconds / count;
-        r.weightBytes = 2.0 * double(matrix);
-        r.terabytesPerSecond = r.weightBytes / (r.microseconds * 1e-6) / 1e12;
-        r.copyShare = r.terabytesPerSecond / kH200CopyTbPerSecond;
-        results.push_back(r);
+        results.push_back(resultOf(rows, shape,
+                                   form == GemvForm::Scalar ? "scalar" : "tensor-cores", automatic,
+                                   count, microseconds, 2.0 * double(matrix)));
       }
   }
   return results;
@@ -122,17 +137,8 @@ std::vector<GemvBenchResult> benchFp8GemvDecode(const std::vector<int32_t> &rowC
                                                 const std::vector<GemvBenchShape> &shapes,
                                                 int32_t layers, int32_t iterations,
                                                 std::string &error) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    error = "no CUDA device";
+  if (!decodeRowsRunnable(rowCounts, error))
     return {};
-  }
-  for (int32_t rows : rowCounts)
-    if (rows < 1 || rows > kGemvMaxRows) {
-      error = "rows " + std::to_string(rows) + " outside the decode kernel's 1-" +
-              std::to_string(kGemvMaxRows);
-      return {};
-    }
   LinearContext context;
   if (int status = context.init()) {
     error = std::string("cannot set up cuBLASLt: ") + linearErrorText(status);
@@ -152,12 +158,8 @@ std::vector<GemvBenchResult> benchFp8GemvDecode(const std::vector<int32_t> &rowC
         layers > 0 ? layers
                    : int32_t(std::clamp<double>(kMatricesBytes / double(matrix), 2, kMostLayers));
     DeviceAllocations held; // this shape's buffers
-    // Random finite E4M3 codes (0x7f and 0xff are NaN) copied into every layer's matrix.
-    std::vector<uint8_t> codes(matrix);
-    std::uniform_int_distribution<int> magnitude(0, 0x7e), sign(0, 1);
-    for (uint8_t &code : codes)
-      code = uint8_t(magnitude(rng) | sign(rng) << 7);
-    const uint8_t *source = held.keep(deviceCopy(codes));
+    // Random finite E4M3 codes copied into every layer's matrix.
+    const uint8_t *source = held.keep(deviceRandomFp8(matrix, rng, error));
     std::uniform_real_distribution<float> scale(0.5e-3f, 2e-3f);
     std::vector<float> scales(static_cast<size_t>(scaleFloats));
     for (float &v : scales)
@@ -221,18 +223,9 @@ std::vector<GemvBenchResult> benchFp8GemvDecode(const std::vector<int32_t> &rowC
                   std::to_string(shape.in) + "x" + std::to_string(shape.out);
           return {};
         }
-        GemvBenchResult r;
-        r.rows = rows;
-        r.in = shape.in;
-        r.out = shape.out;
-        r.form = decodeKernel ? "fp8-gemv" : "fp8-cublaslt";
-        r.automatic = decodeKernel || shape.in % 128 != 0;
-        r.layers = count;
-        r.microseconds = microseconds / count;
-        r.weightBytes = double(matrix) + 4.0 * double(scaleFloats);
-        r.terabytesPerSecond = r.weightBytes / (r.microseconds * 1e-6) / 1e12;
-        r.copyShare = r.terabytesPerSecond / kH200CopyTbPerSecond;
-        results.push_back(r);
+        results.push_back(resultOf(rows, shape, decodeKernel ? "fp8-gemv" : "fp8-cublaslt",
+                                   decodeKernel || shape.in % 128 != 0, count, microseconds,
+                                   double(matrix) + 4.0 * double(scaleFloats)));
       }
   }
   return results;

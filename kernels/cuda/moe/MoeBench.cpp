@@ -19,20 +19,6 @@ constexpr int kDistinctMatrices = 4; // random sources copied into every expert'
 constexpr double kTargetTbPerSecond = 3.5;
 } // namespace
 
-namespace {
-// n random E4M3 codes on the device: any finite code (0x7f and 0xff are NaN), either sign.
-void *deviceRandomFp8(size_t n, std::mt19937 &rng, std::string &error) {
-  std::vector<uint8_t> host(n);
-  std::uniform_int_distribution<int> magnitude(0, 0x7e), sign(0, 1);
-  for (uint8_t &code : host)
-    code = uint8_t(magnitude(rng) | sign(rng) << 7);
-  void *device = deviceCopy(host);
-  if (!device)
-    error = "cannot allocate or fill " + std::to_string(n) + " FP8 codes on the device";
-  return device;
-}
-} // namespace
-
 std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCounts, int32_t experts,
                                            int32_t topK, int32_t hidden, int32_t intermediate,
                                            bool fp8, int32_t layers, int32_t iterations,
