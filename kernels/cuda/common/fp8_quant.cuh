@@ -3,11 +3,12 @@
 // operations as the reference so that a GPU-written cache or activation equals the cpu's.
 #pragma once
 
+#include "hybrid/kernels/cuda/Linear.h" // Fp8ActivationScale
+
+#include <cstdint>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
-
-#include <cstdint>
 
 namespace hybrid::kernels::cuda::quant {
 
@@ -79,6 +80,12 @@ __device__ inline float fp8TileScale(float amax, Fp8Rule rule) {
     return ldexpf(1.0f, ceilLog2(fmaxf(__fdiv_rn(amax, kE4M3Max), kFlashMlaScaleFloor)));
   }
   return __int_as_float(0x7fc00000);
+}
+
+// ref::fp8TileScale for the FP8 GEMM's activation rules (Linear.h's Fp8ActivationScale).
+__device__ inline float fp8TileScale(float amax, Fp8ActivationScale rule) {
+  return fp8TileScale(amax, rule == Fp8ActivationScale::DeepSeekLinear ? Fp8Rule::DeepSeekLinear
+                                                                       : Fp8Rule::DeepSeekUe8m0);
 }
 
 // ref::mxScaleCode with the RoundUp rule: the smallest e with amax <= 448 * 2^e, as E8M0.

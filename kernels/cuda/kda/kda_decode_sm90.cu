@@ -352,14 +352,13 @@ bool useSplit(const KdaDecodeParams &params) {
   return kdaDecodeUsesSplit(params.path, params.batch, params.heads, params.headDim);
 }
 
-bool aligned16(const void *pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
-
 // Unset, or within KdaLowRankGate's limits (the GEMV's narrow form's, at most 16 chunks).
 bool validLowRank(const KdaLowRankGate &gate) {
   return !gate.weight ||
          (gate.in && gate.rank >= 8 && gate.rank <= kKdaDecodeMaxLowRank && gate.rank % 8 == 0 &&
-          gate.inStride >= gate.rank && gate.inStride % 4 == 0 && aligned16(gate.in) &&
-          gate.weightStride >= gate.rank && gate.weightStride % 8 == 0 && aligned16(gate.weight));
+          gate.inStride >= gate.rank && gate.inStride % 4 == 0 &&
+          gemv_arithmetic::aligned16(gate.in) && gate.weightStride >= gate.rank &&
+          gate.weightStride % 8 == 0 && gemv_arithmetic::aligned16(gate.weight));
 }
 
 } // namespace

@@ -1,6 +1,6 @@
 // The decode GEMV's arithmetic (linear_gemv_sm90.cu), for kernels that compute some of its
-// outputs themselves and must give its bits: the fused KDA decode's low-rank gates. Internal to
-// the kernels library.
+// outputs themselves and must give its bits (the fused KDA decode's low-rank gates) or sum as it
+// does (the FP8 decode GEMV). Internal to the kernels library.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +8,11 @@
 #include <cuda_runtime.h>
 
 namespace hybrid::kernels::cuda::gemv_arithmetic {
+
+// The operands' 16-byte alignment the GEMVs' vector loads need.
+inline bool aligned16(const void *pointer) {
+  return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
+}
 
 // 16 bytes of a stream read once: not kept in L1.
 __device__ __forceinline__ uint4 loadStreaming(const void *pointer) {
@@ -38,6 +43,18 @@ __device__ __forceinline__ float dot8(const uint4 &packed, const float (&x)[8], 
     sum = fmaf(x[2 * i + 1], __uint_as_float(words[i] & 0xffff0000u), sum);
   }
   return sum;
+}
+
+// An output's partial sums of a block's warps added in warp order from zero, stored to (or, with
+// `accumulate`, added to) `target`.
+template <int kWarps, int kColumns>
+__device__ __forceinline__ void storeWarpsTotal(const float (&partial)[kWarps][kColumns],
+                                                int column, bool accumulate, float &target) {
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w)
+    total += partial[w][column];
+  target = accumulate ? target + total : total;
 }
 
 } // namespace hybrid::kernels::cuda::gemv_arithmetic

@@ -30,13 +30,6 @@ constexpr int kCopyThreads = 256;
 int64_t ceilDiv(int64_t value, int64_t divisor) { return (value + divisor - 1) / divisor; }
 int64_t roundUp(int64_t value, int64_t multiple) { return ceilDiv(value, multiple) * multiple; }
 
-// ref::fp8TileScale for the two DeepSeek rules.
-__device__ float tileScale(float amax, Fp8ActivationScale rule) {
-  return quant::fp8TileScale(amax, rule == Fp8ActivationScale::DeepSeekLinear
-                                       ? quant::Fp8Rule::DeepSeekLinear
-                                       : quant::Fp8Rule::DeepSeekUe8m0);
-}
-
 // One warp per (row, tile) of the paddedRows rows: the tile's amax (NaN ignored, as fmaxf does in
 // the reference), its scale, then each code from the correctly rounded quotient x / s. Rows from
 // `rows` on get zero codes and scale kPadRowScale.
@@ -69,7 +62,7 @@ __global__ void quantizeTiles(const float *x, int64_t xStride, int64_t rows, int
   }
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
     amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-  const float scale = tileScale(amax, rule);
+  const float scale = quant::fp8TileScale(amax, rule);
   uint8_t *target = codes + row * in + column0;
   for (int i = 0; i < kValuesPerLane; ++i) {
     const int column = lane + i * kWarpSize;

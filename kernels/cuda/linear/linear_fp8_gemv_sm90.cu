@@ -13,7 +13,7 @@
 #include "../common/warp_mma.cuh"
 #include "fp8_gemv.cuh"
 #include "gemv.cuh" // kGemvMaxRows
-#include "gemv_arithmetic.cuh" // loadStreaming: weights read once, not kept in L1
+#include "gemv_arithmetic.cuh" // loadStreaming, storeWarpsTotal
 
 #include <cstdint>
 
@@ -91,17 +91,10 @@ __global__ void __launch_bounds__(kThreads)
     partial[warp][mma::accRow(e) * 8 + mma::accColumn(e)] = total[e];
   __syncthreads();
   const int output = threadIdx.x / 8, row = threadIdx.x % 8;
-  if (threadIdx.x < kOutputs * 8 && output < outputs && row < p.rows) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int k = 0; k < kWarps; ++k)
-      sum += partial[k][threadIdx.x];
-    float &target = p.y[row * yStride + firstOut + output];
-    target = p.accumulate ? target + sum : sum;
-  }
+  if (threadIdx.x < kOutputs * 8 && output < outputs && row < p.rows)
+    gemv_arithmetic::storeWarpsTotal(partial, threadIdx.x, p.accumulate,
+                                     p.y[row * yStride + firstOut + output]);
 }
-
-bool aligned16(const void *pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 } // namespace
 
@@ -111,7 +104,8 @@ bool fp8GemvSupports(const LinearFp8Params &p) {
   return p.rows >= 1 && p.rows <= kGemvMaxRows && p.in > 0 && p.in % kFp8BlockSize == 0 &&
          p.out > 0 && (p.out + kOutputs - 1) / kOutputs <= 0x7fffffff && weightStride >= p.in &&
          weightStride % 16 == 0 && yStride >= p.out && p.weight && p.weightScale && p.y &&
-         p.scratch && aligned16(p.weight) && aligned16(p.scratch) &&
+         p.scratch && gemv_arithmetic::aligned16(p.weight) &&
+         gemv_arithmetic::aligned16(p.scratch) &&
          linearFp8ScratchScaleOffset(p.rows, p.in) % 4 == 0;
 }
 

@@ -73,18 +73,6 @@ __host__ __device__ inline bool onTensorCores(const GemvParams &p) {
                                    : p.form == GemvForm::TensorCores);
 }
 
-// An output's partial sums of the block's warps added in warp order, stored to (or, with
-// `accumulate`, added to) `target`.
-template <int kColumns>
-__device__ __forceinline__ void storeWarpsTotal(const float (&partial)[kWarps][kColumns],
-                                                int column, bool accumulate, float &target) {
-  float total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w)
-    total += partial[w][column];
-  target = accumulate ? target + total : total;
-}
-
 int64_t blocksOf(const GemvParams &p) {
   const int outputs = onTensorCores(p) ? kMmaOutputs : kOutputsPerBlock;
   return (p.out + outputs - 1) / outputs;
@@ -316,8 +304,6 @@ __global__ void __launch_bounds__(kThreads)
   gemvNarrowWarp<MaxRows>(group.members[member], int64_t(blockIdx.x) - group.firstBlock[member],
                           blockIdx.y);
 }
-
-bool aligned16(const void *pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 } // namespace
 

@@ -214,10 +214,14 @@ template <> __device__ inline float2 pairAt<float>(const float *row, int i) {
   return reinterpret_cast<const float2 *>(row)[i];
 }
 
-template <> __device__ inline float2 pairAt<uint8_t>(const uint8_t *row, int i) {
+// Two E4M3 codes (the low byte first) as floats.
+__device__ inline float2 fp8PairToFloat2(uint32_t pair) {
   const __half2_raw halves =
-      __nv_cvt_fp8x2_to_halfraw2(reinterpret_cast<const __nv_fp8x2_storage_t *>(row)[i], __NV_E4M3);
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
   return __half22float2(*reinterpret_cast<const __half2 *>(&halves));
+}
+template <> __device__ inline float2 pairAt<uint8_t>(const uint8_t *row, int i) {
+  return fp8PairToFloat2(reinterpret_cast<const __nv_fp8x2_storage_t *>(row)[i]);
 }
 
 // row . v over `width` values (even), lanes over value pairs. For FP8 rows `scales` holds the
@@ -249,14 +253,9 @@ __device__ inline float rowDot(const T *row, const float *v, int width, int lane
   return warpSum(sum);
 }
 
-// The FP8 GEMM's activation rounding: a 128-value tile's scale by `rule` from its largest
-// magnitude, then each value to the E4M3 code of value / scale and back times scale, as
-// ref::quantizeFp8Tiles then dequantizeFp8Tiles.
-__device__ inline float fp8TileScaleOf(float amax, Fp8ActivationScale rule) {
-  return quant::fp8TileScale(amax, rule == Fp8ActivationScale::DeepSeekLinear
-                                       ? quant::Fp8Rule::DeepSeekLinear
-                                       : quant::Fp8Rule::DeepSeekUe8m0);
-}
+// The FP8 GEMM's activation rounding: a 128-value tile's scale by its rule from its largest
+// magnitude (quant::fp8TileScale), then each value to the E4M3 code of value / scale and back
+// times scale, as ref::quantizeFp8Tiles then dequantizeFp8Tiles.
 __device__ inline float fp8TileRounded(float value, float scale) {
   const __half_raw code =
       __nv_cvt_fp8_to_halfraw(quant::floatToE4M3(__fdiv_rn(value, scale)), __NV_E4M3);
@@ -272,7 +271,7 @@ __device__ inline void roundFp8Tiles(float *v, int width, Fp8ActivationScale rul
       amax = fmaxf(amax, fabsf(v[first + i]));
     for (int offset = 16; offset > 0; offset /= 2)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = fp8TileScaleOf(amax, rule);
+    const float scale = quant::fp8TileScale(amax, rule);
     for (int i = lane; i < 128 && first + i < width; i += 32)
       v[first + i] = fp8TileRounded(v[first + i], scale);
   }
@@ -285,6 +284,10 @@ __device__ inline void roundFp8Tiles(float *v, int width, Fp8ActivationScale rul
 // of quarter q of its 32 chunks are 512 adjacent bytes, free of bank conflicts (in natural order
 // lanes 64 bytes apart would share banks four ways).
 constexpr int kFp8Chunk = 16;
+// Whether loadVector interleaves a width's vector (FP8 rows of whole chunks).
+template <typename T> __host__ __device__ constexpr bool interleavesVector(int width) {
+  return sizeof(T) == 1 && width % kFp8Chunk == 0;
+}
 __device__ inline int interleavedIndex(int n) {
   const int c = n / kFp8Chunk, q = n % kFp8Chunk / 4, r = n % 4;
   return ((c / 32 * 4 + q) * 32 + c % 32) * 4 + r;
@@ -306,7 +309,7 @@ __device__ inline void loadRoundedInterleaved(const float *source, float *v, int
     }
     for (int offset = 16; offset > 0; offset /= 2)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = fp8TileScaleOf(amax, rule);
+    const float scale = quant::fp8TileScale(amax, rule);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int n = first + lane + 32 * i;
@@ -314,12 +317,6 @@ __device__ inline void loadRoundedInterleaved(const float *source, float *v, int
         v[interleavedIndex(n)] = fp8TileRounded(values[i], scale);
     }
   }
-}
-
-__device__ inline float2 fp8PairToFloat2(uint32_t pair) {
-  const __half2_raw halves =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
-  return __half22float2(*reinterpret_cast<const __half2 *>(&halves));
 }
 
 // row . v for an FP8 row of width / 16 chunks and an interleaved v: each weight its code times
@@ -356,7 +353,7 @@ template <typename T>
 __device__ inline bool loadVector(const float *source, float *v, int width,
                                   Fp8ActivationScale rule) {
   if constexpr (sizeof(T) == 1) {
-    if (width % kFp8Chunk == 0) {
+    if (interleavesVector<T>(width)) {
       loadRoundedInterleaved(source, v, width, rule);
       __syncthreads();
       return true;
@@ -820,8 +817,8 @@ unsigned gridFor(int64_t n) {
 // whole interleaved groups of 32 chunks (a width of 384 places values up to 479).
 template <typename T> size_t vectorFloats(int width) {
   constexpr int kGroup = 32 * kFp8Chunk; // kMoeMaxHidden is whole groups
-  return sizeof(T) == 1 && width % kFp8Chunk == 0 ? size_t((width + kGroup - 1) / kGroup) * kGroup
-                                                  : size_t(width);
+  return interleavesVector<T>(width) ? size_t((width + kGroup - 1) / kGroup) * kGroup
+                                     : size_t(width);
 }
 
 template <typename T> int launchPerToken(const MoeExpertsParams &p, cudaStream_t stream) {
