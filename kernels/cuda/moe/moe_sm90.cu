@@ -379,7 +379,13 @@ __device__ inline float vectorDot(const T *row, const float *v, bool interleaved
   return rowDot<T, kUnroll>(row, v, width, lane, scales);
 }
 
-// Block (token-slot, 8 rows of the intermediate): h = silu(gate x) * up x.
+// Rows a warp takes: FP8 blocks cover more rows, so that the activation prologue (7168 values
+// loaded and rounded per block) runs for fewer of them; a row's sums are the same either way.
+template <typename T> constexpr int kGateUpRowsPerWarp = sizeof(T) == 1 ? 2 : 1;
+template <typename T> constexpr int kDownRowsPerWarp = sizeof(T) == 1 ? 4 : 1;
+
+// Block (token-slot, kWarps kGateUpRowsPerWarp rows of the intermediate; warp w takes rows w,
+// w + kWarps, ... of them): h = silu(gate x) * up x.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) gateUpKernel(MoeExpertsParams p, float *h) {
   extern __shared__ float x[];
@@ -392,26 +398,30 @@ __global__ void __launch_bounds__(kThreads) gateUpKernel(MoeExpertsParams p, flo
   const bool interleaved =
       loadVector<T>(p.x + size_t(token) * p.hidden, x, p.hidden, p.activationScale);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = int(blockIdx.y) * kWarps + warp;
-  if (row >= p.intermediate)
-    return;
-  const T *gate = static_cast<const T *>(p.gate[expert]) + size_t(row) * p.hidden;
-  const T *up = static_cast<const T *>(p.up[expert]) + size_t(row) * p.hidden;
-  const float *gateScales = nullptr, *upScales = nullptr;
-  if constexpr (sizeof(T) == 1) {
-    gateScales = p.gateScales[expert] + size_t(row / 128) * p.gateScaleStride;
-    upScales = p.upScales[expert] + size_t(row / 128) * p.gateScaleStride;
+  constexpr int kRows = kGateUpRowsPerWarp<T>;
+#pragma unroll 1 // a row at a time: the registers (and so the blocks an SM) of one row
+  for (int i = 0; i < kRows; ++i) {
+    const int row = (int(blockIdx.y) * kRows + i) * kWarps + warp;
+    if (row >= p.intermediate)
+      return;
+    const T *gate = static_cast<const T *>(p.gate[expert]) + size_t(row) * p.hidden;
+    const T *up = static_cast<const T *>(p.up[expert]) + size_t(row) * p.hidden;
+    const float *gateScales = nullptr, *upScales = nullptr;
+    if constexpr (sizeof(T) == 1) {
+      gateScales = p.gateScales[expert] + size_t(row / 128) * p.gateScaleStride;
+      upScales = p.upScales[expert] + size_t(row / 128) * p.gateScaleStride;
+    }
+    // FP8 rows not of whole chunks: 2-byte loads, unrolled by 8 to keep several in flight
+    // (7168 wide: 241 -> 163 us a layer at batch 1, H200); bf16 rows measured slower unrolled.
+    constexpr int kUnroll = sizeof(T) == 1 ? 8 : 0;
+    const float g = vectorDot<T, kUnroll>(gate, x, interleaved, p.hidden, lane, gateScales);
+    const float u = vectorDot<T, kUnroll>(up, x, interleaved, p.hidden, lane, upScales);
+    if (lane == 0)
+      h[size_t(slot) * p.intermediate + row] = gatedActivationValue(p.activation, g, u);
   }
-  // FP8 rows not of whole chunks: 2-byte loads, unrolled by 8 to keep several in flight (7168
-  // wide: 241 -> 163 us a layer at batch 1, H200); bf16 rows measured slower unrolled.
-  constexpr int kUnroll = sizeof(T) == 1 ? 8 : 0;
-  const float g = vectorDot<T, kUnroll>(gate, x, interleaved, p.hidden, lane, gateScales);
-  const float u = vectorDot<T, kUnroll>(up, x, interleaved, p.hidden, lane, upScales);
-  if (lane == 0)
-    h[size_t(slot) * p.intermediate + row] = gatedActivationValue(p.activation, g, u);
 }
 
-// Block (token-slot, 8 rows of the output): y = down h.
+// Block (token-slot, kWarps kDownRowsPerWarp rows of the output, taken as gate/up's): y = down h.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const float *h,
                                                        float *y) {
@@ -424,16 +434,20 @@ __global__ void __launch_bounds__(kThreads) downKernel(MoeExpertsParams p, const
   const bool interleaved =
       loadVector<T>(h + size_t(slot) * p.intermediate, hs, p.intermediate, p.activationScale);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = int(blockIdx.y) * kWarps + warp;
-  if (row >= p.hidden)
-    return;
-  const T *down = static_cast<const T *>(p.down[expert]) + size_t(row) * p.intermediate;
-  const float *scales = nullptr;
-  if constexpr (sizeof(T) == 1)
-    scales = p.downScales[expert] + size_t(row / 128) * p.downScaleStride;
-  const float v = vectorDot(down, hs, interleaved, p.intermediate, lane, scales);
-  if (lane == 0)
-    y[size_t(slot) * p.hidden + row] = v;
+  constexpr int kRows = kDownRowsPerWarp<T>;
+#pragma unroll 1
+  for (int i = 0; i < kRows; ++i) {
+    const int row = (int(blockIdx.y) * kRows + i) * kWarps + warp;
+    if (row >= p.hidden)
+      return;
+    const T *down = static_cast<const T *>(p.down[expert]) + size_t(row) * p.intermediate;
+    const float *scales = nullptr;
+    if constexpr (sizeof(T) == 1)
+      scales = p.downScales[expert] + size_t(row / 128) * p.downScaleStride;
+    const float v = vectorDot(down, hs, interleaved, p.intermediate, lane, scales);
+    if (lane == 0)
+      y[size_t(slot) * p.hidden + row] = v;
+  }
 }
 
 // Block (token, kThreads columns): its experts' weighted outputs added in ascending expert
@@ -839,14 +853,17 @@ template <typename T> int launchPerToken(const MoeExpertsParams &p, cudaStream_t
   // Each a programmatic dependent of the kernel before: three launches of a decode step's
   // latency-bound MoE layer overlap their predecessors' drain.
   const unsigned slots = unsigned(p.tokens * p.topK);
-  DependentLaunch gateUp(dim3(slots, unsigned((p.intermediate + kWarps - 1) / kWarps)),
-                         dim3(kThreads), stream);
+  constexpr int kGateUpBlockRows = kWarps * kGateUpRowsPerWarp<T>,
+                kDownBlockRows = kWarps * kDownRowsPerWarp<T>;
+  DependentLaunch gateUp(
+      dim3(slots, unsigned((p.intermediate + kGateUpBlockRows - 1) / kGateUpBlockRows)),
+      dim3(kThreads), stream);
   gateUp.config.dynamicSmemBytes = vectorFloats<T>(p.hidden) * sizeof(float);
   cudaError_t status = cudaLaunchKernelEx(&gateUp.config, gateUpKernel<T>, p, h);
   if (status != cudaSuccess)
     return int(status);
-  DependentLaunch down(dim3(slots, unsigned((p.hidden + kWarps - 1) / kWarps)), dim3(kThreads),
-                       stream);
+  DependentLaunch down(dim3(slots, unsigned((p.hidden + kDownBlockRows - 1) / kDownBlockRows)),
+                       dim3(kThreads), stream);
   down.config.dynamicSmemBytes = vectorFloats<T>(p.intermediate) * sizeof(float);
   status = cudaLaunchKernelEx(&down.config, downKernel<T>, p, static_cast<const float *>(h), y);
   if (status != cudaSuccess)
