@@ -1149,5 +1149,45 @@ TEST(CudaDeviceQuantizedCache, LayersMatchTheCpuOracle) {
   }
 }
 
+// An indexer top-k (128) above the KV cache's capacity (a 48-token context): every key is
+// selected, and the DSA layers still run on the GPU (they fell back to the cpu reference, 1000x
+// slower, whenever a context limit was below DeepSeek-V3.2's 2048). Prefill and greedy decode
+// logits against the cpu plan of the same checkpoint.
+TEST(CudaTopKAboveCapacity, RunsOnTheGpuAndMatchesTheCpu) {
+  const std::string base =
+      directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/deepseek_v32_tiny-topk128";
+  LoadOptions options;
+  options.device = "cuda";
+  options.maxContextTokens = 48;
+  auto gpu = Model::load(base + "-cuda", options);
+  if (noGpu(gpu))
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(gpu.isOk()) << gpu.status().message();
+  options.device = "cpu";
+  auto cpu = Model::load(base, options);
+  ASSERT_TRUE(cpu.isOk()) << cpu.status().message();
+  EXPECT_TRUE(runsEntirelyOnTheGpu(**gpu, "prefill")) << (*gpu)->placementReport();
+  EXPECT_TRUE(runsEntirelyOnTheGpu(**gpu, "decode")) << (*gpu)->placementReport();
+
+  const std::vector<int64_t> prompt = goldenPrompt("deepseek_v32_tiny"); // 40 tokens
+  auto onGpu = (*gpu)->newSequence();
+  auto onCpu = (*cpu)->newSequence();
+  ASSERT_TRUE(onGpu.isOk() && onCpu.isOk());
+  auto a = (*onGpu)->prefill(prompt), b = (*onCpu)->prefill(prompt);
+  ASSERT_TRUE(a.isOk()) << a.status().message();
+  ASSERT_TRUE(b.isOk()) << b.status().message();
+  EXPECT_LT(worstDifference(*a, *b), 2e-3);
+  const int64_t vocab = (*gpu)->vocabSize();
+  for (int step = 0; step < 6; ++step) { // to 46 of the 48 tokens
+    const int64_t token = argmax(*b, vocab);
+    EXPECT_EQ(argmax(*a, vocab), token) << "step " << step;
+    a = (*onGpu)->decode(token);
+    b = (*onCpu)->decode(token);
+    ASSERT_TRUE(a.isOk()) << a.status().message();
+    ASSERT_TRUE(b.isOk()) << b.status().message();
+    EXPECT_LT(worstDifference(*a, *b), 2e-3) << "step " << step;
+  }
+}
+
 } // namespace
 } // namespace hybrid

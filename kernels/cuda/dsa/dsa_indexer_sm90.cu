@@ -1523,8 +1523,8 @@ int launchIndexerTopK(const IndexerParams &p, void *stream) {
   if (p.rows <= 0 || p.rows > 65535 || p.heads <= 0 || p.heads > kIndexerMaxHeads ||
       (p.headDim != 64 && p.headDim != 128) || !p.q || !p.headWeights || !p.positions ||
       !p.sequences || !p.keyPages || p.pageTokens <= 0 || !p.blockTables || p.maxPages <= 0 ||
-      p.maxKeys <= 0 || p.topK <= 0 || p.topK > p.maxKeys || p.topK > kIndexerMaxTopK ||
-      !p.indices || (!fused && !p.selectWorkspace) ||
+      p.maxKeys <= 0 || p.topK <= 0 || p.topK > kIndexerMaxTopK || !p.indices ||
+      (!fused && !p.selectWorkspace) ||
       (fused && !indexerFusedSupported(p.keyType, p.headDim, p.maxKeys)) ||
       (p.maxKeys + kScoreThreads - 1) / kScoreThreads > 65535 || p.tilesPerBlock < 0)
     return cudaErrorInvalidValue;

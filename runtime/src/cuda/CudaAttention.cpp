@@ -117,7 +117,6 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
   kvLayers.assign(static_cast<size_t>(numKv), DeviceKvLayer{});
   pageTokens = std::max<int64_t>(1, spec ? spec->page_size() : 1);
   maxPages = static_cast<int32_t>((options.maxContextTokens + pageTokens - 1) / pageTokens);
-  const int64_t maxKeys = int64_t(maxPages) * pageTokens;
   if (numKv == 0)
     return Status::ok();
 
@@ -157,7 +156,7 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
     return p->index_heads() > 0 && p->index_heads() <= kc::kIndexerMaxHeads &&
            (p->index_head_dim() == 64 || p->index_head_dim() == 128) &&
            layer->index_key_dim() == p->index_head_dim() && p->top_k() > 0 &&
-           p->top_k() <= std::min<int64_t>(maxKeys, kc::kIndexerMaxTopK);
+           p->top_k() <= kc::kIndexerMaxTopK; // a top-k above the capacity selects every key
   };
   for (const fb::Program *program : programs)
     for (const fb::Step *step : *program->steps()) {

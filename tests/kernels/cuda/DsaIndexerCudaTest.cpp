@@ -227,6 +227,11 @@ INSTANTIATE_TEST_SUITE_P(
         IndexerCase{"v32_f32", IndexKeyType::F32, 64, 128, 64, 2048, {1, 700, 5000}, 4},
         IndexerCase{"v32_mxfp8", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {2100, 4133}, 3},
         IndexerCase{"v32_fp8_per_key", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2},
+        // A top-k above the keys' capacity (a short context limit): every key, then -1s.
+        // clang-format off
+        IndexerCase{"v32_mxfp8_topk_above_capacity", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {1, 700, 1030}, 3},
+        IndexerCase{"v32_mxfp8_topk_above_capacity_warpgroup", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {700, 1030}, 2, true},
+        // clang-format on
         // The tiny test model's shape (4 heads x 64), small pages.
         IndexerCase{"tiny_mxfp8", IndexKeyType::Mxfp8, 4, 64, 16, 32, {1, 17, 100, 300}, 5},
         IndexerCase{"tiny_f32_odd_heads", IndexKeyType::F32, 3, 64, 16, 7, {40, 9}, 2},

@@ -52,7 +52,7 @@ struct IndexerParams {
   // for the fused form.
   float *scores = nullptr;
   int32_t maxKeys = 0;
-  int32_t topK = 0;          // 1..min(maxKeys, kIndexerMaxTopK)
+  int32_t topK = 0;           // 1..kIndexerMaxTopK; above maxKeys every row selects all its keys
   int32_t *indices = nullptr; // [rows, topK]: the selected positions in ascending order (the
                               // same bits every run); a row with fewer than topK keys gets all
                               // of them, then -1s
