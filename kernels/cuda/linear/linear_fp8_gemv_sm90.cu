@@ -1,8 +1,8 @@
 // The FP8 block-scaled linear layer at decode rows (see fp8_gemv.cuh). A block computes 16 outputs
 // for every row with mma.sync m16n8k32 (E4M3 in, fp32 out), the rows as the MMA's 8 columns; its
-// 8 warps take every 8th 128-wide k tile (one weight scale block wide). Per tile a warp runs four
-// MMAs into a fresh accumulator and adds it times the tile's weight scale and each row's
-// activation scale to its total: the per-128 promotion of the reference (MODEL_SPEC §8.1), as
+// 8 (or 4) warps take every 8th (4th) 128-wide k tile (one weight scale block wide). Per tile a
+// warp runs four MMAs into a fresh accumulator and adds it times the tile's weight scale and each
+// row's activation scale to its total: the per-128 promotion of the reference (MODEL_SPEC §8.1), as
 // DeepGEMM does. Lane (g, t) loads 16 bytes (k 16t..16t+15 of a 64-wide chunk) of weight rows g
 // and g + 8 and of activation row g, and uses them as the fragments of two MMAs whose logical k
 // 4t..4t+3 and 4t+16..4t+19 stand for 16t..16t+7 and 16t+8..16t+15: A and B permute k alike.
@@ -10,6 +10,7 @@
 // MMA's column never sees another's: a row's bits are the same at 1 to 8 rows (a decode step
 // and a speculation pass share them).
 #include "../common/dependent_launch.cuh"
+#include "../common/device_setup.cuh"
 #include "../common/warp_mma.cuh"
 #include "fp8_gemv.cuh"
 #include "gemv.cuh" // kGemvMaxRows
@@ -20,11 +21,13 @@
 namespace hybrid::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256, kWarps = kThreads / 32, kOutputs = 16;
+constexpr int kOutputs = 16;
 constexpr int kTile = int(kFp8BlockSize), kChunk = 64;
 
-__global__ void __launch_bounds__(kThreads)
+template <int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
     fp8GemvKernel(LinearFp8Params p, int64_t paddedRows, int64_t scaleOffset, int64_t scaleStride) {
+  static_assert(kWarps * 32 >= kOutputs * 8, "a thread a (output, row) in the final sum");
   __shared__ float partial[kWarps][kOutputs * 8]; // [warp][output * 8 + row]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t firstOut = int64_t(blockIdx.x) * kOutputs;
@@ -112,9 +115,27 @@ bool fp8GemvSupports(const LinearFp8Params &p) {
 int launchFp8Gemv(const LinearFp8Params &p, cudaStream_t stream) {
   if (!fp8GemvSupports(p))
     return cudaErrorInvalidValue;
-  DependentLaunch launch(dim3(unsigned((p.out + kOutputs - 1) / kOutputs)), dim3(kThreads), stream);
+  // 8-warp blocks (80 registers: 3 an SM) where the outputs fit one wave of them; past it 4-warp
+  // blocks (6 an SM), so that 7168-wide outputs' 448 blocks run in one wave, not 1.13 with a
+  // tail. H200, DeepSeek-V3.2's shapes at 1 row: 16384 -> 7168 41.5 -> 36.7 us, 1536 -> 8192
+  // 8.9 -> 7.3; but 7168 -> 1536 9.9 -> 14.6 with 4 warps (fewer warps to split k among).
+  // The choice depends on `out` alone: a row's bits stay the same at 1 to 8 rows.
+  static const int wideBlocksPerSm = [] {
+    int blocks = 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fp8GemvKernel<8>, 8 * 32, 0) ==
+                   cudaSuccess
+               ? blocks
+               : 0;
+  }();
+  const DeviceSetup device = deviceSetup([] { return cudaSuccess; });
+  if (device.status != cudaSuccess)
+    return int(device.status);
+  const int64_t blocks = (p.out + kOutputs - 1) / kOutputs;
+  const bool oneWave =
+      wideBlocksPerSm == 0 || blocks <= int64_t(wideBlocksPerSm) * device.multiprocessors;
+  DependentLaunch launch(dim3(unsigned(blocks)), dim3(oneWave ? 256 : 128), stream);
   const cudaError_t status = cudaLaunchKernelEx(
-      &launch.config, fp8GemvKernel, p, linearFp8PaddedRows(p.rows),
+      &launch.config, oneWave ? fp8GemvKernel<8> : fp8GemvKernel<4>, p, linearFp8PaddedRows(p.rows),
       int64_t(linearFp8ScratchScaleOffset(p.rows, p.in)), linearFp8WeightScaleStride(p.in));
   return int(status != cudaSuccess ? status : cudaGetLastError());
 }
