@@ -165,8 +165,11 @@ StatusOr<mlir::OwningOpRef<mlir::ModuleOp>> lowerToPlan(mlir::MLIRContext &conte
   }
   if (stopAfter >= Phase::Layout && options.tileWeights)
     pm.addPass(createAssignWeightLayout());
-  if (stopAfter >= Phase::Streams)
-    pm.addPass(createAssignStreams());
+  if (stopAfter >= Phase::Streams) {
+    AssignStreamsOptions streams;
+    streams.maxStreams = options.maxStreams;
+    pm.addPass(createAssignStreams(streams));
+  }
   if (stopAfter >= Phase::Memory)
     pm.addPass(createPlanMemory());
   if (stopAfter >= Phase::Verify)
@@ -220,7 +223,8 @@ StatusOr<std::vector<std::vector<uint8_t>>> compileRankPlans(mlir::MLIRContext &
         .add("page_size", static_cast<int64_t>(options.pageSize))
         .add("fuse", options.fuse)
         .add("tile_weights", options.tileWeights)
-        .add("quantization", options.quantization);
+        .add("quantization", options.quantization)
+        .add("max_streams", static_cast<int64_t>(options.maxStreams));
     if (policyFile)
       key.add("quantization_policy", policyText);
     if (sharded)

@@ -29,6 +29,8 @@ struct CompileOptions {
   bool fuse = true;             // --hybrid-fuse-super-kernels (off: the unfused reference path)
   bool tileWeights = true;      // --hybrid-assign-weight-layout (off: every weight row-major)
   std::string quantization = "default"; // --hybrid-annotate-quantization policy
+  int32_t maxStreams =
+      3; // --hybrid-assign-streams' max-streams (1: every step in order, no events)
   // --synthetic-weights=SEED: the model directory holds config.json alone; the weight archive
   // holds generator descriptors the runtime fills at load (docs/weight-archive.md, version 2).
   std::optional<uint64_t> syntheticSeed;

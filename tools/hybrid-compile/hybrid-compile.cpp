@@ -51,6 +51,10 @@ cl::opt<int64_t> decodeBatch("decode-batch",
                              cl::desc("Sequences one decode step can take (its arena size; "
                                       "Model::decodeBatch)"),
                              cl::init(1));
+cl::opt<int32_t> maxStreams("max-streams",
+                            cl::desc("Streams a program's independent steps may spread over "
+                                     "(--hybrid-assign-streams; 1: one stream, no events)"),
+                            cl::init(3));
 cl::opt<std::string> cacheDir("cache-dir",
                               cl::desc("Compilation cache folder (default $HYBRID_CACHE_DIR, "
                                        "else ~/.cache/hybrid)"),
@@ -120,6 +124,9 @@ int main(int argc, char **argv) {
                 " must be between 1 and 16777216");
   if (decodeBatch < 1 || decodeBatch > 4096)
     return fail("--decode-batch=" + std::to_string(decodeBatch) + " must be between 1 and 4096");
+  if (maxStreams < 1 || maxStreams > 64)
+    return fail("--max-streams=" + std::to_string(maxStreams) + " must be between 1 and 64");
+  options.maxStreams = maxStreams;
   options.cacheDir = cacheDir;
   options.useCache = !noCache;
   options.fuse = !noFuse;
