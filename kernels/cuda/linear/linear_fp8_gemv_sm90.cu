@@ -24,7 +24,8 @@ namespace {
 constexpr int kOutputs = 16;
 constexpr int kTile = int(kFp8BlockSize), kChunk = 64;
 
-template <int kWarps>
+// kStages tiles of weights in flight a warp: a ring of registers, refilled as each is multiplied.
+template <int kWarps, int kStages>
 __global__ void __launch_bounds__(kWarps * 32)
     fp8GemvKernel(LinearFp8Params p, int64_t paddedRows, int64_t scaleOffset, int64_t scaleStride) {
   static_assert(kWarps * 32 >= kOutputs * 8, "a thread a (output, row) in the final sum");
@@ -47,8 +48,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   const uint8_t *xRow = codes + g * p.in + 16 * t;
   const int tiles = int(p.in / kTile), mine = (tiles - warp + kWarps - 1) / kWarps;
   auto tileAt = [&](int i) { return warp + kWarps * i; };
-  // A tile's weights: chunk 0's rows g and g + 8, then chunk 1's; two tiles in flight.
-  uint4 w[2][4];
+  // A tile's weights: chunk 0's rows g and g + 8, then chunk 1's; kStages tiles in flight.
+  uint4 w[kStages][4];
   auto load = [&](uint4(&target)[4], int i) {
     if (i < mine) {
       const int64_t k = int64_t(tileAt(i)) * kTile;
@@ -77,15 +78,32 @@ __global__ void __launch_bounds__(kWarps * 32)
       total[e] += acc[e] * (weightScale *
                             activationScales[int64_t(tileAt(i)) * paddedRows + mma::accColumn(e)]);
   };
-  load(w[0], 0); // weights are constants: before the wait
-  load(w[1], 1);
-  waitForEarlierKernels(); // the activation codes and scales
-  for (int i = 0; i < mine; i += 2) {
-    multiply(w[0], i);
-    load(w[0], i + 2);
-    if (i + 1 < mine) {
-      multiply(w[1], i + 1);
-      load(w[1], i + 3);
+  if constexpr (kStages == 2) {
+    // Spelled out: the ring's form of it ran the wide shapes 5-8% slower (H200, 16384 -> 7168
+    // 36.5 -> 39.2 us).
+    load(w[0], 0); // weights are constants: before the wait
+    load(w[1], 1);
+    waitForEarlierKernels(); // the activation codes and scales
+    for (int i = 0; i < mine; i += 2) {
+      multiply(w[0], i);
+      load(w[0], i + 2);
+      if (i + 1 < mine) {
+        multiply(w[1], i + 1);
+        load(w[1], i + 3);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s)
+      load(w[s], s);
+    waitForEarlierKernels();
+    for (int i = 0; i < mine; i += kStages) {
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) // tiles in order: the same sums at any kStages
+        if (i + s < mine) {
+          multiply(w[s], i + s);
+          load(w[s], i + s + kStages);
+        }
     }
   }
   letDependentsLaunch();
@@ -112,30 +130,55 @@ bool fp8GemvSupports(const LinearFp8Params &p) {
          linearFp8ScratchScaleOffset(p.rows, p.in) % 4 == 0;
 }
 
+// How a shape runs: (warps, stages) = (8, 2) by default; (8, kDeepStages) when the outputs'
+// blocks fit one wave of such blocks (222 registers: 1 an SM) and a warp has more tiles than
+// half the stages: narrow outputs over a wide input, few blocks, each a chain of loads, so
+// more of them in flight (H200, 1 row: 7168 -> 1536 9.9 -> 8.4 us, 7168 -> 576 9.2 -> 6.9; 4
+// stages at 7168 -> 4096, 256 blocks at 2 an SM, ran 12.3 -> 13.1 and are not used); (4, 2) when
+// 8-warp blocks (80 registers: 3 an SM) would not fit one wave, so that 7168-wide outputs' 448
+// blocks run in one wave, not 1.13 with a tail. H200, DeepSeek-V3.2's shapes at 1 row, 4 warps
+// against 8: 16384 -> 7168 41.5 -> 36.7 us, 1536 -> 8192 8.9 -> 7.3; but 7168 -> 1536 9.9 ->
+// 14.6 (fewer warps to split k among). The choice depends on the shape alone: a row's bits
+// stay the same at 1 to 8 rows (and the stages do not change the order of the sums).
+namespace {
+
+constexpr int kDeepStages = 8;
+using Fp8GemvKernel = void (*)(LinearFp8Params, int64_t, int64_t, int64_t);
+struct Fp8GemvForm {
+  Fp8GemvKernel kernel;
+  int threads;
+};
+
+Fp8GemvForm fp8GemvForm(int64_t blocks, int64_t in, int multiprocessors) {
+  auto blocksPerSm = [](Fp8GemvKernel kernel, int threads) {
+    int blocks = 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0) == cudaSuccess
+               ? blocks
+               : 0;
+  };
+  static const int deepPerSm = blocksPerSm(fp8GemvKernel<8, kDeepStages>, 256);
+  static const int widePerSm = blocksPerSm(fp8GemvKernel<8, 2>, 256);
+  const int64_t tilesPerWarp = (in / kTile + 7) / 8;
+  if (tilesPerWarp > kDeepStages / 2 && blocks <= int64_t(deepPerSm) * multiprocessors)
+    return {fp8GemvKernel<8, kDeepStages>, 256};
+  if (widePerSm == 0 || blocks <= int64_t(widePerSm) * multiprocessors)
+    return {fp8GemvKernel<8, 2>, 256};
+  return {fp8GemvKernel<4, 2>, 128};
+}
+
+} // namespace
+
 int launchFp8Gemv(const LinearFp8Params &p, cudaStream_t stream) {
   if (!fp8GemvSupports(p))
     return cudaErrorInvalidValue;
-  // 8-warp blocks (80 registers: 3 an SM) where the outputs fit one wave of them; past it 4-warp
-  // blocks (6 an SM), so that 7168-wide outputs' 448 blocks run in one wave, not 1.13 with a
-  // tail. H200, DeepSeek-V3.2's shapes at 1 row: 16384 -> 7168 41.5 -> 36.7 us, 1536 -> 8192
-  // 8.9 -> 7.3; but 7168 -> 1536 9.9 -> 14.6 with 4 warps (fewer warps to split k among).
-  // The choice depends on `out` alone: a row's bits stay the same at 1 to 8 rows.
-  static const int wideBlocksPerSm = [] {
-    int blocks = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fp8GemvKernel<8>, 8 * 32, 0) ==
-                   cudaSuccess
-               ? blocks
-               : 0;
-  }();
   const DeviceSetup device = deviceSetup([] { return cudaSuccess; });
   if (device.status != cudaSuccess)
     return int(device.status);
   const int64_t blocks = (p.out + kOutputs - 1) / kOutputs;
-  const bool oneWave =
-      wideBlocksPerSm == 0 || blocks <= int64_t(wideBlocksPerSm) * device.multiprocessors;
-  DependentLaunch launch(dim3(unsigned(blocks)), dim3(oneWave ? 256 : 128), stream);
+  const Fp8GemvForm form = fp8GemvForm(blocks, p.in, device.multiprocessors);
+  DependentLaunch launch(dim3(unsigned(blocks)), dim3(unsigned(form.threads)), stream);
   const cudaError_t status = cudaLaunchKernelEx(
-      &launch.config, oneWave ? fp8GemvKernel<8> : fp8GemvKernel<4>, p, linearFp8PaddedRows(p.rows),
+      &launch.config, form.kernel, p, linearFp8PaddedRows(p.rows),
       int64_t(linearFp8ScratchScaleOffset(p.rows, p.in)), linearFp8WeightScaleStride(p.in));
   return int(status != cudaSuccess ? status : cudaGetLastError());
 }

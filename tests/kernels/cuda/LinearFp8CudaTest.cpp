@@ -19,6 +19,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace hybrid::kernels {
@@ -482,18 +483,24 @@ INSTANTIATE_TEST_SUITE_P(
                     GemmShape{40, 96, 256, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
                     GemmShape{40, 256, 64, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
                     GemmShape{40, 128, 256, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
-                    // The decode kernel at DeepSeek-V3.2's widths: q_a, kv_a, q_b.
+                    // The decode kernel at DeepSeek-V3.2's widths, each of its forms: q_a and
+                    // kv_a (8 warps, 8 stages), 1536 -> 3072 (8 warps, 2 stages), the shared
+                    // expert's down (4 warps).
                     GemmShape{5, 7168, 1536, 0, 0, 0, true},
                     GemmShape{8, 7168, 576, 0, 0, 0, false, Fp8ActivationScale::DeepSeekUe8m0},
-                    GemmShape{2, 1536, 3072, 4, 16, 0, false}),
+                    GemmShape{2, 1536, 3072, 4, 16, 0, false},
+                    GemmShape{3, 2048, 7168, 0, 0, 0, true}),
     gemmName);
 
 // The decode kernel (rows <= 8): a row's outputs have the same bits whatever rows share the
-// call, as a decode step and a speculation pass of the same token must.
-TEST(LinearFp8Cuda, DecodeRowsGiveTheSameBitsWhateverTheRowsOfTheCall) {
+// call, as a decode step and a speculation pass of the same token must; in each of its forms
+// (8 warps, 2 or 8 stages; 4 warps).
+class LinearFp8DecodeRows : public testing::TestWithParam<std::pair<int64_t, int64_t>> {};
+
+TEST_P(LinearFp8DecodeRows, GiveTheSameBitsWhateverTheRowsOfTheCall) {
   if (!gpuPresent())
     GTEST_SKIP() << "no CUDA device";
-  const int64_t in = 1536, out = 528;
+  const auto [in, out] = GetParam();
   std::mt19937 rng(41);
   const std::vector<float> x = tiledActivations(8, in, in, rng, -2.0f, 2.0f);
   Fp8Weight w = makeWeight(out, in, in);
@@ -516,6 +523,11 @@ TEST(LinearFp8Cuda, DecodeRowsGiveTheSameBitsWhateverTheRowsOfTheCall) {
   }
   EXPECT_EQ(differingBits(firstRow[1], firstRow[0]), 0u);
 }
+
+INSTANTIATE_TEST_SUITE_P(Forms, LinearFp8DecodeRows,
+                         testing::Values(std::pair<int64_t, int64_t>{1536, 528},
+                                         std::pair<int64_t, int64_t>{7168, 576},
+                                         std::pair<int64_t, int64_t>{2048, 7168}));
 
 // ---- (c) rejected problems
 
