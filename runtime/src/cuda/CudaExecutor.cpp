@@ -1495,7 +1495,9 @@ Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const i
                          "parallel) with one choice per row (" +
                          std::to_string(choices.size()) + " choices for " + std::to_string(rows) +
                          " rows of program '" + program.name()->str() + "')");
-  HYBRID_RETURN_IF_ERROR(runProgram(host, tokens, nullptr));
+  // Queued behind the step on stream 0 (where each GPU run joins its streams), so the choice
+  // starts as the LM head ends: one host round trip a step, not two.
+  HYBRID_RETURN_IF_ERROR(enqueueProgram(host, tokens, nullptr));
   for (size_t i = 0; i < choices.size(); ++i)
     impl.pinnedChoices[i] = {choices[i].params.temperature, choices[i].params.topK,
                              choices[i].params.topP, choices[i].uniform};
@@ -1518,13 +1520,23 @@ Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const i
                                        static_cast<size_t>(rows) * sizeof(int64_t),
                                        cudaMemcpyDeviceToHost, stream),
                        "chosen tokens download");
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "token choice");
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(),
+                       program.name()->str() + " program and its token choice");
+  HYBRID_RETURN_IF_ERROR(impl.finishKvStep(programIndex, host));
   std::copy_n(impl.pinnedChosen, rows, chosen);
   return Status::ok();
 }
 
 Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const int64_t> tokens,
                                 HiddenStates *hidden) {
+  HYBRID_RETURN_IF_ERROR(enqueueProgram(host, tokens, hidden));
+  const fb::Program &program = *host.program;
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), program.name()->str() + " program");
+  return impl_->finishKvStep(impl_->indexOf(program), host);
+}
+
+Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<const int64_t> tokens,
+                                    HiddenStates *hidden) {
   Impl &impl = *impl_;
   const fb::Program &program = *host.program;
   const size_t programIndex = impl.indexOf(program);
@@ -1616,8 +1628,7 @@ Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const in
     else
       HYBRID_RETURN_IF_ERROR(impl.launchRun(program, arena, run, host, hidden, false));
   }
-  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), program.name()->str() + " program");
-  return impl.finishKvStep(programIndex, host);
+  return Status::ok();
 }
 
 } // namespace hybrid::cudadev

@@ -128,6 +128,10 @@ private:
   // A step of `host`'s program up to its KV bookkeeping; the logits stay in the arena.
   Status runProgram(const cpu::StepContext &host, std::span<const int64_t> tokens,
                     HiddenStates *hidden);
+  // runProgram's launches alone: the step's work queued, every stream joined into stream 0 at
+  // the end of each GPU run; not yet synchronized, the KV bookkeeping not yet advanced.
+  Status enqueueProgram(const cpu::StepContext &host, std::span<const int64_t> tokens,
+                        HiddenStates *hidden);
   std::unique_ptr<Impl> impl_;
   std::string report_;
   std::vector<int32_t> cpuStepWeights_;
