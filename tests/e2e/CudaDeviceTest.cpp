@@ -73,6 +73,29 @@ bool loadGraphedAndPlain(const std::string &dir, LoadOptions options, bool LoadO
   return true;
 }
 
+// A checkpoint's cuda plan and its cpu plan, both loaded with `options` (the device set per
+// plan). False without a GPU (the test skips); a load that fails otherwise is a test failure and
+// leaves its model null.
+struct GpuAndCpu {
+  std::unique_ptr<Model> gpu, cpu;
+};
+bool loadGpuAndCpu(const std::string &gpuPlan, const std::string &cpuPlan, LoadOptions options,
+                   GpuAndCpu &models) {
+  options.device = "cuda";
+  auto gpu = Model::load(gpuPlan, options);
+  if (noGpu(gpu))
+    return false;
+  EXPECT_TRUE(gpu.isOk()) << gpu.status().message();
+  options.device = "cpu";
+  auto cpu = Model::load(cpuPlan, options);
+  EXPECT_TRUE(cpu.isOk()) << cpu.status().message();
+  if (gpu.isOk())
+    models.gpu = std::move(*gpu);
+  if (cpu.isOk())
+    models.cpu = std::move(*cpu);
+  return true;
+}
+
 int64_t argmax(const std::vector<float> &logits, int64_t vocab) {
   const auto last = logits.end() - vocab;
   return std::max_element(last, logits.end()) - last;
@@ -852,18 +875,14 @@ protected:
   void SetUp() override {
     const std::string base = directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/synth-mtp";
     LoadOptions options;
-    options.device = "cuda";
     options.prefixCacheEntries = 2;
     options.prefixCacheBlockTokens = 16;
-    auto gpu = Model::load(base + "-cuda", options);
-    if (noGpu(gpu))
+    GpuAndCpu models;
+    if (!loadGpuAndCpu(base + "-cuda", base + "-cpu", options, models))
       GTEST_SKIP() << "no CUDA device";
-    ASSERT_TRUE(gpu.isOk()) << gpu.status().message();
-    gpu_ = std::move(*gpu);
-    options.device = "cpu";
-    auto cpu = Model::load(base + "-cpu", options);
-    ASSERT_TRUE(cpu.isOk()) << cpu.status().message();
-    cpu_ = std::move(*cpu);
+    ASSERT_TRUE(models.gpu && models.cpu);
+    gpu_ = std::move(models.gpu);
+    cpu_ = std::move(models.cpu);
     ASSERT_TRUE(gpu_->hasMtp());
   }
 
@@ -1084,23 +1103,19 @@ TEST(CudaDeviceFp8, FirstLayerMatchesTheCpuOracle) {
   std::vector<int64_t> prompt;
   for (int64_t i = 0; i < 100; ++i)
     prompt.push_back((i * 53 + 7) % 256);
-  LoadOptions options;
-  options.device = "cuda";
-  auto gpu = Model::load(base + "-cuda", options);
-  if (noGpu(gpu))
+  GpuAndCpu models;
+  if (!loadGpuAndCpu(base + "-cuda", base + "-cpu", LoadOptions{}, models))
     GTEST_SKIP() << "no CUDA device";
-  ASSERT_TRUE(gpu.isOk()) << gpu.status().message();
-  options.device = "cpu";
-  auto cpu = Model::load(base + "-cpu", options);
-  ASSERT_TRUE(cpu.isOk()) << cpu.status().message();
+  ASSERT_TRUE(models.gpu && models.cpu);
+  Model &gpu = *models.gpu, &cpu = *models.cpu;
   // Layer 0 (FP8 MLA with the indexer, dense FP8 MLP) runs on the GPU ("cuda prefill: GPU: ...;").
-  const std::string report = (*gpu)->placementReport();
+  const std::string report = gpu.placementReport();
   const std::string onGpu = report.substr(0, report.find(';'));
   EXPECT_NE(onGpu.find("mlp x"), std::string::npos) << report;
   EXPECT_NE(onGpu.find("sparse_mla_prefill x"), std::string::npos) << report;
 
   HiddenStates expected, actual;
-  prefillBoth(**cpu, **gpu, prompt, expected, actual);
+  prefillBoth(cpu, gpu, prompt, expected, actual);
   ASSERT_GE(expected.layers.size(), 2u);
   ASSERT_EQ(actual.layers.size(), expected.layers.size());
   EXPECT_EQ(actual.layers[0], expected.layers[0]); // the embedding
@@ -1120,21 +1135,17 @@ TEST(CudaDeviceFp8, FirstLayerMatchesTheCpuOracle) {
 TEST(CudaDeviceQuantizedCache, LayersMatchTheCpuOracle) {
   const std::string base = directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/deepseek_v32_tiny-quantized";
   const std::vector<int64_t> prompt = goldenPrompt("deepseek_v32_tiny");
-  LoadOptions options;
-  options.device = "cuda";
-  auto gpu = Model::load(base + "-cuda", options);
-  if (noGpu(gpu))
+  GpuAndCpu models;
+  if (!loadGpuAndCpu(base + "-cuda", base, LoadOptions{}, models))
     GTEST_SKIP() << "no CUDA device";
-  ASSERT_TRUE(gpu.isOk()) << gpu.status().message();
-  options.device = "cpu";
-  auto cpu = Model::load(base, options);
-  ASSERT_TRUE(cpu.isOk()) << cpu.status().message();
-  const std::string report = (*gpu)->placementReport();
+  ASSERT_TRUE(models.gpu && models.cpu);
+  Model &gpu = *models.gpu, &cpu = *models.cpu;
+  const std::string report = gpu.placementReport();
   EXPECT_NE(report.substr(0, report.find(';')).find("sparse_mla_prefill x"), std::string::npos)
       << report;
 
   HiddenStates expected, actual;
-  prefillBoth(**cpu, **gpu, prompt, expected, actual);
+  prefillBoth(cpu, gpu, prompt, expected, actual);
   ASSERT_EQ(actual.layers.size(), expected.layers.size());
   for (size_t layer = 1; layer < expected.layers.size(); ++layer) {
     const std::vector<double> errors =
@@ -1157,27 +1168,24 @@ TEST(CudaTopKAboveCapacity, RunsOnTheGpuAndMatchesTheCpu) {
   const std::string base =
       directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/deepseek_v32_tiny-topk128";
   LoadOptions options;
-  options.device = "cuda";
   options.maxContextTokens = 48;
-  auto gpu = Model::load(base + "-cuda", options);
-  if (noGpu(gpu))
+  GpuAndCpu models;
+  if (!loadGpuAndCpu(base + "-cuda", base, options, models))
     GTEST_SKIP() << "no CUDA device";
-  ASSERT_TRUE(gpu.isOk()) << gpu.status().message();
-  options.device = "cpu";
-  auto cpu = Model::load(base, options);
-  ASSERT_TRUE(cpu.isOk()) << cpu.status().message();
-  EXPECT_TRUE(runsEntirelyOnTheGpu(**gpu, "prefill")) << (*gpu)->placementReport();
-  EXPECT_TRUE(runsEntirelyOnTheGpu(**gpu, "decode")) << (*gpu)->placementReport();
+  ASSERT_TRUE(models.gpu && models.cpu);
+  Model &gpu = *models.gpu, &cpu = *models.cpu;
+  EXPECT_TRUE(runsEntirelyOnTheGpu(gpu, "prefill")) << gpu.placementReport();
+  EXPECT_TRUE(runsEntirelyOnTheGpu(gpu, "decode")) << gpu.placementReport();
 
   const std::vector<int64_t> prompt = goldenPrompt("deepseek_v32_tiny"); // 40 tokens
-  auto onGpu = (*gpu)->newSequence();
-  auto onCpu = (*cpu)->newSequence();
+  auto onGpu = gpu.newSequence();
+  auto onCpu = cpu.newSequence();
   ASSERT_TRUE(onGpu.isOk() && onCpu.isOk());
   auto a = (*onGpu)->prefill(prompt), b = (*onCpu)->prefill(prompt);
   ASSERT_TRUE(a.isOk()) << a.status().message();
   ASSERT_TRUE(b.isOk()) << b.status().message();
   EXPECT_LT(worstDifference(*a, *b), 2e-3);
-  const int64_t vocab = (*gpu)->vocabSize();
+  const int64_t vocab = gpu.vocabSize();
   for (int step = 0; step < 6; ++step) { // to 46 of the 48 tokens
     const int64_t token = argmax(*b, vocab);
     EXPECT_EQ(argmax(*a, vocab), token) << "step " << step;
