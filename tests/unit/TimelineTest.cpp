@@ -66,6 +66,42 @@ TEST(Timeline, ExposedTimeCountsFromTheStreamsPreviousEnd) {
   // a: 2 launches, 15 us exposed, 7.50 a launch, 15 total.
   EXPECT_NE(text.find("       2        15.0        7.50        15.0"), std::string::npos) << text;
   EXPECT_EQ(text.find("communication"), std::string::npos) << text;
+  // Idle: 14-20, after b (the furthest-reaching activity so far), before the second a.
+  EXPECT_DOUBLE_EQ(s.idleUs, 6.0);
+  ASSERT_EQ(s.gaps.size(), 1u);
+  EXPECT_DOUBLE_EQ(s.gaps[0].us, 6.0);
+  EXPECT_EQ(s.gaps[0].before, "b<2>");
+  EXPECT_EQ(s.gaps[0].after, "a");
+  EXPECT_NE(text.find("idle 6.0 us (no stream busy)"), std::string::npos) << text;
+  EXPECT_NE(text.find("      6.0 us  b<2> -> a"), std::string::npos) << text;
+}
+
+// Seven idle stretches between kernels on two streams (1, 2, ..., 7 us, one of them hidden
+// by the other stream's kernel): the idle time sums the uncovered ones, and the longest five
+// are kept, longest first, each named by its neighbours.
+TEST(Timeline, IdleGapsAreTheTimeNoStreamIsBusy) {
+  std::vector<DeviceActivity> activities;
+  uint64_t t = 0;
+  for (int i = 1; i <= 7; ++i) {
+    activities.push_back(kernel("k" + std::to_string(i), 1, t, t + 10));
+    t += 10 + uint64_t(i); // then i us of nothing on stream 1
+  }
+  activities.push_back(kernel("k8", 1, t, t + 10));
+  activities.push_back(kernel("cover", 2, 10, 11)); // fills the first stretch (10-11)
+  const TimelineSummary s = summarizeTimeline(activities);
+  EXPECT_DOUBLE_EQ(s.idleUs, 2.0 + 3 + 4 + 5 + 6 + 7);
+  ASSERT_EQ(s.gaps.size(), kTimelineGaps);
+  EXPECT_DOUBLE_EQ(s.gaps[0].us, 7.0);
+  EXPECT_EQ(s.gaps[0].before, "k7");
+  EXPECT_EQ(s.gaps[0].after, "k8");
+  EXPECT_DOUBLE_EQ(s.gaps[4].us, 3.0);
+  EXPECT_EQ(s.gaps[4].before, "k3");
+  // Comparing two summaries reports the idle time's change too.
+  const TimelineSummary none = summarizeTimeline(std::vector<DeviceActivity>{kernel("k", 1, 0, 5)});
+  EXPECT_DOUBLE_EQ(none.idleUs, 0.0);
+  EXPECT_TRUE(none.gaps.empty());
+  const std::string compared = compareTimelineSummaries(none, s, 5);
+  EXPECT_NE(compared.find("idle 0.0 -> 27.0 us (+27.0)"), std::string::npos) << compared;
 }
 
 // NCCL on stream 3 (0-10 and 30-40); compute on stream 1 (5-35, two kernels touching): hidden

@@ -152,6 +152,27 @@ TimelineSummary summarizeTimeline(std::span<const DeviceActivity> activities) {
   const std::vector<Interval> talking = merged(std::move(communication));
   summary.communicationUs = us(length(talking));
   summary.communicationHiddenUs = us(overlap(talking, merged(std::move(other))));
+
+  std::vector<const DeviceActivity *> byStart;
+  for (const DeviceActivity &a : activities)
+    byStart.push_back(&a);
+  std::sort(byStart.begin(), byStart.end(), [](const DeviceActivity *a, const DeviceActivity *b) {
+    return a->startNs != b->startNs ? a->startNs < b->startNs : a->endNs < b->endNs;
+  });
+  const DeviceActivity *latest = byStart.front(); // the activity reaching furthest so far
+  for (const DeviceActivity *a : byStart) {
+    if (a->startNs > latest->endNs) {
+      const double gapUs = us(a->startNs - latest->endNs);
+      summary.idleUs += gapUs;
+      summary.gaps.push_back({gapUs, displayName(*latest), displayName(*a)});
+    }
+    if (a->endNs > latest->endNs)
+      latest = a;
+  }
+  std::stable_sort(summary.gaps.begin(), summary.gaps.end(),
+                   [](const auto &a, const auto &b) { return a.us > b.us; });
+  if (summary.gaps.size() > kTimelineGaps)
+    summary.gaps.resize(kTimelineGaps);
   return summary;
 }
 
@@ -185,6 +206,15 @@ std::string formatTimelineSummary(const TimelineSummary &summary, int topNames) 
                   summary.communicationUs, summary.communicationHiddenUs,
                   100.0 * summary.communicationHiddenUs / summary.communicationUs);
     out += line;
+  }
+  if (summary.idleUs > 0) {
+    std::snprintf(line, sizeof line, "idle %.1f us (no stream busy); longest:\n", summary.idleUs);
+    out += line;
+    for (const auto &g : summary.gaps) {
+      std::snprintf(line, sizeof line, "  %9.1f us  %.60s -> %.60s\n", g.us, g.before.c_str(),
+                    g.after.c_str());
+      out += line;
+    }
   }
   return out;
 }
@@ -283,9 +313,11 @@ std::string compareTimelineSummaries(const TimelineSummary &base, const Timeline
     return s.streams.empty() ? 0.0 : s.streams[0].busyUs;
   };
   std::snprintf(line, sizeof line,
-                "span %.1f -> %.1f us (%+.1f), busiest stream busy %.1f -> %.1f us (%+.1f)\n",
+                "span %.1f -> %.1f us (%+.1f), busiest stream busy %.1f -> %.1f us (%+.1f), "
+                "idle %.1f -> %.1f us (%+.1f)\n",
                 base.spanUs, candidate.spanUs, candidate.spanUs - base.spanUs, busiest(base),
-                busiest(candidate), busiest(candidate) - busiest(base));
+                busiest(candidate), busiest(candidate) - busiest(base), base.idleUs,
+                candidate.idleUs, candidate.idleUs - base.idleUs);
   out += line;
   struct Row {
     std::string name;

@@ -37,7 +37,17 @@ struct TimelineSummary {
   // Communication: the union of the activities whose name holds "nccl" (any case); `hiddenUs` is
   // the part of it during which some other activity (not communication) ran.
   double communicationUs = 0, communicationHiddenUs = 0;
+  // Idle: the span's time with no activity on any stream (the host's share of a step: waking
+  // from a synchronization, queueing the next work). `gaps` are the longest such stretches,
+  // each named by the activity that ended last before it and the one that started after it.
+  struct Gap {
+    double us = 0;
+    std::string before, after;
+  };
+  double idleUs = 0;
+  std::vector<Gap> gaps; // longest first, at most kTimelineGaps
 };
+inline constexpr size_t kTimelineGaps = 5;
 
 TimelineSummary summarizeTimeline(std::span<const DeviceActivity> activities);
 
