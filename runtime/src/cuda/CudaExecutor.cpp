@@ -1495,6 +1495,15 @@ Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const i
                          "parallel) with one choice per row (" +
                          std::to_string(choices.size()) + " choices for " + std::to_string(rows) +
                          " rows of program '" + program.name()->str() + "')");
+  kc::SampleRowsParams sample;
+  sample.rows = static_cast<int32_t>(rows);
+  sample.vocab = valueOf(program, program.logits()).row_elements();
+  sample.logits = reinterpret_cast<const float *>(impl.logitsOf(program));
+  sample.samplingRows = impl.deviceChoices;
+  sample.tokens = impl.deviceChosen;
+  if (kc::sampleRowsWorkspaceBytes(rows, sample.vocab) > impl.sampleWorkspaceBytes)
+    return Status::error("token choice workspace larger than planned at load");
+  sample.workspace = impl.sampleWorkspace;
   // Queued behind the step on stream 0 (where each GPU run joins its streams), so the choice
   // starts as the LM head ends: one host round trip a step, not two.
   HYBRID_RETURN_IF_ERROR(enqueueProgram(host, tokens, nullptr));
@@ -1506,15 +1515,6 @@ Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const i
                                        choices.size() * sizeof(kc::SamplingRow),
                                        cudaMemcpyHostToDevice, stream),
                        "sampling parameters upload");
-  kc::SampleRowsParams sample;
-  sample.rows = static_cast<int32_t>(rows);
-  sample.vocab = valueOf(program, program.logits()).row_elements();
-  sample.logits = reinterpret_cast<const float *>(impl.logitsOf(program));
-  sample.samplingRows = impl.deviceChoices;
-  sample.tokens = impl.deviceChosen;
-  if (kc::sampleRowsWorkspaceBytes(rows, sample.vocab) > impl.sampleWorkspaceBytes)
-    return Status::error("token choice workspace larger than planned at load");
-  sample.workspace = impl.sampleWorkspace;
   LAUNCH_RETURN_IF_ERROR(kc::launchSampleRows(sample, stream), "token choice");
   CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(impl.pinnedChosen, impl.deviceChosen,
                                        static_cast<size_t>(rows) * sizeof(int64_t),
