@@ -755,13 +755,16 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
     json << "{\"kernel\": \"e2e\", \"model\": \"" << o.model << "\", \"device\": \""
          << o.load.device << "\", \"batch\": " << r.batch << ", \"context\": " << r.context
          << ", \"shared_prompt\": " << (o.bench.sharedPrompt ? "true" : "false")
+         << ", \"batch_invariant\": " << (o.load.batchInvariant ? "true" : "false")
+         << ", \"bf16_gemm_inputs\": " << (o.load.bf16GemmInputs ? "true" : "false")
          << ", \"ttft_reused\": " << (r.ttftReused ? "true" : "false")
-         << ", \"ttft_ms\": " << r.ttftMs << ", \"prefill_tokens_per_s\": "
-         << r.prefillTokensPerSecond << ", \"tpot_us\": " << r.tpotUs
+         << ", \"ttft_ms\": " << r.ttftMs
+         << ", \"prefill_tokens_per_s\": " << r.prefillTokensPerSecond
+         << ", \"tpot_us\": " << r.tpotUs
          << ", \"decode_tokens_per_s\": " << r.decodeTokensPerSecond
          << ", \"floor_us\": " << r.floorUs << ", \"ratio\": " << r.ratio()
-         << ", \"bytes\": {\"weights\": " << r.bytes.weights << ", \"experts\": "
-         << r.bytes.experts << ", \"kv_cache\": " << r.bytes.kvCache
+         << ", \"bytes\": {\"weights\": " << r.bytes.weights << ", \"experts\": " << r.bytes.experts
+         << ", \"kv_cache\": " << r.bytes.kvCache
          << ", \"recurrent_state\": " << r.bytes.recurrentState << "}}";
     records.push_back({"e2e batch=" + std::to_string(r.batch) + " context=" +
                            std::to_string(r.context),
@@ -1279,6 +1282,10 @@ int main(int argc, char **argv) {
       ->check(CLI::IsMember({"auto", "chunked", "recurrent"}));
   e2eCommand->add_flag("--batch-invariant", e2e.load.batchInvariant,
                        "cuda: batch-invariant kernels (LoadOptions::batchInvariant)");
+  e2eCommand->add_flag("--bf16-gemm-inputs", e2e.load.bf16GemmInputs,
+                       "cuda: round GEMM inputs to bf16 instead of splitting them into bf16 "
+                       "terms (LoadOptions::bf16GemmInputs; what other engines' bf16 "
+                       "activations cost)");
   e2eCommand->add_flag("--no-cuda-graphs", e2eNoGraphs,
                        "cuda: launch every kernel each step (decode and short prefill calls)");
   e2eCommand->add_flag("--skip-collectives", e2e.skipCollectives,
