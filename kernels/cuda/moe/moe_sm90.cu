@@ -262,21 +262,6 @@ __device__ inline float fp8TileRounded(float value, float scale) {
   return __half2float(__half(code)) * scale;
 }
 
-// v[0, width) in shared memory rounded in place, a warp a tile.
-__device__ inline void roundFp8Tiles(float *v, int width, Fp8ActivationScale rule) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int first = warp * 128; first < width; first += kWarps * 128) {
-    float amax = 0.0f;
-    for (int i = lane; i < 128 && first + i < width; i += 32)
-      amax = fmaxf(amax, fabsf(v[first + i]));
-    for (int offset = 16; offset > 0; offset /= 2)
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = quant::fp8TileScale(amax, rule);
-    for (int i = lane; i < 128 && first + i < width; i += 32)
-      v[first + i] = fp8TileRounded(v[first + i], scale);
-  }
-}
-
 // FP8 rows of whole 16-byte chunks (DeepSeek-V3.2's 7168 and 2048): lane l loads chunks l,
 // l + 32, ... whole (16 codes under one block scale), where a load a 2-byte pair ran the FP8
 // experts at 1.2-1.4 TB/s (H200, batch 1). The vector sits in shared memory chunk-interleaved,
@@ -293,10 +278,11 @@ __device__ inline int interleavedIndex(int n) {
   return ((c / 32 * 4 + q) * 32 + c % 32) * 4 + r;
 }
 
-// source[0, width) (global) rounded as roundFp8Tiles rounds, each value to its interleaved place
-// in v (shared), a warp a tile.
-__device__ inline void loadRoundedInterleaved(const float *source, float *v, int width,
-                                              Fp8ActivationScale rule) {
+// source[0, width) (global) rounded per 128-value tile (fp8TileRounded, the tile's scale from its
+// largest magnitude), each value to its place in v (shared; interleavedIndex when interleaved),
+// a warp a tile.
+__device__ inline void loadRounded(const float *source, float *v, int width,
+                                   Fp8ActivationScale rule, bool interleaved) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int first = warp * 128; first < width; first += kWarps * 128) {
     float values[4];
@@ -314,7 +300,7 @@ __device__ inline void loadRoundedInterleaved(const float *source, float *v, int
     for (int i = 0; i < 4; ++i) {
       const int n = first + lane + 32 * i;
       if (n < width)
-        v[interleavedIndex(n)] = fp8TileRounded(values[i], scale);
+        v[interleaved ? interleavedIndex(n) : n] = fp8TileRounded(values[i], scale);
     }
   }
 }
@@ -353,20 +339,16 @@ template <typename T>
 __device__ inline bool loadVector(const float *source, float *v, int width,
                                   Fp8ActivationScale rule) {
   if constexpr (sizeof(T) == 1) {
-    if (interleavesVector<T>(width)) {
-      loadRoundedInterleaved(source, v, width, rule);
-      __syncthreads();
-      return true;
-    }
-  }
-  for (int i = threadIdx.x; i < width; i += kThreads)
-    v[i] = source[i];
-  __syncthreads();
-  if constexpr (sizeof(T) == 1) {
-    roundFp8Tiles(v, width, rule);
+    const bool interleaved = interleavesVector<T>(width);
+    loadRounded(source, v, width, rule, interleaved);
     __syncthreads();
+    return interleaved;
+  } else {
+    for (int i = threadIdx.x; i < width; i += kThreads)
+      v[i] = source[i];
+    __syncthreads();
+    return false;
   }
-  return false;
 }
 
 // row . v as loadVector left v: fp8ChunkRowDot when interleaved, else rowDot.
