@@ -131,12 +131,9 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
       p.down = reinterpret_cast<const void *const *>(dDown);
       p.type = WeightType::BF16;
       if (fp8) {
-        p.type = WeightType::Fp8Block;
-        p.gateScales = reinterpret_cast<const float *const *>(dGateUpScales);
-        p.upScales = reinterpret_cast<const float *const *>(dGateUpScales);
-        p.downScales = reinterpret_cast<const float *const *>(dDownScales);
-        p.gateScaleStride = int32_t(linearFp8WeightScaleStride(hidden));
-        p.downScaleStride = int32_t(linearFp8WeightScaleStride(intermediate));
+        setFp8Experts(p, reinterpret_cast<const float *const *>(dGateUpScales),
+                      reinterpret_cast<const float *const *>(dGateUpScales),
+                      reinterpret_cast<const float *const *>(dDownScales));
         p.activationScale = Fp8ActivationScale::DeepSeekLinear;
       }
       p.out = step.allocate<float>(size_t(tokens) * hidden);

@@ -873,6 +873,16 @@ int launchMoeRouter(const MoeRouterParams &p, void *stream) {
   return int(status != cudaSuccess ? status : cudaGetLastError());
 }
 
+void setFp8Experts(MoeExpertsParams &p, const float *const *gateScales,
+                   const float *const *upScales, const float *const *downScales) {
+  p.type = WeightType::Fp8Block;
+  p.gateScales = gateScales;
+  p.upScales = upScales;
+  p.downScales = downScales;
+  p.gateScaleStride = int32_t(linearFp8WeightScaleStride(p.hidden));
+  p.downScaleStride = int32_t(linearFp8WeightScaleStride(p.intermediate));
+}
+
 size_t moeExpertsWorkspaceBytes(int32_t tokens, int32_t topK, int32_t hidden,
                                 int32_t intermediate) {
   return tokens > 0 && topK > 0

@@ -229,12 +229,9 @@ kc::MoeExpertsParams CudaExecutor::Impl::moeExpertsParams(const fb::Dispatch &d,
   m.down = pointers + 2 * E;
   m.type = kc::WeightType::BF16;
   if (type == fb::DType::F8_E4M3) {
-    m.type = kc::WeightType::Fp8Block;
-    m.gateScales = reinterpret_cast<const float *const *>(pointers + 3 * E);
-    m.upScales = reinterpret_cast<const float *const *>(pointers + 4 * E);
-    m.downScales = reinterpret_cast<const float *const *>(pointers + 5 * E);
-    m.gateScaleStride = static_cast<int32_t>(kc::linearFp8WeightScaleStride(hidden));
-    m.downScaleStride = static_cast<int32_t>(kc::linearFp8WeightScaleStride(inner));
+    kc::setFp8Experts(m, reinterpret_cast<const float *const *>(pointers + 3 * E),
+                      reinterpret_cast<const float *const *>(pointers + 4 * E),
+                      reinterpret_cast<const float *const *>(pointers + 5 * E));
     m.activationScale = fp8ActivationScale;
   }
   m.activation = gatedActivationOf(*p);

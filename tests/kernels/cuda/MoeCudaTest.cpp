@@ -5,6 +5,7 @@
 // without a GPU.
 #include "CudaTestSupport.h"
 #include "MoeCudaTestSupport.h"
+#include "hybrid/kernels/cuda/Linear.h" // linearFp8WeightScaleStride
 #include "hybrid/kernels/cuda/Moe.h"
 #include "hybrid/kernels/ref/Moe.h"
 #include "hybrid/kernels/ref/Quant.h"

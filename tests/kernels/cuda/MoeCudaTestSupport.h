@@ -1,7 +1,6 @@
 // Shared by the MoE kernel tests (MoeCudaTest, MoeExchangeCudaTest).
 #pragma once
 
-#include "hybrid/kernels/cuda/Linear.h" // linearFp8WeightScaleStride
 #include "hybrid/kernels/cuda/Moe.h"
 
 #include <algorithm>
@@ -34,16 +33,13 @@ inline cuda::MoeExpertsParams expertsParams(int tokens, int hidden, int inner, i
   return p;
 }
 
-// FP8 experts (E4M3 codes with block scales in the FP8 GEMM's layout): the type and the three
-// matrices' scale pointer arrays (device buffers of pointers), strides from p's widths.
+// cuda::setFp8Experts with the scale-pointer arrays as the tests hold them (device buffers of
+// pointers as integers).
 inline void setFp8Experts(cuda::MoeExpertsParams &p, const uint64_t *gateScales,
                           const uint64_t *upScales, const uint64_t *downScales) {
-  p.type = cuda::WeightType::Fp8Block;
-  p.gateScales = reinterpret_cast<const float *const *>(gateScales);
-  p.upScales = reinterpret_cast<const float *const *>(upScales);
-  p.downScales = reinterpret_cast<const float *const *>(downScales);
-  p.gateScaleStride = int32_t(cuda::linearFp8WeightScaleStride(p.hidden));
-  p.downScaleStride = int32_t(cuda::linearFp8WeightScaleStride(p.intermediate));
+  cuda::setFp8Experts(p, reinterpret_cast<const float *const *>(gateScales),
+                      reinterpret_cast<const float *const *>(upScales),
+                      reinterpret_cast<const float *const *>(downScales));
 }
 
 // A step's routing: each token's topK distinct experts in a random order (a shuffle of all the

@@ -78,6 +78,11 @@ struct MoeExpertsParams {
   int32_t perTokenMaxPairs = 0;
 };
 inline constexpr int kMoeMaxHidden = 16384;
+
+// Makes p's experts Fp8Block ones: the type, the three scale-pointer arrays ([experts] each) and
+// their strides in the FP8 GEMM's layout for p.hidden and p.intermediate (set those first).
+void setFp8Experts(MoeExpertsParams &p, const float *const *gateScales,
+                   const float *const *upScales, const float *const *downScales);
 // The default threshold: a decode step of up to 8 tokens' top-8 streams each pair's expert rows.
 inline constexpr int32_t kMoePerTokenMaxPairs = 64;
 // The largest threshold perTokenMaxPairs may set (what a runtime sizes the per-token workspace for).
