@@ -102,6 +102,15 @@ inline uint8_t *deviceRandomFp8(size_t n, std::mt19937 &rng, std::string &error)
   return device;
 }
 
+// `count` block scales for random E4M3 codes (deviceRandomFp8): uniform in [0.5e-3, 2e-3].
+inline std::vector<float> randomFp8BlockScales(size_t count, std::mt19937 &rng) {
+  std::uniform_real_distribution<float> scale(0.5e-3f, 2e-3f);
+  std::vector<float> scales(count);
+  for (float &v : scales)
+    v = scale(rng);
+  return scales;
+}
+
 // Median over `repeats` timings of `iterations` calls of `body`, in microseconds per call.
 template <typename Body>
 double medianMicroseconds(cudaStream_t stream, int iterations, Body &&body) {

@@ -32,6 +32,31 @@ bool decodeRowsRunnable(const std::vector<int32_t> &rowCounts, std::string &erro
   return true;
 }
 
+// "INxOUT".
+std::string shapeName(const GemvBenchShape &shape) {
+  return std::to_string(shape.in) + "x" + std::to_string(shape.out);
+}
+
+// A timed graph's layers: `layers`, else enough matrices of matrixBytes that none is read from L2.
+int32_t layersFor(int32_t layers, double matrixBytes) {
+  return layers > 0 ? layers
+                    : int32_t(std::clamp<double>(kMatricesBytes / matrixBytes, 2, kMostLayers));
+}
+
+// `count` device copies of `bytes` at `source` (distinct addresses: no L2 reuse between layers);
+// empty when an allocation or copy fails.
+std::vector<const void *> layerCopies(DeviceAllocations &held, const void *source, size_t bytes,
+                                      int32_t count) {
+  std::vector<const void *> copies;
+  for (int32_t l = 0; l < count; ++l) {
+    auto *device = held.allocate<unsigned char>(bytes);
+    if (!device || cudaMemcpy(device, source, bytes, cudaMemcpyDeviceToDevice) != cudaSuccess)
+      return {};
+    copies.push_back(device);
+  }
+  return copies;
+}
+
 // A row of results: `microseconds` for a graph of `layers` calls, `weightBytes` a call.
 GemvBenchResult resultOf(int32_t rows, const GemvBenchShape &shape, const char *form,
                          bool automatic, int32_t layers, double microseconds, double weightBytes) {
@@ -60,30 +85,20 @@ std::vector<GemvBenchResult> benchGemvDecode(const std::vector<int32_t> &rowCoun
   std::vector<GemvBenchResult> results;
   for (const GemvBenchShape &shape : shapes) {
     if (shape.in <= 0 || shape.in % 8 != 0 || shape.out <= 0) {
-      error = "shape " + std::to_string(shape.in) + "x" + std::to_string(shape.out) +
-              ": in must be a positive multiple of 8, out positive";
+      error = "shape " + shapeName(shape) + ": in must be a positive multiple of 8, out positive";
       return {};
     }
     const size_t matrix = size_t(shape.in) * size_t(shape.out);
-    const int32_t count =
-        layers > 0
-            ? layers
-            : int32_t(std::clamp<double>(kMatricesBytes / (2.0 * double(matrix)), 2, kMostLayers));
+    const int32_t count = layersFor(layers, 2.0 * double(matrix));
     DeviceAllocations held; // this shape's buffers
-    // One random matrix copied into every layer's (distinct addresses: no L2 reuse).
+    // One random matrix copied into every layer's.
     void *source = held.keep(deviceRandomBf16(matrix, 0.02f, 0.0f, rng, error));
     if (!source)
       return {};
-    std::vector<const void *> weights;
-    for (int32_t l = 0; l < count; ++l) {
-      auto *device = held.allocate<uint16_t>(matrix);
-      if (!device ||
-          cudaMemcpy(device, source, matrix * 2, cudaMemcpyDeviceToDevice) != cudaSuccess) {
-        error = "cannot allocate " + std::to_string(count) + " matrices of " +
-                std::to_string(shape.in) + "x" + std::to_string(shape.out);
-        return {};
-      }
-      weights.push_back(device);
+    const std::vector<const void *> weights = layerCopies(held, source, matrix * 2, count);
+    if (weights.empty()) {
+      error = "cannot allocate " + std::to_string(count) + " matrices of " + shapeName(shape);
+      return {};
     }
     const float *x =
         held.keep(deviceRandom(size_t(kGemvMaxRows) * shape.in, 1.0f, 0.0f, rng, error));
@@ -121,8 +136,8 @@ std::vector<GemvBenchResult> benchGemvDecode(const std::vector<int32_t> &rowCoun
           return 0;
         });
         if (microseconds < 0) {
-          error = "the GEMV launch failed for " + std::to_string(rows) + " rows of " +
-                  std::to_string(shape.in) + "x" + std::to_string(shape.out);
+          error =
+              "the GEMV launch failed for " + std::to_string(rows) + " rows of " + shapeName(shape);
           return {};
         }
         results.push_back(resultOf(rows, shape,
@@ -148,42 +163,34 @@ std::vector<GemvBenchResult> benchFp8GemvDecode(const std::vector<int32_t> &rowC
   std::vector<GemvBenchResult> results;
   for (const GemvBenchShape &shape : shapes) {
     if (shape.in <= 0 || shape.in % 16 != 0 || shape.out <= 0 || shape.out % 4 != 0) {
-      error = "shape " + std::to_string(shape.in) + "x" + std::to_string(shape.out) +
-              ": FP8 layers need in a positive multiple of 16, out of 4";
+      error =
+          "shape " + shapeName(shape) + ": FP8 layers need in a positive multiple of 16, out of 4";
       return {};
     }
     const size_t matrix = size_t(shape.in) * size_t(shape.out); // bytes: one code a weight
     const int64_t scaleFloats = (shape.out + 127) / 128 * linearFp8WeightScaleStride(shape.in);
-    const int32_t count =
-        layers > 0 ? layers
-                   : int32_t(std::clamp<double>(kMatricesBytes / double(matrix), 2, kMostLayers));
+    const int32_t count = layersFor(layers, double(matrix));
     DeviceAllocations held; // this shape's buffers
-    // Random finite E4M3 codes copied into every layer's matrix.
+    // Random finite E4M3 codes copied into every layer's matrix, the scales into every layer's.
     const uint8_t *source = held.keep(deviceRandomFp8(matrix, rng, error));
-    std::uniform_real_distribution<float> scale(0.5e-3f, 2e-3f);
-    std::vector<float> scales(static_cast<size_t>(scaleFloats));
-    for (float &v : scales)
-      v = scale(rng);
-    std::vector<const uint8_t *> weights;
+    if (!source)
+      return {};
+    const std::vector<float> scales = randomFp8BlockScales(static_cast<size_t>(scaleFloats), rng);
+    const std::vector<const void *> weights = layerCopies(held, source, matrix, count);
     std::vector<const float *> weightScales;
-    for (int32_t l = 0; l < count && source; ++l) {
-      auto *device = held.allocate<uint8_t>(matrix);
-      const float *table = held.keep(deviceCopy(scales));
-      if (!device || !table ||
-          cudaMemcpy(device, source, matrix, cudaMemcpyDeviceToDevice) != cudaSuccess) {
-        error = "cannot allocate " + std::to_string(count) + " FP8 matrices of " +
-                std::to_string(shape.in) + "x" + std::to_string(shape.out);
-        return {};
-      }
-      weights.push_back(device);
-      weightScales.push_back(table);
+    for (int32_t l = 0; l < count && !weights.empty(); ++l)
+      if (const float *table = held.keep(deviceCopy(scales)))
+        weightScales.push_back(table);
+    if (weights.empty() || weightScales.size() != size_t(count)) {
+      error = "cannot allocate " + std::to_string(count) + " FP8 matrices of " + shapeName(shape);
+      return {};
     }
     const float *x =
         held.keep(deviceRandom(size_t(kGemvMaxRows) * shape.in, 1.0f, 0.0f, rng, error));
     float *y = held.allocate<float>(size_t(kGemvMaxRows) * shape.out);
     void *scratch =
         held.allocate<unsigned char>(linearFp8MaxScratchBytes(kGemvMaxRows, shape.in, shape.out));
-    if (!source || weights.empty() || !x || !y || !scratch) {
+    if (!x || !y || !scratch) {
       error = error.empty() ? "cannot allocate the FP8 layers' buffers" : error;
       return {};
     }
@@ -208,8 +215,7 @@ std::vector<GemvBenchResult> benchFp8GemvDecode(const std::vector<int32_t> &rowC
         if (int status = context.runFp8(paramsOf(0), nullptr);
             status != 0 || cudaDeviceSynchronize() != cudaSuccess) {
           error = "the FP8 layer failed for " + std::to_string(rows) + " rows of " +
-                  std::to_string(shape.in) + "x" + std::to_string(shape.out) + ": " +
-                  linearErrorText(status);
+                  shapeName(shape) + ": " + linearErrorText(status);
           return {};
         }
         const double microseconds = graphMicroseconds(iterations, [&](cudaStream_t s) {
@@ -220,7 +226,7 @@ std::vector<GemvBenchResult> benchFp8GemvDecode(const std::vector<int32_t> &rowC
         });
         if (microseconds < 0) {
           error = "the FP8 layer failed in a graph for " + std::to_string(rows) + " rows of " +
-                  std::to_string(shape.in) + "x" + std::to_string(shape.out);
+                  shapeName(shape);
           return {};
         }
         results.push_back(resultOf(rows, shape, decodeKernel ? "fp8-gemv" : "fp8-cublaslt",

@@ -76,13 +76,10 @@ std::vector<MoeBenchResult> benchMoeDecode(const std::vector<int32_t> &tokenCoun
   const int64_t downScaleFloats = (hidden + 127) / 128 * linearFp8WeightScaleStride(intermediate);
   uint64_t *dGateUpScales = nullptr, *dDownScales = nullptr;
   if (fp8) {
-    std::uniform_real_distribution<float> scale(0.5e-3f, 2e-3f);
-    std::vector<float> gateUpScales(static_cast<size_t>(gateUpScaleFloats)),
-        downScales(static_cast<size_t>(downScaleFloats));
-    for (float &v : gateUpScales)
-      v = scale(rng);
-    for (float &v : downScales)
-      v = scale(rng);
+    const std::vector<float> gateUpScales =
+        randomFp8BlockScales(static_cast<size_t>(gateUpScaleFloats), rng);
+    const std::vector<float> downScales =
+        randomFp8BlockScales(static_cast<size_t>(downScaleFloats), rng);
     const float *gateUpTable = held.keep(deviceCopy(gateUpScales));
     const float *downTable = held.keep(deviceCopy(downScales));
     dGateUpScales =
