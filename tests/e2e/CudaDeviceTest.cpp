@@ -50,50 +50,48 @@ bool noGpu(const StatusOr<std::unique_ptr<Model>> &model) {
   return !model.isOk() && model.status().message().find("no CUDA device") != std::string::npos;
 }
 
+// Two models loaded in turn, the first on the GPU: false without a GPU (the test skips, the
+// second not loaded); a load that fails otherwise is a test failure and leaves its model null.
+bool loadTwo(const std::string &firstDir, const LoadOptions &firstOptions,
+             const std::string &secondDir, const LoadOptions &secondOptions,
+             std::unique_ptr<Model> &first, std::unique_ptr<Model> &second) {
+  auto a = Model::load(firstDir, firstOptions);
+  if (noGpu(a))
+    return false;
+  EXPECT_TRUE(a.isOk()) << a.status().message();
+  auto b = Model::load(secondDir, secondOptions);
+  EXPECT_TRUE(b.isOk()) << b.status().message();
+  if (a.isOk())
+    first = std::move(*a);
+  if (b.isOk())
+    second = std::move(*b);
+  return true;
+}
+
 // One plan loaded twice with a graph switch of LoadOptions on (graphed) and off (plain), for
-// tests that hold graph replays to plain launches. False without a GPU (the test skips); a load
-// that fails otherwise is a test failure and leaves its model null.
+// tests that hold graph replays to plain launches (loadTwo's results).
 struct GraphedAndPlain {
   std::unique_ptr<Model> graphed, plain;
 };
 bool loadGraphedAndPlain(const std::string &dir, LoadOptions options, bool LoadOptions::*graphs,
                          GraphedAndPlain &models) {
+  LoadOptions plain = options;
   options.*graphs = true;
-  auto graphed = Model::load(dir, options);
-  if (noGpu(graphed))
-    return false;
-  EXPECT_TRUE(graphed.isOk()) << graphed.status().message();
-  options.*graphs = false;
-  auto plain = Model::load(dir, options);
-  EXPECT_TRUE(plain.isOk()) << plain.status().message();
-  if (graphed.isOk())
-    models.graphed = std::move(*graphed);
-  if (plain.isOk())
-    models.plain = std::move(*plain);
-  return true;
+  plain.*graphs = false;
+  return loadTwo(dir, options, dir, plain, models.graphed, models.plain);
 }
 
-// A checkpoint's cuda plan and its cpu plan, both loaded with `options` (the device set per
-// plan). False without a GPU (the test skips); a load that fails otherwise is a test failure and
-// leaves its model null.
+// A checkpoint's cuda plan and its cpu plan, both loaded with `options`, the device set per plan
+// (loadTwo's results).
 struct GpuAndCpu {
   std::unique_ptr<Model> gpu, cpu;
 };
 bool loadGpuAndCpu(const std::string &gpuPlan, const std::string &cpuPlan, LoadOptions options,
                    GpuAndCpu &models) {
+  LoadOptions cpu = options;
   options.device = "cuda";
-  auto gpu = Model::load(gpuPlan, options);
-  if (noGpu(gpu))
-    return false;
-  EXPECT_TRUE(gpu.isOk()) << gpu.status().message();
-  options.device = "cpu";
-  auto cpu = Model::load(cpuPlan, options);
-  EXPECT_TRUE(cpu.isOk()) << cpu.status().message();
-  if (gpu.isOk())
-    models.gpu = std::move(*gpu);
-  if (cpu.isOk())
-    models.cpu = std::move(*cpu);
-  return true;
+  cpu.device = "cpu";
+  return loadTwo(gpuPlan, options, cpuPlan, cpu, models.gpu, models.cpu);
 }
 
 int64_t argmax(const std::vector<float> &logits, int64_t vocab) {
