@@ -390,7 +390,6 @@ Status CudaExecutor::Impl::prepareKvStep(const cpu::StepContext &host) {
       }
     }
   }
-  cudaStream_t stream = streams[0]->stream;
   // The host's page copies since the last step, in order, before anything reads or writes them.
   HYBRID_RETURN_IF_ERROR(flushPageCopies(cache));
   for (size_t i = 0; i < tableSequences.size(); ++i) {
@@ -404,14 +403,10 @@ Status CudaExecutor::Impl::prepareKvStep(const cpu::StepContext &host) {
     std::fill(row + pages.size(), row + maxPages, 0);
   }
   const size_t rowBytes = static_cast<size_t>(rows) * sizeof(int32_t);
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(rowPositions, pinnedPositions, rowBytes,
-                                       cudaMemcpyHostToDevice, stream),
-                       "positions upload");
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(rowSequences, pinnedSequences,
-                                       static_cast<size_t>(std::max(rows, written)) *
-                                           sizeof(int32_t),
-                                       cudaMemcpyHostToDevice, stream),
-                       "block-table rows upload");
+  stageUpload(rowPositions, pinnedPositions, rowBytes, "positions upload");
+  stageUpload(rowSequences, pinnedSequences,
+              static_cast<size_t>(std::max(rows, written)) * sizeof(int32_t),
+              "block-table rows upload");
   writePositions = rowPositions;
   if (shard) {
     if (!stepPositions)
@@ -419,17 +414,13 @@ Status CudaExecutor::Impl::prepareKvStep(const cpu::StepContext &host) {
                            "parallelism");
     for (int64_t t = 0; t < written; ++t)
       pinnedStepPositions[t] = static_cast<int32_t>(host.firstPosition + t);
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(stepPositions, pinnedStepPositions,
-                                         static_cast<size_t>(written) * sizeof(int32_t),
-                                         cudaMemcpyHostToDevice, stream),
-                         "step positions upload");
+    stageUpload(stepPositions, pinnedStepPositions, static_cast<size_t>(written) * sizeof(int32_t),
+                "step positions upload");
     writePositions = stepPositions;
   }
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(blockTables, pinnedTables,
-                                       tableSequences.size() * static_cast<size_t>(maxPages) *
-                                           sizeof(int32_t),
-                                       cudaMemcpyHostToDevice, stream),
-                       "block tables upload");
+  stageUpload(blockTables, pinnedTables,
+              tableSequences.size() * static_cast<size_t>(maxPages) * sizeof(int32_t),
+              "block tables upload");
   return Status::ok();
 }
 

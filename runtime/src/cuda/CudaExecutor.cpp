@@ -1200,16 +1200,35 @@ Status CudaExecutor::Impl::launchRun(const fb::Program &program, unsigned char *
   return launched;
 }
 
+Status CudaExecutor::Impl::issueStagedUploads(cudaStream_t stream) {
+  std::vector<StagedUpload> uploads = std::exchange(stagedUploads, {});
+  for (const StagedUpload &u : uploads)
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(u.device, u.pinned, u.bytes, cudaMemcpyHostToDevice, stream), u.what);
+  return Status::ok();
+}
+
 Status CudaExecutor::Impl::replayRun(const fb::Program &program, unsigned char *arena,
                                      size_t runIndex, const cpu::StepContext &host) {
   cudaStream_t origin = streams[0]->stream;
   const auto key = std::make_tuple(runIndex, host.rows);
   auto found = decodeGraphs.find(key);
+  // The first run's graph copies this step's staged inputs: the same buffers and sizes as when
+  // it was captured, or it is captured again.
+  if (found != decodeGraphs.end() && !stagedUploads.empty() &&
+      found->second.uploads != stagedUploads) {
+    cudaGraphExecDestroy(found->second.exec);
+    decodeGraphs.erase(found);
+    found = decodeGraphs.end();
+  }
   if (found == decodeGraphs.end()) {
     CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal),
                          "decode graph capture");
-    Status launched =
-        launchRun(program, arena, runs[kDecode][runIndex], host, nullptr, /*capturing=*/true);
+    DecodeGraph captured{.exec = nullptr, .uploads = stagedUploads};
+    Status launched = issueStagedUploads(origin);
+    if (launched.ok())
+      launched =
+          launchRun(program, arena, runs[kDecode][runIndex], host, nullptr, /*capturing=*/true);
     cudaGraph_t graph = nullptr;
     const cudaError_t ended = cudaStreamEndCapture(origin, &graph);
     if (!launched.ok()) {
@@ -1218,13 +1237,13 @@ Status CudaExecutor::Impl::replayRun(const fb::Program &program, unsigned char *
       return std::move(launched).withContext("while capturing a decode graph");
     }
     CUDA_RETURN_IF_ERROR(ended, "decode graph capture");
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+    const cudaError_t made = cudaGraphInstantiate(&captured.exec, graph, 0);
     cudaGraphDestroy(graph);
     CUDA_RETURN_IF_ERROR(made, "decode graph instantiation");
-    found = decodeGraphs.emplace(key, exec).first;
+    found = decodeGraphs.emplace(key, std::move(captured)).first;
   }
-  CUDA_RETURN_IF_ERROR(cudaGraphLaunch(found->second, origin), "decode graph launch");
+  stagedUploads.clear(); // copied by the graph's first nodes
+  CUDA_RETURN_IF_ERROR(cudaGraphLaunch(found->second.exec, origin), "decode graph launch");
   return Status::ok();
 }
 
@@ -1568,6 +1587,7 @@ Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<cons
     impl.kdaLogUsed = 0;
     impl.kdaLogRows = rows;
   }
+  impl.stagedUploads.clear(); // a failed step's, never issued
   // Staged in pinned memory: the previous call's copy finished with its synchronization. A
   // context-parallel prefill's ids are this rank's rows (prepareContextStep).
   if (host.contextShard) {
@@ -1575,10 +1595,8 @@ Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<cons
   } else {
     std::copy(tokens.begin(), tokens.end(), impl.pinnedTokens);
     const fb::Value &ids = valueOf(program, program.token_ids());
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arena + ids.arena_offset(), impl.pinnedTokens,
-                                         tokens.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
-                                         impl.streams[0]->stream),
-                         "token ids upload");
+    impl.stageUpload(arena + ids.arena_offset(), impl.pinnedTokens, tokens.size() * sizeof(int64_t),
+                     "token ids upload");
   }
 
   if (prefill) { // per segment (one sequence, or a batched prefill's), for the KDA prefill kernels
@@ -1597,18 +1615,20 @@ Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<cons
                              std::to_string(slot) + " is not allocated");
       impl.pinnedSlots[row] = slot;
     }
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(impl.rowSlots, impl.pinnedSlots,
-                                         static_cast<size_t>(rows) * sizeof(int32_t),
-                                         cudaMemcpyHostToDevice, impl.streams[0]->stream),
-                         "state slots upload");
+    impl.stageUpload(impl.rowSlots, impl.pinnedSlots, static_cast<size_t>(rows) * sizeof(int32_t),
+                     "state slots upload");
   }
   HYBRID_RETURN_IF_ERROR(impl.prepareKvStep(host));
   const bool graphs = impl.cudaGraphs && !prefill && !hidden;
+  const std::vector<StepRun> &runs = impl.runs[programIndex];
+  // A replayed decode step's first GPU run holds the staged copies (replayRun); otherwise they go
+  // now, ahead of everything the step launches.
+  if (!graphs || runs.empty() || !runs.front().gpu)
+    HYBRID_RETURN_IF_ERROR(impl.issueStagedUploads(impl.streams[0]->stream));
   // A replayed prefill graph reads what the uploads above put in fixed buffers (runPrefillGraph).
   const bool prefillGraph = prefill && impl.prefillGraphSafe(program, host, hidden);
   if (prefill && !prefillGraph)
     ++impl.graphCounts.prefillEager;
-  const std::vector<StepRun> &runs = impl.runs[programIndex];
   for (size_t index = 0; index < runs.size(); ++index) {
     const StepRun &run = runs[index];
     if (!run.gpu) {

@@ -243,7 +243,32 @@ struct CudaExecutor::Impl {
   // tables are (uploaded each step with the token ids), and the attention kernels' launch shapes
   // depend only on the rows and the block-table width.
   bool cudaGraphs = true;
-  std::map<std::tuple<size_t, int64_t>, cudaGraphExec_t> decodeGraphs;
+  // A step's inputs staged in pinned memory (token ids, state slots, positions, block tables),
+  // each copied to its device buffer before the step's kernels: issued one copy at a time, or,
+  // in a decode graph, captured as its first nodes, so that a replayed step is one launch and
+  // its copies run back to back instead of a host call apart (~8-12 us each, H200).
+  struct StagedUpload {
+    void *device = nullptr;
+    const void *pinned = nullptr;
+    size_t bytes = 0;
+    const char *what = "";
+    bool operator==(const StagedUpload &o) const {
+      return device == o.device && pinned == o.pinned && bytes == o.bytes;
+    }
+  };
+  std::vector<StagedUpload> stagedUploads; // this step's, not yet issued or captured
+  void stageUpload(void *device, const void *pinned, size_t bytes, const char *what) {
+    stagedUploads.push_back({device, pinned, bytes, what});
+  }
+  // Issues (or, while capturing, records) the staged copies on `stream` and clears them.
+  Status issueStagedUploads(cudaStream_t stream);
+  // A decode graph and the staged copies captured in it (its first run's: the same pinned and
+  // device buffers and sizes every step of a batch bucket, checked at each replay).
+  struct DecodeGraph {
+    cudaGraphExec_t exec = nullptr;
+    std::vector<StagedUpload> uploads;
+  };
+  std::map<std::tuple<size_t, int64_t>, DecodeGraph> decodeGraphs;
 
   // ---- Prefill graphs (CudaPrefillGraphs.cpp) ----
   // Single-sequence prefill and verification calls of up to kPrefillGraphMaxRows rows (a
@@ -286,7 +311,7 @@ struct CudaExecutor::Impl {
 
   ~Impl() {
     for (auto &[key, graph] : decodeGraphs)
-      cudaGraphExecDestroy(graph);
+      cudaGraphExecDestroy(graph.exec);
     destroyPrefillGraphs();
     for (cudaEvent_t event : events)
       cudaEventDestroy(event);
