@@ -307,6 +307,64 @@ TEST_P(CudaDeviceTest, ChoosingOnTheGpuEqualsTheHostChoice) {
   }
 }
 
+// Chained decode steps (Model::decodeSteps: each step queued before the host has seen the one
+// before's ids, which stay on the GPU) give the ids of decodeBatchChoose steps fed back one at a
+// time: 4 rows, greedy and sampled, two chains of 12 steps in a row (the second reusing the
+// first's buffers and graphs).
+TEST_P(CudaDeviceTest, ChainedStepsChooseWhatSteppedOnesChoose) {
+  const std::string dir = cudaPlan(GetParam(), "-batch4");
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  LoadOptions options;
+  options.device = "cuda";
+  options.maxSequences = 8;
+  auto model = Model::load(dir, options);
+  if (noGpu(model))
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(model.isOk()) << model.status().message();
+  std::vector<SamplingParams> params(4);
+  params[1].temperature = 0.8f;
+  params[1].seed = 3;
+  params[3].temperature = 1.0f;
+  params[3].topP = 0.9f;
+  params[3].seed = 5;
+  std::vector<std::unique_ptr<Sequence>> chained, stepped;
+  for (size_t i = 0; i < params.size(); ++i)
+    for (auto *group : {&chained, &stepped}) {
+      auto sequence = (*model)->newSequence();
+      ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
+      ASSERT_TRUE((*sequence)->prefill(std::span(prompt).first(10 + 3 * i)).isOk());
+      group->push_back(std::move(*sequence));
+    }
+  std::vector<Sequence *> chainRows, stepRows;
+  for (size_t i = 0; i < params.size(); ++i) {
+    chainRows.push_back(chained[i].get());
+    stepRows.push_back(stepped[i].get());
+  }
+  constexpr int64_t kSteps = 12;
+  std::vector<int64_t> chainNext(params.size(), prompt[0]), stepNext = chainNext;
+  for (int chain = 0; chain < 2; ++chain) {
+    std::vector<TokenChoice> choices;
+    for (int64_t step = 0; step < kSteps; ++step)
+      for (const SamplingParams &p : params)
+        choices.push_back(tokenChoice(p, chain * kSteps + step));
+    auto ids = (*model)->decodeSteps(chainRows, chainNext, choices, kSteps);
+    ASSERT_TRUE(ids.isOk()) << ids.status().message();
+    for (int64_t step = 0; step < kSteps; ++step) {
+      auto chosen = (*model)->decodeBatchChoose(stepRows, stepNext,
+                                                std::span<const TokenChoice>(choices).subspan(
+                                                    size_t(step) * params.size(), params.size()));
+      ASSERT_TRUE(chosen.isOk()) << chosen.status().message();
+      for (size_t i = 0; i < params.size(); ++i)
+        EXPECT_EQ((*ids)[size_t(step) * params.size() + i], (*chosen)[i])
+            << "chain " << chain << ", step " << step << ", row " << i;
+      stepNext = *chosen;
+    }
+    chainNext.assign(ids->end() - int64_t(params.size()), ids->end());
+    for (size_t i = 0; i < params.size(); ++i)
+      EXPECT_EQ(chainRows[i]->length(), stepRows[i]->length());
+  }
+}
+
 TEST_P(CudaDeviceTest, PrefixCacheHitsMatchAFullPrefill) {
   const std::string dir = cudaPlan(GetParam());
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());

@@ -124,6 +124,81 @@ TEST(ModelErrors, BadDecodeBatchChoices) {
     EXPECT_EQ(sequence->length(), 3);
 }
 
+// Model::decodeSteps: 6 chained steps of 3 rows (greedy and sampled) give the ids of 6
+// decodeBatchChoose calls each fed the last one's ids, and leave the same lengths.
+TEST_P(DecodeBatchChooseTest, DecodeStepsChainTheChoices) {
+  LoadOptions options;
+  options.maxSequences = 6;
+  auto model = loadOrDie(compiledDir(GetParam()) + "-batch4", options);
+  ASSERT_TRUE(model);
+  const std::vector<int64_t> prompt = goldenPrompt(GetParam());
+  const std::vector<std::vector<int64_t>> prompts = {
+      prompt, {prompt.begin(), prompt.begin() + 9}, {prompt.rbegin(), prompt.rend() - 5}};
+  std::vector<std::unique_ptr<Sequence>> chained, stepped;
+  for (const auto &tokens : prompts)
+    for (auto *group : {&chained, &stepped}) {
+      auto sequence = model->newSequence();
+      ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
+      ASSERT_TRUE((*sequence)->prefill(tokens).isOk());
+      group->push_back(std::move(*sequence));
+    }
+  constexpr int64_t kSteps = 6;
+  const std::vector<int64_t> first = {prompts[0].back(), prompts[1].back(), prompts[2].back()};
+  std::vector<TokenChoice> choices;
+  for (int64_t step = 0; step < kSteps; ++step)
+    for (size_t i = 0; i < prompts.size(); ++i)
+      choices.push_back(tokenChoice(kChoices[i], step));
+  std::vector<Sequence *> rows, stepRows;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    rows.push_back(chained[i].get());
+    stepRows.push_back(stepped[i].get());
+  }
+  auto ids = model->decodeSteps(rows, first, choices, kSteps);
+  ASSERT_TRUE(ids.isOk()) << ids.status().message();
+  ASSERT_EQ(ids->size(), prompts.size() * kSteps);
+  std::vector<int64_t> next = first;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto chosen = model->decodeBatchChoose(
+        stepRows, next, std::span<const TokenChoice>(choices).subspan(step * 3, 3));
+    ASSERT_TRUE(chosen.isOk()) << chosen.status().message();
+    for (size_t i = 0; i < prompts.size(); ++i)
+      EXPECT_EQ((*ids)[size_t(step) * prompts.size() + i], (*chosen)[i])
+          << "step " << step << ", row " << i;
+    next = *chosen;
+  }
+  for (size_t i = 0; i < prompts.size(); ++i)
+    EXPECT_EQ(rows[i]->length(), stepRows[i]->length());
+}
+
+TEST(ModelErrors, BadDecodeSteps) {
+  LoadOptions options;
+  options.maxContextTokens = 8;
+  auto model = loadOrDie(compiledDir("kimi_linear_tiny") + "-batch4", options);
+  ASSERT_TRUE(model);
+  auto sequence = model->newSequence();
+  ASSERT_TRUE(sequence.isOk());
+  ASSERT_TRUE((*sequence)->prefill(std::vector<int64_t>{1, 2, 3}).isOk());
+  const std::vector<Sequence *> rows = {sequence->get()};
+  const std::vector<int64_t> tokens = {4};
+  auto refused = [&](const std::vector<TokenChoice> &choices, int64_t steps,
+                     const std::string &expected) {
+    auto result = model->decodeSteps(rows, tokens, choices, steps);
+    ASSERT_FALSE(result.isOk());
+    EXPECT_EQ(result.status().message(), expected);
+  };
+  refused({}, 0, "decodeSteps: 0 steps: at least one");
+  refused({TokenChoice{}}, 2,
+          "decodeSteps: 1 choices for 2 steps of 1 sequences: one per sequence and step");
+  refused({TokenChoice{}, TokenChoice{sampled(1.0f, 0, 0.0f, 1), 0.5f}}, 2,
+          "decodeSteps: step 1, row 0: top_p must be in (0, 1], got 0.000000");
+  refused(std::vector<TokenChoice>(6), 6,
+          "decodeSteps: sequence 0 has room for 5 more tokens, not 6");
+  EXPECT_EQ((*sequence)->length(), 3); // nothing ran
+  auto five = model->decodeSteps(rows, tokens, std::vector<TokenChoice>(5), 5);
+  ASSERT_TRUE(five.isOk()) << five.status().message();
+  EXPECT_EQ((*sequence)->length(), 8);
+}
+
 // Each request's tokens, running the scheduler until it is idle; a request's error fails the test.
 std::map<uint64_t, std::vector<int64_t>> runToIdle(Scheduler &scheduler) {
   const e2etest::SchedulerRun run = e2etest::runToIdle(scheduler);

@@ -757,6 +757,7 @@ int runE2eCommand(E2eCommandOptions o, const RecordOptions &record) {
          << ", \"shared_prompt\": " << (o.bench.sharedPrompt ? "true" : "false")
          << ", \"batch_invariant\": " << (o.load.batchInvariant ? "true" : "false")
          << ", \"bf16_gemm_inputs\": " << (o.load.bf16GemmInputs ? "true" : "false")
+         << ", \"chained\": " << (o.bench.chainedDecode ? "true" : "false")
          << ", \"ttft_reused\": " << (r.ttftReused ? "true" : "false")
          << ", \"ttft_ms\": " << r.ttftMs
          << ", \"prefill_tokens_per_s\": " << r.prefillTokensPerSecond
@@ -1273,6 +1274,9 @@ int main(int argc, char **argv) {
                        "One prompt for a row's sequences: the first prefills it, the others "
                        "restore it from the prefix cache (long contexts at large batches in one "
                        "prefill and one context of KV pages; TPOT may gain from shared pages in L2)");
+  e2eCommand->add_flag("--chained", e2e.bench.chainedDecode,
+                       "Time the decode steps as one chained call (Model::decodeSteps: each step "
+                       "queued before the host has seen the previous one's ids)");
   e2eCommand->add_option("--decode-steps", e2e.bench.decodeSteps, "Timed decode steps per row")
       ->check(CLI::PositiveNumber);
   e2eCommand->add_option("--bandwidth", e2e.bench.bandwidthTbPerSecond,

@@ -240,10 +240,35 @@ StatusOr<std::vector<E2eRow>> runE2e(Model &model, const E2eOptions &options,
         if (!s)
           return s;
       }
+      // Chained: each call's rows decode all their steps in one Model::decodeSteps, greedy, the
+      // first step fed random ids and the others the ids chosen before.
+      auto chain = [&]() -> Status {
+        for (int64_t &id : tokens)
+          id = token(rng);
+        const std::vector<TokenChoice> choices(
+            static_cast<size_t>(std::min(perCall, batch) * options.decodeSteps));
+        for (int64_t first = 0; first < batch; first += perCall) {
+          const int64_t count = std::min(perCall, batch - first);
+          auto chosen = model.decodeSteps(
+              std::span<Sequence *const>(pointers.data() + first, size_t(count)),
+              std::span<const int64_t>(tokens.data() + first, size_t(count)),
+              std::span<const TokenChoice>(choices.data(), size_t(count * options.decodeSteps)),
+              options.decodeSteps);
+          if (!chosen.isOk())
+            return Status::error("e2e: chained decode at context " + std::to_string(context) +
+                                 ": " + chosen.status().message());
+        }
+        return Status::ok();
+      };
       const auto decodeStart = std::chrono::steady_clock::now();
-      for (int32_t i = 0; i < options.decodeSteps; ++i)
-        if (Status s = step(); !s)
+      if (options.chainedDecode) {
+        if (Status s = chain(); !s)
           return s;
+      } else {
+        for (int32_t i = 0; i < options.decodeSteps; ++i)
+          if (Status s = step(); !s)
+            return s;
+      }
       row.tpotUs = secondsSince(decodeStart) / options.decodeSteps * 1e6;
       row.decodeTokensPerSecond = double(batch) / (row.tpotUs * 1e-6);
       row.bytes = decodeStepBytes(model.plan(), batch, context + 2 + options.decodeSteps / 2);

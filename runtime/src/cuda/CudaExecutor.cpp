@@ -1546,6 +1546,97 @@ Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const i
   return Status::ok();
 }
 
+Status CudaExecutor::beginChain(int64_t steps, int64_t rows) {
+  Impl &impl = *impl_;
+  const size_t ids = static_cast<size_t>(steps * rows);
+  if (steps < 1 || rows < 1)
+    return Status::error("cuda device: a chain of " + std::to_string(steps) + " steps of " +
+                         std::to_string(rows) + " rows");
+  if (!impl.chainUploaded)
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&impl.chainUploaded, cudaEventDisableTiming),
+                         "chain event");
+  if (ids > impl.chainChosenCapacity) {
+    cudaFree(impl.chainChosen);
+    impl.chainChosen = nullptr;
+    impl.chainChosenCapacity = 0;
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&impl.chainChosen, ids * sizeof(int64_t)), "chain ids");
+    impl.chainChosenCapacity = ids;
+  }
+  impl.chainQueued = false;
+  return Status::ok();
+}
+
+Status CudaExecutor::runChoosingChained(const cpu::StepContext &host,
+                                        std::span<const int64_t> tokens,
+                                        std::span<const TokenChoice> choices, int64_t step) {
+  Impl &impl = *impl_;
+  const fb::Program &program = *host.program;
+  const int64_t rows = host.rows;
+  const size_t programIndex = impl.indexOf(program);
+  if (static_cast<int64_t>(choices.size()) != rows || host.contextShard ||
+      programIndex != Impl::kDecode || step < 0 ||
+      static_cast<size_t>((step + 1) * rows) > impl.chainChosenCapacity)
+    return Status::error("cuda device: chained step " + std::to_string(step) + " of " +
+                         std::to_string(rows) + " rows does not fit its chain");
+  kc::SampleRowsParams sample;
+  sample.rows = static_cast<int32_t>(rows);
+  sample.vocab = valueOf(program, program.logits()).row_elements();
+  sample.logits = reinterpret_cast<const float *>(impl.logitsOf(program));
+  sample.samplingRows = impl.deviceChoices;
+  sample.tokens = impl.deviceChosen;
+  if (kc::sampleRowsWorkspaceBytes(rows, sample.vocab) > impl.sampleWorkspaceBytes)
+    return Status::error("token choice workspace larger than planned at load");
+  sample.workspace = impl.sampleWorkspace;
+  auto give_up = [&](Status status) {
+    cudaDeviceSynchronize(); // nothing of the chain left running
+    impl.chainQueued = false;
+    return status;
+  };
+  // The pinned buffers hold the previous step's inputs until its copies have run (at that step's
+  // start on the GPU, while the one before it may still run).
+  if (impl.chainQueued)
+    if (const cudaError_t waited = cudaEventSynchronize(impl.chainUploaded); waited != cudaSuccess)
+      return give_up(cudaStatus(waited, "chained step"));
+  const cudaStream_t stream = impl.streams[0]->stream;
+  for (size_t i = 0; i < choices.size(); ++i)
+    impl.pinnedChoices[i] = {choices[i].params.temperature, choices[i].params.topK,
+                             choices[i].params.topP, choices[i].uniform};
+  if (const cudaError_t copied =
+          cudaMemcpyAsync(impl.deviceChoices, impl.pinnedChoices,
+                          choices.size() * sizeof(kc::SamplingRow), cudaMemcpyHostToDevice, stream);
+      copied != cudaSuccess)
+    return give_up(cudaStatus(copied, "sampling parameters upload"));
+  // Step 0's ids come from the host (staged as a plain step's), the others from the choice
+  // before.
+  const int64_t *deviceTokens = step == 0 ? nullptr : impl.deviceChosen;
+  if (Status queued = enqueueProgram(host, tokens, nullptr, deviceTokens, /*markUploaded=*/true);
+      !queued)
+    return give_up(std::move(queued));
+  if (Status launched = launchStatus(kc::launchSampleRows(sample, stream), "token choice");
+      !launched)
+    return give_up(std::move(launched));
+  if (const cudaError_t copied = cudaMemcpyAsync(impl.chainChosen + step * rows, impl.deviceChosen,
+                                                 static_cast<size_t>(rows) * sizeof(int64_t),
+                                                 cudaMemcpyDeviceToDevice, stream);
+      copied != cudaSuccess)
+    return give_up(cudaStatus(copied, "chained ids"));
+  impl.chainQueued = true;
+  return impl.finishKvStep(programIndex, host);
+}
+
+Status CudaExecutor::endChain(int64_t steps, int64_t rows, int64_t *chosen) {
+  Impl &impl = *impl_;
+  impl.chainQueued = false;
+  CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), "chained decode steps");
+  if (!chosen)
+    return Status::ok();
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(chosen, impl.chainChosen,
+                                  static_cast<size_t>(steps * rows) * sizeof(int64_t),
+                                  cudaMemcpyDeviceToHost),
+                       "chained ids download");
+  return Status::ok();
+}
+
 Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const int64_t> tokens,
                                 HiddenStates *hidden) {
   HYBRID_RETURN_IF_ERROR(enqueueProgram(host, tokens, hidden));
@@ -1555,7 +1646,8 @@ Status CudaExecutor::runProgram(const cpu::StepContext &host, std::span<const in
 }
 
 Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<const int64_t> tokens,
-                                    HiddenStates *hidden) {
+                                    HiddenStates *hidden, const int64_t *deviceTokens,
+                                    bool markUploaded) {
   Impl &impl = *impl_;
   const fb::Program &program = *host.program;
   const size_t programIndex = impl.indexOf(program);
@@ -1570,8 +1662,11 @@ Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<cons
     return Status::error(program.name()->str() + " program: " + std::to_string(tokens.size()) +
                          " tokens, it takes at most " + std::to_string(program.max_tokens()));
 
-  // The ids are on the host: check them here, with the cpu device's words.
+  // The ids are on the host: check them here, with the cpu device's words. (A chained step's
+  // are the token choice's, always in the vocabulary.)
   for (const fb::Step *step : *program.steps()) {
+    if (deviceTokens)
+      break;
     const fb::Dispatch &d = *step->op_as_Dispatch();
     if (d.kernel() != fb::KernelId::Embed)
       continue;
@@ -1590,7 +1685,13 @@ Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<cons
   impl.stagedUploads.clear(); // a failed step's, never issued
   // Staged in pinned memory: the previous call's copy finished with its synchronization. A
   // context-parallel prefill's ids are this rank's rows (prepareContextStep).
-  if (host.contextShard) {
+  if (deviceTokens) {
+    const fb::Value &ids = valueOf(program, program.token_ids());
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arena + ids.arena_offset(), deviceTokens,
+                                         tokens.size() * sizeof(int64_t), cudaMemcpyDeviceToDevice,
+                                         impl.streams[0]->stream),
+                         "chained token ids");
+  } else if (host.contextShard) {
     HYBRID_RETURN_IF_ERROR(impl.prepareContextStep(host, tokens, arena, program));
   } else {
     std::copy(tokens.begin(), tokens.end(), impl.pinnedTokens);
@@ -1619,6 +1720,9 @@ Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<cons
                      "state slots upload");
   }
   HYBRID_RETURN_IF_ERROR(impl.prepareKvStep(host));
+  if (markUploaded) // the staged inputs' copies are queued: the next step may restage after it
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(impl.chainUploaded, impl.streams[0]->stream),
+                         "chained step");
   const bool graphs = impl.cudaGraphs && !prefill && !hidden;
   const std::vector<StepRun> &runs = impl.runs[programIndex];
   // A replayed decode step's first GPU run holds the staged copies (replayRun); otherwise they go

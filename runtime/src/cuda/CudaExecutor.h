@@ -63,6 +63,16 @@ public:
   // logits leave the device.
   Status runChoosing(const cpu::StepContext &host, std::span<const int64_t> tokens,
                      std::span<const TokenChoice> choices, int64_t *chosen);
+  // Decode steps in a chain (Model::decodeSteps): beginChain makes room for steps x rows ids;
+  // each runChoosingChained queues step `step` (its tokens the host's for step 0, the previous
+  // step's choices on the device after) without waiting for it, so the host prepares the next
+  // step while the GPU runs this one; endChain waits for the last and copies every step's ids
+  // to `chosen` [steps, rows]. A failure (or a chain given up: endChain with null) leaves the
+  // device synchronized.
+  Status beginChain(int64_t steps, int64_t rows);
+  Status runChoosingChained(const cpu::StepContext &host, std::span<const int64_t> tokens,
+                            std::span<const TokenChoice> choices, int64_t step);
+  Status endChain(int64_t steps, int64_t rows, int64_t *chosen);
   // A fresh sequence in `slot`: its recurrent and conv states are zeroed on the device.
   Status resetSlot(int32_t slot);
   // Copies the device's KDA states of `slot` (the layers whose kernels run on the GPU; bf16
@@ -130,8 +140,11 @@ private:
                     HiddenStates *hidden);
   // runProgram's launches alone: the step's work queued, every stream joined into stream 0 at
   // the end of each GPU run; not yet synchronized, the KV bookkeeping not yet advanced.
+  // With deviceTokens, the ids are copied from there (a chained step's); with markUploaded, the
+  // chain's event is recorded once the step's staged inputs have been copied, before its kernels.
   Status enqueueProgram(const cpu::StepContext &host, std::span<const int64_t> tokens,
-                        HiddenStates *hidden);
+                        HiddenStates *hidden, const int64_t *deviceTokens = nullptr,
+                        bool markUploaded = false);
   std::unique_ptr<Impl> impl_;
   std::string report_;
   std::vector<int32_t> cpuStepWeights_;

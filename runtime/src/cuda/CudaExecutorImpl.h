@@ -220,6 +220,13 @@ struct CudaExecutor::Impl {
   // device) and the chosen ids (on the device, then staged for the host).
   kc::SamplingRow *pinnedChoices = nullptr, *deviceChoices = nullptr;
   int64_t *deviceChosen = nullptr, *pinnedChosen = nullptr;
+  // Chained decode steps (runChoosingChained): each step's ids, kept on the device until the
+  // chain ends, and an event recorded once a queued step's staged inputs have been copied (the
+  // host writes the next step's into the same pinned buffers only after it).
+  int64_t *chainChosen = nullptr;
+  size_t chainChosenCapacity = 0; // ids
+  cudaEvent_t chainUploaded = nullptr;
+  bool chainQueued = false; // a chained step's copies may still be pending
   // The token choice's argmax parts (kc::sampleRowsWorkspaceBytes), sized at load.
   void *sampleWorkspace = nullptr;
   size_t sampleWorkspaceBytes = 0;
@@ -319,6 +326,9 @@ struct CudaExecutor::Impl {
       cudaEventDestroy(event);
     if (forkEvent)
       cudaEventDestroy(forkEvent);
+    if (chainUploaded)
+      cudaEventDestroy(chainUploaded);
+    cudaFree(chainChosen);
     cudaFreeHost(pinnedTokens);
     cudaFreeHost(pinnedChoices);
     cudaFreeHost(pinnedChosen);

@@ -181,6 +181,7 @@ struct RunExtras {
   int32_t hiddenRecord = -1; // with hiddenRecordFirst: rows [first, + rows) of that record
   int64_t hiddenRecordFirst = 0;
   float *finalHiddenOut = nullptr;
+  int64_t chainStep = -1; // >= 0: step of a Model::decodeSteps chain (the cuda device)
 };
 
 // The rows whose logits a run returns: every row (empty), or with lastRowLogits the last row of
@@ -341,6 +342,8 @@ Status Model::Impl::run(ProgramRunner &runner, Sequence &sequence, int32_t kvSeq
                                  ? cuda->setHiddenInput(*program, extras.hiddenInput, rows)
                                  : cuda->setHiddenInput(*program, extras.hiddenRecord,
                                                         extras.hiddenRecordFirst, rows));
+    if (extras.chainStep >= 0)
+      return cuda->runChoosingChained(context, tokens, extras.choices, extras.chainStep);
     if (extras.chosenOut && !extras.finalHiddenOut && !hidden)
       return cuda->runChoosing(context, tokens, extras.choices, extras.chosenOut);
     HYBRID_RETURN_IF_ERROR(
@@ -1117,7 +1120,7 @@ StatusOr<std::vector<float>> Model::decodeBatch(std::span<Sequence *const> seque
 StatusOr<std::vector<float>> Model::decodeRows(std::span<Sequence *const> sequences,
                                                std::span<const int64_t> tokens,
                                                std::span<const TokenChoice> choices,
-                                               int64_t *chosen) {
+                                               int64_t *chosen, int64_t chainSteps) {
   Impl &impl = *impl_;
   if (sequences.empty() || sequences.size() != tokens.size())
     return Status::error("decodeBatch: " + std::to_string(sequences.size()) + " sequences and " +
@@ -1137,16 +1140,38 @@ StatusOr<std::vector<float>> Model::decodeRows(std::span<Sequence *const> sequen
       if (sequences[j] == sequence)
         return Status::error("decodeBatch: sequences " + std::to_string(j) + " and " +
                              std::to_string(i) + " are the same sequence");
-    if (sequence->length_ + 1 > impl.options.maxContextTokens)
-      return Status::error("decodeBatch: sequence " + std::to_string(i) +
-                           " is full: maxContextTokens = " +
-                           std::to_string(impl.options.maxContextTokens));
+    if (sequence->length_ + std::max<int64_t>(1, chainSteps) > impl.options.maxContextTokens)
+      return Status::error("decodeBatch: sequence " + std::to_string(i) + " has room for " +
+                           std::to_string(impl.options.maxContextTokens - sequence->length_) +
+                           " more tokens, not " + std::to_string(std::max<int64_t>(1, chainSteps)) +
+                           ": maxContextTokens = " + std::to_string(impl.options.maxContextTokens));
     batch.push_back({.kvSequence = sequence->kvSequence_,
                      .stateSlot = sequence->stateSlot_,
                      .position = sequence->length_});
   }
-  std::vector<float> logits(chosen ? 0 : sequences.size() * static_cast<size_t>(vocabSize()));
   Sequence &first = *sequences[0];
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  if (chainSteps > 0) {
+    const size_t rows = sequences.size();
+    HYBRID_RETURN_IF_ERROR(impl.cuda->beginChain(chainSteps, static_cast<int64_t>(rows)));
+    for (int64_t step = 0; step < chainSteps; ++step) {
+      RunExtras extras;
+      extras.choices = choices.subspan(static_cast<size_t>(step) * rows, rows);
+      extras.chainStep = step;
+      if (Status run = impl.run(impl.decode, first, first.kvSequence_, first.stateSlot_, tokens,
+                                /*decodeStep=*/true, nullptr, nullptr, nullptr, batch, extras);
+          !run) {
+        (void)impl.cuda->endChain(chainSteps, static_cast<int64_t>(rows), nullptr);
+        return run;
+      }
+      for (size_t i = 0; i < rows; ++i)
+        batch[i].position = ++sequences[i]->length_;
+    }
+    HYBRID_RETURN_IF_ERROR(impl.cuda->endChain(chainSteps, static_cast<int64_t>(rows), chosen));
+    return std::vector<float>{};
+  }
+#endif
+  std::vector<float> logits(chosen ? 0 : sequences.size() * static_cast<size_t>(vocabSize()));
   RunExtras extras;
   extras.choices = choices;
   extras.chosenOut = chosen;
@@ -1188,6 +1213,49 @@ StatusOr<std::vector<int64_t>> Model::decodeBatchChoose(std::span<Sequence *cons
   std::vector<int64_t> chosen(rows.size());
   for (size_t i = 0; i < rows.size(); ++i)
     chosen[i] = chooseToken(std::span<const float>(logits).subspan(i * vocab, vocab), choices[i]);
+  return chosen;
+}
+
+StatusOr<std::vector<int64_t>> Model::decodeSteps(std::span<Sequence *const> rows,
+                                                  std::span<const int64_t> tokens,
+                                                  std::span<const TokenChoice> choices,
+                                                  int64_t steps) {
+  const size_t n = rows.size();
+  if (steps < 1)
+    return Status::error("decodeSteps: " + std::to_string(steps) + " steps: at least one");
+  if (choices.size() != n * static_cast<size_t>(steps))
+    return Status::error("decodeSteps: " + std::to_string(choices.size()) + " choices for " +
+                         std::to_string(steps) + " steps of " + std::to_string(n) +
+                         " sequences: one per sequence and step");
+  for (size_t i = 0; i < choices.size(); ++i)
+    if (const std::string problem = samplingParamsProblem(choices[i].params); !problem.empty())
+      return Status::error("decodeSteps: step " + std::to_string(i / std::max<size_t>(1, n)) +
+                           ", row " + std::to_string(i % std::max<size_t>(1, n)) + ": " + problem);
+  for (size_t i = 0; i < n; ++i)
+    if (rows[i] && &rows[i]->model_ == this &&
+        rows[i]->length_ + steps > impl_->options.maxContextTokens)
+      return Status::error("decodeSteps: sequence " + std::to_string(i) + " has room for " +
+                           std::to_string(impl_->options.maxContextTokens - rows[i]->length_) +
+                           " more tokens, not " + std::to_string(steps));
+  std::vector<int64_t> chosen;
+#ifdef HYBRID_HAS_CUDA_DEVICE
+  const bool recording = std::any_of(
+      rows.begin(), rows.end(), [](const Sequence *row) { return row && row->recordFinalHidden_; });
+  if (impl_->cuda && !recording) {
+    chosen.resize(n * static_cast<size_t>(steps));
+    HYBRID_RETURN_IF_ERROR(decodeRows(rows, tokens, choices, chosen.data(), steps).status());
+    return chosen;
+  }
+#endif
+  // Step by step (the cpu device, recording rows): each step's ids feed the next.
+  std::vector<int64_t> next(tokens.begin(), tokens.end());
+  for (int64_t step = 0; step < steps; ++step) {
+    HYBRID_ASSIGN_OR_RETURN(
+        std::vector<int64_t> ids,
+        decodeBatchChoose(rows, next, choices.subspan(static_cast<size_t>(step) * n, n)));
+    chosen.insert(chosen.end(), ids.begin(), ids.end());
+    next = std::move(ids);
+  }
   return chosen;
 }
 

@@ -48,6 +48,10 @@ struct E2eOptions {
   // can only be optimistic by that much. Needs a model loaded with
   // LoadOptions::prefixCacheEntries >= the distinct contexts (1 to prefill every row's own).
   bool sharedPrompt = false;
+  // The timed decode steps as one Model::decodeSteps chain per call (each step fed the ids the
+  // one before chose, the host's share of a step hidden behind the GPU's work) instead of a
+  // decodeBatchChoose call a step fed random ids.
+  bool chainedDecode = false;
   // Called with true before and false after one extra, untimed decode step of each row (a
   // profiler's collection range around one step), with the row's batch and context; may be
   // empty.

@@ -370,6 +370,17 @@ public:
   StatusOr<std::vector<int64_t>> decodeBatchChoose(std::span<Sequence *const> rows,
                                                    std::span<const int64_t> tokens,
                                                    std::span<const TokenChoice> choices);
+  // `steps` decode steps of `rows` (as decodeBatchChoose), each step's tokens the ones the step
+  // before chose (the first step's: `tokens`); choices [steps * rows], step-major (each step's
+  // own draws). Returns the chosen ids [steps * rows], step-major: the same as that many
+  // decodeBatchChoose calls, each fed the last one's ids. The cuda device queues each step
+  // before the host has seen the previous one's ids (they stay on the GPU), so the host's share
+  // of a step (bookkeeping, uploads, launches) runs while the GPU works; rows that record final
+  // hidden states take the step-by-step path. Refused before anything runs as
+  // decodeBatchChoose refuses, and when a row lacks room for `steps` more tokens.
+  StatusOr<std::vector<int64_t>> decodeSteps(std::span<Sequence *const> rows,
+                                             std::span<const int64_t> tokens,
+                                             std::span<const TokenChoice> choices, int64_t steps);
   // Sequences one decodeBatch() step takes: the decode program's max_tokens.
   int64_t maxDecodeBatch() const;
   // Batched prefill (varlen): each segment's tokens through the prefill program for its
@@ -444,10 +455,13 @@ private:
   Status checkSegments(const char *caller, std::span<Sequence *const> sequences,
                        std::span<const int64_t> rows) const;
   // decodeBatch's step; with `chosen`, the device chooses each row's token by `choices` into it
-  // (the cuda device) and no logits are returned.
+  // (the cuda device) and no logits are returned. With chainSteps > 0 (the cuda device, rows
+  // that record nothing), decodeSteps' chain: that many steps queued one after another, each
+  // fed the one before's ids on the device, choices and `chosen` [chainSteps * rows].
   StatusOr<std::vector<float>> decodeRows(std::span<Sequence *const> sequences,
                                           std::span<const int64_t> tokens,
-                                          std::span<const TokenChoice> choices, int64_t *chosen);
+                                          std::span<const TokenChoice> choices, int64_t *chosen,
+                                          int64_t chainSteps = 0);
   std::unique_ptr<Impl> impl_;
 };
 
