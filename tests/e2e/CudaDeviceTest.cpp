@@ -310,7 +310,8 @@ TEST_P(CudaDeviceTest, ChoosingOnTheGpuEqualsTheHostChoice) {
 // Chained decode steps (Model::decodeSteps: each step queued before the host has seen the one
 // before's ids, which stay on the GPU) give the ids of decodeBatchChoose steps fed back one at a
 // time: 4 rows, greedy and sampled, two chains of 12 steps in a row (the second reusing the
-// first's buffers and graphs).
+// first's buffers and graphs: a chained step's decode graph and a stepped one's live side by
+// side, neither captured again).
 TEST_P(CudaDeviceTest, ChainedStepsChooseWhatSteppedOnesChoose) {
   const std::string dir = cudaPlan(GetParam(), "-batch4");
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());
@@ -342,6 +343,7 @@ TEST_P(CudaDeviceTest, ChainedStepsChooseWhatSteppedOnesChoose) {
   }
   constexpr int64_t kSteps = 12;
   std::vector<int64_t> chainNext(params.size(), prompt[0]), stepNext = chainNext;
+  int64_t capturedAfterFirstChain = 0;
   for (int chain = 0; chain < 2; ++chain) {
     std::vector<TokenChoice> choices;
     for (int64_t step = 0; step < kSteps; ++step)
@@ -362,7 +364,11 @@ TEST_P(CudaDeviceTest, ChainedStepsChooseWhatSteppedOnesChoose) {
     chainNext.assign(ids->end() - int64_t(params.size()), ids->end());
     for (size_t i = 0; i < params.size(); ++i)
       EXPECT_EQ(chainRows[i]->length(), stepRows[i]->length());
+    if (chain == 0)
+      capturedAfterFirstChain = (*model)->cudaGraphCounts().decodeCaptures;
   }
+  EXPECT_GT(capturedAfterFirstChain, 0);
+  EXPECT_EQ((*model)->cudaGraphCounts().decodeCaptures, capturedAfterFirstChain);
 }
 
 TEST_P(CudaDeviceTest, PrefixCacheHitsMatchAFullPrefill) {

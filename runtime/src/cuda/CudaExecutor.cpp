@@ -1070,6 +1070,8 @@ CudaExecutor::create(const std::string &dir, const fb::Plan &plan, const WeightA
       CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(event, cudaEventDisableTiming), "events");
   CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&impl->forkEvent, cudaEventDisableTiming),
                        "events");
+  CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&impl->uploadsIssued, cudaEventDisableTiming),
+                       "events");
   CUDA_RETURN_IF_ERROR(cudaMallocHost(&impl->pinnedTokens,
                                       static_cast<size_t>(maxRows) * sizeof(int64_t)),
                        "pinned token buffer");
@@ -1200,32 +1202,53 @@ Status CudaExecutor::Impl::launchRun(const fb::Program &program, unsigned char *
   return launched;
 }
 
-Status CudaExecutor::Impl::issueStagedUploads(cudaStream_t stream) {
+Status CudaExecutor::Impl::checkTokenIds(const cpu::StepContext &host,
+                                         std::span<const int64_t> tokens) const {
+  // The ids are on the host: checked here, with the cpu device's words.
+  for (const fb::Step *step : *host.program->steps()) {
+    const fb::Dispatch &d = *step->op_as_Dispatch();
+    if (d.kernel() != fb::KernelId::Embed)
+      continue;
+    const int64_t vocab = weightRows(d.weights()->Get(0));
+    for (size_t t = 0; t < tokens.size(); ++t)
+      if (tokens[t] < 0 || tokens[t] >= vocab)
+        return Status::error(kernelName(d.kernel()) + " (layer " + std::to_string(d.layer()) +
+                             "): token id " + std::to_string(tokens[t]) + " at position " +
+                             std::to_string(host.firstPosition + t) +
+                             " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+  }
+  return Status::ok();
+}
+
+Status CudaExecutor::Impl::issueStagedUploads(cudaStream_t stream, bool markUploaded) {
   std::vector<StagedUpload> uploads = std::exchange(stagedUploads, {});
   for (const StagedUpload &u : uploads)
-    CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(u.device, u.pinned, u.bytes, cudaMemcpyHostToDevice, stream), u.what);
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(u.device, u.source, u.bytes, cudaMemcpyDefault, stream),
+                         u.what);
+  if (markUploaded)
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(uploadsIssued, stream), "staged uploads");
   return Status::ok();
 }
 
 Status CudaExecutor::Impl::replayRun(const fb::Program &program, unsigned char *arena,
                                      size_t runIndex, const cpu::StepContext &host) {
   cudaStream_t origin = streams[0]->stream;
-  const auto key = std::make_tuple(runIndex, host.rows);
-  auto found = decodeGraphs.find(key);
-  // The first run's graph copies this step's staged inputs: the same buffers and sizes as when
-  // it was captured, or it is captured again.
-  if (found != decodeGraphs.end() && !stagedUploads.empty() &&
-      found->second.uploads != stagedUploads) {
-    cudaGraphExecDestroy(found->second.exec);
-    decodeGraphs.erase(found);
-    found = decodeGraphs.end();
-  }
-  if (found == decodeGraphs.end()) {
+  std::vector<DecodeGraph> &bucket = decodeGraphs[std::make_tuple(runIndex, host.rows)];
+  // A graph copies the staged inputs it was captured with (none past the first run): the same
+  // buffers and sizes, or another graph is captured.
+  auto found = std::find_if(bucket.begin(), bucket.end(), [&](const DecodeGraph &graph) {
+    return graph.uploads == stagedUploads;
+  });
+  if (found == bucket.end()) {
+    if (bucket.size() == kDecodeGraphsPerBucket) { // the oldest gives way
+      cudaGraphExecDestroy(bucket.front().exec);
+      bucket.erase(bucket.begin());
+    }
     CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal),
                          "decode graph capture");
     DecodeGraph captured{.exec = nullptr, .uploads = stagedUploads};
-    Status launched = issueStagedUploads(origin);
+    // The first run's graph marks its copies done, for a chained step (runChoosingChained).
+    Status launched = issueStagedUploads(origin, /*markUploaded=*/runIndex == 0);
     if (launched.ok())
       launched =
           launchRun(program, arena, runs[kDecode][runIndex], host, nullptr, /*capturing=*/true);
@@ -1240,10 +1263,12 @@ Status CudaExecutor::Impl::replayRun(const fb::Program &program, unsigned char *
     const cudaError_t made = cudaGraphInstantiate(&captured.exec, graph, 0);
     cudaGraphDestroy(graph);
     CUDA_RETURN_IF_ERROR(made, "decode graph instantiation");
-    found = decodeGraphs.emplace(key, std::move(captured)).first;
+    bucket.push_back(std::move(captured));
+    ++graphCounts.decodeCaptures;
+    found = std::prev(bucket.end());
   }
   stagedUploads.clear(); // copied by the graph's first nodes
-  CUDA_RETURN_IF_ERROR(cudaGraphLaunch(found->second.exec, origin), "decode graph launch");
+  CUDA_RETURN_IF_ERROR(cudaGraphLaunch(found->exec, origin), "decode graph launch");
   return Status::ok();
 }
 
@@ -1552,9 +1577,6 @@ Status CudaExecutor::beginChain(int64_t steps, int64_t rows) {
   if (steps < 1 || rows < 1)
     return Status::error("cuda device: a chain of " + std::to_string(steps) + " steps of " +
                          std::to_string(rows) + " rows");
-  if (!impl.chainUploaded)
-    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&impl.chainUploaded, cudaEventDisableTiming),
-                         "chain event");
   if (ids > impl.chainChosenCapacity) {
     cudaFree(impl.chainChosen);
     impl.chainChosen = nullptr;
@@ -1595,7 +1617,7 @@ Status CudaExecutor::runChoosingChained(const cpu::StepContext &host,
   // The pinned buffers hold the previous step's inputs until its copies have run (at that step's
   // start on the GPU, while the one before it may still run).
   if (impl.chainQueued)
-    if (const cudaError_t waited = cudaEventSynchronize(impl.chainUploaded); waited != cudaSuccess)
+    if (const cudaError_t waited = cudaEventSynchronize(impl.uploadsIssued); waited != cudaSuccess)
       return give_up(cudaStatus(waited, "chained step"));
   const cudaStream_t stream = impl.streams[0]->stream;
   for (size_t i = 0; i < choices.size(); ++i)
@@ -1606,10 +1628,23 @@ Status CudaExecutor::runChoosingChained(const cpu::StepContext &host,
                           choices.size() * sizeof(kc::SamplingRow), cudaMemcpyHostToDevice, stream);
       copied != cudaSuccess)
     return give_up(cudaStatus(copied, "sampling parameters upload"));
-  // Step 0's ids come from the host (staged as a plain step's), the others from the choice
-  // before.
-  const int64_t *deviceTokens = step == 0 ? nullptr : impl.deviceChosen;
-  if (Status queued = enqueueProgram(host, tokens, nullptr, deviceTokens, /*markUploaded=*/true);
+  // Every step reads its ids from the device (step 0's copied there first), so that all steps
+  // of a chain replay one decode graph.
+  if (step == 0) {
+    if (tokens.size() != static_cast<size_t>(rows))
+      return give_up(Status::error("cuda device: chained step 0 has " +
+                                   std::to_string(tokens.size()) + " token ids for " +
+                                   std::to_string(rows) + " rows"));
+    if (Status checked = impl.checkTokenIds(host, tokens); !checked)
+      return give_up(std::move(checked));
+    std::copy(tokens.begin(), tokens.end(), impl.pinnedTokens);
+    if (const cudaError_t copied =
+            cudaMemcpyAsync(impl.deviceChosen, impl.pinnedTokens, tokens.size() * sizeof(int64_t),
+                            cudaMemcpyHostToDevice, stream);
+        copied != cudaSuccess)
+      return give_up(cudaStatus(copied, "chained token ids"));
+  }
+  if (Status queued = enqueueProgram(host, tokens, nullptr, impl.deviceChosen, /*markUploaded=*/true);
       !queued)
     return give_up(std::move(queued));
   if (Status launched = launchStatus(kc::launchSampleRows(sample, stream), "token choice");
@@ -1662,22 +1697,10 @@ Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<cons
     return Status::error(program.name()->str() + " program: " + std::to_string(tokens.size()) +
                          " tokens, it takes at most " + std::to_string(program.max_tokens()));
 
-  // The ids are on the host: check them here, with the cpu device's words. (A chained step's
-  // are the token choice's, always in the vocabulary.)
-  for (const fb::Step *step : *program.steps()) {
-    if (deviceTokens)
-      break;
-    const fb::Dispatch &d = *step->op_as_Dispatch();
-    if (d.kernel() != fb::KernelId::Embed)
-      continue;
-    const int64_t vocab = impl.weightRows(d.weights()->Get(0));
-    for (size_t t = 0; t < tokens.size(); ++t)
-      if (tokens[t] < 0 || tokens[t] >= vocab)
-        return Status::error(kernelName(d.kernel()) + " (layer " + std::to_string(d.layer()) +
-                             "): token id " + std::to_string(tokens[t]) + " at position " +
-                             std::to_string(host.firstPosition + t) +
-                             " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
-  }
+  // Ids on the device are the token choice's (a chained step's, step 0's checked before they
+  // were copied there), always in the vocabulary.
+  if (!deviceTokens)
+    HYBRID_RETURN_IF_ERROR(impl.checkTokenIds(host, tokens));
   if (host.kdaLog) { // a logged step: its GPU KDA layers' inputs are kept for replayKdaLog
     impl.kdaLogUsed = 0;
     impl.kdaLogRows = rows;
@@ -1687,10 +1710,8 @@ Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<cons
   // context-parallel prefill's ids are this rank's rows (prepareContextStep).
   if (deviceTokens) {
     const fb::Value &ids = valueOf(program, program.token_ids());
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(arena + ids.arena_offset(), deviceTokens,
-                                         tokens.size() * sizeof(int64_t), cudaMemcpyDeviceToDevice,
-                                         impl.streams[0]->stream),
-                         "chained token ids");
+    impl.stageUpload(arena + ids.arena_offset(), deviceTokens, tokens.size() * sizeof(int64_t),
+                     "chained token ids");
   } else if (host.contextShard) {
     HYBRID_RETURN_IF_ERROR(impl.prepareContextStep(host, tokens, arena, program));
   } else {
@@ -1720,15 +1741,12 @@ Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<cons
                      "state slots upload");
   }
   HYBRID_RETURN_IF_ERROR(impl.prepareKvStep(host));
-  if (markUploaded) // the staged inputs' copies are queued: the next step may restage after it
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(impl.chainUploaded, impl.streams[0]->stream),
-                         "chained step");
   const bool graphs = impl.cudaGraphs && !prefill && !hidden;
   const std::vector<StepRun> &runs = impl.runs[programIndex];
   // A replayed decode step's first GPU run holds the staged copies (replayRun); otherwise they go
   // now, ahead of everything the step launches.
   if (!graphs || runs.empty() || !runs.front().gpu)
-    HYBRID_RETURN_IF_ERROR(impl.issueStagedUploads(impl.streams[0]->stream));
+    HYBRID_RETURN_IF_ERROR(impl.issueStagedUploads(impl.streams[0]->stream, markUploaded));
   // A replayed prefill graph reads what the uploads above put in fixed buffers (runPrefillGraph).
   const bool prefillGraph = prefill && impl.prefillGraphSafe(program, host, hidden);
   if (prefill && !prefillGraph)

@@ -140,8 +140,8 @@ private:
                     HiddenStates *hidden);
   // runProgram's launches alone: the step's work queued, every stream joined into stream 0 at
   // the end of each GPU run; not yet synchronized, the KV bookkeeping not yet advanced.
-  // With deviceTokens, the ids are copied from there (a chained step's); with markUploaded, the
-  // chain's event is recorded once the step's staged inputs have been copied, before its kernels.
+  // With deviceTokens, the ids are copied from there (a chained step's); with markUploaded, an
+  // event is recorded once the step's staged inputs have been copied, before its kernels.
   Status enqueueProgram(const cpu::StepContext &host, std::span<const int64_t> tokens,
                         HiddenStates *hidden, const int64_t *deviceTokens = nullptr,
                         bool markUploaded = false);

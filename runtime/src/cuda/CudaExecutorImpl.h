@@ -222,10 +222,11 @@ struct CudaExecutor::Impl {
   int64_t *deviceChosen = nullptr, *pinnedChosen = nullptr;
   // Chained decode steps (runChoosingChained): each step's ids, kept on the device until the
   // chain ends, and an event recorded once a queued step's staged inputs have been copied (the
-  // host writes the next step's into the same pinned buffers only after it).
+  // host writes the next step's into the same pinned buffers only after it; every decode graph
+  // records it after its copies).
   int64_t *chainChosen = nullptr;
   size_t chainChosenCapacity = 0; // ids
-  cudaEvent_t chainUploaded = nullptr;
+  cudaEvent_t uploadsIssued = nullptr;
   bool chainQueued = false; // a chained step's copies may still be pending
   // The token choice's argmax parts (kc::sampleRowsWorkspaceBytes), sized at load.
   void *sampleWorkspace = nullptr;
@@ -254,28 +255,36 @@ struct CudaExecutor::Impl {
   // each copied to its device buffer before the step's kernels: issued one copy at a time, or,
   // in a decode graph, captured as its first nodes, so that a replayed step is one launch and
   // its copies run back to back instead of a host call apart (~8-12 us each, H200).
+  // A chained step's token ids come from the device (the previous step's choice): its source is
+  // a device buffer.
   struct StagedUpload {
     void *device = nullptr;
-    const void *pinned = nullptr;
+    const void *source = nullptr; // pinned host memory, or device memory
     size_t bytes = 0;
     const char *what = "";
     bool operator==(const StagedUpload &o) const {
-      return device == o.device && pinned == o.pinned && bytes == o.bytes;
+      return device == o.device && source == o.source && bytes == o.bytes;
     }
   };
   std::vector<StagedUpload> stagedUploads; // this step's, not yet issued or captured
-  void stageUpload(void *device, const void *pinned, size_t bytes, const char *what) {
-    stagedUploads.push_back({device, pinned, bytes, what});
+  void stageUpload(void *device, const void *source, size_t bytes, const char *what) {
+    stagedUploads.push_back({device, source, bytes, what});
   }
-  // Issues (or, while capturing, records) the staged copies on `stream` and clears them.
-  Status issueStagedUploads(cudaStream_t stream);
-  // A decode graph and the staged copies captured in it (its first run's: the same pinned and
-  // device buffers and sizes every step of a batch bucket, checked at each replay).
+  // Token ids from the host against the embedding's vocabulary.
+  Status checkTokenIds(const cpu::StepContext &host, std::span<const int64_t> tokens) const;
+  // Issues (or, while capturing, records) the staged copies on `stream` and clears them; then,
+  // with `markUploaded`, records `uploadsIssued` (the pinned buffers may be rewritten after it).
+  Status issueStagedUploads(cudaStream_t stream, bool markUploaded);
+  // A decode graph and the staged copies captured in it (its first run's: the same source and
+  // device buffers and sizes every step of a batch bucket, checked at each replay). A bucket
+  // keeps the graphs of both a plain step (ids from pinned memory) and a chained one (ids on the
+  // device), so that alternating between them does not capture again each step.
   struct DecodeGraph {
     cudaGraphExec_t exec = nullptr;
     std::vector<StagedUpload> uploads;
   };
-  std::map<std::tuple<size_t, int64_t>, DecodeGraph> decodeGraphs;
+  static constexpr size_t kDecodeGraphsPerBucket = 2;
+  std::map<std::tuple<size_t, int64_t>, std::vector<DecodeGraph>> decodeGraphs;
 
   // ---- Prefill graphs (CudaPrefillGraphs.cpp) ----
   // Single-sequence prefill and verification calls of up to kPrefillGraphMaxRows rows (a
@@ -317,8 +326,9 @@ struct CudaExecutor::Impl {
   void destroyPrefillGraphs();
 
   ~Impl() {
-    for (auto &[key, graph] : decodeGraphs)
-      cudaGraphExecDestroy(graph.exec);
+    for (auto &[key, graphs] : decodeGraphs)
+      for (DecodeGraph &graph : graphs)
+        cudaGraphExecDestroy(graph.exec);
     destroyPrefillGraphs();
     for (cudaEvent_t event : events)
       cudaEventDestroy(event);
@@ -326,8 +336,8 @@ struct CudaExecutor::Impl {
       cudaEventDestroy(event);
     if (forkEvent)
       cudaEventDestroy(forkEvent);
-    if (chainUploaded)
-      cudaEventDestroy(chainUploaded);
+    if (uploadsIssued)
+      cudaEventDestroy(uploadsIssued);
     cudaFree(chainChosen);
     cudaFreeHost(pinnedTokens);
     cudaFreeHost(pinnedChoices);

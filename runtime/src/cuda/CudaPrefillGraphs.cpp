@@ -133,7 +133,8 @@ void CudaExecutor::Impl::destroyPrefillGraphs() {
 
 CudaGraphCounts CudaExecutor::graphCounts() const {
   CudaGraphCounts counts = impl_->graphCounts;
-  counts.decodeGraphs = static_cast<int64_t>(impl_->decodeGraphs.size());
+  for (const auto &[key, graphs] : impl_->decodeGraphs)
+    counts.decodeGraphs += static_cast<int64_t>(graphs.size());
   return counts;
 }
 

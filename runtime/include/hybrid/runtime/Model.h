@@ -101,7 +101,9 @@ struct LoadOptions {
 // The CUDA graphs a cuda-device Model has used so far (Model::cudaGraphCounts); all zero on the
 // cpu device.
 struct CudaGraphCounts {
-  int64_t decodeGraphs = 0;     // decode graphs held (one per GPU run and batch size)
+  int64_t decodeGraphs = 0;     // decode graphs held (per GPU run and batch size: a plain
+                                // step's and a chained one's)
+  int64_t decodeCaptures = 0;   // decode graphs captured (again when a step's inputs move)
   int64_t prefillCaptures = 0;  // prefill / verification graphs captured
   int64_t prefillReplays = 0;   // prefill / verification calls run from a graph
   int64_t prefillEvictions = 0; // graphs destroyed to keep at most 64
