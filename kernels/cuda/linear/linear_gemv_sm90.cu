@@ -28,7 +28,9 @@
 // logical k 2t, 2t + 1, 2t + 8, 2t + 9 stand for 8t..8t+3 and 8t+4..8t+7: A and B permute k
 // alike, so each product meets its partner. fp32 x enters as three bf16 terms (hi, mid, lo: x
 // to 2^-24), or as bf16(x) alone with roundInputToBf16. A column's sums never see another column,
-// and the blocking does not depend on `rows`: a row's bits are the same at 6, 7 or 8 rows.
+// and the blocking does not depend on `rows`: a row's bits are the same at 6, 7 or 8 rows. How
+// many chunks a warp keeps in flight depends on the shape (gemvDeepStages).
+#include "../common/device_setup.cuh"
 #include "../common/block_reduce.cuh"
 #include "../common/dependent_launch.cuh"
 #include "../common/warp_mma.cuh"
@@ -64,9 +66,10 @@ __device__ __forceinline__ void multiplyChunk(const GemvParams &p, const float *
   }
 }
 
-// The tensor-core form: 16 outputs a block, k in chunks of 32, two stages of 4 chunks' weights
-// in flight a warp (8 KB: one stage computes while the other loads).
-constexpr int kMmaOutputs = 16, kMmaChunk = 32, kMmaStage = 4;
+// The tensor-core form: 16 outputs a block, k in chunks of 32, two stages of `Stages` chunks'
+// weights in flight a warp (one stage computes while the other loads): 2 chunks a stage, or
+// kMmaDeepStage for few blocks over a wide input (mmaStagesFor).
+constexpr int kMmaOutputs = 16, kMmaChunk = 32, kMmaStage = 2, kMmaDeepStage = 8;
 __host__ __device__ inline bool onTensorCores(const GemvParams &p) {
   return p.in > kGemvNarrowMaxIn && p.in % kMmaChunk == 0 &&
          (p.form == GemvForm::Auto ? p.rows >= kGemvTensorCoreMinRows
@@ -163,6 +166,7 @@ __device__ __forceinline__ void splitTerms(const float (&values)[8], uint32_t (&
 }
 
 // Block `block` (of blocksOf(p)) of problem p on tensor cores (onTensorCores(p)).
+template <int Stages>
 __device__ __forceinline__ void gemvMmaBlock(const GemvParams &p, int64_t block, int64_t problem) {
   __shared__ float partial[kWarps][kMmaOutputs * 8]; // [warp][output * 8 + row]
   const float *x = p.x + problem * p.xBatchStride;
@@ -182,10 +186,10 @@ __device__ __forceinline__ void gemvMmaBlock(const GemvParams &p, int64_t block,
   // each weight row at a time).
   const int chunks = int(p.in / kMmaChunk), mine = (chunks - warp + kWarps - 1) / kWarps;
   auto chunkAt = [&](int i) { return int64_t(warp + kWarps * i) * kMmaChunk; };
-  uint4 low[2][kMmaStage], high[2][kMmaStage];
-  auto load = [&](uint4(&l)[kMmaStage], uint4(&h)[kMmaStage], int first) {
+  uint4 low[2][Stages], high[2][Stages];
+  auto load = [&](uint4(&l)[Stages], uint4(&h)[Stages], int first) {
 #pragma unroll
-    for (int j = 0; j < kMmaStage; ++j)
+    for (int j = 0; j < Stages; ++j)
       if (first + j < mine) {
         l[j] = loadStreaming(rowLow + chunkAt(first + j));
         h[j] = loadStreaming(rowHigh + chunkAt(first + j));
@@ -193,9 +197,9 @@ __device__ __forceinline__ void gemvMmaBlock(const GemvParams &p, int64_t block,
   };
   // One accumulator a term: three chains of MMAs, not one three times as long.
   float acc[3][4] = {};
-  auto compute = [&](const uint4(&l)[kMmaStage], const uint4(&h)[kMmaStage], int first) {
+  auto compute = [&](const uint4(&l)[Stages], const uint4(&h)[Stages], int first) {
 #pragma unroll
-    for (int j = 0; j < kMmaStage; ++j) {
+    for (int j = 0; j < Stages; ++j) {
       if (first + j >= mine)
         break;
       uint32_t b[3][4] = {};
@@ -213,13 +217,13 @@ __device__ __forceinline__ void gemvMmaBlock(const GemvParams &p, int64_t block,
     }
   };
   load(low[0], high[0], 0); // weights are constants: before the wait
-  load(low[1], high[1], kMmaStage);
+  load(low[1], high[1], Stages);
   asm volatile("griddepcontrol.wait;" ::: "memory"); // x (and y) are the earlier kernels'
-  for (int first = 0; first < mine; first += 2 * kMmaStage) {
+  for (int first = 0; first < mine; first += 2 * Stages) {
     compute(low[0], high[0], first);
-    load(low[0], high[0], first + 2 * kMmaStage);
-    compute(low[1], high[1], first + kMmaStage);
-    load(low[1], high[1], first + 3 * kMmaStage);
+    load(low[0], high[0], first + 2 * Stages);
+    compute(low[1], high[1], first + Stages);
+    load(low[1], high[1], first + 3 * Stages);
   }
   // The next kernel's blocks may start their own weight loads while this one sums.
   asm volatile("griddepcontrol.launch_dependents;");
@@ -242,14 +246,14 @@ __device__ __forceinline__ int memberOf(const GemvGroup &group) {
   return member;
 }
 
-template <int MaxRows>
+template <int MaxRows, int MmaStages = kMmaStage>
 __global__ void __launch_bounds__(kThreads) gemvKernel(const __grid_constant__ GemvGroup group) {
   const int member = memberOf(group);
   const GemvParams &p = group.members[member];
   const int64_t block = int64_t(blockIdx.x) - group.firstBlock[member];
   if constexpr (MaxRows >= kGemvTensorCoreMinRows) { // the other sizes keep their registers
     if (onTensorCores(p)) {
-      gemvMmaBlock(p, block, blockIdx.y);
+      gemvMmaBlock<MmaStages>(p, block, blockIdx.y);
       return;
     }
   }
@@ -333,6 +337,36 @@ bool gemvGroupSupports(const GemvParams *members, int32_t count) {
   return blocks <= 0x7fffffff;
 }
 
+namespace {
+
+// The tensor-core form's stages: kMmaDeepStage (two stages of 8 chunks a warp, 1 block an SM)
+// when the group's blocks fit one wave of such blocks and every warp has more chunks than half
+// the stages: narrow outputs over a wide input, each warp a chain of loads, so more of them in
+// flight; else 2 chunks a stage, more blocks an SM. H200, Kimi-Linear's shapes at 8 rows, 2 /
+// 4 / 8 chunks a stage: 2304 -> 2048 (128 blocks) 7.5 / 7.7 / 7.0 us, 2304 -> 256 6.2 / 5.9 /
+// 5.4; 2304 -> 12576 21.3 / 27.2 / 31.0, 4096 -> 2304 (144 blocks: 2 waves at 8) 11.8 / 12.5 /
+// 17.8, the LM head 2304 -> 163840 214 / 265 / 316. The stages only schedule the loads: each
+// warp's MMAs run in the same order, so a row's bits are the same at any stage count.
+bool gemvDeepStages(const GemvParams *members, int32_t count, int64_t blocks, int multiprocessors) {
+  static const int deepPerSm = [] {
+    int perSm = 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+               &perSm, gemvKernel<8, kMmaDeepStage>, kThreads, 0) == cudaSuccess
+               ? perSm
+               : 0;
+  }();
+  if (blocks > int64_t(deepPerSm) * multiprocessors)
+    return false;
+  for (int32_t m = 0; m < count; ++m) {
+    const int64_t chunksPerWarp = (members[m].in / kMmaChunk + kWarps - 1) / kWarps;
+    if (onTensorCores(members[m]) && chunksPerWarp <= kMmaDeepStage / 2)
+      return false;
+  }
+  return true;
+}
+
+} // namespace
+
 int launchGemvGroup(const GemvParams *members, int32_t count, cudaStream_t stream) {
   if (!gemvGroupSupports(members, count))
     return cudaErrorInvalidValue;
@@ -353,6 +387,15 @@ int launchGemvGroup(const GemvParams *members, int32_t count, cudaStream_t strea
   bool tensorCores = false;
   for (int32_t m = 0; m < count; ++m)
     tensorCores = tensorCores || onTensorCores(members[m]);
+  bool deepStages = false;
+  if (tensorCores && !narrow) {
+    const DeviceSetup device = deviceSetup([] { return cudaSuccess; });
+    if (device.status != cudaSuccess)
+      return int(device.status);
+    deepStages = gemvDeepStages(members, count,
+                                int64_t(group.firstBlock[count]) * members[0].batch,
+                                device.multiprocessors);
+  }
   DependentLaunch launch(dim3(unsigned(group.firstBlock[count]), unsigned(members[0].batch)),
                          dim3(kThreads), stream);
   const cudaError_t status =
@@ -360,7 +403,9 @@ int launchGemvGroup(const GemvParams *members, int32_t count, cudaStream_t strea
                        : rows == 2 ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<2>, group)
                        : rows <= 4 ? cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<4>, group)
                                    : cudaLaunchKernelEx(&launch.config, gemvNarrowKernel<8>, group))
-      : tensorCores ? cudaLaunchKernelEx(&launch.config, gemvKernel<8>, group)
+      : tensorCores
+          ? (deepStages ? cudaLaunchKernelEx(&launch.config, gemvKernel<8, kMmaDeepStage>, group)
+                        : cudaLaunchKernelEx(&launch.config, gemvKernel<8>, group))
       : rows == 1   ? cudaLaunchKernelEx(&launch.config, gemvKernel<1>, group)
       : rows == 2   ? cudaLaunchKernelEx(&launch.config, gemvKernel<2>, group)
       : rows <= 4   ? cudaLaunchKernelEx(&launch.config, gemvKernel<4>, group)

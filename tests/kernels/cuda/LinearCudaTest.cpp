@@ -100,6 +100,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearCuda,
                                          Shape{5, 2304, 1001, 4, 8, 3, false},
                                          Shape{8, 11264, 64, 0, 0, 0, true, true},
                                          Shape{2, 4096, 2304, 0, 0, 0, true},
+                                         // Tensor cores (6-8 rows): past one wave of the deep
+                                         // stages' blocks (2 chunks a stage), and within it
+                                         // (7 x 2304 -> 512, 8 x 11264 -> 64: 8 a stage).
+                                         Shape{8, 4096, 2304, 0, 0, 8, true, true},
+                                         Shape{6, 2304, 4100, 0, 8, 0, false},
                                          // in % 8 != 0 at decode rows: cuBLASLt after all.
                                          Shape{2, 36, 40, 0, 4, 0, false}),
                          [](const testing::TestParamInfo<Shape> &info) {
