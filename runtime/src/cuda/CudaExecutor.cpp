@@ -1220,13 +1220,19 @@ Status CudaExecutor::Impl::checkTokenIds(const cpu::StepContext &host,
   return Status::ok();
 }
 
-Status CudaExecutor::Impl::issueStagedUploads(cudaStream_t stream, bool markUploaded) {
+Status CudaExecutor::Impl::issueStagedUploads(cudaStream_t stream, bool markUploaded,
+                                              bool capturing) {
   std::vector<StagedUpload> uploads = std::exchange(stagedUploads, {});
   for (const StagedUpload &u : uploads)
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(u.device, u.source, u.bytes, cudaMemcpyDefault, stream),
                          u.what);
+  // Captured, an event the host can wait on is an external record node (a plain record inside a
+  // capture only orders the graph's own streams).
   if (markUploaded)
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(uploadsIssued, stream), "staged uploads");
+    CUDA_RETURN_IF_ERROR(cudaEventRecordWithFlags(uploadsIssued, stream,
+                                                  capturing ? cudaEventRecordExternal
+                                                            : cudaEventRecordDefault),
+                         "staged uploads");
   return Status::ok();
 }
 
@@ -1248,7 +1254,7 @@ Status CudaExecutor::Impl::replayRun(const fb::Program &program, unsigned char *
                          "decode graph capture");
     DecodeGraph captured{.exec = nullptr, .uploads = stagedUploads};
     // The first run's graph marks its copies done, for a chained step (runChoosingChained).
-    Status launched = issueStagedUploads(origin, /*markUploaded=*/runIndex == 0);
+    Status launched = issueStagedUploads(origin, /*markUploaded=*/runIndex == 0, /*capturing=*/true);
     if (launched.ok())
       launched =
           launchRun(program, arena, runs[kDecode][runIndex], host, nullptr, /*capturing=*/true);
@@ -1611,6 +1617,7 @@ Status CudaExecutor::runChoosingChained(const cpu::StepContext &host,
   sample.workspace = impl.sampleWorkspace;
   auto give_up = [&](Status status) {
     cudaDeviceSynchronize(); // nothing of the chain left running
+    cudaGetLastError();      // nor its error, for the next launch's check to find
     impl.chainQueued = false;
     return status;
   };
@@ -1746,7 +1753,8 @@ Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<cons
   // A replayed decode step's first GPU run holds the staged copies (replayRun); otherwise they go
   // now, ahead of everything the step launches.
   if (!graphs || runs.empty() || !runs.front().gpu)
-    HYBRID_RETURN_IF_ERROR(impl.issueStagedUploads(impl.streams[0]->stream, markUploaded));
+    HYBRID_RETURN_IF_ERROR(
+        impl.issueStagedUploads(impl.streams[0]->stream, markUploaded, /*capturing=*/false));
   // A replayed prefill graph reads what the uploads above put in fixed buffers (runPrefillGraph).
   const bool prefillGraph = prefill && impl.prefillGraphSafe(program, host, hidden);
   if (prefill && !prefillGraph)

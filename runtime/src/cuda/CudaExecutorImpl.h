@@ -274,7 +274,7 @@ struct CudaExecutor::Impl {
   Status checkTokenIds(const cpu::StepContext &host, std::span<const int64_t> tokens) const;
   // Issues (or, while capturing, records) the staged copies on `stream` and clears them; then,
   // with `markUploaded`, records `uploadsIssued` (the pinned buffers may be rewritten after it).
-  Status issueStagedUploads(cudaStream_t stream, bool markUploaded);
+  Status issueStagedUploads(cudaStream_t stream, bool markUploaded, bool capturing);
   // A decode graph and the staged copies captured in it (its first run's: the same source and
   // device buffers and sizes every step of a batch bucket, checked at each replay). A bucket
   // keeps the graphs of both a plain step (ids from pinned memory) and a chained one (ids on the
