@@ -69,11 +69,6 @@ StatusOr<GenerationResult> generateChoosing(Model &model, std::span<const int64_
   std::vector<int64_t> tokens(prompt.begin(), prompt.end());
   int64_t next = chooseToken(std::span<const float>(result.promptLogits).last(vocab),
                              tokenChoice(sampling, 0));
-  // With caches the steps run in chains of up to kChainSteps (Model::decodeSteps: the host's
-  // share of a step hidden behind the GPU's work); a chain's ids past a stop token are dropped
-  // (the sequence is this call's own), so the result is the step-by-step one.
-  constexpr int64_t kChainSteps = 16;
-  std::vector<int64_t> chained; // chosen, not yet taken (the next one last)
   for (int64_t step = 0;; ++step) {
     result.generated.push_back(next);
     tokens.push_back(next);
@@ -82,20 +77,11 @@ StatusOr<GenerationResult> generateChoosing(Model &model, std::span<const int64_
       break;
     const TokenChoice choice = tokenChoice(sampling, step + 1);
     if (options.useCaches) {
-      if (chained.empty()) {
-        const int64_t room = model.maxContextTokens() - sequence->length();
-        const int64_t count =
-            std::max<int64_t>(1, std::min({kChainSteps, options.maxNewTokens - step - 1, room}));
-        std::vector<TokenChoice> choices;
-        for (int64_t k = 0; k < count; ++k)
-          choices.push_back(tokenChoice(sampling, step + 1 + k));
-        Sequence *row = sequence.get();
-        HYBRID_ASSIGN_OR_RETURN(
-            chained, model.decodeSteps(std::span(&row, 1), std::span(&next, 1), choices, count));
-        std::reverse(chained.begin(), chained.end());
-      }
-      next = chained.back();
-      chained.pop_back();
+      Sequence *row = sequence.get();
+      HYBRID_ASSIGN_OR_RETURN(const std::vector<int64_t> chosen,
+                              model.decodeBatchChoose(std::span(&row, 1), std::span(&next, 1),
+                                                      std::span(&choice, 1)));
+      next = chosen[0];
     } else {
       sequence.reset();
       HYBRID_ASSIGN_OR_RETURN(sequence, model.newSequence());
