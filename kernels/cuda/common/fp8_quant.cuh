@@ -99,6 +99,13 @@ __device__ inline uint8_t mxScaleCodeRoundUp(float amax) {
   return uint8_t(min(max(exponent, -127), 127) + 127);
 }
 
+// Two E4M3 codes (the low byte first) as floats, exactly (E4M3 fits in f16).
+__device__ inline float2 fp8PairToFloat2(uint32_t pair) {
+  const __half2_raw halves =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
+  return __half22float2(*reinterpret_cast<const __half2 *>(&halves));
+}
+
 // Warp-collective: lane i's value of a 32-value block replaced by what its MXFP8 encoding
 // (RoundUp scale) decodes to, as ref::quantizeMxfp8 then dequantizeMxfp8; a block with a
 // non-finite value becomes NaNs. Every lane of the warp must call it.

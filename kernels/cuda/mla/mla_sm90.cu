@@ -2,18 +2,18 @@
 // and expansion read kv_b_proj once per block of rows (bandwidth-bound in decode), and the latent
 // attention keeps a block's queries and a tile of gathered rows in shared memory with an online
 // softmax. The FP8 sparse decode on tensor cores is sparse_mla_decode_sm90.cu.
-#include "hybrid/kernels/cuda/Mla.h"
 #include "../common/block_reduce.cuh"
 #include "../common/dependent_launch.cuh"
 #include "../common/fp8_quant.cuh"
 #include "../linear/gemv.cuh"
+#include "hybrid/kernels/cuda/Mla.h"
 
+#include <cmath>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
-
-#include <cmath>
+#include <type_traits>
 
 namespace hybrid::kernels::cuda {
 namespace {
@@ -166,33 +166,63 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// bf16 W_UK at decode rates. Block (head, row block, 256-column slice): each lane owns 8
-// adjacent latent columns (one 16-byte load per nope dim, a warp reads 512 contiguous bytes),
-// the 8 warps split the nope dims, and their partial sums meet in shared memory, summed over
-// the warps in order. The kernel above gives one block per head, too few to stream W_UK.
+// bf16 or FP8 W_UK at decode rates. Block (head, row block, 256-column slice): each lane owns 8
+// adjacent latent columns (one 16-byte load of bf16 or 8-byte load of E4M3 codes per nope dim;
+// a warp reads 512 or 256 contiguous bytes), the 8 warps split the nope dims, and their partial
+// sums meet in shared memory, summed over the warps in order. The kernel above gives one block
+// per head, too few to stream W_UK. An FP8 weight is its code times its block's scale in fp32,
+// the value the cpu reads (DeepSeek-V3.2's kv_b_proj: a quarter of the bytes of the fp32 copy
+// the other kernel would read).
 constexpr int kAbsorbThreads = 256, kAbsorbWarps = kAbsorbThreads / kWarpSize;
 constexpr int kAbsorbColumns = kWarpSize * 8;
 
+// 8 adjacent weights of a row: bf16 (16 bytes) or E4M3 codes (8 bytes; widened with their
+// block's scale).
+template <WeightType kType> struct EightWeights {
+  using Chunk = std::conditional_t<kType == WeightType::BF16, uint4, uint2>;
+  using Element = std::conditional_t<kType == WeightType::BF16, __nv_bfloat16, uint8_t>;
+  __device__ static Chunk load(const Element *at) { return *reinterpret_cast<const Chunk *>(at); }
+  __device__ static void widen(const uint2 &codes, float scale, float (&values)[8]) {
+    const uint32_t words[2] = {codes.x, codes.y};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 pair = quant::fp8PairToFloat2(words[i / 2] >> (16 * (i % 2)));
+      values[2 * i] = __fmul_rn(pair.x, scale);
+      values[2 * i + 1] = __fmul_rn(pair.y, scale);
+    }
+  }
+};
+
+template <WeightType kType>
 __global__ void __launch_bounds__(kAbsorbThreads)
-    absorbQueriesBf16(MlaHeadWeights w, int32_t rows, int32_t ropeDim, const float *queries,
-                      float *absorbed) {
+    absorbQueriesColumns(MlaHeadWeights w, int32_t rows, int32_t ropeDim, const float *queries,
+                         float *absorbed) {
+  using Weights = EightWeights<kType>;
   __shared__ float nope[kRowsPerBlock][kMaxNopeDim];
   __shared__ float partial[kAbsorbWarps][kAbsorbColumns];
   const int h = blockIdx.x, firstRow = blockIdx.y * kRowsPerBlock;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int column = blockIdx.z * kAbsorbColumns + lane * 8;
-  const auto *uk = static_cast<const __nv_bfloat16 *>(w.kvB) +
-                   int64_t(h) * (w.nopeDim + w.valueDim) * w.latentDim + column;
+  const int64_t firstUkRow = int64_t(h) * (w.nopeDim + w.valueDim);
+  const auto *uk =
+      static_cast<const typename Weights::Element *>(w.kvB) + firstUkRow * w.latentDim + column;
+  // Nope dim n's weights: its row of W_UK; FP8 rows' scale by their 128-row block.
+  auto rowOf = [&](int n) { return uk + int64_t(n) * w.latentDim; };
+  auto scaleOf = [&](int n) {
+    if constexpr (kType == WeightType::BF16)
+      return 1.0f;
+    else
+      return __ldg(w.kvBScales + (firstUkRow + n) / 128 * w.kvBScaleStride + column / 128);
+  };
   // The first nope dims' W_UK chunks load before the wait: weights, which nothing before this
   // launch writes, in flight while the queries' kernel drains.
   constexpr int kEarly = 4;
-  uint4 early[kEarly];
+  typename Weights::Chunk early[kEarly];
 #pragma unroll
   for (int i = 0; i < kEarly; ++i) {
     const int n = warp + i * kAbsorbWarps;
-    early[i] = column < w.latentDim && n < w.nopeDim
-                   ? *reinterpret_cast<const uint4 *>(uk + int64_t(n) * w.latentDim)
-                   : uint4{0, 0, 0, 0};
+    early[i] =
+        column < w.latentDim && n < w.nopeDim ? Weights::load(rowOf(n)) : typename Weights::Chunk{};
   }
   waitForEarlierKernels(); // launched as a programmatic dependent: the queries
   letDependentsLaunch();
@@ -205,15 +235,28 @@ __global__ void __launch_bounds__(kAbsorbThreads)
   __syncthreads();
   float sums[kRowsPerBlock][8] = {};
   // Nope dim n's chunk into the sums (in n order: the early ones first).
-  auto accumulate = [&](int n, const uint4 &packed) {
-    const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+  auto accumulate = [&](int n, const typename Weights::Chunk &chunk) {
+    if constexpr (kType == WeightType::BF16) {
+      const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
 #pragma unroll
-    for (int rb = 0; rb < kRowsPerBlock; ++rb) {
-      const float q = nope[rb][n];
+      for (int rb = 0; rb < kRowsPerBlock; ++rb) {
+        const float q = nope[rb][n];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        sums[rb][2 * i] = fmaf(q, __uint_as_float(words[i] << 16), sums[rb][2 * i]);
-        sums[rb][2 * i + 1] = fmaf(q, __uint_as_float(words[i] & 0xffff0000u), sums[rb][2 * i + 1]);
+        for (int i = 0; i < 4; ++i) {
+          sums[rb][2 * i] = fmaf(q, __uint_as_float(words[i] << 16), sums[rb][2 * i]);
+          sums[rb][2 * i + 1] =
+              fmaf(q, __uint_as_float(words[i] & 0xffff0000u), sums[rb][2 * i + 1]);
+        }
+      }
+    } else {
+      float values[8];
+      Weights::widen(chunk, scaleOf(n), values);
+#pragma unroll
+      for (int rb = 0; rb < kRowsPerBlock; ++rb) {
+        const float q = nope[rb][n];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          sums[rb][i] = fmaf(q, values[i], sums[rb][i]);
       }
     }
   };
@@ -224,7 +267,7 @@ __global__ void __launch_bounds__(kAbsorbThreads)
         accumulate(warp + i * kAbsorbWarps, early[i]);
 #pragma unroll 4
     for (int n = warp + kEarly * kAbsorbWarps; n < w.nopeDim; n += kAbsorbWarps)
-      accumulate(n, *reinterpret_cast<const uint4 *>(uk + int64_t(n) * w.latentDim));
+      accumulate(n, Weights::load(rowOf(n)));
   }
 #pragma unroll
   for (int rb = 0; rb < kRowsPerBlock; ++rb) { // unrolled: sums stays in registers
@@ -281,6 +324,76 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int rb = 0; rb < kRowsPerBlock; ++rb)
         sums[rb] += weight * latent[rb][l];
+    }
+#pragma unroll
+    for (int rb = 0; rb < kRowsPerBlock; ++rb) {
+      const float total = warpSum(sums[rb]);
+      if (lane == 0 && rb < count)
+        out[int64_t(firstRow + rb) * w.heads * w.valueDim + int64_t(h) * w.valueDim + v] = total;
+    }
+  }
+}
+
+// expandOutputs over FP8 W_UV: a warp per output value; lane i holds latent columns 4 (i + 32 j)
+// .. + 3 (a 4-byte word of codes; a warp's load is 128 adjacent bytes, and column block j's one
+// scale is the warp's), so that its float4 reads of the latent rows in shared memory are
+// adjacent across lanes: no bank conflicts (16 adjacent columns a lane read 16-way conflicted,
+// 39 us a layer at batch 1 against 22 for the fp32 copy). Rows past the call's are skipped,
+// not summed as zeros. The block's first values' codes load before the wait (weights, nothing
+// earlier writes them). A row's sums run in the same order at any row count.
+constexpr int kExpandFp8Words = kMlaMaxLatentDim / (4 * kWarpSize);
+
+__global__ void __launch_bounds__(kThreads)
+    expandOutputsFp8(MlaHeadWeights w, int32_t rows, const float *latentOut, float *out) {
+  __shared__ __align__(16) float latent[kRowsPerBlock][kMlaMaxLatentDim];
+  const int h = blockIdx.x, firstRow = blockIdx.y * kRowsPerBlock;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int lastValue = min(w.valueDim, int(blockIdx.z + 1) * kExpandValues);
+  const int firstValue = int(blockIdx.z) * kExpandValues + warp;
+  auto rowOf = [&](int v) { return int64_t(h) * (w.nopeDim + w.valueDim) + w.nopeDim + v; };
+  auto loadCodes = [&](int v, uint32_t (&codes)[kExpandFp8Words]) {
+    const auto *row = reinterpret_cast<const uint32_t *>(static_cast<const unsigned char *>(w.kvB) +
+                                                         rowOf(v) * w.latentDim);
+#pragma unroll
+    for (int j = 0; j < kExpandFp8Words; ++j)
+      if (4 * (lane + kWarpSize * j) < w.latentDim)
+        codes[j] = __ldg(row + lane + kWarpSize * j);
+  };
+  uint32_t codes[kExpandFp8Words] = {};
+  if (firstValue < lastValue)
+    loadCodes(firstValue, codes);
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
+  const int count = min(kRowsPerBlock, rows - firstRow);
+  for (int item = threadIdx.x; item < count * w.latentDim; item += kThreads) {
+    const int rb = item / w.latentDim, l = item % w.latentDim;
+    latent[rb][l] = latentOut[(int64_t(firstRow + rb) * w.heads + h) * w.latentDim + l];
+  }
+  __syncthreads();
+  for (int v = firstValue; v < lastValue; v += kThreads / kWarpSize) {
+    if (v != firstValue)
+      loadCodes(v, codes);
+    const float *scales = w.kvBScales + rowOf(v) / 128 * w.kvBScaleStride;
+    float sums[kRowsPerBlock] = {};
+#pragma unroll
+    for (int j = 0; j < kExpandFp8Words; ++j) {
+      const int l = 4 * (lane + kWarpSize * j); // column block j: 128 columns a j
+      if (l >= w.latentDim)
+        break;
+      const float scale = __ldg(scales + j);
+      const float2 low = quant::fp8PairToFloat2(codes[j]);
+      const float2 high = quant::fp8PairToFloat2(codes[j] >> 16);
+      const float weights[4] = {__fmul_rn(low.x, scale), __fmul_rn(low.y, scale),
+                                __fmul_rn(high.x, scale), __fmul_rn(high.y, scale)};
+#pragma unroll
+      for (int rb = 0; rb < kRowsPerBlock; ++rb)
+        if (rb < count) {
+          const float4 x = *reinterpret_cast<const float4 *>(&latent[rb][l]);
+          sums[rb] = fmaf(weights[0], x.x, sums[rb]);
+          sums[rb] = fmaf(weights[1], x.y, sums[rb]);
+          sums[rb] = fmaf(weights[2], x.z, sums[rb]);
+          sums[rb] = fmaf(weights[3], x.w, sums[rb]);
+        }
     }
 #pragma unroll
     for (int rb = 0; rb < kRowsPerBlock; ++rb) {
@@ -420,7 +533,9 @@ __global__ void __launch_bounds__(kThreads) latentAttention(LatentAttentionParam
 bool validWeights(const MlaHeadWeights &w) {
   return w.heads > 0 && w.nopeDim > 0 && w.nopeDim <= kMaxNopeDim && w.valueDim > 0 &&
          w.latentDim > 0 && w.latentDim <= kMlaMaxLatentDim && w.kvB &&
-         w.type != WeightType::Fp8Block;
+         (w.type != WeightType::Fp8Block ||
+          (w.kvBScales && w.kvBScaleStride >= (w.latentDim + 127) / 128 && w.latentDim % 16 == 0 &&
+           reinterpret_cast<uintptr_t>(w.kvB) % 16 == 0));
 }
 
 // A launch's status, then any error it left.
@@ -461,13 +576,16 @@ int launchMlaAbsorbQueries(const MlaHeadWeights &w, int32_t rows, int32_t ropeDi
                            const float *queries, float *absorbed, void *stream) {
   if (!validWeights(w) || rows <= 0 || ropeDim < 0 || !queries || !absorbed)
     return cudaErrorInvalidValue;
-  if (w.type == WeightType::BF16 && w.latentDim % 8 == 0 &&
-      reinterpret_cast<uintptr_t>(w.kvB) % 16 == 0) {
+  if (w.type == WeightType::Fp8Block || (w.type == WeightType::BF16 && w.latentDim % 8 == 0 &&
+                                         reinterpret_cast<uintptr_t>(w.kvB) % 16 == 0)) {
     const unsigned slices = unsigned((w.latentDim + kAbsorbColumns - 1) / kAbsorbColumns);
     DependentLaunch launch(dim3(unsigned(w.heads), rowBlocks(rows), slices), dim3(kAbsorbThreads),
                            static_cast<cudaStream_t>(stream));
-    return launched(
-        cudaLaunchKernelEx(&launch.config, absorbQueriesBf16, w, rows, ropeDim, queries, absorbed));
+    return launched(cudaLaunchKernelEx(&launch.config,
+                                       w.type == WeightType::BF16
+                                           ? absorbQueriesColumns<WeightType::BF16>
+                                           : absorbQueriesColumns<WeightType::Fp8Block>,
+                                       w, rows, ropeDim, queries, absorbed));
   }
   DependentLaunch launch(dim3(unsigned(w.heads), rowBlocks(rows),
                               unsigned((w.latentDim + kThreads - 1) / kThreads)),
@@ -502,7 +620,9 @@ int launchMlaExpandOutputs(const MlaHeadWeights &w, int32_t rows, const float *l
   DependentLaunch launch(dim3(unsigned(w.heads), rowBlocks(rows),
                               unsigned((w.valueDim + kExpandValues - 1) / kExpandValues)),
                          dim3(kThreads), static_cast<cudaStream_t>(stream));
-  return launched(cudaLaunchKernelEx(&launch.config, expandOutputs, w, rows, latentOut, out));
+  return launched(cudaLaunchKernelEx(
+      &launch.config, w.type == WeightType::Fp8Block ? expandOutputsFp8 : expandOutputs, w, rows,
+      latentOut, out));
 }
 
 int launchLatentAttention(const LatentAttentionParams &p, void *stream) {

@@ -214,14 +214,8 @@ template <> __device__ inline float2 pairAt<float>(const float *row, int i) {
   return reinterpret_cast<const float2 *>(row)[i];
 }
 
-// Two E4M3 codes (the low byte first) as floats.
-__device__ inline float2 fp8PairToFloat2(uint32_t pair) {
-  const __half2_raw halves =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
-  return __half22float2(*reinterpret_cast<const __half2 *>(&halves));
-}
 template <> __device__ inline float2 pairAt<uint8_t>(const uint8_t *row, int i) {
-  return fp8PairToFloat2(reinterpret_cast<const __nv_fp8x2_storage_t *>(row)[i]);
+  return quant::fp8PairToFloat2(reinterpret_cast<const __nv_fp8x2_storage_t *>(row)[i]);
 }
 
 // row . v over `width` values (even), lanes over value pairs. For FP8 rows `scales` holds the
@@ -320,8 +314,8 @@ __device__ inline float fp8ChunkRowDot(const uint8_t *row, const float *v, int w
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const float4 x = quarters[(c / 32 * 4 + q) * 32 + lane];
-      const float2 low = fp8PairToFloat2(words[q] & 0xffffu),
-                   high = fp8PairToFloat2(words[q] >> 16);
+      const float2 low = quant::fp8PairToFloat2(words[q] & 0xffffu),
+                   high = quant::fp8PairToFloat2(words[q] >> 16);
       sum = fmaf(low.x * scale, x.x, sum);
       sum = fmaf(low.y * scale, x.y, sum);
       sum = fmaf(high.x * scale, x.z, sum);

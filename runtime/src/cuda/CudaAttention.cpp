@@ -139,12 +139,14 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
                           p->qk_rope_head_dim() >= 0 && p->qk_rope_head_dim() <= 64 &&
                           p->qk_rope_head_dim() % 2 == 0 && p->qk_nope_head_dim() > 0 &&
                           p->qk_nope_head_dim() <= 256 && p->v_head_dim() > 0;
+      // FP8 codes are read 16 bytes at a time (MlaHeadWeights).
       const bool kvBFits =
           kvB >= 0 &&
           plan.weights()->Get(static_cast<flatbuffers::uoffset_t>(kvB))->layout() ==
               fb::Layout::RowMajor &&
           (weightTypes[kvB] == fb::DType::BF16 || weightTypes[kvB] == fb::DType::F32 ||
-           weightTypes[kvB] == fb::DType::F8_E4M3);
+           (weightTypes[kvB] == fb::DType::F8_E4M3 && p->kv_lora_rank() % 16 == 0 &&
+            plan.weights()->Get(static_cast<flatbuffers::uoffset_t>(kvB))->offset() % 16 == 0));
       const bool gate = roleOf(d, MlaGate) < 0 || gemmWeight(roleOf(d, MlaGate));
       return latentFits && shapes && kvBFits && gate && roleOf(d, MlaKvANorm) >= 0 &&
              gemmWeight(roleOf(d, p->q_lora_rank() > 0 ? MlaQBProj : MlaQProj)) &&
@@ -321,17 +323,12 @@ Status CudaExecutor::Impl::prepareAttention(const fb::Dispatch &d, const fb::Pro
       kvBWeight->shape()->Get(0) * kvBWeight->shape()->Get(1) != kvBValues)
     return Status::error("weight '" + kvBWeight->name()->str() + "' is not [" +
                          std::to_string(H * (dn + dv)) + ", " + std::to_string(rkv) + "]");
-  if (weightTypes[kvB] == fb::DType::F8_E4M3 && !kvBWeights.count(kvB)) {
-    // Codes times their block scale in fp32, as the cpu reads them: rounded to bf16 they would
-    // move the attention output enough (about 1e-3) to flip the E4M3 rounding of o_proj's
-    // quantized input here and there. Twice the memory of a bf16 copy (4 GB for DeepSeek-V3.2).
-    HYBRID_ASSIGN_OR_RETURN(const std::vector<float> *values, hostWeights(kvB));
-    void *&device = kvBWeights[kvB];
-    CUDA_RETURN_IF_ERROR(cudaMalloc(&device, values->size() * sizeof(float)), "kv_b_proj in fp32");
-    CUDA_RETURN_IF_ERROR(cudaMemcpy(device, values->data(), values->size() * sizeof(float),
-                                    cudaMemcpyHostToDevice),
-                         "kv_b_proj in fp32");
-  }
+  // FP8 kv_b_proj: the absorption and expansion kernels take each weight as its code times its
+  // block scale in fp32, the value the cpu reads (rounded to bf16 the weights would move the
+  // attention output enough, about 1e-3, to flip the E4M3 rounding of o_proj's quantized input
+  // here and there), from the codes: no fp32 copy (4 GB for DeepSeek-V3.2) to read.
+  if (weightTypes[kvB] == fb::DType::F8_E4M3)
+    HYBRID_RETURN_IF_ERROR(uploadFp8WeightScales(kvB, hostWeights));
   const size_t dModel = width(d.inputs()->Get(0));
   const size_t qIn = p->q_lora_rank() > 0 ? static_cast<size_t>(p->q_lora_rank()) : dModel;
   floats = static_cast<size_t>(mlaScratchFloats(*p, rows));
@@ -630,8 +627,14 @@ Status CudaExecutor::Impl::runMla(const fb::Program &program, unsigned char *are
   heads.nopeDim = static_cast<int32_t>(dn);
   heads.valueDim = static_cast<int32_t>(dv);
   heads.latentDim = static_cast<int32_t>(rkv);
-  heads.kvB = kvBWeights.count(kvB) ? kvBWeights.at(kvB) : weight(kvB);
-  heads.type = weightTypes[kvB] == fb::DType::BF16 ? kc::WeightType::BF16 : kc::WeightType::F32;
+  heads.kvB = weight(kvB);
+  heads.type = weightTypes[kvB] == fb::DType::BF16      ? kc::WeightType::BF16
+               : weightTypes[kvB] == fb::DType::F8_E4M3 ? kc::WeightType::Fp8Block
+                                                        : kc::WeightType::F32;
+  if (heads.type == kc::WeightType::Fp8Block) {
+    heads.kvBScales = fp8WeightScales.at(kvB);
+    heads.kvBScaleStride = kc::linearFp8WeightScaleStride(rkv);
+  }
 
   // The step's cache rows: this step's own, or in a context-parallel prefill every rank's,
   // gathered (the input after the others: [latent | rope] rows at the step's positions).

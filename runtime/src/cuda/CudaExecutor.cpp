@@ -200,8 +200,14 @@ Status CudaExecutor::Impl::prepareFp8Weight(int32_t index, int64_t rows,
   const int64_t out = w->shape()->Get(0), in = w->shape()->Get(1);
   prepared.fp8ScratchBytes =
       std::max(prepared.fp8ScratchBytes, kc::linearFp8MaxScratchBytes(rows, in, out));
+  return uploadFp8WeightScales(index, hostWeights);
+}
+
+Status CudaExecutor::Impl::uploadFp8WeightScales(int32_t index, const HostWeights &hostWeights) {
   if (fp8WeightScales.count(index))
     return Status::ok();
+  const fb::Weight *w = plan->weights()->Get(static_cast<flatbuffers::uoffset_t>(index));
+  const int64_t out = w->shape()->Get(0), in = w->shape()->Get(1);
   const int64_t blockRows = (out + kc::kFp8BlockSize - 1) / kc::kFp8BlockSize;
   const int64_t blockCols = (in + kc::kFp8BlockSize - 1) / kc::kFp8BlockSize;
   const int64_t stride = kc::linearFp8WeightScaleStride(in);

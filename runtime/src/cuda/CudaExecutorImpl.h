@@ -363,8 +363,6 @@ struct CudaExecutor::Impl {
       cudaFree(pointer);
     for (auto &[dispatch, pointer] : ropeFrequencies)
       cudaFree(pointer);
-    for (auto &[index, pointer] : kvBWeights)
-      cudaFree(pointer);
     cudaFreeHost(pinnedPositions);
     cudaFreeHost(pinnedSequences);
     cudaFreeHost(pinnedTables);
@@ -470,6 +468,8 @@ struct CudaExecutor::Impl {
   // At load: an FP8 weight's scales in cuBLASLt's layout, and the scratch its GEMMs need.
   Status prepareFp8Weight(int32_t index, int64_t rows,
                           const HostWeights &hostWeights);
+  // At load: an FP8 weight's scales in cuBLASLt's layout (fp8WeightScales), once.
+  Status uploadFp8WeightScales(int32_t index, const HostWeights &hostWeights);
   StreamResources &streamOf(const fb::Dispatch &dispatch) {
     return *streams[static_cast<size_t>(std::max(0, dispatch.stream())) % streams.size()];
   }
@@ -529,7 +529,6 @@ struct CudaExecutor::Impl {
             rowSequences, blockTables, maxPages, static_cast<int32_t>(pageTokens)};
   }
   std::map<const fb::Dispatch *, float *> ropeFrequencies; // per dispatch that rotates
-  std::map<int32_t, void *> kvBWeights; // FP8 kv_b_proj weights, dequantized to fp32 at load
   // Kernel configurations tuned for this GPU, looked up per launch shape (CudaTuning.cpp).
   std::unique_ptr<kernels::tuning::TuningTable> tuning;
   // LoadOptions::tuningCache opened for this GPU.

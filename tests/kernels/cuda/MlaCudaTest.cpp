@@ -6,6 +6,7 @@
 #include "CudaTestSupport.h"
 #include "hybrid/kernels/cuda/DsaCacheWrite.h"
 #include "hybrid/kernels/cuda/Elementwise.h"
+#include "hybrid/kernels/cuda/Linear.h"
 #include "hybrid/kernels/cuda/Mla.h"
 #include "hybrid/kernels/cuda/Norm.h"
 #include "hybrid/kernels/ref/Mla.h"
@@ -161,8 +162,41 @@ TEST(MlaCuda, LatentRowsAreTheNormalisedLatentAndTheRotatedKey) {
       EXPECT_EQ(raw[size_t(r * ropeDim + i)], kvA[size_t(r * (latentDim + ropeDim) + latentDim + i)]);
 }
 
+// kv_b_proj [rows, columns] as DeepSeek-V3.2 stores it: E4M3 codes with one scale per 128 x 128
+// block (in the FP8 GEMM's padded layout), and the values the cpu reads (code times scale).
+struct Fp8Rows {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales, values;
+  int64_t scaleStride = 0;
+};
+Fp8Rows quantizedFp8Rows(const std::vector<float> &dense, int64_t rows, int64_t columns) {
+  Fp8Rows q;
+  q.scaleStride = cuda::linearFp8WeightScaleStride(columns);
+  const int64_t blockRows = (rows + 127) / 128, blockColumns = (columns + 127) / 128;
+  q.scales.assign(size_t(blockRows * q.scaleStride), 0.0f);
+  q.codes.resize(dense.size());
+  q.values.resize(dense.size());
+  for (int64_t br = 0; br < blockRows; ++br)
+    for (int64_t bc = 0; bc < blockColumns; ++bc) {
+      float amax = 0.0f;
+      for (int64_t r = br * 128; r < std::min(rows, (br + 1) * 128); ++r)
+        for (int64_t c = bc * 128; c < std::min(columns, (bc + 1) * 128); ++c)
+          amax = std::max(amax, std::fabs(dense[size_t(r * columns + c)]));
+      const float scale = amax > 0.0f ? amax / ref::kE4M3Max : 1.0f;
+      q.scales[size_t(br * q.scaleStride + bc)] = scale;
+      for (int64_t r = br * 128; r < std::min(rows, (br + 1) * 128); ++r)
+        for (int64_t c = bc * 128; c < std::min(columns, (bc + 1) * 128); ++c) {
+          const size_t i = size_t(r * columns + c);
+          q.codes[i] = ref::floatToE4M3(dense[i] / scale);
+          q.values[i] = ref::e4m3ToFloat(q.codes[i]) * scale;
+        }
+    }
+  return q;
+}
+
 // Absorption and expansion against ref::absorbMlaQueries / expandLatentOutputs, with kv_b_proj
-// stored in bf16 (the reference reads the same rounded values) or fp32.
+// stored in bf16 (the reference reads the same rounded values), fp32, or FP8 codes with block
+// scales (the reference reads code times scale).
 TEST(MlaCuda, AbsorptionAndExpansionMatchTheReference) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(7);
@@ -171,10 +205,15 @@ TEST(MlaCuda, AbsorptionAndExpansionMatchTheReference) {
   // linear kernel; 320 latent columns leave the second 256-column slice part empty.
   for (Shape s : {Shape{16, 128, 64, 128, 512, 11}, Shape{2, 64, 32, 64, 64, 3},
                   Shape{32, 128, 64, 128, 512, 1}, Shape{4, 128, 64, 128, 320, 8}})
-    for (bool bf16 : {true, false}) {
+    for (cuda::WeightType type :
+         {cuda::WeightType::BF16, cuda::WeightType::F32, cuda::WeightType::Fp8Block}) {
+      const bool bf16 = type == cuda::WeightType::BF16;
       std::vector<float> kvB = random(size_t(s.heads) * (s.nope + s.value) * s.latent, rng, 0.05f);
       if (bf16)
         kvB = roundedToBf16(kvB);
+      const Fp8Rows fp8 = quantizedFp8Rows(kvB, int64_t(s.heads) * (s.nope + s.value), s.latent);
+      if (type == cuda::WeightType::Fp8Block)
+        kvB = fp8.values;
       const std::vector<float> queries = random(size_t(s.rows) * s.heads * (s.nope + s.rope), rng, 1.0f);
       const std::vector<float> latentOut = random(size_t(s.rows) * s.heads * s.latent, rng, 1.0f);
       ref::MlaAttentionParams m;
@@ -194,6 +233,8 @@ TEST(MlaCuda, AbsorptionAndExpansionMatchTheReference) {
       const std::vector<uint16_t> bits = bf16Bits(kvB);
       DeviceBuffer<float> dKvB32(kvB);
       DeviceBuffer<uint16_t> dKvB16(bits);
+      DeviceBuffer<uint8_t> dKvB8(fp8.codes);
+      DeviceBuffer<float> dScales(fp8.scales);
       DeviceBuffer<float> dQueries(queries), dLatentOut(latentOut);
       DeviceBuffer<float> dAbsorbed{std::vector<float>(absorbed.size())};
       DeviceBuffer<float> dExpanded{std::vector<float>(expanded.size())};
@@ -202,20 +243,29 @@ TEST(MlaCuda, AbsorptionAndExpansionMatchTheReference) {
       w.nopeDim = s.nope;
       w.valueDim = s.value;
       w.latentDim = s.latent;
-      w.kvB = bf16 ? static_cast<const void *>(dKvB16.data) : dKvB32.data;
-      w.type = bf16 ? cuda::WeightType::BF16 : cuda::WeightType::F32;
+      w.kvB = bf16                                 ? static_cast<const void *>(dKvB16.data)
+              : type == cuda::WeightType::Fp8Block ? static_cast<const void *>(dKvB8.data)
+                                                   : dKvB32.data;
+      w.type = type;
+      w.kvBScales = dScales.data;
+      w.kvBScaleStride = fp8.scaleStride;
       ASSERT_EQ(cuda::launchMlaAbsorbQueries(w, s.rows, s.rope, dQueries.data, dAbsorbed.data, nullptr), 0);
       ASSERT_EQ(cuda::launchMlaExpandOutputs(w, s.rows, dLatentOut.data, dExpanded.data, nullptr), 0);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_LT(relativeRms(dAbsorbed.download(), absorbed), 1e-6) << "heads " << s.heads;
-      EXPECT_LT(relativeRms(dExpanded.download(), expanded), 1e-6) << "heads " << s.heads;
+      EXPECT_LT(relativeRms(dAbsorbed.download(), absorbed), 1e-6)
+          << "heads " << s.heads << ", type " << int(type);
+      EXPECT_LT(relativeRms(dExpanded.download(), expanded), 1e-6)
+          << "heads " << s.heads << ", type " << int(type);
     }
 }
 
 // Batch invariance (LoadOptions::batchInvariant): with rowInvariant, the expansion of a row has
 // the same bits in calls of 1, 5 and 12 rows (without it, decode rows take the GEMV and 12 rows
-// the other kernel), and so has the absorption, which has one form for every row count.
-TEST(MlaCuda, RowInvariantAbsorptionAndExpansionGiveTheSameBitsAtAnyRows) {
+// the other kernel), and so has the absorption, which has one form for every row count; FP8
+// kv_b_proj has one form of each for every row count.
+class MlaRowInvariance : public testing::TestWithParam<cuda::WeightType> {};
+
+TEST_P(MlaRowInvariance, AbsorptionAndExpansionGiveTheSameBitsAtAnyRows) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(9);
   constexpr int heads = 32, nope = 128, rope = 64, value = 128, latent = 512, most = 12;
@@ -223,14 +273,21 @@ TEST(MlaCuda, RowInvariantAbsorptionAndExpansionGiveTheSameBitsAtAnyRows) {
       roundedToBf16(random(size_t(heads) * (nope + value) * latent, rng, 0.05f));
   const std::vector<float> queries = random(size_t(most) * heads * (nope + rope), rng, 1.0f);
   const std::vector<float> latentOut = random(size_t(most) * heads * latent, rng, 1.0f);
+  const Fp8Rows fp8 = quantizedFp8Rows(kvB, int64_t(heads) * (nope + value), latent);
   DeviceBuffer<uint16_t> dKvB(bf16Bits(kvB));
+  DeviceBuffer<uint8_t> dKvB8(fp8.codes);
+  DeviceBuffer<float> dScales(fp8.scales);
   DeviceBuffer<float> dQueries(queries), dLatentOut(latentOut);
   cuda::MlaHeadWeights w;
   w.heads = heads;
   w.nopeDim = nope;
   w.valueDim = value;
   w.latentDim = latent;
-  w.kvB = dKvB.data;
+  w.type = GetParam();
+  w.kvB = w.type == cuda::WeightType::Fp8Block ? static_cast<const void *>(dKvB8.data)
+                                               : static_cast<const void *>(dKvB.data);
+  w.kvBScales = dScales.data;
+  w.kvBScaleStride = fp8.scaleStride;
   auto run = [&](int rows) {
     DeviceBuffer<float> absorbed{std::vector<float>(size_t(rows) * heads * (latent + rope))};
     DeviceBuffer<float> expanded{std::vector<float>(size_t(rows) * heads * value)};
@@ -255,6 +312,9 @@ TEST(MlaCuda, RowInvariantAbsorptionAndExpansionGiveTheSameBitsAtAnyRows) {
         << "expansion, " << rows << " rows vs " << most;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Weights, MlaRowInvariance,
+                         testing::Values(cuda::WeightType::BF16, cuda::WeightType::Fp8Block));
 
 struct AttentionCase {
   std::string name;

@@ -56,7 +56,10 @@ struct MlaLatentRowsParams {
 int launchMlaLatentRows(const MlaLatentRowsParams &params, void *stream);
 
 // kv_b_proj [heads * (nopeDim + valueDim), latentDim] holds per head W_UK [nopeDim, latentDim]
-// then W_UV [valueDim, latentDim].
+// then W_UV [valueDim, latentDim]: fp32, bf16, or (Fp8Block) E4M3 codes with one fp32 scale per
+// 128 x 128 block in the FP8 GEMM's layout (kvBScales [ceil(rows / 128), kvBScaleStride]), each
+// weight its code times its scale in fp32 (the value the cpu device reads); Fp8Block needs a
+// latentDim that is a multiple of 16 and 16-byte aligned codes.
 struct MlaHeadWeights {
   int32_t heads = 0;
   int32_t nopeDim = 0;
@@ -64,6 +67,8 @@ struct MlaHeadWeights {
   int32_t latentDim = 0; // <= kMlaMaxLatentDim
   const void *kvB = nullptr;
   WeightType type = WeightType::BF16;
+  const float *kvBScales = nullptr; // Fp8Block only
+  int64_t kvBScaleStride = 0;       // Fp8Block only: scales a row of blocks
 };
 inline constexpr int kMlaMaxLatentDim = 512;
 
