@@ -338,30 +338,40 @@ __global__ void __launch_bounds__(kThreads)
 // .. + 3 (a 4-byte word of codes; a warp's load is 128 adjacent bytes, and column block j's one
 // scale is the warp's), so that its float4 reads of the latent rows in shared memory are
 // adjacent across lanes: no bank conflicts (16 adjacent columns a lane read 16-way conflicted,
-// 39 us a layer at batch 1 against 22 for the fp32 copy). Rows past the call's are skipped,
-// not summed as zeros. The block's first values' codes load before the wait (weights, nothing
-// earlier writes them). A row's sums run in the same order at any row count.
+// 39 us a layer at batch 1 against 22 for the fp32 copy). A warp takes kExpandFp8ValuesPerWarp
+// values, every code of them loaded before the wait (weights, nothing earlier writes them), and
+// 8 blocks fit an SM (64 registers, 40 bytes spilled): DeepSeek-V3.2's 128 heads x 8 slices are
+// one wave. H200, its 6 layers' expansion a step at batch 1 / 8: one value a warp at a time
+// 76 / 161 us; 4 values a warp 64 / 124 (96 registers), 62 / 113 (64: kept); 8 values 68 / 125.
+// Rows past the call's are skipped, not summed as zeros. A row's sums run in the same order at
+// any row count.
 constexpr int kExpandFp8Words = kMlaMaxLatentDim / (4 * kWarpSize);
+constexpr int kExpandFp8ValuesPerWarp = 4;
+constexpr int kExpandFp8Values = kExpandFp8ValuesPerWarp * (kThreads / kWarpSize);
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 8)
     expandOutputsFp8(MlaHeadWeights w, int32_t rows, const float *latentOut, float *out) {
   __shared__ __align__(16) float latent[kRowsPerBlock][kMlaMaxLatentDim];
   const int h = blockIdx.x, firstRow = blockIdx.y * kRowsPerBlock;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int lastValue = min(w.valueDim, int(blockIdx.z + 1) * kExpandValues);
-  const int firstValue = int(blockIdx.z) * kExpandValues + warp;
+  // The warp's values: first + k * warps, k < kExpandFp8ValuesPerWarp, below lastValue.
+  const int lastValue = min(w.valueDim, int(blockIdx.z + 1) * kExpandFp8Values);
+  const int firstValue = int(blockIdx.z) * kExpandFp8Values + warp;
+  constexpr int kValueStep = kThreads / kWarpSize;
   auto rowOf = [&](int v) { return int64_t(h) * (w.nopeDim + w.valueDim) + w.nopeDim + v; };
-  auto loadCodes = [&](int v, uint32_t (&codes)[kExpandFp8Words]) {
+  uint32_t codes[kExpandFp8ValuesPerWarp][kExpandFp8Words] = {};
+#pragma unroll
+  for (int k = 0; k < kExpandFp8ValuesPerWarp; ++k) {
+    const int v = firstValue + k * kValueStep;
+    if (v >= lastValue)
+      break;
     const auto *row = reinterpret_cast<const uint32_t *>(static_cast<const unsigned char *>(w.kvB) +
                                                          rowOf(v) * w.latentDim);
 #pragma unroll
     for (int j = 0; j < kExpandFp8Words; ++j)
       if (4 * (lane + kWarpSize * j) < w.latentDim)
-        codes[j] = __ldg(row + lane + kWarpSize * j);
-  };
-  uint32_t codes[kExpandFp8Words] = {};
-  if (firstValue < lastValue)
-    loadCodes(firstValue, codes);
+        codes[k][j] = __ldg(row + lane + kWarpSize * j);
+  }
   waitForEarlierKernels(); // launched as a programmatic dependent
   letDependentsLaunch();
   const int count = min(kRowsPerBlock, rows - firstRow);
@@ -370,9 +380,11 @@ __global__ void __launch_bounds__(kThreads)
     latent[rb][l] = latentOut[(int64_t(firstRow + rb) * w.heads + h) * w.latentDim + l];
   }
   __syncthreads();
-  for (int v = firstValue; v < lastValue; v += kThreads / kWarpSize) {
-    if (v != firstValue)
-      loadCodes(v, codes);
+#pragma unroll
+  for (int k = 0; k < kExpandFp8ValuesPerWarp; ++k) {
+    const int v = firstValue + k * kValueStep;
+    if (v >= lastValue)
+      break;
     const float *scales = w.kvBScales + rowOf(v) / 128 * w.kvBScaleStride;
     float sums[kRowsPerBlock] = {};
 #pragma unroll
@@ -381,8 +393,8 @@ __global__ void __launch_bounds__(kThreads)
       if (l >= w.latentDim)
         break;
       const float scale = __ldg(scales + j);
-      const float2 low = quant::fp8PairToFloat2(codes[j]);
-      const float2 high = quant::fp8PairToFloat2(codes[j] >> 16);
+      const float2 low = quant::fp8PairToFloat2(codes[k][j]);
+      const float2 high = quant::fp8PairToFloat2(codes[k][j] >> 16);
       const float weights[4] = {__fmul_rn(low.x, scale), __fmul_rn(low.y, scale),
                                 __fmul_rn(high.x, scale), __fmul_rn(high.y, scale)};
 #pragma unroll
@@ -617,12 +629,13 @@ int launchMlaExpandOutputs(const MlaHeadWeights &w, int32_t rows, const float *l
     if (gemvSupports(gemv))
       return launchGemv(gemv, static_cast<cudaStream_t>(stream));
   }
+  const bool fp8 = w.type == WeightType::Fp8Block;
+  const int values = fp8 ? kExpandFp8Values : kExpandValues;
   DependentLaunch launch(dim3(unsigned(w.heads), rowBlocks(rows),
-                              unsigned((w.valueDim + kExpandValues - 1) / kExpandValues)),
+                              unsigned((w.valueDim + values - 1) / values)),
                          dim3(kThreads), static_cast<cudaStream_t>(stream));
-  return launched(cudaLaunchKernelEx(
-      &launch.config, w.type == WeightType::Fp8Block ? expandOutputsFp8 : expandOutputs, w, rows,
-      latentOut, out));
+  return launched(cudaLaunchKernelEx(&launch.config, fp8 ? expandOutputsFp8 : expandOutputs, w,
+                                     rows, latentOut, out));
 }
 
 int launchLatentAttention(const LatentAttentionParams &p, void *stream) {
