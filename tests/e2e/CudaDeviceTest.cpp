@@ -155,6 +155,36 @@ Transcript runInterleaved(Model &model, const std::vector<int64_t> &prompt) {
   return transcript;
 }
 
+// Decode rows for the token-choice tests: greedy ones among sampled ones (temperature, top-k,
+// top-p; each seeded).
+std::vector<SamplingParams> mixedSampling() {
+  std::vector<SamplingParams> params(4);
+  params[1].temperature = 0.8f;
+  params[1].seed = 3;
+  params[2].temperature = 1.5f;
+  params[2].topK = 20;
+  params[2].seed = 4;
+  params[3].temperature = 1.0f;
+  params[3].topP = 0.9f;
+  params[3].seed = 5;
+  return params;
+}
+
+// Two sets of `count` sequences, the i-th of each prefilled with the prompt's first
+// `prefixOf(i)` tokens, for decoding one set one way and the other another.
+template <typename PrefixOf>
+void prefillTwins(Model &model, const std::vector<int64_t> &prompt, size_t count,
+                  PrefixOf prefixOf, std::vector<std::unique_ptr<Sequence>> &first,
+                  std::vector<std::unique_ptr<Sequence>> &second) {
+  for (size_t i = 0; i < count; ++i)
+    for (auto *group : {&first, &second}) {
+      auto sequence = model.newSequence();
+      ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
+      ASSERT_TRUE((*sequence)->prefill(std::span(prompt).first(prefixOf(i))).isOk());
+      group->push_back(std::move(*sequence));
+    }
+}
+
 class CudaDeviceTest : public testing::TestWithParam<std::string> {};
 
 // With fp32 and with bf16 KDA states (LoadOptions::kdaBf16State).
@@ -250,9 +280,6 @@ TEST_P(CudaDeviceTest, BatchedDecodeMatchesSingleSequences) {
   }
 }
 
-// Prefix caching on the cuda device: a kept prefix's KDA states come off the GPU when kept and
-// go back when restored; a hit then continues exactly like a full prefill (recurrent fp32 KDA
-// prefill, so only the cached part differs), with fp32 and with bf16 states.
 // Decode steps that choose on the GPU (Model::decodeBatchChoose: only ids come back) choose what
 // the host choice (the reference sampler) takes from the same step's downloaded logits: two
 // identical sets of sequences, one stepped by decodeBatch + chooseToken, the other by
@@ -268,23 +295,11 @@ TEST_P(CudaDeviceTest, ChoosingOnTheGpuEqualsTheHostChoice) {
     GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(model.isOk()) << model.status().message();
   const auto vocab = static_cast<size_t>((*model)->vocabSize());
-  std::vector<SamplingParams> params(4);
-  params[1].temperature = 0.8f;
-  params[1].seed = 3;
-  params[2].temperature = 1.5f;
-  params[2].topK = 20;
-  params[2].seed = 4;
-  params[3].temperature = 1.0f;
-  params[3].topP = 0.9f;
-  params[3].seed = 5;
+  const std::vector<SamplingParams> params = mixedSampling();
   std::vector<std::unique_ptr<Sequence>> host, device;
-  for (size_t i = 0; i < params.size(); ++i)
-    for (auto *group : {&host, &device}) {
-      auto sequence = (*model)->newSequence();
-      ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
-      ASSERT_TRUE((*sequence)->prefill(std::span(prompt).first(10 + i)).isOk());
-      group->push_back(std::move(*sequence));
-    }
+  prefillTwins(**model, prompt, params.size(), [](size_t i) { return 10 + i; }, host, device);
+  if (HasFatalFailure())
+    return;
   std::vector<int64_t> hostTokens(params.size(), prompt[0]), deviceTokens = hostTokens;
   for (int step = 0; step < 8; ++step) {
     std::vector<TokenChoice> choices;
@@ -322,20 +337,12 @@ TEST_P(CudaDeviceTest, ChainedStepsChooseWhatSteppedOnesChoose) {
   if (noGpu(model))
     GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(model.isOk()) << model.status().message();
-  std::vector<SamplingParams> params(4);
-  params[1].temperature = 0.8f;
-  params[1].seed = 3;
-  params[3].temperature = 1.0f;
-  params[3].topP = 0.9f;
-  params[3].seed = 5;
+  const std::vector<SamplingParams> params = mixedSampling();
   std::vector<std::unique_ptr<Sequence>> chained, stepped;
-  for (size_t i = 0; i < params.size(); ++i)
-    for (auto *group : {&chained, &stepped}) {
-      auto sequence = (*model)->newSequence();
-      ASSERT_TRUE(sequence.isOk()) << sequence.status().message();
-      ASSERT_TRUE((*sequence)->prefill(std::span(prompt).first(10 + 3 * i)).isOk());
-      group->push_back(std::move(*sequence));
-    }
+  prefillTwins(**model, prompt, params.size(), [](size_t i) { return 10 + 3 * i; }, chained,
+               stepped);
+  if (HasFatalFailure())
+    return;
   std::vector<Sequence *> chainRows, stepRows;
   for (size_t i = 0; i < params.size(); ++i) {
     chainRows.push_back(chained[i].get());
@@ -371,6 +378,9 @@ TEST_P(CudaDeviceTest, ChainedStepsChooseWhatSteppedOnesChoose) {
   EXPECT_EQ((*model)->cudaGraphCounts().decodeCaptures, capturedAfterFirstChain);
 }
 
+// Prefix caching on the cuda device: a kept prefix's KDA states come off the GPU when kept and
+// go back when restored; a hit then continues exactly like a full prefill (recurrent fp32 KDA
+// prefill, so only the cached part differs), with fp32 and with bf16 states.
 TEST_P(CudaDeviceTest, PrefixCacheHitsMatchAFullPrefill) {
   const std::string dir = cudaPlan(GetParam());
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());

@@ -1208,6 +1208,20 @@ Status CudaExecutor::Impl::launchRun(const fb::Program &program, unsigned char *
   return launched;
 }
 
+StatusOr<kc::SampleRowsParams> CudaExecutor::Impl::tokenChoiceOf(const fb::Program &program,
+                                                                int64_t rows) const {
+  kc::SampleRowsParams sample;
+  sample.rows = static_cast<int32_t>(rows);
+  sample.vocab = valueOf(program, program.logits()).row_elements();
+  sample.logits = reinterpret_cast<const float *>(logitsOf(program));
+  sample.samplingRows = deviceChoices;
+  sample.tokens = deviceChosen;
+  if (kc::sampleRowsWorkspaceBytes(rows, sample.vocab) > sampleWorkspaceBytes)
+    return Status::error("token choice workspace larger than planned at load");
+  sample.workspace = sampleWorkspace;
+  return sample;
+}
+
 Status CudaExecutor::Impl::checkTokenIds(const cpu::StepContext &host,
                                          std::span<const int64_t> tokens) const {
   // The ids are on the host: checked here, with the cpu device's words.
@@ -1551,15 +1565,7 @@ Status CudaExecutor::runChoosing(const cpu::StepContext &host, std::span<const i
                          "parallel) with one choice per row (" +
                          std::to_string(choices.size()) + " choices for " + std::to_string(rows) +
                          " rows of program '" + program.name()->str() + "')");
-  kc::SampleRowsParams sample;
-  sample.rows = static_cast<int32_t>(rows);
-  sample.vocab = valueOf(program, program.logits()).row_elements();
-  sample.logits = reinterpret_cast<const float *>(impl.logitsOf(program));
-  sample.samplingRows = impl.deviceChoices;
-  sample.tokens = impl.deviceChosen;
-  if (kc::sampleRowsWorkspaceBytes(rows, sample.vocab) > impl.sampleWorkspaceBytes)
-    return Status::error("token choice workspace larger than planned at load");
-  sample.workspace = impl.sampleWorkspace;
+  HYBRID_ASSIGN_OR_RETURN(const kc::SampleRowsParams sample, impl.tokenChoiceOf(program, rows));
   // Queued behind the step on stream 0 (where each GPU run joins its streams), so the choice
   // starts as the LM head ends: one host round trip a step, not two.
   HYBRID_RETURN_IF_ERROR(enqueueProgram(host, tokens, nullptr));
@@ -1612,15 +1618,7 @@ Status CudaExecutor::runChoosingChained(const cpu::StepContext &host,
       static_cast<size_t>((step + 1) * rows) > impl.chainChosenCapacity)
     return Status::error("cuda device: chained step " + std::to_string(step) + " of " +
                          std::to_string(rows) + " rows does not fit its chain");
-  kc::SampleRowsParams sample;
-  sample.rows = static_cast<int32_t>(rows);
-  sample.vocab = valueOf(program, program.logits()).row_elements();
-  sample.logits = reinterpret_cast<const float *>(impl.logitsOf(program));
-  sample.samplingRows = impl.deviceChoices;
-  sample.tokens = impl.deviceChosen;
-  if (kc::sampleRowsWorkspaceBytes(rows, sample.vocab) > impl.sampleWorkspaceBytes)
-    return Status::error("token choice workspace larger than planned at load");
-  sample.workspace = impl.sampleWorkspace;
+  HYBRID_ASSIGN_OR_RETURN(const kc::SampleRowsParams sample, impl.tokenChoiceOf(program, rows));
   auto give_up = [&](Status status) {
     cudaDeviceSynchronize(); // nothing of the chain left running
     cudaGetLastError();      // nor its error, for the next launch's check to find

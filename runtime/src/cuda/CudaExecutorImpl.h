@@ -270,6 +270,9 @@ struct CudaExecutor::Impl {
   void stageUpload(void *device, const void *source, size_t bytes, const char *what) {
     stagedUploads.push_back({device, source, bytes, what});
   }
+  // The token choice over `program`'s logits of `rows` rows: the sampling rows, the ids and the
+  // workspace in this device's buffers.
+  StatusOr<kc::SampleRowsParams> tokenChoiceOf(const fb::Program &program, int64_t rows) const;
   // Token ids from the host against the embedding's vocabulary.
   Status checkTokenIds(const cpu::StepContext &host, std::span<const int64_t> tokens) const;
   // Issues (or, while capturing, records) the staged copies on `stream` and clears them; then,
