@@ -202,9 +202,11 @@ TEST(MlaCuda, AbsorptionAndExpansionMatchTheReference) {
   std::mt19937 rng(7);
   struct Shape { int heads, nope, rope, value, latent, rows; };
   // Decode rows (<= 8) of bf16 weights take the column-sliced absorption and the batched decode
-  // linear kernel; 320 latent columns leave the second 256-column slice part empty.
+  // linear kernel; 320 latent columns leave the second 256-column slice part empty; 3 heads of
+  // 192 nope dims over 144 latent columns, 9 rows (two row blocks).
   for (Shape s : {Shape{16, 128, 64, 128, 512, 11}, Shape{2, 64, 32, 64, 64, 3},
-                  Shape{32, 128, 64, 128, 512, 1}, Shape{4, 128, 64, 128, 320, 8}})
+                  Shape{32, 128, 64, 128, 512, 1}, Shape{4, 128, 64, 128, 320, 8},
+                  Shape{3, 192, 32, 64, 144, 9}})
     for (cuda::WeightType type :
          {cuda::WeightType::BF16, cuda::WeightType::F32, cuda::WeightType::Fp8Block}) {
       const bool bf16 = type == cuda::WeightType::BF16;
