@@ -24,6 +24,7 @@ constexpr int32_t kDistinctPages = 64; // random pages, copied over the whole po
 std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &batches,
                                                  const std::vector<int32_t> &headCounts,
                                                  int32_t topK, int32_t context, bool prefill,
+                                                 const std::vector<int32_t> &splitCounts,
                                                  int32_t iterations, std::string &error) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
@@ -54,8 +55,8 @@ std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &bat
       }
       DeviceAllocations held; // this shape's buffers, freed on every way out
       auto fail = [&](const char *what) {
-        error = std::string(what) + " failed for batch " + std::to_string(batch) + ", " +
-                std::to_string(heads) + " heads";
+        error = (error.empty() ? "" : error + ": ") + what + " failed for batch " +
+                std::to_string(batch) + ", " + std::to_string(heads) + " heads";
         return std::vector<SparseMlaBenchResult>{};
       };
       unsigned char *pool = held.keep(
@@ -89,13 +90,20 @@ std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &bat
       p.maxPages = pagesPerSequence;
       p.out = dOut;
       p.workspace = dWorkspace;
-      if (launchSparseMlaDecode(p, nullptr) != 0 || cudaDeviceSynchronize() != cudaSuccess)
+      for (int32_t splits : splitCounts) {
+      p.splits = splits;
+      if (launchSparseMlaDecode(p, nullptr) != 0 || cudaDeviceSynchronize() != cudaSuccess) {
+        if (splits > 0)
+          error = std::to_string(splits) + " splits of " + std::to_string(topK) +
+                  " positions (--splits) may be outside the kernel's range";
         return fail("the sparse MLA launch");
+      }
       SparseMlaBenchResult r;
       r.batch = batch;
       r.heads = heads;
       r.topK = topK;
       r.context = context;
+      r.splits = splits;
       r.prefill = prefill;
       r.microseconds =
           graphMicroseconds(iterations,
@@ -110,6 +118,7 @@ std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &bat
       r.tflops = 2.0 * batch * heads * topK * double(kLatent + kRope + kLatent) /
                  (r.microseconds * 1e-6) / 1e12;
       results.push_back(r);
+      }
     }
   return results;
 }

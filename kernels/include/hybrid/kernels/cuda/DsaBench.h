@@ -35,6 +35,7 @@ std::string indexerTargetVerdict(const IndexerBenchResult &result);
 
 struct SparseMlaBenchResult {
   int32_t batch = 0, heads = 0, topK = 0, context = 0;
+  int32_t splits = 0; // the positions' splits asked for (0: the kernel's cost model chooses)
   bool prefill = false;
   double microseconds = 0;      // one call, replayed from a CUDA graph
   double bytes = 0;             // what the step must move: the selected rows, q, the output
@@ -44,10 +45,12 @@ struct SparseMlaBenchResult {
 
 // Decode: `batch` sequences of `context` cached DeepSeek-V3.2 rows (512 + 64, FP8) each, one
 // query row each selecting `topK` random distinct positions. Prefill: `batch` query rows (tokens)
-// of one sequence of `context` cached rows, each selecting its own `topK` of them.
+// of one sequence of `context` cached rows, each selecting its own `topK` of them. Each shape
+// runs once per entry of `splits` (SparseMlaDecodeParams::splits; 0: the cost model's count).
 std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &batches,
                                                  const std::vector<int32_t> &heads, int32_t topK,
                                                  int32_t context, bool prefill,
+                                                 const std::vector<int32_t> &splits,
                                                  int32_t iterations, std::string &error);
 
 // The targets: decode >= 60% of HBM bandwidth for the bytes the kernel must read;
