@@ -996,21 +996,27 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 // Splits of the positions over blocks (flash-decoding): the count that finishes soonest, counting
 // waves of blocks times the tiles of a block plus its fixed cost (the queries read, the output or
-// partials written: about two tiles' time with 64 heads, one with fewer), and of those the fewest.
-// Batch 1 takes many, batch 64 with 128 heads and prefill none. Without the fixed cost, 128 rows
-// of 128 heads took 32 splits of one tile each and ran 13x slower than unsplit.
+// partials written: about two tiles' time with 64 heads, one with fewer), plus the merge's
+// reading of every split (1/40 of a tile a split), and of those the fewest. Batch 1 takes many,
+// batch 64 with 128 heads and prefill none. Without the fixed cost, 128 rows of 128 heads took 32
+// splits of one tile each and ran 13x slower than unsplit. Without the merge's, one row of 32
+// heads over 8K positions took 128 splits of one tile: 37.9 us, against 23.5 at 64 and 30.6 at 32
+// (H200, `hybrid-bench dsa-sparse-mla --splits`; DeepSeek-V3.2's shapes keep their counts).
 template <typename S> int splitCount(const SparseMlaDecodeParams &p, int sms, int maxSplits) {
   const int tiles = (p.topK + S::kTileKeys - 1) / S::kTileKeys;
   const int64_t blocks = int64_t(p.rows) * ((p.heads + S::kHeads - 1) / S::kHeads);
   const int64_t slots = int64_t(sms) * S::kBlocksPerSm;
   constexpr int64_t kBlockOverheadTiles = S::kHeads == 64 ? 2 : 1;
+  constexpr double kMergeTilesPerSplit = 1.0 / 40;
   int best = 0;
-  int64_t bestTime = 0;
+  double bestTime = 0;
   for (int splits = (tiles + S::kMaxTiles - 1) / S::kMaxTiles; splits <= std::min(tiles, maxSplits);
        ++splits) {
     const int64_t perSplit = (tiles + splits - 1) / splits;
     const int64_t used = (tiles + perSplit - 1) / perSplit;
-    const int64_t time = (blocks * used + slots - 1) / slots * (perSplit + kBlockOverheadTiles);
+    const double time =
+        double((blocks * used + slots - 1) / slots * (perSplit + kBlockOverheadTiles)) +
+        kMergeTilesPerSplit * double(used);
     if (best == 0 || time < bestTime) {
       best = splits;
       bestTime = time;
