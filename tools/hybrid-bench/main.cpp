@@ -353,6 +353,13 @@ int runDsaSparseMla(const SparseMlaOptions &o, const RecordOptions &record) {
               "target (H200)");
   std::vector<hybrid::bench::BenchRow> rows;
   for (const auto &r : results) {
+    if (r.refused) {
+      std::printf("%-15s %6d %6d %6d %8d %6d  refused: the kernel takes no %d splits of %d "
+                  "positions at %d rows\n",
+                  "dsa-sparse-mla", r.batch, r.heads, r.topK, r.context, r.splits, r.splits,
+                  r.topK, r.batch);
+      continue;
+    }
     const double tbPerSecond = r.bytes / (r.microseconds * 1e-6) / 1e12;
     std::printf("%-15s %6d %6d %6d %8d %6s %10.1f %10.1f %8.2f %9.1f %7.1f%%  %s\n",
                 "dsa-sparse-mla", r.batch, r.heads, r.topK, r.context,

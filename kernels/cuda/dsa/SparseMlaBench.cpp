@@ -92,12 +92,6 @@ std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &bat
       p.workspace = dWorkspace;
       for (int32_t splits : splitCounts) {
       p.splits = splits;
-      if (launchSparseMlaDecode(p, nullptr) != 0 || cudaDeviceSynchronize() != cudaSuccess) {
-        if (splits > 0)
-          error = std::to_string(splits) + " splits of " + std::to_string(topK) +
-                  " positions (--splits) may be outside the kernel's range";
-        return fail("the sparse MLA launch");
-      }
       SparseMlaBenchResult r;
       r.batch = batch;
       r.heads = heads;
@@ -105,6 +99,17 @@ std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &bat
       r.context = context;
       r.splits = splits;
       r.prefill = prefill;
+      if (const int code = launchSparseMlaDecode(p, nullptr); code != 0) {
+        if (splits > 0 && code == int(cudaErrorInvalidValue)) { // outside the kernel's range
+          cudaGetLastError();
+          r.refused = true;
+          results.push_back(r);
+          continue;
+        }
+        return fail("the sparse MLA launch");
+      }
+      if (cudaDeviceSynchronize() != cudaSuccess)
+        return fail("the sparse MLA launch");
       r.microseconds =
           graphMicroseconds(iterations,
                             [&](cudaStream_t s) { return launchSparseMlaDecode(p, s); });

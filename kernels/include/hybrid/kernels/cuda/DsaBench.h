@@ -36,6 +36,7 @@ std::string indexerTargetVerdict(const IndexerBenchResult &result);
 struct SparseMlaBenchResult {
   int32_t batch = 0, heads = 0, topK = 0, context = 0;
   int32_t splits = 0; // the positions' splits asked for (0: the kernel's cost model chooses)
+  bool refused = false; // the kernel does not take that split count for this shape: not timed
   bool prefill = false;
   double microseconds = 0;      // one call, replayed from a CUDA graph
   double bytes = 0;             // what the step must move: the selected rows, q, the output
