@@ -155,6 +155,14 @@ Transcript runInterleaved(Model &model, const std::vector<int64_t> &prompt) {
   return transcript;
 }
 
+// The token-choice tests' model: the 4-row cuda plan on the GPU, 8 sequences.
+StatusOr<std::unique_ptr<Model>> loadForChoosing(const std::string &model) {
+  LoadOptions options;
+  options.device = "cuda";
+  options.maxSequences = 8;
+  return Model::load(cudaPlan(model, "-batch4"), options);
+}
+
 // Decode rows for the token-choice tests: greedy ones among sampled ones (temperature, top-k,
 // top-p; each seeded).
 std::vector<SamplingParams> mixedSampling() {
@@ -285,12 +293,8 @@ TEST_P(CudaDeviceTest, BatchedDecodeMatchesSingleSequences) {
 // identical sets of sequences, one stepped by decodeBatch + chooseToken, the other by
 // decodeBatchChoose, greedy and sampled rows mixed, 8 steps feeding back the chosen ids.
 TEST_P(CudaDeviceTest, ChoosingOnTheGpuEqualsTheHostChoice) {
-  const std::string dir = cudaPlan(GetParam(), "-batch4");
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());
-  LoadOptions options;
-  options.device = "cuda";
-  options.maxSequences = 8;
-  auto model = Model::load(dir, options);
+  auto model = loadForChoosing(GetParam());
   if (noGpu(model))
     GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(model.isOk()) << model.status().message();
@@ -328,12 +332,8 @@ TEST_P(CudaDeviceTest, ChoosingOnTheGpuEqualsTheHostChoice) {
 // first's buffers and graphs: a chained step's decode graph and a stepped one's live side by
 // side, neither captured again).
 TEST_P(CudaDeviceTest, ChainedStepsChooseWhatSteppedOnesChoose) {
-  const std::string dir = cudaPlan(GetParam(), "-batch4");
   const std::vector<int64_t> prompt = goldenPrompt(GetParam());
-  LoadOptions options;
-  options.device = "cuda";
-  options.maxSequences = 8;
-  auto model = Model::load(dir, options);
+  auto model = loadForChoosing(GetParam());
   if (noGpu(model))
     GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(model.isOk()) << model.status().message();
