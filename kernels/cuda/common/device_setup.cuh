@@ -36,4 +36,13 @@ template <typename Prepare> DeviceSetup deviceSetup(Prepare &&prepare) {
   return setup;
 }
 
+// Blocks of `kernel` launched with `threads` threads (no dynamic shared memory) that one SM
+// holds at once; 0 when the query fails (a caller then takes its form for many blocks).
+template <typename Kernel> int residentBlocksPerSm(Kernel kernel, int threads) {
+  int blocks = 0;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0) == cudaSuccess
+             ? blocks
+             : 0;
+}
+
 } // namespace hybrid::kernels::cuda

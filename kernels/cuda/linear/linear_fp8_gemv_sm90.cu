@@ -150,14 +150,8 @@ struct Fp8GemvForm {
 };
 
 Fp8GemvForm fp8GemvForm(int64_t blocks, int64_t in, int multiprocessors) {
-  auto blocksPerSm = [](Fp8GemvKernel kernel, int threads) {
-    int blocks = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0) == cudaSuccess
-               ? blocks
-               : 0;
-  };
-  static const int deepPerSm = blocksPerSm(fp8GemvKernel<8, kDeepStages>, 256);
-  static const int widePerSm = blocksPerSm(fp8GemvKernel<8, 2>, 256);
+  static const int deepPerSm = residentBlocksPerSm(fp8GemvKernel<8, kDeepStages>, 256);
+  static const int widePerSm = residentBlocksPerSm(fp8GemvKernel<8, 2>, 256);
   const int64_t tilesPerWarp = (in / kTile + 7) / 8;
   if (tilesPerWarp > kDeepStages / 2 && blocks <= int64_t(deepPerSm) * multiprocessors)
     return {fp8GemvKernel<8, kDeepStages>, 256};

@@ -68,7 +68,7 @@ __device__ __forceinline__ void multiplyChunk(const GemvParams &p, const float *
 
 // The tensor-core form: 16 outputs a block, k in chunks of 32, two stages of `Stages` chunks'
 // weights in flight a warp (one stage computes while the other loads): 2 chunks a stage, or
-// kMmaDeepStage for few blocks over a wide input (mmaStagesFor).
+// kMmaDeepStage for few blocks over a wide input (gemvDeepStages).
 constexpr int kMmaOutputs = 16, kMmaChunk = 32, kMmaStage = 2, kMmaDeepStage = 8;
 __host__ __device__ inline bool onTensorCores(const GemvParams &p) {
   return p.in > kGemvNarrowMaxIn && p.in % kMmaChunk == 0 &&
@@ -348,13 +348,7 @@ namespace {
 // 17.8, the LM head 2304 -> 163840 214 / 265 / 316. The stages only schedule the loads: each
 // warp's MMAs run in the same order, so a row's bits are the same at any stage count.
 bool gemvDeepStages(const GemvParams *members, int32_t count, int64_t blocks, int multiprocessors) {
-  static const int deepPerSm = [] {
-    int perSm = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-               &perSm, gemvKernel<8, kMmaDeepStage>, kThreads, 0) == cudaSuccess
-               ? perSm
-               : 0;
-  }();
+  static const int deepPerSm = residentBlocksPerSm(gemvKernel<8, kMmaDeepStage>, kThreads);
   if (blocks > int64_t(deepPerSm) * multiprocessors)
     return false;
   for (int32_t m = 0; m < count; ++m) {
