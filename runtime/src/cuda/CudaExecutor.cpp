@@ -1717,19 +1717,18 @@ Status CudaExecutor::enqueueProgram(const cpu::StepContext &host, std::span<cons
     impl.kdaLogRows = rows;
   }
   impl.stagedUploads.clear(); // a failed step's, never issued
-  // Staged in pinned memory: the previous call's copy finished with its synchronization. A
+  // Staged in pinned memory (the previous call's copy finished with its synchronization, or for
+  // a chained step, its uploads event), or copied from the device (a chained step's ids). A
   // context-parallel prefill's ids are this rank's rows (prepareContextStep).
-  if (deviceTokens) {
-    const fb::Value &ids = valueOf(program, program.token_ids());
-    impl.stageUpload(arena + ids.arena_offset(), deviceTokens, tokens.size() * sizeof(int64_t),
-                     "chained token ids");
-  } else if (host.contextShard) {
+  if (host.contextShard && !deviceTokens) {
     HYBRID_RETURN_IF_ERROR(impl.prepareContextStep(host, tokens, arena, program));
   } else {
-    std::copy(tokens.begin(), tokens.end(), impl.pinnedTokens);
+    if (!deviceTokens)
+      std::copy(tokens.begin(), tokens.end(), impl.pinnedTokens);
     const fb::Value &ids = valueOf(program, program.token_ids());
-    impl.stageUpload(arena + ids.arena_offset(), impl.pinnedTokens, tokens.size() * sizeof(int64_t),
-                     "token ids upload");
+    impl.stageUpload(arena + ids.arena_offset(), deviceTokens ? deviceTokens : impl.pinnedTokens,
+                     tokens.size() * sizeof(int64_t),
+                     deviceTokens ? "chained token ids" : "token ids upload");
   }
 
   if (prefill) { // per segment (one sequence, or a batched prefill's), for the KDA prefill kernels

@@ -1140,11 +1140,11 @@ StatusOr<std::vector<float>> Model::decodeRows(std::span<Sequence *const> sequen
       if (sequences[j] == sequence)
         return Status::error("decodeBatch: sequences " + std::to_string(j) + " and " +
                              std::to_string(i) + " are the same sequence");
-    if (sequence->length_ + std::max<int64_t>(1, chainSteps) > impl.options.maxContextTokens)
-      return Status::error("decodeBatch: sequence " + std::to_string(i) + " has room for " +
-                           std::to_string(impl.options.maxContextTokens - sequence->length_) +
-                           " more tokens, not " + std::to_string(std::max<int64_t>(1, chainSteps)) +
-                           ": maxContextTokens = " + std::to_string(impl.options.maxContextTokens));
+    // (A chain's room for all its steps: decodeSteps checked it before anything ran.)
+    if (sequence->length_ + 1 > impl.options.maxContextTokens)
+      return Status::error("decodeBatch: sequence " + std::to_string(i) +
+                           " is full: maxContextTokens = " +
+                           std::to_string(impl.options.maxContextTokens));
     batch.push_back({.kvSequence = sequence->kvSequence_,
                      .stateSlot = sequence->stateSlot_,
                      .position = sequence->length_});
