@@ -369,11 +369,12 @@ int runDsaSparseMla(const SparseMlaOptions &o, const RecordOptions &record) {
                 kc::sparseMlaTargetVerdict(r).c_str());
     std::ostringstream json;
     const std::string kind = r.prefill ? "dsa-sparse-mla-prefill" : "dsa-sparse-mla-decode";
-    json << "{\"kernel\": \"" << kind << "\", \"batch\": " << r.batch
-         << ", \"heads\": " << r.heads << ", \"top_k\": " << r.topK << ", \"context\": "
-         << r.context << ", \"splits\": " << r.splits << ", \"us\": " << r.microseconds << ", \"bytes\": " << r.bytes
-         << ", \"floor_us\": " << r.floorMicroseconds << ", \"tflops\": " << r.tflops
-         << ", \"target\": \"" << kc::sparseMlaTargetVerdict(r) << "\"}";
+    json << "{\"kernel\": \"" << kind << "\", \"batch\": " << r.batch << ", \"heads\": " << r.heads
+         << ", \"top_k\": " << r.topK << ", \"context\": " << r.context
+         << ", \"splits\": " << r.splits << ", \"us\": " << r.microseconds
+         << ", \"bytes\": " << r.bytes << ", \"floor_us\": " << r.floorMicroseconds
+         << ", \"tflops\": " << r.tflops << ", \"target\": \"" << kc::sparseMlaTargetVerdict(r)
+         << "\"}";
     // A row named as before unless its split count was asked for (stored records still match).
     rows.push_back({kind + " batch=" + std::to_string(r.batch) + " heads=" +
                         std::to_string(r.heads) + " top_k=" + std::to_string(r.topK) +

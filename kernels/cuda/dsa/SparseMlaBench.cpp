@@ -91,38 +91,38 @@ std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &bat
       p.out = dOut;
       p.workspace = dWorkspace;
       for (int32_t splits : splitCounts) {
-      p.splits = splits;
-      SparseMlaBenchResult r;
-      r.batch = batch;
-      r.heads = heads;
-      r.topK = topK;
-      r.context = context;
-      r.splits = splits;
-      r.prefill = prefill;
-      if (const int code = launchSparseMlaDecode(p, nullptr); code != 0) {
-        if (splits > 0 && code == int(cudaErrorInvalidValue)) { // outside the kernel's range
-          cudaGetLastError();
-          r.refused = true;
-          results.push_back(r);
-          continue;
+        p.splits = splits;
+        SparseMlaBenchResult r;
+        r.batch = batch;
+        r.heads = heads;
+        r.topK = topK;
+        r.context = context;
+        r.splits = splits;
+        r.prefill = prefill;
+        if (const int code = launchSparseMlaDecode(p, nullptr); code != 0) {
+          if (splits > 0 && code == int(cudaErrorInvalidValue)) { // outside the kernel's range
+            cudaGetLastError();
+            r.refused = true;
+            results.push_back(r);
+            continue;
+          }
+          return fail("the sparse MLA launch");
         }
-        return fail("the sparse MLA launch");
-      }
-      if (cudaDeviceSynchronize() != cudaSuccess)
-        return fail("the sparse MLA launch");
-      r.microseconds =
-          graphMicroseconds(iterations,
-                            [&](cudaStream_t s) { return launchSparseMlaDecode(p, s); });
-      if (r.microseconds < 0)
-        return fail("the graph capture");
-      // Decode reads every selected row; prefill at least the sequence's cache once.
-      r.bytes = (prefill ? double(pages) * double(pageBytes) : double(batch) * topK * double(rowBytes)) +
-                double(qFloats) * 4 +
-                double(batch) * heads * kLatent * 4 + double(batch) * topK * 4;
-      r.floorMicroseconds = r.bytes / (kH200CopyTbPerSecond * 1e12) * 1e6;
-      r.tflops = 2.0 * batch * heads * topK * double(kLatent + kRope + kLatent) /
-                 (r.microseconds * 1e-6) / 1e12;
-      results.push_back(r);
+        if (cudaDeviceSynchronize() != cudaSuccess)
+          return fail("the sparse MLA launch");
+        r.microseconds = graphMicroseconds(
+            iterations, [&](cudaStream_t s) { return launchSparseMlaDecode(p, s); });
+        if (r.microseconds < 0)
+          return fail("the graph capture");
+        // Decode reads every selected row; prefill at least the sequence's cache once.
+        r.bytes = (prefill ? double(pages) * double(pageBytes)
+                           : double(batch) * topK * double(rowBytes)) +
+                  double(qFloats) * 4 + double(batch) * heads * kLatent * 4 +
+                  double(batch) * topK * 4;
+        r.floorMicroseconds = r.bytes / (kH200CopyTbPerSecond * 1e12) * 1e6;
+        r.tflops = 2.0 * batch * heads * topK * double(kLatent + kRope + kLatent) /
+                   (r.microseconds * 1e-6) / 1e12;
+        results.push_back(r);
       }
     }
   return results;
