@@ -87,6 +87,11 @@ INSTANTIATE_TEST_SUITE_P(
         RouterCase{"tiny", 3, 8, 2, 2, 1, false, true, false},
         RouterCase{"softmax_no_bias", 4, 64, 6, 1, 1, true, false, false},
         RouterCase{"exact_ties", 2, 64, 8, 4, 2, false, false, true},
+        // Group scores by warps: 64 groups of 4 (a warp takes 8 groups, most lanes empty), 16
+        // groups of 64 among 1024 experts (two experts a lane), groups of tied logits.
+        RouterCase{"sixty_four_groups", 4, 256, 8, 64, 8, false, true, false},
+        RouterCase{"sixteen_wide_groups", 3, 1024, 8, 16, 4, false, true, false},
+        RouterCase{"group_ties", 3, 256, 8, 8, 4, false, false, true},
         // One group with sigmoid scores takes the warp-per-token kernel: ties, the other register
         // widths (up to 512 and 1024 experts, the last lanes partly empty), a batch of tokens.
         RouterCase{"one_group_ties", 9, 64, 8, 1, 1, false, false, true},
