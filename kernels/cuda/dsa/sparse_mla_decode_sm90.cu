@@ -45,6 +45,7 @@ constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 // 32 and 64 heads gather by cp.async into a staging area and convert between tiles (their
 // accumulators leave no registers for producers at 512 threads).
 template <int L, int R, int G> struct Shape {
+  static constexpr int kLatent = L;
   static constexpr bool kSpecialized = G == 1;
   static constexpr int kWarps = 8;             // MMA (consumer) warps
   static constexpr int kThreads = 32 * kWarps; // MMA threads
@@ -994,29 +995,57 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
-// Splits of the positions over blocks (flash-decoding): the count that finishes soonest, counting
-// waves of blocks times the tiles of a block plus its fixed cost (the queries read, the output or
-// partials written: about two tiles' time with 64 heads, one with fewer), plus the merge's
-// reading of every split (1/40 of a tile a split), and of those the fewest. Batch 1 takes many,
-// batch 64 with 128 heads and prefill none. Without the fixed cost, 128 rows of 128 heads took 32
-// splits of one tile each and ran 13x slower than unsplit. Without the merge's, one row of 32
-// heads over 8K positions took 128 splits of one tile: 37.9 us, against 23.5 at 64 and 30.6 at 32
-// (H200, `hybrid-bench dsa-sparse-mla --splits`; DeepSeek-V3.2's shapes keep their counts).
+// The merge's blocks a (row, head): one per kCombineThreads latent dimensions while one wave of
+// them (kCombineBlocksPerSm an SM, by threads) holds every pair, else one (see launchShape).
+constexpr int kCombineBlocksPerSm = 2048 / kCombineThreads;
+template <int L> int combineChunks(int64_t pairs, int sms) {
+  constexpr int kChunks = (L + kCombineThreads - 1) / kCombineThreads;
+  return pairs * kChunks <= int64_t(sms) * kCombineBlocksPerSm ? kChunks : 1;
+}
+
+// Splits of the positions over blocks (flash-decoding): the count that finishes soonest, of
+// those the fewest, by a model in microseconds fitted to the H200 split sweeps of
+// docs/performance.md (2026-12-01, sessions 19-20: 32 heads over 1K-64K positions at 1-8 rows,
+// 128 and 16 heads over top-k 2048 at 1-8 rows; each of the 16 sweeps' picks within 3% of its
+// best measured count, 64K's 114 splits by interpolation, where the tile-count model before it
+// missed by up to 31%). Batch 1 takes many splits, 128 heads at 64 rows none:
+// - the split kernel: waves of blocks times a block's tiles and its fixed cost (the queries
+//   read, the partials or the output written), both by the block's heads (16 heads per block:
+//   2.2 + 3.5 us a tile + a block; 32: 4.8 + 4.9; 64 on warpgroups: 5.6 + 9.1). Without the
+//   fixed cost 128 rows of 128 heads took 32 splits of one tile and ran 13x slower than unsplit.
+// - the merge, when split: its launch (4.6 us); the partials (514 floats a row, head and split)
+//   written and read back (1.3 ns each); and the partials over the SMs that run the merge's
+//   blocks, 37 ns each: those blocks launch while the split kernel runs, one a (row, head,
+//   chunk), and gather on the SMs its last wave leaves free, up to kCombineBlocksPerSm an SM
+//   (the sweeps fit that; not profiled). So one row of 32 heads at 8K positions took 128 splits
+//   of a tile (4 SMs free: 38.1 us against 23.5 at 64 of two), 128 heads at 2 rows 32 splits
+//   (34.8 against 31.0 at 16), 16 heads at 4 rows 32 (18.1 against 13.7 at 16), and at 32K one
+//   row 128 (52.8 against 43.6 at 103). A term per partial alone, without the free SMs, moved
+//   128 heads at 1 row to 16 splits (28.9 us against 26.1 at 32).
 template <typename S> int splitCount(const SparseMlaDecodeParams &p, int sms, int maxSplits) {
+  constexpr double kTileUs = S::kHeads == 64 ? 5.6 : S::kHeads == 32 ? 4.8 : 2.2;
+  constexpr double kBlockUs = S::kHeads == 64 ? 9.1 : S::kHeads == 32 ? 4.9 : 3.5;
+  constexpr double kMergeUs = 4.6, kPartialUs = 0.0013, kPartialPerMergeSmUs = 0.037;
   const int tiles = (p.topK + S::kTileKeys - 1) / S::kTileKeys;
   const int64_t blocks = int64_t(p.rows) * ((p.heads + S::kHeads - 1) / S::kHeads);
-  const int64_t slots = int64_t(sms) * S::kBlocksPerSm;
-  constexpr int64_t kBlockOverheadTiles = S::kHeads == 64 ? 2 : 1;
-  constexpr double kMergeTilesPerSplit = 1.0 / 40;
+  const int64_t slots = int64_t(sms) * S::kBlocksPerSm; // one block an SM
+  const int64_t pairs = int64_t(p.rows) * p.heads;
+  const int64_t mergeBlocks = pairs * combineChunks<S::kLatent>(pairs, sms);
   int best = 0;
   double bestTime = 0;
   for (int splits = (tiles + S::kMaxTiles - 1) / S::kMaxTiles; splits <= std::min(tiles, maxSplits);
        ++splits) {
     const int64_t perSplit = (tiles + splits - 1) / splits;
     const int64_t used = (tiles + perSplit - 1) / perSplit;
-    const double time =
-        double((blocks * used + slots - 1) / slots * (perSplit + kBlockOverheadTiles)) +
-        kMergeTilesPerSplit * double(used);
+    const int64_t waves = (blocks * used + slots - 1) / slots;
+    double time = double(waves) * (double(perSplit) * kTileUs + kBlockUs);
+    if (used > 1) {
+      const int64_t freeSms = waves * slots - blocks * used; // in the last wave
+      const int64_t mergeSms =
+          std::max(freeSms, (mergeBlocks + kCombineBlocksPerSm - 1) / kCombineBlocksPerSm);
+      const double partials = double(pairs * used);
+      time += kMergeUs + kPartialUs * partials + kPartialPerMergeSmUs * partials / double(mergeSms);
+    }
     if (best == 0 || time < bestTime) {
       best = splits;
       bestTime = time;
@@ -1077,11 +1106,8 @@ template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, c
     // kCombineThreads latent dimensions while one wave of merge blocks holds them all, else a
     // block per (row, head): with four times the blocks in two waves, 128 heads batch 8 ran 8%
     // slower than with the old merge.
-    const int64_t pairs = int64_t(p.rows) * p.heads;
-    constexpr int kChunks = (L + kCombineThreads - 1) / kCombineThreads;
-    const int64_t wave = int64_t(setup.multiprocessors) * (2048 / kCombineThreads);
-    DependentLaunch merge(dim3(unsigned(p.rows), unsigned(p.heads),
-                               pairs * kChunks <= wave ? unsigned(kChunks) : 1u),
+    const int chunks = combineChunks<L>(int64_t(p.rows) * p.heads, setup.multiprocessors);
+    DependentLaunch merge(dim3(unsigned(p.rows), unsigned(p.heads), unsigned(chunks)),
                           dim3(kCombineThreads), stream);
     status = cudaLaunchKernelEx(&merge.config, sparseMlaCombineKernel<L>, p, used,
                                 static_cast<const float *>(partials));
