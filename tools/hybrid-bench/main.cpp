@@ -285,6 +285,7 @@ struct IndexerOptions {
   std::string keys = "mxfp8";
   std::string form = "unfused"; // what the runtime runs; fused (where the shape allows)
   std::string scores = "auto"; // the unfused form's tensor-core scores: auto, warpgroup, bf16, fp8
+  std::string select = "auto"; // the unfused top-k after the warpgroup scores: auto or passes
 };
 
 int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
@@ -292,13 +293,15 @@ int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
                                 : o.keys == "fp8" ? kc::IndexKeyType::Fp8PerKey
                                                   : kc::IndexKeyType::Mxfp8;
   std::string error;
-  const auto results = kc::benchIndexerDecode(o.batches, o.contexts, o.heads, o.headDim, o.topK,
-                                              type, o.form == "fused",
-                                              o.scores == "fp8"         ? kc::IndexerParams::ScoreKernel::Fp8
-                                              : o.scores == "bf16"      ? kc::IndexerParams::ScoreKernel::Bf16
-                                              : o.scores == "warpgroup" ? kc::IndexerParams::ScoreKernel::Warpgroup
-                                                                        : kc::IndexerParams::ScoreKernel::Auto,
-                                              o.iterations, error);
+  const auto results = kc::benchIndexerDecode(
+      o.batches, o.contexts, o.heads, o.headDim, o.topK, type, o.form == "fused",
+      o.scores == "fp8"         ? kc::IndexerParams::ScoreKernel::Fp8
+      : o.scores == "bf16"      ? kc::IndexerParams::ScoreKernel::Bf16
+      : o.scores == "warpgroup" ? kc::IndexerParams::ScoreKernel::Warpgroup
+                                : kc::IndexerParams::ScoreKernel::Auto,
+      o.select == "passes" ? kc::IndexerParams::SelectForm::Passes
+                           : kc::IndexerParams::SelectForm::Auto,
+      o.iterations, error);
   if (!error.empty()) {
     std::cerr << "error: dsa-indexer: " << error << "\n";
     return 1;
@@ -1104,6 +1107,12 @@ int main(int argc, char **argv) {
                          "registers, warpgroup MMAs on the MXFP8 queries), bf16 (mma.sync on "
                          "widened keys) or fp8 (E4M3 mma.sync on the MXFP8 queries)")
       ->check(CLI::IsMember({"auto", "bf16", "fp8", "warpgroup"}));
+  dsaIndexer
+      ->add_option("--select", indexer.select,
+                   "unfused top-k after the warpgroup scores: auto (one cooperative launch "
+                   "for rows of up to 32K keys whose chunks fit on the GPU, else passes) or "
+                   "passes (a launch a digit, then the write)")
+      ->check(CLI::IsMember({"auto", "passes"}));
   dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(dsaIndexer, record);

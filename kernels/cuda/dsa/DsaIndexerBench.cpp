@@ -21,12 +21,11 @@ constexpr int32_t kDistinctPages = 64; // random pages, copied over the whole po
 
 } // namespace
 
-std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &batches,
-                                                   const std::vector<int32_t> &contexts,
-                                                   int32_t heads, int32_t headDim, int32_t topK,
-                                                   IndexKeyType keyType, bool fused,
-                                                   IndexerParams::ScoreKernel scoreKernel,
-                                                   int32_t iterations, std::string &error) {
+std::vector<IndexerBenchResult>
+benchIndexerDecode(const std::vector<int32_t> &batches, const std::vector<int32_t> &contexts,
+                   int32_t heads, int32_t headDim, int32_t topK, IndexKeyType keyType, bool fused,
+                   IndexerParams::ScoreKernel scoreKernel, IndexerParams::SelectForm selectForm,
+                   int32_t iterations, std::string &error) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     error = "no CUDA device";
@@ -85,6 +84,7 @@ std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &b
       p.q = held.keep(deviceCopy(q));
       p.mxfp8Queries = keyType != IndexKeyType::F32;
       p.scoreKernel = scoreKernel;
+      p.selectForm = selectForm;
       p.headWeights = held.keep(deviceRandom(size_t(batch) * heads, 1.0f, 0, rng, error));
       if (!p.q || !p.headWeights)
         return fail("the query upload");

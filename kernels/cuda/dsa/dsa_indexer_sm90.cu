@@ -617,7 +617,8 @@ struct SelectState {
 // The select's workspace (indexerSelectWorkspaceBytes, 16-byte aligned): per row the warpgroup
 // kernel's queries (f16, each head scaled by a power of two, swizzled; made once per row by the
 // reset kernel) and the heads' inverse scales, a state and a histogram; per chunk its published
-// counts; the write pass's ticket counter.
+// counts; the write pass's ticket counter; and where selectFinishKernel may run (few chunks),
+// each row's gathered candidates.
 struct SelectWorkspace {
   unsigned char *queries; // rows x kSelectQueryBytes
   float *headScales;      // rows x kMmaMaxHeads: 2^-shift of each head's queries
@@ -625,6 +626,7 @@ struct SelectWorkspace {
   uint32_t *histograms;   // rows x kSelectBins
   uint64_t *chunkCounts;  // rows x chunks: 0 until published, then kPublished | above T, at T
   uint32_t *writeTickets; // one word
+  uint32_t *candidates;   // rows x maxKeys (key, position) pairs, or none (finishSelectFits false)
 };
 constexpr uint64_t kPublished = 1ull << 63;
 constexpr int kCountBits = 24; // a chunk's count of keys above T (or at T) fits: <= kChunkKeys
@@ -634,9 +636,28 @@ __host__ __device__ inline int selectChunks(int32_t maxKeys) {
   return (maxKeys + kChunkKeys - 1) / kChunkKeys;
 }
 
+// selectFinishKernel's blocks (one a chunk of every row) must all be resident at once; at most
+// this many, which bounds its candidates' workspace (16 MB). And rows of at most 16 chunks (32K
+// keys): its last block's part grows with the row's chunks, and at 64 (128K keys, H200, batch
+// 4 and 8) the launch a digit was 5-6% faster (docs/performance.md, 2026-12-02).
+constexpr int kFinishMaxBlocks = 1024;
+constexpr int kFinishMaxChunks = 16;
+__host__ __device__ inline bool finishSelectFits(int rows, int32_t maxKeys) {
+  return selectChunks(maxKeys) <= kFinishMaxChunks &&
+         int64_t(rows) * selectChunks(maxKeys) <= kFinishMaxBlocks;
+}
+// The rows the candidates' workspace holds: every row where they fit, else as many as would, so
+// that the workspace of `rows` rows also holds that of any fewer (a caller sizes it for its
+// largest launch and launches fewer rows at the end).
+__host__ __device__ inline int candidateRows(int rows, int32_t maxKeys) {
+  return selectChunks(maxKeys) > kFinishMaxChunks
+             ? 0
+             : min(rows, kFinishMaxBlocks / selectChunks(maxKeys));
+}
+
 // Byte offsets of the workspace's parts; the last is the total.
 struct SelectLayout {
-  size_t headScales, states, histograms, chunkCounts, writeTickets, total;
+  size_t headScales, states, histograms, chunkCounts, writeTickets, candidates, total;
 };
 __host__ __device__ inline SelectLayout selectLayout(int rows, int maxKeys) {
   SelectLayout l;
@@ -645,18 +666,23 @@ __host__ __device__ inline SelectLayout selectLayout(int rows, int maxKeys) {
   l.histograms = l.states + size_t(rows) * sizeof(SelectState);
   l.chunkCounts = l.histograms + size_t(rows) * kSelectBins * sizeof(uint32_t);
   l.writeTickets = l.chunkCounts + size_t(rows) * selectChunks(maxKeys) * sizeof(uint64_t);
-  l.total = l.writeTickets + sizeof(uint64_t);
+  l.candidates = l.writeTickets + 16;
+  l.total = l.candidates + size_t(candidateRows(rows, maxKeys)) * maxKeys * sizeof(uint2);
   return l;
 }
 
 inline SelectWorkspace selectWorkspace(void *base, int rows, int maxKeys) {
   auto *bytes = static_cast<unsigned char *>(base);
   const SelectLayout l = selectLayout(rows, maxKeys);
-  return SelectWorkspace{bytes, reinterpret_cast<float *>(bytes + l.headScales),
+  return SelectWorkspace{bytes,
+                         reinterpret_cast<float *>(bytes + l.headScales),
                          reinterpret_cast<SelectState *>(bytes + l.states),
                          reinterpret_cast<uint32_t *>(bytes + l.histograms),
                          reinterpret_cast<uint64_t *>(bytes + l.chunkCounts),
-                         reinterpret_cast<uint32_t *>(bytes + l.writeTickets)};
+                         reinterpret_cast<uint32_t *>(bytes + l.writeTickets),
+                         finishSelectFits(rows, maxKeys)
+                             ? reinterpret_cast<uint32_t *>(bytes + l.candidates)
+                             : nullptr};
 }
 
 // Exclusive prefix of `value` over the block's threads in thread order, and the block's total
@@ -683,11 +709,12 @@ __device__ inline int blockExclusiveScan(int value, int *warpSums, int &total) {
   return before + inclusive - value;
 }
 
-// The row's digit at `shift` from its complete histogram (read through L2: other blocks' atomics
-// filled it): the bin where the count from the top reaches the keys still wanted. Each thread
-// holds its own run of bins in registers; a suffix sum over threads finds the one whose bins hold
-// the crossing, and it walks them from the top. Leaves the histogram zero for the next digit.
-template <int kThreads>
+// The row's digit at `shift` from its complete histogram (a global one read through L2: other
+// blocks' atomics filled it; or this block's own in shared memory): the bin where the count from
+// the top reaches the keys still wanted. Each thread holds its own run of bins in registers; a
+// suffix sum over threads finds the one whose bins hold the crossing, and it walks them from the
+// top. Leaves the histogram zero for the next digit.
+template <int kThreads, bool kShared = false>
 __device__ void chooseDigit(SelectState &state, uint32_t *histogram, int shift, int bits,
                             uint32_t *warpTotals) {
   constexpr int kWarps = kThreads / 32, kMaxPerThread = kSelectBins / kThreads;
@@ -697,9 +724,9 @@ __device__ void chooseDigit(SelectState &state, uint32_t *histogram, int shift, 
   uint32_t counts[kMaxPerThread], own = 0;
 #pragma unroll
   for (int b = 0; b < kMaxPerThread; ++b) {
-    counts[b] = b < perThread && tid * perThread + b < bins
-                    ? __ldcg(histogram + tid * perThread + b)
-                    : 0u;
+    const int bin = tid * perThread + b;
+    counts[b] =
+        b < perThread && bin < bins ? (kShared ? histogram[bin] : __ldcg(histogram + bin)) : 0u;
     own += counts[b];
   }
   uint32_t suffix = own;
@@ -1046,42 +1073,16 @@ __global__ void __launch_bounds__(kHistogramThreads)
                                              last);
 }
 
-// The top k of each row in ascending position order: a chunk's keys above T and its share of the
-// ties at T (those the lower chunks leave over, lowest positions first) at its offset, in order
-// within the chunk (block scans), so the output is the same every run whatever order the blocks
-// ran in. Each chunk publishes its counts, then sums those of the chunks before it: blocks take
-// their chunk from a ticket counter, so every chunk waited on has already started (no deadlock).
-__global__ void __launch_bounds__(kHistogramThreads)
-    selectWriteKernel(IndexerParams p, SelectWorkspace w, int chunks) {
-  __shared__ int warpSums[kHistogramThreads / 32];
-  __shared__ int ticket;
-  constexpr int kRun = kChunkKeys / kHistogramThreads;
-  if (threadIdx.x == 0)
-    ticket = int(atomicAdd(w.writeTickets, 1u));
-  __syncthreads();
-  const int row = ticket % p.rows, chunk = ticket / p.rows;
-  const int n = p.positions[row] + 1, k = p.topK;
-  int32_t *out = p.indices + size_t(row) * k;
-  if (n <= k) { // every causal position, then -1s
-    if (chunk == 0)
-      for (int i = threadIdx.x; i < k; i += kHistogramThreads)
-        out[i] = i < n ? i : -1;
-    return;
-  }
-  const int begin = chunk * kChunkKeys;
-  if (begin >= n)
-    return;
-  const SelectState state = w.states[row];
-  const uint32_t threshold = state.prefix;
-  const int remaining = state.remaining; // ties at T taken over the whole row
-  const float *scores = p.scores + size_t(row) * p.maxKeys;
-  const int first = begin + int(threadIdx.x) * kRun, last = min(n, first + kRun);
-  unsigned greater = 0, equal = 0; // bit j: key first + j above T / at T
-  for (int i = first; i < last; ++i) {
-    const uint32_t key = orderKey(scores[i]);
-    greater |= unsigned(key > threshold) << (i - first);
-    equal |= unsigned(key == threshold) << (i - first);
-  }
+// A chunk's part of the top k in ascending position order: its keys above T (`greater`, bit j for
+// position first + j of this thread's run) and its share of the ties at T (`equal`; those the
+// lower chunks leave over, lowest positions first) at its offset, in order within the chunk
+// (block scans), so the output is the same every run whatever order the blocks ran in. The
+// chunk publishes its counts, then sums those of the chunks before it, which must have started
+// (or will start: they never wait on this one).
+__device__ void writeChunk(const IndexerParams &p, const SelectWorkspace &w, int row, int chunk,
+                           int chunks, int first, int last, unsigned greater, unsigned equal,
+                           int remaining, int *warpSums) {
+  int32_t *out = p.indices + size_t(row) * p.topK;
   int greaterTotal = 0, equalTotal = 0;
   const int greaterBefore = blockExclusiveScan(__popc(greater), warpSums, greaterTotal);
   const int equalBefore = blockExclusiveScan(__popc(equal), warpSums, equalTotal);
@@ -1119,6 +1120,276 @@ __global__ void __launch_bounds__(kHistogramThreads)
   for (int i = first; i < last; ++i)
     if (taken >> (i - first) & 1u)
       out[slot++] = i;
+}
+
+// Rows of n <= k keys: every causal position, then -1s (by the row's first chunk).
+__device__ inline void writeWholeRow(const IndexerParams &p, int row, int n) {
+  int32_t *out = p.indices + size_t(row) * p.topK;
+  for (int i = threadIdx.x; i < p.topK; i += blockDim.x)
+    out[i] = i < n ? i : -1;
+}
+
+constexpr int kChunkRun = kChunkKeys / kHistogramThreads; // a thread's consecutive positions
+
+// The top k of each row in ascending position order (writeChunk), a block a chunk. Blocks take
+// their chunk from a ticket counter, so every chunk waited on has already started (no deadlock
+// however many blocks the GPU holds at once).
+__global__ void __launch_bounds__(kHistogramThreads)
+    selectWriteKernel(IndexerParams p, SelectWorkspace w, int chunks) {
+  __shared__ int warpSums[kHistogramThreads / 32];
+  __shared__ int ticket;
+  if (threadIdx.x == 0)
+    ticket = int(atomicAdd(w.writeTickets, 1u));
+  __syncthreads();
+  const int row = ticket % p.rows, chunk = ticket / p.rows;
+  const int n = p.positions[row] + 1;
+  if (n <= p.topK) {
+    if (chunk == 0)
+      writeWholeRow(p, row, n);
+    return;
+  }
+  const int begin = chunk * kChunkKeys;
+  if (begin >= n)
+    return;
+  const SelectState state = w.states[row];
+  const uint32_t threshold = state.prefix;
+  const float *scores = p.scores + size_t(row) * p.maxKeys;
+  const int first = begin + int(threadIdx.x) * kChunkRun, last = min(n, first + kChunkRun);
+  unsigned greater = 0, equal = 0; // bit j: key first + j above T / at T
+  for (int i = first; i < last; ++i) {
+    const uint32_t key = orderKey(scores[i]);
+    greater |= unsigned(key > threshold) << (i - first);
+    equal |= unsigned(key == threshold) << (i - first);
+  }
+  writeChunk(p, w, row, chunk, chunks, first, last, greater, equal, state.remaining, warpSums);
+}
+
+// ---- The select after the first digit in one launch, where every row's chunks fit on the GPU at
+// once (cooperative: all blocks resident). Each block keeps its chunk's keys in registers and
+// publishes how many are above the first digit's bin and its candidates, the keys in that bin
+// (usually a few percent of them), with their positions; the row's last block to arrive loads
+// the row's candidates into its shared memory, finds T and the ties there (both remaining
+// digits), then every chunk's place in the output, which it hands each chunk in one word; each
+// block waits for its word and writes its part. Instead of two histogram launches over every key
+// (each with its last block reading a global histogram) and a write launch reading the scores
+// again whose chunks wait on each other's counts: 1.3-2.8 us less an indexer call up to 32K keys
+// (H200). It still takes about 11 us alone (ncu) for a few microseconds' work at 8K keys, batch
+// 1; trimming its global round trips changed nothing, so where that goes is still open.
+
+// A chunk's word in the workspace's chunk counts: first its counts (keys above the first digit's
+// bin, candidates), then, from the row's last block, its place: T, where its keys start in the
+// output and how many of its ties at T it may take (before its own count caps them).
+constexpr uint64_t kPlaceReady = 1ull << 63;
+__device__ inline uint64_t packPlace(uint32_t threshold, int offset, int ties) {
+  return kPlaceReady | uint64_t(uint32_t(offset)) << 47 | uint64_t(uint32_t(ties)) << 32 |
+         threshold;
+}
+static_assert(kIndexerMaxTopK < (1 << 15), "a place's offset and ties take 15 bits each");
+
+constexpr int kSharedCandidates = 4096; // a row's candidates the last block ranks in shared memory
+
+__global__ void __launch_bounds__(kHistogramThreads)
+    selectFinishKernel(IndexerParams p, SelectWorkspace w) {
+  constexpr int kMaxChunksPerThread =
+      (kFinishMaxChunks + kHistogramThreads - 1) / kHistogramThreads;
+  // The digits' histogram, then the chunks' counts above T and at T.
+  __shared__ uint32_t histogram[kSelectBins];
+  static_assert(2 * kFinishMaxChunks <= kSelectBins, "the chunk counts reuse the histogram");
+  __shared__ int chunkStarts[kFinishMaxChunks + 1]; // the row's candidates, chunk by chunk
+  __shared__ uint2 held[kSharedCandidates];
+  __shared__ uint32_t warpTotals[kHistogramThreads / 32];
+  __shared__ int warpSums[kHistogramThreads / 32];
+  __shared__ bool lastToArrive;
+  __shared__ uint64_t place;
+  __shared__ SelectState digits; // the last block's: its digits chosen in shared memory
+  const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y, tid = threadIdx.x;
+  const int begin = chunk * kChunkKeys;
+  const int first = begin + tid * kChunkRun;
+  // The chunk's scores (those up to the capacity; the row's length cuts them below) and the
+  // first digit load together: a dependent global read less on the select's critical path.
+  const float *scores = p.scores + size_t(row) * p.maxKeys;
+  float values[kChunkRun];
+#pragma unroll
+  for (int u = 0; u < kChunkRun; ++u)
+    values[u] = first + u < p.maxKeys ? scores[first + u] : 0.0f;
+  SelectState &state = w.states[row];
+  const SelectState firstDigit = state; // the first digit's bin and the keys still wanted
+  const int n = p.positions[row] + 1;
+  if (n <= p.topK) {
+    if (chunk == 0)
+      writeWholeRow(p, row, n);
+    return;
+  }
+  if (begin >= n)
+    return;
+  const int liveChunks = (n + kChunkKeys - 1) / kChunkKeys;
+  const uint32_t prefix = firstDigit.prefix, mask = firstDigit.mask;
+  const int last = min(n, first + kChunkRun);
+  uint32_t keys[kChunkRun];
+  unsigned candidate = 0;
+  int above = 0; // keys above the first digit's bin
+#pragma unroll
+  for (int u = 0; u < kChunkRun; ++u) {
+    const bool live = first + u < last;
+    keys[u] = live ? orderKey(values[u]) : 0u;
+    candidate |= unsigned(live && (keys[u] & mask) == prefix) << u;
+    above += live && (keys[u] & mask) > prefix;
+  }
+  int blockCandidates = 0, blockAbove = 0;
+  const int before = blockExclusiveScan(__popc(candidate), warpSums, blockCandidates);
+  blockExclusiveScan(above, warpSums, blockAbove);
+  // The chunk's candidates at the start of its own 2048 slots of the row's.
+  auto *candidates = reinterpret_cast<uint2 *>(w.candidates) + size_t(row) * p.maxKeys;
+  int slot = begin + before;
+#pragma unroll
+  for (int u = 0; u < kChunkRun; ++u)
+    if (candidate >> u & 1u)
+      candidates[slot++] = make_uint2(keys[u], uint32_t(first + u));
+  uint64_t *places = w.chunkCounts + size_t(row) * chunks;
+  if (tid == 0)
+    places[chunk] = uint64_t(uint32_t(blockAbove)) << 32 | uint32_t(blockCandidates);
+  __threadfence();
+  __syncthreads();
+  if (tid == 0)
+    lastToArrive = atomicAdd(&state.arrivals, 1u) == unsigned(liveChunks) - 1;
+  __syncthreads();
+  if (lastToArrive) { // every chunk's candidates and counts are in
+    __threadfence();
+    if (tid == 0)
+      digits = firstDigit;
+    // The chunks' counts: this thread's run of chunks, then scans over threads.
+    const int perThread = (liveChunks + kHistogramThreads - 1) / kHistogramThreads;
+    int aboveBin[kMaxChunksPerThread], gathered[kMaxChunksPerThread], gatheredSum = 0;
+#pragma unroll
+    for (int j = 0; j < kMaxChunksPerThread; ++j) {
+      const int c = tid * perThread + j;
+      const uint64_t counts = j < perThread && c < liveChunks ? __ldcg(places + c) : 0ull;
+      aboveBin[j] = int(counts >> 32);
+      gathered[j] = int(counts & 0xFFFFFFFFu);
+      gatheredSum += gathered[j];
+    }
+    int count = 0;
+    int start = blockExclusiveScan(gatheredSum, warpSums, count);
+#pragma unroll
+    for (int j = 0; j < kMaxChunksPerThread; ++j)
+      if (j < perThread && tid * perThread + j < liveChunks) {
+        chunkStarts[tid * perThread + j] = start;
+        start += gathered[j];
+      }
+    __syncthreads();
+    // Candidate i of the row: in chunk c where chunkStarts[c] <= i < chunkStarts[c + 1].
+    auto inGlobal = [&](int i) {
+      int low = 0, high = liveChunks - 1;
+      while (low < high) {
+        const int middle = (low + high + 1) / 2;
+        if (chunkStarts[middle] <= i)
+          low = middle;
+        else
+          high = middle - 1;
+      }
+      return __ldcg(candidates + size_t(low) * kChunkKeys + (i - chunkStarts[low]));
+    };
+    const bool inShared = count <= kSharedCandidates;
+    // visit(index, candidate) for each candidate, kChunkRun a thread in flight.
+    auto forEachCandidate = [&](bool fromShared, auto &&visit) {
+      for (int firstIndex = tid; firstIndex < count; firstIndex += kChunkRun * kHistogramThreads) {
+        uint2 loaded[kChunkRun];
+#pragma unroll
+        for (int u = 0; u < kChunkRun; ++u) {
+          const int i = firstIndex + u * kHistogramThreads;
+          loaded[u] = i >= count ? make_uint2(0u, 0u) : fromShared ? held[i] : inGlobal(i);
+        }
+#pragma unroll
+        for (int u = 0; u < kChunkRun; ++u)
+          if (firstIndex + u * kHistogramThreads < count)
+            visit(firstIndex + u * kHistogramThreads, loaded[u]);
+      }
+    };
+    if (inShared)
+      forEachCandidate(false, [&](int i, uint2 c) { held[i] = c; });
+    for (int top = kFirstDigitShift; top > 0;) {
+      const int bits = min(kMaxDigitBits, top), shift = top - bits;
+      for (int b = tid; b < (1 << bits); b += kHistogramThreads)
+        histogram[b] = 0;
+      __syncthreads(); // and the held candidates are in
+      const uint32_t digitPrefix = digits.prefix, digitMask = digits.mask;
+      forEachCandidate(inShared, [&](int, uint2 c) {
+        if ((c.x & digitMask) == digitPrefix)
+          atomicAdd(&histogram[(c.x >> shift) & ((1u << bits) - 1)], 1u);
+      });
+      __syncthreads();
+      chooseDigit<kHistogramThreads, /*kShared=*/true>(digits, histogram, shift, bits, warpTotals);
+      __syncthreads(); // the state's new digit is read by every thread
+      top = shift;
+    }
+    const uint32_t threshold = digits.prefix;
+    const int remaining = digits.remaining; // ties at T taken over the row
+    // Each chunk's keys above T (those above the bin, and its candidates above T) and at T.
+    uint32_t *aboveT = histogram, *atT = histogram + kFinishMaxChunks;
+    for (int c = tid; c < liveChunks; c += kHistogramThreads)
+      aboveT[c] = atT[c] = 0;
+    __syncthreads();
+    forEachCandidate(inShared, [&](int, uint2 c) {
+      if (c.x >= threshold)
+        atomicAdd(&(c.x > threshold ? aboveT : atT)[c.y / kChunkKeys], 1u);
+    });
+    __syncthreads();
+    int greater[kMaxChunksPerThread], equal[kMaxChunksPerThread], greaterSum = 0, equalSum = 0;
+#pragma unroll
+    for (int j = 0; j < kMaxChunksPerThread; ++j) {
+      const int c = tid * perThread + j;
+      const bool mine = j < perThread && c < liveChunks;
+      greater[j] = mine ? aboveBin[j] + int(aboveT[c]) : 0;
+      equal[j] = mine ? int(atT[c]) : 0;
+      greaterSum += greater[j];
+      equalSum += equal[j];
+    }
+    int unused = 0;
+    int greaterPrior = blockExclusiveScan(greaterSum, warpSums, unused);
+    int equalPrior = blockExclusiveScan(equalSum, warpSums, unused);
+#pragma unroll
+    for (int j = 0; j < kMaxChunksPerThread; ++j) {
+      const int c = tid * perThread + j;
+      if (j < perThread && c < liveChunks) {
+        // Ties go to the lowest positions: the chunks before took min(remaining, their ties).
+        // The word carries all a chunk needs: no fence before it.
+        __stcg(places + c, packPlace(threshold, greaterPrior + min(remaining, equalPrior),
+                                     max(remaining - equalPrior, 0)));
+        greaterPrior += greater[j];
+        equalPrior += equal[j];
+      }
+    }
+  }
+  if (tid == 0) {
+    uint64_t word;
+    while (!((word = __ldcv(places + chunk)) & kPlaceReady))
+      __nanosleep(20);
+    place = word;
+  }
+  __syncthreads();
+  const uint32_t threshold = uint32_t(place);
+  const int offset = int(place >> 47 & 0x7FFFu), chunkTies = int(place >> 32 & 0x7FFFu);
+  unsigned greater = 0, equal = 0;
+#pragma unroll
+  for (int u = 0; u < kChunkRun; ++u) {
+    greater |= unsigned(first + u < last && keys[u] > threshold) << u;
+    equal |= unsigned(first + u < last && keys[u] == threshold) << u;
+  }
+  int unused = 0;
+  const int greaterBefore = blockExclusiveScan(__popc(greater), warpSums, unused);
+  const int equalBefore = blockExclusiveScan(__popc(equal), warpSums, unused);
+  // The lowest of this thread's ties that the chunk's share leaves it.
+  const int tiesMine = min(max(chunkTies - equalBefore, 0), __popc(equal));
+  unsigned taken = greater;
+  for (unsigned left = equal, i = 0; i < unsigned(tiesMine); ++i) {
+    taken |= left & (0u - left);
+    left &= left - 1;
+  }
+  int32_t *out = p.indices + size_t(row) * p.topK;
+  int at = offset + greaterBefore + min(chunkTies, equalBefore);
+  for (int i = first; i < last; ++i)
+    if (taken >> (i - first) & 1u)
+      out[at++] = i;
 }
 
 // Fresh states, zero histograms, unpublished counts and the ticket counter (the digit passes leave
@@ -1185,12 +1456,43 @@ template <int D> int launchSelectReset(const IndexerParams &p, bool queries, cud
   return int(cudaGetLastError());
 }
 
+// selectFinishKernel's blocks the current device holds at once (0 when the query fails).
+int finishResidentBlocks() {
+  static std::mutex mutex;
+  static std::map<int, int> blocks;
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess)
+    return 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto found = blocks.find(device); found != blocks.end())
+    return found->second;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 0;
+  const int resident = residentBlocksPerSm(selectFinishKernel, kHistogramThreads) * sms;
+  blocks.emplace(device, resident);
+  return resident;
+}
+
 // The select after the scores on `stream`: the digits from the top of the 32-bit keys (the first
-// one already chosen when the scores kernel histogrammed it), then the write.
+// one already chosen when the scores kernel histogrammed it), then the write; or, after a first
+// digit, all in one cooperative launch where the rows' chunks fit on the GPU at once.
 int launchSelect(const IndexerParams &p, bool firstDigitChosen, cudaStream_t stream) {
   const SelectWorkspace w = selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys);
   const int chunkCount = selectChunks(p.maxKeys);
   const dim3 chunks(unsigned(p.rows), unsigned(chunkCount));
+  if (firstDigitChosen && p.selectForm == IndexerParams::SelectForm::Auto && w.candidates &&
+      int64_t(p.rows) * chunkCount <= finishResidentBlocks()) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = chunks;
+    config.blockDim = dim3(kHistogramThreads);
+    config.stream = stream;
+    cudaLaunchAttribute cooperative[1];
+    cooperative[0].id = cudaLaunchAttributeCooperative;
+    cooperative[0].val.cooperative = 1;
+    config.attrs = cooperative;
+    config.numAttrs = 1;
+    return int(cudaLaunchKernelEx(&config, selectFinishKernel, p, w));
+  }
   for (int top = firstDigitChosen ? kFirstDigitShift : 32; top > 0;) {
     const int bits = std::min(kMaxDigitBits, top), shift = top - bits;
     selectHistogramKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, w, shift, bits);

@@ -76,12 +76,13 @@ struct IndexerRun {
   std::vector<float> scores;    // [rows, maxKeys]
   std::vector<int32_t> indices; // [rows, topK]
 };
-IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int dim,
-                      const std::vector<float> &q, const std::vector<float> &w,
-                      const std::vector<int32_t> &positions, const std::vector<int32_t> &sequences,
-                      int maxKeys, int topK, bool fused = false, bool mxfp8Queries = false,
-                      cuda::IndexerParams::ScoreKernel scoreKernel =
-                          cuda::IndexerParams::ScoreKernel::Auto) {
+IndexerRun
+runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int dim,
+           const std::vector<float> &q, const std::vector<float> &w,
+           const std::vector<int32_t> &positions, const std::vector<int32_t> &sequences,
+           int maxKeys, int topK, bool fused = false, bool mxfp8Queries = false,
+           cuda::IndexerParams::ScoreKernel scoreKernel = cuda::IndexerParams::ScoreKernel::Auto,
+           cuda::IndexerParams::SelectForm selectForm = cuda::IndexerParams::SelectForm::Auto) {
   const int rows = int(positions.size());
   DeviceBuffer<float> dQ(q), dW(w), dScores{std::vector<float>(size_t(rows) * maxKeys, 0.0f)};
   DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
@@ -96,6 +97,7 @@ IndexerRun runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int 
   p.q = dQ.data;
   p.mxfp8Queries = mxfp8Queries;
   p.scoreKernel = scoreKernel;
+  p.selectForm = selectForm;
   p.headWeights = dW.data;
   p.positions = dPositions.data;
   p.sequences = dSequences.data;
@@ -160,6 +162,14 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
                                     c.scoreKernel);
   const std::vector<float> &scores = run.scores;
   const std::vector<int32_t> &indices = run.indices;
+  // The select's two forms after the warpgroup scores (Auto: one cooperative launch for rows of
+  // up to 32K keys, else a launch a digit; Passes: a launch a digit): the same positions.
+  if (c.mxfp8Queries && c.scoreKernel == cuda::IndexerParams::ScoreKernel::Auto) {
+    const IndexerRun passes = runIndexer(
+        paged, c.type, c.heads, c.dim, q, w, positions, sequences, maxKeys, c.topK,
+        /*fused=*/false, c.mxfp8Queries, c.scoreKernel, cuda::IndexerParams::SelectForm::Passes);
+    EXPECT_EQ(passes.indices, indices) << "the one-launch and per-digit selects differ";
+  }
   // The fused form computes the same scores (bf16 MMAs: the FP8 ones may differ in the last bits)
   // and selects by the same rule: the same positions.
   if (!c.mxfp8Queries && cuda::indexerFusedSupported(c.type, c.dim, maxKeys)) {
@@ -237,7 +247,12 @@ INSTANTIATE_TEST_SUITE_P(
         IndexerCase{"tiny_f32_odd_heads", IndexKeyType::F32, 3, 64, 16, 7, {40, 9}, 2},
         // MXFP8 queries (64-token pages) on the warpgroup MMAs and on the FP8 mma.sync form:
         // both key formats, both dims, fewer than 64 heads (zero query rows / idle warps).
+        // clang-format off
         IndexerCase{"v32_mxfp8_warpgroup", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {1, 2100, 4133}, 3, true},
+        // Many 2048-key chunks a row: 16, the most the one-launch select takes (its candidates
+        // gathered from 16 blocks), and 35 (a launch a digit).
+        IndexerCase{"v32_mxfp8_warpgroup_32k", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {20000, 32768}, 2, true},
+        IndexerCase{"v32_mxfp8_warpgroup_long", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {70000}, 1, true},
         IndexerCase{"v32_fp8_per_key_warpgroup", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2, true},
         IndexerCase{"tiny_mxfp8_warpgroup", IndexKeyType::Mxfp8, 20, 64, 64, 32, {1, 17, 100, 300}, 5, true},
         IndexerCase{"v32_mxfp8_fp8mma", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {1, 2100, 4133}, 3, true,
@@ -246,6 +261,7 @@ INSTANTIATE_TEST_SUITE_P(
                     cuda::IndexerParams::ScoreKernel::Fp8},
         IndexerCase{"tiny_mxfp8_fp8mma", IndexKeyType::Mxfp8, 20, 64, 64, 32, {1, 17, 100, 300}, 5, true,
                     cuda::IndexerParams::ScoreKernel::Fp8}),
+    // clang-format on
     [](const testing::TestParamInfo<IndexerCase> &info) { return info.param.name; });
 
 // Every key the same: all scores tie, and the lowest positions win (ref::topKIndices' rule).
@@ -286,6 +302,20 @@ TEST(DsaIndexerCudaTies, LowestPositionsWin) {
                        random(3 * 64, rng, 1.0f), {n - 1, n - 1, n - 2}, {0, 0, 0}, n, 2048)
                 .indices,
             expected);
+  // The same after the warpgroup scores (MXFP8 queries), in both select forms: every key is in
+  // the first digit's bin, so the one-launch select's last block ranks all 3000 of each row.
+  std::vector<float> q = random(3 * 64 * 128, rng, 0.5f);
+  std::vector<uint8_t> codes(q.size()), scales(q.size() / 32);
+  ASSERT_TRUE(ref::quantizeMxfp8(q, int64_t(q.size()) / 128, 128, codes, scales,
+                                 ref::MxScaleRule::RoundUp));
+  ASSERT_TRUE(ref::dequantizeMxfp8(codes, scales, int64_t(q.size()) / 128, 128, q));
+  for (auto form : {cuda::IndexerParams::SelectForm::Auto, cuda::IndexerParams::SelectForm::Passes})
+    EXPECT_EQ(runIndexer(paged, IndexKeyType::Mxfp8, 64, 128, q, random(3 * 64, rng, 1.0f),
+                         {n - 1, n - 1, n - 2}, {0, 0, 0}, n, 2048, /*fused=*/false,
+                         /*mxfp8Queries=*/true, cuda::IndexerParams::ScoreKernel::Auto, form)
+                  .indices,
+              expected)
+        << (form == cuda::IndexerParams::SelectForm::Auto ? "one launch" : "passes");
 }
 
 TEST(DsaIndexerCudaErrors, RejectsBadShapes) {

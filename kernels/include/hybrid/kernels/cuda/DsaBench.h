@@ -23,12 +23,11 @@ struct IndexerBenchResult {
 
 // Decode: `batch` sequences, each with `context` keys in its own (scattered) pages of 64 tokens,
 // one query row each; the fused form where `fused` and it takes the shape (result.fused says).
-std::vector<IndexerBenchResult> benchIndexerDecode(const std::vector<int32_t> &batches,
-                                                   const std::vector<int32_t> &contexts,
-                                                   int32_t heads, int32_t headDim, int32_t topK,
-                                                   IndexKeyType keyType, bool fused,
-                                                   IndexerParams::ScoreKernel scoreKernel,
-                                                   int32_t iterations, std::string &error);
+std::vector<IndexerBenchResult>
+benchIndexerDecode(const std::vector<int32_t> &batches, const std::vector<int32_t> &contexts,
+                   int32_t heads, int32_t headDim, int32_t topK, IndexKeyType keyType, bool fused,
+                   IndexerParams::ScoreKernel scoreKernel, IndexerParams::SelectForm selectForm,
+                   int32_t iterations, std::string &error);
 
 // "meets" / "x.xx of the target": the issue's >= 70% of the key-cache bandwidth floor.
 std::string indexerTargetVerdict(const IndexerBenchResult &result);

@@ -58,6 +58,10 @@ struct IndexerParams {
                               // of them, then -1s
   // Unfused: indexerSelectWorkspaceBytes(rows, maxKeys), 16-byte aligned.
   void *selectWorkspace = nullptr;
+  // How the unfused top-k selects after the warpgroup scores: Auto takes one cooperative launch
+  // for rows of up to 32K keys whose 2048-key chunks fit on the GPU at once (a block each), else
+  // Passes (a launch per remaining digit, then the write). Tests and benchmarks pick either.
+  enum class SelectForm { Auto, Passes } selectForm = SelectForm::Auto;
   // The unfused tensor-core scores' 64-key tiles per block (a tuned configuration, kernels/
   // KernelTuning.h); 0: the default, about one wave of blocks on the GPU.
   int32_t tilesPerBlock = 0;
@@ -72,7 +76,8 @@ bool indexerFusedSupported(IndexKeyType type, int32_t headDim, int32_t maxKeys);
 
 // The top-k's scratch: per row the queries as the warpgroup scores kernel reads them (16 KB) and
 // their heads' scales, its radix-select state and a digit histogram, per 2048 keys a chunk's
-// counts, and one counter.
+// counts, one counter, and where the one-launch select may run a key per position (at most 16 MB).
+// The bytes for `rows` rows hold any launch of fewer rows.
 size_t indexerSelectWorkspaceBytes(int32_t rows, int32_t maxKeys);
 
 // Bytes of one index-key page (PagedCacheLayout::indexPageBytes for the same format).
