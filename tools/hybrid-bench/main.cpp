@@ -1110,7 +1110,7 @@ int main(int argc, char **argv) {
   dsaIndexer
       ->add_option("--select", indexer.select,
                    "unfused top-k after the warpgroup scores: auto (one cooperative launch "
-                   "for rows of up to 32K keys whose chunks fit on the GPU, else passes) or "
+                   "where the rows' 2048-key chunks fit on the GPU at once, else passes) or "
                    "passes (a launch a digit, then the write)")
       ->check(CLI::IsMember({"auto", "passes"}));
   dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")

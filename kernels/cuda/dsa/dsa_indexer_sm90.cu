@@ -636,23 +636,20 @@ __host__ __device__ inline int selectChunks(int32_t maxKeys) {
   return (maxKeys + kChunkKeys - 1) / kChunkKeys;
 }
 
-// selectFinishKernel's blocks (one a chunk of every row) must all be resident at once; at most
-// this many, which bounds its candidates' workspace (16 MB). And rows of at most 16 chunks (32K
-// keys): its last block's part grows with the row's chunks, and at 64 (128K keys, H200, batch
-// 4 and 8) the launch a digit was 5-6% faster (docs/performance.md, 2026-12-02).
+// selectFinishKernel's blocks (one a chunk of every row, by the capacity maxKeys: a decode graph
+// replays at every length) must all be resident at once; at most this many, which bounds its
+// candidates' workspace (16 MB). Not bounded by the rows' lengths, which only the device knows:
+// rows of 128K keys at batch 4 run it 5% slower than the launch a digit (docs/performance.md,
+// 2026-12-02), rows up to 32K keys faster at every batch.
 constexpr int kFinishMaxBlocks = 1024;
-constexpr int kFinishMaxChunks = 16;
 __host__ __device__ inline bool finishSelectFits(int rows, int32_t maxKeys) {
-  return selectChunks(maxKeys) <= kFinishMaxChunks &&
-         int64_t(rows) * selectChunks(maxKeys) <= kFinishMaxBlocks;
+  return int64_t(rows) * selectChunks(maxKeys) <= kFinishMaxBlocks;
 }
 // The rows the candidates' workspace holds: every row where they fit, else as many as would, so
 // that the workspace of `rows` rows also holds that of any fewer (a caller sizes it for its
 // largest launch and launches fewer rows at the end).
 __host__ __device__ inline int candidateRows(int rows, int32_t maxKeys) {
-  return selectChunks(maxKeys) > kFinishMaxChunks
-             ? 0
-             : min(rows, kFinishMaxBlocks / selectChunks(maxKeys));
+  return min(rows, kFinishMaxBlocks / selectChunks(maxKeys));
 }
 
 // Byte offsets of the workspace's parts; the last is the total.
@@ -1190,12 +1187,11 @@ constexpr int kSharedCandidates = 4096; // a row's candidates the last block ran
 
 __global__ void __launch_bounds__(kHistogramThreads)
     selectFinishKernel(IndexerParams p, SelectWorkspace w) {
-  constexpr int kMaxChunksPerThread =
-      (kFinishMaxChunks + kHistogramThreads - 1) / kHistogramThreads;
+  constexpr int kMaxChunksPerThread = kFinishMaxBlocks / kHistogramThreads;
   // The digits' histogram, then the chunks' counts above T and at T.
   __shared__ uint32_t histogram[kSelectBins];
-  static_assert(2 * kFinishMaxChunks <= kSelectBins, "the chunk counts reuse the histogram");
-  __shared__ int chunkStarts[kFinishMaxChunks + 1]; // the row's candidates, chunk by chunk
+  static_assert(2 * kFinishMaxBlocks <= kSelectBins, "the chunk counts reuse the histogram");
+  __shared__ int chunkStarts[kFinishMaxBlocks + 1]; // the row's candidates, chunk by chunk
   __shared__ uint2 held[kSharedCandidates];
   __shared__ uint32_t warpTotals[kHistogramThreads / 32];
   __shared__ int warpSums[kHistogramThreads / 32];
@@ -1325,7 +1321,7 @@ __global__ void __launch_bounds__(kHistogramThreads)
     const uint32_t threshold = digits.prefix;
     const int remaining = digits.remaining; // ties at T taken over the row
     // Each chunk's keys above T (those above the bin, and its candidates above T) and at T.
-    uint32_t *aboveT = histogram, *atT = histogram + kFinishMaxChunks;
+    uint32_t *aboveT = histogram, *atT = histogram + kFinishMaxBlocks;
     for (int c = tid; c < liveChunks; c += kHistogramThreads)
       aboveT[c] = atT[c] = 0;
     __syncthreads();

@@ -162,8 +162,8 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
                                     c.scoreKernel);
   const std::vector<float> &scores = run.scores;
   const std::vector<int32_t> &indices = run.indices;
-  // The select's two forms after the warpgroup scores (Auto: one cooperative launch for rows of
-  // up to 32K keys, else a launch a digit; Passes: a launch a digit): the same positions.
+  // The select's two forms after the warpgroup scores (one cooperative launch here, where every
+  // shape fits on the GPU; a launch a digit): the same positions.
   if (c.mxfp8Queries && c.scoreKernel == cuda::IndexerParams::ScoreKernel::Auto) {
     const IndexerRun passes = runIndexer(
         paged, c.type, c.heads, c.dim, q, w, positions, sequences, maxKeys, c.topK,
@@ -249,8 +249,8 @@ INSTANTIATE_TEST_SUITE_P(
         // both key formats, both dims, fewer than 64 heads (zero query rows / idle warps).
         // clang-format off
         IndexerCase{"v32_mxfp8_warpgroup", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {1, 2100, 4133}, 3, true},
-        // Many 2048-key chunks a row: 16, the most the one-launch select takes (its candidates
-        // gathered from 16 blocks), and 35 (a launch a digit).
+        // Many 2048-key chunks a row: 16 and 35 (the one-launch select's candidates gathered from
+        // as many blocks, its chunk places set by up to 35 threads).
         IndexerCase{"v32_mxfp8_warpgroup_32k", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {20000, 32768}, 2, true},
         IndexerCase{"v32_mxfp8_warpgroup_long", IndexKeyType::Mxfp8, 64, 128, 64, 2048, {70000}, 1, true},
         IndexerCase{"v32_fp8_per_key_warpgroup", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2, true},

@@ -59,7 +59,7 @@ struct IndexerParams {
   // Unfused: indexerSelectWorkspaceBytes(rows, maxKeys), 16-byte aligned.
   void *selectWorkspace = nullptr;
   // How the unfused top-k selects after the warpgroup scores: Auto takes one cooperative launch
-  // for rows of up to 32K keys whose 2048-key chunks fit on the GPU at once (a block each), else
+  // where every row's 2048-key chunks (of maxKeys) fit on the GPU at once, a block each, else
   // Passes (a launch per remaining digit, then the write). Tests and benchmarks pick either.
   enum class SelectForm { Auto, Passes } selectForm = SelectForm::Auto;
   // The unfused tensor-core scores' 64-key tiles per block (a tuned configuration, kernels/
