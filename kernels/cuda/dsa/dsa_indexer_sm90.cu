@@ -626,7 +626,7 @@ struct SelectWorkspace {
   uint32_t *histograms;   // rows x kSelectBins
   uint64_t *chunkCounts;  // rows x chunks: 0 until published, then kPublished | above T, at T
   uint32_t *writeTickets; // one word
-  uint32_t *candidates;   // rows x maxKeys (key, position) pairs, or none (finishSelectFits false)
+  uint2 *candidates;      // rows x maxKeys (key, position) pairs, or none (finishSelectFits false)
 };
 constexpr uint64_t kPublished = 1ull << 63;
 constexpr int kCountBits = 24; // a chunk's count of keys above T (or at T) fits: <= kChunkKeys
@@ -671,15 +671,14 @@ __host__ __device__ inline SelectLayout selectLayout(int rows, int maxKeys) {
 inline SelectWorkspace selectWorkspace(void *base, int rows, int maxKeys) {
   auto *bytes = static_cast<unsigned char *>(base);
   const SelectLayout l = selectLayout(rows, maxKeys);
-  return SelectWorkspace{bytes,
-                         reinterpret_cast<float *>(bytes + l.headScales),
-                         reinterpret_cast<SelectState *>(bytes + l.states),
-                         reinterpret_cast<uint32_t *>(bytes + l.histograms),
-                         reinterpret_cast<uint64_t *>(bytes + l.chunkCounts),
-                         reinterpret_cast<uint32_t *>(bytes + l.writeTickets),
-                         finishSelectFits(rows, maxKeys)
-                             ? reinterpret_cast<uint32_t *>(bytes + l.candidates)
-                             : nullptr};
+  return SelectWorkspace{
+      bytes,
+      reinterpret_cast<float *>(bytes + l.headScales),
+      reinterpret_cast<SelectState *>(bytes + l.states),
+      reinterpret_cast<uint32_t *>(bytes + l.histograms),
+      reinterpret_cast<uint64_t *>(bytes + l.chunkCounts),
+      reinterpret_cast<uint32_t *>(bytes + l.writeTickets),
+      finishSelectFits(rows, maxKeys) ? reinterpret_cast<uint2 *>(bytes + l.candidates) : nullptr};
 }
 
 // Exclusive prefix of `value` over the block's threads in thread order, and the block's total
@@ -1070,6 +1069,26 @@ __global__ void __launch_bounds__(kHistogramThreads)
                                              last);
 }
 
+// This thread's run [first, last) of a chunk into the output: its keys above T (`greater`, bit j
+// for position first + j) and the lowest of its ties at T (`equal`) that the chunk's share
+// (chunkTies) leaves it after the threads before it (equalBefore ties, greaterBefore keys above
+// T), from the chunk's offset.
+__device__ inline void writeThreadRun(int32_t *out, int first, int last, unsigned greater,
+                                      unsigned equal, int greaterBefore, int equalBefore,
+                                      int chunkOffset, int chunkTies) {
+  const int tiesMine = min(max(chunkTies - equalBefore, 0), __popc(equal));
+  unsigned taken = greater;
+  for (unsigned left = equal, i = 0; i < unsigned(tiesMine); ++i) {
+    taken |= left & (0u - left);
+    left &= left - 1;
+  }
+  // Ties taken by the threads before this one: min(chunkTies, their ties).
+  int slot = chunkOffset + greaterBefore + min(chunkTies, equalBefore);
+  for (int i = first; i < last; ++i)
+    if (taken >> (i - first) & 1u)
+      out[slot++] = i;
+}
+
 // A chunk's part of the top k in ascending position order: its keys above T (`greater`, bit j for
 // position first + j of this thread's run) and its share of the ties at T (`equal`; those the
 // lower chunks leave over, lowest positions first) at its offset, in order within the chunk
@@ -1079,7 +1098,6 @@ __global__ void __launch_bounds__(kHistogramThreads)
 __device__ void writeChunk(const IndexerParams &p, const SelectWorkspace &w, int row, int chunk,
                            int chunks, int first, int last, unsigned greater, unsigned equal,
                            int remaining, int *warpSums) {
-  int32_t *out = p.indices + size_t(row) * p.topK;
   int greaterTotal = 0, equalTotal = 0;
   const int greaterBefore = blockExclusiveScan(__popc(greater), warpSums, greaterTotal);
   const int equalBefore = blockExclusiveScan(__popc(equal), warpSums, equalTotal);
@@ -1105,18 +1123,8 @@ __device__ void writeChunk(const IndexerParams &p, const SelectWorkspace &w, int
   // Ties go to the lowest positions: the chunks before took min(remaining, their ties).
   const int chunkOffset = greaterPrior + min(remaining, equalPrior);
   const int chunkTies = max(remaining - equalPrior, 0); // ties this chunk may still take
-  const int tiesMine = min(max(chunkTies - equalBefore, 0), __popc(equal));
-  // The lowest tiesMine of this thread's ties.
-  unsigned taken = greater;
-  for (unsigned left = equal, i = 0; i < unsigned(tiesMine); ++i) {
-    taken |= left & (0u - left);
-    left &= left - 1;
-  }
-  // Ties taken by the threads before this one: min(chunkTies, their ties).
-  int slot = chunkOffset + greaterBefore + min(chunkTies, equalBefore);
-  for (int i = first; i < last; ++i)
-    if (taken >> (i - first) & 1u)
-      out[slot++] = i;
+  writeThreadRun(p.indices + size_t(row) * p.topK, first, last, greater, equal, greaterBefore,
+                 equalBefore, chunkOffset, chunkTies);
 }
 
 // Rows of n <= k keys: every causal position, then -1s (by the row's first chunk).
@@ -1235,7 +1243,7 @@ __global__ void __launch_bounds__(kHistogramThreads)
   const int before = blockExclusiveScan(__popc(candidate), warpSums, blockCandidates);
   blockExclusiveScan(above, warpSums, blockAbove);
   // The chunk's candidates at the start of its own 2048 slots of the row's.
-  auto *candidates = reinterpret_cast<uint2 *>(w.candidates) + size_t(row) * p.maxKeys;
+  uint2 *candidates = w.candidates + size_t(row) * p.maxKeys;
   int slot = begin + before;
 #pragma unroll
   for (int u = 0; u < kChunkRun; ++u)
@@ -1374,18 +1382,8 @@ __global__ void __launch_bounds__(kHistogramThreads)
   int unused = 0;
   const int greaterBefore = blockExclusiveScan(__popc(greater), warpSums, unused);
   const int equalBefore = blockExclusiveScan(__popc(equal), warpSums, unused);
-  // The lowest of this thread's ties that the chunk's share leaves it.
-  const int tiesMine = min(max(chunkTies - equalBefore, 0), __popc(equal));
-  unsigned taken = greater;
-  for (unsigned left = equal, i = 0; i < unsigned(tiesMine); ++i) {
-    taken |= left & (0u - left);
-    left &= left - 1;
-  }
-  int32_t *out = p.indices + size_t(row) * p.topK;
-  int at = offset + greaterBefore + min(chunkTies, equalBefore);
-  for (int i = first; i < last; ++i)
-    if (taken >> (i - first) & 1u)
-      out[at++] = i;
+  writeThreadRun(p.indices + size_t(row) * p.topK, first, last, greater, equal, greaterBefore,
+                 equalBefore, offset, chunkTies);
 }
 
 // Fresh states, zero histograms, unpublished counts and the ticket counter (the digit passes leave
@@ -1452,23 +1450,6 @@ template <int D> int launchSelectReset(const IndexerParams &p, bool queries, cud
   return int(cudaGetLastError());
 }
 
-// selectFinishKernel's blocks the current device holds at once (0 when the query fails).
-int finishResidentBlocks() {
-  static std::mutex mutex;
-  static std::map<int, int> blocks;
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess)
-    return 0;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (auto found = blocks.find(device); found != blocks.end())
-    return found->second;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return 0;
-  const int resident = residentBlocksPerSm(selectFinishKernel, kHistogramThreads) * sms;
-  blocks.emplace(device, resident);
-  return resident;
-}
-
 // The select after the scores on `stream`: the digits from the top of the 32-bit keys (the first
 // one already chosen when the scores kernel histogrammed it), then the write; or, after a first
 // digit, all in one cooperative launch where the rows' chunks fit on the GPU at once.
@@ -1476,8 +1457,11 @@ int launchSelect(const IndexerParams &p, bool firstDigitChosen, cudaStream_t str
   const SelectWorkspace w = selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys);
   const int chunkCount = selectChunks(p.maxKeys);
   const dim3 chunks(unsigned(p.rows), unsigned(chunkCount));
+  const DeviceSetup setup = deviceSetup([] { return cudaSuccess; });
+  static const int finishPerSm = residentBlocksPerSm(selectFinishKernel, kHistogramThreads);
   if (firstDigitChosen && p.selectForm == IndexerParams::SelectForm::Auto && w.candidates &&
-      int64_t(p.rows) * chunkCount <= finishResidentBlocks()) {
+      setup.status == cudaSuccess &&
+      int64_t(p.rows) * chunkCount <= int64_t(finishPerSm) * setup.multiprocessors) {
     cudaLaunchConfig_t config = {};
     config.gridDim = chunks;
     config.blockDim = dim3(kHistogramThreads);

@@ -117,6 +117,14 @@ runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int dim,
   return {dScores.download(), dIndices.download()};
 }
 
+// Queries as the quantization policy leaves them: MXFP8-rounded in rows of `dim` values.
+bool roundToMxfp8(std::vector<float> &q, int dim) {
+  std::vector<uint8_t> codes(q.size()), scales(q.size() / 32);
+  const int64_t rows = int64_t(q.size()) / dim;
+  return ref::quantizeMxfp8(q, rows, dim, codes, scales, ref::MxScaleRule::RoundUp) &&
+         ref::dequantizeMxfp8(codes, scales, rows, dim, q);
+}
+
 struct IndexerCase {
   std::string name;
   IndexKeyType type;
@@ -150,10 +158,7 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
   const int maxKeys = *std::max_element(c.lengths.begin(), c.lengths.end());
   std::vector<float> q = random(size_t(rows) * c.heads * c.dim, rng, 0.5f);
   if (c.mxfp8Queries) {
-    std::vector<uint8_t> codes(q.size()), scales(q.size() / 32);
-    ASSERT_TRUE(ref::quantizeMxfp8(q, int64_t(q.size()) / c.dim, c.dim, codes, scales,
-                                   ref::MxScaleRule::RoundUp));
-    ASSERT_TRUE(ref::dequantizeMxfp8(codes, scales, int64_t(q.size()) / c.dim, c.dim, q));
+    ASSERT_TRUE(roundToMxfp8(q, c.dim));
   }
   const std::vector<float> w = random(size_t(rows) * c.heads, rng, 1.0f);
 
@@ -305,10 +310,7 @@ TEST(DsaIndexerCudaTies, LowestPositionsWin) {
   // The same after the warpgroup scores (MXFP8 queries), in both select forms: every key is in
   // the first digit's bin, so the one-launch select's last block ranks all 3000 of each row.
   std::vector<float> q = random(3 * 64 * 128, rng, 0.5f);
-  std::vector<uint8_t> codes(q.size()), scales(q.size() / 32);
-  ASSERT_TRUE(ref::quantizeMxfp8(q, int64_t(q.size()) / 128, 128, codes, scales,
-                                 ref::MxScaleRule::RoundUp));
-  ASSERT_TRUE(ref::dequantizeMxfp8(codes, scales, int64_t(q.size()) / 128, 128, q));
+  ASSERT_TRUE(roundToMxfp8(q, 128));
   for (auto form : {cuda::IndexerParams::SelectForm::Auto, cuda::IndexerParams::SelectForm::Passes})
     EXPECT_EQ(runIndexer(paged, IndexKeyType::Mxfp8, 64, 128, q, random(3 * 64, rng, 1.0f),
                          {n - 1, n - 1, n - 2}, {0, 0, 0}, n, 2048, /*fused=*/false,
