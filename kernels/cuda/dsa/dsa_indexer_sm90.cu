@@ -8,20 +8,20 @@
 // (the codes widened by the hardware converter, the powers of two moved out of the operands
 // exactly; see its section). fp32 keys (the unquantized policy) take the CUDA-core kernel, one
 // thread per key.
-#include "hybrid/kernels/cuda/DsaIndexer.h"
+#include "../common/block_arrival.cuh"
 #include "../common/device_setup.cuh"
 #include "../common/fp8_quant.cuh"
 #include "../common/warp_mma.cuh"
 #include "../common/warpgroup_mma.cuh"
 #include "fp8_device.cuh"
+#include "hybrid/kernels/cuda/DsaIndexer.h"
 
+#include <algorithm>
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
-
-#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -763,7 +763,7 @@ __device__ void chooseDigit(SelectState &state, uint32_t *histogram, int shift, 
 }
 
 // A block's share of a row's digit histogram (`local`, in shared memory) into the row's, then
-// the row's last block (of `liveBlocks`) chooses the digit: threadFenceReduction's pattern.
+// the row's last block (of `liveBlocks`, arriveLast) chooses the digit.
 template <int kThreads>
 __device__ void flushHistogramAndChoose(const uint32_t *local, SelectState &state,
                                         uint32_t *global, unsigned liveBlocks, int shift,
@@ -772,14 +772,12 @@ __device__ void flushHistogramAndChoose(const uint32_t *local, SelectState &stat
   for (int b = threadIdx.x; b < (1 << bits); b += kThreads)
     if (local[b])
       atomicAdd(&global[b], local[b]);
-  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0)
-    last = atomicAdd(&state.arrivals, 1u) == liveBlocks - 1;
+    last = arriveLast(&state.arrivals, liveBlocks);
   __syncthreads();
   if (!last)
     return;
-  __threadfence();
   chooseDigit<kThreads>(state, global, shift, bits, warpTotals);
 }
 
@@ -1213,9 +1211,17 @@ __global__ void __launch_bounds__(kHistogramThreads)
   // first digit load together: a dependent global read less on the select's critical path.
   const float *scores = p.scores + size_t(row) * p.maxKeys;
   float values[kChunkRun];
+  static_assert(kChunkRun == 8, "two 16-byte loads a thread");
+  if (p.maxKeys % 4 == 0 && first + kChunkRun <= p.maxKeys) { // rows 16-byte aligned
+    const float4 low = *reinterpret_cast<const float4 *>(scores + first);
+    const float4 high = *reinterpret_cast<const float4 *>(scores + first + 4);
+    values[0] = low.x, values[1] = low.y, values[2] = low.z, values[3] = low.w;
+    values[4] = high.x, values[5] = high.y, values[6] = high.z, values[7] = high.w;
+  } else {
 #pragma unroll
-  for (int u = 0; u < kChunkRun; ++u)
-    values[u] = first + u < p.maxKeys ? scores[first + u] : 0.0f;
+    for (int u = 0; u < kChunkRun; ++u)
+      values[u] = first + u < p.maxKeys ? scores[first + u] : 0.0f;
+  }
   SelectState &state = w.states[row];
   const SelectState firstDigit = state; // the first digit's bin and the keys still wanted
   const int n = p.positions[row] + 1;
@@ -1252,13 +1258,11 @@ __global__ void __launch_bounds__(kHistogramThreads)
   uint64_t *places = w.chunkCounts + size_t(row) * chunks;
   if (tid == 0)
     places[chunk] = uint64_t(uint32_t(blockAbove)) << 32 | uint32_t(blockCandidates);
-  __threadfence();
   __syncthreads();
   if (tid == 0)
-    lastToArrive = atomicAdd(&state.arrivals, 1u) == unsigned(liveChunks) - 1;
+    lastToArrive = arriveLast(&state.arrivals, unsigned(liveChunks));
   __syncthreads();
   if (lastToArrive) { // every chunk's candidates and counts are in
-    __threadfence();
     if (tid == 0)
       digits = firstDigit;
     // The chunks' counts: this thread's run of chunks, then scans over threads.
