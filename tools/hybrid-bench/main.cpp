@@ -299,8 +299,10 @@ int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
       : o.scores == "bf16"      ? kc::IndexerParams::ScoreKernel::Bf16
       : o.scores == "warpgroup" ? kc::IndexerParams::ScoreKernel::Warpgroup
                                 : kc::IndexerParams::ScoreKernel::Auto,
-      o.select == "passes" ? kc::IndexerParams::SelectForm::Passes
-                           : kc::IndexerParams::SelectForm::Auto,
+      o.select == "passes"       ? kc::IndexerParams::SelectForm::Passes
+      : o.select == "one-launch" ? kc::IndexerParams::SelectForm::OneLaunch
+      : o.select == "gathered"   ? kc::IndexerParams::SelectForm::Gathered
+                                 : kc::IndexerParams::SelectForm::Auto,
       o.iterations, error);
   if (!error.empty()) {
     std::cerr << "error: dsa-indexer: " << error << "\n";
@@ -1109,10 +1111,12 @@ int main(int argc, char **argv) {
       ->check(CLI::IsMember({"auto", "bf16", "fp8", "warpgroup"}));
   dsaIndexer
       ->add_option("--select", indexer.select,
-                   "unfused top-k after the warpgroup scores: auto (one cooperative launch "
-                   "where the rows' 2048-key chunks fit on the GPU at once, else passes) or "
-                   "passes (a launch a digit, then the write)")
-      ->check(CLI::IsMember({"auto", "passes"}));
+                   "unfused top-k after the warpgroup scores: one-launch (the chunks' gathered "
+                   "candidates ranked in one cooperative launch; only where every row's "
+                   "2048-key chunks fit on the GPU at once), gathered (the same in three "
+                   "launches), auto (one-launch where it fits, else gathered) or passes (a "
+                   "launch a digit over every score, then the write)")
+      ->check(CLI::IsMember({"auto", "one-launch", "gathered", "passes"}));
   dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(dsaIndexer, record);

@@ -617,16 +617,18 @@ struct SelectState {
 // The select's workspace (indexerSelectWorkspaceBytes, 16-byte aligned): per row the warpgroup
 // kernel's queries (f16, each head scaled by a power of two, swizzled; made once per row by the
 // reset kernel) and the heads' inverse scales, a state and a histogram; per chunk its published
-// counts; the write pass's ticket counter; and where selectFinishKernel may run (few chunks),
-// each row's gathered candidates.
+// counts and its place; the write pass's ticket counter; and each row's gathered candidates (a
+// word a key of the capacity).
 struct SelectWorkspace {
   unsigned char *queries; // rows x kSelectQueryBytes
   float *headScales;      // rows x kMmaMaxHeads: 2^-shift of each head's queries
   SelectState *states;
   uint32_t *histograms;   // rows x kSelectBins
-  uint64_t *chunkCounts;  // rows x chunks: 0 until published, then kPublished | above T, at T
+  uint64_t *chunkCounts;  // rows x chunks: the launch a digit's (kPublished | above T, at T) or
+                          // the gathered forms' (above the first digit's bin, candidates)
+  uint64_t *places;       // rows x chunks: the gathered forms' place words (packPlace)
   uint32_t *writeTickets; // one word
-  uint2 *candidates;      // rows x maxKeys (key, position) pairs, or none (finishSelectFits false)
+  uint32_t *candidates;   // rows x maxKeys: each chunk's gathered words (gatherChunk)
 };
 constexpr uint64_t kPublished = 1ull << 63;
 constexpr int kCountBits = 24; // a chunk's count of keys above T (or at T) fits: <= kChunkKeys
@@ -636,25 +638,9 @@ __host__ __device__ inline int selectChunks(int32_t maxKeys) {
   return (maxKeys + kChunkKeys - 1) / kChunkKeys;
 }
 
-// selectFinishKernel's blocks (one a chunk of every row, by the capacity maxKeys: a decode graph
-// replays at every length) must all be resident at once; at most this many, which bounds its
-// candidates' workspace (16 MB). Not bounded by the rows' lengths, which only the device knows:
-// rows of 128K keys at batch 4 run it 5% slower than the launch a digit (docs/performance.md,
-// 2026-12-02), rows up to 32K keys faster at every batch.
-constexpr int kFinishMaxBlocks = 1024;
-__host__ __device__ inline bool finishSelectFits(int rows, int32_t maxKeys) {
-  return int64_t(rows) * selectChunks(maxKeys) <= kFinishMaxBlocks;
-}
-// The rows the candidates' workspace holds: every row where they fit, else as many as would, so
-// that the workspace of `rows` rows also holds that of any fewer (a caller sizes it for its
-// largest launch and launches fewer rows at the end).
-__host__ __device__ inline int candidateRows(int rows, int32_t maxKeys) {
-  return min(rows, kFinishMaxBlocks / selectChunks(maxKeys));
-}
-
 // Byte offsets of the workspace's parts; the last is the total.
 struct SelectLayout {
-  size_t headScales, states, histograms, chunkCounts, writeTickets, candidates, total;
+  size_t headScales, states, histograms, chunkCounts, places, writeTickets, candidates, total;
 };
 __host__ __device__ inline SelectLayout selectLayout(int rows, int maxKeys) {
   SelectLayout l;
@@ -662,23 +648,24 @@ __host__ __device__ inline SelectLayout selectLayout(int rows, int maxKeys) {
   l.states = l.headScales + size_t(rows) * kMmaMaxHeads * sizeof(float);
   l.histograms = l.states + size_t(rows) * sizeof(SelectState);
   l.chunkCounts = l.histograms + size_t(rows) * kSelectBins * sizeof(uint32_t);
-  l.writeTickets = l.chunkCounts + size_t(rows) * selectChunks(maxKeys) * sizeof(uint64_t);
+  l.places = l.chunkCounts + size_t(rows) * selectChunks(maxKeys) * sizeof(uint64_t);
+  l.writeTickets = l.places + size_t(rows) * selectChunks(maxKeys) * sizeof(uint64_t);
   l.candidates = l.writeTickets + 16;
-  l.total = l.candidates + size_t(candidateRows(rows, maxKeys)) * maxKeys * sizeof(uint2);
+  l.total = l.candidates + size_t(rows) * maxKeys * sizeof(uint32_t);
   return l;
 }
 
 inline SelectWorkspace selectWorkspace(void *base, int rows, int maxKeys) {
   auto *bytes = static_cast<unsigned char *>(base);
   const SelectLayout l = selectLayout(rows, maxKeys);
-  return SelectWorkspace{
-      bytes,
-      reinterpret_cast<float *>(bytes + l.headScales),
-      reinterpret_cast<SelectState *>(bytes + l.states),
-      reinterpret_cast<uint32_t *>(bytes + l.histograms),
-      reinterpret_cast<uint64_t *>(bytes + l.chunkCounts),
-      reinterpret_cast<uint32_t *>(bytes + l.writeTickets),
-      finishSelectFits(rows, maxKeys) ? reinterpret_cast<uint2 *>(bytes + l.candidates) : nullptr};
+  return SelectWorkspace{bytes,
+                         reinterpret_cast<float *>(bytes + l.headScales),
+                         reinterpret_cast<SelectState *>(bytes + l.states),
+                         reinterpret_cast<uint32_t *>(bytes + l.histograms),
+                         reinterpret_cast<uint64_t *>(bytes + l.chunkCounts),
+                         reinterpret_cast<uint64_t *>(bytes + l.places),
+                         reinterpret_cast<uint32_t *>(bytes + l.writeTickets),
+                         reinterpret_cast<uint32_t *>(bytes + l.candidates)};
 }
 
 // Exclusive prefix of `value` over the block's threads in thread order, and the block's total
@@ -1167,21 +1154,22 @@ __global__ void __launch_bounds__(kHistogramThreads)
   writeChunk(p, w, row, chunk, chunks, first, last, greater, equal, state.remaining, warpSums);
 }
 
-// ---- The select after the first digit in one launch, where every row's chunks fit on the GPU at
-// once (cooperative: all blocks resident). Each block keeps its chunk's keys in registers and
-// publishes how many are above the first digit's bin and its candidates, the keys in that bin
-// (usually a few percent of them), with their positions; the row's last block to arrive loads
-// the row's candidates into its shared memory, finds T and the ties there (both remaining
-// digits), then every chunk's place in the output, which it hands each chunk in one word; each
-// block waits for its word and writes its part. Instead of two histogram launches over every key
-// (each with its last block reading a global histogram) and a write launch reading the scores
-// again whose chunks wait on each other's counts: 1.3-2.8 us less an indexer call up to 32K keys
-// (H200). It still takes about 11 us alone (ncu) for a few microseconds' work at 8K keys, batch
-// 1; trimming its global round trips changed nothing, so where that goes is still open.
+// ---- The select after the first digit from the chunks' gathered candidates. Each 2048-key chunk
+// (a block, its keys in registers) counts its keys above the first digit's bin and gathers, into
+// its own 2048 words of the row's, its candidates (the keys in that bin, usually about 1% of
+// them) from the front and the positions of its keys above the bin from the back (gatherChunk);
+// one block then ranks the row's candidates in shared memory: both remaining digits, T and the
+// ties, then each chunk's place in the output, one word a chunk (rankRow); each chunk writes its
+// part from its keys above T and its share of the ties. Two forms:
+// - one cooperative launch where every row's chunks fit on the GPU at once: the row's last chunk
+//   to arrive ranks, the others wait for their word and write from the keys in their registers
+//   (selectFinishKernel);
+// - three launches otherwise (gather, rank, write): the write builds its chunk's keys above T
+//   from the gathered lists, so the scores are read once, not three times as by the launch a
+//   digit (two histogram passes and the write).
 
-// A chunk's word in the workspace's chunk counts: first its counts (keys above the first digit's
-// bin, candidates), then, from the row's last block, its place: T, where its keys start in the
-// output and how many of its ties at T it may take (before its own count caps them).
+// A chunk's word in the workspace's places: from rankRow, T, where its keys start in the output
+// and how many of its ties at T it may take (before its own count caps them).
 constexpr uint64_t kPlaceReady = 1ull << 63;
 __device__ inline uint64_t packPlace(uint32_t threshold, int offset, int ties) {
   return kPlaceReady | uint64_t(uint32_t(offset)) << 47 | uint64_t(uint32_t(ties)) << 32 |
@@ -1189,30 +1177,25 @@ __device__ inline uint64_t packPlace(uint32_t threshold, int offset, int ties) {
 }
 static_assert(kIndexerMaxTopK < (1 << 15), "a place's offset and ties take 15 bits each");
 
-constexpr int kSharedCandidates = 4096; // a row's candidates the last block ranks in shared memory
+// A gathered candidate in one word: its key's bits below the first digit (the digit is the row's
+// prefix) over its position in the chunk.
+constexpr int kChunkPositionBits = 11;
+static_assert(kChunkKeys == 1 << kChunkPositionBits && kFirstDigitShift + kChunkPositionBits == 32,
+              "a candidate's key bits and position fill one word");
+__device__ inline uint32_t packCandidate(uint32_t key, int positionInChunk) {
+  return key << kChunkPositionBits | uint32_t(positionInChunk);
+}
+__device__ inline uint2 unpackCandidate(uint32_t word, uint32_t prefix, int chunkBegin) {
+  return make_uint2(prefix | word >> kChunkPositionBits,
+                    uint32_t(chunkBegin) + (word & (kChunkKeys - 1u)));
+}
 
-__global__ void __launch_bounds__(kHistogramThreads)
-    selectFinishKernel(IndexerParams p, SelectWorkspace w) {
-  constexpr int kMaxChunksPerThread = kFinishMaxBlocks / kHistogramThreads;
-  // The digits' histogram, then the chunks' counts above T and at T.
-  __shared__ uint32_t histogram[kSelectBins];
-  static_assert(2 * kFinishMaxBlocks <= kSelectBins, "the chunk counts reuse the histogram");
-  __shared__ int chunkStarts[kFinishMaxBlocks + 1]; // the row's candidates, chunk by chunk
-  __shared__ uint2 held[kSharedCandidates];
-  __shared__ uint32_t warpTotals[kHistogramThreads / 32];
-  __shared__ int warpSums[kHistogramThreads / 32];
-  __shared__ bool lastToArrive;
-  __shared__ uint64_t place;
-  __shared__ SelectState digits; // the last block's: its digits chosen in shared memory
-  const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y, tid = threadIdx.x;
-  const int begin = chunk * kChunkKeys;
-  const int first = begin + tid * kChunkRun;
-  // The chunk's scores (those up to the capacity; the row's length cuts them below) and the
-  // first digit load together: a dependent global read less on the select's critical path.
-  const float *scores = p.scores + size_t(row) * p.maxKeys;
-  float values[kChunkRun];
+// The chunk's scores (those up to the capacity; the row's length cuts them below): eight a
+// thread, as two 16-byte loads where the rows are 16-byte aligned.
+__device__ inline void loadChunkRun(const float *scores, int first, int maxKeys,
+                                    float (&values)[kChunkRun]) {
   static_assert(kChunkRun == 8, "two 16-byte loads a thread");
-  if (p.maxKeys % 4 == 0 && first + kChunkRun <= p.maxKeys) { // rows 16-byte aligned
+  if (maxKeys % 4 == 0 && first + kChunkRun <= maxKeys) {
     const float4 low = *reinterpret_cast<const float4 *>(scores + first);
     const float4 high = *reinterpret_cast<const float4 *>(scores + first + 4);
     values[0] = low.x, values[1] = low.y, values[2] = low.z, values[3] = low.w;
@@ -1220,8 +1203,194 @@ __global__ void __launch_bounds__(kHistogramThreads)
   } else {
 #pragma unroll
     for (int u = 0; u < kChunkRun; ++u)
-      values[u] = first + u < p.maxKeys ? scores[first + u] : 0.0f;
+      values[u] = first + u < maxKeys ? scores[first + u] : 0.0f;
   }
+}
+
+// This thread's run [first, last) of the chunk at `begin` (keys in registers) into the chunk's
+// gathered words (the positions above the bin only with kAbovePositions: the one-launch form
+// writes from its registers) and its count word (keys above the bin << 32 | candidates).
+template <bool kAbovePositions>
+__device__ void gatherChunk(const uint32_t (&keys)[kChunkRun], int first, int last, int begin,
+                            uint32_t prefix, uint32_t mask, uint32_t *gathered, uint64_t *countWord,
+                            int *warpSums) {
+  unsigned candidate = 0, above = 0;
+#pragma unroll
+  for (int u = 0; u < kChunkRun; ++u) {
+    const bool live = first + u < last;
+    candidate |= unsigned(live && (keys[u] & mask) == prefix) << u;
+    above |= unsigned(live && (keys[u] & mask) > prefix) << u;
+  }
+  // Both counts in one scan: each is at most kChunkKeys.
+  static_assert(kChunkKeys < (1 << 16), "two counts a word");
+  int totals = 0;
+  const int before = blockExclusiveScan(__popc(candidate) | __popc(above) << 16, warpSums, totals);
+  int slot = before & 0xFFFF, aboveSlot = kChunkKeys - 1 - (before >> 16);
+#pragma unroll
+  for (int u = 0; u < kChunkRun; ++u) {
+    if (candidate >> u & 1u)
+      gathered[slot++] = packCandidate(keys[u], first + u - begin);
+    if (kAbovePositions && (above >> u & 1u))
+      gathered[aboveSlot--] = uint32_t(first + u - begin);
+  }
+  if (threadIdx.x == 0)
+    *countWord = uint64_t(uint32_t(totals >> 16)) << 32 | uint32_t(totals & 0xFFFF);
+}
+
+constexpr int kRankMaxChunks = 1024;    // a row's chunks rankRow takes: 2M keys
+constexpr int kSharedCandidates = 4096; // a row's candidates rankRow ranks in shared memory
+
+struct RankShared {
+  uint32_t histogram[kSelectBins]; // the digits' histogram, then the chunks' counts above / at T
+  int chunkStarts[kRankMaxChunks + 1]; // the row's candidates, chunk by chunk
+  uint2 held[kSharedCandidates];       // (key, position)
+  uint32_t warpTotals[kHistogramThreads / 32];
+  int warpSums[kHistogramThreads / 32];
+  SelectState digits;
+};
+static_assert(2 * kRankMaxChunks <= kSelectBins, "the chunk counts reuse the histogram");
+
+// One block ranks row `row`'s gathered candidates (its `liveChunks` chunks' counts and words
+// complete and visible): both remaining digits give T and the ties taken, then each chunk's
+// place goes to the workspace's places.
+__device__ void rankRow(const SelectWorkspace &w, int row, int chunks, int liveChunks,
+                        int32_t maxKeys, const SelectState &firstDigit, RankShared &s) {
+  constexpr int kMaxChunksPerThread = kRankMaxChunks / kHistogramThreads;
+  constexpr int kWarps = kHistogramThreads / 32;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  if (tid == 0)
+    s.digits = firstDigit;
+  const uint64_t *counts = w.chunkCounts + size_t(row) * chunks;
+  const uint32_t *gathered = w.candidates + size_t(row) * maxKeys;
+  // The chunks' counts: this thread's run of chunks, then scans over threads.
+  const int perThread = (liveChunks + kHistogramThreads - 1) / kHistogramThreads;
+  int aboveBin[kMaxChunksPerThread], candidates[kMaxChunksPerThread], candidateSum = 0;
+#pragma unroll
+  for (int j = 0; j < kMaxChunksPerThread; ++j) {
+    const int c = tid * perThread + j;
+    const uint64_t word = j < perThread && c < liveChunks ? __ldcg(counts + c) : 0ull;
+    aboveBin[j] = int(word >> 32);
+    candidates[j] = int(word & 0xFFFFFFFFu);
+    candidateSum += candidates[j];
+  }
+  int count = 0;
+  int start = blockExclusiveScan(candidateSum, s.warpSums, count);
+#pragma unroll
+  for (int j = 0; j < kMaxChunksPerThread; ++j)
+    if (j < perThread && tid * perThread + j < liveChunks) {
+      s.chunkStarts[tid * perThread + j] = start;
+      start += candidates[j];
+    }
+  if (tid == 0)
+    s.chunkStarts[liveChunks] = count;
+  __syncthreads();
+  const uint32_t prefix = firstDigit.prefix;
+  const bool inShared = count <= kSharedCandidates;
+  // visit(candidate) for each of the row's candidates: from shared memory, or (more than it
+  // holds) from each chunk's gathered words, a warp a chunk. Plain loops, not unrolled: the
+  // block runs this once, so its time went to fetching instructions (an unrolled form with a
+  // search for each candidate's chunk took ~9 us at 1344 candidates).
+  auto forEachCandidate = [&](auto &&visit) {
+    if (inShared) {
+      for (int i = tid; i < count; i += kHistogramThreads)
+        visit(s.held[i]);
+      return;
+    }
+    for (int c = warp; c < liveChunks; c += kWarps) {
+      const int chunkCount = s.chunkStarts[c + 1] - s.chunkStarts[c];
+      for (int i = lane; i < chunkCount; i += 32)
+        visit(
+            unpackCandidate(__ldcg(gathered + size_t(c) * kChunkKeys + i), prefix, c * kChunkKeys));
+    }
+  };
+  if (inShared)
+    for (int c = warp; c < liveChunks; c += kWarps) {
+      const int first = s.chunkStarts[c], chunkCount = s.chunkStarts[c + 1] - first;
+      for (int i = lane; i < chunkCount; i += 32)
+        s.held[first + i] =
+            unpackCandidate(__ldcg(gathered + size_t(c) * kChunkKeys + i), prefix, c * kChunkKeys);
+    }
+  for (int top = kFirstDigitShift; top > 0;) {
+    const int bits = min(kMaxDigitBits, top), shift = top - bits;
+    for (int b = tid; b < (1 << bits); b += kHistogramThreads)
+      s.histogram[b] = 0;
+    __syncthreads(); // and the held candidates are in
+    const uint32_t digitPrefix = s.digits.prefix, digitMask = s.digits.mask;
+    forEachCandidate([&](uint2 c) {
+      if ((c.x & digitMask) == digitPrefix)
+        atomicAdd(&s.histogram[(c.x >> shift) & ((1u << bits) - 1)], 1u);
+    });
+    __syncthreads();
+    chooseDigit<kHistogramThreads, /*kShared=*/true>(s.digits, s.histogram, shift, bits,
+                                                     s.warpTotals);
+    __syncthreads(); // the state's new digit is read by every thread
+    top = shift;
+  }
+  const uint32_t threshold = s.digits.prefix;
+  const int remaining = s.digits.remaining; // ties at T taken over the row
+  // Each chunk's keys above T (those above the bin, and its candidates above T) and at T.
+  uint32_t *aboveT = s.histogram, *atT = s.histogram + kRankMaxChunks;
+  for (int c = tid; c < liveChunks; c += kHistogramThreads)
+    aboveT[c] = atT[c] = 0;
+  __syncthreads();
+  forEachCandidate([&](uint2 c) {
+    if (c.x >= threshold)
+      atomicAdd(&(c.x > threshold ? aboveT : atT)[c.y / kChunkKeys], 1u);
+  });
+  __syncthreads();
+  int greater[kMaxChunksPerThread], equal[kMaxChunksPerThread], greaterSum = 0, equalSum = 0;
+#pragma unroll
+  for (int j = 0; j < kMaxChunksPerThread; ++j) {
+    const int c = tid * perThread + j;
+    const bool mine = j < perThread && c < liveChunks;
+    greater[j] = mine ? aboveBin[j] + int(aboveT[c]) : 0;
+    equal[j] = mine ? int(atT[c]) : 0;
+    greaterSum += greater[j];
+    equalSum += equal[j];
+  }
+  int unused = 0;
+  int greaterPrior = blockExclusiveScan(greaterSum, s.warpSums, unused);
+  int equalPrior = blockExclusiveScan(equalSum, s.warpSums, unused);
+  uint64_t *places = w.places + size_t(row) * chunks;
+#pragma unroll
+  for (int j = 0; j < kMaxChunksPerThread; ++j) {
+    const int c = tid * perThread + j;
+    if (j < perThread && c < liveChunks) {
+      // Ties go to the lowest positions: the chunks before took min(remaining, their ties).
+      // The word carries all a chunk needs: no fence before it.
+      __stcg(places + c, packPlace(threshold, greaterPrior + min(remaining, equalPrior),
+                                   max(remaining - equalPrior, 0)));
+      greaterPrior += greater[j];
+      equalPrior += equal[j];
+    }
+  }
+}
+
+// A chunk's part of the output from its place word: this thread's keys above T (`greater`) and
+// at T (`equal`), bit j for position first + j.
+__device__ inline void writeFromPlace(const IndexerParams &p, int row, uint64_t place, int first,
+                                      int last, unsigned greater, unsigned equal, int *warpSums) {
+  const int offset = int(place >> 47 & 0x7FFFu), chunkTies = int(place >> 32 & 0x7FFFu);
+  int unused = 0;
+  const int greaterBefore = blockExclusiveScan(__popc(greater), warpSums, unused);
+  const int equalBefore = blockExclusiveScan(__popc(equal), warpSums, unused);
+  writeThreadRun(p.indices + size_t(row) * p.topK, first, last, greater, equal, greaterBefore,
+                 equalBefore, offset, chunkTies);
+}
+
+// The one-launch form: a block a chunk of every row, all resident.
+__global__ void __launch_bounds__(kHistogramThreads)
+    selectFinishKernel(IndexerParams p, SelectWorkspace w) {
+  __shared__ RankShared rank;
+  __shared__ bool lastToArrive;
+  __shared__ uint64_t place;
+  const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y, tid = threadIdx.x;
+  const int begin = chunk * kChunkKeys;
+  const int first = begin + tid * kChunkRun;
+  // The chunk's scores and the first digit load together: a dependent global read less on the
+  // select's critical path.
+  float values[kChunkRun];
+  loadChunkRun(p.scores + size_t(row) * p.maxKeys, first, p.maxKeys, values);
   SelectState &state = w.states[row];
   const SelectState firstDigit = state; // the first digit's bin and the keys still wanted
   const int n = p.positions[row] + 1;
@@ -1233,168 +1402,118 @@ __global__ void __launch_bounds__(kHistogramThreads)
   if (begin >= n)
     return;
   const int liveChunks = (n + kChunkKeys - 1) / kChunkKeys;
-  const uint32_t prefix = firstDigit.prefix, mask = firstDigit.mask;
   const int last = min(n, first + kChunkRun);
   uint32_t keys[kChunkRun];
-  unsigned candidate = 0;
-  int above = 0; // keys above the first digit's bin
-#pragma unroll
-  for (int u = 0; u < kChunkRun; ++u) {
-    const bool live = first + u < last;
-    keys[u] = live ? orderKey(values[u]) : 0u;
-    candidate |= unsigned(live && (keys[u] & mask) == prefix) << u;
-    above += live && (keys[u] & mask) > prefix;
-  }
-  int blockCandidates = 0, blockAbove = 0;
-  const int before = blockExclusiveScan(__popc(candidate), warpSums, blockCandidates);
-  blockExclusiveScan(above, warpSums, blockAbove);
-  // The chunk's candidates at the start of its own 2048 slots of the row's.
-  uint2 *candidates = w.candidates + size_t(row) * p.maxKeys;
-  int slot = begin + before;
 #pragma unroll
   for (int u = 0; u < kChunkRun; ++u)
-    if (candidate >> u & 1u)
-      candidates[slot++] = make_uint2(keys[u], uint32_t(first + u));
-  uint64_t *places = w.chunkCounts + size_t(row) * chunks;
-  if (tid == 0)
-    places[chunk] = uint64_t(uint32_t(blockAbove)) << 32 | uint32_t(blockCandidates);
+    keys[u] = first + u < last ? orderKey(values[u]) : 0u;
+  gatherChunk<false>(keys, first, last, begin, firstDigit.prefix, firstDigit.mask,
+                     w.candidates + size_t(row) * p.maxKeys + begin,
+                     w.chunkCounts + size_t(row) * chunks + chunk, rank.warpSums);
   __syncthreads();
   if (tid == 0)
     lastToArrive = arriveLast(&state.arrivals, unsigned(liveChunks));
   __syncthreads();
-  if (lastToArrive) { // every chunk's candidates and counts are in
-    if (tid == 0)
-      digits = firstDigit;
-    // The chunks' counts: this thread's run of chunks, then scans over threads.
-    const int perThread = (liveChunks + kHistogramThreads - 1) / kHistogramThreads;
-    int aboveBin[kMaxChunksPerThread], gathered[kMaxChunksPerThread], gatheredSum = 0;
-#pragma unroll
-    for (int j = 0; j < kMaxChunksPerThread; ++j) {
-      const int c = tid * perThread + j;
-      const uint64_t counts = j < perThread && c < liveChunks ? __ldcg(places + c) : 0ull;
-      aboveBin[j] = int(counts >> 32);
-      gathered[j] = int(counts & 0xFFFFFFFFu);
-      gatheredSum += gathered[j];
-    }
-    int count = 0;
-    int start = blockExclusiveScan(gatheredSum, warpSums, count);
-#pragma unroll
-    for (int j = 0; j < kMaxChunksPerThread; ++j)
-      if (j < perThread && tid * perThread + j < liveChunks) {
-        chunkStarts[tid * perThread + j] = start;
-        start += gathered[j];
-      }
-    __syncthreads();
-    // Candidate i of the row: in chunk c where chunkStarts[c] <= i < chunkStarts[c + 1].
-    auto inGlobal = [&](int i) {
-      int low = 0, high = liveChunks - 1;
-      while (low < high) {
-        const int middle = (low + high + 1) / 2;
-        if (chunkStarts[middle] <= i)
-          low = middle;
-        else
-          high = middle - 1;
-      }
-      return __ldcg(candidates + size_t(low) * kChunkKeys + (i - chunkStarts[low]));
-    };
-    const bool inShared = count <= kSharedCandidates;
-    // visit(index, candidate) for each candidate, kChunkRun a thread in flight.
-    auto forEachCandidate = [&](bool fromShared, auto &&visit) {
-      for (int firstIndex = tid; firstIndex < count; firstIndex += kChunkRun * kHistogramThreads) {
-        uint2 loaded[kChunkRun];
-#pragma unroll
-        for (int u = 0; u < kChunkRun; ++u) {
-          const int i = firstIndex + u * kHistogramThreads;
-          loaded[u] = i >= count ? make_uint2(0u, 0u) : fromShared ? held[i] : inGlobal(i);
-        }
-#pragma unroll
-        for (int u = 0; u < kChunkRun; ++u)
-          if (firstIndex + u * kHistogramThreads < count)
-            visit(firstIndex + u * kHistogramThreads, loaded[u]);
-      }
-    };
-    if (inShared)
-      forEachCandidate(false, [&](int i, uint2 c) { held[i] = c; });
-    for (int top = kFirstDigitShift; top > 0;) {
-      const int bits = min(kMaxDigitBits, top), shift = top - bits;
-      for (int b = tid; b < (1 << bits); b += kHistogramThreads)
-        histogram[b] = 0;
-      __syncthreads(); // and the held candidates are in
-      const uint32_t digitPrefix = digits.prefix, digitMask = digits.mask;
-      forEachCandidate(inShared, [&](int, uint2 c) {
-        if ((c.x & digitMask) == digitPrefix)
-          atomicAdd(&histogram[(c.x >> shift) & ((1u << bits) - 1)], 1u);
-      });
-      __syncthreads();
-      chooseDigit<kHistogramThreads, /*kShared=*/true>(digits, histogram, shift, bits, warpTotals);
-      __syncthreads(); // the state's new digit is read by every thread
-      top = shift;
-    }
-    const uint32_t threshold = digits.prefix;
-    const int remaining = digits.remaining; // ties at T taken over the row
-    // Each chunk's keys above T (those above the bin, and its candidates above T) and at T.
-    uint32_t *aboveT = histogram, *atT = histogram + kFinishMaxBlocks;
-    for (int c = tid; c < liveChunks; c += kHistogramThreads)
-      aboveT[c] = atT[c] = 0;
-    __syncthreads();
-    forEachCandidate(inShared, [&](int, uint2 c) {
-      if (c.x >= threshold)
-        atomicAdd(&(c.x > threshold ? aboveT : atT)[c.y / kChunkKeys], 1u);
-    });
-    __syncthreads();
-    int greater[kMaxChunksPerThread], equal[kMaxChunksPerThread], greaterSum = 0, equalSum = 0;
-#pragma unroll
-    for (int j = 0; j < kMaxChunksPerThread; ++j) {
-      const int c = tid * perThread + j;
-      const bool mine = j < perThread && c < liveChunks;
-      greater[j] = mine ? aboveBin[j] + int(aboveT[c]) : 0;
-      equal[j] = mine ? int(atT[c]) : 0;
-      greaterSum += greater[j];
-      equalSum += equal[j];
-    }
-    int unused = 0;
-    int greaterPrior = blockExclusiveScan(greaterSum, warpSums, unused);
-    int equalPrior = blockExclusiveScan(equalSum, warpSums, unused);
-#pragma unroll
-    for (int j = 0; j < kMaxChunksPerThread; ++j) {
-      const int c = tid * perThread + j;
-      if (j < perThread && c < liveChunks) {
-        // Ties go to the lowest positions: the chunks before took min(remaining, their ties).
-        // The word carries all a chunk needs: no fence before it.
-        __stcg(places + c, packPlace(threshold, greaterPrior + min(remaining, equalPrior),
-                                     max(remaining - equalPrior, 0)));
-        greaterPrior += greater[j];
-        equalPrior += equal[j];
-      }
-    }
-  }
+  if (lastToArrive) // every chunk's candidates and counts are in
+    rankRow(w, row, chunks, liveChunks, p.maxKeys, firstDigit, rank);
   if (tid == 0) {
     uint64_t word;
-    while (!((word = __ldcv(places + chunk)) & kPlaceReady))
+    while (!((word = __ldcv(w.places + size_t(row) * chunks + chunk)) & kPlaceReady))
       __nanosleep(20);
     place = word;
   }
   __syncthreads();
   const uint32_t threshold = uint32_t(place);
-  const int offset = int(place >> 47 & 0x7FFFu), chunkTies = int(place >> 32 & 0x7FFFu);
   unsigned greater = 0, equal = 0;
 #pragma unroll
   for (int u = 0; u < kChunkRun; ++u) {
     greater |= unsigned(first + u < last && keys[u] > threshold) << u;
     equal |= unsigned(first + u < last && keys[u] == threshold) << u;
   }
-  int unused = 0;
-  const int greaterBefore = blockExclusiveScan(__popc(greater), warpSums, unused);
-  const int equalBefore = blockExclusiveScan(__popc(equal), warpSums, unused);
-  writeThreadRun(p.indices + size_t(row) * p.topK, first, last, greater, equal, greaterBefore,
-                 equalBefore, offset, chunkTies);
+  writeFromPlace(p, row, place, first, last, greater, equal, rank.warpSums);
 }
 
-// Fresh states, zero histograms, unpublished counts and the ticket counter (the digit passes leave
-// the histograms zero again behind them, but a failed launch may not have); with `Queries`, also
-// each row's queries in f16 (each head scaled by a power of two, its inverse in headScales) at the
-// warpgroup kernel's permuted, swizzled places, once per row instead of once per block of the
-// scores kernel.
+// The three-launch form's gather: a block a chunk.
+__global__ void __launch_bounds__(kHistogramThreads)
+    selectGatherKernel(IndexerParams p, SelectWorkspace w) {
+  __shared__ int warpSums[kHistogramThreads / 32];
+  const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
+  const int begin = chunk * kChunkKeys, first = begin + int(threadIdx.x) * kChunkRun;
+  const int n = p.positions[row] + 1;
+  if (n <= p.topK || begin >= n)
+    return;
+  float values[kChunkRun];
+  loadChunkRun(p.scores + size_t(row) * p.maxKeys, first, p.maxKeys, values);
+  const SelectState firstDigit = w.states[row];
+  const int last = min(n, first + kChunkRun);
+  uint32_t keys[kChunkRun];
+#pragma unroll
+  for (int u = 0; u < kChunkRun; ++u)
+    keys[u] = first + u < last ? orderKey(values[u]) : 0u;
+  gatherChunk<true>(keys, first, last, begin, firstDigit.prefix, firstDigit.mask,
+                    w.candidates + size_t(row) * p.maxKeys + begin,
+                    w.chunkCounts + size_t(row) * chunks + chunk, warpSums);
+}
+
+// The three-launch form's rank: a block a row.
+__global__ void __launch_bounds__(kHistogramThreads)
+    selectRankKernel(IndexerParams p, SelectWorkspace w, int chunks) {
+  __shared__ RankShared rank;
+  const int row = blockIdx.x, n = p.positions[row] + 1;
+  if (n <= p.topK)
+    return;
+  rankRow(w, row, chunks, (n + kChunkKeys - 1) / kChunkKeys, p.maxKeys, w.states[row], rank);
+}
+
+// The three-launch form's write: a block a chunk, its keys above T and at T from its gathered
+// words (the positions above the bin, the candidates compared with T) through a byte a position
+// in shared memory.
+__global__ void __launch_bounds__(kHistogramThreads)
+    selectGatheredWriteKernel(IndexerParams p, SelectWorkspace w) {
+  constexpr uint8_t kGreater = 1, kEqual = 2;
+  __shared__ __align__(16) uint8_t marks[kChunkKeys];
+  __shared__ int warpSums[kHistogramThreads / 32];
+  const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y, tid = threadIdx.x;
+  const int begin = chunk * kChunkKeys, first = begin + tid * kChunkRun;
+  const int n = p.positions[row] + 1;
+  if (n <= p.topK) {
+    if (chunk == 0)
+      writeWholeRow(p, row, n);
+    return;
+  }
+  if (begin >= n)
+    return;
+  const uint64_t counts = w.chunkCounts[size_t(row) * chunks + chunk];
+  const uint64_t place = w.places[size_t(row) * chunks + chunk];
+  const uint32_t prefix = w.states[row].prefix, threshold = uint32_t(place);
+  const int above = int(counts >> 32), candidates = int(counts & 0xFFFFFFFFu);
+  const uint32_t *gathered = w.candidates + size_t(row) * p.maxKeys + begin;
+  reinterpret_cast<uint2 *>(marks)[tid] = make_uint2(0u, 0u); // kChunkRun bytes a thread
+  __syncthreads();
+  for (int i = tid; i < above; i += kHistogramThreads)
+    marks[gathered[kChunkKeys - 1 - i]] = kGreater;
+  for (int i = tid; i < candidates; i += kHistogramThreads) {
+    const uint2 c = unpackCandidate(gathered[i], prefix, 0);
+    if (c.x >= threshold)
+      marks[c.y] = c.x > threshold ? kGreater : kEqual;
+  }
+  __syncthreads();
+  const uint2 mine = reinterpret_cast<const uint2 *>(marks)[tid];
+  unsigned greater = 0, equal = 0;
+#pragma unroll
+  for (int u = 0; u < kChunkRun; ++u) {
+    const unsigned mark = (u < 4 ? mine.x >> (8 * u) : mine.y >> (8 * (u - 4))) & 0xFFu;
+    greater |= unsigned(mark == kGreater) << u;
+    equal |= unsigned(mark == kEqual) << u;
+  }
+  writeFromPlace(p, row, place, first, min(n, first + kChunkRun), greater, equal, warpSums);
+}
+
+// Fresh states, zero histograms, unpublished counts and places and the ticket counter (the digit
+// passes leave the histograms zero again behind them, but a failed launch may not have); with
+// `Queries`, also each row's queries in f16 (each head scaled by a power of two, its inverse in
+// headScales) at the warpgroup kernel's permuted, swizzled places, once per row instead of once per
+// block of the scores kernel.
 template <int D, bool Queries>
 __global__ void selectResetKernel(IndexerParams p, SelectWorkspace w, int chunks) {
   const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -1404,7 +1523,7 @@ __global__ void selectResetKernel(IndexerParams p, SelectWorkspace w, int chunks
   if (i < size_t(rows) * kSelectBins)
     w.histograms[i] = 0;
   if (i < size_t(rows) * chunks)
-    w.chunkCounts[i] = 0;
+    w.chunkCounts[i] = w.places[i] = 0;
   if (i == 0)
     *w.writeTickets = 0;
   if constexpr (Queries) {
@@ -1454,28 +1573,42 @@ template <int D> int launchSelectReset(const IndexerParams &p, bool queries, cud
   return int(cudaGetLastError());
 }
 
-// The select after the scores on `stream`: the digits from the top of the 32-bit keys (the first
-// one already chosen when the scores kernel histogrammed it), then the write; or, after a first
-// digit, all in one cooperative launch where the rows' chunks fit on the GPU at once.
+// The select after the scores on `stream`. After a first digit (the warpgroup scores): from the
+// chunks' gathered candidates, in one cooperative launch where every row's chunks fit on the GPU
+// at once, else in three; otherwise (and as SelectForm::Passes) the digits from the top of the
+// 32-bit keys, a launch each, then the write.
 int launchSelect(const IndexerParams &p, bool firstDigitChosen, cudaStream_t stream) {
+  using Form = IndexerParams::SelectForm;
   const SelectWorkspace w = selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys);
   const int chunkCount = selectChunks(p.maxKeys);
   const dim3 chunks(unsigned(p.rows), unsigned(chunkCount));
-  const DeviceSetup setup = deviceSetup([] { return cudaSuccess; });
-  static const int finishPerSm = residentBlocksPerSm(selectFinishKernel, kHistogramThreads);
-  if (firstDigitChosen && p.selectForm == IndexerParams::SelectForm::Auto && w.candidates &&
-      setup.status == cudaSuccess &&
-      int64_t(p.rows) * chunkCount <= int64_t(finishPerSm) * setup.multiprocessors) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = chunks;
-    config.blockDim = dim3(kHistogramThreads);
-    config.stream = stream;
-    cudaLaunchAttribute cooperative[1];
-    cooperative[0].id = cudaLaunchAttributeCooperative;
-    cooperative[0].val.cooperative = 1;
-    config.attrs = cooperative;
-    config.numAttrs = 1;
-    return int(cudaLaunchKernelEx(&config, selectFinishKernel, p, w));
+  const bool gathered =
+      firstDigitChosen && p.selectForm != Form::Passes && chunkCount <= kRankMaxChunks;
+  if (gathered && p.selectForm != Form::Gathered) {
+    const DeviceSetup setup = deviceSetup([] { return cudaSuccess; });
+    static const int finishPerSm = residentBlocksPerSm(selectFinishKernel, kHistogramThreads);
+    const bool fits = setup.status == cudaSuccess &&
+                      int64_t(p.rows) * chunkCount <= int64_t(finishPerSm) * setup.multiprocessors;
+    if (p.selectForm == Form::OneLaunch && !fits)
+      return int(cudaErrorCooperativeLaunchTooLarge);
+    if (fits) {
+      cudaLaunchConfig_t config = {};
+      config.gridDim = chunks;
+      config.blockDim = dim3(kHistogramThreads);
+      config.stream = stream;
+      cudaLaunchAttribute cooperative[1];
+      cooperative[0].id = cudaLaunchAttributeCooperative;
+      cooperative[0].val.cooperative = 1;
+      config.attrs = cooperative;
+      config.numAttrs = 1;
+      return int(cudaLaunchKernelEx(&config, selectFinishKernel, p, w));
+    }
+  }
+  if (gathered) {
+    selectGatherKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, w);
+    selectRankKernel<<<unsigned(p.rows), kHistogramThreads, 0, stream>>>(p, w, chunkCount);
+    selectGatheredWriteKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, w);
+    return int(cudaGetLastError());
   }
   for (int top = firstDigitChosen ? kFirstDigitShift : 32; top > 0;) {
     const int bits = std::min(kMaxDigitBits, top), shift = top - bits;

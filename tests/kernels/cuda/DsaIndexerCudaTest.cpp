@@ -167,13 +167,19 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
                                     c.scoreKernel);
   const std::vector<float> &scores = run.scores;
   const std::vector<int32_t> &indices = run.indices;
-  // The select's two forms after the warpgroup scores (one cooperative launch here, where every
-  // shape fits on the GPU; a launch a digit): the same positions.
+  // The select's other forms after the warpgroup scores (Auto took the one cooperative launch
+  // here, where every shape fits on the GPU): the same positions.
   if (c.mxfp8Queries && c.scoreKernel == cuda::IndexerParams::ScoreKernel::Auto) {
-    const IndexerRun passes = runIndexer(
-        paged, c.type, c.heads, c.dim, q, w, positions, sequences, maxKeys, c.topK,
-        /*fused=*/false, c.mxfp8Queries, c.scoreKernel, cuda::IndexerParams::SelectForm::Passes);
-    EXPECT_EQ(passes.indices, indices) << "the one-launch and per-digit selects differ";
+    for (auto form :
+         {cuda::IndexerParams::SelectForm::Gathered, cuda::IndexerParams::SelectForm::Passes}) {
+      const IndexerRun other =
+          runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences, maxKeys, c.topK,
+                     /*fused=*/false, c.mxfp8Queries, c.scoreKernel, form);
+      EXPECT_EQ(other.indices, indices)
+          << "the one-launch select and the "
+          << (form == cuda::IndexerParams::SelectForm::Passes ? "per-digit" : "three-launch")
+          << " select differ";
+    }
   }
   // The fused form computes the same scores (bf16 MMAs: the FP8 ones may differ in the last bits)
   // and selects by the same rule: the same positions.
@@ -307,17 +313,33 @@ TEST(DsaIndexerCudaTies, LowestPositionsWin) {
                        random(3 * 64, rng, 1.0f), {n - 1, n - 1, n - 2}, {0, 0, 0}, n, 2048)
                 .indices,
             expected);
-  // The same after the warpgroup scores (MXFP8 queries), in both select forms: every key is in
-  // the first digit's bin, so the one-launch select's last block ranks all 3000 of each row.
+  // The same after the warpgroup scores (MXFP8 queries), in every select form: every key is in
+  // the first digit's bin, so the gathered forms rank all 3000 of each row in shared memory, and
+  // all 5000 of a longer row from global memory (more than the shared memory holds).
   std::vector<float> q = random(3 * 64 * 128, rng, 0.5f);
   ASSERT_TRUE(roundToMxfp8(q, 128));
-  for (auto form : {cuda::IndexerParams::SelectForm::Auto, cuda::IndexerParams::SelectForm::Passes})
+  using Form = cuda::IndexerParams::SelectForm;
+  for (auto [form, name] :
+       {std::pair{Form::OneLaunch, "one launch"}, std::pair{Form::Gathered, "three launches"},
+        std::pair{Form::Passes, "passes"}})
     EXPECT_EQ(runIndexer(paged, IndexKeyType::Mxfp8, 64, 128, q, random(3 * 64, rng, 1.0f),
                          {n - 1, n - 1, n - 2}, {0, 0, 0}, n, 2048, /*fused=*/false,
                          /*mxfp8Queries=*/true, cuda::IndexerParams::ScoreKernel::Auto, form)
                   .indices,
               expected)
-        << (form == cuda::IndexerParams::SelectForm::Auto ? "one launch" : "passes");
+        << name;
+  const int longer = 5000;
+  const PagedKeys pagedLonger(IndexKeyType::Mxfp8, 128, 64, {longer}, rng, /*identicalKeys=*/true);
+  for (auto [form, name] :
+       {std::pair{Form::OneLaunch, "one launch"}, std::pair{Form::Gathered, "three launches"},
+        std::pair{Form::Passes, "passes"}})
+    EXPECT_EQ(runIndexer(pagedLonger, IndexKeyType::Mxfp8, 64, 128,
+                         std::vector<float>(q.begin(), q.begin() + 64 * 128), random(64, rng, 1.0f),
+                         {longer - 1}, {0}, longer, 2048, /*fused=*/false,
+                         /*mxfp8Queries=*/true, cuda::IndexerParams::ScoreKernel::Auto, form)
+                  .indices,
+              lowest2048)
+        << name << ", " << longer << " tied keys";
 }
 
 TEST(DsaIndexerCudaErrors, RejectsBadShapes) {

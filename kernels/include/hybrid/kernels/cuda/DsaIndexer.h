@@ -58,10 +58,13 @@ struct IndexerParams {
                               // of them, then -1s
   // Unfused: indexerSelectWorkspaceBytes(rows, maxKeys), 16-byte aligned.
   void *selectWorkspace = nullptr;
-  // How the unfused top-k selects after the warpgroup scores: Auto takes one cooperative launch
-  // where every row's 2048-key chunks (of maxKeys) fit on the GPU at once, a block each, else
-  // Passes (a launch per remaining digit, then the write). Tests and benchmarks pick either.
-  enum class SelectForm { Auto, Passes } selectForm = SelectForm::Auto;
+  // How the unfused top-k selects after the warpgroup scores, which choose its first digit. From
+  // each 2048-key chunk's gathered candidates (the keys in that digit's bin): OneLaunch, one
+  // cooperative launch, when every row's chunks (of maxKeys) fit on the GPU at once, a block
+  // each (else it fails: cudaErrorCooperativeLaunchTooLarge); Gathered, three launches (gather,
+  // rank, write). Passes: a launch per remaining digit over every score, then the write. Auto:
+  // OneLaunch where it fits, else Gathered. Tests and benchmarks pick each.
+  enum class SelectForm { Auto, OneLaunch, Gathered, Passes } selectForm = SelectForm::Auto;
   // The unfused tensor-core scores' 64-key tiles per block (a tuned configuration, kernels/
   // KernelTuning.h); 0: the default, about one wave of blocks on the GPU.
   int32_t tilesPerBlock = 0;
