@@ -668,8 +668,9 @@ inline SelectWorkspace selectWorkspace(void *base, int rows, int maxKeys) {
                          reinterpret_cast<uint32_t *>(bytes + l.candidates)};
 }
 
-// Exclusive prefix of `value` over the block's threads in thread order, and the block's total
-// (warpSums: one word per warp).
+// Exclusive prefix of `value` over the block's kThreads threads in thread order, and the block's
+// total (warpSums: one word per warp).
+template <int kThreads = kHistogramThreads>
 __device__ inline int blockExclusiveScan(int value, int *warpSums, int &total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   int inclusive = value;
@@ -685,7 +686,8 @@ __device__ inline int blockExclusiveScan(int value, int *warpSums, int &total) {
   __syncthreads();
   int before = 0;
   total = 0;
-  for (int w = 0; w < int(blockDim.x) / 32; ++w) {
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) {
     before += w < warp ? warpSums[w] : 0;
     total += warpSums[w];
   }
@@ -1371,11 +1373,10 @@ __device__ void rankRow(const SelectWorkspace &w, int row, int chunks, int liveC
 __device__ inline void writeFromPlace(const IndexerParams &p, int row, uint64_t place, int first,
                                       int last, unsigned greater, unsigned equal, int *warpSums) {
   const int offset = int(place >> 47 & 0x7FFFu), chunkTies = int(place >> 32 & 0x7FFFu);
-  int unused = 0;
-  const int greaterBefore = blockExclusiveScan(__popc(greater), warpSums, unused);
-  const int equalBefore = blockExclusiveScan(__popc(equal), warpSums, unused);
-  writeThreadRun(p.indices + size_t(row) * p.topK, first, last, greater, equal, greaterBefore,
-                 equalBefore, offset, chunkTies);
+  int unused = 0; // both counts in one scan: each is at most kChunkKeys
+  const int before = blockExclusiveScan(__popc(greater) | __popc(equal) << 16, warpSums, unused);
+  writeThreadRun(p.indices + size_t(row) * p.topK, first, last, greater, equal, before & 0xFFFF,
+                 before >> 16, offset, chunkTies);
 }
 
 // The one-launch form: a block a chunk of every row, all resident.
@@ -1439,12 +1440,13 @@ __global__ void __launch_bounds__(kHistogramThreads)
   __shared__ int warpSums[kHistogramThreads / 32];
   const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
   const int begin = chunk * kChunkKeys, first = begin + int(threadIdx.x) * kChunkRun;
-  const int n = p.positions[row] + 1;
-  if (n <= p.topK || begin >= n)
-    return;
+  // The scores, the first digit and the row's length load together (a dependent round trip less).
   float values[kChunkRun];
   loadChunkRun(p.scores + size_t(row) * p.maxKeys, first, p.maxKeys, values);
   const SelectState firstDigit = w.states[row];
+  const int n = p.positions[row] + 1;
+  if (n <= p.topK || begin >= n)
+    return;
   const int last = min(n, first + kChunkRun);
   uint32_t keys[kChunkRun];
 #pragma unroll
@@ -1475,6 +1477,10 @@ __global__ void __launch_bounds__(kHistogramThreads)
   __shared__ int warpSums[kHistogramThreads / 32];
   const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y, tid = threadIdx.x;
   const int begin = chunk * kChunkKeys, first = begin + tid * kChunkRun;
+  // The chunk's words and the row's length load together (a dependent round trip less).
+  const uint64_t counts = w.chunkCounts[size_t(row) * chunks + chunk];
+  const uint64_t place = w.places[size_t(row) * chunks + chunk];
+  const uint32_t prefix = w.states[row].prefix, threshold = uint32_t(place);
   const int n = p.positions[row] + 1;
   if (n <= p.topK) {
     if (chunk == 0)
@@ -1483,9 +1489,6 @@ __global__ void __launch_bounds__(kHistogramThreads)
   }
   if (begin >= n)
     return;
-  const uint64_t counts = w.chunkCounts[size_t(row) * chunks + chunk];
-  const uint64_t place = w.places[size_t(row) * chunks + chunk];
-  const uint32_t prefix = w.states[row].prefix, threshold = uint32_t(place);
   const int above = int(counts >> 32), candidates = int(counts & 0xFFFFFFFFu);
   const uint32_t *gathered = w.candidates + size_t(row) * p.maxKeys + begin;
   reinterpret_cast<uint2 *>(marks)[tid] = make_uint2(0u, 0u); // kChunkRun bytes a thread
@@ -1734,8 +1737,8 @@ __global__ void __launch_bounds__(kFusedThreads)
     equal += sliceKeys32[i] == threshold;
   }
   int blockGreater = 0, blockEqual = 0;
-  const int equalBefore = blockExclusiveScan(equal, words, blockEqual);
-  blockExclusiveScan(greater, words, blockGreater);
+  const int equalBefore = blockExclusiveScan<kFusedThreads>(equal, words, blockEqual);
+  blockExclusiveScan<kFusedThreads>(greater, words, blockGreater);
   if (tid == 0) {
     words[10] = blockGreater;
     words[11] = blockEqual;
@@ -1756,7 +1759,7 @@ __global__ void __launch_bounds__(kFusedThreads)
   const int tiesHere = min(max(remaining - words[12], 0), blockEqual);
   const int tiesMine = min(max(tiesHere - equalBefore, 0), equal);
   int unused = 0;
-  int slot = words[13] + blockExclusiveScan(greater + tiesMine, words, unused);
+  int slot = words[13] + blockExclusiveScan<kFusedThreads>(greater + tiesMine, words, unused);
   int tie = equalBefore;
   for (int i = runBegin; i < runEnd; ++i) {
     const uint32_t key = sliceKeys32[i];
