@@ -1158,14 +1158,14 @@ __global__ void __launch_bounds__(kHistogramThreads)
 
 // ---- The select after the first digit from the chunks' gathered candidates. Each 2048-key chunk
 // (a block, its keys in registers) counts its keys above the first digit's bin and gathers, into
-// its own 2048 words of the row's, its candidates (the keys in that bin, usually about 1% of
-// them) from the front and the positions of its keys above the bin from the back (gatherChunk);
-// one block then ranks the row's candidates in shared memory: both remaining digits, T and the
-// ties, then each chunk's place in the output, one word a chunk (rankRow); each chunk writes its
-// part from its keys above T and its share of the ties. Two forms:
+// its own 2048 words of the row's, its candidates (the keys in that bin: about 1% of hybrid-bench's
+// rows at batch 1, more where the scores crowd one bin) from the front and the positions of its
+// keys above the bin from the back (gatherChunk); one block then ranks the row's candidates in
+// shared memory (rankRow): both remaining digits, T and the ties, then each chunk's place in the
+// output, one word a chunk; each chunk writes its part from its keys above T and its share of the
+// ties. Two forms:
 // - one cooperative launch where every row's chunks fit on the GPU at once: the row's last chunk
-//   to arrive ranks, the others wait for their word and write from the keys in their registers
-//   (selectFinishKernel);
+//   to arrive ranks, the others wait for their word and write from the keys in their registers;
 // - three launches otherwise (gather, rank, write): the write builds its chunk's keys above T
 //   from the gathered lists, so the scores are read once, not three times as by the launch a
 //   digit (two histogram passes and the write).
@@ -1242,10 +1242,15 @@ __device__ void gatherChunk(const uint32_t (&keys)[kChunkRun], int first, int la
 constexpr int kRankMaxChunks = 1024;    // a row's chunks rankRow takes: 2M keys
 constexpr int kSharedCandidates = 4096; // a row's candidates rankRow ranks in shared memory
 
+// A candidate rankRow holds in shared memory: its key's bits below the first digit over its chunk.
+constexpr int kChunkIndexBits = 10;
+static_assert(kRankMaxChunks == 1 << kChunkIndexBits && kFirstDigitShift + kChunkIndexBits <= 32,
+              "a held candidate's key bits and chunk fit one word");
+
 struct RankShared {
   uint32_t histogram[kSelectBins]; // the digits' histogram, then the chunks' counts above / at T
   int chunkStarts[kRankMaxChunks + 1]; // the row's candidates, chunk by chunk
-  uint2 held[kSharedCandidates];       // (key, position)
+  uint32_t held[kSharedCandidates];    // held candidates, row order
   uint32_t warpTotals[kHistogramThreads / 32];
   int warpSums[kHistogramThreads / 32];
   SelectState digits;
@@ -1288,29 +1293,32 @@ __device__ void rankRow(const SelectWorkspace &w, int row, int chunks, int liveC
   __syncthreads();
   const uint32_t prefix = firstDigit.prefix;
   const bool inShared = count <= kSharedCandidates;
-  // visit(candidate) for each of the row's candidates: from shared memory, or (more than it
+  // visit(key, chunk) for each of the row's candidates: from shared memory, or (more than it
   // holds) from each chunk's gathered words, a warp a chunk. Plain loops, not unrolled: the
   // block runs this once, so its time went to fetching instructions (an unrolled form with a
   // search for each candidate's chunk took ~9 us at 1344 candidates).
   auto forEachCandidate = [&](auto &&visit) {
     if (inShared) {
-      for (int i = tid; i < count; i += kHistogramThreads)
-        visit(s.held[i]);
+      for (int i = tid; i < count; i += kHistogramThreads) {
+        const uint32_t word = s.held[i];
+        visit(prefix | word >> kChunkIndexBits, int(word & (kRankMaxChunks - 1u)));
+      }
       return;
     }
     for (int c = warp; c < liveChunks; c += kWarps) {
       const int chunkCount = s.chunkStarts[c + 1] - s.chunkStarts[c];
       for (int i = lane; i < chunkCount; i += 32)
-        visit(
-            unpackCandidate(__ldcg(gathered + size_t(c) * kChunkKeys + i), prefix, c * kChunkKeys));
+        visit(prefix | __ldcg(gathered + size_t(c) * kChunkKeys + i) >> kChunkPositionBits, c);
     }
   };
   if (inShared)
     for (int c = warp; c < liveChunks; c += kWarps) {
       const int first = s.chunkStarts[c], chunkCount = s.chunkStarts[c + 1] - first;
-      for (int i = lane; i < chunkCount; i += 32)
-        s.held[first + i] =
-            unpackCandidate(__ldcg(gathered + size_t(c) * kChunkKeys + i), prefix, c * kChunkKeys);
+      for (int i = lane; i < chunkCount; i += 32) {
+        const uint32_t keyBits =
+            __ldcg(gathered + size_t(c) * kChunkKeys + i) >> kChunkPositionBits;
+        s.held[first + i] = keyBits << kChunkIndexBits | uint32_t(c);
+      }
     }
   for (int top = kFirstDigitShift; top > 0;) {
     const int bits = min(kMaxDigitBits, top), shift = top - bits;
@@ -1318,9 +1326,9 @@ __device__ void rankRow(const SelectWorkspace &w, int row, int chunks, int liveC
       s.histogram[b] = 0;
     __syncthreads(); // and the held candidates are in
     const uint32_t digitPrefix = s.digits.prefix, digitMask = s.digits.mask;
-    forEachCandidate([&](uint2 c) {
-      if ((c.x & digitMask) == digitPrefix)
-        atomicAdd(&s.histogram[(c.x >> shift) & ((1u << bits) - 1)], 1u);
+    forEachCandidate([&](uint32_t key, int) {
+      if ((key & digitMask) == digitPrefix)
+        atomicAdd(&s.histogram[(key >> shift) & ((1u << bits) - 1)], 1u);
     });
     __syncthreads();
     chooseDigit<kHistogramThreads, /*kShared=*/true>(s.digits, s.histogram, shift, bits,
@@ -1335,9 +1343,9 @@ __device__ void rankRow(const SelectWorkspace &w, int row, int chunks, int liveC
   for (int c = tid; c < liveChunks; c += kHistogramThreads)
     aboveT[c] = atT[c] = 0;
   __syncthreads();
-  forEachCandidate([&](uint2 c) {
-    if (c.x >= threshold)
-      atomicAdd(&(c.x > threshold ? aboveT : atT)[c.y / kChunkKeys], 1u);
+  forEachCandidate([&](uint32_t key, int chunk) {
+    if (key >= threshold)
+      atomicAdd(&(key > threshold ? aboveT : atT)[chunk], 1u);
   });
   __syncthreads();
   int greater[kMaxChunksPerThread], equal[kMaxChunksPerThread], greaterSum = 0, equalSum = 0;
@@ -1379,24 +1387,27 @@ __device__ inline void writeFromPlace(const IndexerParams &p, int row, uint64_t 
                  before >> 16, offset, chunkTies);
 }
 
-// The one-launch form: a block a chunk of every row, all resident.
+// A block a chunk of every row: gathers. kOneLaunch (every block resident): the row's last chunk
+// to arrive ranks, the others wait for their chunk's place, then each writes from the keys in its
+// registers; otherwise selectRankKernel and selectGatheredWriteKernel follow (a rank in the
+// gather's last block measured slower at batch 64 x 128K: 44 us against 40, its shared memory
+// costing the gather's occupancy).
+template <bool kOneLaunch>
 __global__ void __launch_bounds__(kHistogramThreads)
-    selectFinishKernel(IndexerParams p, SelectWorkspace w) {
-  __shared__ RankShared rank;
-  __shared__ bool lastToArrive;
-  __shared__ uint64_t place;
+    selectGatherKernel(IndexerParams p, SelectWorkspace w) {
+  __shared__ int warpSums[kHistogramThreads / 32];
   const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y, tid = threadIdx.x;
   const int begin = chunk * kChunkKeys;
   const int first = begin + tid * kChunkRun;
-  // The chunk's scores and the first digit load together: a dependent global read less on the
-  // select's critical path.
+  // The chunk's scores, the first digit and the row's length load together (a dependent round
+  // trip less).
   float values[kChunkRun];
   loadChunkRun(p.scores + size_t(row) * p.maxKeys, first, p.maxKeys, values);
   SelectState &state = w.states[row];
   const SelectState firstDigit = state; // the first digit's bin and the keys still wanted
   const int n = p.positions[row] + 1;
   if (n <= p.topK) {
-    if (chunk == 0)
+    if (kOneLaunch && chunk == 0)
       writeWholeRow(p, row, n);
     return;
   }
@@ -1408,53 +1419,35 @@ __global__ void __launch_bounds__(kHistogramThreads)
 #pragma unroll
   for (int u = 0; u < kChunkRun; ++u)
     keys[u] = first + u < last ? orderKey(values[u]) : 0u;
-  gatherChunk<false>(keys, first, last, begin, firstDigit.prefix, firstDigit.mask,
-                     w.candidates + size_t(row) * p.maxKeys + begin,
-                     w.chunkCounts + size_t(row) * chunks + chunk, rank.warpSums);
-  __syncthreads();
-  if (tid == 0)
-    lastToArrive = arriveLast(&state.arrivals, unsigned(liveChunks));
-  __syncthreads();
-  if (lastToArrive) // every chunk's candidates and counts are in
-    rankRow(w, row, chunks, liveChunks, p.maxKeys, firstDigit, rank);
-  if (tid == 0) {
-    uint64_t word;
-    while (!((word = __ldcv(w.places + size_t(row) * chunks + chunk)) & kPlaceReady))
-      __nanosleep(20);
-    place = word;
-  }
-  __syncthreads();
-  const uint32_t threshold = uint32_t(place);
-  unsigned greater = 0, equal = 0;
+  gatherChunk<!kOneLaunch>(keys, first, last, begin, firstDigit.prefix, firstDigit.mask,
+                           w.candidates + size_t(row) * p.maxKeys + begin,
+                           w.chunkCounts + size_t(row) * chunks + chunk, warpSums);
+  if constexpr (kOneLaunch) {
+    __shared__ RankShared rank;
+    __shared__ bool lastToArrive;
+    __shared__ uint64_t place;
+    __syncthreads();
+    if (tid == 0)
+      lastToArrive = arriveLast(&state.arrivals, unsigned(liveChunks));
+    __syncthreads();
+    if (lastToArrive) // every chunk's candidates and counts are in
+      rankRow(w, row, chunks, liveChunks, p.maxKeys, firstDigit, rank);
+    if (tid == 0) {
+      uint64_t word;
+      while (!((word = __ldcv(w.places + size_t(row) * chunks + chunk)) & kPlaceReady))
+        __nanosleep(20);
+      place = word;
+    }
+    __syncthreads();
+    const uint32_t threshold = uint32_t(place);
+    unsigned greater = 0, equal = 0;
 #pragma unroll
-  for (int u = 0; u < kChunkRun; ++u) {
-    greater |= unsigned(first + u < last && keys[u] > threshold) << u;
-    equal |= unsigned(first + u < last && keys[u] == threshold) << u;
+    for (int u = 0; u < kChunkRun; ++u) {
+      greater |= unsigned(first + u < last && keys[u] > threshold) << u;
+      equal |= unsigned(first + u < last && keys[u] == threshold) << u;
+    }
+    writeFromPlace(p, row, place, first, last, greater, equal, rank.warpSums);
   }
-  writeFromPlace(p, row, place, first, last, greater, equal, rank.warpSums);
-}
-
-// The three-launch form's gather: a block a chunk.
-__global__ void __launch_bounds__(kHistogramThreads)
-    selectGatherKernel(IndexerParams p, SelectWorkspace w) {
-  __shared__ int warpSums[kHistogramThreads / 32];
-  const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
-  const int begin = chunk * kChunkKeys, first = begin + int(threadIdx.x) * kChunkRun;
-  // The scores, the first digit and the row's length load together (a dependent round trip less).
-  float values[kChunkRun];
-  loadChunkRun(p.scores + size_t(row) * p.maxKeys, first, p.maxKeys, values);
-  const SelectState firstDigit = w.states[row];
-  const int n = p.positions[row] + 1;
-  if (n <= p.topK || begin >= n)
-    return;
-  const int last = min(n, first + kChunkRun);
-  uint32_t keys[kChunkRun];
-#pragma unroll
-  for (int u = 0; u < kChunkRun; ++u)
-    keys[u] = first + u < last ? orderKey(values[u]) : 0u;
-  gatherChunk<true>(keys, first, last, begin, firstDigit.prefix, firstDigit.mask,
-                    w.candidates + size_t(row) * p.maxKeys + begin,
-                    w.chunkCounts + size_t(row) * chunks + chunk, warpSums);
 }
 
 // The three-launch form's rank: a block a row.
@@ -1589,7 +1582,8 @@ int launchSelect(const IndexerParams &p, bool firstDigitChosen, cudaStream_t str
       firstDigitChosen && p.selectForm != Form::Passes && chunkCount <= kRankMaxChunks;
   if (gathered && p.selectForm != Form::Gathered) {
     const DeviceSetup setup = deviceSetup([] { return cudaSuccess; });
-    static const int finishPerSm = residentBlocksPerSm(selectFinishKernel, kHistogramThreads);
+    static const int finishPerSm =
+        residentBlocksPerSm(selectGatherKernel</*kOneLaunch=*/true>, kHistogramThreads);
     const bool fits = setup.status == cudaSuccess &&
                       int64_t(p.rows) * chunkCount <= int64_t(finishPerSm) * setup.multiprocessors;
     if (p.selectForm == Form::OneLaunch && !fits)
@@ -1604,11 +1598,11 @@ int launchSelect(const IndexerParams &p, bool firstDigitChosen, cudaStream_t str
       cooperative[0].val.cooperative = 1;
       config.attrs = cooperative;
       config.numAttrs = 1;
-      return int(cudaLaunchKernelEx(&config, selectFinishKernel, p, w));
+      return int(cudaLaunchKernelEx(&config, selectGatherKernel</*kOneLaunch=*/true>, p, w));
     }
   }
   if (gathered) {
-    selectGatherKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, w);
+    selectGatherKernel</*kOneLaunch=*/false><<<chunks, kHistogramThreads, 0, stream>>>(p, w);
     selectRankKernel<<<unsigned(p.rows), kHistogramThreads, 0, stream>>>(p, w, chunkCount);
     selectGatheredWriteKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, w);
     return int(cudaGetLastError());
