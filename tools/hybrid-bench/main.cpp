@@ -1114,7 +1114,7 @@ int main(int argc, char **argv) {
                    "unfused top-k after the warpgroup scores: one-launch (the chunks' gathered "
                    "candidates ranked in one cooperative launch; only where every row's "
                    "2048-key chunks fit on the GPU at once), gathered (the same in three "
-                   "launches), auto (one-launch where it fits, else gathered) or passes (a "
+                   "launches), auto (one-launch where it fits, else passes) or passes (a "
                    "launch a digit over every score, then the write)")
       ->check(CLI::IsMember({"auto", "one-launch", "gathered", "passes"}));
   dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")

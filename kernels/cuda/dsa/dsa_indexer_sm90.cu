@@ -1239,6 +1239,7 @@ __device__ void gatherChunk(const uint32_t (&keys)[kChunkRun], int first, int la
     *countWord = uint64_t(uint32_t(totals >> 16)) << 32 | uint32_t(totals & 0xFFFF);
 }
 
+constexpr int kAutoOneLaunchBlocksPerSm = 4; // see launchSelect
 constexpr int kRankMaxChunks = 1024;    // a row's chunks rankRow takes: 2M keys
 constexpr int kSharedCandidates = 4096; // a row's candidates rankRow ranks in shared memory
 
@@ -1569,10 +1570,14 @@ template <int D> int launchSelectReset(const IndexerParams &p, bool queries, cud
   return int(cudaGetLastError());
 }
 
-// The select after the scores on `stream`. After a first digit (the warpgroup scores): from the
-// chunks' gathered candidates, in one cooperative launch where every row's chunks fit on the GPU
-// at once, else in three; otherwise (and as SelectForm::Passes) the digits from the top of the
-// 32-bit keys, a launch each, then the write.
+// The select after the scores on `stream`. After a first digit (the warpgroup scores), Auto: from
+// the chunks' gathered candidates in one cooperative launch where every row's chunks fit on the
+// GPU at once (at most kAutoOneLaunchBlocksPerSm blocks an SM); otherwise (and as
+// SelectForm::Passes) the digits from the top of the 32-bit keys, a launch each, then the write.
+// SelectForm::Gathered: the gathered candidates in three launches, which Auto leaves: at batch 64
+// and 32K-128K keys 1-2% faster than the passes alone, but DeepSeek-V3.2 (6 layers, batch 8,
+// 160K capacity) stepped 20 us slower on it at 1K keys, its rank a longer chain than the
+// passes' histograms of a few live chunks (docs/performance.md, 2026-12-02, session 22).
 int launchSelect(const IndexerParams &p, bool firstDigitChosen, cudaStream_t stream) {
   using Form = IndexerParams::SelectForm;
   const SelectWorkspace w = selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys);
@@ -1584,11 +1589,16 @@ int launchSelect(const IndexerParams &p, bool firstDigitChosen, cudaStream_t str
     const DeviceSetup setup = deviceSetup([] { return cudaSuccess; });
     static const int finishPerSm =
         residentBlocksPerSm(selectGatherKernel</*kOneLaunch=*/true>, kHistogramThreads);
-    const bool fits = setup.status == cudaSuccess &&
-                      int64_t(p.rows) * chunkCount <= int64_t(finishPerSm) * setup.multiprocessors;
+    const int64_t blocks = int64_t(p.rows) * chunkCount;
+    const bool fits =
+        setup.status == cudaSuccess && blocks <= int64_t(finishPerSm) * setup.multiprocessors;
     if (p.selectForm == Form::OneLaunch && !fits)
       return int(cudaErrorCooperativeLaunchTooLarge);
-    if (fits) {
+    // Auto: a cooperative grid starts only when all its blocks have room, and in a model other
+    // streams' kernels hold some: DeepSeek-V3.2 (6 layers) at batch 8 and 32K keys of a 160K
+    // capacity (640 blocks, 5 an SM) stepped 130 us slower on it than on the passes.
+    if (p.selectForm == Form::OneLaunch ||
+        (fits && blocks <= int64_t(kAutoOneLaunchBlocksPerSm) * setup.multiprocessors)) {
       cudaLaunchConfig_t config = {};
       config.gridDim = chunks;
       config.blockDim = dim3(kHistogramThreads);
@@ -1601,7 +1611,7 @@ int launchSelect(const IndexerParams &p, bool firstDigitChosen, cudaStream_t str
       return int(cudaLaunchKernelEx(&config, selectGatherKernel</*kOneLaunch=*/true>, p, w));
     }
   }
-  if (gathered) {
+  if (gathered && p.selectForm == Form::Gathered) {
     selectGatherKernel</*kOneLaunch=*/false><<<chunks, kHistogramThreads, 0, stream>>>(p, w);
     selectRankKernel<<<unsigned(p.rows), kHistogramThreads, 0, stream>>>(p, w, chunkCount);
     selectGatheredWriteKernel<<<chunks, kHistogramThreads, 0, stream>>>(p, w);

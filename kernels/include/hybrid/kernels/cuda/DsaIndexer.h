@@ -63,7 +63,7 @@ struct IndexerParams {
   // cooperative launch, when every row's chunks (of maxKeys) fit on the GPU at once, a block
   // each (else it fails: cudaErrorCooperativeLaunchTooLarge); Gathered, three launches (gather,
   // rank, write). Passes: a launch per remaining digit over every score, then the write. Auto:
-  // OneLaunch where it fits, else Gathered. Tests and benchmarks pick each.
+  // OneLaunch where it fits at up to 4 blocks an SM, else Passes. Tests and benchmarks pick each.
   enum class SelectForm { Auto, OneLaunch, Gathered, Passes } selectForm = SelectForm::Auto;
   // The unfused tensor-core scores' 64-key tiles per block (a tuned configuration, kernels/
   // KernelTuning.h); 0: the default, about one wave of blocks on the GPU.
