@@ -61,7 +61,8 @@ benchIndexerDecode(const std::vector<int32_t> &batches, const std::vector<int32_
       int32_t *dSequences = held.keep(deviceCopy(sequences));
       auto *dIndices = held.allocate<int32_t>(size_t(batch) * topK);
       auto *dScores = held.allocate<float>(size_t(batch) * context);
-      auto *dSelect = held.allocate<unsigned char>(indexerSelectWorkspaceBytes(batch, context));
+      auto *dSelect =
+          held.allocate<unsigned char>(indexerSelectWorkspaceBytes(batch, context, selectForm));
       if (!dTables || !dPositions || !dSequences || !dIndices || !dScores || !dSelect)
         return fail("the table and workspace allocation");
       IndexerParams p;

@@ -628,7 +628,7 @@ struct SelectWorkspace {
                           // the gathered forms' (above the first digit's bin, candidates)
   uint64_t *places;       // rows x chunks: the gathered forms' place words (packPlace)
   uint32_t *writeTickets; // one word
-  uint32_t *candidates;   // rows x maxKeys: each chunk's gathered words (gatherChunk)
+  uint32_t *candidates;   // candidateRows x maxKeys: each chunk's gathered words (gatherChunk)
 };
 constexpr uint64_t kPublished = 1ull << 63;
 constexpr int kCountBits = 24; // a chunk's count of keys above T (or at T) fits: <= kChunkKeys
@@ -638,11 +638,21 @@ __host__ __device__ inline int selectChunks(int32_t maxKeys) {
   return (maxKeys + kChunkKeys - 1) / kChunkKeys;
 }
 
+// The candidates' rows the workspace holds: every row for SelectForm::Gathered; else the rows a
+// one-launch grid (at most kOneLaunchMaxBlocks 2048-key chunks) may take, so the workspace for
+// `rows` rows also holds that of fewer and the workspace form Auto sizes stays small (a word a
+// key for every row would double the scores' workspace).
+constexpr int kOneLaunchMaxBlocks = 1024;
+__host__ __device__ inline int candidateRows(int rows, int32_t maxKeys, bool everyRow) {
+  return everyRow ? rows : min(rows, kOneLaunchMaxBlocks / selectChunks(maxKeys));
+}
+
 // Byte offsets of the workspace's parts; the last is the total.
 struct SelectLayout {
   size_t headScales, states, histograms, chunkCounts, places, writeTickets, candidates, total;
 };
-__host__ __device__ inline SelectLayout selectLayout(int rows, int maxKeys) {
+__host__ __device__ inline SelectLayout selectLayout(int rows, int maxKeys,
+                                                     bool everyRowsCandidates = false) {
   SelectLayout l;
   l.headScales = size_t(rows) * kSelectQueryBytes;
   l.states = l.headScales + size_t(rows) * kMmaMaxHeads * sizeof(float);
@@ -651,7 +661,8 @@ __host__ __device__ inline SelectLayout selectLayout(int rows, int maxKeys) {
   l.places = l.chunkCounts + size_t(rows) * selectChunks(maxKeys) * sizeof(uint64_t);
   l.writeTickets = l.places + size_t(rows) * selectChunks(maxKeys) * sizeof(uint64_t);
   l.candidates = l.writeTickets + 16;
-  l.total = l.candidates + size_t(rows) * maxKeys * sizeof(uint32_t);
+  l.total = l.candidates +
+            size_t(candidateRows(rows, maxKeys, everyRowsCandidates)) * maxKeys * sizeof(uint32_t);
   return l;
 }
 
@@ -1590,8 +1601,8 @@ int launchSelect(const IndexerParams &p, bool firstDigitChosen, cudaStream_t str
     static const int finishPerSm =
         residentBlocksPerSm(selectGatherKernel</*kOneLaunch=*/true>, kHistogramThreads);
     const int64_t blocks = int64_t(p.rows) * chunkCount;
-    const bool fits =
-        setup.status == cudaSuccess && blocks <= int64_t(finishPerSm) * setup.multiprocessors;
+    const bool fits = setup.status == cudaSuccess && blocks <= kOneLaunchMaxBlocks &&
+                      blocks <= int64_t(finishPerSm) * setup.multiprocessors;
     if (p.selectForm == Form::OneLaunch && !fits)
       return int(cudaErrorCooperativeLaunchTooLarge);
     // Auto: a cooperative grid starts only when all its blocks have room, and in a model other
@@ -1927,10 +1938,10 @@ int64_t indexerPageBytes(IndexKeyType type, int32_t pageTokens, int32_t headDim)
   return int64_t(pageTokens) * (codes + scales);
 }
 
-size_t indexerSelectWorkspaceBytes(int32_t rows, int32_t maxKeys) {
+size_t indexerSelectWorkspaceBytes(int32_t rows, int32_t maxKeys, IndexerParams::SelectForm form) {
   if (rows <= 0 || maxKeys <= 0)
     return 0;
-  return selectLayout(rows, maxKeys).total;
+  return selectLayout(rows, maxKeys, form == IndexerParams::SelectForm::Gathered).total;
 }
 
 bool indexerFusedSupported(IndexKeyType type, int32_t headDim, int32_t maxKeys) {

@@ -89,7 +89,8 @@ runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int dim,
       dIndices{std::vector<int32_t>(size_t(rows) * topK, -7)};
   DeviceBuffer<uint8_t> dPool(paged.pool);
   // Garbage in the select workspace: the launch must not depend on its contents.
-  DeviceBuffer<uint8_t> dSelect{std::vector<uint8_t>(cuda::indexerSelectWorkspaceBytes(rows, maxKeys), 0xA5)};
+  DeviceBuffer<uint8_t> dSelect{
+      std::vector<uint8_t>(cuda::indexerSelectWorkspaceBytes(rows, maxKeys, selectForm), 0xA5)};
   cuda::IndexerParams p;
   p.rows = rows;
   p.heads = heads;
@@ -340,6 +341,26 @@ TEST(DsaIndexerCudaTies, LowestPositionsWin) {
                   .indices,
               lowest2048)
         << name << ", " << longer << " tied keys";
+}
+
+// The gathered candidates take a word a key of the capacity: for every row only where the
+// three-launch form asks; else for the rows a one-launch grid may take (1024 chunks of 2048 keys),
+// so Auto's workspace does not double the scores'. Host arithmetic: no GPU needed.
+TEST(DsaIndexerWorkspace, CandidatesOnlyForTheRowsAFormGathers) {
+  using Form = cuda::IndexerParams::SelectForm;
+  const int32_t maxKeys = 163840; // DeepSeek-V3.2's context: 80 chunks, 12 rows a one-launch grid
+  EXPECT_EQ(cuda::indexerSelectWorkspaceBytes(64, maxKeys, Form::Gathered) -
+                cuda::indexerSelectWorkspaceBytes(64, maxKeys, Form::Auto),
+            size_t(64 - 12) * maxKeys * sizeof(uint32_t));
+  EXPECT_EQ(cuda::indexerSelectWorkspaceBytes(12, maxKeys, Form::Gathered),
+            cuda::indexerSelectWorkspaceBytes(12, maxKeys, Form::Auto));
+  // The bytes for more rows hold any launch of fewer (the runtime sizes for its largest).
+  for (Form form : {Form::Auto, Form::Gathered, Form::Passes})
+    for (int rows = 1; rows < 40; ++rows)
+      EXPECT_LE(cuda::indexerSelectWorkspaceBytes(rows, maxKeys, form),
+                cuda::indexerSelectWorkspaceBytes(rows + 1, maxKeys, form))
+          << rows << " rows";
+  EXPECT_EQ(cuda::indexerSelectWorkspaceBytes(0, maxKeys), 0u);
 }
 
 TEST(DsaIndexerCudaErrors, RejectsBadShapes) {

@@ -56,7 +56,7 @@ struct IndexerParams {
   int32_t *indices = nullptr; // [rows, topK]: the selected positions in ascending order (the
                               // same bits every run); a row with fewer than topK keys gets all
                               // of them, then -1s
-  // Unfused: indexerSelectWorkspaceBytes(rows, maxKeys), 16-byte aligned.
+  // Unfused: indexerSelectWorkspaceBytes(rows, maxKeys, selectForm), 16-byte aligned.
   void *selectWorkspace = nullptr;
   // How the unfused top-k selects after the warpgroup scores, which choose its first digit. From
   // each 2048-key chunk's gathered candidates (the keys in that digit's bin): OneLaunch, one
@@ -79,9 +79,12 @@ bool indexerFusedSupported(IndexKeyType type, int32_t headDim, int32_t maxKeys);
 
 // The top-k's scratch: per row the queries as the warpgroup scores kernel reads them (16 KB) and
 // their heads' scales, its radix-select state and a digit histogram, per 2048 keys a chunk's
-// counts, one counter, and where the one-launch select may run a key per position (at most 16 MB).
-// The bytes for `rows` rows hold any launch of fewer rows.
-size_t indexerSelectWorkspaceBytes(int32_t rows, int32_t maxKeys);
+// counts and places, one counter, and a word a key of the capacity for the gathered candidates:
+// of every row for SelectForm::Gathered, else of the rows a one-launch grid may take (at most 1024
+// chunks of 2048 keys: 8 MB). The bytes for `rows` rows hold any launch of fewer rows.
+size_t
+indexerSelectWorkspaceBytes(int32_t rows, int32_t maxKeys,
+                            IndexerParams::SelectForm form = IndexerParams::SelectForm::Auto);
 
 // Bytes of one index-key page (PagedCacheLayout::indexPageBytes for the same format).
 int64_t indexerPageBytes(IndexKeyType type, int32_t pageTokens, int32_t headDim);
