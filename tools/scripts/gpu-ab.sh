@@ -48,7 +48,7 @@ if [[ $half == pack ]]; then
   staging=$(mktemp -d) && trap 'rm -rf "$staging"' EXIT
   strip -o "$staging/hybrid-bench-base" "$base/bin/hybrid-bench" || exit 1
   strip -o "$staging/hybrid-bench-candidate" "$candidate/bin/hybrid-bench" || exit 1
-  tar -cf - -C "$staging" hybrid-bench-base hybrid-bench-candidate | xz -T2 -6 > "$out/bins.tar.xz" ||
+  tar -cf - -C "$staging" hybrid-bench-base hybrid-bench-candidate | xz -T1 -9 > "$out/bins.tar.xz" ||
     exit 1
   pack_libraries "$out/lib" "$base/bin/hybrid-bench" "$candidate/bin/hybrid-bench"
   compile_model "$candidate" "$staging" "$out/model" "$model" || exit 1
