@@ -295,10 +295,11 @@ int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
   std::string error;
   const auto results = kc::benchIndexerDecode(
       o.batches, o.contexts, o.heads, o.headDim, o.topK, type, o.form == "fused",
-      o.scores == "fp8"         ? kc::IndexerParams::ScoreKernel::Fp8
-      : o.scores == "bf16"      ? kc::IndexerParams::ScoreKernel::Bf16
-      : o.scores == "warpgroup" ? kc::IndexerParams::ScoreKernel::Warpgroup
-                                : kc::IndexerParams::ScoreKernel::Auto,
+      o.scores == "fp8-warpgroup" ? kc::IndexerParams::ScoreKernel::Fp8Warpgroup
+      : o.scores == "fp8"         ? kc::IndexerParams::ScoreKernel::Fp8
+      : o.scores == "bf16"        ? kc::IndexerParams::ScoreKernel::Bf16
+      : o.scores == "warpgroup"   ? kc::IndexerParams::ScoreKernel::Warpgroup
+                                  : kc::IndexerParams::ScoreKernel::Auto,
       o.select == "passes"       ? kc::IndexerParams::SelectForm::Passes
       : o.select == "one-launch" ? kc::IndexerParams::SelectForm::OneLaunch
       : o.select == "gathered"   ? kc::IndexerParams::SelectForm::Gathered
@@ -1097,18 +1098,22 @@ int main(int argc, char **argv) {
       ->check(CLI::IsMember({64, 128}));
   dsaIndexer->add_option("--top-k", indexer.topK, "Positions selected")
       ->check(CLI::PositiveNumber);
-  dsaIndexer->add_option("--keys", indexer.keys, "Key cache format: mxfp8, fp8 (one scale per "
-                                                 "key) or f32")
+  dsaIndexer
+      ->add_option("--keys", indexer.keys,
+                   "Key cache format: mxfp8 (queries MXFP8 too), fp8 (one scale per key, "
+                   "the queries one a head: DeepSeek-V3.2's FP8 indexer) or f32")
       ->check(CLI::IsMember({"mxfp8", "fp8", "f32"}));
   dsaIndexer->add_option("--form", indexer.form,
                          "fused: scores and top-k in one launch, the scores kept on chip (FP8 "
                          "keys); unfused: scores through a workspace, then the top-k")
       ->check(CLI::IsMember({"fused", "unfused"}));
-  dsaIndexer->add_option("--scores", indexer.scores,
-                         "unfused form, FP8 keys: auto, warpgroup (keys widened to bf16 in "
-                         "registers, warpgroup MMAs on the MXFP8 queries), bf16 (mma.sync on "
-                         "widened keys) or fp8 (E4M3 mma.sync on the MXFP8 queries)")
-      ->check(CLI::IsMember({"auto", "bf16", "fp8", "warpgroup"}));
+  dsaIndexer
+      ->add_option("--scores", indexer.scores,
+                   "unfused form, FP8 keys: auto, warpgroup (keys widened to f16 in "
+                   "registers, warpgroup MMAs), fp8-warpgroup (--keys fp8: E4M3 warpgroup "
+                   "MMAs, what auto takes there), bf16 (mma.sync on widened keys) or fp8 "
+                   "(E4M3 mma.sync, one MX block a step)")
+      ->check(CLI::IsMember({"auto", "bf16", "fp8", "warpgroup", "fp8-warpgroup"}));
   dsaIndexer
       ->add_option("--select", indexer.select,
                    "unfused top-k after the warpgroup scores: one-launch (the chunks' gathered "

@@ -1,7 +1,8 @@
 // Warpgroup tensor-core helpers (sm_90a wgmma): shared-memory matrix descriptors for the 128-byte
 // swizzled layout, the async fences, and the shapes the sparse MLA and DSA indexer kernels multiply
-// (bf16 or f16 in, fp32 accumulate). Layout facts are those of the PTX ISA ("Asynchronous Warpgroup
-// Level Matrix Multiply-Accumulate", "Matrix Descriptor Format", "Shared Memory Matrix Layout").
+// (bf16, f16 or E4M3 in, fp32 accumulate). Layout facts are those of the PTX ISA ("Asynchronous
+// Warpgroup Level Matrix Multiply-Accumulate", "Matrix Descriptor Format", "Shared Memory Matrix
+// Layout").
 //
 // The 128-byte swizzled layout this file assumes: a matrix of R rows and C bf16 columns (C a
 // multiple of 64) is stored as C / 64 column chunks of R rows x 128 bytes, each chunk 1024-byte
@@ -94,6 +95,23 @@ __device__ inline void mma64x64RegisterAF16(float (&d)[32], const uint32_t (&a)[
                "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(int(accumulate)));
+}
+
+// d (64 x 64) = A (64 x 32) * B (32 x 64) (+ d when `accumulate`) on E4M3 codes, both K-major in
+// shared memory (FP8 wgmmas take no transposed operand): the products are exact in fp32.
+__device__ inline void mma64x64E4M3(float (&d)[32], uint64_t a, uint64_t b, bool accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+               "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+               "%32, %33, p, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+                 "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
+                 "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+                 "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
+                 "+f"(d[31])
+               : "l"(a), "l"(b), "r"(int(accumulate)));
 }
 
 } // namespace hybrid::kernels::cuda::wgmma

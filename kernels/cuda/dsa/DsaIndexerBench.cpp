@@ -69,21 +69,30 @@ benchIndexerDecode(const std::vector<int32_t> &batches, const std::vector<int32_
       p.rows = batch;
       p.heads = heads;
       p.headDim = headDim;
-      // Queries as the quantization policy leaves them: MXFP8-rounded with FP8 keys (so the
-      // kernel's bf16 lo half is zero), fp32 with fp32 keys.
+      // Queries as the quantization policy leaves them: MXFP8-rounded with MXFP8 keys, one
+      // E4M3 scale a head with Fp8PerKey keys (DeepSeek-V3.2's FP8 indexer, MODEL_SPEC 4.3),
+      // fp32 with fp32 keys.
       std::vector<float> q(size_t(batch) * heads * headDim);
       std::normal_distribution<float> normal(0.0f, 0.5f);
       for (float &v : q)
         v = normal(rng);
-      if (keyType != IndexKeyType::F32) {
+      const int64_t headRows = int64_t(q.size() / headDim);
+      if (keyType == IndexKeyType::Mxfp8) {
         std::vector<uint8_t> codes(q.size()), scales(q.size() / 32);
-        if (!ref::quantizeMxfp8(q, int64_t(q.size() / headDim), headDim, codes, scales,
-                                ref::MxScaleRule::RoundUp) ||
-            !ref::dequantizeMxfp8(codes, scales, int64_t(q.size() / headDim), headDim, q))
+        if (!ref::quantizeMxfp8(q, headRows, headDim, codes, scales, ref::MxScaleRule::RoundUp) ||
+            !ref::dequantizeMxfp8(codes, scales, headRows, headDim, q))
+          return fail("the query quantization");
+      } else if (keyType == IndexKeyType::Fp8PerKey) {
+        std::vector<uint8_t> codes(q.size());
+        std::vector<float> scales(static_cast<size_t>(headRows));
+        if (!ref::quantizeFp8Tiles(q, headRows, headDim, headDim, ref::Fp8ScaleRule::DeepSeekUe8m0,
+                                   codes, scales) ||
+            !ref::dequantizeFp8Tiles(codes, scales, headRows, headDim, headDim, q))
           return fail("the query quantization");
       }
       p.q = held.keep(deviceCopy(q));
-      p.mxfp8Queries = keyType != IndexKeyType::F32;
+      p.mxfp8Queries = keyType == IndexKeyType::Mxfp8;
+      p.fp8HeadQueries = keyType == IndexKeyType::Fp8PerKey;
       p.scoreKernel = scoreKernel;
       p.selectForm = selectForm;
       p.headWeights = held.keep(deviceRandom(size_t(batch) * heads, 1.0f, 0, rng, error));

@@ -781,6 +781,44 @@ __device__ void flushHistogramAndChoose(const uint32_t *local, SelectState &stat
   chooseDigit<kThreads>(state, global, shift, bits, warpTotals);
 }
 
+// A warpgroup tile's scores from its m64n64 accumulators (keys x heads: this thread's keys `key`
+// and key + 8, heads 8j + 2t + c at acc[4j + 2r + c] for its key r, weights[2j + c]): score[key] =
+// the key's scale times the sum over heads of w' * ReLU(dot), this lane's 16 heads, then its
+// quad's. Lanes t = 0, 1 of the quad store key + 8t (up to `position`) and, when `histogramming`,
+// count it in the block's first-digit histogram.
+__device__ __forceinline__ void storeWeightedReluSums(const float (&acc)[32],
+                                                      const float (&weights)[16],
+                                                      const float (&keyScale)[2], int key,
+                                                      int position, bool histogramming,
+                                                      float *scores, uint32_t *histogram) {
+  // Four independent partial sums a key, so the FMAs do not wait on each other.
+  float partial[2][4] = {};
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      partial[e / 2][(j % 2) * 2 + (e & 1)] =
+          fmaf(weights[2 * j + (e & 1)], fmaxf(0.0f, acc[4 * j + e]),
+               partial[e / 2][(j % 2) * 2 + (e & 1)]);
+  float sums[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    sums[r] = (partial[r][0] + partial[r][1]) + (partial[r][2] + partial[r][3]);
+    sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], 1);
+    sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], 2);
+  }
+  const int t = threadIdx.x % 4;
+  if (t < 2) {
+    const int s = key + 8 * t;
+    if (s <= position) {
+      const float score = t == 0 ? sums[0] * keyScale[0] : sums[1] * keyScale[1];
+      scores[s] = score;
+      if (histogramming)
+        atomicAdd(&histogram[orderKey(score) >> kFirstDigitShift], 1u);
+    }
+  }
+}
+
 // ---- Scores on the warpgroup tensor cores (sm_90a wgmma; MXFP8 queries): keys widened in
 // registers.
 //
@@ -965,7 +1003,7 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
   };
   // The wgmmas of k steps [first, last), one commit group; the A registers they read stay
   // untouched until the wait.
-  auto multiply = [&](const uint32_t (&a)[kSteps][4], float (&acc)[32], int first, int last) {
+  auto multiply = [&](const uint32_t(&a)[kSteps][4], float(&acc)[32], int first, int last) {
     wgmma::fence();
 #pragma unroll
     for (int s = first; s < last; ++s)
@@ -974,34 +1012,10 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
     wgmma::commit();
     wgmma::fenceOperands(acc);
   };
-  // score[key] = sum over heads of w' * ReLU(dot): this lane's 16 heads, then the quad's.
   auto finish = [&](int tile, float (&acc)[32], const float (&keyScale)[2]) {
     wgmma::fenceOperands(acc);
-    // Four independent partial sums a key, so the FMAs do not wait on each other.
-    float partial[2][4] = {};
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        partial[e / 2][(j % 2) * 2 + (e & 1)] =
-            fmaf(weights[2 * j + (e & 1)], fmaxf(0.0f, acc[4 * j + e]),
-                 partial[e / 2][(j % 2) * 2 + (e & 1)]);
-    float sums[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      sums[r] = (partial[r][0] + partial[r][1]) + (partial[r][2] + partial[r][3]);
-      sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], 1);
-      sums[r] += __shfl_xor_sync(0xffffffffu, sums[r], 2);
-    }
-    if (t < 2) { // lane t = r of the quad writes key key0 + 8 r
-      const int s = firstKey + tile * kTileKeys + key0 + 8 * t;
-      if (s <= position) {
-        const float score = t == 0 ? sums[0] * keyScale[0] : sums[1] * keyScale[1];
-        scores[s] = score;
-        if (histogramming)
-          atomicAdd(&histogram[orderKey(score) >> kFirstDigitShift], 1u);
-      }
-    }
+    storeWeightedReluSums(acc, weights, keyScale, firstKey + tile * kTileKeys + key0, position,
+                          histogramming, scores, histogram);
   };
 
   // One tile in flight a warpgroup: carrying a second tile's fragments and accumulators (to
@@ -1029,6 +1043,166 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
         histogram, select.states[row], select.histograms + size_t(row) * kSelectBins,
         unsigned((position + blockKeys) / blockKeys), kFirstDigitShift, kMaxDigitBits,
         warpTotals, last);
+  }
+}
+
+// ---- Scores on FP8 warpgroup MMAs: Fp8PerKey keys against queries that are E4M3 codes times one
+// power of two a head (DeepSeek-V3.2's own FP8 indexer, MODEL_SPEC 4.3; IndexerParams::
+// fp8HeadQueries), head dim 128.
+//
+// Both operands are E4M3 in shared memory, K-major and 128-byte swizzled: the keys' tile as it
+// lands (each 16-byte piece of a key's 128-byte row copied to its swizzled place), the queries
+// prepared once a row by the reset kernel (codes = q / 2^e, e the smallest power with the head's
+// largest |q| <= 448 * 2^e, exact for any such q; 2^e on the head's weight). A tile is four
+// m64n64k32 wgmmas with nothing converted in registers: against the f16 kernel no widening (64 of
+// its ~300 warp instructions a tile) and half the tensor-core time, and 44 KB of shared memory a
+// block (no padded rows, 8 KB queries), so five blocks an SM. The key's fp32 scale multiplies
+// its score, as the reference's k_s[s]. Precision: the products of two E4M3 codes are exact, but
+// Hopper's FP8 MMAs add them with about 13 mantissa bits, and a head's four k steps chain in the
+// accumulator (as DeepGEMM's fp8_mqa_logits): a score is off by up to ~2^-11 of the sum of its
+// products' magnitudes (measured ~1e-4 relative), where the f16 kernel's sums are exact fp32 ones
+// (ScoreKernel::Warpgroup keeps that for these queries too).
+constexpr int kFp8WarpgroupBlocksPerSm = 5;
+constexpr uint32_t kFp8KeyTileBytes = uint32_t(kTileKeys) * 128; // 64 keys x 128 codes, swizzled
+constexpr uint32_t kFp8WarpgroupStageBytes = kFp8KeyTileBytes + 1024; // + the keys' scales
+constexpr uint32_t kFp8QueryBytes = uint32_t(kMmaMaxHeads) * 128;     // 64 heads x 128 codes
+size_t fp8WarpgroupSharedBytes() {
+  return 1024 + kFp8QueryBytes + kFp8Stages * kFp8WarpgroupStageBytes + // + alignment slack
+         kSelectBins * sizeof(uint32_t);                                // the histogram
+}
+
+// Byte `column` of row `row` in a 128-byte swizzled K-major operand of 128-byte rows (the 16-byte
+// unit u of row r at u ^ (r % 8), as warpgroup_mma.cuh's layout).
+__host__ __device__ constexpr uint32_t swizzledByte(int row, int column) {
+  return uint32_t(row * 128 + (((column / 16) ^ (row % 8)) * 16) + column % 16);
+}
+
+// One key tile's copies: thread `tid` copies piece tid % 8 of keys tid / 8 + 16 j (j < 4) to
+// their swizzled places (the same unit index for all four: 16 j leaves the key's row % 8), and
+// threads below 16 the tile's 64 fp32 scales; one committed group, empty for a dead tile.
+struct SwizzledKeyTileCopier {
+  uint32_t stageOffset, pageOffset;
+  int tid;
+  __device__ explicit SwizzledKeyTileCopier(int thread)
+      : stageOffset(swizzledByte(thread / 8, thread % 8 * 16)),
+        pageOffset(uint32_t(thread / 8 * 128 + thread % 8 * 16)), tid(thread) {}
+  __device__ __forceinline__ void issue(const unsigned char *pool, int32_t pageIndex, int slot,
+                                        int64_t pageBytes, int pageTokens, bool live,
+                                        unsigned char *stage) const {
+    if (live) {
+      const unsigned char *page = pool + pageIndex * pageBytes;
+      const unsigned char *rows = page + size_t(slot) * 128 + pageOffset;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        mma::copyAsync16(stage + stageOffset + j * 16 * 128, rows + j * 16 * 128);
+      if (tid < kTileKeys * 4 / 16)
+        mma::copyAsync16(stage + kFp8KeyTileBytes + tid * 16,
+                         page + size_t(pageTokens) * 128 + size_t(slot) * 4 + tid * 16);
+    }
+    mma::commitAsyncCopies();
+  }
+};
+static_assert(kMmaThreads == 128 && kTileKeys == 64, "8 pieces x 16 keys a pass, 4 passes");
+
+__global__ void __launch_bounds__(kMmaThreads, kFp8WarpgroupBlocksPerSm)
+    indexerScoresFp8WarpgroupKernel(IndexerParams p, int64_t pageBytes, int tilesPerBlock,
+                                    SelectWorkspace select) {
+  constexpr int D = 128;
+  extern __shared__ __align__(16) unsigned char rawShared[];
+  // wgmma's swizzled operands need 1024-byte aligned 8-row groups.
+  unsigned char *smem = rawShared + ((1024 - mma::sharedAddress(rawShared) % 1024) % 1024);
+  unsigned char *queries = smem;                 // [64 heads][128] E4M3, swizzled
+  unsigned char *stages = smem + kFp8QueryBytes; // [3][keys' codes (swizzled), scales]
+  auto *histogram = reinterpret_cast<uint32_t *>(stages + kFp8Stages * kFp8WarpgroupStageBytes);
+  __shared__ uint32_t warpTotals[kMmaThreads / 32];
+  __shared__ bool last;
+  const int row = blockIdx.x, heads = p.heads, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32, t = lane % 4;
+  const int key0 = 16 * warp + lane / 4; // this thread's keys key0 and key0 + 8 of a tile
+  const int position = p.positions[row];
+  const int firstKey = int(blockIdx.y) * kTileKeys * tilesPerBlock;
+  if (firstKey > position)
+    return;
+  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
+  const auto *pool = static_cast<const unsigned char *>(p.keyPages);
+  auto live = [&](int tile) {
+    return tile < tilesPerBlock && firstKey + tile * kTileKeys <= position;
+  };
+  const unsigned char *rowQueries = select.queries + size_t(row) * kSelectQueryBytes;
+  for (int c = tid; c < int(kFp8QueryBytes / 16); c += kMmaThreads)
+    mma::copyAsync16(queries + 16 * c, rowQueries + 16 * c);
+  // As the f16 kernel: tiles in order, never straddling a page, the table entry a tile ahead.
+  int entry = firstKey / p.pageTokens, slot = firstKey % p.pageTokens;
+  auto lookUp = [&](int tile, int &page, int &pageSlot) {
+    page = live(tile) ? __ldg(table + entry) : 0;
+    pageSlot = slot;
+    slot += kTileKeys;
+    if (slot == p.pageTokens) {
+      slot = 0;
+      ++entry;
+    }
+  };
+  const SwizzledKeyTileCopier copier(tid);
+  auto issue = [&](int tile, int page, int pageSlot) {
+    copier.issue(pool, page, pageSlot, pageBytes, p.pageTokens, live(tile),
+                 stages + (tile % kFp8Stages) * kFp8WarpgroupStageBytes);
+  };
+  int page, pageSlot;
+  lookUp(0, page, pageSlot);
+  issue(0, page, pageSlot);
+  lookUp(1, page, pageSlot);
+  issue(1, page, pageSlot);
+  lookUp(2, page, pageSlot);
+
+  const bool histogramming = position + 1 > p.topK;
+  for (int b = tid; b < kSelectBins; b += kMmaThreads)
+    histogram[b] = 0;
+  // This thread's 16 heads' weights, w * heads^-1/2 * D^-1/2 times the head's query scale.
+  const float weightScale = 1.0f / (sqrtf(float(heads)) * sqrtf(float(D)));
+  float weights[16]; // heads 8j + 2t + c at 2j + c
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int h = 8 * j + 2 * t + c;
+      weights[2 * j + c] = h < heads ? p.headWeights[size_t(row) * heads + h] * weightScale *
+                                           select.headScales[size_t(row) * kMmaMaxHeads + h]
+                                     : 0.0f;
+    }
+  const uint64_t queryDescriptor = wgmma::descriptor(mma::sharedAddress(queries));
+  float *scores = p.scores + size_t(row) * p.maxKeys;
+
+  for (int tile = 0; live(tile); ++tile) {
+    // The tile's copies (and the queries, the first time round) landed for every thread and are
+    // visible to the wgmmas' async proxy; the stage refilled next was consumed.
+    mma::waitAsyncCopies<1>();
+    wgmma::sharedWritesToAsyncProxy();
+    __syncthreads();
+    issue(tile + 2, page, pageSlot);
+    lookUp(tile + 3, page, pageSlot);
+    const unsigned char *stage = stages + (tile % kFp8Stages) * kFp8WarpgroupStageBytes;
+    const auto *keyScales = reinterpret_cast<const float *>(stage + kFp8KeyTileBytes);
+    const float keyScale[2] = {keyScales[key0], keyScales[key0 + 8]};
+    const uint64_t keyDescriptor = wgmma::descriptor(mma::sharedAddress(stage));
+    float acc[32];
+    wgmma::fence();
+#pragma unroll
+    for (int s = 0; s < D / 32; ++s) // k steps of 32 codes: 32 bytes along the swizzled rows
+      wgmma::mma64x64E4M3(acc, keyDescriptor + 2 * s, queryDescriptor + 2 * s,
+                          /*accumulate=*/s > 0);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fenceOperands(acc);
+    storeWeightedReluSums(acc, weights, keyScale, firstKey + tile * kTileKeys + key0, position,
+                          histogramming, scores, histogram);
+  }
+  mma::waitAsyncCopies<0>(); // nothing in flight when the block ends
+  if (histogramming) {
+    const int blockKeys = kTileKeys * tilesPerBlock;
+    flushHistogramAndChoose<kMmaThreads>(histogram, select.states[row],
+                                         select.histograms + size_t(row) * kSelectBins,
+                                         unsigned((position + blockKeys) / blockKeys),
+                                         kFirstDigitShift, kMaxDigitBits, warpTotals, last);
   }
 }
 
@@ -1517,12 +1691,16 @@ __global__ void __launch_bounds__(kHistogramThreads)
   writeFromPlace(p, row, place, first, min(n, first + kChunkRun), greater, equal, warpSums);
 }
 
+// How the reset kernel lays out a row's queries for the warpgroup scores kernels.
+enum class QueryLayout { None, F16, E4M3 };
+
 // Fresh states, zero histograms, unpublished counts and places and the ticket counter (the digit
-// passes leave the histograms zero again behind them, but a failed launch may not have); with
-// `Queries`, also each row's queries in f16 (each head scaled by a power of two, its inverse in
-// headScales) at the warpgroup kernel's permuted, swizzled places, once per row instead of once per
-// block of the scores kernel.
-template <int D, bool Queries>
+// passes leave the histograms zero again behind them, but a failed launch may not have); with a
+// query layout, also each row's queries once per row instead of once per block of the scores
+// kernel: F16, each head scaled by a power of two (its inverse in headScales) at the f16
+// warpgroup kernel's permuted, swizzled places; E4M3, each head's codes over its power of two
+// (in headScales) in the FP8 warpgroup kernel's swizzled rows.
+template <int D, QueryLayout Queries>
 __global__ void selectResetKernel(IndexerParams p, SelectWorkspace w, int chunks) {
   const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int rows = p.rows;
@@ -1534,7 +1712,35 @@ __global__ void selectResetKernel(IndexerParams p, SelectWorkspace w, int chunks
     w.chunkCounts[i] = w.places[i] = 0;
   if (i == 0)
     *w.writeTickets = 0;
-  if constexpr (Queries) {
+  if constexpr (Queries == QueryLayout::E4M3) {
+    static_assert(D == 128, "a head's 32 float4s are one warp");
+    constexpr int kRowFloat4s = kMmaMaxHeads * D / 4;
+    if (i < size_t(rows) * kRowFloat4s) {
+      const int row = int(i / kRowFloat4s), within = int(i % kRowFloat4s);
+      const int h = within / (D / 4), column = 4 * (within % (D / 4));
+      const float4 v =
+          h < p.heads
+              ? reinterpret_cast<const float4 *>(p.q + (size_t(row) * p.heads + h) * D)[column / 4]
+              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      // The smallest power of two 2^e with the head's largest |q| <= 448 * 2^e: for queries that
+      // are E4M3 codes times any one power of two, q / 2^e are E4M3 codes again, exactly.
+      float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+      for (int offset = 1; offset < 32; offset *= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      const uint8_t scale = quant::mxScaleCodeRoundUp(amax);
+      const int shift = 127 - int(scale);
+      const uint32_t codes = uint32_t(quant::floatToE4M3(ldexpf(v.x, shift))) |
+                             uint32_t(quant::floatToE4M3(ldexpf(v.y, shift))) << 8 |
+                             uint32_t(quant::floatToE4M3(ldexpf(v.z, shift))) << 16 |
+                             uint32_t(quant::floatToE4M3(ldexpf(v.w, shift))) << 24;
+      unsigned char *queries = w.queries + size_t(row) * kSelectQueryBytes;
+      *reinterpret_cast<uint32_t *>(queries + swizzledByte(h, column)) = codes;
+      if (column == 0)
+        w.headScales[size_t(row) * kMmaMaxHeads + h] = e8m0ToFloat(scale);
+    }
+  }
+  if constexpr (Queries == QueryLayout::F16) {
     constexpr int kRowFloat4s = kMmaMaxHeads * D / 4;
     if (i < size_t(rows) * kRowFloat4s) {
       const int row = int(i / kRowFloat4s), within = int(i % kRowFloat4s);
@@ -1567,17 +1773,28 @@ __global__ void selectResetKernel(IndexerParams p, SelectWorkspace w, int chunks
 
 // The select's first launch, before the scores: resets its workspace and, for the warpgroup
 // scores kernel (`queries`), prepares its queries.
-template <int D> int launchSelectReset(const IndexerParams &p, bool queries, cudaStream_t stream) {
+template <int D>
+int launchSelectReset(const IndexerParams &p, QueryLayout queries, cudaStream_t stream) {
   const SelectWorkspace w = selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys);
   const int chunks = selectChunks(p.maxKeys);
   size_t items = std::max(size_t(p.rows) * kSelectBins, size_t(p.rows) * chunks);
-  if (queries)
+  if (queries != QueryLayout::None)
     items = std::max(items, size_t(p.rows) * kMmaMaxHeads * D / 4);
   const unsigned blocks = unsigned((items + 255) / 256);
-  if (queries)
-    selectResetKernel<D, true><<<blocks, 256, 0, stream>>>(p, w, chunks);
-  else
-    selectResetKernel<D, false><<<blocks, 256, 0, stream>>>(p, w, chunks);
+  switch (queries) {
+  case QueryLayout::None:
+    selectResetKernel<D, QueryLayout::None><<<blocks, 256, 0, stream>>>(p, w, chunks);
+    break;
+  case QueryLayout::F16:
+    selectResetKernel<D, QueryLayout::F16><<<blocks, 256, 0, stream>>>(p, w, chunks);
+    break;
+  case QueryLayout::E4M3:
+    if constexpr (D != 128)
+      return int(cudaErrorInvalidValue); // the FP8 warpgroup kernel's head dim only
+    else
+      selectResetKernel<D, QueryLayout::E4M3><<<blocks, 256, 0, stream>>>(p, w, chunks);
+    break;
+  }
   return int(cudaGetLastError());
 }
 
@@ -1851,22 +2068,22 @@ template <int D> int launchFp32Scores(const IndexerParams &p, cudaStream_t strea
 // As many key tiles per block as keep about one wave of blocks on the GPU: each block stages its
 // row's queries once, so fewer, longer blocks when there are many rows. (Two waves until the
 // tuner's winners on the H200 showed one wave's tile counts at 7 of 9 indexer buckets.)
-int tilesPerBlock(const IndexerParams &p, int multiprocessors) {
+int tilesPerBlock(const IndexerParams &p, int multiprocessors, int blocksPerSm) {
   const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
-  const int wantedBlocks = std::max(1, kBlocksPerSm * multiprocessors / p.rows);
+  const int wantedBlocks = std::max(1, blocksPerSm * multiprocessors / p.rows);
   return std::max(1, (tiles + wantedBlocks - 1) / wantedBlocks);
 }
 
 // One of the tensor-core score kernels (`kernel`, with `shared` bytes of shared memory) over
 // rows x tile groups.
-template <typename Kernel, typename... Extra>
+template <int kBlocksAnSm = kBlocksPerSm, typename Kernel, typename... Extra>
 int launchScoreTiles(Kernel kernel, size_t shared, const IndexerParams &p, int64_t pageBytes,
                      const DeviceSetup &setup, cudaStream_t stream, Extra... extra) {
   if (setup.status != cudaSuccess)
     return int(setup.status);
   const int tiles = (p.maxKeys + kTileKeys - 1) / kTileKeys;
   const int perBlock = p.tilesPerBlock > 0 ? std::min<int>(p.tilesPerBlock, tiles)
-                                           : tilesPerBlock(p, setup.multiprocessors);
+                                           : tilesPerBlock(p, setup.multiprocessors, kBlocksAnSm);
   if ((tiles + perBlock - 1) / perBlock > 65535)
     return cudaErrorInvalidValue; // a configured tilesPerBlock too small for the grid
   const dim3 grid(unsigned(p.rows), unsigned((tiles + perBlock - 1) / perBlock));
@@ -1908,16 +2125,42 @@ int launchWarpgroupScores(const IndexerParams &p, cudaStream_t stream) {
                           selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys));
 }
 
-// Whether the scores take the warpgroup kernel, which also prepares the top-k's first digit.
+int launchFp8WarpgroupScores(const IndexerParams &p, cudaStream_t stream) {
+  const size_t shared = fp8WarpgroupSharedBytes();
+  const DeviceSetup setup = deviceSetup([shared] {
+    return cudaFuncSetAttribute(indexerScoresFp8WarpgroupKernel,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared));
+  });
+  return launchScoreTiles<kFp8WarpgroupBlocksPerSm>(
+      indexerScoresFp8WarpgroupKernel, shared, p,
+      indexerPageBytes(IndexKeyType::Fp8PerKey, p.pageTokens, 128), setup, stream,
+      selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys));
+}
+
+// Whether the scores take the FP8 warpgroup kernel (Fp8PerKey keys, per-head FP8 queries).
+bool scoresOnFp8Warpgroups(const IndexerParams &p) {
+  using Kind = IndexerParams::ScoreKernel;
+  return p.keyType == IndexKeyType::Fp8PerKey && p.fp8HeadQueries && p.headDim == 128 &&
+         p.pageTokens % kTileKeys == 0 &&
+         (p.scoreKernel == Kind::Auto || p.scoreKernel == Kind::Fp8Warpgroup);
+}
+
+// Whether the scores take one of the warpgroup kernels, which also prepare the top-k's first
+// digit.
 bool scoresOnWarpgroups(const IndexerParams &p) {
   using Kind = IndexerParams::ScoreKernel;
-  return p.keyType != IndexKeyType::F32 && p.mxfp8Queries && p.pageTokens % kTileKeys == 0 &&
-         (p.scoreKernel == Kind::Auto || p.scoreKernel == Kind::Warpgroup);
+  return scoresOnFp8Warpgroups(p) ||
+         (p.keyType != IndexKeyType::F32 && (p.mxfp8Queries || p.fp8HeadQueries) &&
+          p.pageTokens % kTileKeys == 0 &&
+          (p.scoreKernel == Kind::Auto || p.scoreKernel == Kind::Warpgroup));
 }
 
 template <IndexKeyType Type> int launchMmaScoresOf(const IndexerParams &p, cudaStream_t stream) {
   using Kind = IndexerParams::ScoreKernel;
-  const bool mxfp8Tiles = p.mxfp8Queries && p.pageTokens % kTileKeys == 0;
+  const bool mxfp8Tiles = (p.mxfp8Queries || p.fp8HeadQueries) && p.pageTokens % kTileKeys == 0;
+  if constexpr (Type == IndexKeyType::Fp8PerKey)
+    if (scoresOnFp8Warpgroups(p))
+      return launchFp8WarpgroupScores(p, stream);
   if (scoresOnWarpgroups(p))
     return p.headDim == 128 ? launchWarpgroupScores<Type, 128>(p, stream)
                             : launchWarpgroupScores<Type, 64>(p, stream);
@@ -1973,8 +2216,11 @@ int launchIndexerTopK(const IndexerParams &p, void *stream) {
                : (p.headDim == 128 ? launchFused<IndexKeyType::Fp8PerKey, 128>(p, s)
                                    : launchFused<IndexKeyType::Fp8PerKey, 64>(p, s));
   const bool warpgroup = scoresOnWarpgroups(p);
-  int status = p.headDim == 128 ? launchSelectReset<128>(p, warpgroup, s)
-                                : launchSelectReset<64>(p, warpgroup, s);
+  const QueryLayout queries = scoresOnFp8Warpgroups(p) ? QueryLayout::E4M3
+                              : warpgroup              ? QueryLayout::F16
+                                                       : QueryLayout::None;
+  int status = p.headDim == 128 ? launchSelectReset<128>(p, queries, s)
+                                : launchSelectReset<64>(p, queries, s);
   if (status != 0)
     return status;
   status = p.keyType == IndexKeyType::F32

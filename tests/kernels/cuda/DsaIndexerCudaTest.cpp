@@ -2,12 +2,13 @@
 // ref::topKIndices) on keys packed into scattered pages by the reference packers (every key
 // format): scores to fp32 rounding, top-k sets equal up to near-ties, contexts shorter than k,
 // decode rows and causal prefill rows in one launch. Labelled `gpu`; skipped without a GPU.
+#include "CudaTestSupport.h"
 #include "hybrid/kernels/cuda/DsaIndexer.h"
 #include "hybrid/kernels/ref/Dsa.h"
 #include "hybrid/kernels/ref/PagedCacheLayout.h"
-#include "CudaTestSupport.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <set>
 #include <string>
@@ -82,7 +83,8 @@ runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int dim,
            const std::vector<int32_t> &positions, const std::vector<int32_t> &sequences,
            int maxKeys, int topK, bool fused = false, bool mxfp8Queries = false,
            cuda::IndexerParams::ScoreKernel scoreKernel = cuda::IndexerParams::ScoreKernel::Auto,
-           cuda::IndexerParams::SelectForm selectForm = cuda::IndexerParams::SelectForm::Auto) {
+           cuda::IndexerParams::SelectForm selectForm = cuda::IndexerParams::SelectForm::Auto,
+           bool fp8HeadQueries = false) {
   const int rows = int(positions.size());
   DeviceBuffer<float> dQ(q), dW(w), dScores{std::vector<float>(size_t(rows) * maxKeys, 0.0f)};
   DeviceBuffer<int32_t> dPositions(positions), dSequences(sequences), dTables(paged.blockTables),
@@ -97,6 +99,7 @@ runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int dim,
   p.headDim = dim;
   p.q = dQ.data;
   p.mxfp8Queries = mxfp8Queries;
+  p.fp8HeadQueries = fp8HeadQueries;
   p.scoreKernel = scoreKernel;
   p.selectForm = selectForm;
   p.headWeights = dW.data;
@@ -126,6 +129,40 @@ bool roundToMxfp8(std::vector<float> &q, int dim) {
          ref::dequantizeMxfp8(codes, scales, rows, dim, q);
 }
 
+// Queries as DeepSeek-V3.2's FP8 indexer leaves them: E4M3 codes times one power of two a head
+// (act_quant over the head, ue8m0 scale; MODEL_SPEC 4.3).
+bool roundToFp8PerHead(std::vector<float> &q, int dim) {
+  const int64_t rows = int64_t(q.size()) / dim;
+  std::vector<uint8_t> codes(q.size());
+  std::vector<float> scales(static_cast<size_t>(rows));
+  return ref::quantizeFp8Tiles(q, rows, dim, dim, ref::Fp8ScaleRule::DeepSeekUe8m0, codes,
+                               scales) &&
+         ref::dequantizeFp8Tiles(codes, scales, rows, dim, dim, q);
+}
+
+// Hopper's FP8 warpgroup MMAs add their products in reduced precision (about 13 mantissa bits:
+// DeepSeek-V3's report, section 3.3.2), and a head's dot chains its four 32-code steps in the
+// tensor core's accumulator, as DeepGEMM's fp8_mqa_logits does: each head's dot may be off by
+// up to four truncations to 13 bits of the sum of its products' magnitudes. Per key: that bound
+// carried through the weighted head sum (every other form sums its exact products in fp32).
+std::vector<float> fp8AccumulationSlack(const float *q, const float *keys, const float *w,
+                                        int heads, int dim, int n) {
+  const double weightScale = 1.0 / (std::sqrt(double(heads)) * std::sqrt(double(dim)));
+  constexpr double kTruncation = 4.0 / 8192.0; // 4 x 2^-13
+  std::vector<float> slack(static_cast<size_t>(n));
+  for (int s = 0; s < n; ++s) {
+    double bound = 0.0;
+    for (int h = 0; h < heads; ++h) {
+      double magnitudes = 0.0;
+      for (int j = 0; j < dim; ++j)
+        magnitudes += std::abs(double(q[size_t(h) * dim + j]) * keys[size_t(s) * dim + j]);
+      bound += std::abs(double(w[h])) * weightScale * magnitudes;
+    }
+    slack[size_t(s)] = float(kTruncation * bound);
+  }
+  return slack;
+}
+
 struct IndexerCase {
   std::string name;
   IndexKeyType type;
@@ -135,6 +172,15 @@ struct IndexerCase {
   bool mxfp8Queries = false; // queries rounded to MXFP8 as the policy leaves them
   // Which scores: with mxfp8Queries, Auto is the warpgroup form; Fp8 the E4M3 mma.sync form.
   cuda::IndexerParams::ScoreKernel scoreKernel = cuda::IndexerParams::ScoreKernel::Auto;
+  // Queries one E4M3 scale a head (DeepSeek's FP8 indexer): with Fp8PerKey keys at head dim 128,
+  // Auto is the FP8 warpgroup form.
+  bool fp8HeadQueries = false;
+
+  bool scoresOnFp8Mma() const { // the dispatch rule of DsaIndexer.h
+    using Kind = cuda::IndexerParams::ScoreKernel;
+    return fp8HeadQueries && type == IndexKeyType::Fp8PerKey && dim == 128 &&
+           pageTokens % 64 == 0 && (scoreKernel == Kind::Auto || scoreKernel == Kind::Fp8Warpgroup);
+  }
 };
 
 class DsaIndexerCuda : public testing::TestWithParam<IndexerCase> {};
@@ -161,21 +207,25 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
   if (c.mxfp8Queries) {
     ASSERT_TRUE(roundToMxfp8(q, c.dim));
   }
+  if (c.fp8HeadQueries) {
+    ASSERT_TRUE(roundToFp8PerHead(q, c.dim));
+  }
+  const bool exactQueries = c.mxfp8Queries || c.fp8HeadQueries;
   const std::vector<float> w = random(size_t(rows) * c.heads, rng, 1.0f);
 
   const IndexerRun run = runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences,
-                                    maxKeys, c.topK, /*fused=*/false, c.mxfp8Queries,
-                                    c.scoreKernel);
+                                    maxKeys, c.topK, /*fused=*/false, c.mxfp8Queries, c.scoreKernel,
+                                    cuda::IndexerParams::SelectForm::Auto, c.fp8HeadQueries);
   const std::vector<float> &scores = run.scores;
   const std::vector<int32_t> &indices = run.indices;
   // The select's other forms after the warpgroup scores (Auto took the one cooperative launch
   // here, where every shape fits on the GPU): the same positions.
-  if (c.mxfp8Queries && c.scoreKernel == cuda::IndexerParams::ScoreKernel::Auto) {
+  if (exactQueries && c.scoreKernel == cuda::IndexerParams::ScoreKernel::Auto) {
     for (auto form :
          {cuda::IndexerParams::SelectForm::Gathered, cuda::IndexerParams::SelectForm::Passes}) {
       const IndexerRun other =
           runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences, maxKeys, c.topK,
-                     /*fused=*/false, c.mxfp8Queries, c.scoreKernel, form);
+                     /*fused=*/false, c.mxfp8Queries, c.scoreKernel, form, c.fp8HeadQueries);
       EXPECT_EQ(other.indices, indices)
           << "the one-launch select and the "
           << (form == cuda::IndexerParams::SelectForm::Passes ? "per-digit" : "three-launch")
@@ -184,11 +234,11 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
   }
   // The fused form computes the same scores (bf16 MMAs: the FP8 ones may differ in the last bits)
   // and selects by the same rule: the same positions.
-  if (!c.mxfp8Queries && cuda::indexerFusedSupported(c.type, c.dim, maxKeys)) {
+  if (!exactQueries && cuda::indexerFusedSupported(c.type, c.dim, maxKeys)) {
     const IndexerRun fused = runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences,
                                         maxKeys, c.topK, /*fused=*/true);
     EXPECT_EQ(fused.indices, indices) << "fused and unfused selections differ";
-  } else if (!c.mxfp8Queries) {
+  } else if (!exactQueries) {
     EXPECT_EQ(c.type, IndexKeyType::F32) << "the fused form takes every FP8 case here";
   }
 
@@ -203,9 +253,17 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
     float largest = 0.0f;
     for (float v : expected)
       largest = std::max(largest, std::abs(v));
-    const float tolerance = 1e-5f * std::max(1.0f, largest);
+    std::vector<float> tolerance(static_cast<size_t>(n), 1e-5f * std::max(1.0f, largest));
+    if (c.scoresOnFp8Mma()) {
+      const std::vector<float> slack = fp8AccumulationSlack(
+          q.data() + size_t(r) * c.heads * c.dim, paged.keys[size_t(sequences[r])].data(),
+          w.data() + size_t(r) * c.heads, c.heads, c.dim, n);
+      for (int s = 0; s < n; ++s)
+        tolerance[size_t(s)] += slack[size_t(s)];
+    }
     for (int s = 0; s < n; ++s)
-      ASSERT_NEAR(scores[size_t(r) * maxKeys + s], expected[size_t(s)], tolerance) << "key " << s;
+      ASSERT_NEAR(scores[size_t(r) * maxKeys + s], expected[size_t(s)], tolerance[size_t(s)])
+          << "key " << s;
 
     // Top-k: the same set, except where the reference's k-th score has near-ties.
     std::vector<int32_t> chosen(size_t(c.topK));
@@ -228,15 +286,18 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
         << "positions in ascending order (the same bits for whoever sums over them)";
     EXPECT_TRUE(std::all_of(got.begin() + selected, got.end(), [](int32_t v) { return v == -1; }))
         << "the -1s last";
-    const float kth = expected[size_t(chosen[size_t(selected - 1)])];
+    const int32_t kthKey = chosen[size_t(selected - 1)];
+    const float kth = expected[size_t(kthKey)];
     for (int32_t s : gotSet) {
       if (!chosenSet.count(s)) {
-        EXPECT_GE(expected[size_t(s)], kth - 2 * tolerance) << "position " << s;
+        EXPECT_GE(expected[size_t(s)], kth - tolerance[size_t(s)] - tolerance[size_t(kthKey)])
+            << "position " << s;
       }
     }
     for (int32_t s : chosenSet) {
       if (!gotSet.count(s)) {
-        EXPECT_LE(expected[size_t(s)], kth + 2 * tolerance) << "position " << s;
+        EXPECT_LE(expected[size_t(s)], kth + tolerance[size_t(s)] + tolerance[size_t(kthKey)])
+            << "position " << s;
       }
     }
   }
@@ -272,7 +333,20 @@ INSTANTIATE_TEST_SUITE_P(
         IndexerCase{"v32_fp8_per_key_fp8mma", IndexKeyType::Fp8PerKey, 64, 128, 64, 512, {3000}, 2, true,
                     cuda::IndexerParams::ScoreKernel::Fp8},
         IndexerCase{"tiny_mxfp8_fp8mma", IndexKeyType::Mxfp8, 20, 64, 64, 32, {1, 17, 100, 300}, 5, true,
-                    cuda::IndexerParams::ScoreKernel::Fp8}),
+                    cuda::IndexerParams::ScoreKernel::Fp8},
+        // DeepSeek's FP8 indexer (queries one scale a head, keys one a key) on the FP8 warpgroup
+        // MMAs: contexts around k, many chunks, 128-token pages, fewer heads; and the same
+        // queries on the f16 warpgroup kernel.
+        IndexerCase{"v32_fp8_per_head_fp8_warpgroup", IndexKeyType::Fp8PerKey, 64, 128, 64, 2048, {1, 2100, 4133}, 3, false,
+                    cuda::IndexerParams::ScoreKernel::Auto, true},
+        IndexerCase{"v32_fp8_per_head_fp8_warpgroup_long", IndexKeyType::Fp8PerKey, 64, 128, 64, 2048, {70000}, 1, false,
+                    cuda::IndexerParams::ScoreKernel::Auto, true},
+        IndexerCase{"v32_fp8_per_head_fp8_warpgroup_pages128", IndexKeyType::Fp8PerKey, 64, 128, 128, 512, {3000, 77}, 2, false,
+                    cuda::IndexerParams::ScoreKernel::Auto, true},
+        IndexerCase{"fp8_per_head_fp8_warpgroup_20_heads", IndexKeyType::Fp8PerKey, 20, 128, 64, 32, {1, 17, 100, 300}, 5, false,
+                    cuda::IndexerParams::ScoreKernel::Fp8Warpgroup, true},
+        IndexerCase{"v32_fp8_per_head_f16_warpgroup", IndexKeyType::Fp8PerKey, 64, 128, 64, 2048, {1, 2100, 4133}, 3, false,
+                    cuda::IndexerParams::ScoreKernel::Warpgroup, true}),
     // clang-format on
     [](const testing::TestParamInfo<IndexerCase> &info) { return info.param.name; });
 

@@ -34,10 +34,24 @@ struct IndexerParams {
   // The queries are MXFP8-rounded (the policy's indexer Q), so exact in bf16 and in E4M3: with
   // FP8 keys in 64-token pages the unfused form then takes the warpgroup (or FP8) scores.
   bool mxfp8Queries = false;
-  // Which tensor-core scores the unfused form runs for FP8 keys. With mxfp8Queries and 64-token
-  // pages: Warpgroup (keys widened to bf16 in registers, warpgroup MMAs; what Auto picks) or Fp8
-  // (E4M3 mma.sync, one MX block per MMA); otherwise, and for Bf16, the bf16 mma.sync form.
-  enum class ScoreKernel { Auto, Bf16, Fp8, Warpgroup } scoreKernel = ScoreKernel::Auto;
+  // The queries are E4M3 codes times one power of two a (row, head): DeepSeek-V3.2's own FP8
+  // indexer (act_quant over the 128-wide head, ue8m0 scale; MODEL_SPEC 4.3). Exact in f16 too, so
+  // every form mxfp8Queries allows takes them; with Fp8PerKey keys, head dim 128 and 64-token
+  // pages Auto picks the FP8 warpgroup scores (E4M3 x E4M3 warpgroup MMAs, nothing widened; the
+  // tensor cores' FP8 sums carry ~13 mantissa bits, as DeepGEMM's: scores within ~1e-4 relative,
+  // where Warpgroup's are exact fp32 sums).
+  bool fp8HeadQueries = false;
+  // Which tensor-core scores the unfused form runs for FP8 keys. With mxfp8Queries (or
+  // fp8HeadQueries) and 64-token pages: Warpgroup (keys widened to f16 in registers, warpgroup
+  // MMAs; what Auto picks, but for Fp8Warpgroup where that applies) or Fp8 (E4M3 mma.sync, one MX
+  // block per MMA); otherwise, and for Bf16, the bf16 mma.sync form.
+  enum class ScoreKernel {
+    Auto,
+    Bf16,
+    Fp8,
+    Warpgroup,
+    Fp8Warpgroup
+  } scoreKernel = ScoreKernel::Auto;
   const float *headWeights = nullptr; // [rows, heads]: weights_proj(x), raw
   const int32_t *positions = nullptr; // [rows]: the row attends to keys 0..position
   const int32_t *sequences = nullptr; // [rows]: the row's block-table row
