@@ -112,10 +112,11 @@ writeParams(flatbuffers::FlatBufferBuilder &b, plan::DispatchOp dispatch) {
     return {fb::KernelParams::DsaIndexerParams,
             fb::CreateDsaIndexerParams(b, p.i32("index_heads"), p.i32("index_head_dim"),
                                        p.i32("top_k"), p.i32("rope_head_dim"), rope,
-                                       static_cast<float>(p.real("norm_epsilon")),
-                                       p.i32("kv_slot"),
+                                       static_cast<float>(p.real("norm_epsilon")), p.i32("kv_slot"),
                                        p.text("quantize") == "mxfp8" ? fb::ActivationQuant::Mxfp8
-                                                                     : fb::ActivationQuant::None)
+                                       : p.text("quantize") == "fp8"
+                                           ? fb::ActivationQuant::Fp8PerRow
+                                           : fb::ActivationQuant::None)
                 .Union()};
   }
   case plan::KernelId::attn_res:

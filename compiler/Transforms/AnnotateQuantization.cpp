@@ -16,22 +16,27 @@ namespace hybrid {
 namespace {
 
 // The precision of each role. Defaults: DeepSeek's hierarchy.
+// The indexer's query and key activations: MXFP8 (one E8M0 scale per 32), or DeepSeek-V3.2's own
+// FP8 (one power-of-two scale per query head and per key, MODEL_SPEC 4.3), or full precision.
+enum class IndexerQuant { None, Mxfp8, Fp8 };
+
 struct QuantizationPolicy {
-  bool indexerMxfp8 = true;   // indexer query and key activations
+  IndexerQuant indexer = IndexerQuant::Mxfp8; // indexer query and key activations
   bool sparseKvFp8 = true;    // the sparse-attention (DSA) latent cache
   bool denseKvFp8 = false;    // the latent cache of MLA layers without an indexer (opt-in)
   int32_t kvTile = 128;       // elements per scale of the FP8 KV cache
 };
 
 // "default", "none", or a JSON file:
-//   {"indexer_qk": "mxfp8"|"none", "sparse_attention_kv_cache": "fp8_tiles"|"none",
+//   {"indexer_qk": "mxfp8"|"fp8"|"none", "sparse_attention_kv_cache": "fp8_tiles"|"none",
 //    "dense_attention_kv_cache": "fp8_tiles"|"none", "kv_tile": 128, "projections": "bf16"}
 FailureOr<QuantizationPolicy> loadPolicy(StringRef spec, Operation *op) {
   QuantizationPolicy policy;
   if (spec == "default")
     return policy;
   if (spec == "none") {
-    policy.indexerMxfp8 = policy.sparseKvFp8 = false;
+    policy.indexer = IndexerQuant::None;
+    policy.sparseKvFp8 = false;
     return policy;
   }
   auto buffer = llvm::MemoryBuffer::getFile(spec);
@@ -63,8 +68,16 @@ FailureOr<QuantizationPolicy> loadPolicy(StringRef spec, Operation *op) {
       return op->emitError() << "quantization policy '" << spec << "': unknown field '"
                              << key.str() << "'";
   }
-  if (failed(choice("indexer_qk", "mxfp8", policy.indexerMxfp8)) ||
-      failed(choice("sparse_attention_kv_cache", "fp8_tiles", policy.sparseKvFp8)) ||
+  if (const llvm::json::Value *indexer = root->get("indexer_qk")) {
+    std::optional<StringRef> text = indexer->getAsString();
+    if (!text || (*text != "mxfp8" && *text != "fp8" && *text != "none"))
+      return op->emitError() << "quantization policy '" << spec
+                             << "': field 'indexer_qk' must be \"mxfp8\", \"fp8\" or \"none\"";
+    policy.indexer = *text == "mxfp8" ? IndexerQuant::Mxfp8
+                     : *text == "fp8" ? IndexerQuant::Fp8
+                                      : IndexerQuant::None;
+  }
+  if (failed(choice("sparse_attention_kv_cache", "fp8_tiles", policy.sparseKvFp8)) ||
       failed(choice("dense_attention_kv_cache", "fp8_tiles", policy.denseKvFp8)))
     return failure();
   if (const llvm::json::Value *tile = root->get("kv_tile")) {
@@ -84,19 +97,20 @@ FailureOr<QuantizationPolicy> loadPolicy(StringRef spec, Operation *op) {
 
 LogicalResult annotate(plan::PlanOp planOp, const QuantizationPolicy &policy) {
   Builder builder(planOp.getContext());
-  if (policy.indexerMxfp8) {
+  if (policy.indexer != IndexerQuant::None) {
+    const bool mxfp8 = policy.indexer == IndexerQuant::Mxfp8;
     WalkResult result = planOp.walk([&](plan::DispatchOp dispatch) {
       if (dispatch.getKernel() != plan::KernelId::indexer_query &&
           dispatch.getKernel() != plan::KernelId::indexer_key)
         return WalkResult::advance();
       auto headDim = dispatch.getParams().getAs<IntegerAttr>("index_head_dim");
-      if (!headDim || headDim.getInt() % 32 != 0) {
+      if (mxfp8 && (!headDim || headDim.getInt() % 32 != 0)) {
         dispatch.emitOpError() << "MXFP8 needs index_head_dim to be a multiple of 32 (one E8M0 "
                                   "scale per 32 elements of a head)";
         return WalkResult::interrupt();
       }
       NamedAttrList params(dispatch.getParams());
-      params.set("quantize", builder.getStringAttr("mxfp8"));
+      params.set("quantize", builder.getStringAttr(mxfp8 ? "mxfp8" : "fp8"));
       dispatch.setParamsAttr(params.getDictionary(builder.getContext()));
       return WalkResult::advance();
     });

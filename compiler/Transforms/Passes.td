@@ -94,7 +94,9 @@ def AnnotateQuantization : Pass<"hybrid-annotate-quantization", "mlir::ModuleOp"
     DeepSeek-style hierarchy: the DSA indexer's query and key activations in MXFP8 (E4M3
     elements, one E8M0 scale per 32, round-up scale rule), the sparse-attention KV cache's latent
     in FP8 E4M3 with one power-of-two fp32 scale per token and 128-element tile (FlashMLA's V32
-    layout, rope part in bf16), projections in BF16 (the checkpoint's precision). Each decision is
+    layout, rope part in bf16), projections in BF16 (the checkpoint's precision); `indexer_qk:
+    fp8` takes DeepSeek-V3.2's own indexer FP8 instead (E4M3, one power-of-two scale per query
+    head and per key, ue8m0). Each decision is
     a field of the plan (`quantize` on the indexer prologs, `quant` on the KV layer); the cpu
     device quantizes and dequantizes bit-exactly to those definitions.
   }];

@@ -1200,12 +1200,16 @@ TEST(CudaDeviceFp8, FirstLayerMatchesTheCpuOracle) {
   EXPECT_LE(errors.back(), 1.5e-1);
 }
 
-// The default precision policy on the GPU: FP8 latent pages read by the tensor-core sparse MLA
-// (bf16 queries and softmax weights, FlashMLA's precision) and MXFP8 indexer queries and keys,
-// against the cpu oracle's simulation of the same rounding. Each layer's rows are compared; the
-// errors are printed for docs/performance.md.
-TEST(CudaDeviceQuantizedCache, LayersMatchTheCpuOracle) {
-  const std::string base = directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/deepseek_v32_tiny-quantized";
+// The quantized policies on the GPU: FP8 latent pages read by the tensor-core sparse MLA (bf16
+// queries and softmax weights, FlashMLA's precision) and the indexer's queries and keys in MXFP8
+// (the default) or DeepSeek's own FP8 (one scale a query head and a key: fp8-indexer), against
+// the cpu oracle's simulation of the same rounding. Each layer's rows are compared; the errors
+// are printed for docs/performance.md.
+class CudaDeviceQuantizedCache : public testing::TestWithParam<std::string> {};
+
+TEST_P(CudaDeviceQuantizedCache, LayersMatchTheCpuOracle) {
+  const std::string base =
+      directory("HYBRID_E2E_DIR", HYBRID_E2E_DIR) + "/deepseek_v32_tiny-" + GetParam();
   const std::vector<int64_t> prompt = goldenPrompt("deepseek_v32_tiny");
   GpuAndCpu models;
   if (!loadGpuAndCpu(base + "-cuda", base, LoadOptions{}, models))
@@ -1231,6 +1235,13 @@ TEST(CudaDeviceQuantizedCache, LayersMatchTheCpuOracle) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Policies, CudaDeviceQuantizedCache,
+                         testing::Values("quantized", "fp8-indexer"),
+                         [](const testing::TestParamInfo<std::string> &info) {
+                           return info.param == "quantized" ? std::string("Default")
+                                                            : std::string("Fp8Indexer");
+                         });
 
 // An indexer top-k (128) above the KV cache's capacity (a 48-token context): every key is
 // selected, and the DSA layers still run on the GPU (they fell back to the cpu reference, 1000x

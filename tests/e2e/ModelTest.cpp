@@ -354,16 +354,19 @@ INSTANTIATE_TEST_SUITE_P(Golden, GoldenModelTest,
                          testing::Values("kimi_linear_tiny", "deepseek_v32_tiny",
                                          "kimi_attnres_tiny"));
 
-// The default precision policy on DeepSeek-V3.2: the indexer's query and key go through MXFP8 and
-// the sparse-attention latent cache through FP8 tiles. The drift against the full-precision
+// Precision policies on DeepSeek-V3.2: the default puts the indexer's query and key through MXFP8
+// and the sparse-attention latent cache through FP8 tiles; fp8-indexer takes DeepSeek's own
+// indexer FP8 (one scale a query head and a key) instead. The drift against the full-precision
 // reference is measured and printed (docs/quantization.md records it); it must be real (the
-// quantizers ran) and finite, and turning the policy off must give back the reference exactly.
-TEST(QuantizedPolicy, DeepseekDriftIsMeasured) {
+// quantizers ran) and finite.
+class QuantizedPolicy : public testing::TestWithParam<std::string> {};
+
+TEST_P(QuantizedPolicy, DeepseekDriftIsMeasured) {
   const std::string golden =
       std::string(HYBRID_TEST_DATA_DIR) + "/deepseek_v32_tiny/golden.safetensors";
   GenerationOptions options;
   options.maxNewTokens = 12;
-  auto quantized = loadOrDie(compiledDir("deepseek_v32_tiny-quantized"));
+  auto quantized = loadOrDie(compiledDir("deepseek_v32_tiny-" + GetParam()));
   auto reference = loadOrDie(compiledDir("deepseek_v32_tiny"));
   ASSERT_TRUE(quantized && reference);
   auto result = generateGreedy(*quantized, goldenPrompt("deepseek_v32_tiny"), options);
@@ -379,11 +382,17 @@ TEST(QuantizedPolicy, DeepseekDriftIsMeasured) {
   while (agreeing < result->generated.size() &&
          result->generated[agreeing] == exact->generated[agreeing])
     ++agreeing;
-  std::printf("default quantization policy, deepseek_v32_tiny: prompt logits max abs drift %.4g, "
+  std::printf("%s quantization policy, deepseek_v32_tiny: prompt logits max abs drift %.4g, "
               "greedy ids %s (first %zu of %zu agree)\n",
-              report->maxLogitsDiff, report->genIdsMatch ? "identical" : "different", agreeing,
-              result->generated.size());
+              GetParam().c_str(), report->maxLogitsDiff,
+              report->genIdsMatch ? "identical" : "different", agreeing, result->generated.size());
 }
+
+INSTANTIATE_TEST_SUITE_P(Policies, QuantizedPolicy, testing::Values("quantized", "fp8-indexer"),
+                         [](const testing::TestParamInfo<std::string> &info) {
+                           return info.param == "quantized" ? std::string("Default")
+                                                            : std::string("Fp8Indexer");
+                         });
 
 // Synthetic weights (hybrid-compile --synthetic-weights=5 on a tiny preset's config.json alone):
 // generated at load, finite logits, and the same greedy ids and logits on every load.

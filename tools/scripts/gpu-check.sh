@@ -42,6 +42,7 @@ plans=(kimi_linear_tiny kimi_linear_tiny-cuda kimi_linear_tiny-cuda-batch4
        kimi_attnres_tiny kimi_attnres_tiny-cuda kimi_attnres_tiny-cuda-batch4
        deepseek_v32_tiny deepseek_v32_tiny-cuda deepseek_v32_tiny-cuda-batch4
        deepseek_v32_tiny-quantized deepseek_v32_tiny-quantized-cuda
+       deepseek_v32_tiny-fp8-indexer deepseek_v32_tiny-fp8-indexer-cuda
        deepseek_v32_tiny-topk128 deepseek_v32_tiny-topk128-cuda
        synth-mtp-cpu synth-mtp-cuda synth-dsv32-fp8-cpu synth-dsv32-fp8-cuda)
 

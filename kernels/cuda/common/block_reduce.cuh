@@ -12,6 +12,12 @@ __device__ inline float warpSum(float value) {
   return value;
 }
 __device__ inline float2 warpSum(float2 value) { return {warpSum(value.x), warpSum(value.y)}; }
+// The warp's largest value (fmaxf: a NaN lane does not count).
+__device__ inline float warpMax(float value) {
+  for (int offset = 16; offset > 0; offset /= 2)
+    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
 __device__ inline void accumulate(float &total, float value) { total += value; }
 __device__ inline void accumulate(float2 &total, float2 value) {
   total.x += value.x;

@@ -1,9 +1,10 @@
 // Cache writers (see DsaCacheWrite.h): one block per token; a warp per 128-element tile of a
 // latent row (amax by shuffles, then the codes), a warp per index key.
+#include "../common/block_reduce.cuh"
+#include "../common/dependent_launch.cuh"
+#include "../common/fp8_quant.cuh"
 #include "hybrid/kernels/cuda/DsaCacheWrite.h"
 #include "hybrid/kernels/cuda/SparseMla.h"
-#include "../common/fp8_quant.cuh"
-#include "../common/dependent_launch.cuh"
 
 #include <cuda_runtime.h>
 
@@ -14,11 +15,7 @@ constexpr int kThreads = 128, kWarpSize = 32;
 constexpr int kTile = 128; // latent elements per FlashMLA scale
 constexpr int kMxBlock = 32;
 
-__device__ inline float warpMax(float value) {
-  for (int offset = 16; offset > 0; offset /= 2)
-    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  return value;
-}
+using reduce::warpMax;
 
 // The byte offset of token t's slot: its page, then slot * rowBytes.
 __device__ inline int64_t slotOffset(const PagedTokens &w, int t, int64_t pageBytes,

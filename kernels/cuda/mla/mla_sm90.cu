@@ -46,6 +46,29 @@ __device__ inline void ropePair(float *x, int i, int pairs, RopePairing pairing,
 // 3.3 us a launch).
 constexpr int kRopeHeadsPerBlock = 2, kRopeMaxPairs = 128;
 
+// The rope block's share of a row's FP8 groups (RopeParams::fp8Width), a warp a group: the
+// group's amax, its DeepSeekUe8m0 scale, each value e4m3(x / s) * s (ref::quantizeFp8Tiles and
+// dequantizeFp8Tiles: NaNs do not count in the amax and come back NaN).
+__device__ void roundFp8Groups(const RopeParams &p, float *row, int firstHead, int heads) {
+  const int group = p.fp8Group, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int64_t begin = blockIdx.y == 0 ? 0 : int64_t(firstHead) * p.headStride;
+  const int64_t end = blockIdx.y + 1 == gridDim.y
+                          ? p.fp8Width
+                          : min(p.fp8Width, int64_t(firstHead + heads) * p.headStride);
+  for (int64_t g = begin / group + warp; g < end / group; g += kThreads / kWarpSize) {
+    float *values = row + g * group;
+    float amax = 0.0f;
+    for (int i = lane; i < group; i += kWarpSize)
+      amax = fmaxf(amax, fabsf(values[i]));
+    const float scale = quant::fp8TileScale(reduce::warpMax(amax), quant::Fp8Rule::DeepSeekUe8m0);
+    for (int i = lane; i < group; i += kWarpSize) {
+      const __half_raw code =
+          __nv_cvt_fp8_to_halfraw(quant::floatToE4M3(__fdiv_rn(values[i], scale)), __NV_E4M3);
+      values[i] = __half2float(__half(code)) * scale;
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) rope(RopeParams p, int headsPerBlock) {
   waitForEarlierKernels(); // launched as a programmatic dependent
   letDependentsLaunch();
@@ -73,6 +96,10 @@ __global__ void __launch_bounds__(kThreads) rope(RopeParams p, int headsPerBlock
       else
         ropePair(slice, i, pairs, p.pairing, position * p.inverseFrequencies[i]);
     }
+  }
+  if (p.fp8Width > 0) {
+    __syncthreads(); // the rotated values are in place
+    roundFp8Groups(p, row, firstHead, heads);
   }
   if (p.mxfp8Width == 0)
     return;
@@ -561,16 +588,22 @@ unsigned rowBlocks(int32_t rows) { return unsigned((rows + kRowsPerBlock - 1) / 
 } // namespace
 
 int launchRope(const RopeParams &p, void *stream) {
+  const bool fp8Fits =
+      p.fp8Width == 0 || (p.mxfp8Width == 0 && p.fp8Group > 0 && p.fp8Group % 32 == 0 &&
+                          p.fp8Width % p.fp8Group == 0 && p.fp8Width <= p.rowStride &&
+                          (p.heads == 1 || (p.headStride > 0 && p.headStride % p.fp8Group == 0)));
   if (p.rows < 0 || p.heads <= 0 || p.dims < 0 || p.dims % 2 != 0 || p.mxfp8Width < 0 ||
-      p.mxfp8Width % 32 != 0 || p.mxfp8Width > p.rowStride ||
+      p.mxfp8Width % 32 != 0 || p.mxfp8Width > p.rowStride || p.fp8Width < 0 || !fp8Fits ||
       (p.rows > 0 && p.dims > 0 && (!p.x || !p.positions || !p.inverseFrequencies)) ||
-      (p.rows > 0 && p.mxfp8Width > 0 && !p.x))
+      (p.rows > 0 && (p.mxfp8Width > 0 || p.fp8Width > 0) && !p.x))
     return cudaErrorInvalidValue;
-  if (p.rows == 0 || (p.dims == 0 && p.mxfp8Width == 0))
+  if (p.rows == 0 || (p.dims == 0 && p.mxfp8Width == 0 && p.fp8Width == 0))
     return 0;
-  // Heads in groups where each head's rotated slice and MXFP8 blocks stay within its own values.
+  // Heads in groups where each head's rotated slice and MXFP8 blocks or FP8 groups stay within
+  // its own values.
   const bool grouped = p.headStride > 0 && p.offset + p.dims <= p.headStride &&
-                       (p.mxfp8Width == 0 || p.headStride % 32 == 0);
+                       (p.mxfp8Width == 0 || p.headStride % 32 == 0) &&
+                       (p.fp8Width == 0 || p.headStride % p.fp8Group == 0);
   const int headsPerBlock = grouped ? kRopeHeadsPerBlock : p.heads;
   DependentLaunch launch(
       dim3(unsigned(p.rows), unsigned((p.heads + headsPerBlock - 1) / headsPerBlock)),

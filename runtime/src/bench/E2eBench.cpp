@@ -50,7 +50,7 @@ DecodeStepBytes decodeStepBytes(const fb::Plan &plan, int64_t batch, int64_t con
   DecodeStepBytes bytes;
   const fb::Program *decode = findProgram(plan, "decode");
   std::map<int32_t, int32_t> topKOfSlot;  // DSA layers: positions the sparse attention reads
-  std::map<int32_t, bool> mxfp8KeysOfSlot; // DSA layers: index keys in MXFP8 (else fp32)
+  std::map<int32_t, fb::ActivationQuant> keyQuantOfSlot; // DSA layers: the index keys' format
   std::set<int32_t> counted;
   if (decode && decode->steps())
     for (const fb::Step *step : *decode->steps()) {
@@ -61,7 +61,7 @@ DecodeStepBytes decodeStepBytes(const fb::Plan &plan, int64_t batch, int64_t con
         if (d->kernel() == fb::KernelId::DsaIndexer)
           topKOfSlot[p->kv_slot()] = p->top_k();
         if (d->kernel() == fb::KernelId::IndexerKey)
-          mxfp8KeysOfSlot[p->kv_slot()] = p->quantize() == fb::ActivationQuant::Mxfp8;
+          keyQuantOfSlot[p->kv_slot()] = p->quantize();
       }
       if (!d->weights())
         continue;
@@ -99,7 +99,10 @@ DecodeStepBytes decodeStepBytes(const fb::Plan &plan, int64_t batch, int64_t con
       if (auto found = topKOfSlot.find(int32_t(slot)); found != topKOfSlot.end()) {
         rows = std::min<int64_t>(context, found->second);
         const double dim = kv->index_key_dim();
-        indexBytes = double(context) * (mxfp8KeysOfSlot[int32_t(slot)] ? dim + dim / 32 : 4 * dim);
+        const fb::ActivationQuant keys = keyQuantOfSlot[int32_t(slot)];
+        indexBytes = double(context) * (keys == fb::ActivationQuant::Mxfp8       ? dim + dim / 32
+                                        : keys == fb::ActivationQuant::Fp8PerRow ? dim + 4
+                                                                                 : 4 * dim);
       }
       bytes.kvCache += double(batch) * (double(rows) * latentTokenBytes(*kv) + indexBytes);
     }

@@ -167,6 +167,24 @@ Status roundTripMxfp8(std::span<float> values, int64_t rows, int64_t cols) {
   return Status::ok();
 }
 
+// The indexer's activations rounded as the plan's `quantize` says, in rows of `cols` values (a
+// query head, a key): MXFP8, or DeepSeek-V3.2's FP8 (E4M3, one ue8m0 power-of-two scale a row,
+// MODEL_SPEC 4.3: what a kernel reading the codes and the scale sees).
+Status roundIndexerActivation(fb::ActivationQuant quant, std::span<float> values, int64_t rows,
+                              int64_t cols) {
+  if (quant == fb::ActivationQuant::Mxfp8)
+    return roundTripMxfp8(values, rows, cols);
+  if (quant != fb::ActivationQuant::Fp8PerRow)
+    return Status::ok();
+  std::vector<uint8_t> elements(values.size());
+  std::vector<float> scales(static_cast<size_t>(rows));
+  if (!ref::quantizeFp8Tiles(values, rows, cols, cols, ref::Fp8ScaleRule::DeepSeekUe8m0, elements,
+                             scales) ||
+      !ref::dequantizeFp8Tiles(elements, scales, rows, cols, cols, values))
+    return Status::error("FP8 rows of " + std::to_string(cols) + " values failed to quantize");
+  return Status::ok();
+}
+
 // FP8 KV row round trip (FlashMLA V32 layout): the latent as E4M3 with a power-of-two scale per
 // tile, the rope key as bf16.
 Status roundTripFp8KvRow(std::span<float> latent, std::span<float> rope, int64_t tile) {
@@ -505,9 +523,7 @@ Status runIndexerQuery(const StepContext &c, const fb::Dispatch &d, const Weight
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < Hi; ++j)
       ref::applyRope({query.data() + (t * Hi + j) * Di, size_t(dr)}, pos[t], frequencies, layout);
-  if (p->quantize() == fb::ActivationQuant::Mxfp8) // per head row
-    return roundTripMxfp8(query, T * Hi, Di);
-  return Status::ok();
+  return roundIndexerActivation(p->quantize(), query, T * Hi, Di); // per head row
 }
 
 // The indexer's key of each token: wk, LayerNorm with bias, rope on the leading dims.
@@ -522,9 +538,7 @@ Status runIndexerKey(const StepContext &c, const fb::Dispatch &d, const Weights 
   const std::vector<int64_t> pos = positions(c);
   for (int64_t t = 0; t < T; ++t)
     ref::applyRope({key.data() + t * Di, size_t(dr)}, pos[t], frequencies, ropeLayout(p->rope()));
-  if (p->quantize() == fb::ActivationQuant::Mxfp8)
-    return roundTripMxfp8(key, T, Di);
-  return Status::ok();
+  return roundIndexerActivation(p->quantize(), key, T, Di);
 }
 
 // Fused: stage the step's keys in the layer's index-key cache, score every causal position

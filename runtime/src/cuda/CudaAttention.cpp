@@ -124,7 +124,8 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
   // too) has kernels for its shapes and weights; the index keys' format is what the layer's IndexerKey rounds them to.
   std::vector<int> verdict(static_cast<size_t>(numKv), 0); // 0: unseen, 1: fits, -1: does not
   std::vector<kc::IndexKeyType> keyTypes(static_cast<size_t>(numKv), kc::IndexKeyType::F32);
-  std::vector<bool> mxfp8Queries(static_cast<size_t>(numKv), false);
+  std::vector<fb::ActivationQuant> queryQuants(static_cast<size_t>(numKv),
+                                               fb::ActivationQuant::None);
   auto fits = [&](const fb::Dispatch &d, int32_t slot) {
     const fb::KvCacheLayer *layer = spec->kv()->Get(static_cast<flatbuffers::uoffset_t>(slot));
     if (isMla(d.kernel())) {
@@ -168,15 +169,15 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
       if (d->kernel() == fb::KernelId::IndexerQuery && d->params_as_DsaIndexerParams()) {
         const fb::DsaIndexerParams *p = d->params_as_DsaIndexerParams();
         if (p->kv_slot() >= 0 && p->kv_slot() < numKv)
-          mxfp8Queries[static_cast<size_t>(p->kv_slot())] =
-              p->quantize() == fb::ActivationQuant::Mxfp8;
+          queryQuants[static_cast<size_t>(p->kv_slot())] = p->quantize();
       }
       if (d->kernel() == fb::KernelId::IndexerKey && d->params_as_DsaIndexerParams()) {
         const fb::DsaIndexerParams *p = d->params_as_DsaIndexerParams();
         if (p->kv_slot() >= 0 && p->kv_slot() < numKv)
-          keyTypes[static_cast<size_t>(p->kv_slot())] = p->quantize() == fb::ActivationQuant::Mxfp8
-                                                            ? kc::IndexKeyType::Mxfp8
-                                                            : kc::IndexKeyType::F32;
+          keyTypes[static_cast<size_t>(p->kv_slot())] =
+              p->quantize() == fb::ActivationQuant::Mxfp8       ? kc::IndexKeyType::Mxfp8
+              : p->quantize() == fb::ActivationQuant::Fp8PerRow ? kc::IndexKeyType::Fp8PerKey
+                                                                : kc::IndexKeyType::F32;
       }
       const int32_t slot = kvSlotOf(*d);
       if (slot < 0 || slot >= numKv)
@@ -200,7 +201,8 @@ Status CudaExecutor::Impl::planKvLayers(const fb::Plan &plan, PagedKvCache &kvCa
     kv.latentType = layer->quant() == fb::KvQuant::Fp8Tiles ? kc::LatentCacheType::Fp8Tiles
                                                            : kc::LatentCacheType::F32;
     kv.keyType = keyTypes[static_cast<size_t>(slot)];
-    kv.mxfp8Queries = mxfp8Queries[static_cast<size_t>(slot)];
+    kv.mxfp8Queries = queryQuants[static_cast<size_t>(slot)] == fb::ActivationQuant::Mxfp8;
+    kv.fp8HeadQueries = queryQuants[static_cast<size_t>(slot)] == fb::ActivationQuant::Fp8PerRow;
     if (kv.keyType == kc::IndexKeyType::Mxfp8 && kv.indexDim % 32 != 0)
       kv.keyType = kc::IndexKeyType::F32; // never: IndexerKey rounds only multiples of 32
     kv.latentPageBytes = pageTokens * kc::latentRowBytes(kv.latentType, kv.latentDim, kv.ropeDim);
@@ -249,7 +251,7 @@ bool CudaExecutor::Impl::indexerPrologFits(const fb::Dispatch &d) const {
   const fb::DsaIndexerParams *p = d.params_as_DsaIndexerParams();
   if (!p || p->index_heads() <= 0 || p->index_head_dim() <= 0 || p->rope_head_dim() < 0 ||
       p->rope_head_dim() % 2 != 0 || p->rope_head_dim() > p->index_head_dim() ||
-      (p->quantize() == fb::ActivationQuant::Mxfp8 && p->index_head_dim() % 32 != 0) ||
+      (p->quantize() != fb::ActivationQuant::None && p->index_head_dim() % 32 != 0) ||
       !gemmWeight(roleOf(d, 0)))
     return false;
   return d.kernel() == fb::KernelId::IndexerQuery ||
@@ -525,7 +527,7 @@ Status CudaExecutor::Impl::runAttention(const fb::Program &program, unsigned cha
     norm.y = out;
     LAUNCH_RETURN_IF_ERROR(kc::launchLayerNorm(norm, r.stream), "indexer key LayerNorm");
   }
-  // RoPE and the MXFP8 rounding in one launch (the prolog's quantization fused).
+  // RoPE and the MXFP8 or FP8 rounding in one launch (the prolog's quantization fused).
   const bool rotated = rotates(p->rope()) && p->rope_head_dim() > 0;
   kc::RopeParams rope;
   rope.rows = static_cast<int32_t>(T);
@@ -538,7 +540,9 @@ Status CudaExecutor::Impl::runAttention(const fb::Program &program, unsigned cha
   rope.positions = rowPositions;
   rope.x = out;
   rope.mxfp8Width = p->quantize() == fb::ActivationQuant::Mxfp8 ? heads * Di : 0;
-  LAUNCH_RETURN_IF_ERROR(kc::launchRope(rope, r.stream), "indexer RoPE and MXFP8 rounding");
+  rope.fp8Width = p->quantize() == fb::ActivationQuant::Fp8PerRow ? heads * Di : 0;
+  rope.fp8Group = static_cast<int32_t>(Di);
+  LAUNCH_RETURN_IF_ERROR(kc::launchRope(rope, r.stream), "indexer RoPE and FP8 rounding");
   return Status::ok();
 }
 
@@ -582,6 +586,7 @@ Status CudaExecutor::Impl::runDsaIndexer(const fb::Program &program, unsigned ch
     s.headDim = static_cast<int32_t>(Di);
     s.q = queries + first * Hi * Di;
     s.mxfp8Queries = kv.mxfp8Queries;
+    s.fp8HeadQueries = kv.fp8HeadQueries;
     s.headWeights = headWeights + first * Hi;
     s.positions = rowPositions + first;
     s.sequences = rowSequences + first;

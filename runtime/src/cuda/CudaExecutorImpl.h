@@ -131,7 +131,8 @@ struct DeviceKvLayer {
   int32_t latentDim = 0, ropeDim = 0, indexDim = 0;
   kc::LatentCacheType latentType = kc::LatentCacheType::F32;
   kc::IndexKeyType keyType = kc::IndexKeyType::F32;
-  bool mxfp8Queries = false; // the layer's IndexerQuery rounds to MXFP8
+  bool mxfp8Queries = false;   // the layer's IndexerQuery rounds to MXFP8
+  bool fp8HeadQueries = false; // or to FP8 with one scale a head (DeepSeek's own recipe)
   int64_t latentPageBytes = 0, indexPageBytes = 0;
   unsigned char *latentPages = nullptr, *indexPages = nullptr;
 };

@@ -117,6 +117,75 @@ TEST(MlaCuda, RopeThenMxfp8InOneLaunch) {
   EXPECT_EQ(cuda::launchRope(p, nullptr), int(cudaErrorInvalidValue));
 }
 
+// DeepSeek-V3.2's own indexer prolog: RoPE, then each head's values rounded to FP8 with one ue8m0
+// scale a head (the queries; a key is a row of one head), bit for bit the reference's rounding of
+// the rotated values; a NaN stays NaN without moving its head's scale.
+TEST(MlaCuda, RopeThenFp8PerHeadInOneLaunch) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(12);
+  for (const int heads : {64, 1}) {
+    SCOPED_TRACE(std::to_string(heads) + " heads");
+    const int rows = 3, headDim = 128, dims = 64;
+    const std::vector<float> frequencies = ref::ropeInverseFrequencies(dims, 10000.0);
+    const std::vector<int32_t> positions = {0, 5, 70000};
+    std::vector<float> x = random(size_t(rows) * heads * headDim, rng, 3.0f);
+    x[size_t(headDim) + 100] = std::nanf(""); // row 0: head 1 (a key row: row 0's key)
+    DeviceBuffer<float> dX(x), dFrequencies(frequencies);
+    DeviceBuffer<int32_t> dPositions(positions);
+    cuda::RopeParams p;
+    p.rows = rows;
+    p.heads = heads;
+    p.rowStride = heads * headDim;
+    p.headStride = headDim;
+    p.dims = dims;
+    p.pairing = cuda::RopePairing::HalfSplit;
+    p.inverseFrequencies = dFrequencies.data;
+    p.positions = dPositions.data;
+    p.x = dX.data;
+    p.fp8Width = heads * headDim;
+    p.fp8Group = headDim;
+    ASSERT_EQ(cuda::launchRope(p, nullptr), 0);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> got = dX.download();
+    std::vector<float> rotated = x;
+    for (int r = 0; r < rows; ++r)
+      for (int h = 0; h < heads; ++h)
+        ref::applyRope({rotated.data() + (size_t(r) * heads + h) * headDim, size_t(dims)},
+                       positions[size_t(r)], frequencies, ref::RopeLayout::HalfSplit);
+    const int64_t groups = int64_t(rows) * heads;
+    std::vector<uint8_t> codes(x.size());
+    std::vector<float> scales(static_cast<size_t>(groups)), expected(x.size()), again(x.size());
+    auto round = [&](const std::vector<float> &in, std::vector<float> &out) {
+      return ref::quantizeFp8Tiles(in, groups, headDim, headDim, ref::Fp8ScaleRule::DeepSeekUe8m0,
+                                   codes, scales) &&
+             ref::dequantizeFp8Tiles(codes, scales, groups, headDim, headDim, out);
+    };
+    ASSERT_TRUE(round(rotated, expected));
+    ASSERT_TRUE(round(got, again));
+    size_t same = 0, nans = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      nans += std::isnan(got[i]);
+      same += got[i] == expected[i] || (std::isnan(got[i]) && std::isnan(expected[i]));
+      if (!std::isnan(got[i]))
+        EXPECT_EQ(again[i], got[i]) << "value " << i << " is not an FP8-per-head value";
+    }
+    EXPECT_EQ(nans, 1u);
+    EXPECT_GE(same, got.size() * 99 / 100); // a rotated value off by an ulp may round apart
+  }
+  cuda::RopeParams bad;
+  bad.rows = 1;
+  bad.heads = 2;
+  bad.rowStride = 256;
+  bad.headStride = 128;
+  bad.x = reinterpret_cast<float *>(16);
+  bad.fp8Width = 256;
+  bad.fp8Group = 96; // does not divide a head
+  EXPECT_EQ(cuda::launchRope(bad, nullptr), int(cudaErrorInvalidValue));
+  bad.fp8Group = 128;
+  bad.mxfp8Width = 256; // not both
+  EXPECT_EQ(cuda::launchRope(bad, nullptr), int(cudaErrorInvalidValue));
+}
+
 TEST(MlaCuda, LatentRowsAreTheNormalisedLatentAndTheRotatedKey) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(6);

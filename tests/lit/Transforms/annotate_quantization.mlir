@@ -4,6 +4,8 @@
 // RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-annotate-quantization=policy=%t.kv-only.json | FileCheck %s --check-prefix=KV-ONLY
 // RUN: echo '{"dense_attention_kv_cache": "fp8_tiles"}' > %t.dense.json
 // RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-annotate-quantization=policy=%t.dense.json | FileCheck %s --check-prefix=DENSE
+// RUN: echo '{"indexer_qk": "fp8"}' > %t.fp8.json
+// RUN: hybrid-opt %s --hybrid-lower-to-plan --hybrid-annotate-quantization=policy=%t.fp8.json | FileCheck %s --check-prefix=FP8
 // RUN: echo '{"indexer_qk": "int4"}' > %t.bad-value.json
 // RUN: not hybrid-opt %s --hybrid-lower-to-plan --hybrid-annotate-quantization=policy=%t.bad-value.json 2>&1 | FileCheck %s --check-prefix=BAD-VALUE
 // RUN: echo '{"weights": "fp8"}' > %t.bad-field.json
@@ -57,6 +59,10 @@ hybrid.model @mixed attributes {model_type = "test", hidden_size = 16 : i64, voc
 // DENSE: plan.kv_cache_layer {dtype = f32, index_key_dim = 32 : i32, latent_dim = 8 : i32, layer = 0 : i32, quant = "fp8_tiles", rope_dim = 2 : i32}
 // DENSE-NEXT: plan.kv_cache_layer {dtype = f32, index_key_dim = 0 : i32, latent_dim = 8 : i32, layer = 1 : i32, quant = "fp8_tiles", rope_dim = 2 : i32}
 
-// BAD-VALUE: error: quantization policy '{{.*}}bad-value.json': field 'indexer_qk' must be "mxfp8" or "none"
+// FP8: plan.kv_cache_layer {dtype = f32, index_key_dim = 32 : i32, latent_dim = 8 : i32, layer = 0 : i32, quant = "fp8_tiles", rope_dim = 2 : i32}
+// FP8: plan.dispatch indexer_query {{.*}}quantize = "fp8"
+// FP8: plan.dispatch indexer_key {{.*}}quantize = "fp8"
+
+// BAD-VALUE: error: quantization policy '{{.*}}bad-value.json': field 'indexer_qk' must be "mxfp8", "fp8" or "none"
 // BAD-FIELD: error: quantization policy '{{.*}}bad-field.json': unknown field 'weights'
 // ABSENT: error: quantization policy '{{.*}}absent.json': cannot read: No such file or directory

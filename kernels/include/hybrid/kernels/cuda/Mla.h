@@ -34,6 +34,12 @@ struct RopeParams {
   // Then, in the same launch, the first `mxfp8Width` values of each row (a multiple of 32)
   // rounded to MXFP8 as launchMxfp8RoundTrip does: the DSA indexer's query / key prolog.
   int64_t mxfp8Width = 0;
+  // Or (not both) the first `fp8Width` values of each row rounded to FP8 in groups of `fp8Group`
+  // (a multiple of 32 dividing headStride when heads > 1): E4M3 with one ue8m0 power-of-two scale
+  // a group, as ref::quantizeFp8Tiles (tile fp8Group, Fp8ScaleRule::DeepSeekUe8m0) then
+  // dequantizeFp8Tiles: DeepSeek-V3.2's own indexer quantization, a group a query head or a key.
+  int64_t fp8Width = 0;
+  int32_t fp8Group = 0;
 };
 int launchRope(const RopeParams &params, void *stream);
 
