@@ -166,8 +166,9 @@ TEST(MlaCuda, RopeThenFp8PerHeadInOneLaunch) {
     for (size_t i = 0; i < got.size(); ++i) {
       nans += std::isnan(got[i]);
       same += got[i] == expected[i] || (std::isnan(got[i]) && std::isnan(expected[i]));
-      if (!std::isnan(got[i]))
+      if (!std::isnan(got[i])) {
         EXPECT_EQ(again[i], got[i]) << "value " << i << " is not an FP8-per-head value";
+      }
     }
     EXPECT_EQ(nans, 1u);
     EXPECT_GE(same, got.size() * 99 / 100); // a rotated value off by an ulp may round apart
