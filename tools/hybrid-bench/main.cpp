@@ -303,6 +303,7 @@ int runDsaIndexer(const IndexerOptions &o, const RecordOptions &record) {
       o.select == "passes"       ? kc::IndexerParams::SelectForm::Passes
       : o.select == "one-launch" ? kc::IndexerParams::SelectForm::OneLaunch
       : o.select == "gathered"   ? kc::IndexerParams::SelectForm::Gathered
+      : o.select == "cluster"    ? kc::IndexerParams::SelectForm::Cluster
                                  : kc::IndexerParams::SelectForm::Auto,
       o.iterations, error);
   if (!error.empty()) {
@@ -1119,9 +1120,10 @@ int main(int argc, char **argv) {
                    "unfused top-k after the warpgroup scores: one-launch (the chunks' gathered "
                    "candidates ranked in one cooperative launch; only where every row's "
                    "2048-key chunks fit on the GPU at once), gathered (the same in three "
-                   "launches), auto (one-launch where it fits, else passes) or passes (a "
-                   "launch a digit over every score, then the write)")
-      ->check(CLI::IsMember({"auto", "one-launch", "gathered", "passes"}));
+                   "launches), auto (one-launch where it fits, else passes), passes (a "
+                   "launch a digit over every score, then the write) or cluster (a cluster of "
+                   "blocks a row, the scores in shared memory)")
+      ->check(CLI::IsMember({"auto", "one-launch", "gathered", "passes", "cluster"}));
   dsaIndexer->add_option("--iterations", indexer.iterations, "Calls per timing")
       ->check(CLI::PositiveNumber);
   addRecordOptions(dsaIndexer, record);

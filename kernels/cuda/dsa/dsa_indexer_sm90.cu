@@ -781,6 +781,49 @@ __device__ void flushHistogramAndChoose(const uint32_t *local, SelectState &stat
   chooseDigit<kThreads>(state, global, shift, bits, warpTotals);
 }
 
+// A warpgroup scores block's walk over its tiles' pages. Tiles are issued in order and never
+// straddle a page (pages hold a multiple of 64 tokens), so the page entry and slot advance by
+// counting, not dividing; each tile's table entry is loaded a tile before its copies are issued.
+struct TilePageWalk {
+  const int32_t *table;
+  int entry, slot, pageTokens, firstKey, tilesPerBlock, position;
+  __device__ TilePageWalk(const IndexerParams &p, int row, int first, int tiles, int last)
+      : table(p.blockTables + size_t(p.sequences[row]) * p.maxPages), entry(first / p.pageTokens),
+        slot(first % p.pageTokens), pageTokens(p.pageTokens), firstKey(first), tilesPerBlock(tiles),
+        position(last) {}
+  __device__ bool live(int tile) const {
+    return tile < tilesPerBlock && firstKey + tile * kTileKeys <= position;
+  }
+  // The next tile's (`tile`'s) page, 0 for a dead tile, and its first slot.
+  __device__ void lookUp(int tile, int &page, int &pageSlot) {
+    page = live(tile) ? __ldg(table + entry) : 0;
+    pageSlot = slot;
+    slot += kTileKeys;
+    if (slot == pageTokens) {
+      slot = 0;
+      ++entry;
+    }
+  }
+};
+
+// This thread's 16 heads' weights of a warpgroup tile (heads 8j + 2t + c at 2j + c): w *
+// heads^-1/2 * D^-1/2 times the head's query scale from the reset kernel (the ReLU commutes with
+// a positive scale); 0 past the row's heads.
+template <int D>
+__device__ void warpgroupHeadWeights(const IndexerParams &p, const SelectWorkspace &select, int row,
+                                     int t, float (&weights)[16]) {
+  const float weightScale = 1.0f / (sqrtf(float(p.heads)) * sqrtf(float(D)));
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int h = 8 * j + 2 * t + c;
+      weights[2 * j + c] = h < p.heads ? p.headWeights[size_t(row) * p.heads + h] * weightScale *
+                                             select.headScales[size_t(row) * kMmaMaxHeads + h]
+                                       : 0.0f;
+    }
+}
+
 // A warpgroup tile's scores from its m64n64 accumulators (keys x heads: this thread's keys `key`
 // and key + 8, heads 8j + 2t + c at acc[4j + 2r + c] for its key r, weights[2j + c]): score[key] =
 // the key's scale times the sum over heads of w' * ReLU(dot), this lane's 16 heads, then its
@@ -879,35 +922,21 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
   auto *histogram = reinterpret_cast<uint32_t *>(stages + kFp8Stages * fp8StageBytes<D>());
   __shared__ uint32_t warpTotals[kMmaThreads / 32];
   __shared__ bool last;
-  const int row = blockIdx.x, heads = p.heads, tid = threadIdx.x;
+  const int row = blockIdx.x, tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, t = lane % 4;
   const int key0 = 16 * warp + lane / 4; // this thread's keys key0 and key0 + 8 of a tile
   const int position = p.positions[row];
   const int firstKey = int(blockIdx.y) * kTileKeys * tilesPerBlock;
   if (firstKey > position)
     return;
-  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
   const auto *pool = static_cast<const unsigned char *>(p.keyPages);
-  auto live = [&](int tile) {
-    return tile < tilesPerBlock && firstKey + tile * kTileKeys <= position;
-  };
+  TilePageWalk walk(p, row, firstKey, tilesPerBlock, position);
+  auto live = [&](int tile) { return walk.live(tile); };
+  auto lookUp = [&](int tile, int &page, int &pageSlot) { walk.lookUp(tile, page, pageSlot); };
   // The row's queries, prepared by the reset kernel, land with the first tile.
   const unsigned char *rowQueries = select.queries + size_t(row) * kSelectQueryBytes;
   for (int c = tid; c < int(warpgroupQueryBytes<D>() / 16); c += kMmaThreads)
     mma::copyAsync16(queries + 16 * c, rowQueries + 16 * c);
-  // Tiles are issued in order, a tile never straddles a page (pages hold a multiple of 64
-  // tokens), so the page entry and slot advance by counting, not dividing; each tile's table
-  // entry is loaded a tile before its copies are issued.
-  int entry = firstKey / p.pageTokens, slot = firstKey % p.pageTokens;
-  auto lookUp = [&](int tile, int &page, int &pageSlot) {
-    page = live(tile) ? __ldg(table + entry) : 0;
-    pageSlot = slot;
-    slot += kTileKeys;
-    if (slot == p.pageTokens) {
-      slot = 0;
-      ++entry;
-    }
-  };
   const KeyTileCopier<Type, D> copier(tid);
   auto issue = [&](int tile, int page, int pageSlot) {
     copier.issue(pool, page, pageSlot, pageBytes, p.pageTokens, live(tile),
@@ -925,20 +954,8 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
   const bool histogramming = position + 1 > p.topK;
   for (int b = tid; b < kSelectBins; b += kMmaThreads)
     histogram[b] = 0;
-  // This thread's 16 heads' weights, w * heads^-1/2 * D^-1/2 times the inverse of the head's
-  // query scale (the ReLU commutes with a positive scale).
-  const float weightScale = 1.0f / (sqrtf(float(heads)) * sqrtf(float(D)));
-  float weights[16]; // heads 8j + 2t + c at 2j + c
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int h = 8 * j + 2 * t + c;
-      weights[2 * j + c] =
-          h < heads ? p.headWeights[size_t(row) * heads + h] * weightScale *
-                          select.headScales[size_t(row) * kMmaMaxHeads + h]
-                    : 0.0f;
-    }
+  float weights[16];
+  warpgroupHeadWeights<D>(p, select, row, t, weights);
   const uint64_t queryDescriptor = wgmma::descriptor(mma::sharedAddress(queries));
   float *scores = p.scores + size_t(row) * p.maxKeys;
 
@@ -1116,32 +1133,20 @@ __global__ void __launch_bounds__(kMmaThreads, kFp8WarpgroupBlocksPerSm)
   auto *histogram = reinterpret_cast<uint32_t *>(stages + kFp8Stages * kFp8WarpgroupStageBytes);
   __shared__ uint32_t warpTotals[kMmaThreads / 32];
   __shared__ bool last;
-  const int row = blockIdx.x, heads = p.heads, tid = threadIdx.x;
+  const int row = blockIdx.x, tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, t = lane % 4;
   const int key0 = 16 * warp + lane / 4; // this thread's keys key0 and key0 + 8 of a tile
   const int position = p.positions[row];
   const int firstKey = int(blockIdx.y) * kTileKeys * tilesPerBlock;
   if (firstKey > position)
     return;
-  const int32_t *table = p.blockTables + size_t(p.sequences[row]) * p.maxPages;
   const auto *pool = static_cast<const unsigned char *>(p.keyPages);
-  auto live = [&](int tile) {
-    return tile < tilesPerBlock && firstKey + tile * kTileKeys <= position;
-  };
+  TilePageWalk walk(p, row, firstKey, tilesPerBlock, position);
+  auto live = [&](int tile) { return walk.live(tile); };
+  auto lookUp = [&](int tile, int &page, int &pageSlot) { walk.lookUp(tile, page, pageSlot); };
   const unsigned char *rowQueries = select.queries + size_t(row) * kSelectQueryBytes;
   for (int c = tid; c < int(kFp8QueryBytes / 16); c += kMmaThreads)
     mma::copyAsync16(queries + 16 * c, rowQueries + 16 * c);
-  // As the f16 kernel: tiles in order, never straddling a page, the table entry a tile ahead.
-  int entry = firstKey / p.pageTokens, slot = firstKey % p.pageTokens;
-  auto lookUp = [&](int tile, int &page, int &pageSlot) {
-    page = live(tile) ? __ldg(table + entry) : 0;
-    pageSlot = slot;
-    slot += kTileKeys;
-    if (slot == p.pageTokens) {
-      slot = 0;
-      ++entry;
-    }
-  };
   const SwizzledKeyTileCopier copier(tid);
   auto issue = [&](int tile, int page, int pageSlot) {
     copier.issue(pool, page, pageSlot, pageBytes, p.pageTokens, live(tile),
@@ -1157,18 +1162,8 @@ __global__ void __launch_bounds__(kMmaThreads, kFp8WarpgroupBlocksPerSm)
   const bool histogramming = position + 1 > p.topK;
   for (int b = tid; b < kSelectBins; b += kMmaThreads)
     histogram[b] = 0;
-  // This thread's 16 heads' weights, w * heads^-1/2 * D^-1/2 times the head's query scale.
-  const float weightScale = 1.0f / (sqrtf(float(heads)) * sqrtf(float(D)));
-  float weights[16]; // heads 8j + 2t + c at 2j + c
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int h = 8 * j + 2 * t + c;
-      weights[2 * j + c] = h < heads ? p.headWeights[size_t(row) * heads + h] * weightScale *
-                                           select.headScales[size_t(row) * kMmaMaxHeads + h]
-                                     : 0.0f;
-    }
+  float weights[16];
+  warpgroupHeadWeights<D>(p, select, row, t, weights);
   const uint64_t queryDescriptor = wgmma::descriptor(mma::sharedAddress(queries));
   float *scores = p.scores + size_t(row) * p.maxKeys;
 
@@ -1806,8 +1801,12 @@ int launchSelectReset(const IndexerParams &p, QueryLayout queries, cudaStream_t 
 // and 32K-128K keys 1-2% faster than the passes alone, but DeepSeek-V3.2 (6 layers, batch 8,
 // 160K capacity) stepped 20 us slower on it at 1K keys, its rank a longer chain than the
 // passes' histograms of a few live chunks (docs/performance.md, 2026-12-02, session 22).
+int launchSelectCluster(const IndexerParams &p, bool firstDigitChosen, cudaStream_t stream);
+
 int launchSelect(const IndexerParams &p, bool firstDigitChosen, cudaStream_t stream) {
   using Form = IndexerParams::SelectForm;
+  if (p.selectForm == Form::Cluster)
+    return launchSelectCluster(p, firstDigitChosen, stream);
   const SelectWorkspace w = selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys);
   const int chunkCount = selectChunks(p.maxKeys);
   const dim3 chunks(unsigned(p.rows), unsigned(chunkCount));
@@ -1868,12 +1867,156 @@ constexpr int kFusedMaxCluster = 16;
 constexpr int kFusedSliceTarget = 2048; // keys per block the cluster size aims at
 constexpr int kDigitBins = 256;
 static_assert(kFusedThreads == kDigitBins, "one thread per histogram bin");
+// clusterTopK's words: scan partials (8), digit and cluster counts (8), per-warp counts (2 x 8).
+constexpr int kSelectWords = 16 + 2 * (kFusedThreads / 32);
+
+// The top k of a row spread over a cluster (every block of which calls this: cluster barriers
+// inside; kFusedThreads threads): block `rank` holds the order-preserving keys of positions
+// [sliceBegin, sliceBegin + localCount) in shared memory. A radix select over the cluster (four
+// 8-bit digits), each block histogramming its own keys and summing every block's histogram
+// through distributed shared memory, the digit's bin found by a suffix scan over the threads (a
+// bin each); then each block writes, at its offset in position order, its keys above the
+// threshold and the ties at it that the lower positions leave over, so the output is ascending
+// without a sort. Scratch: histograms [2][256], words [kSelectWords].
+__device__ void
+clusterTopK(const cooperative_groups::cluster_group &cluster, const uint32_t *sliceKeys32,
+            int localCount, int sliceBegin, int k, int32_t *out, uint32_t *histograms, int *words,
+            SelectState known = {.prefix = 0u, .mask = 0u, .remaining = 0, .arrivals = 0u},
+            int knownBits = 0) {
+  const int tid = threadIdx.x, rank = int(cluster.block_rank()), blocks = int(cluster.num_blocks());
+  // The k-th largest key over the cluster, digit by digit: `remaining` of the keys equal to it
+  // are taken (the lowest positions), with every larger key. The top `knownBits` may be known
+  // already (the warpgroup scores' first digit): a first digit of 8 bits puts nearly every score
+  // in a few bins, whose shared atomics then serialize.
+  uint32_t prefix = known.prefix, mask = known.mask;
+  int remaining = knownBits > 0 ? known.remaining : k;
+  for (int top = 32 - knownBits, pass = 0; top > 0; ++pass) {
+    const int bits = min(8, top), shift = top - bits;
+    top = shift;
+    uint32_t *histogram = histograms + (pass & 1) * kDigitBins; // pass p-2's readers are done
+    histogram[tid] = 0;
+    __syncthreads();
+    // Plain shared atomics: aggregating equal bins across a warp (__match_any_sync) measured
+    // 10-15% slower here.
+    for (int i = tid; i < localCount; i += kFusedThreads) {
+      const uint32_t key = sliceKeys32[i];
+      if ((key & mask) == prefix)
+        atomicAdd(&histogram[(key >> shift) & ((1u << bits) - 1u)], 1u);
+    }
+    cluster.sync(); // every block's histogram is complete
+    // Thread t holds bin 255 - t: its exclusive scan counts the keys in the bins above.
+    const int bin = kDigitBins - 1 - tid;
+    // Every block's count of the bin, loaded at once (a remote shared load is a round trip of
+    // hundreds of cycles), then summed.
+    uint32_t counts[kFusedMaxCluster];
+#pragma unroll
+    for (int r = 0; r < kFusedMaxCluster; ++r)
+      counts[r] = r < blocks ? cluster.map_shared_rank(histogram, r)[bin] : 0u;
+    uint32_t total = 0;
+#pragma unroll
+    for (int r = 0; r < kFusedMaxCluster; ++r)
+      total += counts[r];
+    int all = 0;
+    const int above = blockExclusiveScan<kFusedThreads>(int(total), words, all);
+    if (above < remaining && (above + int(total) >= remaining || bin == 0)) {
+      words[8] = bin;
+      words[9] = above;
+    }
+    __syncthreads();
+    prefix |= uint32_t(words[8]) << shift;
+    mask |= ((1u << bits) - 1u) << shift;
+    remaining -= words[9]; // rewritten only after the next digit's barriers
+  }
+  const uint32_t threshold = prefix;
+
+  // Each warp's contiguous segment of the slice, read 32 consecutive keys at a time (lane i the
+  // i-th: no bank conflicts, where a thread's own contiguous run had 32-way ones at 8K keys a
+  // block); its keys above the threshold and at it by ballots.
+  constexpr int kWarps = kFusedThreads / 32;
+  const int warp = tid / 32, lane = tid % 32;
+  const int segment = (localCount + 32 * kWarps - 1) / (32 * kWarps) * 32;
+  const int segmentBegin = min(localCount, warp * segment);
+  const int segmentEnd = min(localCount, segmentBegin + segment);
+  int greater = 0, equal = 0; // the warp's (every lane holds them)
+  for (int base = segmentBegin; base < segmentEnd; base += 32) {
+    const uint32_t key = base + lane < segmentEnd ? sliceKeys32[base + lane] : 0u;
+    const bool inside = base + lane < segmentEnd;
+    greater += __popc(__ballot_sync(0xffffffffu, inside && key > threshold));
+    equal += __popc(__ballot_sync(0xffffffffu, inside && key == threshold));
+  }
+  int *warpGreater = words + 16, *warpEqual = words + 16 + kWarps; // words has 16 + 2 kWarps
+  if (lane == 0) {
+    warpGreater[warp] = greater;
+    warpEqual[warp] = equal;
+  }
+  __syncthreads();
+  int greaterBefore = 0, equalBefore = 0, blockGreater = 0, blockEqual = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    greaterBefore += w < warp ? warpGreater[w] : 0;
+    equalBefore += w < warp ? warpEqual[w] : 0;
+    blockGreater += warpGreater[w];
+    blockEqual += warpEqual[w];
+  }
+  if (tid == 0) {
+    words[10] = blockGreater;
+    words[11] = blockEqual;
+  }
+  cluster.sync(); // every block's counts are published
+  if (tid < 32) { // the ties and the outputs of the blocks before this one: lane r reads block r's
+    const int r = tid;
+    int g = 0, e = 0;
+    if (r < rank) {
+      const int *counts = cluster.map_shared_rank(words, r);
+      g = counts[10];
+      e = counts[11];
+    }
+    int tiesBefore = e; // inclusive, then exclusive: the ties of the blocks before block r
+#pragma unroll
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const int lower = __shfl_up_sync(0xffffffffu, tiesBefore, offset);
+      if (r >= offset)
+        tiesBefore += lower;
+    }
+    tiesBefore -= e;
+    int written = g + min(max(remaining - tiesBefore, 0), e), ties = e;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      written += __shfl_xor_sync(0xffffffffu, written, offset);
+      ties += __shfl_xor_sync(0xffffffffu, ties, offset);
+    }
+    if (r == 0) {
+      words[12] = ties;
+      words[13] = written;
+    }
+  }
+  cluster.sync(); // no block leaves while another reads its counts
+  // The ties this block takes, and this warp's: the lower positions' first.
+  const int tiesHere = min(max(remaining - words[12], 0), blockEqual);
+  const int tiesWarp = min(max(tiesHere - equalBefore, 0), equal);
+  int slot = words[13] + greaterBefore + min(equalBefore, tiesHere);
+  int tiesSeen = 0;
+  const uint32_t lanesBelow = (1u << lane) - 1u;
+  for (int base = segmentBegin; base < segmentEnd; base += 32) {
+    const bool inside = base + lane < segmentEnd;
+    const uint32_t key = inside ? sliceKeys32[base + lane] : 0u;
+    const uint32_t ties = __ballot_sync(0xffffffffu, inside && key == threshold);
+    const bool taken =
+        (inside && key > threshold) ||
+        (inside && key == threshold && tiesSeen + __popc(ties & lanesBelow) < tiesWarp);
+    const uint32_t takenLanes = __ballot_sync(0xffffffffu, taken);
+    if (taken)
+      out[slot + __popc(takenLanes & lanesBelow)] = sliceBegin + base + lane;
+    slot += __popc(takenLanes);
+    tiesSeen += __popc(ties);
+  }
+}
 
 // Shared memory besides the slice's keys: q hi/lo, two key tiles and their scales, the weights,
-// two histograms, their cluster totals, and scan / broadcast words.
+// two histograms and scan / broadcast words.
 template <int D> constexpr size_t fusedFixedSharedBytes() {
   return size_t(2 * kMmaMaxHeads + 2 * kTileKeys) * mmaStride<D>() * 2 + 2 * kTileKeys * 4 +
-         kMmaMaxHeads * 4 + 3 * kDigitBins * 4 + 16 * 4;
+         kMmaMaxHeads * 4 + 2 * kDigitBins * 4 + kSelectWords * 4;
 }
 
 template <IndexKeyType Type, int D>
@@ -1889,9 +2032,8 @@ __global__ void __launch_bounds__(kFusedThreads)
   auto *keyScales = reinterpret_cast<float *>(keyTiles + 2 * kTileKeys * kStride); // [2][64]
   float *weights = keyScales + 2 * kTileKeys;                                      // [64]
   auto *histograms = reinterpret_cast<uint32_t *>(weights + kMmaMaxHeads);       // [2][256]
-  uint32_t *totals = histograms + 2 * kDigitBins;                                // [256]
-  int *words = reinterpret_cast<int *>(totals + kDigitBins); // [16]: scans, broadcasts, counts
-  uint32_t *sliceKeys32 = reinterpret_cast<uint32_t *>(words + 16); // [sliceKeys]
+  int *words = reinterpret_cast<int *>(histograms + 2 * kDigitBins);             // [kSelectWords]
+  uint32_t *sliceKeys32 = reinterpret_cast<uint32_t *>(words + kSelectWords);    // [sliceKeys]
 
   const int row = blockIdx.y, rank = int(cluster.block_rank());
   const int blocks = int(cluster.num_blocks()), tid = threadIdx.x, k = p.topK;
@@ -1920,84 +2062,7 @@ __global__ void __launch_bounds__(kFusedThreads)
                       [&](int s, float score) { sliceKeys32[s - sliceBegin] = orderKey(score); });
   __syncthreads();
 
-  // The k-th largest key over the cluster, digit by digit: `remaining` of the keys equal to it
-  // are taken (the lowest positions), with every larger key.
-  uint32_t prefix = 0, mask = 0;
-  int remaining = k;
-  for (int pass = 0; pass < 4; ++pass) {
-    const int shift = 24 - 8 * pass;
-    uint32_t *histogram = histograms + (pass & 1) * kDigitBins; // pass p-2's readers are done
-    histogram[tid] = 0;
-    __syncthreads();
-    // Plain shared atomics: aggregating equal bins across a warp (__match_any_sync) measured
-    // 10-15% slower here.
-    for (int i = tid; i < localCount; i += kFusedThreads) {
-      const uint32_t key = sliceKeys32[i];
-      if ((key & mask) == prefix)
-        atomicAdd(&histogram[(key >> shift) & 0xFFu], 1u);
-    }
-    cluster.sync(); // every block's histogram is complete
-    uint32_t total = 0;
-    for (int r = 0; r < blocks; ++r)
-      total += cluster.map_shared_rank(histogram, r)[tid];
-    totals[tid] = total;
-    __syncthreads();
-    if (tid == 0) {
-      uint32_t above = 0;
-      int bin = kDigitBins - 1;
-      for (; bin > 0; --bin) {
-        if (above + totals[bin] >= uint32_t(remaining))
-          break;
-        above += totals[bin];
-      }
-      words[8] = bin;
-      words[9] = int(above);
-    }
-    __syncthreads();
-    prefix |= uint32_t(words[8]) << shift;
-    mask |= 0xFFu << shift;
-    remaining -= words[9];
-  }
-  const uint32_t threshold = prefix;
-
-  // This thread's contiguous run of the slice, its keys above the threshold and at it.
-  const int run = (localCount + kFusedThreads - 1) / kFusedThreads;
-  const int runBegin = min(localCount, tid * run), runEnd = min(localCount, runBegin + run);
-  int greater = 0, equal = 0;
-  for (int i = runBegin; i < runEnd; ++i) {
-    greater += sliceKeys32[i] > threshold;
-    equal += sliceKeys32[i] == threshold;
-  }
-  int blockGreater = 0, blockEqual = 0;
-  const int equalBefore = blockExclusiveScan<kFusedThreads>(equal, words, blockEqual);
-  blockExclusiveScan<kFusedThreads>(greater, words, blockGreater);
-  if (tid == 0) {
-    words[10] = blockGreater;
-    words[11] = blockEqual;
-  }
-  cluster.sync(); // every block's counts are published
-  if (tid == 0) { // the ties and the outputs of the blocks before this one
-    int tiesBefore = 0, written = 0;
-    for (int r = 0; r < rank; ++r) {
-      const int *counts = cluster.map_shared_rank(words, r);
-      const int g = counts[10], e = counts[11];
-      written += g + min(max(remaining - tiesBefore, 0), e);
-      tiesBefore += e;
-    }
-    words[12] = tiesBefore;
-    words[13] = written;
-  }
-  cluster.sync(); // no block leaves while another reads its counts
-  const int tiesHere = min(max(remaining - words[12], 0), blockEqual);
-  const int tiesMine = min(max(tiesHere - equalBefore, 0), equal);
-  int unused = 0;
-  int slot = words[13] + blockExclusiveScan<kFusedThreads>(greater + tiesMine, words, unused);
-  int tie = equalBefore;
-  for (int i = runBegin; i < runEnd; ++i) {
-    const uint32_t key = sliceKeys32[i];
-    if (key > threshold || (key == threshold && tie++ < tiesHere))
-      out[slot++] = sliceBegin + i;
-  }
+  clusterTopK(cluster, sliceKeys32, localCount, sliceBegin, k, out, histograms, words);
 }
 
 template <int D> int fusedSliceKeys(int maxKeys, int &blocks) {
@@ -2055,6 +2120,75 @@ template <IndexKeyType Type, int D> int launchFused(const IndexerParams &p, cuda
   config.numAttrs = 1;
   return int(cudaLaunchKernelEx(&config, indexerFusedKernel<Type, D>, p,
                                 indexerPageBytes(Type, p.pageTokens, D), slice));
+}
+
+// The select as one launch after the unfused scores (SelectForm::Cluster): the fused form's
+// cluster top-k, block r of a row's cluster loading its slice of the row's scores from the
+// workspace (just written: L2) as order-preserving keys. Four 8-bit digits with cluster barriers
+// and distributed shared memory instead of the other forms' global atomics and arrivals; from the
+// warpgroup scores' first digit when they chose one (else from the top).
+size_t selectClusterSharedBytes(int sliceKeys) {
+  return 2 * kDigitBins * sizeof(uint32_t) + kSelectWords * sizeof(int) + size_t(sliceKeys) * 4;
+}
+
+__global__ void __launch_bounds__(kFusedThreads)
+    selectClusterKernel(IndexerParams p, SelectWorkspace w, bool firstDigitChosen, int sliceKeys) {
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto *histograms = reinterpret_cast<uint32_t *>(smem);               // [2][256]
+  int *words = reinterpret_cast<int *>(histograms + 2 * kDigitBins);   // [kSelectWords]
+  uint32_t *keys = reinterpret_cast<uint32_t *>(words + kSelectWords); // [sliceKeys]
+  const int row = blockIdx.y, rank = int(cluster.block_rank()), tid = threadIdx.x;
+  const int n = p.positions[row] + 1;
+  if (n <= p.topK) { // every causal position, then -1s; the whole cluster leaves here
+    if (rank == 0)
+      writeWholeRow(p, row, n);
+    return;
+  }
+  const int sliceBegin = rank * sliceKeys;
+  const int localCount = max(0, min(n - sliceBegin, sliceKeys));
+  const float *scores = p.scores + size_t(row) * p.maxKeys + sliceBegin;
+#pragma unroll 8
+  for (int i = tid; i < localCount; i += kFusedThreads)
+    keys[i] = orderKey(__ldcg(scores + i));
+  __syncthreads();
+  clusterTopK(cluster, keys, localCount, sliceBegin, p.topK, p.indices + size_t(row) * p.topK,
+              histograms, words, w.states[row], firstDigitChosen ? kMaxDigitBits : 0);
+}
+
+int launchSelectCluster(const IndexerParams &p, bool firstDigitChosen, cudaStream_t stream) {
+  int blocks = 1;
+  const int slice = fusedSliceKeys<128>(p.maxKeys, blocks);
+  const size_t shared = selectClusterSharedBytes(slice);
+  const int limit = maxSharedPerBlock();
+  const DeviceSetup setup = deviceSetup([limit] {
+    cudaError_t status = cudaFuncSetAttribute(selectClusterKernel,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
+    if (status == cudaSuccess)
+      status = cudaFuncSetAttribute(selectClusterKernel,
+                                    cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    return status;
+  });
+  if (setup.status != cudaSuccess)
+    return int(setup.status);
+  if (shared > size_t(limit))
+    return cudaErrorInvalidValue; // over ~900K keys a row
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(blocks), unsigned(p.rows));
+  config.blockDim = dim3(kFusedThreads);
+  config.dynamicSmemBytes = shared;
+  config.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = unsigned(blocks);
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = 1;
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  return int(cudaLaunchKernelEx(&config, selectClusterKernel, p,
+                                selectWorkspace(p.selectWorkspace, p.rows, p.maxKeys),
+                                firstDigitChosen, slice));
 }
 
 template <int D> int launchFp32Scores(const IndexerParams &p, cudaStream_t stream) {

@@ -222,13 +222,16 @@ TEST_P(DsaIndexerCuda, MatchesReference) {
   // here, where every shape fits on the GPU): the same positions.
   if (exactQueries && c.scoreKernel == cuda::IndexerParams::ScoreKernel::Auto) {
     for (auto form :
-         {cuda::IndexerParams::SelectForm::Gathered, cuda::IndexerParams::SelectForm::Passes}) {
+         {cuda::IndexerParams::SelectForm::Gathered, cuda::IndexerParams::SelectForm::Passes,
+          cuda::IndexerParams::SelectForm::Cluster}) {
       const IndexerRun other =
           runIndexer(paged, c.type, c.heads, c.dim, q, w, positions, sequences, maxKeys, c.topK,
                      /*fused=*/false, c.mxfp8Queries, c.scoreKernel, form, c.fp8HeadQueries);
       EXPECT_EQ(other.indices, indices)
           << "the one-launch select and the "
-          << (form == cuda::IndexerParams::SelectForm::Passes ? "per-digit" : "three-launch")
+          << (form == cuda::IndexerParams::SelectForm::Passes    ? "per-digit"
+              : form == cuda::IndexerParams::SelectForm::Cluster ? "cluster"
+                                                                 : "three-launch")
           << " select differ";
     }
   }
@@ -396,7 +399,7 @@ TEST(DsaIndexerCudaTies, LowestPositionsWin) {
   using Form = cuda::IndexerParams::SelectForm;
   for (auto [form, name] :
        {std::pair{Form::OneLaunch, "one launch"}, std::pair{Form::Gathered, "three launches"},
-        std::pair{Form::Passes, "passes"}})
+        std::pair{Form::Passes, "passes"}, std::pair{Form::Cluster, "cluster"}})
     EXPECT_EQ(runIndexer(paged, IndexKeyType::Mxfp8, 64, 128, q, random(3 * 64, rng, 1.0f),
                          {n - 1, n - 1, n - 2}, {0, 0, 0}, n, 2048, /*fused=*/false,
                          /*mxfp8Queries=*/true, cuda::IndexerParams::ScoreKernel::Auto, form)
@@ -407,7 +410,7 @@ TEST(DsaIndexerCudaTies, LowestPositionsWin) {
   const PagedKeys pagedLonger(IndexKeyType::Mxfp8, 128, 64, {longer}, rng, /*identicalKeys=*/true);
   for (auto [form, name] :
        {std::pair{Form::OneLaunch, "one launch"}, std::pair{Form::Gathered, "three launches"},
-        std::pair{Form::Passes, "passes"}})
+        std::pair{Form::Passes, "passes"}, std::pair{Form::Cluster, "cluster"}})
     EXPECT_EQ(runIndexer(pagedLonger, IndexKeyType::Mxfp8, 64, 128,
                          std::vector<float>(q.begin(), q.begin() + 64 * 128), random(64, rng, 1.0f),
                          {longer - 1}, {0}, longer, 2048, /*fused=*/false,

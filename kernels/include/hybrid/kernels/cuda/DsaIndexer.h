@@ -77,8 +77,18 @@ struct IndexerParams {
   // cooperative launch, when every row's chunks (of maxKeys) fit on the GPU at once, a block
   // each (else it fails: cudaErrorCooperativeLaunchTooLarge); Gathered, three launches (gather,
   // rank, write). Passes: a launch per remaining digit over every score, then the write. Auto:
-  // OneLaunch where it fits at up to 4 blocks an SM, else Passes. Tests and benchmarks pick each.
-  enum class SelectForm { Auto, OneLaunch, Gathered, Passes } selectForm = SelectForm::Auto;
+  // OneLaunch where it fits at up to 4 blocks an SM, else Passes. Cluster: one launch, a cluster
+  // of up to 16 blocks a row holding the row's scores in shared memory (up to ~900K keys), the
+  // fused form's radix select; needs no first digit. Auto leaves it: on the H200 it gains 0.3-1.2
+  // us a call at 8K keys but loses 1-13 us at 32K and up to 5 us at 128K (batch 1-8; docs/
+  // performance.md, 2026-12-02, session 23). Tests and benchmarks pick each.
+  enum class SelectForm {
+    Auto,
+    OneLaunch,
+    Gathered,
+    Passes,
+    Cluster
+  } selectForm = SelectForm::Auto;
   // The unfused tensor-core scores' 64-key tiles per block (a tuned configuration, kernels/
   // KernelTuning.h); 0: the default, about one wave of blocks on the GPU.
   int32_t tilesPerBlock = 0;
