@@ -18,7 +18,8 @@ namespace {
 // The precision of each role. Defaults: DeepSeek's hierarchy.
 // The indexer's query and key activations: MXFP8 (one E8M0 scale per 32), or DeepSeek-V3.2's own
 // FP8 (one power-of-two scale per query head and per key, MODEL_SPEC 4.3), or full precision.
-enum class IndexerQuant { None, Mxfp8, Fp8 };
+// In the order of the policy field's values.
+enum class IndexerQuant { Mxfp8, Fp8, None };
 
 struct QuantizationPolicy {
   IndexerQuant indexer = IndexerQuant::Mxfp8; // indexer query and key activations
@@ -50,17 +51,23 @@ FailureOr<QuantizationPolicy> loadPolicy(StringRef spec, Operation *op) {
   const llvm::json::Object *root = json->getAsObject();
   if (!root)
     return op->emitError() << "quantization policy '" << spec << "': expected a JSON object";
-  auto choice = [&](StringRef field, StringRef on, bool &flag) -> LogicalResult {
+  // The index in `values` of the string a field names; `absent` where the field is missing.
+  auto choice = [&](StringRef field, ArrayRef<StringRef> values,
+                    size_t absent) -> FailureOr<size_t> {
     const llvm::json::Value *value = root->get(field);
     if (!value)
-      return success();
-    std::optional<StringRef> text = value->getAsString();
-    if (text && (*text == on || *text == "none")) {
-      flag = *text == on;
-      return success();
-    }
+      return absent;
+    if (std::optional<StringRef> text = value->getAsString())
+      if (const auto *found = llvm::find(values, *text); found != values.end())
+        return size_t(found - values.begin());
+    std::string allowed;
+    for (size_t i = 0; i < values.size(); ++i)
+      allowed += (i == 0                   ? ""
+                  : i + 1 == values.size() ? " or "
+                                           : ", ") +
+                 ("\"" + values[i] + "\"").str();
     return op->emitError() << "quantization policy '" << spec << "': field '" << field
-                           << "' must be \"" << on << "\" or \"none\"";
+                           << "' must be " << allowed;
   };
   for (const auto &[key, value] : *root) {
     if (key != "indexer_qk" && key != "sparse_attention_kv_cache" &&
@@ -68,18 +75,18 @@ FailureOr<QuantizationPolicy> loadPolicy(StringRef spec, Operation *op) {
       return op->emitError() << "quantization policy '" << spec << "': unknown field '"
                              << key.str() << "'";
   }
-  if (const llvm::json::Value *indexer = root->get("indexer_qk")) {
-    std::optional<StringRef> text = indexer->getAsString();
-    if (!text || (*text != "mxfp8" && *text != "fp8" && *text != "none"))
-      return op->emitError() << "quantization policy '" << spec
-                             << "': field 'indexer_qk' must be \"mxfp8\", \"fp8\" or \"none\"";
-    policy.indexer = *text == "mxfp8" ? IndexerQuant::Mxfp8
-                     : *text == "fp8" ? IndexerQuant::Fp8
-                                      : IndexerQuant::None;
-  }
-  if (failed(choice("sparse_attention_kv_cache", "fp8_tiles", policy.sparseKvFp8)) ||
-      failed(choice("dense_attention_kv_cache", "fp8_tiles", policy.denseKvFp8)))
+  const StringRef indexerValues[] = {"mxfp8", "fp8", "none"}; // IndexerQuant's order
+  const StringRef kvValues[] = {"fp8_tiles", "none"};
+  FailureOr<size_t> indexer = choice("indexer_qk", indexerValues, size_t(policy.indexer));
+  FailureOr<size_t> sparseKv =
+      choice("sparse_attention_kv_cache", kvValues, policy.sparseKvFp8 ? 0 : 1);
+  FailureOr<size_t> denseKv =
+      choice("dense_attention_kv_cache", kvValues, policy.denseKvFp8 ? 0 : 1);
+  if (failed(indexer) || failed(sparseKv) || failed(denseKv))
     return failure();
+  policy.indexer = IndexerQuant(*indexer);
+  policy.sparseKvFp8 = *sparseKv == 0;
+  policy.denseKvFp8 = *denseKv == 0;
   if (const llvm::json::Value *tile = root->get("kv_tile")) {
     std::optional<int64_t> value = tile->getAsInteger();
     if (!value || *value <= 0 || *value > 4096)
