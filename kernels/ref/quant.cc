@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace hybrid::kernels::ref {
 namespace {
@@ -233,6 +234,12 @@ bool dequantizeMxfp8(std::span<const uint8_t> elements, std::span<const uint8_t>
   return true;
 }
 
+bool roundTripMxfp8(std::span<float> x, int64_t rows, int64_t cols, MxScaleRule rule) {
+  std::vector<uint8_t> elements(x.size()), scales(x.size() / kMxBlockSize);
+  return quantizeMxfp8(x, rows, cols, elements, scales, rule) &&
+         dequantizeMxfp8(elements, scales, rows, cols, x);
+}
+
 // ---- FP8 tiles
 
 float fp8TileScale(float amax, Fp8ScaleRule rule) {
@@ -281,6 +288,16 @@ bool dequantizeFp8Tiles(std::span<const uint8_t> elements, std::span<const float
                      scales[r * tiles + t], x.data() + offset);
     }
   return true;
+}
+
+bool roundTripFp8Tiles(std::span<float> x, int64_t rows, int64_t cols, int64_t tile,
+                       Fp8ScaleRule rule) {
+  if (rows < 0 || cols < 0 || tile <= 0)
+    return false;
+  std::vector<uint8_t> elements(x.size());
+  std::vector<float> scales(static_cast<size_t>(rows * fp8TileCount(cols, tile)));
+  return quantizeFp8Tiles(x, rows, cols, tile, rule, elements, scales) &&
+         dequantizeFp8Tiles(elements, scales, rows, cols, tile, x);
 }
 
 // ---- FlashMLA KV row

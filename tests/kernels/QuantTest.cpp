@@ -448,6 +448,30 @@ TEST(Fp8Tiles, RejectsBadShapes) {
   EXPECT_TRUE(dequantizeFp8Tiles(codes, scales, 1, 10, 16, back));
 }
 
+// The in-place round trips are the two calls they stand for; a shape the encoder refuses leaves
+// the values untouched.
+TEST(RoundTrip, InPlaceIsQuantizeThenDequantize) {
+  std::mt19937 rng(17);
+  const int64_t rows = 3, cols = 128;
+  const auto x = randomNormal(rng, rows * cols, 0.0f, 2.0f);
+  std::vector<uint8_t> codes(rows * cols), mxScales(rows * cols / 32);
+  std::vector<float> fp8Scales(rows), expected(rows * cols);
+  ASSERT_TRUE(quantizeMxfp8(x, rows, cols, codes, mxScales, MxScaleRule::RoundUp));
+  ASSERT_TRUE(dequantizeMxfp8(codes, mxScales, rows, cols, expected));
+  std::vector<float> got = x;
+  ASSERT_TRUE(roundTripMxfp8(got, rows, cols, MxScaleRule::RoundUp));
+  EXPECT_EQ(got, expected);
+  ASSERT_TRUE(quantizeFp8Tiles(x, rows, cols, cols, Fp8ScaleRule::DeepSeekUe8m0, codes, fp8Scales));
+  ASSERT_TRUE(dequantizeFp8Tiles(codes, fp8Scales, rows, cols, cols, expected));
+  got = x;
+  ASSERT_TRUE(roundTripFp8Tiles(got, rows, cols, cols, Fp8ScaleRule::DeepSeekUe8m0));
+  EXPECT_EQ(got, expected);
+  got = x;
+  EXPECT_FALSE(roundTripMxfp8(got, rows * 4, 96, MxScaleRule::RoundUp)); // 384 values, not 4 x 96
+  EXPECT_FALSE(roundTripFp8Tiles(got, rows, cols, 0, Fp8ScaleRule::DeepSeekUe8m0));
+  EXPECT_EQ(got, x);
+}
+
 // ---- FlashMLA V32 FP8 KV row
 
 TEST(Fp8KvRow, DeepSeekV32LayoutIs656BytesWithScalesThenBf16Rope) {

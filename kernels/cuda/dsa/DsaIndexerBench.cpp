@@ -77,19 +77,15 @@ benchIndexerDecode(const std::vector<int32_t> &batches, const std::vector<int32_
       for (float &v : q)
         v = normal(rng);
       const int64_t headRows = int64_t(q.size() / headDim);
-      if (keyType == IndexKeyType::Mxfp8) {
-        std::vector<uint8_t> codes(q.size()), scales(q.size() / 32);
-        if (!ref::quantizeMxfp8(q, headRows, headDim, codes, scales, ref::MxScaleRule::RoundUp) ||
-            !ref::dequantizeMxfp8(codes, scales, headRows, headDim, q))
-          return fail("the query quantization");
-      } else if (keyType == IndexKeyType::Fp8PerKey) {
-        std::vector<uint8_t> codes(q.size());
-        std::vector<float> scales(static_cast<size_t>(headRows));
-        if (!ref::quantizeFp8Tiles(q, headRows, headDim, headDim, ref::Fp8ScaleRule::DeepSeekUe8m0,
-                                   codes, scales) ||
-            !ref::dequantizeFp8Tiles(codes, scales, headRows, headDim, headDim, q))
-          return fail("the query quantization");
-      }
+      const bool rounded =
+          keyType == IndexKeyType::Mxfp8
+              ? ref::roundTripMxfp8(q, headRows, headDim, ref::MxScaleRule::RoundUp)
+          : keyType == IndexKeyType::Fp8PerKey
+              ? ref::roundTripFp8Tiles(q, headRows, headDim, headDim,
+                                       ref::Fp8ScaleRule::DeepSeekUe8m0)
+              : true;
+      if (!rounded)
+        return fail("the query quantization");
       p.q = held.keep(deviceCopy(q));
       p.mxfp8Queries = keyType == IndexKeyType::Mxfp8;
       p.fp8HeadQueries = keyType == IndexKeyType::Fp8PerKey;

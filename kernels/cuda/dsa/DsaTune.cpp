@@ -61,13 +61,10 @@ measureIndexerScores(const cache::ShapeBucket &shape, const std::vector<cache::T
   std::normal_distribution<float> normal(0.0f, 0.5f);
   for (float &v : q)
     v = normal(rng);
-  if (type != IndexKeyType::F32) { // the policy's MXFP8 queries: exact in bf16
-    std::vector<uint8_t> codes(q.size()), scales(q.size() / 32);
-    if (!ref::quantizeMxfp8(q, int64_t(q.size() / headDim), headDim, codes, scales,
-                            ref::MxScaleRule::RoundUp) ||
-        !ref::dequantizeMxfp8(codes, scales, int64_t(q.size() / headDim), headDim, q))
-      return Status::error("dsa-indexer-scores: the query quantization failed");
-  }
+  // The policy's MXFP8 queries: exact in bf16.
+  if (type != IndexKeyType::F32 &&
+      !ref::roundTripMxfp8(q, int64_t(q.size() / headDim), headDim, ref::MxScaleRule::RoundUp))
+    return Status::error("dsa-indexer-scores: the query quantization failed");
   std::string error;
   IndexerParams p;
   p.rows = batch;

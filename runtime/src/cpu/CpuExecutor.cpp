@@ -159,9 +159,7 @@ namespace {
 // MXFP8 round trip of rows of `cols` values: the values a kernel reading the E4M3 elements and
 // E8M0 scales sees, bit-exact to the definitions in kernels/ref/Quant.h.
 Status roundTripMxfp8(std::span<float> values, int64_t rows, int64_t cols) {
-  std::vector<uint8_t> elements(values.size()), scales(values.size() / ref::kMxBlockSize);
-  if (!ref::quantizeMxfp8(values, rows, cols, elements, scales, ref::MxScaleRule::RoundUp) ||
-      !ref::dequantizeMxfp8(elements, scales, rows, cols, values))
+  if (!ref::roundTripMxfp8(values, rows, cols, ref::MxScaleRule::RoundUp))
     return Status::error("MXFP8 needs rows of a multiple of 32 values, got " +
                          std::to_string(cols));
   return Status::ok();
@@ -176,11 +174,7 @@ Status roundIndexerActivation(fb::ActivationQuant quant, std::span<float> values
     return roundTripMxfp8(values, rows, cols);
   if (quant != fb::ActivationQuant::Fp8PerRow)
     return Status::ok();
-  std::vector<uint8_t> elements(values.size());
-  std::vector<float> scales(static_cast<size_t>(rows));
-  if (!ref::quantizeFp8Tiles(values, rows, cols, cols, ref::Fp8ScaleRule::DeepSeekUe8m0, elements,
-                             scales) ||
-      !ref::dequantizeFp8Tiles(elements, scales, rows, cols, cols, values))
+  if (!ref::roundTripFp8Tiles(values, rows, cols, cols, ref::Fp8ScaleRule::DeepSeekUe8m0))
     return Status::error("FP8 rows of " + std::to_string(cols) + " values failed to quantize");
   return Status::ok();
 }

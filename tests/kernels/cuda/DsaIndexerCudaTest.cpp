@@ -123,21 +123,14 @@ runIndexer(const PagedKeys &paged, IndexKeyType type, int heads, int dim,
 
 // Queries as the quantization policy leaves them: MXFP8-rounded in rows of `dim` values.
 bool roundToMxfp8(std::vector<float> &q, int dim) {
-  std::vector<uint8_t> codes(q.size()), scales(q.size() / 32);
-  const int64_t rows = int64_t(q.size()) / dim;
-  return ref::quantizeMxfp8(q, rows, dim, codes, scales, ref::MxScaleRule::RoundUp) &&
-         ref::dequantizeMxfp8(codes, scales, rows, dim, q);
+  return ref::roundTripMxfp8(q, int64_t(q.size()) / dim, dim, ref::MxScaleRule::RoundUp);
 }
 
 // Queries as DeepSeek-V3.2's FP8 indexer leaves them: E4M3 codes times one power of two a head
 // (act_quant over the head, ue8m0 scale; MODEL_SPEC 4.3).
 bool roundToFp8PerHead(std::vector<float> &q, int dim) {
-  const int64_t rows = int64_t(q.size()) / dim;
-  std::vector<uint8_t> codes(q.size());
-  std::vector<float> scales(static_cast<size_t>(rows));
-  return ref::quantizeFp8Tiles(q, rows, dim, dim, ref::Fp8ScaleRule::DeepSeekUe8m0, codes,
-                               scales) &&
-         ref::dequantizeFp8Tiles(codes, scales, rows, dim, dim, q);
+  return ref::roundTripFp8Tiles(q, int64_t(q.size()) / dim, dim, dim,
+                                ref::Fp8ScaleRule::DeepSeekUe8m0);
 }
 
 // Hopper's FP8 warpgroup MMAs add their products in reduced precision (about 13 mantissa bits:

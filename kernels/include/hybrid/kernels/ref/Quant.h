@@ -71,6 +71,11 @@ uint8_t mxScaleCode(float amax, MxScaleRule rule);
                                    std::span<const uint8_t> scales, int64_t rows, int64_t cols,
                                    std::span<float> x);
 
+// In place: x [rows, cols] replaced by what its MXFP8 encoding decodes to (quantizeMxfp8 then
+// dequantizeMxfp8): the values a kernel reading the packed form sees. False, x untouched, where
+// quantizeMxfp8 refuses the shape.
+[[nodiscard]] bool roundTripMxfp8(std::span<float> x, int64_t rows, int64_t cols, MxScaleRule rule);
+
 // ---- FP8 tiles with fp32 scales (DeepSeek act_quant, FlashMLA KV cache) — MODEL_SPEC §8.1, §8.2
 
 // One fp32 scale s per (row, tile) of `tile` consecutive elements along the last dimension; the
@@ -107,6 +112,11 @@ int64_t fp8TileCount(int64_t cols, int64_t tile = kFp8TileSize);
 [[nodiscard]] bool dequantizeFp8Tiles(std::span<const uint8_t> elements,
                                       std::span<const float> scales, int64_t rows, int64_t cols,
                                       int64_t tile, std::span<float> x);
+
+// In place: x [rows, cols] through quantizeFp8Tiles then dequantizeFp8Tiles. False, x untouched,
+// where quantizeFp8Tiles refuses the shape.
+[[nodiscard]] bool roundTripFp8Tiles(std::span<float> x, int64_t rows, int64_t cols, int64_t tile,
+                                     Fp8ScaleRule rule);
 
 // ---- FlashMLA "V32_FP8Sparse" KV-cache row (one token of the MLA latent cache) — MODEL_SPEC §8.2
 
