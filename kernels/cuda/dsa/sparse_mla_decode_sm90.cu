@@ -429,6 +429,19 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kBlockThreads, Shape<L, R, G>:
 
   // Per thread: rows r0 = lane / 4 and r0 + 8 of its head group's 16.
   const int r0 = lane / 4, headRow = group * 16;
+  // The scores' MMAs: warp `slice` multiplies key block keyBlock of a tile over part `part` of
+  // the 576-wide keys. With 16 heads (producer warps beside) the part's query fragments stay in
+  // registers for every tile: shared memory bounds that form, and they were 37 KB of its ~300 KB
+  // a tile.
+  constexpr int kSteps = S::kWide / 16, kPartSteps = (kSteps + S::kParts - 1) / S::kParts;
+  constexpr bool kQueriesHeld = S::kSpecialized && kSteps % S::kParts == 0;
+  const int keyBlock = slice % S::kKeyBlocks, part = slice / S::kKeyBlocks;
+  uint32_t heldQueries[kQueriesHeld ? kPartSteps : 1][4];
+  if constexpr (kQueriesHeld)
+#pragma unroll
+    for (int step = 0; step < kPartSteps; ++step)
+      mma::loadA(heldQueries[step], qs + headRow * kStride + (part * kPartSteps + step) * 16,
+                 kStride);
   float runningMax[2] = {-INFINITY, -INFINITY}, runningSum[2] = {0.0f, 0.0f};
   float o[S::kValueTiles][4] = {};
   const float scoreScale = p.softmaxScale * kLog2e; // exp2 domain
@@ -457,10 +470,24 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kBlockThreads, Shape<L, R, G>:
 
     // Scores: this warp's 16 x 32 block (its head group, key block) over its part of the
     // 576-wide keys; the fragments of k step s + 1 load while step s multiplies.
-    constexpr int kSteps = S::kWide / 16, kPartSteps = (kSteps + S::kParts - 1) / S::kParts;
     float acc[4][4] = {};
-    {
-      const int keyBlock = slice % S::kKeyBlocks, part = slice / S::kKeyBlocks;
+    if constexpr (kQueriesHeld) {
+      const __nv_bfloat16 *keys = kv + keyBlock * 32 * kStride + part * kPartSteps * 16;
+      uint32_t b[2][4][2];
+      auto loadStep = [&](int step, int buffer) {
+        mma::loadBPair(b[buffer][0], b[buffer][1], keys + 16 * step, kStride);
+        mma::loadBPair(b[buffer][2], b[buffer][3], keys + 16 * kStride + 16 * step, kStride);
+      };
+      loadStep(0, 0);
+#pragma unroll
+      for (int step = 0; step < kPartSteps; ++step) {
+        if (step + 1 < kPartSteps)
+          loadStep(step + 1, (step + 1) % 2);
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+          mma::mma16816(acc[n], heldQueries[step], b[step % 2][n]);
+      }
+    } else {
       const __nv_bfloat16 *keys = kv + keyBlock * 32 * kStride + part * kPartSteps * 16;
       const __nv_bfloat16 *queries = qs + headRow * kStride + part * kPartSteps * 16;
       const int steps = min(kPartSteps, kSteps - part * kPartSteps); // the last part may be short
