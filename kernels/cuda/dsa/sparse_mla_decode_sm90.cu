@@ -430,11 +430,12 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kBlockThreads, Shape<L, R, G>:
   // Per thread: rows r0 = lane / 4 and r0 + 8 of its head group's 16.
   const int r0 = lane / 4, headRow = group * 16;
   // The scores' MMAs: warp `slice` multiplies key block keyBlock of a tile over part `part` of
-  // the 576-wide keys. With 16 heads (producer warps beside) the part's query fragments stay in
-  // registers for every tile: shared memory bounds that form, and they were 37 KB of its ~300 KB
-  // a tile.
+  // the 576-wide keys. With 16 and 32 heads the part's query fragments stay in registers for
+  // every tile instead of an ldmatrix each per tile: with 16 heads (producer warps beside, 128
+  // registers) shared memory bounds the form and they were 37 KB of its ~300 KB a tile; with 32
+  // heads (a quarter of the dims a warp, 241 registers) 74 KB a tile.
   constexpr int kSteps = S::kWide / 16, kPartSteps = (kSteps + S::kParts - 1) / S::kParts;
-  constexpr bool kQueriesHeld = S::kSpecialized && kSteps % S::kParts == 0;
+  constexpr bool kQueriesHeld = (S::kSpecialized || G == 2) && kSteps % S::kParts == 0;
   const int keyBlock = slice % S::kKeyBlocks, part = slice / S::kKeyBlocks;
   uint32_t heldQueries[kQueriesHeld ? kPartSteps : 1][4];
   if constexpr (kQueriesHeld)
