@@ -806,6 +806,29 @@ struct TilePageWalk {
   }
 };
 
+// A warpgroup scores block's share of its row's first-digit histogram (kFirstDigitShift, in
+// shared memory), kept when the row has more keys than it selects: zeroed here, counted by
+// storeWeightedReluSums, added to the row's by flush (whose last block then chooses the digit).
+struct FirstDigitCount {
+  uint32_t *histogram;
+  bool counting;
+  __device__ FirstDigitCount(uint32_t *shared, const IndexerParams &p, int position)
+      : histogram(shared), counting(position + 1 > p.topK) {
+    for (int b = threadIdx.x; b < kSelectBins; b += kMmaThreads)
+      histogram[b] = 0;
+  }
+  __device__ void flush(const SelectWorkspace &select, int row, int position, int tilesPerBlock,
+                        uint32_t *warpTotals, bool &last) const {
+    if (!counting)
+      return;
+    const int blockKeys = kTileKeys * tilesPerBlock;
+    flushHistogramAndChoose<kMmaThreads>(histogram, select.states[row],
+                                         select.histograms + size_t(row) * kSelectBins,
+                                         unsigned((position + blockKeys) / blockKeys),
+                                         kFirstDigitShift, kMaxDigitBits, warpTotals, last);
+  }
+};
+
 // This thread's 16 heads' weights of a warpgroup tile (heads 8j + 2t + c at 2j + c): w *
 // heads^-1/2 * D^-1/2 times the head's query scale from the reset kernel (the ReLU commutes with
 // a positive scale); 0 past the row's heads.
@@ -951,9 +974,7 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
 
   // The first digit's histogram of the top-k (kFirstDigitShift), when the row has more keys than
   // it selects.
-  const bool histogramming = position + 1 > p.topK;
-  for (int b = tid; b < kSelectBins; b += kMmaThreads)
-    histogram[b] = 0;
+  const FirstDigitCount firstDigit(histogram, p, position);
   float weights[16];
   warpgroupHeadWeights<D>(p, select, row, t, weights);
   const uint64_t queryDescriptor = wgmma::descriptor(mma::sharedAddress(queries));
@@ -1032,7 +1053,7 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
   auto finish = [&](int tile, float (&acc)[32], const float (&keyScale)[2]) {
     wgmma::fenceOperands(acc);
     storeWeightedReluSums(acc, weights, keyScale, firstKey + tile * kTileKeys + key0, position,
-                          histogramming, scores, histogram);
+                          firstDigit.counting, scores, histogram);
   };
 
   // One tile in flight a warpgroup: carrying a second tile's fragments and accumulators (to
@@ -1054,13 +1075,7 @@ __global__ void __launch_bounds__(kMmaThreads, kWarpgroupBlocksPerSm)
     finish(tile, acc, keyScale);
   }
   mma::waitAsyncCopies<0>(); // nothing in flight when the block ends
-  if (histogramming) {
-    const int blockKeys = kTileKeys * tilesPerBlock;
-    flushHistogramAndChoose<kMmaThreads>(
-        histogram, select.states[row], select.histograms + size_t(row) * kSelectBins,
-        unsigned((position + blockKeys) / blockKeys), kFirstDigitShift, kMaxDigitBits,
-        warpTotals, last);
-  }
+  firstDigit.flush(select, row, position, tilesPerBlock, warpTotals, last);
 }
 
 // ---- Scores on FP8 warpgroup MMAs: Fp8PerKey keys against queries that are E4M3 codes times one
@@ -1159,9 +1174,7 @@ __global__ void __launch_bounds__(kMmaThreads, kFp8WarpgroupBlocksPerSm)
   issue(1, page, pageSlot);
   lookUp(2, page, pageSlot);
 
-  const bool histogramming = position + 1 > p.topK;
-  for (int b = tid; b < kSelectBins; b += kMmaThreads)
-    histogram[b] = 0;
+  const FirstDigitCount firstDigit(histogram, p, position);
   float weights[16];
   warpgroupHeadWeights<D>(p, select, row, t, weights);
   const uint64_t queryDescriptor = wgmma::descriptor(mma::sharedAddress(queries));
@@ -1189,16 +1202,10 @@ __global__ void __launch_bounds__(kMmaThreads, kFp8WarpgroupBlocksPerSm)
     wgmma::wait<0>();
     wgmma::fenceOperands(acc);
     storeWeightedReluSums(acc, weights, keyScale, firstKey + tile * kTileKeys + key0, position,
-                          histogramming, scores, histogram);
+                          firstDigit.counting, scores, histogram);
   }
   mma::waitAsyncCopies<0>(); // nothing in flight when the block ends
-  if (histogramming) {
-    const int blockKeys = kTileKeys * tilesPerBlock;
-    flushHistogramAndChoose<kMmaThreads>(histogram, select.states[row],
-                                         select.histograms + size_t(row) * kSelectBins,
-                                         unsigned((position + blockKeys) / blockKeys),
-                                         kFirstDigitShift, kMaxDigitBits, warpTotals, last);
-  }
+  firstDigit.flush(select, row, position, tilesPerBlock, warpTotals, last);
 }
 
 __global__ void __launch_bounds__(kHistogramThreads)
@@ -1707,35 +1714,8 @@ __global__ void selectResetKernel(IndexerParams p, SelectWorkspace w, int chunks
     w.chunkCounts[i] = w.places[i] = 0;
   if (i == 0)
     *w.writeTickets = 0;
-  if constexpr (Queries == QueryLayout::E4M3) {
-    static_assert(D == 128, "a head's 32 float4s are one warp");
-    constexpr int kRowFloat4s = kMmaMaxHeads * D / 4;
-    if (i < size_t(rows) * kRowFloat4s) {
-      const int row = int(i / kRowFloat4s), within = int(i % kRowFloat4s);
-      const int h = within / (D / 4), column = 4 * (within % (D / 4));
-      const float4 v =
-          h < p.heads
-              ? reinterpret_cast<const float4 *>(p.q + (size_t(row) * p.heads + h) * D)[column / 4]
-              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      // The smallest power of two 2^e with the head's largest |q| <= 448 * 2^e: for queries that
-      // are E4M3 codes times any one power of two, q / 2^e are E4M3 codes again, exactly.
-      float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-      for (int offset = 1; offset < 32; offset *= 2)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-      const uint8_t scale = quant::mxScaleCodeRoundUp(amax);
-      const int shift = 127 - int(scale);
-      const uint32_t codes = uint32_t(quant::floatToE4M3(ldexpf(v.x, shift))) |
-                             uint32_t(quant::floatToE4M3(ldexpf(v.y, shift))) << 8 |
-                             uint32_t(quant::floatToE4M3(ldexpf(v.z, shift))) << 16 |
-                             uint32_t(quant::floatToE4M3(ldexpf(v.w, shift))) << 24;
-      unsigned char *queries = w.queries + size_t(row) * kSelectQueryBytes;
-      *reinterpret_cast<uint32_t *>(queries + swizzledByte(h, column)) = codes;
-      if (column == 0)
-        w.headScales[size_t(row) * kMmaMaxHeads + h] = e8m0ToFloat(scale);
-    }
-  }
-  if constexpr (Queries == QueryLayout::F16) {
+  if constexpr (Queries != QueryLayout::None) {
+    static_assert(Queries != QueryLayout::E4M3 || D == 128, "E4M3: the FP8 warpgroup kernel's dim");
     constexpr int kRowFloat4s = kMmaMaxHeads * D / 4;
     if (i < size_t(rows) * kRowFloat4s) {
       const int row = int(i / kRowFloat4s), within = int(i % kRowFloat4s);
@@ -1743,25 +1723,42 @@ __global__ void selectResetKernel(IndexerParams p, SelectWorkspace w, int chunks
       const float4 v = h < p.heads ? reinterpret_cast<const float4 *>(
                                          p.q + (size_t(row) * p.heads + h) * D)[column / 4]
                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      unsigned char *queries = w.queries + size_t(row) * kSelectQueryBytes;
-      // The head's largest |q| scaled to [2^14, 2^15): f16 then holds every MXFP8 value of the
-      // head exactly unless they span more than 2^35 (or lie below 2^-86); the head's weight
-      // takes the inverse. The head's D / 4 lanes are one warp or half of one (whole warps take
+      // The head's largest |q|: its D / 4 lanes are one warp or half of one (whole warps take
       // this branch: a row's items are a multiple of 32).
       float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
       for (int offset = 1; offset < D / 4; offset *= 2)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-      const int exponent = int(__float_as_uint(amax) >> 23) - 127;
-      const int shift = amax == 0.0f ? 0 : min(14 - exponent, 100);
-      const float up = __uint_as_float(uint32_t(127 + shift) << 23);
-      *reinterpret_cast<uint32_t *>(queries + wgmma::swizzledOffset(64, h, permutedColumn<D>(column))) =
-          mma::packF16(v.x * up, v.y * up);
-      *reinterpret_cast<uint32_t *>(queries +
-                                    wgmma::swizzledOffset(64, h, permutedColumn<D>(column + 2))) =
-          mma::packF16(v.z * up, v.w * up);
-      if (column == 0)
-        w.headScales[size_t(row) * kMmaMaxHeads + h] = __uint_as_float(uint32_t(127 - shift) << 23);
+      unsigned char *queries = w.queries + size_t(row) * kSelectQueryBytes;
+      float *headScale = w.headScales + size_t(row) * kMmaMaxHeads + h;
+      if constexpr (Queries == QueryLayout::E4M3) {
+        // The smallest power of two 2^e with amax <= 448 * 2^e: for queries that are E4M3 codes
+        // times any one power of two, q / 2^e are E4M3 codes again, exactly.
+        const uint8_t scale = quant::mxScaleCodeRoundUp(amax);
+        const int shift = 127 - int(scale);
+        const uint32_t codes = uint32_t(quant::floatToE4M3(ldexpf(v.x, shift))) |
+                               uint32_t(quant::floatToE4M3(ldexpf(v.y, shift))) << 8 |
+                               uint32_t(quant::floatToE4M3(ldexpf(v.z, shift))) << 16 |
+                               uint32_t(quant::floatToE4M3(ldexpf(v.w, shift))) << 24;
+        *reinterpret_cast<uint32_t *>(queries + swizzledByte(h, column)) = codes;
+        if (column == 0)
+          *headScale = e8m0ToFloat(scale);
+      } else {
+        // amax scaled to [2^14, 2^15): f16 then holds every MXFP8 value of the head exactly
+        // unless they span more than 2^35 (or lie below 2^-86); the head's weight takes the
+        // inverse.
+        const int exponent = int(__float_as_uint(amax) >> 23) - 127;
+        const int shift = amax == 0.0f ? 0 : min(14 - exponent, 100);
+        const float up = __uint_as_float(uint32_t(127 + shift) << 23);
+        *reinterpret_cast<uint32_t *>(
+            queries + wgmma::swizzledOffset(64, h, permutedColumn<D>(column))) =
+            mma::packF16(v.x * up, v.y * up);
+        *reinterpret_cast<uint32_t *>(
+            queries + wgmma::swizzledOffset(64, h, permutedColumn<D>(column + 2))) =
+            mma::packF16(v.z * up, v.w * up);
+        if (column == 0)
+          *headScale = __uint_as_float(uint32_t(127 - shift) << 23);
+      }
     }
   }
 }
@@ -1939,8 +1936,8 @@ clusterTopK(const cooperative_groups::cluster_group &cluster, const uint32_t *sl
   const int segmentEnd = min(localCount, segmentBegin + segment);
   int greater = 0, equal = 0; // the warp's (every lane holds them)
   for (int base = segmentBegin; base < segmentEnd; base += 32) {
-    const uint32_t key = base + lane < segmentEnd ? sliceKeys32[base + lane] : 0u;
     const bool inside = base + lane < segmentEnd;
+    const uint32_t key = inside ? sliceKeys32[base + lane] : 0u;
     greater += __popc(__ballot_sync(0xffffffffu, inside && key > threshold));
     equal += __popc(__ballot_sync(0xffffffffu, inside && key == threshold));
   }
