@@ -344,13 +344,14 @@ struct SparseMlaOptions {
   int32_t topK = 2048, context = 8192, iterations = 20;
   bool prefill = false;
   std::vector<int32_t> splits = {0}; // 0: the kernel's cost model
+  bool halfTiles = false;            // SparseMlaDecodeParams::halfTiles
 };
 
 int runDsaSparseMla(const SparseMlaOptions &o, const RecordOptions &record) {
   std::string error;
   const auto results =
       kc::benchSparseMla(o.batches, o.heads, o.topK, o.context, o.prefill, o.splits,
-                         o.iterations, error);
+                         o.halfTiles, o.iterations, error);
   if (!error.empty()) {
     std::cerr << "error: dsa-sparse-mla: " << error << "\n";
     return 1;
@@ -549,6 +550,7 @@ struct SparseMlaOptions {
   int32_t topK = 2048, context = 8192, iterations = 20;
   bool prefill = false;
   std::vector<int32_t> splits = {0};
+  bool halfTiles = false;
 };
 int runDsaSparseMla(const SparseMlaOptions &, const RecordOptions &) {
   return noCuda("dsa-sparse-mla");
@@ -1148,6 +1150,9 @@ int main(int argc, char **argv) {
                            "Blocks the positions are split over, each count a row (0: the "
                            "kernel's cost model)")
       ->delimiter(',')->check(CLI::Range(0, 4096));
+  dsaSparseMla->add_flag("--half-tiles", sparseMla.halfTiles,
+                         "64-head blocks in 32-position halves, the next converted under the "
+                         "MMAs (SparseMlaDecodeParams::halfTiles)");
   addRecordOptions(dsaSparseMla, record);
   addKernelTimelineOption(dsaSparseMla, kernelTimeline);
   MoeOptions moe;

@@ -25,7 +25,8 @@ std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &bat
                                                  const std::vector<int32_t> &headCounts,
                                                  int32_t topK, int32_t context, bool prefill,
                                                  const std::vector<int32_t> &splitCounts,
-                                                 int32_t iterations, std::string &error) {
+                                                 bool halfTiles, int32_t iterations,
+                                                 std::string &error) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     error = "no CUDA device";
@@ -90,6 +91,7 @@ std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &bat
       p.maxPages = pagesPerSequence;
       p.out = dOut;
       p.workspace = dWorkspace;
+      p.halfTiles = halfTiles;
       for (int32_t splits : splitCounts) {
         p.splits = splits;
         SparseMlaBenchResult r;

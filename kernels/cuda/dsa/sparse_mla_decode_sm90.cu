@@ -681,6 +681,59 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kBlockThreads, Shape<L, R, G>:
     }
 }
 
+// The warpgroup kernels' end: each row's denominator over both warpgroups' positions (sumParts:
+// [2][64] in shared memory), then the block's partial (per head its maximum in the natural log
+// domain and its sum, then the unnormalized output) or, unsplit, the normalized output.
+__device__ __forceinline__ void writeWgmmaOutputs(const SparseMlaDecodeParams &p, float *partials, int row,
+                                  int headBase, int split, int splits, int half, int r0, int q,
+                                  const float (&runningMax)[2], float (&runningSum)[2],
+                                  const float (&o)[4][32], float *sumParts) {
+  constexpr int L = 512, kHeads = 64;
+  // Row sums: over the quad, then the two warpgroups' positions.
+  quadSum(runningSum);
+  __syncthreads();
+  if (q == 0) {
+    sumParts[half * kHeads + r0] = runningSum[0];
+    sumParts[half * kHeads + r0 + 8] = runningSum[1];
+  }
+  __syncthreads();
+  float denominator[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    denominator[h] = sumParts[r0 + 8 * h] + sumParts[kHeads + r0 + 8 * h];
+
+  const size_t partialStride = size_t(L) + 2;
+  auto partial = [&](int h) {
+    return partials + ((size_t(row) * p.heads + headBase + h) * splits + split) * partialStride;
+  };
+  if (splits > 1 && half == 0 && q == 0)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (headBase + r0 + 8 * h < p.heads) {
+        partial(r0 + 8 * h)[0] = runningMax[h] == -INFINITY ? -INFINITY : runningMax[h] * kLn2;
+        partial(r0 + 8 * h)[1] = denominator[h];
+      }
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int head = r0 + 8 * h;
+        if (headBase + head >= p.heads)
+          continue;
+        const int d = 256 * half + 64 * c + 8 * n + 2 * q;
+        const float v0 = o[c][4 * n + 2 * h], v1 = o[c][4 * n + 2 * h + 1];
+        if (splits > 1) {
+          *reinterpret_cast<float2 *>(partial(head) + 2 + d) = make_float2(v0, v1);
+        } else {
+          const float inverse = denominator[h] > 0.0f ? 1.0f / denominator[h] : 0.0f;
+          *reinterpret_cast<float2 *>(p.out + (size_t(row) * p.heads + headBase + head) * L + d) =
+              make_float2(v0 * inverse, v1 * inverse);
+        }
+      }
+}
+
 // 64 heads per block on warpgroup MMAs (sm_90a wgmma), DeepSeek-V3.2's 512 + 64 rows. Two
 // warpgroups; per tile of 64 positions warpgroup w multiplies the 64 heads' scores for positions
 // 32w..32w+31 (Q and the tile straight from shared memory, 128-byte swizzled), the two share
@@ -889,55 +942,270 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
     }
   }
 
-  // Row sums: over the quad, then the two warpgroups' positions.
-  quadSum(runningSum);
-  __syncthreads();
-  if (q == 0) {
-    sumParts[half * S::kHeads + r0] = runningSum[0];
-    sumParts[half * S::kHeads + r0 + 8] = runningSum[1];
-  }
-  __syncthreads();
-  float denominator[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-    denominator[h] = sumParts[r0 + 8 * h] + sumParts[S::kHeads + r0 + 8 * h];
-
-  const size_t partialStride = size_t(L) + 2;
-  auto partial = [&](int h) {
-    return partials + ((size_t(row) * p.heads + headBase + h) * splits + split) * partialStride;
-  };
-  if (splits > 1 && half == 0 && q == 0)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      if (headBase + r0 + 8 * h < p.heads) {
-        partial(r0 + 8 * h)[0] = runningMax[h] == -INFINITY ? -INFINITY : runningMax[h] * kLn2;
-        partial(r0 + 8 * h)[1] = denominator[h];
-      }
-#pragma unroll
-  for (int c = 0; c < 4; ++c)
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int head = r0 + 8 * h;
-        if (headBase + head >= p.heads)
-          continue;
-        const int d = 256 * half + 64 * c + 8 * n + 2 * q;
-        const float v0 = o[c][4 * n + 2 * h], v1 = o[c][4 * n + 2 * h + 1];
-        if (splits > 1) {
-          *reinterpret_cast<float2 *>(partial(head) + 2 + d) = make_float2(v0, v1);
-        } else {
-          const float inverse = denominator[h] > 0.0f ? 1.0f / denominator[h] : 0.0f;
-          *reinterpret_cast<float2 *>(p.out + (size_t(row) * p.heads + headBase + head) * L + d) =
-              make_float2(v0 * inverse, v1 * inverse);
-        }
-      }
+  writeWgmmaOutputs(p, partials, row, headBase, split, splits, half, r0, q, runningMax, runningSum,
+                    o, sumParts);
 }
 
 // The splits' partials of one (row, head) merged: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
 // Block z of gridDim.z merges latent dimensions z * kCombineThreads + tid, then every
 // gridDim.z * kCombineThreads further. Launched as a dependent of the split kernel (it may start
 // while that one drains): it waits for the partials.
+// The same in 32-position halves (SparseMlaDecodeParams::halfTiles): two
+// warpgroups walk the split's 64-position tiles (the unit of the splits and resolved rows) as
+// 32-position halves in two bf16 buffers: per half, warpgroup w multiplies the 64 heads' scores
+// for positions 16w..16w+15 (Q and the half straight from shared memory, 128-byte swizzled), the
+// two share their row maxima and softmax weights through shared memory, then warpgroup w adds
+// P V for latent dimensions 256w..256w+255 (V: the same half read N-major). Both MMAs run
+// asynchronously while the same threads convert the next half into the other buffer (its first
+// pieces under the scores, the rest under P V), and each thread converts exactly the bytes it
+// gathered itself (a row's 656 bytes by eight threads: four 16-code pieces, one rope piece, the
+// row's four scales read into registers), so no barrier stands between a half's copies and its
+// conversion. (In sparseMlaWgmmaKernel's single 64-position bf16 tile, all the shared memory
+// beside the queries holds, the conversion and the gather's wait run in series with the MMAs:
+// 177 us at batch 64 x 128 heads, of which the MMAs and softmax alone took 93;
+// docs/performance.md, session 24.) Splits and partials as in sparseMlaDecodeKernel.
+struct WgmmaHalvesShape {
+  static constexpr int kLatent = 512, kWide = 576;
+  static constexpr int kThreads = 256, kHeads = 64, kTileKeys = 64;
+  static constexpr int kHalfKeys = 32;           // positions a bf16 buffer holds
+  static constexpr int kBlockThreads = kThreads; // no producer warps
+  static constexpr int kBlocksPerSm = 1, kMaxTiles = kMaxPositionsPerBlock / kTileKeys;
+  static constexpr int kRowBytes = 656, kScalesOffset = 512, kRopeOffset = 528;
+  static constexpr int kThreadsPerRow = kThreads / kHalfKeys; // 8: a code piece of each scale tile
+  static constexpr uint32_t kQueryBytes = 64 * kWide * 2;     // 64 rows, swizzled
+  static constexpr uint32_t kHalfBytes = kHalfKeys * kWide * 2; // 32 rows, swizzled
+  static constexpr uint32_t kQueryOffset = 0, kHalvesOffset = kQueryBytes;
+  static constexpr uint32_t kWeightsOffset = kHalvesOffset + 2 * kHalfBytes; // P: 64 x 32 bf16
+  static constexpr uint32_t kStageOffset = kWeightsOffset + 64 * 128;        // (64-column rows)
+  static constexpr uint32_t kPartsOffset = kStageOffset + 2 * kHalfKeys * kRowBytes;
+  static constexpr uint32_t kRowsOffset = kPartsOffset + 2 * 2 * kHeads * 4;
+  static size_t sharedBytes(int tilesPerSplit) {
+    return 1024 + kRowsOffset + size_t(tilesPerSplit) * kTileKeys * 4; // + alignment slack
+  }
+};
+
+__global__ void __launch_bounds__(WgmmaHalvesShape::kThreads, 1)
+    sparseMlaWgmmaHalvesKernel(SparseMlaDecodeParams p, int tilesPerSplit, float *partials) {
+  waitForEarlierKernels(); // launched as a programmatic dependent
+  letDependentsLaunch();
+  using S = WgmmaHalvesShape;
+  constexpr int L = S::kLatent, kHalfKeys = S::kHalfKeys, kThreads = S::kThreads;
+  extern __shared__ __align__(16) unsigned char rawShared[];
+  // The swizzled operands need 1024-byte aligned chunks.
+  unsigned char *smem = rawShared + ((1024 - mma::sharedAddress(rawShared) % 1024) % 1024);
+  const uint32_t base = mma::sharedAddress(smem);
+  unsigned char *queries = smem + S::kQueryOffset, *halves = smem + S::kHalvesOffset;
+  unsigned char *weights = smem + S::kWeightsOffset, *stages = smem + S::kStageOffset;
+  auto *maxParts = reinterpret_cast<float *>(smem + S::kPartsOffset); // [2][64]
+  float *sumParts = maxParts + 2 * S::kHeads;                         // [2][64]
+  auto *cacheRows = reinterpret_cast<int32_t *>(smem + S::kRowsOffset);
+
+  const int row = blockIdx.x, headBase = int(blockIdx.y) * S::kHeads, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int half = warp / 4;                    // the warpgroup: positions and latent half
+  const int r0 = 16 * (warp % 4) + lane / 4;    // this thread's rows r0 and r0 + 8
+  const int q = lane % 4;
+  const int splits = int(gridDim.z), split = int(blockIdx.z);
+  int splitBegin, splitEnd;
+  splitRange(p, row, split, splits, tilesPerSplit, S::kTileKeys, splitBegin, splitEnd);
+  const int tiles = max(0, (splitEnd - splitBegin + S::kTileKeys - 1) / S::kTileKeys);
+  const int steps = 2 * tiles; // 32-position halves
+
+  resolveCacheRows(p, row, splitBegin, splitEnd, tiles * S::kTileKeys, cacheRows, tid, kThreads);
+  __syncthreads(); // the cache rows
+
+  // This thread's share of a half's rows: row ownRow, code pieces ownPiece + 8k (16 codes each,
+  // one of each 128-code scale tile), rope piece ownPiece (8 bf16).
+  const auto *pool = static_cast<const unsigned char *>(p.latentPages);
+  const int ownRow = tid / S::kThreadsPerRow, ownPiece = tid % S::kThreadsPerRow;
+  static_assert(S::kThreadsPerRow == 8 && L / 16 == 4 * 8 &&
+                    S::kRopeOffset - S::kScalesOffset == 16,
+                "four code pieces, one rope piece a thread; the scales one 16-byte piece");
+  float4 evenScales, oddScales; // the row's scales of the half in each staging slot
+  // Half `h`'s copies into staging slot h % 2 (one committed group, empty for a dead row) and
+  // its scales into registers.
+  auto gather = [&](int h) {
+    const int32_t cacheRow = h < steps ? cacheRows[h * kHalfKeys + ownRow] : -1;
+    unsigned char *to = stages + (h % 2) * kHalfKeys * S::kRowBytes + ownRow * S::kRowBytes;
+    if (cacheRow >= 0) {
+      const unsigned char *from = pool + int64_t(cacheRow) * S::kRowBytes;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        mma::copyAsync16(to + (ownPiece + 8 * k) * 16, from + (ownPiece + 8 * k) * 16);
+      mma::copyAsync16(to + S::kRopeOffset + ownPiece * 16, from + S::kRopeOffset + ownPiece * 16);
+      const float4 rowScales = __ldg(reinterpret_cast<const float4 *>(from + S::kScalesOffset));
+      if (h % 2)
+        oddScales = rowScales;
+      else
+        evenScales = rowScales;
+    }
+    mma::commitAsyncCopies();
+  };
+  // Code pieces k of [firstPiece, lastPiece) of half `h` (staged, this thread's copies landed)
+  // into bf16 buffer h % 2, and the rope piece with the last; a dead row as zeros (its weights
+  // are zero, and 0 * garbage could be NaN).
+  auto convert = [&](int h, int firstPiece, int lastPiece) {
+    const bool live = cacheRows[h * kHalfKeys + ownRow] >= 0;
+    const unsigned char *from = stages + (h % 2) * kHalfKeys * S::kRowBytes + ownRow * S::kRowBytes;
+    unsigned char *to = halves + (h % 2) * S::kHalfBytes;
+    const float4 scale = h % 2 ? oddScales : evenScales;
+#pragma unroll
+    for (int k = firstPiece; k < lastPiece; ++k) {
+      const int piece = ownPiece + 8 * k;
+      uint4 packed[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+      if (live)
+        convertCodes16<true>(from + piece * 16,
+                             k == 0   ? scale.x
+                             : k == 1 ? scale.y
+                             : k == 2 ? scale.z
+                                      : scale.w,
+                             packed);
+      *reinterpret_cast<uint4 *>(to + wgmma::swizzledOffset(kHalfKeys, ownRow, 16 * piece)) =
+          packed[0];
+      *reinterpret_cast<uint4 *>(to + wgmma::swizzledOffset(kHalfKeys, ownRow, 16 * piece + 8)) =
+          packed[1];
+    }
+    if (lastPiece == 4)
+      *reinterpret_cast<uint4 *>(to + wgmma::swizzledOffset(kHalfKeys, ownRow, L + 8 * ownPiece)) =
+          live ? *reinterpret_cast<const uint4 *>(from + S::kRopeOffset + ownPiece * 16)
+               : make_uint4(0, 0, 0, 0);
+    wgmma::sharedWritesToAsyncProxy();
+  };
+
+  // The first two halves' copies, then the queries under them.
+  if (steps > 0) {
+    gather(0);
+    gather(1);
+  }
+  // The 64 heads' absorbed queries in bf16, swizzled (heads past p.heads are zero).
+  for (int i = tid; i < (steps > 0 ? S::kHeads * S::kWide / 8 : 0); i += kThreads) {
+    const int h = i / (S::kWide / 8), column = 8 * (i % (S::kWide / 8));
+    uint4 packed = make_uint4(0, 0, 0, 0);
+    if (headBase + h < p.heads) {
+      const float *from = p.q + (size_t(row) * p.heads + headBase + h) * S::kWide + column;
+      const float4 a = *reinterpret_cast<const float4 *>(from);
+      const float4 b = *reinterpret_cast<const float4 *>(from + 4);
+      packed = make_uint4(mma::packBf16(a.x, a.y), mma::packBf16(a.z, a.w),
+                          mma::packBf16(b.x, b.y), mma::packBf16(b.z, b.w));
+    }
+    *reinterpret_cast<uint4 *>(queries + wgmma::swizzledOffset(64, h, column)) = packed;
+  }
+  wgmma::sharedWritesToAsyncProxy();
+  if (steps > 0) {
+    mma::waitAsyncCopies<1>(); // half 0's copies (half 1's may still fly)
+    convert(0, 0, 4);
+  }
+
+  float runningMax[2] = {-INFINITY, -INFINITY}, runningSum[2] = {0.0f, 0.0f};
+  float o[4][32] = {}; // latent dimensions 256 half + 64 c + 8 n + 2 q (+1), rows r0 / r0 + 8
+  const float scoreScale = p.softmaxScale * kLog2e;
+  // Descriptors of the operands' first k step; later steps add their byte offsets / 16.
+  const uint64_t queryDescriptor = wgmma::descriptor(base + S::kQueryOffset);
+  const uint64_t weightDescriptor = wgmma::descriptor(base + S::kWeightsOffset);
+  for (int h = 0; h < steps; ++h) {
+    __syncthreads(); // (1) half h converted by every thread; both warpgroups done with h - 1
+    const uint32_t buffer = base + S::kHalvesOffset + (h % 2) * S::kHalfBytes;
+    // Scores of the 64 heads for this warpgroup's 16 positions: 36 k steps of 16.
+    float s[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      s[i] = 0.0f;
+    {
+      const uint64_t keyDescriptor = wgmma::descriptor(buffer + 16 * 128 * half);
+      wgmma::fence();
+#pragma unroll
+      for (int step = 0; step < S::kWide / 16; ++step)
+        wgmma::mma64x16(s, queryDescriptor + (step / 4 * 64 * 128 + step % 4 * 32) / 16,
+                        keyDescriptor + (step / 4 * kHalfKeys * 128 + step % 4 * 32) / 16);
+      wgmma::commit();
+    }
+    // Under the scores: half h + 1's first pieces, then half h + 2's copies into the slot half h
+    // left (this thread converted its own bytes of it already).
+    if (h + 1 < steps) {
+      mma::waitAsyncCopies<0>();
+      convert(h + 1, 0, 2);
+    }
+    if (h + 2 < steps)
+      gather(h + 2);
+    wgmma::wait<0>();
+    wgmma::fenceOperands(s);
+
+    const uint32_t liveMask = __ballot_sync(0xffffffffu, cacheRows[h * kHalfKeys + lane] >= 0);
+    float tileMax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = 16 * half + 8 * n + 2 * q + (e & 1);
+        float &v = s[4 * n + e];
+        v = (liveMask >> key) & 1 ? v * scoreScale : -INFINITY;
+        tileMax[e / 2] = fmaxf(tileMax[e / 2], v);
+      }
+    quadMax(tileMax);
+    if (q == 0) {
+      maxParts[half * S::kHeads + r0] = tileMax[0];
+      maxParts[half * S::kHeads + r0 + 8] = tileMax[1];
+    }
+    __syncthreads(); // (2) both halves' maxima
+
+    float factor[2], newMax[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float m =
+          fmaxf(runningMax[i], fmaxf(maxParts[r0 + 8 * i], maxParts[S::kHeads + r0 + 8 * i]));
+      newMax[i] = m;
+      factor[i] = m == -INFINITY ? 1.0f : exp2f(runningMax[i] - m);
+      runningMax[i] = m;
+    }
+    float localSum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int i = e / 2;
+        const float w0 = s[4 * n + e] == -INFINITY ? 0.0f : exp2f(s[4 * n + e] - newMax[i]);
+        const float w1 = s[4 * n + e + 1] == -INFINITY ? 0.0f : exp2f(s[4 * n + e + 1] - newMax[i]);
+        localSum[i] += w0 + w1;
+        *reinterpret_cast<uint32_t *>(
+            weights + wgmma::swizzledOffset(64, r0 + 8 * i, 16 * half + 8 * n + 2 * q)) =
+            mma::packBf16(w0, w1);
+      }
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      runningSum[i] = runningSum[i] * factor[i] + localSum[i];
+    if (__any_sync(0xffffffffu, factor[0] != 1.0f || factor[1] != 1.0f))
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+          o[c][i] *= factor[(i % 4) / 2];
+    wgmma::sharedWritesToAsyncProxy();
+    __syncthreads(); // (3) the weights of all 32 positions; the maxima read
+
+    // O += P V: 2 k steps of 16 positions, 4 chunks of 64 latent dimensions.
+    wgmma::fence();
+#pragma unroll
+    for (int step = 0; step < kHalfKeys / 16; ++step)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        wgmma::mma64x64Transposed(
+            o[c], weightDescriptor + 32 * step / 16,
+            wgmma::descriptor(buffer + (4 * half + c) * kHalfKeys * 128 + 16 * 128 * step));
+    wgmma::commit();
+    // Under P V: the rest of half h + 1.
+    if (h + 1 < steps)
+      convert(h + 1, 2, 4);
+    wgmma::wait<0>();
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      wgmma::fenceOperands(o[c]);
+  }
+  mma::waitAsyncCopies<0>(); // nothing in flight when the block ends
+
+  writeWgmmaOutputs(p, partials, row, headBase, split, splits, half, r0, q, runningMax, runningSum,
+                    o, sumParts);
+}
+
 template <int L>
 __global__ void __launch_bounds__(kCombineThreads)
     sparseMlaCombineKernel(SparseMlaDecodeParams p, int splits, const float *partials) {
@@ -1089,14 +1357,31 @@ template <int L, int R, int G> constexpr bool kOnWarpgroups = L == 512 && R == 6
 template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, cudaStream_t stream) {
   // The launched kernel's shape; the warp-MMA kernel is not instantiated where wgmma runs.
   using S = std::conditional_t<kOnWarpgroups<L, R, G>, WgmmaShape, Shape<L, R, G>>;
-  const size_t largest = S::sharedBytes(S::kMaxTiles);
-  const DeviceSetup setup = deviceSetup([largest] {
-    if constexpr (kOnWarpgroups<L, R, G>)
-      return cudaFuncSetAttribute(sparseMlaWgmmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  int(largest));
-    else
+  // The warpgroup form in halves: the same tiles, splits and partials, its own shared memory.
+  const bool halves = kOnWarpgroups<L, R, G> && p.halfTiles;
+  static_assert(WgmmaHalvesShape::kTileKeys == WgmmaShape::kTileKeys &&
+                    WgmmaHalvesShape::kMaxTiles == WgmmaShape::kMaxTiles &&
+                    WgmmaHalvesShape::kBlockThreads == WgmmaShape::kBlockThreads &&
+                    WgmmaHalvesShape::kBlocksPerSm == WgmmaShape::kBlocksPerSm,
+                "the halves form splits as the tile form does");
+  auto sharedBytes = [halves](int tilesPerSplit) {
+    return halves ? WgmmaHalvesShape::sharedBytes(tilesPerSplit) : S::sharedBytes(tilesPerSplit);
+  };
+  const DeviceSetup setup = deviceSetup([] {
+    if constexpr (kOnWarpgroups<L, R, G>) {
+      const cudaError_t status =
+          cudaFuncSetAttribute(sparseMlaWgmmaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(WgmmaShape::sharedBytes(WgmmaShape::kMaxTiles)));
+      return status != cudaSuccess ? status
+                                   : cudaFuncSetAttribute(
+                                         sparseMlaWgmmaHalvesKernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(WgmmaHalvesShape::sharedBytes(WgmmaShape::kMaxTiles)));
+    } else {
       return cudaFuncSetAttribute(sparseMlaDecodeKernel<L, R, G>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, int(largest));
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  int(S::sharedBytes(S::kMaxTiles)));
+    }
   });
   if (setup.status != cudaSuccess)
     return int(setup.status);
@@ -1121,10 +1406,12 @@ template <int L, int R, int G> int launchShape(const SparseMlaDecodeParams &p, c
   auto *partials = static_cast<float *>(p.workspace);
   // Both kernels launch as programmatic dependents (the launch overlaps the drain before).
   DependentLaunch attention(grid, dim3(S::kBlockThreads), stream);
-  attention.config.dynamicSmemBytes = S::sharedBytes(tilesPerSplit);
+  attention.config.dynamicSmemBytes = sharedBytes(tilesPerSplit);
   cudaError_t status;
   if constexpr (kOnWarpgroups<L, R, G>)
-    status = cudaLaunchKernelEx(&attention.config, sparseMlaWgmmaKernel, p, tilesPerSplit, partials);
+    status = cudaLaunchKernelEx(&attention.config,
+                                halves ? sparseMlaWgmmaHalvesKernel : sparseMlaWgmmaKernel, p,
+                                tilesPerSplit, partials);
   else
     status = cudaLaunchKernelEx(&attention.config, sparseMlaDecodeKernel<L, R, G>, p,
                                 tilesPerSplit, partials);

@@ -26,6 +26,7 @@ struct SparseMlaCase {
   // Every third row's scales times 3 (not powers of two, as no packer writes them): the kernels'
   // general conversion next to the bit moves.
   bool oddScales = false;
+  bool halfTiles = false; // SparseMlaDecodeParams::halfTiles (64-head blocks)
 };
 
 class SparseMlaDecodeCuda : public testing::TestWithParam<SparseMlaCase> {};
@@ -147,6 +148,7 @@ TEST_P(SparseMlaDecodeCuda, MatchesReference) {
   p.maxPages = maxPages;
   p.out = dOut.data;
   p.workspace = dWorkspace.data;
+  p.halfTiles = c.halfTiles;
   ASSERT_EQ(cuda::launchSparseMlaDecode(p, nullptr), 0);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> got = dOut.download();
@@ -190,7 +192,15 @@ INSTANTIATE_TEST_SUITE_P(
         // Longer than kSparseMlaMaxSplits blocks of 2048 positions hold (Kimi's dense layers at
         // 128K context): more splits than the cost model's range, partials sized for them.
         SparseMlaCase{"tiny_shape_causal_128k", 64, 32, 4, 131136, 64, {131100, 70000, 2}, true},
-        SparseMlaCase{"v32_causal_32_heads_100k", 512, 64, 32, 102400, 64, {100000}, true}),
+        SparseMlaCase{"v32_causal_32_heads_100k", 512, 64, 32, 102400, 64, {100000}, true},
+        // 64-head blocks in 32-position halves: split and unsplit rows, padded heads, odd
+        // scales, causal rows ending inside a half.
+        // clang-format off
+        SparseMlaCase{"v32_128_heads_halves", 512, 64, 128, 2048, 64, {3000, 1, 700}, false, false, true},
+        SparseMlaCase{"v32_40_heads_halves_odd_scales", 512, 64, 40, 2048, 64, {2500, 64, 33}, false, true, true},
+        SparseMlaCase{"v32_128_heads_halves_unsplit", 512, 64, 128, 256, 64, std::vector<int>(140, 300), false, false, true},
+        SparseMlaCase{"v32_causal_64_heads_halves", 512, 64, 64, 4096, 64, {4000, 129, 17}, true, false, true}),
+    // clang-format on
     [](const testing::TestParamInfo<SparseMlaCase> &info) { return info.param.name; });
 
 // Host arithmetic, no GPU needed: a workspace sized for `rows` holds the partials of any launch

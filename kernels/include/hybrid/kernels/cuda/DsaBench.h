@@ -46,12 +46,14 @@ struct SparseMlaBenchResult {
 // Decode: `batch` sequences of `context` cached DeepSeek-V3.2 rows (512 + 64, FP8) each, one
 // query row each selecting `topK` random distinct positions. Prefill: `batch` query rows (tokens)
 // of one sequence of `context` cached rows, each selecting its own `topK` of them. Each shape
-// runs once per entry of `splits` (SparseMlaDecodeParams::splits; 0: the cost model's count).
+// runs once per entry of `splits` (SparseMlaDecodeParams::splits; 0: the cost model's count);
+// `halfTiles` is SparseMlaDecodeParams::halfTiles.
 std::vector<SparseMlaBenchResult> benchSparseMla(const std::vector<int32_t> &batches,
                                                  const std::vector<int32_t> &heads, int32_t topK,
                                                  int32_t context, bool prefill,
                                                  const std::vector<int32_t> &splits,
-                                                 int32_t iterations, std::string &error);
+                                                 bool halfTiles, int32_t iterations,
+                                                 std::string &error);
 
 // The targets: decode >= 60% of HBM bandwidth for the bytes the kernel must read;
 // prefill reported against the 640 TFLOP/s FlashMLA publishes for its sparse prefill (H800).

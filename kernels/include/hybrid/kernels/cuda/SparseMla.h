@@ -48,6 +48,11 @@ struct SparseMlaDecodeParams {
   // row's sums (split order, positions per split) do not depend on the rows sharing its call
   // (LoadOptions::batchInvariant: a decode step of 32 rows and a verification pass of 160).
   bool rowInvariantSplits = false;
+  // DeepSeek-V3.2's 64-head blocks (more than 32 heads, 512 + 64 rows) in 32-position halves,
+  // two bf16 buffers, the next half converted while the MMAs of this one run, instead of one
+  // 64-position tile converted between its MMAs. Off until measured against the tile form on a
+  // GPU (docs/performance.md, 2026-12-02, session 24); elsewhere ignored.
+  bool halfTiles = false;
 };
 
 // The most positions one block holds, and the most blocks a row's positions are split over:
