@@ -681,6 +681,39 @@ __global__ void __launch_bounds__(Shape<L, R, G>::kBlockThreads, Shape<L, R, G>:
     }
 }
 
+// A warpgroup kernel thread's place: its block's row, heads and split of the positions, its
+// warpgroup (positions and latent half) and its accumulator rows r0 and r0 + 8.
+struct WgmmaThread {
+  int row, headBase, half, r0, q, splits, split, splitBegin, splitEnd, tiles;
+  __device__ WgmmaThread(const SparseMlaDecodeParams &p, int tilesPerSplit)
+      : row(int(blockIdx.x)), headBase(int(blockIdx.y) * 64), half(int(threadIdx.x) / 128),
+        r0(16 * (int(threadIdx.x) / 32 % 4) + int(threadIdx.x) % 32 / 4), q(int(threadIdx.x) % 4),
+        splits(int(gridDim.z)), split(int(blockIdx.z)) {
+    constexpr int kTileKeys = 64;
+    splitRange(p, row, split, splits, tilesPerSplit, kTileKeys, splitBegin, splitEnd);
+    tiles = max(0, (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys);
+  }
+};
+
+// The block's 64 heads' absorbed queries in bf16, 128-byte swizzled (heads past p.heads zero),
+// when `any` position is its to attend to.
+__device__ __forceinline__ void storeWgmmaQueries(const SparseMlaDecodeParams &p, int row,
+                                                  int headBase, bool any, unsigned char *queries) {
+  constexpr int kHeads = 64, kWide = 576, kThreads = 256;
+  for (int i = int(threadIdx.x); i < (any ? kHeads * kWide / 8 : 0); i += kThreads) {
+    const int h = i / (kWide / 8), column = 8 * (i % (kWide / 8));
+    uint4 packed = make_uint4(0, 0, 0, 0);
+    if (headBase + h < p.heads) {
+      const float *from = p.q + (size_t(row) * p.heads + headBase + h) * kWide + column;
+      const float4 a = *reinterpret_cast<const float4 *>(from);
+      const float4 b = *reinterpret_cast<const float4 *>(from + 4);
+      packed = make_uint4(mma::packBf16(a.x, a.y), mma::packBf16(a.z, a.w),
+                          mma::packBf16(b.x, b.y), mma::packBf16(b.z, b.w));
+    }
+    *reinterpret_cast<uint4 *>(queries + wgmma::swizzledOffset(64, h, column)) = packed;
+  }
+}
+
 // The warpgroup kernels' end: each row's denominator over both warpgroups' positions (sumParts:
 // [2][64] in shared memory), then the block's partial (per head its maximum in the natural log
 // domain and its sum, then the unnormalized output) or, unsplit, the normalized output.
@@ -774,30 +807,13 @@ __global__ void __launch_bounds__(WgmmaShape::kThreads, 1)
   float *sumParts = maxParts + 2 * S::kHeads;                         // [2][64]
   auto *cacheRows = reinterpret_cast<int32_t *>(smem + S::kRowsOffset);
 
-  const int row = blockIdx.x, headBase = int(blockIdx.y) * S::kHeads, tid = threadIdx.x;
-  const int warp = tid / 32, lane = tid % 32;
-  const int half = warp / 4;                    // the warpgroup: positions and latent half
-  const int r0 = 16 * (warp % 4) + lane / 4;    // this thread's rows r0 and r0 + 8
-  const int q = lane % 4;
-  const int splits = int(gridDim.z), split = int(blockIdx.z);
-  int splitBegin, splitEnd;
-  splitRange(p, row, split, splits, tilesPerSplit, kTileKeys, splitBegin, splitEnd);
-  const int tiles = max(0, (splitEnd - splitBegin + kTileKeys - 1) / kTileKeys);
+  const WgmmaThread at(p, tilesPerSplit);
+  const int row = at.row, headBase = at.headBase, tid = threadIdx.x, lane = tid % 32;
+  const int half = at.half, r0 = at.r0, q = at.q, splits = at.splits, split = at.split;
+  const int splitBegin = at.splitBegin, splitEnd = at.splitEnd, tiles = at.tiles;
 
   resolveCacheRows(p, row, splitBegin, splitEnd, tiles * kTileKeys, cacheRows, tid, kThreads);
-  // The 64 heads' absorbed queries in bf16, swizzled (heads past p.heads are zero).
-  for (int i = tid; i < (tiles > 0 ? S::kHeads * S::kWide / 8 : 0); i += kThreads) {
-    const int h = i / (S::kWide / 8), column = 8 * (i % (S::kWide / 8));
-    uint4 packed = make_uint4(0, 0, 0, 0);
-    if (headBase + h < p.heads) {
-      const float *from = p.q + (size_t(row) * p.heads + headBase + h) * S::kWide + column;
-      const float4 a = *reinterpret_cast<const float4 *>(from);
-      const float4 b = *reinterpret_cast<const float4 *>(from + 4);
-      packed = make_uint4(mma::packBf16(a.x, a.y), mma::packBf16(a.z, a.w),
-                          mma::packBf16(b.x, b.y), mma::packBf16(b.z, b.w));
-    }
-    *reinterpret_cast<uint4 *>(queries + wgmma::swizzledOffset(64, h, column)) = packed;
-  }
+  storeWgmmaQueries(p, row, headBase, tiles > 0, queries);
   wgmma::sharedWritesToAsyncProxy();
   __syncthreads();
 
@@ -1000,15 +1016,10 @@ __global__ void __launch_bounds__(WgmmaHalvesShape::kThreads, 1)
   float *sumParts = maxParts + 2 * S::kHeads;                         // [2][64]
   auto *cacheRows = reinterpret_cast<int32_t *>(smem + S::kRowsOffset);
 
-  const int row = blockIdx.x, headBase = int(blockIdx.y) * S::kHeads, tid = threadIdx.x;
-  const int warp = tid / 32, lane = tid % 32;
-  const int half = warp / 4;                    // the warpgroup: positions and latent half
-  const int r0 = 16 * (warp % 4) + lane / 4;    // this thread's rows r0 and r0 + 8
-  const int q = lane % 4;
-  const int splits = int(gridDim.z), split = int(blockIdx.z);
-  int splitBegin, splitEnd;
-  splitRange(p, row, split, splits, tilesPerSplit, S::kTileKeys, splitBegin, splitEnd);
-  const int tiles = max(0, (splitEnd - splitBegin + S::kTileKeys - 1) / S::kTileKeys);
+  const WgmmaThread at(p, tilesPerSplit);
+  const int row = at.row, headBase = at.headBase, tid = threadIdx.x, lane = tid % 32;
+  const int half = at.half, r0 = at.r0, q = at.q, splits = at.splits, split = at.split;
+  const int splitBegin = at.splitBegin, splitEnd = at.splitEnd, tiles = at.tiles;
   const int steps = 2 * tiles; // 32-position halves
 
   resolveCacheRows(p, row, splitBegin, splitEnd, tiles * S::kTileKeys, cacheRows, tid, kThreads);
@@ -1077,19 +1088,7 @@ __global__ void __launch_bounds__(WgmmaHalvesShape::kThreads, 1)
     gather(0);
     gather(1);
   }
-  // The 64 heads' absorbed queries in bf16, swizzled (heads past p.heads are zero).
-  for (int i = tid; i < (steps > 0 ? S::kHeads * S::kWide / 8 : 0); i += kThreads) {
-    const int h = i / (S::kWide / 8), column = 8 * (i % (S::kWide / 8));
-    uint4 packed = make_uint4(0, 0, 0, 0);
-    if (headBase + h < p.heads) {
-      const float *from = p.q + (size_t(row) * p.heads + headBase + h) * S::kWide + column;
-      const float4 a = *reinterpret_cast<const float4 *>(from);
-      const float4 b = *reinterpret_cast<const float4 *>(from + 4);
-      packed = make_uint4(mma::packBf16(a.x, a.y), mma::packBf16(a.z, a.w),
-                          mma::packBf16(b.x, b.y), mma::packBf16(b.z, b.w));
-    }
-    *reinterpret_cast<uint4 *>(queries + wgmma::swizzledOffset(64, h, column)) = packed;
-  }
+  storeWgmmaQueries(p, row, headBase, steps > 0, queries);
   wgmma::sharedWritesToAsyncProxy();
   if (steps > 0) {
     mma::waitAsyncCopies<1>(); // half 0's copies (half 1's may still fly)
